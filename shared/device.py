@@ -1,0 +1,73 @@
+"""The one place that names devices and distributed backends.
+
+Everything else asks this module for a device or a backend, so the rest of the code base runs
+unchanged on CPU (gloo), CUDA (nccl) and Ascend NPU (hccl, through torch-npu).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_CPU = "cpu"
+_CUDA = "cuda"
+_NPU = "npu"
+
+
+def _npu_available() -> bool:
+    # Importing torch_npu without CANN breaks; only try when the user asked for NPU autoload.
+    if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "0":
+        return False
+    npu = getattr(torch, "npu", None)
+    try:
+        return bool(npu is not None and npu.is_available())
+    except Exception:  # noqa: BLE001 - a broken NPU runtime means "no NPU"
+        return False
+
+
+def default_device_type() -> str:
+    """Best available accelerator, else CPU. `PDSERVE_DEVICE` overrides (e.g. `cpu`)."""
+    forced = os.environ.get("PDSERVE_DEVICE")
+    if forced:
+        return forced
+    if _npu_available():
+        return _NPU
+    if torch.cuda.is_available():
+        return _CUDA
+    return _CPU
+
+
+def get_device(name: str | None = None) -> torch.device:
+    """Resolve a user device string ('auto'/None, 'cpu', 'cuda:1', 'npu') to a torch.device."""
+    if name in (None, "", "auto"):
+        return torch.device(default_device_type())
+    return torch.device(name)
+
+
+def dist_backend(device: torch.device) -> str:
+    """torch.distributed backend for a device: hccl (NPU), nccl (CUDA), gloo (CPU)."""
+    return {_NPU: "hccl", _CUDA: "nccl"}.get(device.type, "gloo")
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'float32' / 'fp32' / 'bfloat16' / 'bf16' / 'float16' → torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    table = {
+        "float32": torch.float32, "fp32": torch.float32,
+        "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+        "float16": torch.float16, "fp16": torch.float16,
+    }
+    try:
+        return table[name.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(table)}") from None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (no-op on CPU); used by benchmarks for honest timings."""
+    if device.type == _CUDA:
+        torch.cuda.synchronize(device)
+    elif device.type == _NPU:
+        torch.npu.synchronize(device)

@@ -1,0 +1,249 @@
+"""Offline engine: `LLM(path).generate(prompts, SamplingParams(...))`, and the step loop services use.
+
+    from shared.engine import LLM, SamplingParams
+    llm = LLM("path/to/ckpt", dtype="float32")
+    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=20, temperature=0.0))
+    outs[0].token_ids, outs[0].text, outs[0].finish_reason
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.device import get_device, parse_dtype
+from shared.engine.sampler import SamplingParams, sample
+from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
+from shared.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.kvcache import KVCache, KVLayout
+from shared.loader import load_model
+from shared.model import ForwardBatch, SeqChunk
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str | None = None  # None/"auto": best available
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: kv_cache_tokens / block_size
+    kv_cache_tokens: int = 65536
+    max_num_seqs: int = 256
+    max_prefill_tokens: int = 4096  # chunked prefill budget per step
+    indexer_numerics: str = "transformers"  # or "deepseek" (Hadamard + FP8 fake-quant)
+    seed: int = 0
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_prefill_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("block_size, max_prefill_tokens and max_num_seqs must be positive")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepEvent:
+    """What one step produced for one request: a new token (maybe the last)."""
+
+    seq: Sequence
+    token_id: int
+    text: str
+    finished: bool
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    events: list[StepEvent] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Model + KV cache + scheduler + sampler; `step()` advances every running request by one step."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = get_device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        self.model, self.load_report = load_model(config.model, self.dtype, str(self.device),
+                                                  config.indexer_numerics, progress=config.progress)
+        self.model_config = self.model.config
+        self.tokenizer = Tokenizer.from_model_dir(config.model, self.model_config.bos_token_id)
+        self.layout = KVLayout.from_model_config(self.model_config, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
+        self.kv = KVCache(self.layout, num_blocks, self.device)
+        self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
+                                   config.max_prefill_tokens)
+        self._requests: dict[str, _Tracked] = {}
+        self._counter = itertools.count()
+        self._default_gen = torch.Generator().manual_seed(config.seed)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer.json; pass prompt_token_ids")
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the offending field."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the model's context of {self.max_model_len}")
+        need = self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"max_tokens: request needs {need} KV blocks, the pool has {self.kv.num_blocks}")
+
+    def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
+                      request_id: str | None = None) -> Sequence:
+        self.validate(prompt_token_ids, params)
+        rid = request_id or f"req-{next(self._counter)}"
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in flight")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._default_gen
+        seq = Sequence(rid, list(prompt_token_ids), params, generator=gen)
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        self._requests[rid] = _Tracked(seq, detok)
+        return seq
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Sequence:
+        seq = self.make_sequence(prompt_token_ids, params, request_id)
+        self.scheduler.add(seq)
+        return seq
+
+    def add_prefilled(self, seq: Sequence, first_token: int) -> list[StepEvent]:
+        """Admit a request whose prompt KV is already in its blocks (disaggregated decode)."""
+        seq.num_cached = len(seq.prompt_token_ids)
+        events = self._append_token(seq, first_token)
+        if seq.status is not Status.FINISHED:
+            self.scheduler.add_running(seq)
+        return events
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None:
+            self.scheduler.finish(tracked.seq, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def run_chunks(self, chunks: list[ScheduledChunk],
+                   layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Forward the scheduled chunks (KV written to their blocks); logits of completing chunks."""
+        seq_chunks = [
+            SeqChunk(c.seq.all_token_ids[c.seq.num_cached : c.seq.num_cached + c.num_tokens],
+                     c.seq.num_cached, c.seq.block_table, need_logits=c.completes)
+            for c in chunks
+        ]
+        fb = ForwardBatch.build(seq_chunks, self.layout.block_size, self.device)
+        logits = self.model(fb, self.kv, layer_done)
+        for c in chunks:
+            c.seq.num_cached += c.num_tokens
+        return logits
+
+    def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
+        done = [c.seq for c in chunks if c.completes]
+        return sample(logits, [s.params for s in done], [s.generator for s in done])
+
+    def step(self) -> list[StepEvent]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.run_chunks(chunks)
+        events: list[StepEvent] = []
+        tokens = self.sample(chunks, logits)
+        for seq, tok in zip([c.seq for c in chunks if c.completes], tokens):
+            events.extend(self._append_token(seq, tok))
+        return events
+
+    def _append_token(self, seq: Sequence, token: int) -> list[StepEvent]:
+        tracked = self._requests[seq.request_id]
+        seq.output_token_ids.append(token)
+        new_text = tracked.detok.update(seq.output_token_ids) if tracked.detok else ""
+        tracked.text += new_text
+        reason = self._stop_reason(seq, tracked)
+        if reason is not None:
+            if reason == "stop" and seq.params.stop and tracked.detok:
+                new_text = self._trim_stop_string(tracked, new_text)
+            self.scheduler.finish(seq, reason)
+            self._requests.pop(seq.request_id, None)
+        return [StepEvent(seq, token, new_text, reason is not None)]
+
+    def _stop_reason(self, seq: Sequence, tracked: _Tracked) -> str | None:
+        p, tok = seq.params, seq.output_token_ids[-1]
+        if not p.ignore_eos and tok in self.model_config.eos_token_ids:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if p.stop and any(s in tracked.text for s in p.stop):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _trim_stop_string(tracked: _Tracked, new_text: str) -> str:
+        """Cut the text at the first stop string (the stop string itself is not returned)."""
+        cut = min(tracked.text.find(s) for s in tracked.seq.params.stop if s in tracked.text)
+        before = len(tracked.text) - len(new_text)
+        tracked.text = tracked.text[:cut]
+        return new_text[: max(0, cut - before)]
+
+    def text_of(self, seq: Sequence) -> str | None:
+        return self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else None
+
+
+class LLM:
+    """Offline batch generation over LLMEngine (continuous batching inside)."""
+
+    def __init__(self, model: str, dtype: str = "float32", **kwargs: object):
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))  # type: ignore[arg-type]
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: list[list[int]] | list[str] | str,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        seqs, texts = [], {}
+        for prompt, p in zip(prompts, params_list):
+            ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            seqs.append(self.engine.add_request(ids, p))
+        while self.engine.has_work:
+            for ev in self.engine.step():
+                texts[ev.seq.request_id] = texts.get(ev.seq.request_id, "") + ev.text
+        return [
+            RequestOutput(s.request_id, s.prompt_token_ids, list(s.output_token_ids),
+                          texts.get(s.request_id, "") if self.engine.tokenizer else None, s.finish_reason)
+            for s in seqs
+        ]

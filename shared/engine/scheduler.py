@@ -1,0 +1,164 @@
+"""Continuous batching with chunked prefill over the paged KV cache.
+
+Every request is a token list (prompt, then generated tokens) with a count of tokens whose KV is
+already cached. A step feeds each scheduled request its next uncached tokens: a prompt chunk during
+prefill, one token during decode. Prefill steps and decode steps alternate while both have work so
+neither starves; a prefill step packs chunks of several prompts up to `max_prefill_tokens`. When a
+decode step runs out of blocks the newest request is preempted (its blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.sampler import SamplingParams
+from shared.kvcache import BlockAllocator
+from shared.kvcache.pool import blocks_for
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose KV is in the pool
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    order: int = field(default_factory=lambda: next(_ids))
+    owns_blocks: bool = True  # False while blocks belong to an external reservation (decode service)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        return self.num_tokens - self.num_cached
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncached > 1 or not self.output_token_ids
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+    completes: bool = field(init=False)  # after it every token is cached: the step samples a token
+
+    def __post_init__(self) -> None:
+        self.completes = self.seq.num_cached + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_prefill_tokens: int):
+        self.allocator, self.block_size = allocator, block_size
+        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_was_prefill = False
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A request whose KV is already in the pool (pushed by a prefill instance): decode next."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        need = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def schedule(self) -> list[ScheduledChunk]:
+        decodes = [s for s in self.running if not s.is_prefilling]
+        prefer_decode = self._last_was_prefill and decodes
+        if not prefer_decode:
+            chunks = self._schedule_prefill()
+            if chunks:
+                self._last_was_prefill = True
+                return chunks
+        self._last_was_prefill = False
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> list[ScheduledChunk]:
+        budget, chunks = self.max_prefill_tokens, []
+        for seq in [s for s in self.running if s.is_prefilling]:
+            n = min(seq.num_uncached, budget)
+            if n <= 0 or not self._ensure_blocks(seq, seq.num_cached + n):
+                break
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncached, budget)
+            if not self._ensure_blocks(seq, seq.num_cached + n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return chunks
+
+    def _schedule_decode(self) -> list[ScheduledChunk]:
+        chunks = []
+        for seq in sorted((s for s in self.running if not s.is_prefilling), key=lambda s: s.order):
+            while seq.status is Status.RUNNING and not self._ensure_blocks(seq, seq.num_tokens):
+                victim = max((s for s in self.running if s.owns_blocks), key=lambda s: s.order, default=None)
+                if victim is None:
+                    raise RuntimeError("KV pool exhausted by requests that cannot be preempted")
+                self.preempt(victim)
+            if seq.status is Status.RUNNING:
+                chunks.append(ScheduledChunk(seq, seq.num_uncached))
+        return chunks
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the request's blocks; it re-enters the queue and recomputes prompt + outputs."""
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table, seq.num_cached, seq.status = [], 0, Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and free its blocks (finish, abort, cancel: all end here)."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.owns_blocks and seq.block_table:
+            self.allocator.free(seq.block_table)
+        seq.block_table = [] if seq.owns_blocks else seq.block_table
+        seq.status, seq.finish_reason = Status.FINISHED, reason

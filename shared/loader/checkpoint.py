@@ -1,0 +1,174 @@
+"""Load Hugging Face DeepSeek-V3/V3.2 safetensors checkpoints into DeepseekForCausalLM.
+
+* single `model.safetensors` or sharded with `model.safetensors.index.json`;
+* per-expert (`mlp.experts.E.gate_proj.weight`) and fused (`mlp.experts.gate_up_proj`) expert layouts;
+* FP8 e4m3 weights with 128×128 `weight_scale_inv` block scales (multipliers; ragged edges);
+* MTP layers (index ≥ num_hidden_layers) skipped unless asked for;
+* tensors are read lazily with `safe_open`, one at a time, straight into the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.config import ModelConfig
+from shared.device import get_device, parse_dtype
+from shared.model import DeepseekForCausalLM
+from shared.quant.fp8 import dequant_block_fp8
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class LoadReport:
+    loaded: int = 0
+    skipped_mtp: int = 0
+    seconds: float = 0.0
+    mtp_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Progress:
+    """One-line progress on stderr for long loads (prints nothing when disabled)."""
+
+    def __init__(self, total: int, label: str, enabled: bool):
+        self.total, self.label, self.enabled = max(total, 1), label, enabled
+        self.done, self._last, self._t0 = 0, 0.0, time.monotonic()
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.5 or self.done >= self.total):
+            self._last = now
+            pct = 100 * self.done / self.total
+            end = "\n" if self.done >= self.total else "\r"
+            print(f"{self.label}: {self.done}/{self.total} ({pct:5.1f}%) {now - self._t0:6.1f}s",
+                  end=end, file=sys.stderr, flush=True)
+
+
+def checkpoint_files(path: Path) -> dict[str, list[str]]:
+    """file name → tensor names it holds."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files: dict[str, list[str]] = defaultdict(list)
+        for name, fname in weight_map.items():
+            files[fname].append(name)
+        return dict(files)
+    singles = sorted(p.name for p in path.glob("*.safetensors"))
+    if not singles:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    out = {}
+    for fname in singles:
+        with safe_open(path / fname, "pt") as f:
+            out[fname] = list(f.keys())
+    return out
+
+
+def iter_tensors(path: Path, files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(name, tensor, scale_inv or None), scales paired with their weight even across shards."""
+    all_names = {n: fname for fname, names in files.items() for n in names}
+    for fname, names in files.items():
+        with safe_open(path / fname, "pt") as f:
+            for name in names:
+                if name.endswith(".weight_scale_inv"):
+                    continue
+                tensor = f.get_tensor(name)
+                scale = None
+                scale_name = name + "_scale_inv"
+                if scale_name in all_names:
+                    if all_names[scale_name] == fname:
+                        scale = f.get_tensor(scale_name)
+                    else:
+                        with safe_open(path / all_names[scale_name], "pt") as g:
+                            scale = g.get_tensor(scale_name)
+                yield name, tensor, scale
+
+
+def _dequant(name: str, tensor: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if tensor.dtype in _FP8:
+        if scale is None:
+            raise ValueError(f"{name} is FP8 but has no weight_scale_inv")
+        return dequant_block_fp8(tensor, scale)
+    return tensor
+
+
+def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool = False,
+                 progress: bool = False) -> LoadReport:
+    path = Path(path)
+    cfg = model.config
+    params = dict(model.named_parameters())
+    files = checkpoint_files(path)
+    n_tensors = sum(1 for names in files.values() for n in names if not n.endswith("_scale_inv"))
+    bar = Progress(n_tensors, f"loading {path.name}", progress)
+    report, filled, t0 = LoadReport(), set(), time.monotonic()
+
+    for name, tensor, scale in iter_tensors(path, files):
+        bar.step()
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+            report.skipped_mtp += 1
+            if include_mtp:
+                report.mtp_tensors[name] = _dequant(name, tensor, scale)
+            continue
+        weight = _dequant(name, tensor, scale)
+        expert = _EXPERT.match(name)
+        if expert:
+            prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+            inter = cfg.moe_intermediate_size
+            if proj == "down_proj":
+                target, key = params[f"{prefix}.down_proj"][e], (f"{prefix}.down_proj", e)
+            else:
+                rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                target, key = params[f"{prefix}.gate_up_proj"][e, rows], (f"{prefix}.gate_up_proj", e, proj)
+        elif name in params:
+            target, key = params[name], name
+        elif name.endswith("rotary_emb.inv_freq"):
+            continue
+        else:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+        if tuple(target.shape) != tuple(weight.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(weight.shape)} != model {tuple(target.shape)}")
+        target.copy_(weight.to(target.dtype))
+        filled.add(key)
+        report.loaded += 1
+
+    if "lm_head.weight" not in filled and cfg.tie_word_embeddings:
+        params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
+        filled.add("lm_head.weight")
+    missing = [n for n in params if n not in filled and not _expert_param_filled(n, params, filled, cfg)]
+    if missing:
+        raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _expert_param_filled(name: str, params: dict, filled: set, cfg: ModelConfig) -> bool:
+    """Stacked expert params count as loaded when every expert's slices were filled."""
+    if name.endswith("experts.down_proj"):
+        return all((name, e) in filled for e in range(params[name].shape[0]))
+    if name.endswith("experts.gate_up_proj"):
+        return all((name, e, p) in filled for e in range(params[name].shape[0]) for p in ("gate_proj", "up_proj"))
+    return False
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | None = None,
+               indexer_numerics: str = "transformers", progress: bool = False,
+               include_mtp: bool = False) -> tuple[DeepseekForCausalLM, LoadReport]:
+    """Build the model from `path/config.json` and fill it from the safetensors next to it."""
+    cfg = ModelConfig.from_pretrained(path)
+    dev = get_device(device)
+    model = DeepseekForCausalLM(cfg, parse_dtype(dtype), dev, indexer_numerics)
+    report = load_weights(model, path, include_mtp=include_mtp, progress=progress)
+    return model.to(dev), report

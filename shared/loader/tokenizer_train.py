@@ -1,0 +1,24 @@
+"""Train the embedded tiny model's byte-level BPE tokenizer from text that ships in the repo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+CORPUS = Path(__file__).with_name("data") / "corpus.txt"
+
+
+def train_tokenizer(vocab_size: int, out_file: Path) -> Tokenizer:
+    """Byte-level BPE; BOS = id 0, EOS = id 1 as in DeepSeek's vocabulary. Deterministic."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train([str(CORPUS)], trainer)
+    tok.save(str(out_file))
+    return tok

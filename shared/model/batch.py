@@ -1,0 +1,102 @@
+"""Per-step batch metadata shared by every layer's attention.
+
+A step is a flat run of new tokens from R requests (request-major, each request's tokens contiguous
+and in position order). Attention works on a padded [R, S_max] view of the queries against the
+request's whole cached context [R, T_max], gathered from the paged pool through per-request block
+tables. Everything here is computed once per step, not once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqChunk:
+    """One request's part of a step: new tokens at positions start_pos.. and its block table."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    need_logits: bool = True
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long, absolute positions
+    slot_mapping: torch.Tensor  # [N] long, flat pool slot where each new token's KV is written
+    query_index: torch.Tensor  # [R, S_max] long, flat token index (padding → 0)
+    query_valid: torch.Tensor  # [R, S_max] bool
+    key_slots: torch.Tensor  # [R, T_max] long, flat pool slot of context position t (padding → 0)
+    key_valid: torch.Tensor  # [R, T_max] bool, t < context_len
+    causal: torch.Tensor  # [R, S_max, T_max] bool, key t visible to query s
+    context_lens: torch.Tensor  # [R] long, tokens in cache after this step
+    logits_index: torch.Tensor  # [M] long, flat tokens whose next-token logits are wanted
+    max_context: int
+    is_decode: bool  # every request has exactly one new token
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardBatch:
+        if not chunks:
+            raise ValueError("a step needs at least one request")
+        lens = [len(c.token_ids) for c in chunks]
+        if min(lens) <= 0:
+            raise ValueError("every request in a step needs at least one new token")
+        num_seqs, s_max = len(chunks), max(lens)
+        ctx = [c.start_pos + n for c, n in zip(chunks, lens)]
+        t_max = max(ctx)
+        n_blocks = max(len(c.block_table) for c in chunks)
+        for c, total in zip(chunks, ctx):
+            if len(c.block_table) * block_size < total:
+                raise ValueError(f"block table holds {len(c.block_table) * block_size} tokens, need {total}")
+
+        tables = torch.zeros(num_seqs, n_blocks, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
+        starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        ctx_t = torch.tensor(ctx, dtype=torch.long)
+
+        s = torch.arange(s_max)
+        query_valid = s[None, :] < lens_t[:, None]
+        offsets = torch.cumsum(lens_t, 0) - lens_t
+        query_index = torch.where(query_valid, offsets[:, None] + s[None, :], torch.zeros(()).long())
+        query_pos = starts[:, None] + s[None, :]
+
+        t = torch.arange(t_max)
+        key_slots = tables[:, t // block_size] * block_size + (t % block_size)[None, :]
+        key_valid = t[None, :] < ctx_t[:, None]
+        key_slots = torch.where(key_valid, key_slots, torch.zeros(()).long())
+        causal = (t[None, None, :] <= query_pos[:, :, None]) & query_valid[:, :, None]
+        # Padded query rows see key 0 so their (discarded) softmax stays finite.
+        causal[:, :, 0] |= ~query_valid
+
+        positions = query_pos[query_valid]
+        slot_mapping = key_slots.gather(1, torch.where(query_valid, query_pos, 0))[query_valid]
+        logits_index = [int(offsets[i]) + lens[i] - 1 for i, c in enumerate(chunks) if c.need_logits]
+        input_ids = torch.tensor([tok for c in chunks for tok in c.token_ids], dtype=torch.long)
+
+        def dev(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device, non_blocking=True)
+
+        return cls(
+            input_ids=dev(input_ids),
+            positions=dev(positions),
+            slot_mapping=dev(slot_mapping),
+            query_index=dev(query_index),
+            query_valid=dev(query_valid),
+            key_slots=dev(key_slots),
+            key_valid=dev(key_valid),
+            causal=dev(causal),
+            context_lens=dev(ctx_t),
+            logits_index=dev(torch.tensor(logits_index, dtype=torch.long)),
+            max_context=t_max,
+            is_decode=s_max == 1,
+        )

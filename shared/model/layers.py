@@ -1,0 +1,41 @@
+"""Small building blocks: RMSNorm and the SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = w · (x / rms(x)), normalized in fp32 and cast back before the weight (as transformers)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
+    """Bias-free linear with uninitialized storage (the loader fills it)."""
+    layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype, device="meta")
+    layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+    return layer
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers and the shared expert."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = linear(hidden, inter, dtype)
+        self.up_proj = linear(hidden, inter, dtype)
+        self.down_proj = linear(inter, hidden, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

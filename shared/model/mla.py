@@ -1,0 +1,96 @@
+"""Multi-head latent attention, absorbed form, over the paged latent cache.
+
+Per token the cache keeps one 576-d row (c_kv 512 | k_pe 64) shared by all heads (MQA mode of MLA).
+Queries are absorbed into latent space, q_abs[h] = q_nope[h] · W_UK[h], so a score is one dot
+product of [q_abs | q_pe] with the cached row; the output o_lat = p · c_kv goes back through W_UV.
+The same code runs prefill (masked over the request's cached context, causal ∧ indexer selection)
+and decode (gathering only the indexer's top-k rows when the context exceeds index_topk). On CPU
+the masked form is used for multi-token steps: gathering S × k rows per request would be
+memory-bound, while the mask gives the identical result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.config import ModelConfig
+from shared.model.batch import ForwardBatch
+from shared.model.indexer import Indexer, Selection
+from shared.model.layers import RMSNorm, linear
+from shared.model.rope import rope_interleaved, rope_neox
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str = "transformers"):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank, self.q_lora_rank = cfg.kv_lora_rank, cfg.q_lora_rank
+        self.scale = cfg.softmax_scale
+        self.rotate = rope_interleaved if cfg.rope_interleave else rope_neox
+        qk = self.nope + self.rope_dim
+        if self.q_lora_rank:
+            self.q_a_proj = linear(cfg.hidden_size, self.q_lora_rank, dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_b_proj = linear(self.q_lora_rank, self.n_heads * qk, dtype)
+        else:
+            self.q_proj = linear(cfg.hidden_size, self.n_heads * qk, dtype)
+        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, dtype)
+        self.kv_b_proj = linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), dtype)
+        self.o_proj = linear(self.n_heads * self.v_dim, cfg.hidden_size, dtype)
+        self.indexer = Indexer(cfg, dtype, indexer_numerics) if cfg.has_indexer else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
+                mla_pool: torch.Tensor, index_pool: torch.Tensor | None) -> torch.Tensor:
+        n = x.shape[0]
+        if self.q_lora_rank:
+            qr = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(qr)
+        else:
+            qr, q = None, self.q_proj(x)
+        q = q.view(n, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
+        q_pe = self.rotate(q_pe, cos, sin)
+
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
+        row = torch.cat([self.kv_a_layernorm(c_kv), self.rotate(k_pe, cos, sin)], -1)
+        mla_pool[fb.slot_mapping] = row.to(mla_pool.dtype)
+
+        selection = None
+        if self.indexer is not None:
+            selection = self.indexer(x, qr, cos, sin, fb, index_pool)
+
+        w_kv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_kv_b[:, : self.nope])
+        query = torch.cat([q_abs, q_pe], -1)  # [N, H, kv_lora_rank + rope]
+        o_lat = self._attend(query, fb, mla_pool, selection)  # [N, H, kv_lora_rank]
+        o = torch.einsum("nhc,hvc->nhv", o_lat, w_kv_b[:, self.nope :])
+        return self.o_proj(o.reshape(n, self.n_heads * self.v_dim))
+
+    def _attend(self, query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
+                sel: Selection | None) -> torch.Tensor:
+        c = self.kv_lora_rank
+        if fb.is_decode:  # one query per request, requests in order
+            if sel is not None:
+                slots, valid = fb.key_slots.gather(1, sel.indices), sel.valid
+            else:
+                slots, valid = fb.key_slots, fb.key_valid
+            keys = pool[slots]  # [R, K, 576]
+            scores = torch.bmm(query, keys.transpose(1, 2)).float() * self.scale  # [R, H, K]
+            scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+            probs = scores.softmax(-1).to(query.dtype)
+            return torch.bmm(probs, keys[..., :c])
+
+        r, s_max = fb.query_index.shape
+        keys = pool[fb.key_slots]  # [R, T, 576]
+        q = query[fb.query_index].reshape(r, s_max * self.n_heads, -1)
+        scores = torch.bmm(q, keys.transpose(1, 2)).float().view(r, s_max, self.n_heads, -1) * self.scale
+        mask = fb.causal if sel is None else sel.mask
+        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(query.dtype).view(r, s_max * self.n_heads, -1)
+        o = torch.bmm(probs, keys[..., :c]).view(r, s_max, self.n_heads, c)
+        out = query.new_empty(query.shape[0], self.n_heads, c)
+        out[fb.query_index[fb.query_valid]] = o[fb.query_valid]
+        return out
