@@ -30,13 +30,27 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [N] long, flat pool slot where each new token's KV is written
     query_index: torch.Tensor  # [R, S_max] long, flat token index (padding → 0)
     query_valid: torch.Tensor  # [R, S_max] bool
-    key_slots: torch.Tensor  # [R, T_max] long, flat pool slot of context position t (padding → 0)
-    key_valid: torch.Tensor  # [R, T_max] bool, t < context_len
-    causal: torch.Tensor  # [R, S_max, T_max] bool, key t visible to query s
+    block_tables: torch.Tensor  # [R, T_pad / block_size] long (padding → block 0)
+    key_slots: torch.Tensor  # [R, T_pad] long, flat pool slot of context position t (padding → 0)
+    key_valid: torch.Tensor  # [R, T_pad] bool, t < context_len
+    causal: torch.Tensor  # [R, S_max, T_pad] bool, key t visible to query s
     context_lens: torch.Tensor  # [R] long, tokens in cache after this step
     logits_index: torch.Tensor  # [M] long, flat tokens whose next-token logits are wanted
     max_context: int
     is_decode: bool  # every request has exactly one new token
+    uniform: bool  # every request has the same number of new tokens: [R, S_max] is a plain view
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Flat per-token tensor [N, ...] → [R, S_max, ...] (a view when uniform)."""
+        if self.uniform:
+            return x.view(*self.query_index.shape, *x.shape[1:])
+        return x[self.query_index]
+
+    def unpadded(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, S_max, ...] → flat [N, ...], dropping padding."""
+        if self.uniform:
+            return x.reshape(-1, *x.shape[2:])
+        return x[self.query_valid]
 
     @property
     def num_tokens(self) -> int:
@@ -52,14 +66,16 @@ class ForwardBatch:
         num_seqs, s_max = len(chunks), max(lens)
         ctx = [c.start_pos + n for c, n in zip(chunks, lens)]
         t_max = max(ctx)
-        n_blocks = max(len(c.block_table) for c in chunks)
         for c, total in zip(chunks, ctx):
             if len(c.block_table) * block_size < total:
                 raise ValueError(f"block table holds {len(c.block_table) * block_size} tokens, need {total}")
+        # The key axis is padded to whole blocks so the context is gathered block by block.
+        n_blocks = -(-t_max // block_size)
 
         tables = torch.zeros(num_seqs, n_blocks, dtype=torch.long)
         for i, c in enumerate(chunks):
-            tables[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
+            used = c.block_table[:n_blocks]
+            tables[i, : len(used)] = torch.tensor(used, dtype=torch.long)
         starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.long)
         lens_t = torch.tensor(lens, dtype=torch.long)
         ctx_t = torch.tensor(ctx, dtype=torch.long)
@@ -70,7 +86,7 @@ class ForwardBatch:
         query_index = torch.where(query_valid, offsets[:, None] + s[None, :], torch.zeros(()).long())
         query_pos = starts[:, None] + s[None, :]
 
-        t = torch.arange(t_max)
+        t = torch.arange(n_blocks * block_size)
         key_slots = tables[:, t // block_size] * block_size + (t % block_size)[None, :]
         key_valid = t[None, :] < ctx_t[:, None]
         key_slots = torch.where(key_valid, key_slots, torch.zeros(()).long())
@@ -92,6 +108,7 @@ class ForwardBatch:
             slot_mapping=dev(slot_mapping),
             query_index=dev(query_index),
             query_valid=dev(query_valid),
+            block_tables=dev(tables),
             key_slots=dev(key_slots),
             key_valid=dev(key_valid),
             causal=dev(causal),
@@ -99,4 +116,24 @@ class ForwardBatch:
             logits_index=dev(torch.tensor(logits_index, dtype=torch.long)),
             max_context=t_max,
             is_decode=s_max == 1,
+            uniform=min(lens) == s_max,
         )
+
+
+def gather_context(pool: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """Each request's cached rows in position order, [R, T_pad, D], from a [blocks, block_size, D]
+    pool. Copies whole blocks (an embedding lookup on the block table): far faster than per-row
+    indexing on CPU."""
+    num_blocks, block_size, dim = pool.shape
+    rows = torch.nn.functional.embedding(fb.block_tables, pool.view(num_blocks, block_size * dim))
+    return rows.view(fb.block_tables.shape[0], -1, dim)
+
+
+def gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows at flat slots (any shape) from a [blocks, block_size, D] pool → [*slots.shape, D]."""
+    return torch.nn.functional.embedding(slots, pool.view(-1, pool.shape[-1]))
+
+
+def write_rows(pool: torch.Tensor, fb: ForwardBatch, rows: torch.Tensor) -> None:
+    """Store the step's new rows [N, D] at their slots."""
+    pool.view(-1, pool.shape[-1])[fb.slot_mapping] = rows.to(pool.dtype)

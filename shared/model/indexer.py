@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shared.config import ModelConfig
-from shared.model.batch import ForwardBatch
+from shared.model.batch import ForwardBatch, gather_context, write_rows
 from shared.model.layers import linear
 from shared.model.rope import rope_neox
 from shared.quant.fp8 import fake_quant_ue8m0, hadamard_transform
@@ -58,7 +58,7 @@ class Indexer(nn.Module):
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)
         if self.numerics == "deepseek":
             k = fake_quant_ue8m0(hadamard_transform(k), min(128, self.head_dim))
-        index_pool[fb.slot_mapping] = k.to(index_pool.dtype)
+        write_rows(index_pool, fb, k)
         if fb.max_context <= self.topk:
             return None  # every causal key is selected: dense MLA
 
@@ -66,7 +66,7 @@ class Indexer(nn.Module):
         if self.numerics == "deepseek":
             q = fake_quant_ue8m0(hadamard_transform(q), min(128, self.head_dim))
         w = self.weights_proj(x.float()) * self.n_heads**-0.5  # [N, H]
-        keys = index_pool[fb.key_slots].float()  # [R, T, D]
+        keys = gather_context(index_pool, fb).float()  # [R, T, D]
         k_sel = min(self.topk, fb.max_context)
 
         if fb.is_decode:
@@ -76,7 +76,7 @@ class Indexer(nn.Module):
             picks = index.topk(k_sel, dim=-1).indices
             return Selection(indices=picks, valid=fb.key_valid.gather(1, picks))
 
-        qp, wp = q[fb.query_index].float(), w[fb.query_index]  # [R, S, H, D], [R, S, H]
+        qp, wp = fb.padded(q).float(), fb.padded(w)  # [R, S, H, D], [R, S, H]
         mask = torch.zeros_like(fb.causal)
         for s0 in range(0, qp.shape[1], QUERY_TILE):
             s1 = s0 + QUERY_TILE

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from shared.config import ModelConfig
-from shared.model.batch import ForwardBatch
+from shared.model.batch import ForwardBatch, gather_context, gather_rows, write_rows
 from shared.model.indexer import Indexer, Selection
 from shared.model.layers import RMSNorm, linear
 from shared.model.rope import rope_interleaved, rope_neox
@@ -56,7 +56,7 @@ class MLA(nn.Module):
 
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
         row = torch.cat([self.kv_a_layernorm(c_kv), self.rotate(k_pe, cos, sin)], -1)
-        mla_pool[fb.slot_mapping] = row.to(mla_pool.dtype)
+        write_rows(mla_pool, fb, row)
 
         selection = None
         if self.indexer is not None:
@@ -74,23 +74,20 @@ class MLA(nn.Module):
         c = self.kv_lora_rank
         if fb.is_decode:  # one query per request, requests in order
             if sel is not None:
-                slots, valid = fb.key_slots.gather(1, sel.indices), sel.valid
+                keys, valid = gather_rows(pool, fb.key_slots.gather(1, sel.indices)), sel.valid
             else:
-                slots, valid = fb.key_slots, fb.key_valid
-            keys = pool[slots]  # [R, K, 576]
-            scores = torch.bmm(query, keys.transpose(1, 2)).float() * self.scale  # [R, H, K]
-            scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-            probs = scores.softmax(-1).to(query.dtype)
-            return torch.bmm(probs, keys[..., :c])
+                keys, valid = gather_context(pool, fb), fb.key_valid
+            scores = torch.bmm(query, keys.transpose(1, 2)).mul_(self.scale)  # [R, H, K]
+            scores.masked_fill_(~valid[:, None, :], float("-inf"))
+            probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype)
+            return torch.bmm(probs, keys)[..., :c]  # full rows: a strided slice of keys is slower
 
         r, s_max = fb.query_index.shape
-        keys = pool[fb.key_slots]  # [R, T, 576]
-        q = query[fb.query_index].reshape(r, s_max * self.n_heads, -1)
-        scores = torch.bmm(q, keys.transpose(1, 2)).float().view(r, s_max, self.n_heads, -1) * self.scale
+        keys = gather_context(pool, fb)  # [R, T, 576]
+        q = fb.padded(query).reshape(r, s_max * self.n_heads, -1)
+        scores = torch.bmm(q, keys.transpose(1, 2)).view(r, s_max, self.n_heads, -1).mul_(self.scale)
         mask = fb.causal if sel is None else sel.mask
-        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(query.dtype).view(r, s_max * self.n_heads, -1)
-        o = torch.bmm(probs, keys[..., :c]).view(r, s_max, self.n_heads, c)
-        out = query.new_empty(query.shape[0], self.n_heads, c)
-        out[fb.query_index[fb.query_valid]] = o[fb.query_valid]
-        return out
+        scores.masked_fill_(~mask[:, :, None, :], float("-inf"))
+        probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype).view(r, s_max * self.n_heads, -1)
+        o = torch.bmm(probs, keys)[..., :c].reshape(r, s_max, self.n_heads, c)
+        return fb.unpadded(o)

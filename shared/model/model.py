@@ -31,8 +31,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 kv: KVCache) -> torch.Tensor:
-        index_pool = kv.index_slots(self.layer_idx) if kv.index is not None else None
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, fb, kv.mla_slots(self.layer_idx), index_pool)
+        index_pool = kv.index[self.layer_idx] if kv.index is not None else None
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, fb, kv.mla[self.layer_idx], index_pool)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -1,0 +1,46 @@
+# pdserve — a newcomer needs two commands: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
+
+.PHONY: demo test install lint bench proto clean system-deps
+
+# System libraries for Mooncake (RDMA verbs + rdmacm); skipped when already present or not root.
+system-deps:
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null) \
+	      || echo "warning: could not install libibverbs1/librdmacm1 (Mooncake tests will be skipped)"; \
+	  else echo "warning: not root; install libibverbs1 librdmacm1 for the Mooncake transport"; fi; \
+	fi
+
+$(STAMP): pyproject.toml Makefile
+	@$(MAKE) --no-print-directory system-deps
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU torch first, pinned, so no dependency can pull a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[mooncake]' || echo "warning: Mooncake transfer engine not installed"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m shared.engine.offline_demo
+
+bench: $(STAMP)
+	$(PY) bench/engine_throughput.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) models bench/out .pytest_cache

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+os.environ.setdefault("PDSERVE_DEVICE", "cpu")
+
+from tests.helpers import make_hf_checkpoint  # noqa: E402
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+CHECKPOINTS = {
+    "v32_dense": ("deepseek_v32", dict(index_topk=256)),
+    "v32_sparse": ("deepseek_v32", dict(index_topk=8)),
+    "v32_yarn": ("deepseek_v32", dict(index_topk=12, rope_parameters=YARN)),
+    "v3": ("deepseek_v3", {}),
+}
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """ckpt(name) → path of a session-cached tiny HF checkpoint."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            model_type, overrides = CHECKPOINTS[name]
+            made[name] = make_hf_checkpoint(tmp_path_factory.mktemp(name), model_type, **overrides)
+        return made[name]
+
+    return get

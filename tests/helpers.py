@@ -1,0 +1,81 @@
+"""Shared test helpers: tiny HF checkpoints made with transformers' save_pretrained, reference runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.kvcache import KVCache, KVLayout
+from shared.model import DeepseekForCausalLM, ForwardBatch, SeqChunk
+
+BASE: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+    topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=64,
+    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
+)
+V32 = dict(index_head_dim=32, index_n_heads=16)
+
+
+def make_hf_checkpoint(out: Path, model_type: str = "deepseek_v32", seed: int = 0, **overrides: Any) -> Path:
+    """Random tiny model written by transformers' save_pretrained, with a random router bias."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM
+
+    torch.manual_seed(seed)
+    if model_type == "deepseek_v32":
+        cfg = DeepseekV32Config(**{**BASE, **V32, **overrides})
+        model = DeepseekV32ForCausalLM(cfg)
+    else:
+        cfg = DeepseekV3Config(**{**BASE, **overrides})
+        model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.copy_(torch.randn_like(gate.e_score_correction_bias) * 0.01)
+    model.save_pretrained(out)
+    return out
+
+
+def load_reference(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def reference_logits(ref, ids: list[int]) -> torch.Tensor:
+    """transformers full-sequence forward without cache: the definition of correct."""
+    return ref(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+@torch.no_grad()
+def reference_greedy(ref, ids: list[int], n: int) -> list[int]:
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(reference_logits(ref, seq)[-1].argmax()))
+    return seq[len(ids):]
+
+
+def engine_logits(model: DeepseekForCausalLM, ids: list[int], block_size: int = 4) -> torch.Tensor:
+    """Our logits at every position of a one-shot prefill."""
+    layout = KVLayout.from_model_config(model.config, block_size, model.dtype)
+    kv = KVCache(layout, num_blocks=len(ids) // block_size + 2, device=torch.device("cpu"))
+    table = kv.allocator.allocate(kv.blocks_needed(len(ids)))
+    fb = ForwardBatch.build([SeqChunk(ids, 0, table)], block_size, torch.device("cpu"))
+    fb.logits_index = torch.arange(len(ids))
+    return model(fb, kv)
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor, cos_min: float = 0.99999, atol: float = 1e-4) -> None:
+    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
+    err = (ours - ref).abs().max().item()
+    assert cos.min().item() >= cos_min, f"min cosine {cos.min().item():.8f} < {cos_min}"
+    assert err <= atol, f"max abs error {err:.3e} > {atol}"

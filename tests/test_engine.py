@@ -1,0 +1,118 @@
+"""Engine behaviour: chunked prefill, block size and batch invariance, preemption, sampling, stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine import LLM, SamplingParams
+from shared.loader.tiny import write_checkpoint
+from tests.helpers import random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sparse_path(ckpt):
+    return str(ckpt("v32_sparse"))
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_chunked_prefill_equals_one_shot(sparse_path):
+    prompts = random_prompts(4, [37, 21, 50, 9], 512, seed=10)
+    one_shot = _tokens(LLM(sparse_path, block_size=4, max_prefill_tokens=4096), prompts)
+    chunked = _tokens(LLM(sparse_path, block_size=4, max_prefill_tokens=7), prompts)
+    assert chunked == one_shot
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+def test_block_size_invariance(sparse_path, block_size):
+    prompts = random_prompts(3, [30, 11, 45], 512, seed=11)
+    base = _tokens(LLM(sparse_path, block_size=4), prompts)
+    assert _tokens(LLM(sparse_path, block_size=block_size), prompts) == base
+
+
+def test_batch_invariance(sparse_path):
+    llm = LLM(sparse_path, block_size=4)
+    prompts = random_prompts(8, [5, 40, 13, 27, 8, 33, 19, 2], 512, seed=12)
+    batch = _tokens(llm, prompts)
+    for i in (0, 1, 7):
+        assert _tokens(llm, [prompts[i]]) == [batch[i]]
+
+
+def test_preemption_keeps_outputs(sparse_path):
+    prompts = random_prompts(6, [20, 25, 30], 512, seed=13)
+    roomy = _tokens(LLM(sparse_path, block_size=4), prompts)
+    tight = LLM(sparse_path, block_size=4, num_kv_blocks=24)  # 6 requests × ~9 blocks do not fit at once
+    assert _tokens(tight, prompts) == roomy
+    assert tight.engine.kv.allocator.num_free == 24
+
+
+def test_blocks_freed_after_generate(sparse_path):
+    llm = LLM(sparse_path, block_size=4, num_kv_blocks=64)
+    llm.generate(random_prompts(5, [10, 30], 512, seed=14), GREEDY)
+    assert llm.engine.kv.allocator.num_free == 64 and not llm.engine.has_work
+
+
+def test_sampling_seeded_and_filters(sparse_path):
+    llm = LLM(sparse_path, block_size=4)
+    prompt = random_prompts(1, [10], 512, seed=15)
+    greedy = _tokens(llm, prompt)
+    assert _tokens(llm, prompt, SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True)) == greedy
+    assert _tokens(llm, prompt, SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, ignore_eos=True)) == greedy
+    seeded = SamplingParams(max_tokens=12, temperature=1.5, seed=7, ignore_eos=True)
+    a, b = _tokens(llm, prompt, seeded), _tokens(llm, prompt, seeded)
+    other = _tokens(llm, prompt, SamplingParams(max_tokens=12, temperature=1.5, seed=8, ignore_eos=True))
+    assert a == b and a != greedy and a != other
+
+
+def test_stop_conditions(sparse_path):
+    llm = LLM(sparse_path, block_size=4)
+    prompt = random_prompts(1, [10], 512, seed=16)
+    greedy = _tokens(llm, prompt)[0]
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[greedy[3]]))[0]
+    assert out.token_ids == greedy[: greedy.index(greedy[3]) + 1] and out.finish_reason == "stop"
+    eos = greedy[2]
+    llm.engine.model_config = llm.engine.model_config.__class__(
+        **{**llm.engine.model_config.__dict__, "eos_token_ids": (eos,)})
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out.token_ids == greedy[: greedy.index(eos) + 1] and out.finish_reason == "stop"
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == greedy and out.finish_reason == "length"
+
+
+def test_text_prompts_and_stop_strings(tmp_path):
+    path = write_checkpoint(tmp_path / "tiny", "deepseek_v32", num_hidden_layers=2)
+    llm = LLM(str(path))
+    out = llm.generate("Hello world", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+    assert out.token_ids and llm.engine.encode("Hello world")[0] == 0  # BOS
+    stop = out.text[3:5]
+    if stop:
+        cut = llm.generate("Hello world", SamplingParams(max_tokens=16, temperature=0, stop=[stop]))[0]
+        assert cut.finish_reason == "stop" and stop not in cut.text and out.text.startswith(cut.text)
+
+
+@pytest.mark.parametrize("field,params", [
+    ("max_tokens", SamplingParams(max_tokens=0)),
+    ("temperature", SamplingParams(temperature=-1)),
+    ("top_p", SamplingParams(top_p=0)),
+    ("top_p", SamplingParams(top_p=1.5)),
+    ("top_k", SamplingParams(top_k=-2)),
+])
+def test_validation_names_field(sparse_path, field, params):
+    llm = LLM(sparse_path)
+    with pytest.raises(ValueError, match=field):
+        llm.generate([[5, 6]], params)
+
+
+def test_validation_of_prompt(sparse_path):
+    llm = LLM(sparse_path)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[5, 100000]], GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[5]], SamplingParams(max_tokens=10**6))

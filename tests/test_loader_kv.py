@@ -1,0 +1,152 @@
+"""Loader (FP8 blocks, shards, MTP skip), KV layout, config parsing, DeepSeek indexer numerics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shared.config import ModelConfig
+from shared.kvcache import KVLayout
+from shared.loader import load_model
+from shared.loader.checkpoint import checkpoint_files
+from shared.loader.tiny import write_checkpoint
+from shared.quant.fp8 import act_quant_ue8m0, dequant_block_fp8, fake_quant_ue8m0, hadamard_transform
+from tests.helpers import assert_close_logits, engine_logits, random_prompts
+
+# The real DeepSeek-V3.2 config.json (the fields that matter here), legacy rope_scaling spelling.
+REAL_671B = {
+    "model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+    "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+
+
+def test_real_config_parses_and_kv_bytes():
+    cfg = ModelConfig.from_dict(REAL_671B)
+    assert cfg.softmax_scale == pytest.approx(0.1352337789, rel=1e-8)
+    assert cfg.mlp_layer_types[:4] == ("dense", "dense", "dense", "sparse")
+    for dtype, nbytes in ((torch.bfloat16, 2), (torch.float32, 4)):
+        layout = KVLayout.from_model_config(cfg, 64, dtype)
+        assert layout.bytes_per_token_per_layer() == (512 + 64) * nbytes + 128 * nbytes
+        assert layout.bytes_per_token() == 61 * layout.bytes_per_token_per_layer()
+    v3 = ModelConfig.from_dict({**REAL_671B, "model_type": "deepseek_v3"})
+    assert KVLayout.from_model_config(v3, 64, torch.bfloat16).bytes_per_token_per_layer() == 576 * 2
+
+
+def test_real_yarn_table():
+    from shared.model.rope import inv_frequencies
+
+    cfg = ModelConfig.from_dict(REAL_671B)
+    inv, scale = inv_frequencies(cfg.rope, 64)
+    base = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    assert scale == 1.0  # mscale == mscale_all_dim: cos/sin unscaled
+    # dims below low=10 keep their frequency (extrapolate); from high=23 on they are divided by 40
+    assert torch.allclose(inv[:11], base[:11]) and torch.allclose(inv[23:], base[23:] / 40)
+    assert (inv[11:23] < base[11:23]).all() and (inv[11:23] > base[11:23] / 40).all()
+
+
+def test_fp8_checkpoint_loads_dequantized(tmp_path):
+    # hidden 192 and kv 96+32: ragged 128-blocks everywhere; two shards split weights from their scales
+    path = write_checkpoint(tmp_path / "fp8", "deepseek_v32", fp8=True, shards=3, tokenizer=False,
+                            hidden_size=192, kv_lora_rank=96, qk_rope_head_dim=32, num_hidden_layers=2,
+                            intermediate_size=320, moe_intermediate_size=96, q_lora_rank=160, vocab_size=300)
+    model, report = load_model(path, "float32")
+    params = dict(model.named_parameters())
+    checked = 0
+    for fname, names in checkpoint_files(path).items():
+        with safe_open(path / fname, "pt") as f:
+            for name in names:
+                t = f.get_tensor(name)
+                if t.dtype != torch.float8_e4m3fn:
+                    continue
+                scale_file = next(fn for fn, ns in checkpoint_files(path).items() if name + "_scale_inv" in ns)
+                with safe_open(path / scale_file, "pt") as g:
+                    expected = dequant_block_fp8(t, g.get_tensor(name + "_scale_inv"))
+                if ".experts." in name:
+                    prefix, e, proj = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+                    inter = model.config.moe_intermediate_size
+                    stacked = params[f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"][e]
+                    got = stacked if proj == "down_proj" else stacked[:inter] if proj == "gate_proj" else stacked[inter:]
+                else:
+                    got = params[name]
+                assert torch.equal(got, expected), name
+                checked += 1
+    assert checked > 20 and report.loaded > 0
+    kv_a = params["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    assert kv_a.shape == (128, 192)  # 96 + 32 rows: a ragged block on both axes
+
+
+def test_fp8_dequant_ragged_block():
+    w = torch.randn(576, 200)
+    from shared.quant.fp8 import quant_block_fp8
+
+    q, s = quant_block_fp8(w)
+    assert s.shape == (5, 2)
+    assert torch.allclose(dequant_block_fp8(q, s), w, rtol=0.07, atol=1e-3)
+
+
+def test_mtp_layers_skipped_unless_asked(tmp_path):
+    path = write_checkpoint(tmp_path / "mtp", "deepseek_v3", num_hidden_layers=2, tokenizer=False)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.layers.2.eh_proj.weight"] = torch.randn(256, 512)
+    tensors["model.layers.2.enorm.weight"] = torch.ones(256)
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    _, report = load_model(path, "float32")
+    assert report.skipped_mtp == 2 and not report.mtp_tensors
+    _, report = load_model(path, "float32", include_mtp=True)
+    assert set(report.mtp_tensors) == {"model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight"}
+
+
+def test_missing_tensor_is_an_error(tmp_path):
+    path = write_checkpoint(tmp_path / "bad", "deepseek_v3", num_hidden_layers=1, tokenizer=False)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if "o_proj" not in k}
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(KeyError, match="missing"):
+        load_model(path, "float32")
+
+
+def test_bf16_load(ckpt):
+    model, _ = load_model(ckpt("v32_sparse"), "bfloat16")
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    ref, _ = load_model(ckpt("v32_sparse"), "float32")
+    ids = random_prompts(1, [6], 512, seed=20)[0]  # short: dense selection, so only bf16 rounding differs
+    cos = torch.nn.functional.cosine_similarity(engine_logits(model, ids), engine_logits(ref, ids), dim=-1)
+    assert cos.min() > 0.99
+
+
+def test_hadamard_and_ue8m0():
+    x = torch.randn(5, 128)
+    hx = hadamard_transform(x)
+    assert torch.allclose(hx @ hadamard_transform(x).T, x @ x.T, atol=1e-4)  # orthonormal: dots preserved
+    q, s = act_quant_ue8m0(x * 3)
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # power-of-two scales
+    assert (q.float().abs() <= 448).all()
+    deq = fake_quant_ue8m0(x)
+    assert torch.allclose(deq, x, rtol=0.07, atol=1e-3)
+    assert torch.equal(fake_quant_ue8m0(deq), deq)  # idempotent values
+
+
+def test_deepseek_indexer_numerics_close_to_default(ckpt):
+    path = ckpt("v32_sparse")
+    default, _ = load_model(path, "float32")
+    official, _ = load_model(path, "float32", indexer_numerics="deepseek")
+    ids = random_prompts(1, [40], 512, seed=21)[0]
+    a, b = engine_logits(default, ids), engine_logits(official, ids)
+    assert not torch.equal(a, b)  # the FP8 path is really taken
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).mean() > 0.9
+    assert_close_logits(a[:8], b[:8])  # while context <= index_topk selection is all keys either way
