@@ -1,0 +1,1 @@
+"""Decode instance: reserves KV blocks under leases, receives pushed KV, streams tokens."""

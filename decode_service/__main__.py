@@ -1,0 +1,3 @@
+from decode_service.server import main
+
+main()

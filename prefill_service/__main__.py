@@ -1,0 +1,3 @@
+from prefill_service.server import main
+
+main()

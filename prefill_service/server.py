@@ -1,0 +1,219 @@
+"""gRPC shell of a prefill instance.
+
+    python -m prefill_service --model DIR [--host 127.0.0.1] [--port 0] [--metrics-port 0]
+                              [--kv-transport tcp|mooncake] [--max-prefill-tokens 4096]
+
+`Prefill(prompt, sampling, destination)` schedules the prompt on the engine (chunked, batched with
+other prompts), pushes every layer's MLA and indexer blocks to the destination lease right after
+that layer is computed (the push thread overlaps the next layer), waits for the commit, then
+returns the first sampled token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import grpc
+
+from shared import metrics
+from shared.engine import EngineConfig, LLMEngine, StepEvent
+from shared.engine.scheduler import ScheduledChunk
+from shared.engine.worker import EngineWorker
+from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
+from shared.rpc.service import build_server, sampling_from_proto, set_serving
+from shared.transfer import Destination, KVPush, TransferError, make_sender
+
+log = logging.getLogger("pdserve.prefill")
+SERVICE = "pdserve.v1.Prefill"
+
+
+@dataclass
+class PrefillConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    kv_transport: str = "tcp"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_tokens: int = 65536
+    max_prefill_tokens: int = 4096
+
+
+@dataclass
+class _Job:
+    push: KVPush
+    done: Future
+    started: float
+
+
+class PrefillWorker(EngineWorker):
+    """Engine thread whose step pushes each computed layer of each scheduled chunk."""
+
+    def __init__(self, engine: LLMEngine, transport: str):
+        self.jobs: dict[str, _Job] = {}
+        self.senders = {}
+        self.transport = transport
+        super().__init__(engine, "prefill-engine")
+
+    def sender(self, transport: str):  # noqa: ANN201
+        if transport not in self.senders:
+            self.senders[transport] = make_sender(transport, self.engine.kv)
+        return self.senders[transport]
+
+    def step(self) -> list[StepEvent]:
+        engine = self.engine
+        chunks = engine.scheduler.schedule()
+        if not chunks:
+            return []
+        plan = [(self.jobs[c.seq.request_id].push, *self._blocks(c)) for c in chunks]
+
+        def layer_done(layer: int) -> None:
+            for push, src, first in plan:
+                push.send_layer(layer, src, first)
+
+        try:
+            logits = engine.run_chunks(chunks, layer_done)
+            tokens = engine.sample(chunks, logits)
+        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+            for c in chunks:
+                self._fail(c.seq.request_id, exc)
+            return []
+        events = []
+        for seq, tok in zip([c.seq for c in chunks if c.completes], tokens):
+            job = self.jobs.pop(seq.request_id)
+            try:
+                job.push.finish()
+            except TransferError as exc:
+                engine.abort(seq.request_id)
+                job.done.set_exception(exc)
+                continue
+            metrics.KV_BYTES.labels(self.transport).inc(job.push.bytes_sent)
+            state = bytes(seq.generator.get_state().numpy()) if seq.params.seed is not None else b""
+            events.extend(engine._append_token(seq, tok))  # max_tokens=1: finishes, frees the blocks
+            job.done.set_result((tok, state, time.perf_counter() - job.started))
+        return events
+
+    def _blocks(self, c: ScheduledChunk) -> tuple[list[int], int]:
+        """Source blocks touched by this chunk and the lease index of the first one."""
+        bs = self.engine.layout.block_size
+        start, end = c.seq.num_cached, c.seq.num_cached + c.num_tokens
+        first, last = start // bs, -(-end // bs)
+        return c.seq.block_table[first:last], first
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        job = self.jobs.pop(request_id, None)
+        self.engine.abort(request_id)
+        if job is not None:
+            job.push.abort()
+            if not job.done.done():
+                job.done.set_exception(exc)
+
+
+class PrefillServicer(internal_pb2_grpc.PrefillServicer):
+    def __init__(self, cfg: PrefillConfig):
+        self.cfg = cfg
+        self.engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
+                                             kv_cache_tokens=cfg.kv_cache_tokens,
+                                             max_prefill_tokens=cfg.max_prefill_tokens))
+        self.worker = PrefillWorker(self.engine, cfg.kv_transport)
+        metrics.KV_TOTAL_BLOCKS.labels("prefill").set(self.engine.kv.num_blocks)
+
+    def GetLoad(self, request, context):  # noqa: N802
+        sched = self.engine.scheduler
+        return internal_pb2.LoadReport(running=len(sched.running), waiting=len(sched.waiting),
+                                       free_blocks=self.engine.kv.allocator.num_free,
+                                       total_blocks=self.engine.kv.num_blocks)
+
+    def Prefill(self, request, context):  # noqa: N802
+        params = sampling_from_proto(request.sampling_params)
+        dest = Destination.from_proto(request.destination)
+        prompt = list(request.prompt_token_ids)
+        done: Future = Future()
+        rid = request.request_id
+
+        def add(engine: LLMEngine) -> None:
+            seq = engine.make_sequence(prompt, params, rid)  # validates against the real params
+            seq.params = dataclasses.replace(params, max_tokens=1)  # prefill ends at the first token
+            sender = self.worker.sender(dest.transport)
+            self.worker.jobs[rid] = _Job(sender.open(dest), done, time.perf_counter())
+            engine.scheduler.add(seq)
+
+        try:
+            self.worker.call(add).result()
+        except ValueError as exc:
+            metrics.REQUESTS.labels("prefill", "invalid").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TransferError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        context.add_callback(lambda: self.worker.call(lambda e: self.worker._fail(rid, RuntimeError("cancelled"))))
+        try:
+            token, state, seconds = done.result(timeout=context.time_remaining())
+        except TransferError as exc:
+            metrics.REQUESTS.labels("prefill", "transfer_error").inc()
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}")
+        except TimeoutError:
+            self.worker.call(lambda e: self.worker._fail(rid, TimeoutError("deadline")))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill deadline exceeded")
+        except Exception as exc:  # noqa: BLE001
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+        metrics.REQUESTS.labels("prefill", "ok").inc()
+        metrics.TOKENS.labels("prefill", "prompt").inc(len(prompt))
+        metrics.PREFILL_SECONDS.observe(seconds)
+        metrics.KV_FREE_BLOCKS.labels("prefill").set(self.engine.kv.allocator.num_free)
+        return internal_pb2.PrefillResponse(first_token_id=token, rng_state=state, prefill_seconds=seconds)
+
+    def close(self) -> None:
+        self.worker.stop()
+        for sender in self.worker.senders.values():
+            sender.close()
+
+
+def parse_args(argv: list[str] | None = None) -> PrefillConfig:
+    p = argparse.ArgumentParser(prog="python -m prefill_service", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+    p.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp",
+                   help="backend used for pushes (the destination names the transport per request)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-tokens", type=int, default=65536)
+    p.add_argument("--max-prefill-tokens", type=int, default=4096, help="chunked-prefill budget per step")
+    a = p.parse_args(argv)
+    return PrefillConfig(a.model, a.host, a.port, a.metrics_port, a.kv_transport, a.dtype, a.block_size,
+                         a.kv_cache_tokens, a.max_prefill_tokens)
+
+
+def serve(cfg: PrefillConfig) -> tuple[grpc.Server, int, PrefillServicer]:
+    servicer = PrefillServicer(cfg)
+    server, port, health = build_server(
+        cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(servicer, s)], [SERVICE])
+    server.start()
+    set_serving(health, [SERVICE])
+    return server, port, servicer
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
+    cfg = parse_args(argv)
+    metrics.start_metrics_server(cfg.metrics_port)
+    server, port, servicer = serve(cfg)
+    print(f"prefill_service listening on {cfg.host}:{port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+    servicer.close()
+    sys.exit(0)

@@ -1,0 +1,1 @@
+"""Router: the public gRPC front door (Generate), instance choice, and the `pdserve` CLI."""

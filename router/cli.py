@@ -1,0 +1,210 @@
+"""`pdserve` command line.
+
+    pdserve up [--model DIR] [--num-prefill M] [--num-decode N] [--port 50051] [--kv-transport tcp|mooncake]
+        all-in-one on loopback: router + M prefill + N decode subprocesses; default model is the
+        embedded tiny model (generated on first use under ./models/tiny-v32); Ctrl-C stops all.
+    pdserve generate "text" | --prompt-token-ids 1 2 3 [--address 127.0.0.1:50051] [--max-tokens 32] ...
+        streams one request to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.loader.tiny import ensure_tiny_model
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+DEFAULT_MODEL = "models/tiny-v32"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float = 180.0, proc: subprocess.Popen | None = None) -> None:
+    """Block until the gRPC health check at `address` says SERVING."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise TimeoutError(f"{address} did not become SERVING within {timeout}s")
+
+
+@dataclass
+class Cluster:
+    """Router + M prefill + N decode subprocesses on loopback."""
+
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    port: int = 0
+    kv_transport: str = "tcp"
+    host: str = "127.0.0.1"
+    extra_prefill: list[str] = field(default_factory=list)
+    extra_decode: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    prefill_addrs: list[str] = field(default_factory=list)
+    decode_addrs: list[str] = field(default_factory=list)
+    address: str = ""
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        out = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def start(self, timeout: float = 240.0) -> Cluster:
+        common = ["--model", self.model, "--host", self.host]
+        waits = []
+        try:
+            for i in range(self.num_decode):
+                port = free_port(self.host)
+                addr = f"{self.host}:{port}"
+                proc = self._spawn(f"decode{i}", ["decode_service", *common, "--port", str(port),
+                                                  "--kv-transport", self.kv_transport, *self.extra_decode])
+                self.decode_addrs.append(addr)
+                waits.append((addr, proc))
+            for i in range(self.num_prefill):
+                port = free_port(self.host)
+                addr = f"{self.host}:{port}"
+                proc = self._spawn(f"prefill{i}", ["prefill_service", *common, "--port", str(port),
+                                                   "--kv-transport", self.kv_transport, *self.extra_prefill])
+                self.prefill_addrs.append(addr)
+                waits.append((addr, proc))
+            router_port = self.port or free_port(self.host)
+            self.address = f"{self.host}:{router_port}"
+            proc = self._spawn("router", ["router", *common, "--port", str(router_port),
+                                          "--prefill", ",".join(self.prefill_addrs),
+                                          "--decode", ",".join(self.decode_addrs)])
+            waits.append((self.address, proc))
+            for addr, proc in waits:
+                wait_serving(addr, timeout, proc)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs.clear()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    model = args.model or str(ensure_tiny_model(DEFAULT_MODEL))
+    cluster = Cluster(model, args.num_prefill, args.num_decode, args.port, args.kv_transport,
+                      log_dir=Path(args.log_dir) if args.log_dir else None)
+    print(f"starting {args.num_prefill} prefill + {args.num_decode} decode + router on {model} ...", flush=True)
+    cluster.start()
+    print(f"pdserve up: router at {cluster.address}; prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}")
+    print("Ctrl-C to stop", flush=True)
+    try:
+        while all(p.poll() is None for p in cluster.procs):
+            time.sleep(0.5)
+        print("a service exited; stopping the rest", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+        print("stopped")
+
+
+def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+    sp = generation_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                       top_k=args.top_k, ignore_eos=args.ignore_eos, stop=args.stop or [])
+    if args.seed is not None:
+        sp.seed = args.seed
+    return generation_pb2.GenerateRequest(prompt=args.prompt or "", prompt_token_ids=args.prompt_token_ids or [],
+                                          sampling_params=sp)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    with grpc.insecure_channel(args.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        t0, first, ids = time.perf_counter(), None, []
+        try:
+            for msg in stub.Generate(build_request(args), timeout=args.timeout):
+                if first is None and msg.token_ids:
+                    first = time.perf_counter()
+                ids.extend(msg.token_ids)
+                print(msg.text if msg.text else "".join(f" {t}" for t in msg.token_ids), end="", flush=True)
+                if msg.finish_reason:
+                    print(f"\n[finish={msg.finish_reason} prompt_tokens={msg.usage.prompt_tokens} "
+                          f"completion_tokens={msg.usage.completion_tokens} "
+                          f"ttft={1e3 * ((first or t0) - t0):.1f}ms]")
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            sys.exit(1)
+    if args.show_ids:
+        print("token ids:", ids)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="run router + prefill + decode on loopback")
+    up.add_argument("--model", default=None, help=f"checkpoint dir (default: embedded tiny model in {DEFAULT_MODEL})")
+    up.add_argument("--num-prefill", type=int, default=1)
+    up.add_argument("--num-decode", type=int, default=1)
+    up.add_argument("--port", type=int, default=50051, help="router port")
+    up.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
+    up.add_argument("--log-dir", default=None, help="write each service's log here")
+    up.set_defaults(fn=cmd_up)
+    gen = sub.add_parser("generate", help="stream one request from the router")
+    gen.add_argument("prompt", nargs="?", default=None)
+    gen.add_argument("--prompt-token-ids", type=int, nargs="+", default=None)
+    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=600.0)
+    gen.add_argument("--show-ids", action="store_true")
+    gen.set_defaults(fn=cmd_generate)
+    args = p.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The router: public `pdserve.v1.Generation/Generate`, relaying one request through
+decode.Reserve → prefill.Prefill (KV pushed to the reservation) → decode.Decode (token stream).
+
+    python -m router --model DIR --prefill HOST:PORT[,HOST:PORT...] --decode HOST:PORT[,...]
+                     [--host 127.0.0.1] [--port 50051] [--metrics-port 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from shared import metrics
+from shared.config import ModelConfig
+from shared.engine.sampler import SamplingParams
+from shared.engine.tokenizer import Tokenizer
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+from shared.rpc.service import build_server, channel, sampling_from_proto, set_serving
+
+log = logging.getLogger("pdserve.router")
+SERVICE = "pdserve.v1.Generation"
+# Fail fast on a dead peer instead of waiting for reconnect back-off.
+PEER_TIMEOUT = 10.0
+
+
+@dataclass
+class RouterConfig:
+    model: str
+    prefill: list[str]
+    decode: list[str]
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0
+    request_timeout: float = 600.0
+
+
+@dataclass
+class Instance:
+    address: str
+    stub: object
+    outstanding: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Pool:
+    """Instances of one kind; picks the one with the fewest requests in flight (ties: round robin)."""
+
+    def __init__(self, addresses: list[str], stub_cls):  # noqa: ANN001
+        self.instances = [Instance(a, stub_cls(channel(a))) for a in addresses]
+        self._rr = itertools.count()
+
+    def pick(self) -> Instance:
+        start = next(self._rr)
+        n = len(self.instances)
+        return min((self.instances[(start + i) % n] for i in range(n)), key=lambda inst: inst.outstanding)
+
+
+class _InFlight:
+    def __init__(self, inst: Instance):
+        self.inst = inst
+
+    def __enter__(self) -> Instance:
+        with self.inst.lock:
+            self.inst.outstanding += 1
+        return self.inst
+
+    def __exit__(self, *exc: object) -> None:
+        with self.inst.lock:
+            self.inst.outstanding -= 1
+
+
+class Invalid(ValueError):
+    pass
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, cfg: RouterConfig):
+        if not cfg.prefill or not cfg.decode:
+            raise ValueError("the router needs at least one --prefill and one --decode address")
+        self.cfg = cfg
+        self.model_config = ModelConfig.from_pretrained(cfg.model)
+        self.tokenizer = Tokenizer.from_model_dir(cfg.model, self.model_config.bos_token_id)
+        self.prefill = Pool(cfg.prefill, internal_pb2_grpc.PrefillStub)
+        self.decode = Pool(cfg.decode, internal_pb2_grpc.DecodeStub)
+
+    def validate(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """Return (prompt ids, params) or raise Invalid naming the field."""
+        has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
+        if has_text == has_ids:
+            raise Invalid("exactly one of prompt and prompt_token_ids must be set"
+                          + (" (both were)" if has_text else " (prompt is empty)"))
+        if has_text:
+            if self.tokenizer is None:
+                raise Invalid("prompt: this model has no tokenizer; send prompt_token_ids")
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            ids = list(request.prompt_token_ids)
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise Invalid(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        params = sampling_from_proto(request.sampling_params)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise Invalid(f"sampling_params.{exc}") from exc
+        limit = self.model_config.max_position_embeddings
+        if len(ids) + params.max_tokens > limit:
+            raise Invalid(f"sampling_params.max_tokens: prompt ({len(ids)} tokens) + max_tokens "
+                          f"({params.max_tokens}) exceeds the model's context of {limit}")
+        return ids, params
+
+    def Generate(self, request, context):  # noqa: N802
+        t0 = time.perf_counter()
+        try:
+            ids, params = self.validate(request)
+        except Invalid as exc:
+            metrics.REQUESTS.labels("router", "invalid").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id or uuid.uuid4().hex
+        deadline = context.time_remaining()
+        timeout = min(self.cfg.request_timeout, deadline) if deadline else self.cfg.request_timeout
+        sampling = request.sampling_params
+
+        with _InFlight(self.decode.pick()) as dec:
+            reserve = self._call(context, dec, lambda: dec.stub.Reserve(
+                internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens),
+                timeout=PEER_TIMEOUT))
+            lease_id = reserve.destination.lease_id
+            claimed = False
+            try:
+                with _InFlight(self.prefill.pick()) as pre:
+                    first = self._call(context, pre, lambda: pre.stub.Prefill(
+                        internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sampling,
+                                                    destination=reserve.destination), timeout=timeout))
+                stream = dec.stub.Decode(internal_pb2.DecodeRequest(
+                    request_id=rid, lease_id=lease_id, prompt_token_ids=ids, sampling_params=sampling,
+                    first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout)
+                claimed = True
+                context.add_callback(stream.cancel)
+                yield from self._relay(stream, context, rid, len(ids), t0)
+            finally:
+                if not claimed:
+                    try:
+                        dec.stub.Release(internal_pb2.ReleaseRequest(lease_id=lease_id), timeout=PEER_TIMEOUT)
+                    except grpc.RpcError:
+                        pass  # the lease expires on its own
+
+    def _relay(self, stream, context, rid: str, prompt_tokens: int, t0: float):  # noqa: ANN001, ANN202
+        n, t_first, t_last = 0, None, None
+        try:
+            for msg in stream:
+                now = time.perf_counter()
+                if msg.token_ids:
+                    if t_first is None:
+                        t_first = now
+                        metrics.TTFT.observe(now - t0)
+                    elif t_last is not None:
+                        metrics.TPOT.observe((now - t_last) / len(msg.token_ids))
+                    t_last = now
+                    n += len(msg.token_ids)
+                out = generation_pb2.GenerateResponse(token_ids=msg.token_ids, text=msg.text,
+                                                      finish_reason=msg.finish_reason, request_id=rid)
+                if msg.finish_reason:
+                    out.usage.prompt_tokens, out.usage.completion_tokens = prompt_tokens, n
+                    metrics.REQUESTS.labels("router", msg.finish_reason).inc()
+                yield out
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED and not context.is_active():
+                metrics.REQUESTS.labels("router", "cancelled").inc()
+                return
+            metrics.REQUESTS.labels("router", "error").inc()
+            context.abort(_map_code(exc.code()), f"decode stream failed: {exc.details()}")
+        metrics.TOKENS.labels("router", "output").inc(n)
+
+    @staticmethod
+    def _call(context, inst: Instance, fn):  # noqa: ANN001, ANN205
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            metrics.REQUESTS.labels("router", "error").inc()
+            context.abort(_map_code(exc.code()), f"{inst.address}: {exc.details()}")
+
+
+def _map_code(code: grpc.StatusCode) -> grpc.StatusCode:
+    """Peer failures surface as UNAVAILABLE; the peer's own verdicts pass through."""
+    passthrough = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+    return code if code in passthrough else grpc.StatusCode.UNAVAILABLE
+
+
+def parse_args(argv: list[str] | None = None) -> RouterConfig:
+    p = argparse.ArgumentParser(prog="python -m router", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json + tokenizer.json are read)")
+    p.add_argument("--prefill", required=True, help="comma-separated prefill instance addresses")
+    p.add_argument("--decode", required=True, help="comma-separated decode instance addresses")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    a = p.parse_args(argv)
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    return RouterConfig(a.model, split(a.prefill), split(a.decode), a.host, a.port, a.metrics_port,
+                        a.request_timeout)
+
+
+def serve(cfg: RouterConfig) -> tuple[grpc.Server, int, GenerationServicer]:
+    servicer = GenerationServicer(cfg)
+    server, port, health = build_server(
+        cfg.host, cfg.port, [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
+        [SERVICE], max_workers=256)
+    server.start()
+    set_serving(health, [SERVICE])
+    return server, port, servicer
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    cfg = parse_args(argv)
+    metrics.start_metrics_server(cfg.metrics_port)
+    server, port, _ = serve(cfg)
+    print(f"router listening on {cfg.host}:{port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+    sys.exit(0)

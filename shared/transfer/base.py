@@ -1,0 +1,152 @@
+"""KV transfer interface: a prefill instance pushes one request's per-layer MLA and indexer blocks
+into blocks a decode instance reserved under a lease.
+
+Both backends move the same thing — for each layer and each cache kind ("mla", "index"), whole
+blocks of the pool described by KVLayout, source block i of the request → destination block i of
+the lease — and end with a commit, after which the decode side knows every layer arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.kvcache import KVCache, KVLayout
+
+
+class TransferError(RuntimeError):
+    """A push failed (peer gone, lease refused, layout mismatch)."""
+
+
+@dataclass
+class Destination:
+    """Where to push one request's KV (mirrors pdserve.v1.KVDestination)."""
+
+    transport: str
+    endpoint: str
+    lease_id: str
+    token: bytes
+    block_ids: list[int]
+    layout: dict
+    mla_base: list[int] = field(default_factory=list)
+    index_base: list[int] = field(default_factory=list)
+    control_endpoint: str = ""
+
+    def to_proto(self, msg_cls):  # noqa: ANN001 - generated message class
+        return msg_cls(transport=self.transport, endpoint=self.endpoint, lease_id=self.lease_id, token=self.token,
+                       block_ids=self.block_ids, layout_json=json.dumps(self.layout), mla_base=self.mla_base,
+                       index_base=self.index_base, control_endpoint=self.control_endpoint)
+
+    @classmethod
+    def from_proto(cls, msg) -> Destination:  # noqa: ANN001
+        return cls(msg.transport, msg.endpoint, msg.lease_id, bytes(msg.token), list(msg.block_ids),
+                   json.loads(msg.layout_json or "{}"), list(msg.mla_base), list(msg.index_base),
+                   msg.control_endpoint)
+
+
+def cache_kinds(layout: KVLayout) -> tuple[str, ...]:
+    return ("mla", "index") if layout.has_index else ("mla",)
+
+
+def pool_of(kv: KVCache, kind: str) -> torch.Tensor:
+    """[layers, blocks, block_size, dim] tensor of one cache kind."""
+    pool = kv.mla if kind == "mla" else kv.index
+    if pool is None:
+        raise TransferError(f"this pool has no {kind!r} cache")
+    return pool
+
+
+def block_bytes(layout: KVLayout, kind: str) -> int:
+    per_token = layout.mla_bytes_per_token if kind == "mla" else layout.index_bytes_per_token
+    return per_token * layout.block_size
+
+
+class KVPush(ABC):
+    """One request's push session. `send_layer` only queues (it is called from the model's
+    layer_done hook, so the wire work overlaps the next layer's compute); `finish` waits for every
+    queued write and commits; `abort` drops the session."""
+
+    def __init__(self, kv: KVCache, dest: Destination):
+        if dest.layout != kv.layout.describe():
+            raise TransferError(f"KV layout mismatch: destination {dest.layout} != source {kv.layout.describe()}")
+        self.kv, self.dest = kv, dest
+        self.kinds = cache_kinds(kv.layout)
+        self.bytes_sent = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kv-push-{dest.lease_id[:8]}", daemon=True)
+        self._thread.start()
+
+    def send_layer(self, layer: int, src_blocks: list[int], first: int) -> None:
+        """Queue layer `layer`'s blocks `src_blocks` → the lease's blocks [first, first + len)."""
+        if first + len(src_blocks) > len(self.dest.block_ids):
+            raise TransferError(f"push of {first + len(src_blocks)} blocks exceeds the lease's "
+                                f"{len(self.dest.block_ids)}")
+        self._queue.put((layer, list(src_blocks), first))
+
+    def finish(self, timeout: float = 60.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TransferError("KV push did not finish in time")
+        if self._error is not None:
+            raise TransferError(str(self._error)) from self._error
+        self._commit()
+
+    def abort(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+        self._close()
+
+    def _run(self) -> None:
+        try:
+            self._connect()
+            while (item := self._queue.get()) is not None:
+                if self._error is None:
+                    layer, src, first = item
+                    for kind in self.kinds:
+                        self._write(layer, kind, src, first)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by finish()
+            self._error = exc
+            while self._queue.get() is not None:  # drain so finish() returns
+                pass
+
+    @abstractmethod
+    def _connect(self) -> None: ...
+
+    @abstractmethod
+    def _write(self, layer: int, kind: str, src_blocks: list[int], first: int) -> None: ...
+
+    @abstractmethod
+    def _commit(self) -> None: ...
+
+    def _close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class KVReceiver(ABC):
+    """Decode side of a transport: accepts writes into leased blocks and commits."""
+
+    transport: str
+
+    @abstractmethod
+    def destination(self, lease) -> Destination:  # noqa: ANN001 - kvcache.lease.Lease
+        """The descriptor a prefill instance needs to push into `lease`."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class KVSender(ABC):
+    """Prefill side of a transport: opens one push session per request."""
+
+    @abstractmethod
+    def open(self, dest: Destination) -> KVPush: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass

@@ -1,0 +1,113 @@
+"""Mooncake Transfer Engine transport: one-sided writes (RDMA on clusters, `tcp` protocol in tests).
+
+Both sides register their whole KV pools with a Mooncake TransferEngine started in P2PHANDSHAKE
+mode (no metadata server). The decode side's descriptor carries its Mooncake session id and the
+per-layer base addresses of its pools; the prefill side writes each block straight to
+`base[layer] + block * block_bytes`. Mooncake has no completion notice to the target, so after the
+writes the pusher reports the written layers and commits over the decode side's TCP control
+endpoint (the built-in receiver), exactly like a TCP push.
+
+Needs `pip install mooncake-transfer-engine-non-cuda` and the system libraries libibverbs1 and
+librdmacm1 (`make` installs both).
+"""
+
+from __future__ import annotations
+
+from shared.kvcache import KVCache
+from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
+from shared.transfer.tcp import TcpReceiver, commit_over_tcp
+
+
+def mooncake_available() -> bool:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing wheel or system libraries
+        return False
+    return True
+
+
+class _Engine:
+    """A TransferEngine with the KV pools registered."""
+
+    def __init__(self, kv: KVCache, host: str, protocol: str, device_name: str = ""):
+        try:
+            from mooncake.engine import TransferEngine
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"Mooncake transfer engine unavailable: {exc}") from exc
+        self.engine = TransferEngine()
+        if self.engine.initialize(host, "P2PHANDSHAKE", protocol, device_name) != 0:
+            raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {protocol}) failed")
+        self.session_id = f"{host}:{self.engine.get_rpc_port()}"
+        self.kv = kv
+        self.pools = [kv.mla] + ([kv.index] if kv.index is not None else [])
+        for pool in self.pools:
+            if self.engine.register_memory(pool.data_ptr(), pool.numel() * pool.element_size()) != 0:
+                raise TransferError("Mooncake register_memory failed")
+
+    def layer_bases(self, kind: str) -> list[int]:
+        pool = pool_of(self.kv, kind)
+        stride = pool.stride(0) * pool.element_size()
+        return [pool.data_ptr() + layer * stride for layer in range(pool.shape[0])]
+
+    def close(self) -> None:
+        for pool in self.pools:
+            self.engine.unregister_memory(pool.data_ptr())
+
+
+class MooncakeReceiver(KVReceiver):
+    transport = "mooncake"
+
+    def __init__(self, kv: KVCache, control: TcpReceiver, host: str = "127.0.0.1", protocol: str = "tcp",
+                 device_name: str = ""):
+        self.kv, self.control = kv, control
+        self._engine = _Engine(kv, host, protocol, device_name)
+
+    def destination(self, lease) -> Destination:  # noqa: ANN001
+        return Destination("mooncake", self._engine.session_id, lease.lease_id, lease.token, list(lease.blocks),
+                           self.kv.layout.describe(), mla_base=self._engine.layer_bases("mla"),
+                           index_base=self._engine.layer_bases("index") if self.kv.index is not None else [],
+                           control_endpoint=self.control.endpoint)
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+class MooncakePush(KVPush):
+    def __init__(self, kv: KVCache, dest: Destination, engine: _Engine):
+        self._engine = engine
+        self._marks: set[tuple[int, str]] = set()
+        super().__init__(kv, dest)
+
+    def _connect(self) -> None:
+        pass  # P2P handshake happens on the first transfer
+
+    def _write(self, layer: int, kind: str, src_blocks: list[int], first: int) -> None:
+        nbytes = block_bytes(self.kv.layout, kind)
+        src_base = self._engine.layer_bases(kind)[layer]
+        dst_base = (self.dest.mla_base if kind == "mla" else self.dest.index_base)[layer]
+        dst_blocks = self.dest.block_ids[first : first + len(src_blocks)]
+        rc = self._engine.engine.batch_transfer_sync_write(
+            self.dest.endpoint,
+            [src_base + b * nbytes for b in src_blocks],
+            [dst_base + b * nbytes for b in dst_blocks],
+            [nbytes] * len(src_blocks),
+        )
+        if rc != 0:
+            raise TransferError(f"Mooncake write to {self.dest.endpoint} failed (rc={rc})")
+        self.bytes_sent += nbytes * len(src_blocks)
+        self._marks.add((layer, kind))
+
+    def _commit(self) -> None:
+        commit_over_tcp(self.dest.control_endpoint, self.dest.lease_id, self.dest.token, sorted(self._marks))
+
+
+class MooncakeSender(KVSender):
+    def __init__(self, kv: KVCache, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
+        self.kv = kv
+        self._engine = _Engine(kv, host, protocol, device_name)
+
+    def open(self, dest: Destination) -> KVPush:
+        return MooncakePush(self.kv, dest, self._engine)
+
+    def close(self) -> None:
+        self._engine.close()
