@@ -34,7 +34,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m shared.engine.offline_demo
+	$(PY) -m router.demo
 
 bench: $(STAMP)
 	$(PY) bench/engine_throughput.py

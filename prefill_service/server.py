@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from shared import metrics
-from shared.engine import EngineConfig, LLMEngine, StepEvent
+from shared.engine import EngineConfig, LLMEngine, SamplingParams, StepEvent
 from shared.engine.scheduler import ScheduledChunk
 from shared.engine.worker import EngineWorker
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -102,6 +102,28 @@ class PrefillWorker(EngineWorker):
             job.done.set_result((tok, state, time.perf_counter() - job.started))
         return events
 
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
+        """Queue a prompt whose KV goes to `dest`; the Future yields (first token, rng state, seconds).
+        Raises ValueError (bad request) or TransferError (bad destination) right away."""
+        done: Future = Future()
+
+        def add(engine: LLMEngine) -> None:
+            seq = engine.make_sequence(prompt, params, request_id)  # validates against the real params
+            seq.params = dataclasses.replace(params, max_tokens=1)  # prefill ends at the first token
+            try:
+                push = self.sender(dest.transport).open(dest)
+            except BaseException:
+                engine.abort(request_id)
+                raise
+            self.jobs[request_id] = _Job(push, done, time.perf_counter())
+            engine.scheduler.add(seq)
+
+        self.call(add).result()
+        return done
+
+    def cancel(self, request_id: str, reason: BaseException) -> None:
+        self.call(lambda engine: self._fail(request_id, reason))
+
     def _blocks(self, c: ScheduledChunk) -> tuple[list[int], int]:
         """Source blocks touched by this chunk and the lease index of the first one."""
         bs = self.engine.layout.block_size
@@ -137,31 +159,22 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         params = sampling_from_proto(request.sampling_params)
         dest = Destination.from_proto(request.destination)
         prompt = list(request.prompt_token_ids)
-        done: Future = Future()
         rid = request.request_id
-
-        def add(engine: LLMEngine) -> None:
-            seq = engine.make_sequence(prompt, params, rid)  # validates against the real params
-            seq.params = dataclasses.replace(params, max_tokens=1)  # prefill ends at the first token
-            sender = self.worker.sender(dest.transport)
-            self.worker.jobs[rid] = _Job(sender.open(dest), done, time.perf_counter())
-            engine.scheduler.add(seq)
-
         try:
-            self.worker.call(add).result()
+            done = self.worker.submit(rid, prompt, params, dest)
         except ValueError as exc:
             metrics.REQUESTS.labels("prefill", "invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        context.add_callback(lambda: self.worker.call(lambda e: self.worker._fail(rid, RuntimeError("cancelled"))))
+        context.add_callback(lambda: self.worker.cancel(rid, RuntimeError("cancelled")))
         try:
             token, state, seconds = done.result(timeout=context.time_remaining())
         except TransferError as exc:
             metrics.REQUESTS.labels("prefill", "transfer_error").inc()
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}")
         except TimeoutError:
-            self.worker.call(lambda e: self.worker._fail(rid, TimeoutError("deadline")))
+            self.worker.cancel(rid, TimeoutError("deadline"))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill deadline exceeded")
         except Exception as exc:  # noqa: BLE001
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")

@@ -113,7 +113,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> list[ScheduledChunk]:
         budget, chunks = self.max_prefill_tokens, []
-        for seq in [s for s in self.running if s.is_prefilling]:
+        for seq in [s for s in self.running if s.is_prefilling and s.num_uncached > 0]:
             n = min(seq.num_uncached, budget)
             if n <= 0 or not self._ensure_blocks(seq, seq.num_cached + n):
                 break

@@ -157,8 +157,14 @@ class TcpReceiver(KVReceiver):
         conn.sendall(struct.pack("!BH", status, len(data)) + data)
 
     def _refuse(self, conn: socket.socket, message: str) -> None:
+        """Reply, then drain what the peer already sent: closing with unread bytes would reset the
+        connection and lose the reply."""
         try:
             self._reply(conn, REFUSED, message)
+            conn.shutdown(socket.SHUT_WR)
+            conn.settimeout(2)
+            while conn.recv(1 << 16):
+                pass
         except OSError:
             pass
 

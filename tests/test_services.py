@@ -1,0 +1,225 @@
+"""Disaggregated serving end to end: router, prefill and decode as real subprocesses on 127.0.0.1."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from router.cli import Cluster, free_port
+from shared.engine import LLM, SamplingParams
+from shared.loader.tokenizer_train import train_tokenizer
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+from shared.transfer.mooncake import mooncake_available
+from tests.helpers import load_reference, random_prompts, reference_greedy
+
+TRANSPORTS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not mooncake_available(), reason="Mooncake transfer engine not installed (make installs it)"))]
+LEASE_SECONDS = 2.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(ckpt, tmp_path_factory):
+    """The sparse v32 test checkpoint (written by transformers) plus a tokenizer for text prompts."""
+    path = tmp_path_factory.mktemp("served") / "model"
+    shutil.copytree(ckpt("v32_sparse"), path)
+    train_tokenizer(512, path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def cluster(request, model_dir, tmp_path_factory):
+    c = Cluster(str(model_dir), kv_transport=request.param, log_dir=tmp_path_factory.mktemp(f"logs-{request.param}"),
+                extra_decode=["--lease-seconds", str(LEASE_SECONDS), "--block-size", "4"],
+                extra_prefill=["--block-size", "4", "--max-prefill-tokens", "16"])
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def local_llm(model_dir):
+    return LLM(str(model_dir), block_size=4)
+
+
+def generate(address: str, timeout: float = 60, **kwargs) -> list[generation_pb2.GenerateResponse]:
+    params = kwargs.pop("sampling_params", None)
+    req = generation_pb2.GenerateRequest(sampling_params=params, **kwargs)
+    with grpc.insecure_channel(address) as ch:
+        return list(generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=timeout))
+
+
+def greedy(max_tokens: int = 12) -> generation_pb2.SamplingParams:
+    return generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def tokens(msgs) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+def decode_load(cluster) -> internal_pb2.LoadReport:
+    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+        return internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=5)
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_greedy_equals_in_process_and_reference(cluster, local_llm, model_dir):
+    ref = load_reference(model_dir)
+    prompts = random_prompts(8, [3, 9, 17, 30, 5, 12, 22, 40], 512, seed=30)
+    local = local_llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, local):
+        msgs = generate(cluster.address, prompt_token_ids=prompt, sampling_params=greedy())
+        assert tokens(msgs) == out.token_ids == reference_greedy(ref, prompt, 12)
+        last = msgs[-1]
+        assert last.finish_reason == "length"
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 12)
+
+
+def test_text_prompt_streams_text(cluster, local_llm):
+    msgs = generate(cluster.address, prompt="Hello world", sampling_params=greedy(8))
+    local = local_llm.generate("Hello world", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert tokens(msgs) == local.token_ids
+    assert "".join(m.text for m in msgs) == local.text
+    assert all(len(m.token_ids) == 1 for m in msgs)  # one message per step
+
+
+def test_seeded_sampling_matches_in_process(cluster, local_llm):
+    sp = generation_pb2.SamplingParams(max_tokens=10, temperature=1.3, top_p=0.95, seed=11, ignore_eos=True)
+    prompt = random_prompts(1, [15], 512, seed=31)[0]
+    local = local_llm.generate([prompt], SamplingParams(max_tokens=10, temperature=1.3, top_p=0.95, seed=11,
+                                                        ignore_eos=True))[0]
+    assert tokens(generate(cluster.address, prompt_token_ids=prompt, sampling_params=sp)) == local.token_ids
+
+
+def test_32_concurrent_streams(cluster, local_llm):
+    prompts = random_prompts(32, [4, 11, 19, 27, 35], 512, seed=32)
+    expected = [o.token_ids for o in local_llm.generate(
+        prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))]
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = tokens(generate(cluster.address, prompt_token_ids=prompts[i], sampling_params=greedy(10)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results.get(i) for i in range(32)] == expected
+    assert wait_for(lambda: decode_load(cluster).free_blocks == decode_load(cluster).total_blocks)
+
+
+BAD_REQUESTS = [
+    ("prompt", dict(prompt="", sampling_params=greedy())),
+    ("both", dict(prompt="hi", prompt_token_ids=[3, 4], sampling_params=greedy())),
+    ("prompt_token_ids", dict(prompt_token_ids=[3, 100000], sampling_params=greedy())),
+    ("prompt_token_ids", dict(prompt_token_ids=[3, -1], sampling_params=greedy())),
+    ("max_tokens", dict(prompt_token_ids=[3], sampling_params=generation_pb2.SamplingParams(max_tokens=0))),
+    ("max_tokens", dict(prompt_token_ids=[3], sampling_params=generation_pb2.SamplingParams(max_tokens=-5))),
+    ("max_tokens", dict(prompt_token_ids=[3] * 10, sampling_params=generation_pb2.SamplingParams(max_tokens=510))),
+    ("temperature", dict(prompt_token_ids=[3], sampling_params=generation_pb2.SamplingParams(temperature=-0.5))),
+    ("top_p", dict(prompt_token_ids=[3], sampling_params=generation_pb2.SamplingParams(top_p=0.0))),
+    ("top_p", dict(prompt_token_ids=[3], sampling_params=generation_pb2.SamplingParams(top_p=1.5))),
+    ("top_k", dict(prompt_token_ids=[3], sampling_params=generation_pb2.SamplingParams(top_k=-3))),
+]
+
+
+@pytest.mark.parametrize("field,kwargs", BAD_REQUESTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_REQUESTS)])
+def test_bad_input_is_invalid_argument(cluster, field, kwargs):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(cluster.address, **kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    # nothing crashed: a good request still works
+    assert tokens(generate(cluster.address, prompt_token_ids=[5, 6], sampling_params=greedy(2)))
+
+
+def test_cancel_frees_decode_blocks(cluster):
+    initial = decode_load(cluster).total_blocks
+    with grpc.insecure_channel(cluster.address) as ch:
+        call = generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
+            prompt_token_ids=[5, 6, 7], sampling_params=greedy(400)), timeout=60)
+        got = 0
+        for msg in call:
+            got += len(msg.token_ids)
+            if got >= 3:
+                assert decode_load(cluster).free_blocks < initial  # the request holds blocks
+                call.cancel()
+                break
+    assert wait_for(lambda: decode_load(cluster).free_blocks == initial)
+    assert decode_load(cluster).running == 0
+
+
+def test_unused_reservation_expires(cluster):
+    total = decode_load(cluster).total_blocks
+    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+        reply = internal_pb2_grpc.DecodeStub(ch).Reserve(
+            internal_pb2.ReserveRequest(request_id="never-used", num_prompt_tokens=20, max_tokens=20), timeout=5)
+    assert len(reply.destination.block_ids) == 10  # 40 tokens / block size 4
+    load = decode_load(cluster)
+    assert load.free_blocks == total - 10 and load.active_leases == 1
+    assert wait_for(lambda: decode_load(cluster).free_blocks == total, timeout=LEASE_SECONDS + 5)
+    assert decode_load(cluster).active_leases == 0
+
+
+def test_decode_refuses_incomplete_lease(cluster):
+    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+        stub = internal_pb2_grpc.DecodeStub(ch)
+        reply = stub.Reserve(internal_pb2.ReserveRequest(request_id="x", num_prompt_tokens=4, max_tokens=4), timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Decode(internal_pb2.DecodeRequest(lease_id=reply.destination.lease_id, prompt_token_ids=[1, 2],
+                                                        first_token_id=3), timeout=5))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "incomplete" in err.value.details()
+        assert stub.Release(internal_pb2.ReleaseRequest(lease_id=reply.destination.lease_id), timeout=5).released
+
+
+def test_health_and_reflection(cluster):
+    expected = {cluster.address: "pdserve.v1.Generation", cluster.prefill_addrs[0]: "pdserve.v1.Prefill",
+                cluster.decode_addrs[0]: "pdserve.v1.Decode"}
+    for address, service in expected.items():
+        with grpc.insecure_channel(address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for name in ("", service):
+                status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(ch)
+            reply = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            names = {s.name for s in reply.list_services_response.service}
+            assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_dead_peer_is_unavailable_fast(model_dir):
+    from router.server import RouterConfig, serve
+
+    dead = f"127.0.0.1:{free_port()}"
+    server, port, _ = serve(RouterConfig(str(model_dir), [dead], [dead], port=0))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            generate(f"127.0.0.1:{port}", prompt_token_ids=[5, 6], sampling_params=greedy(2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 15
+    finally:
+        server.stop(0)
+
+
+def test_metrics_endpoint(model_dir):
+    port = free_port()
+    with Cluster(str(model_dir), extra_decode=["--metrics-port", str(port)]) as c:
+        generate(c.address, prompt_token_ids=[5, 6, 7], sampling_params=greedy(3))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "pdserve_kv_free_blocks" in body and 'pdserve_tokens_total{kind="output",service="decode"} 3.0' in body

@@ -1,0 +1,105 @@
+"""KV transfer: what decode receives is bitwise what the engine computes; leases guard every write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefill_service.server import PrefillWorker
+from shared.engine import EngineConfig, LLMEngine, SamplingParams
+from shared.kvcache import KVCache
+from shared.kvcache.lease import LeaseTable
+from shared.rpc import codegen
+from shared.transfer import TcpReceiver, TransferError, make_sender
+from shared.transfer.base import cache_kinds
+from shared.transfer.mooncake import MooncakeReceiver, mooncake_available
+from tests.helpers import random_prompts
+
+TRANSPORTS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not mooncake_available(), reason="Mooncake transfer engine not installed (make installs it)"))]
+
+
+def _decode_side(layout, transport: str, ttl: float = 30.0):
+    kv = KVCache(layout, 64, torch.device("cpu"))
+    leases = LeaseTable(kv.allocator, layout.block_size, layout.num_layers, cache_kinds(layout), ttl)
+    tcp = TcpReceiver(kv, leases)
+    receiver = MooncakeReceiver(kv, tcp) if transport == "mooncake" else tcp
+    return kv, leases, receiver
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_received_kv_is_bitwise_local(ckpt, transport):
+    config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4, max_prefill_tokens=9)  # chunked pushes
+    prefill = LLMEngine(config)
+    worker = PrefillWorker(prefill, transport)
+    kv, leases, receiver = _decode_side(prefill.layout, transport)
+    prompts = random_prompts(3, [23, 6, 14], 512, seed=40)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    futures, lease_of = [], {}
+    for i, prompt in enumerate(prompts):
+        lease = leases.reserve(f"r{i}", len(prompt) + 4)
+        lease_of[i] = lease
+        futures.append(worker.submit(f"r{i}", prompt, params, receiver.destination(lease)))
+    firsts = [f.result(timeout=60)[0] for f in futures]
+    worker.stop()
+
+    # The same schedule computed locally, without any transfer.
+    local = LLMEngine(config)
+    seqs = [local.add_request(p, params, f"r{i}") for i, p in enumerate(prompts)]
+    while any(s.num_cached < len(s.prompt_token_ids) for s in seqs):
+        chunks = local.scheduler.schedule()
+        local.sample(chunks, local.run_chunks(chunks))
+    for i, (seq, prompt) in enumerate(zip(seqs, prompts)):
+        lease = leases.claim(lease_of[i].lease_id)  # complete: every layer of both caches arrived
+        for layer in range(local.layout.num_layers):
+            got = kv.read_tokens(lease.blocks, len(prompt), layer)
+            want = local.kv.read_tokens(seq.block_table, len(prompt), layer)
+            assert set(got) == {"mla", "index"}
+            for kind in got:
+                assert torch.equal(got[kind], want[kind]), (i, layer, kind)
+    assert all(isinstance(t, int) for t in firsts)
+    assert prefill.kv.allocator.num_free == prefill.kv.num_blocks  # prefill freed everything
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_writes_need_a_live_lease_and_its_token(ckpt, transport):
+    engine = LLMEngine(EngineConfig(model=str(ckpt("v32_sparse")), block_size=4))
+    kv, leases, receiver = _decode_side(engine.layout, transport)
+    sender = make_sender(transport, engine.kv)
+    lease = leases.reserve("a", 8)
+    dest = receiver.destination(lease)
+    dest.token = b"\0" * 16
+    push = sender.open(dest)
+    push.send_layer(0, [0, 1], 0)
+    with pytest.raises(TransferError, match="token"):
+        push.finish()
+    leases.release(lease.lease_id)
+    push = sender.open(receiver.destination(lease))  # released: unknown lease
+    push.send_layer(0, [0, 1], 0)
+    with pytest.raises(TransferError, match="unknown or expired"):
+        push.finish()
+    assert kv.allocator.num_free == kv.num_blocks
+
+
+def test_lease_expiry_and_release_free_blocks(ckpt):
+    engine = LLMEngine(EngineConfig(model=str(ckpt("v32_sparse")), block_size=4))
+    kv, leases, _ = _decode_side(engine.layout, "tcp", ttl=0.0)
+    leases.reserve("a", 30)
+    assert kv.allocator.num_free == kv.num_blocks - 8
+    assert leases.expire() == 1 and kv.allocator.num_free == kv.num_blocks
+
+
+def test_layout_mismatch_is_refused(ckpt):
+    a = LLMEngine(EngineConfig(model=str(ckpt("v32_sparse")), block_size=4))
+    b = LLMEngine(EngineConfig(model=str(ckpt("v32_sparse")), block_size=8))
+    kv, leases, receiver = _decode_side(b.layout, "tcp")
+    with pytest.raises(TransferError, match="layout"):
+        make_sender("tcp", a.kv).open(receiver.destination(leases.reserve("x", 4)))
+
+
+def test_generated_stubs_are_current(tmp_path):
+    fresh = {p.relative_to(tmp_path): p.read_text() for p in codegen.generate(tmp_path)}
+    assert fresh, "no stubs generated"
+    for rel, text in fresh.items():
+        committed = codegen.OUT_DIR / rel
+        assert committed.exists() and committed.read_text() == text, f"{rel} is stale: run python -m shared.rpc.codegen"
