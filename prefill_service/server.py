@@ -169,7 +169,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         context.add_callback(lambda: self.worker.cancel(rid, RuntimeError("cancelled")))
         try:
-            token, state, seconds = done.result(timeout=context.time_remaining())
+            remaining = context.time_remaining()  # huge (not None) when the caller set no deadline
+            token, state, seconds = done.result(timeout=remaining if remaining and remaining < 1e6 else None)
         except TransferError as exc:
             metrics.REQUESTS.labels("prefill", "transfer_error").inc()
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}")
