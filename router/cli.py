@@ -43,7 +43,8 @@ def wait_serving(address: str, timeout: float = 180.0, proc: subprocess.Popen | 
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process for {address} exited with {proc.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 time.sleep(0.2)
@@ -178,7 +179,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="run router + prefill + decode on loopback")
     up.add_argument("--model", default=None, help=f"checkpoint dir (default: embedded tiny model in {DEFAULT_MODEL})")

@@ -75,7 +75,10 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path):
                     prefix, e, proj = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
                     inter = model.config.moe_intermediate_size
                     stacked = params[f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"][e]
-                    got = stacked if proj == "down_proj" else stacked[:inter] if proj == "gate_proj" else stacked[inter:]
+                    if proj == "down_proj":
+                        got = stacked
+                    else:
+                        got = stacked[:inter] if proj == "gate_proj" else stacked[inter:]
                 else:
                     got = params[name]
                 assert torch.equal(got, expected), name

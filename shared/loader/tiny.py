@@ -110,7 +110,8 @@ def write_checkpoint(out_dir: str | Path, model_type: str = "deepseek_v32", seed
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     names = sorted(tensors)
     if shards <= 1:
-        save_file({n: tensors[n].contiguous() for n in names}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file({n: tensors[n].contiguous() for n in names}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
     else:
         weight_map, per = {}, -(-len(names) // shards)
         for i in range(shards):

@@ -27,7 +27,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MLA(cfg, dtype, indexer_numerics)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MoE(cfg, dtype) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        dense = cfg.is_moe_layer(layer_idx) is False
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype) if dense else MoE(cfg, dtype)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 kv: KVCache) -> torch.Tensor:
