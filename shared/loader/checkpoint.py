@@ -14,7 +14,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +24,8 @@ from safetensors import safe_open
 from shared.config import ModelConfig
 from shared.device import get_device, parse_dtype
 from shared.model import DeepseekForCausalLM
+from shared.model.moe import Experts
+from shared.parallel.state import ParallelState
 from shared.quant.fp8 import dequant_block_fp8
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -76,15 +78,21 @@ def checkpoint_files(path: Path) -> dict[str, list[str]]:
     return out
 
 
-def iter_tensors(path: Path, files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
-    """(name, tensor, scale_inv or None), scales paired with their weight even across shards."""
+def iter_tensors(path: Path, files: dict[str, list[str]], rows: Callable[[str], slice | None] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(name, tensor, scale_inv or None), scales paired with their weight even across shards.
+    `rows(name)` may return a slice of the first dim to read (others are never read), or None to
+    skip the tensor without reading it."""
     all_names = {n: fname for fname, names in files.items() for n in names}
     for fname, names in files.items():
         with safe_open(path / fname, "pt") as f:
             for name in names:
                 if name.endswith(".weight_scale_inv"):
                     continue
-                tensor = f.get_tensor(name)
+                part = rows(name) if rows is not None else slice(None)
+                if part is None:
+                    continue
+                tensor = f.get_tensor(name) if part == slice(None) else f.get_slice(name)[part]
                 scale = None
                 scale_name = name + "_scale_inv"
                 if scale_name in all_names:
@@ -110,11 +118,26 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
     cfg = model.config
     params = dict(model.named_parameters())
     files = checkpoint_files(path)
-    n_tensors = sum(1 for names in files.values() for n in names if not n.endswith("_scale_inv"))
+    spans = {name: (m.first_expert, m.first_expert + m.num_local)
+             for name, m in model.named_modules() if isinstance(m, Experts)}
+
+    def rows(name: str) -> slice | None:
+        """Expert parallelism: read only this rank's experts."""
+        expert = _EXPERT.match(name)
+        if expert:
+            lo, hi = spans[expert.group(1)]
+            return slice(None) if lo <= int(expert.group(2)) < hi else None
+        prefix = name.rsplit(".", 1)[0]
+        if prefix in spans and name.endswith((".gate_up_proj", ".down_proj")):
+            return slice(*spans[prefix])
+        return slice(None)
+
+    n_tensors = sum(1 for names in files.values() for n in names
+                    if not n.endswith("_scale_inv") and rows(n) is not None)
     bar = Progress(n_tensors, f"loading {path.name}", progress)
     report, filled, t0 = LoadReport(), set(), time.monotonic()
 
-    for name, tensor, scale in iter_tensors(path, files):
+    for name, tensor, scale in iter_tensors(path, files, rows):
         bar.step()
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
@@ -125,7 +148,8 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
         weight = _dequant(name, tensor, scale)
         expert = _EXPERT.match(name)
         if expert:
-            prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+            prefix, proj = expert.group(1), expert.group(3)
+            e = int(expert.group(2)) - spans[prefix][0]
             inter = cfg.moe_intermediate_size
             if proj == "down_proj":
                 target, key = params[f"{prefix}.down_proj"][e], (f"{prefix}.down_proj", e)
@@ -165,10 +189,14 @@ def _expert_param_filled(name: str, params: dict, filled: set, cfg: ModelConfig)
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | None = None,
                indexer_numerics: str = "transformers", progress: bool = False,
-               include_mtp: bool = False) -> tuple[DeepseekForCausalLM, LoadReport]:
-    """Build the model from `path/config.json` and fill it from the safetensors next to it."""
+               include_mtp: bool = False, parallel: ParallelState | None = None,
+               ) -> tuple[DeepseekForCausalLM, LoadReport]:
+    """Build the model from `path/config.json` and fill it from the safetensors next to it
+    (only this rank's experts under expert parallelism), then shard it for TP / layer sharding."""
     cfg = ModelConfig.from_pretrained(path)
     dev = get_device(device)
-    model = DeepseekForCausalLM(cfg, parse_dtype(dtype), dev, indexer_numerics)
+    model = DeepseekForCausalLM(cfg, parse_dtype(dtype), dev, indexer_numerics, parallel)
     report = load_weights(model, path, include_mtp=include_mtp, progress=progress)
-    return model.to(dev), report
+    model = model.to(dev)
+    model.apply_parallel()
+    return model, report

@@ -24,6 +24,18 @@ class SeqChunk:
 
 
 @dataclass
+class CPGather:
+    """Context-parallel step: this rank computed some of a prompt's tokens; every layer all-gathers the
+    new KV rows of all ranks (`sizes` per rank, rank order) and writes them at `slots`, so attention and
+    the indexer see the whole causal prefix."""
+
+    group: object
+    sizes: list[int]
+    slots: torch.Tensor  # [sum(sizes)] long
+    local_rows: int  # rows of this step that are real (0 on a rank that only runs a dummy token)
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [N] long
     positions: torch.Tensor  # [N] long, absolute positions
@@ -39,6 +51,7 @@ class ForwardBatch:
     max_context: int
     is_decode: bool  # every request has exactly one new token
     uniform: bool  # every request has the same number of new tokens: [R, S_max] is a plain view
+    cp: CPGather | None = None
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """Flat per-token tensor [N, ...] → [R, S_max, ...] (a view when uniform)."""
@@ -135,5 +148,11 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def write_rows(pool: torch.Tensor, fb: ForwardBatch, rows: torch.Tensor) -> None:
-    """Store the step's new rows [N, D] at their slots."""
-    pool.view(-1, pool.shape[-1])[fb.slot_mapping] = rows.to(pool.dtype)
+    """Store the step's new rows [N, D] at their slots (under CP: every rank's rows, gathered)."""
+    flat = pool.view(-1, pool.shape[-1])
+    flat[fb.slot_mapping] = rows.to(pool.dtype)
+    if fb.cp is not None:
+        from shared.parallel.comm import gather_varlen
+
+        everyone = gather_varlen(rows[: fb.cp.local_rows].contiguous(), fb.cp.sizes, fb.cp.group)
+        flat[fb.cp.slots] = everyone.to(pool.dtype)

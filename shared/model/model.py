@@ -18,17 +18,21 @@ from shared.model.layers import MLP, RMSNorm, linear
 from shared.model.mla import MLA
 from shared.model.moe import MoE
 from shared.model.rope import RotaryTable
+from shared.parallel.state import ParallelState
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, indexer_numerics: str):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, indexer_numerics: str,
+                 parallel: ParallelState):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MLA(cfg, dtype, indexer_numerics)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        dense = cfg.is_moe_layer(layer_idx) is False
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype) if dense else MoE(cfg, dtype)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoE(cfg, dtype, parallel.config.ep, parallel.ep_rank, parallel.ep_group)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 kv: KVCache) -> torch.Tensor:
@@ -38,26 +42,50 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str, parallel: ParallelState):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta")
         self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                                 requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, indexer_numerics) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, dtype, indexer_numerics, parallel) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class DeepseekForCausalLM(nn.Module):
+    """`parallel` places the one model: experts split over EP ranks at construction (the loader then
+    reads only local experts); `apply_parallel()` after loading shards o_proj / lm_head / embedding
+    for local TP and sets up layer sharding."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, indexer_numerics: str = "transformers"):
+                 device: torch.device | None = None, indexer_numerics: str = "transformers",
+                 parallel: ParallelState | None = None):
         super().__init__()
         self.config, self.dtype = cfg, dtype
-        self.model = Backbone(cfg, dtype, indexer_numerics)
+        self.parallel = parallel or ParallelState.single()
+        self.model = Backbone(cfg, dtype, indexer_numerics, self.parallel)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.rotary = RotaryTable(cfg.rope, cfg.qk_rope_head_dim, device or torch.device("cpu"))
+        self.sharder = None
         self.requires_grad_(False)
+
+    def apply_parallel(self) -> None:
+        """Convert loaded weights to this rank's shards (local TP, layer sharding)."""
+        from shared.parallel.layer_shard import LayerSharder
+        from shared.parallel.tp import VocabParallelEmbedding, shard_linear
+
+        p = self.parallel
+        tp = p.config.tp
+        if tp > 1:
+            self.model.embed_tokens = VocabParallelEmbedding(self.model.embed_tokens.weight.data, tp, p.tp_rank,
+                                                             p.tp_group)
+            self.lm_head = shard_linear(self.lm_head, "all_to_sharded", tp, p.tp_rank, p.tp_group, gather_output=True)
+            for layer in self.model.layers:
+                layer.self_attn.o_proj = shard_linear(layer.self_attn.o_proj, "sharded_to_all", tp, p.tp_rank,
+                                                      p.tp_group)
+        if p.config.layer_sharding and p.world > 1:
+            self.sharder = LayerSharder(self.model.layers, p.config.layer_sharding, p.rank, p.world, p.world_group)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVCache,
@@ -67,9 +95,18 @@ class DeepseekForCausalLM(nn.Module):
         (the prefill service pushes that layer to decode while the next one computes)."""
         h = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.lookup(fb.positions, self.dtype)
+        sharder = self.sharder
         for layer in self.model.layers:
+            i = layer.layer_idx
+            if sharder is not None:
+                sharder.acquire(i)  # waits for layer i's weights (broadcast issued one layer earlier)
+                sharder.prefetch(i + 1)  # layer i+1's broadcast flies while layer i computes
+                sharder.events.append(("compute_start", i))
             h = layer(h, cos, sin, fb, kv)
+            if sharder is not None:
+                sharder.events.append(("compute_end", i))
+                sharder.release(i)
             if layer_done is not None:
-                layer_done(layer.layer_idx)
+                layer_done(i)
         h = self.model.norm(h[fb.logits_index])
         return self.lm_head(h).float()

@@ -43,22 +43,26 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts' weights stacked: gate_up_proj [E, 2I, D] (gate first), down_proj [E, D, I]."""
+    """The routed experts this rank holds, stacked: gate_up_proj [E_local, 2I, D] (gate first),
+    down_proj [E_local, D, I]; global ids first_expert .. first_expert + E_local - 1."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype):
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, first_expert: int = 0,
+                 num_local: int | None = None):
         super().__init__()
         self.num_experts, self.inter = num_experts, inter
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
+        self.first_expert = first_expert
+        self.num_local = num_experts if num_local is None else num_local
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        n, k = ids.shape
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // k
-        xs = x[token_of]
-        out = torch.empty(xs.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    def run(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]:
+        rows sorted by expert, one matmul per expert with tokens, zero-token experts skipped."""
+        order = local_ids.argsort(stable=True)
+        counts = torch.bincount(local_ids, minlength=self.num_local).tolist()
+        xs = rows[order]
+        out = torch.empty_like(xs)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -67,16 +71,34 @@ class Experts(nn.Module):
             gate, up = F.linear(seg, self.gate_up_proj[expert]).split(self.inter, -1)
             out[start : start + count] = F.linear(F.silu(gate) * up, self.down_proj[expert])
             start += count
-        y = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
-        y.index_add_(0, token_of, out.float() * weights.flatten()[order, None])
+        result = torch.empty_like(out)
+        result[order] = out
+        return result
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """All experts local: fp32 weighted sum [N, D]."""
+        k = ids.shape[1]
+        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+        out = self.run(x[token_of], ids.flatten() - self.first_expert)
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        y.index_add_(0, token_of, out.float() * weights.flatten()[:, None])
         return y
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """Routed + shared experts. With expert parallelism (ep > 1) each rank holds E/ep experts and the
+    token slots travel: send counts are exchanged first (all-to-all), then the rows (all-to-all-v,
+    uneven splits); the shared expert computes while the dispatch is in flight."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ep: int = 1, ep_rank: int = 0, ep_group=None):  # noqa: ANN001
         super().__init__()
+        if cfg.n_routed_experts % ep:
+            raise ValueError(f"{cfg.n_routed_experts} experts do not split over ep={ep}")
+        per_rank = cfg.n_routed_experts // ep
+        self.ep, self.ep_group, self.per_rank = ep, ep_group, per_rank
         self.gate = Gate(cfg, dtype)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype,
+                               first_expert=ep_rank * per_rank, num_local=per_rank)
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
             if cfg.n_shared_experts else None
@@ -84,7 +106,34 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        y = self.experts(x, ids, weights)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
+        if self.ep == 1:
+            y = self.experts(x, ids, weights)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(x).float()
+            return y.to(x.dtype)
+        return self._forward_ep(x, ids, weights)
+
+    def _forward_ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from shared.parallel.comm import all_to_all_v, exchange_counts
+
+        k = ids.shape[1]
+        flat = ids.flatten()
+        dest = flat // self.per_rank
+        order = dest.argsort(stable=True)
+        token_of = order // k
+        send = torch.bincount(dest, minlength=self.ep)
+        recv = exchange_counts(send, self.ep_group)
+        send_l, recv_l = send.tolist(), recv.tolist()
+        rows, work_rows = all_to_all_v(x[token_of], send_l, recv_l, self.ep_group, async_op=True)
+        local_ids, work_ids = all_to_all_v((flat[order] % self.per_rank), send_l, recv_l, self.ep_group,
+                                           async_op=True)
+        shared = self.shared_experts(x).float() if self.shared_experts is not None else None  # overlaps dispatch
+        work_rows.wait()
+        work_ids.wait()
+        out = self.experts.run(rows, local_ids)
+        back, _ = all_to_all_v(out, recv_l, send_l, self.ep_group)  # combine: rows return to their owners
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        y.index_add_(0, token_of, back.float() * weights.flatten()[order, None])
+        if shared is not None:
+            y = y + shared
         return y.to(x.dtype)

@@ -1,0 +1,121 @@
+"""Typed parallel configuration and the process groups built from it.
+
+One instance (a prefill CP group or a decode DP group) is `world` ranks. Groups are contiguous rank
+blocks: cp and dp span the instance; tp and ep split it into blocks of their size. TP ranks see the
+same tokens (local TP of o_proj / lm_head / embedding); CP and DP ranks see different tokens, so
+they combine with EP (all-to-all-v) but not with TP.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shared.device import dist_backend
+
+LAYER_SHARDABLE = ("o_proj", "q_b_proj")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    world: int = 1
+    cp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    layer_sharding: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("world", "cp", "dp", "tp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.cp > 1 and self.dp > 1:
+            raise ValueError("cp (prefill) and dp (decode) cannot both be > 1 in one instance")
+        if max(self.cp, self.dp) not in (1, self.world):
+            raise ValueError(f"cp/dp must equal world ({self.world})")
+        for name in ("tp", "ep"):
+            if self.world % getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)} must divide world={self.world}")
+        if self.tp > 1 and (self.cp > 1 or self.dp > 1):
+            raise ValueError("local TP needs ranks that see the same tokens: use tp with cp=dp=1")
+        bad = set(self.layer_sharding) - set(LAYER_SHARDABLE)
+        if bad:
+            raise ValueError(f"layer_sharding supports {LAYER_SHARDABLE}, got {sorted(bad)}")
+
+    @classmethod
+    def parse_layer_sharding(cls, text: str | None) -> tuple[str, ...]:
+        return tuple(x for x in (text or "").split(",") if x)
+
+
+@dataclass
+class ParallelState:
+    """This rank's view: its rank and the groups it belongs to (None = size 1, no collective)."""
+
+    config: ParallelConfig = field(default_factory=ParallelConfig)
+    rank: int = 0
+    world_group: object | None = None
+    tp_group: object | None = None
+    ep_group: object | None = None
+
+    @property
+    def world(self) -> int:
+        return self.config.world
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.config.tp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.config.ep
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.config.world > 1
+
+    def group_ranks(self, size: int) -> list[int]:
+        start = self.rank // size * size
+        return list(range(start, start + size))
+
+    @classmethod
+    def single(cls) -> ParallelState:
+        return cls()
+
+    @classmethod
+    def initialize(cls, config: ParallelConfig, rank: int, device: torch.device, init_method: str | None = None,
+                   timeout_s: float = 300.0) -> ParallelState:
+        """Join the instance's process group (env:// by default: MASTER_ADDR/PORT) and build subgroups."""
+        if config.world == 1:
+            return cls(config)
+        if not dist.is_initialized():
+            dist.init_process_group(dist_backend(device), init_method=init_method or "env://", rank=rank,
+                                    world_size=config.world, timeout=timedelta(seconds=timeout_s))
+        state = cls(config, rank, dist.group.WORLD)
+        state.tp_group = _block_group(config.world, config.tp, rank)
+        state.ep_group = _block_group(config.world, config.ep, rank)
+        return state
+
+
+def _block_group(world: int, size: int, rank: int):  # noqa: ANN202
+    """Every rank must create every block group (torch.distributed rule); returns this rank's."""
+    if size == 1:
+        return None
+    if size == world:
+        return dist.group.WORLD
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = group
+    return mine
+
+
+def env_rank_world() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) when launched torchrun-style, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None

@@ -1,0 +1,78 @@
+"""Local tensor parallelism for o_proj, lm_head and the embedding (ranks see the same tokens).
+
+* AllToShardedLinear: input replicated, weight split on outputs → each rank holds an output shard.
+* ShardedToAllLinear: input split on features (sliced locally when it arrives replicated), weight
+  split on inputs, partial products all-reduced → every rank holds the full output.
+  all-to-sharded followed by sharded-to-all needs no gather in between (the shard is the input).
+* VocabParallelEmbedding: each rank holds a vocab slice; lookups outside it are zero; all-reduce.
+`shard_linear()` converts a loaded nn.Linear in place of the module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shared.parallel.comm import all_reduce_sum
+
+
+def _span(total: int, parts: int, index: int) -> tuple[int, int]:
+    if total % parts:
+        raise ValueError(f"{total} does not split into {parts} equal shards")
+    size = total // parts
+    return index * size, (index + 1) * size
+
+
+class AllToShardedLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group, gather_output: bool = False):  # noqa: ANN001
+        super().__init__()
+        lo, hi = _span(weight.shape[0], tp, rank)
+        self.weight = nn.Parameter(weight[lo:hi].clone(), requires_grad=False)
+        self.tp, self.group, self.gather_output = tp, group, gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if not self.gather_output:
+            return y
+        parts = [torch.empty_like(y) for _ in range(self.tp)]
+        dist.all_gather(parts, y.contiguous(), group=self.group)
+        return torch.cat(parts, -1)
+
+
+class ShardedToAllLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group):  # noqa: ANN001
+        super().__init__()
+        self.lo, self.hi = _span(weight.shape[1], tp, rank)
+        self.in_features = weight.shape[1]
+        self.weight = nn.Parameter(weight[:, self.lo : self.hi].clone(), requires_grad=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] == self.in_features:  # replicated input: take our slice, no communication
+            x = x[..., self.lo : self.hi]
+        return all_reduce_sum(F.linear(x, self.weight), self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group):  # noqa: ANN001
+        super().__init__()
+        self.lo, self.hi = _span(weight.shape[0], tp, rank)
+        self.weight = nn.Parameter(weight[self.lo : self.hi].clone(), requires_grad=False)
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = (ids >= self.lo) & (ids < self.hi)
+        out = F.embedding((ids - self.lo).clamp(0, self.hi - self.lo - 1), self.weight)
+        return all_reduce_sum(out * local.unsqueeze(-1).to(out.dtype), self.group)
+
+
+def shard_linear(linear: nn.Module, style: str, tp: int, rank: int, group,  # noqa: ANN001
+                 gather_output: bool = False) -> nn.Module:
+    """A loaded linear → its TP shard. style: 'all_to_sharded' | 'sharded_to_all'."""
+    if style == "all_to_sharded":
+        return AllToShardedLinear(linear.weight.data, tp, rank, group, gather_output)
+    if style == "sharded_to_all":
+        return ShardedToAllLinear(linear.weight.data, tp, rank, group)
+    raise ValueError(f"unknown shard style {style!r}")
