@@ -21,6 +21,7 @@ CHECKPOINTS = {
     "v32_sparse": ("deepseek_v32", dict(index_topk=8)),
     "v32_yarn": ("deepseek_v32", dict(index_topk=12, rope_parameters=YARN)),
     "v3": ("deepseek_v3", {}),
+    "v32_4layers": ("deepseek_v32", dict(index_topk=8, num_hidden_layers=4)),
 }
 
 

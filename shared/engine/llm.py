@@ -21,6 +21,7 @@ from shared.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
 from shared.model import ForwardBatch, SeqChunk
+from shared.parallel.state import ParallelState
 
 
 @dataclass
@@ -74,14 +75,17 @@ class _Tracked:
 
 
 class LLMEngine:
-    """Model + KV cache + scheduler + sampler; `step()` advances every running request by one step."""
+    """Model + KV cache + scheduler + sampler; `step()` advances every running request by one step.
+    `parallel` places the model on this rank's share (EP experts, TP shards, layer sharding)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, parallel: ParallelState | None = None):
         self.config = config
+        self.parallel = parallel or ParallelState.single()
         self.device = get_device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.model, self.load_report = load_model(config.model, self.dtype, str(self.device),
-                                                  config.indexer_numerics, progress=config.progress)
+                                                  config.indexer_numerics, progress=config.progress,
+                                                  parallel=self.parallel)
         self.model_config = self.model.config
         self.tokenizer = Tokenizer.from_model_dir(config.model, self.model_config.bos_token_id)
         self.layout = KVLayout.from_model_config(self.model_config, config.block_size, self.dtype)
@@ -92,6 +96,7 @@ class LLMEngine:
         self._requests: dict[str, _Tracked] = {}
         self._counter = itertools.count()
         self._default_gen = torch.Generator().manual_seed(config.seed)
+        self._scratch: list[int] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -172,7 +177,18 @@ class LLMEngine:
         return sample(logits, [s.params for s in done], [s.generator for s in done])
 
     def step(self) -> list[StepEvent]:
-        chunks = self.scheduler.schedule()
+        return self.step_chunks(self.scheduler.schedule())
+
+    def dummy_step(self) -> None:
+        """A one-token forward into a scratch block, for a parallel rank with nothing to do: every
+        rank must enter the same collectives (EP all-to-all, layer-sharding broadcasts) each step."""
+        if self._scratch is None:
+            self._scratch = self.kv.allocator.allocate(1)
+        fb = ForwardBatch.build([SeqChunk([0], 0, self._scratch, need_logits=False)], self.layout.block_size,
+                                self.device)
+        self.model(fb, self.kv)
+
+    def step_chunks(self, chunks: list[ScheduledChunk]) -> list[StepEvent]:
         if not chunks:
             return []
         logits = self.run_chunks(chunks)
@@ -222,8 +238,8 @@ class LLMEngine:
 class LLM:
     """Offline batch generation over LLMEngine (continuous batching inside)."""
 
-    def __init__(self, model: str, dtype: str = "float32", **kwargs: object):
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs))  # type: ignore[arg-type]
+    def __init__(self, model: str, dtype: str = "float32", parallel: ParallelState | None = None, **kwargs: object):
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs), parallel)  # type: ignore[arg-type]
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -247,3 +263,20 @@ class LLM:
                           texts.get(s.request_id, "") if self.engine.tokenizer else None, s.finish_reason)
             for s in seqs
         ]
+
+
+def dp_step(engine: LLMEngine) -> tuple[list[StepEvent], bool]:
+    """One lock-step of an attention-DP rank: every rank of the group calls this together. A rank
+    with work runs its batch; an idle rank runs a dummy batch while any rank has work (so the EP
+    collectives never hang); returns (events, whether the group stepped)."""
+    import torch.distributed as dist
+
+    chunks = engine.scheduler.schedule() if engine.has_work else []
+    flag = torch.tensor([1 if chunks else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=engine.parallel.world_group)
+    if not int(flag):
+        return [], False
+    if chunks:
+        return engine.step_chunks(chunks), True
+    engine.dummy_step()
+    return [], True

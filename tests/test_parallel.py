@@ -1,0 +1,224 @@
+"""Parallelism on real gloo process groups (2–4 processes, fp32), each run under a hard timeout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from shared.engine.llm import dp_step
+from shared.kvcache import KVCache, KVLayout
+from shared.loader import load_model
+from shared.parallel import ParallelConfig, ParallelState
+from shared.parallel.cp import build_cp_batch, owned_blocks, zigzag_ranges
+from tests.dist_utils import run_ranks
+from tests.helpers import engine_logits, random_prompts
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _state(rank: int, world: int, **cfg) -> ParallelState:
+    return ParallelState.initialize(ParallelConfig(world=world, **cfg), rank, CPU)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
+    return (a - b).abs().max().item() <= rel * max(b.abs().max().item(), 1e-6)
+
+
+def _kv_rows(model, kv: KVCache, table: list[int], n: int) -> list[dict]:
+    return [kv.read_tokens(table, n, layer) for layer in range(model.config.num_hidden_layers)]
+
+
+# --- context parallel prefill ---------------------------------------------------------------------
+
+def test_zigzag_ranges_balance():
+    assert zigzag_ranges(16, 2) == [[(0, 4), (12, 16)], [(4, 8), (8, 12)]]
+    assert zigzag_ranges(1, 2) == [[(0, 1)], []]
+    covered = sorted(t for r in zigzag_ranges(37, 3) for a, b in r for t in range(a, b))
+    assert covered == list(range(37))
+    assert sorted(b for r in range(3) for b in owned_blocks(37, r, 3, 4)) == list(range(10))
+
+
+def _cp_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
+    state = _state(rank, world, cp=world, ep=world if 8 % world == 0 else 1)
+    model, _ = load_model(path, "float32", parallel=state)
+    out = []
+    for prompt in prompts:
+        kv = KVCache(KVLayout.from_model_config(model.config, 4, torch.float32), 32, CPU)
+        table = kv.allocator.allocate(kv.blocks_needed(len(prompt)))
+        scratch = kv.allocator.allocate(1)[0]
+        fb = build_cp_batch(prompt, table, rank, world, 4, CPU, state.world_group, scratch, all_logits=True)
+        logits = model(fb, kv)
+        positions = [t for a, b in zigzag_ranges(len(prompt), world)[rank] for t in range(a, b)]
+        out.append((positions, logits[: len(positions)], _kv_rows(model, kv, table, len(prompt))))
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("name", ["v32_dense", "v32_sparse"])
+def test_cp_prefill_equals_single(ckpt, cp, name):
+    path = str(ckpt(name))
+    prompts = random_prompts(2, [41, 26], 512, seed=60) + [[7, 8, 9], [11]]  # last two shorter than 2·cp
+    results = run_ranks(_cp_rank, cp, path, prompts)
+    single, _ = load_model(path, "float32")
+    for i, prompt in enumerate(prompts):
+        want = engine_logits(single, prompt)
+        kv = KVCache(KVLayout.from_model_config(single.config, 4, torch.float32), 32, CPU)
+        table = kv.allocator.allocate(kv.blocks_needed(len(prompt)))
+        from shared.model import ForwardBatch, SeqChunk
+
+        single(ForwardBatch.build([SeqChunk(prompt, 0, table)], 4, CPU), kv)
+        want_kv = _kv_rows(single, kv, table, len(prompt))
+        seen = set()
+        for positions, logits, kv_rows in (r[i] for r in results):
+            seen.update(positions)
+            if positions:
+                assert _close(logits, want[positions]), f"prompt {i}: logits differ"
+            for layer, (got, ref) in enumerate(zip(kv_rows, want_kv)):
+                for kind in ref:  # every rank holds the whole prompt's KV after the gathers
+                    assert _close(got[kind], ref[kind]), f"prompt {i} layer {layer} {kind}"
+        assert seen == set(range(len(prompt)))
+
+
+# --- expert parallelism ---------------------------------------------------------------------------
+
+def _ep_rank(rank: int, world: int, path: str, prompts: list[list[int]], x: torch.Tensor):
+    state = _state(rank, world, ep=world, dp=world)
+    model, _ = load_model(path, "float32", parallel=state)
+    logits = engine_logits(model, prompts[rank])  # every rank its own batch; MoE rows cross ranks
+    moe = model.model.layers[1].mlp
+    routed = moe(x[rank])
+    moe.gate.e_score_correction_bias[: moe.per_rank] += 10.0  # every token picks rank 0's experts
+    skewed = moe(x[rank])
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    return logits, routed, skewed, expert_bytes
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_equals_single(ckpt, ep):
+    path = str(ckpt("v32_sparse"))
+    prompts = random_prompts(ep, [9, 14, 5, 20], 512, seed=61)
+    x = torch.randn(ep, 6, 64, generator=torch.Generator().manual_seed(1))
+    results = run_ranks(_ep_rank, ep, path, prompts, x)
+    single, _ = load_model(path, "float32")
+    moe = single.model.layers[1].mlp
+    full_bytes = sum(p.numel() * p.element_size() for n, p in single.named_parameters() if ".experts." in n)
+    for rank, (logits, routed, skewed, expert_bytes) in enumerate(results):
+        assert _close(logits, engine_logits(single, prompts[rank]))
+        assert _close(routed, moe(x[rank]))
+        assert expert_bytes * ep == full_bytes  # each rank holds exactly its share of the experts
+    moe.gate.e_score_correction_bias[: 8 // ep] += 10.0
+    for rank, (_, _, skewed, _) in enumerate(results):
+        ids, _ = moe.gate(x[rank])
+        assert (ids < 8 // ep).all()  # ranks 1.. received zero tokens in this layer
+        assert _close(skewed, moe(x[rank]))
+
+
+# --- attention data parallel decode ---------------------------------------------------------------
+
+def _dp_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
+    state = _state(rank, world, dp=world, ep=world)
+    engine = LLMEngine(EngineConfig(model=path, block_size=4), state)
+    if rank == 0:
+        for i, p in enumerate(prompts):
+            engine.add_request(p, GREEDY, f"r{i}")
+    tokens: dict[str, list[int]] = {}
+    steps = dummies = 0
+    while True:
+        had_work = engine.has_work
+        events, stepped = dp_step(engine)
+        if not stepped:
+            break
+        steps += 1
+        dummies += not had_work
+        for ev in events:
+            tokens.setdefault(ev.seq.request_id, []).append(ev.token_id)
+    return tokens, steps, dummies
+
+
+def test_dp_idle_rank_runs_dummy_batches(ckpt):
+    path = str(ckpt("v32_sparse"))
+    prompts = random_prompts(3, [6, 17, 11], 512, seed=62)
+    (tokens, steps0, dummies0), (idle_tokens, steps1, dummies1) = run_ranks(_dp_rank, 2, path, prompts)
+    assert not idle_tokens and dummies0 == 0
+    assert steps1 == steps0 == dummies1 > 0  # the idle rank stepped in lock-step, every time with a dummy
+    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
+    assert [tokens[f"r{i}"] for i in range(3)] == want
+
+
+# --- local tensor parallelism ---------------------------------------------------------------------
+
+def _tp_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
+    state = _state(rank, world, tp=world)
+    llm = LLM(path, block_size=4, parallel=state)
+    model = llm.engine.model
+    shapes = (tuple(model.lm_head.weight.shape), tuple(model.model.embed_tokens.weight.shape),
+              tuple(model.model.layers[0].self_attn.o_proj.weight.shape))
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)], engine_logits(model, prompts[0]), shapes
+
+
+def test_tp2_equals_single(ckpt):
+    path = str(ckpt("v32_sparse"))
+    prompts = random_prompts(3, [12, 30, 7], 512, seed=63)
+    results = run_ranks(_tp_rank, 2, path, prompts)
+    single = LLM(path, block_size=4)
+    want_tokens = [o.token_ids for o in single.generate(prompts, GREEDY)]
+    want_logits = engine_logits(single.engine.model, prompts[0])
+    for tokens, logits, shapes in results:
+        assert tokens == want_tokens
+        assert _close(logits, want_logits)
+        assert shapes == ((256, 64), (256, 64), (64, 32))  # vocab 512 and o_proj input 64 split in two
+
+
+def test_all_to_sharded_then_sharded_to_all_needs_no_gather(ckpt):
+    results = run_ranks(_chain_rank, 2, timeout=60)
+    assert all(ok for ok in results)
+
+
+def _chain_rank(rank: int, world: int):
+    from torch import nn
+
+    from shared.parallel.tp import AllToShardedLinear, shard_linear
+
+    state = _state(rank, world, tp=world)
+    gen = torch.Generator().manual_seed(0)
+    up, down = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+    with torch.no_grad():
+        up.weight.copy_(torch.randn(16, 8, generator=gen))
+        down.weight.copy_(torch.randn(8, 16, generator=gen))
+    x = torch.randn(3, 8, generator=gen)
+    want = down(torch.relu(up(x)))
+    up_s = shard_linear(up, "all_to_sharded", world, state.tp_rank, state.tp_group)
+    down_s = shard_linear(down, "sharded_to_all", world, state.tp_rank, state.tp_group)
+    assert isinstance(up_s, AllToShardedLinear) and up_s(x).shape == (3, 8)  # a shard, not gathered
+    return torch.allclose(down_s(torch.relu(up_s(x))), want, atol=1e-5)
+
+
+# --- layer sharding -------------------------------------------------------------------------------
+
+def _ls_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
+    state = _state(rank, world, dp=world, layer_sharding=("o_proj", "q_b_proj"))
+    model, _ = load_model(path, "float32", parallel=state)
+    logits = engine_logits(model, prompts[rank])
+    sharded = {id(p): p for n, p in model.named_parameters() if n.endswith(("o_proj.weight", "q_b_proj.weight"))}
+    stored = sum(p.numel() * p.element_size() for p in sharded.values())
+    return logits, stored, list(model.sharder.events)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_layer_sharding(ckpt, k):
+    path = str(ckpt("v32_4layers"))
+    prompts = random_prompts(k, [10, 19, 6, 25], 512, seed=64)
+    results = run_ranks(_ls_rank, k, path, prompts)
+    single, _ = load_model(path, "float32")
+    full = sum(p.numel() * p.element_size() for n, p in single.named_parameters()
+               if n.endswith(("o_proj.weight", "q_b_proj.weight")))
+    layers = single.config.num_hidden_layers
+    for rank, (logits, stored, events) in enumerate(results):
+        assert _close(logits, engine_logits(single, prompts[rank]))
+        assert stored == full * len(range(rank, layers, k)) // layers  # only layers i with i % K == rank
+        pos = {e: i for i, e in enumerate(events)}
+        for i in range(layers - 1):  # layer i+1's broadcast is in flight while layer i computes
+            assert pos[("broadcast_issued", i + 1)] < pos[("compute_start", i)] < pos[("compute_end", i)]
+            assert pos[("compute_end", i)] < pos[("broadcast_waited", i + 1)]
