@@ -2,6 +2,11 @@
 
     python -m decode_service --model DIR [--host 127.0.0.1] [--port 0] [--metrics-port 0]
                              [--kv-transport tcp|mooncake] [--lease-seconds 30]
+                             [--dp N] [--ep N] [--layer-sharding o_proj,q_b_proj]
+
+With `--dp N` the instance is N attention-DP ranks (spawned here, or torchrun-style from RANK /
+WORLD_SIZE / MASTER_ADDR across nodes) with experts split over `--ep` ranks; rank 0 serves gRPC,
+places each reservation on the least-loaded rank and reports per-rank load.
 """
 
 from __future__ import annotations
@@ -16,15 +21,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from decode_service.dp import STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
 from shared import metrics
-from shared.engine import EngineConfig, LLMEngine
-from shared.engine.worker import FINISHED, EngineWorker
-from shared.kvcache import OutOfBlocks
-from shared.kvcache.lease import LeaseError, LeaseTable
+from shared.device import get_device
+from shared.parallel import ParallelConfig, ParallelState
+from shared.parallel.launch import launch_ranks
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import build_server, sampling_from_proto, set_serving
-from shared.transfer import TcpReceiver
-from shared.transfer.base import cache_kinds
 
 log = logging.getLogger("pdserve.decode")
 SERVICE = "pdserve.v1.Decode"
@@ -43,111 +46,100 @@ class DecodeConfig:
     block_size: int = 16
     kv_cache_tokens: int = 65536
     max_num_seqs: int = 256
+    dp: int = 1
+    ep: int = 1
+    layer_sharding: tuple[str, ...] = ()
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(world=self.dp, dp=self.dp, ep=self.ep, layer_sharding=self.layer_sharding)
+
+
+def _state(cfg: DecodeConfig, rank: int) -> ParallelState:
+    torch.set_num_threads(max(1, torch.get_num_threads() // cfg.dp))
+    return ParallelState.initialize(cfg.parallel(), rank, get_device(None), timeout_s=7 * 24 * 3600)
+
+
+def follower_main(rank: int, cfg: DecodeConfig) -> None:
+    """Entry point of DP ranks 1..N-1."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s decode[{rank}] %(levelname)s %(message)s")
+    follower_loop(DecodeRank(cfg, rank, _state(cfg, rank)))
 
 
 class DecodeServicer(internal_pb2_grpc.DecodeServicer):
-    def __init__(self, cfg: DecodeConfig):
-        self.cfg = cfg
-        self.engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
-                                             kv_cache_tokens=cfg.kv_cache_tokens, max_num_seqs=cfg.max_num_seqs))
-        kv = self.engine.kv
-        self.leases = LeaseTable(kv.allocator, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
-                                 cfg.lease_seconds)
-        self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port)
-        self.receiver = self.tcp
-        if cfg.kv_transport == "mooncake":
-            from shared.transfer.mooncake import MooncakeReceiver
+    def __init__(self, cfg: DecodeConfig, coordinator: Coordinator):
+        self.cfg, self.coord = cfg, coordinator
+        self.max_model_len = coordinator.me.engine.max_model_len
 
-            self.receiver = MooncakeReceiver(kv, self.tcp, cfg.host)
-        self.worker = EngineWorker(self.engine, "decode-engine")
-        self._stop = threading.Event()
-        threading.Thread(target=self._reaper, name="lease-reaper", daemon=True).start()
-        metrics.KV_TOTAL_BLOCKS.labels("decode").set(kv.num_blocks)
-
-    def _reaper(self) -> None:
-        while not self._stop.wait(min(1.0, self.cfg.lease_seconds / 4)):
-            if self.leases.expire():
-                log.info("expired unused KV reservations")
-            self._update_gauges()
+    def _result(self, fut, context):  # noqa: ANN001, ANN202
+        try:
+            return fut.result(timeout=60)
+        except CommandError as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
     def _update_gauges(self) -> None:
-        metrics.KV_FREE_BLOCKS.labels("decode").set(self.engine.kv.allocator.num_free)
-        metrics.ACTIVE_LEASES.set(len(self.leases))
-        metrics.RUNNING.labels("decode").set(len(self.engine.scheduler.running))
+        loads = self.coord.loads
+        metrics.KV_FREE_BLOCKS.labels("decode").set(sum(x["free_blocks"] for x in loads))
+        metrics.KV_TOTAL_BLOCKS.labels("decode").set(sum(x["total_blocks"] for x in loads))
+        metrics.ACTIVE_LEASES.set(sum(x["active_leases"] for x in loads))
+        metrics.RUNNING.labels("decode").set(sum(x["running"] for x in loads))
 
     def Reserve(self, request, context):  # noqa: N802 - gRPC method name
         if request.num_prompt_tokens <= 0 or request.max_tokens <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_prompt_tokens and max_tokens must be > 0")
         total = request.num_prompt_tokens + request.max_tokens
-        if total > self.engine.max_model_len:
+        if total > self.max_model_len:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"max_tokens: prompt + max_tokens ({total}) exceeds the context {self.engine.max_model_len}")
+                          f"max_tokens: prompt + max_tokens ({total}) exceeds the context {self.max_model_len}")
+        rank = self.coord.pick_rank(total)
         try:
-            lease = self.leases.reserve(request.request_id, total)
-        except OutOfBlocks as exc:
+            dest = self.coord.submit("reserve", rank, request_id=request.request_id, num_tokens=total).result(60)
+        except CommandError as exc:
             metrics.REQUESTS.labels("decode", "rejected").inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode KV pool full: {exc}")
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        self.coord.lease_rank[dest.lease_id] = rank
         self._update_gauges()
-        dest = self.receiver.destination(lease)
-        return internal_pb2.ReserveResponse(destination=dest.to_proto(internal_pb2.KVDestination), dp_rank=0)
+        return internal_pb2.ReserveResponse(destination=dest.to_proto(internal_pb2.KVDestination), dp_rank=rank)
 
     def Release(self, request, context):  # noqa: N802
-        released = self.leases.release(request.lease_id)
-        self._update_gauges()
+        rank = self.coord.lease_rank.pop(request.lease_id, None)
+        released = rank is not None and bool(self._result(
+            self.coord.submit("release", rank, lease_id=request.lease_id), context))
         return internal_pb2.ReleaseResponse(released=released)
 
     def GetLoad(self, request, context):  # noqa: N802
-        sched = self.engine.scheduler
-        return internal_pb2.LoadReport(running=len(sched.running), waiting=len(sched.waiting),
-                                       free_blocks=self.engine.kv.allocator.num_free,
-                                       total_blocks=self.engine.kv.num_blocks, active_leases=len(self.leases))
+        loads = self.coord.loads
+        ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items() if k != "has_work"}) for x in loads]
+        return internal_pb2.LoadReport(
+            running=sum(x["running"] for x in loads), waiting=sum(x["waiting"] for x in loads),
+            free_blocks=sum(x["free_blocks"] for x in loads), total_blocks=sum(x["total_blocks"] for x in loads),
+            active_leases=sum(x["active_leases"] for x in loads), ranks=ranks)
 
     def Decode(self, request, context):  # noqa: N802
+        rank = self.coord.lease_rank.get(request.lease_id)
+        if rank is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
+        rid = request.request_id or request.lease_id
+        stream = self.coord.open_stream(rid)
+        admit = self.coord.submit("admit", rank, request_id=rid, lease_id=request.lease_id,
+                                  prompt=list(request.prompt_token_ids),
+                                  params=params_dict(sampling_from_proto(request.sampling_params)),
+                                  first_token=request.first_token_id, rng_state=bytes(request.rng_state))
         try:
-            lease = self.leases.claim(request.lease_id)
-        except LeaseError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        params = sampling_from_proto(request.sampling_params)
-        rid = request.request_id or lease.request_id
-        stream = self.worker.open_stream(rid)
-
-        def admit(engine: LLMEngine):
-            try:
-                seq = engine.make_sequence(list(request.prompt_token_ids), params, rid)
-            except ValueError:
-                engine.kv.allocator.free(lease.blocks)
-                raise
-            seq.block_table = list(lease.blocks)
-            if request.rng_state and params.seed is not None:
-                seq.generator.set_state(torch.frombuffer(bytearray(request.rng_state), dtype=torch.uint8))
-            return engine.add_prefilled(seq, request.first_token_id)
-
-        try:
-            self.worker.deliver(self.worker.call(admit).result())
-        except ValueError as exc:
-            self.worker._close_stream(rid)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        context.add_callback(lambda: self.worker.abort(rid))
+            admit.result(60)
+        except CommandError as exc:
+            self.coord.close_stream(rid)
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        self.coord.lease_rank.pop(request.lease_id, None)  # claimed: the blocks belong to the request now
+        context.add_callback(lambda: self.coord.submit("abort", rank, request_id=rid))
         reason = None
-        while True:
-            item = stream.get()
-            if item is FINISHED:
-                break
-            reason = "stop" if item.finished and item.seq.finish_reason == "stop" else (
-                item.seq.finish_reason if item.finished else None)
+        while (ev := stream.get()) is not None:
+            reason = ev.finish_reason if ev.finished else None
             metrics.TOKENS.labels("decode", "output").inc()
-            yield internal_pb2.DecodeResponse(token_ids=[item.token_id], text=item.text, finish_reason=reason or "")
+            yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=ev.text, finish_reason=reason or "")
         metrics.REQUESTS.labels("decode", reason or "abort").inc()
         self._update_gauges()
         if reason is None and context.is_active():
             yield internal_pb2.DecodeResponse(finish_reason="abort")
-
-    def close(self) -> None:
-        self._stop.set()
-        self.worker.stop()
-        self.receiver.close()
-        if self.receiver is not self.tcp:
-            self.tcp.close()
 
 
 def parse_args(argv: list[str] | None = None) -> DecodeConfig:
@@ -158,36 +150,55 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
     p.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
-    p.add_argument("--kv-port", type=int, default=0, help="TCP KV receiver port (0 = free port)")
+    p.add_argument("--kv-port", type=int, default=0, help="TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="unused reservations expire after this")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, default=65536)
+    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size per DP rank")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--dp", type=int, default=1, help="attention data-parallel ranks")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides --dp)")
+    p.add_argument("--layer-sharding", default="", help="e.g. o_proj,q_b_proj")
     a = p.parse_args(argv)
     return DecodeConfig(a.model, a.host, a.port, a.metrics_port, a.kv_transport, a.kv_port, a.lease_seconds,
-                        a.dtype, a.block_size, a.kv_cache_tokens, a.max_num_seqs)
+                        a.dtype, a.block_size, a.kv_cache_tokens, a.max_num_seqs, a.dp, a.ep,
+                        ParallelConfig.parse_layer_sharding(a.layer_sharding))
 
 
-def serve(cfg: DecodeConfig) -> tuple[grpc.Server, int, DecodeServicer]:
-    servicer = DecodeServicer(cfg)
+def serve(cfg: DecodeConfig, coordinator: Coordinator) -> tuple[grpc.Server, int]:
+    servicer = DecodeServicer(cfg, coordinator)
     server, port, health = build_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE])
     server.start()
     set_serving(health, [SERVICE])
-    return server, port, servicer
+    return server, port
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
     cfg = parse_args(argv)
+    cfg.parallel()  # validate before spawning anything
+    rank, followers = launch_ranks(cfg.dp, follower_main, cfg)
+    if rank != 0:  # torchrun-style follower
+        follower_main(rank, cfg)
+        return
+    me = DecodeRank(cfg, 0, _state(cfg, 0))
+    coordinator = Coordinator(me, cfg.dp)
     metrics.start_metrics_server(cfg.metrics_port)
-    server, port, servicer = serve(cfg)
-    print(f"decode_service listening on {cfg.host}:{port} (kv {servicer.receiver.transport})", flush=True)
+    server, port = serve(cfg, coordinator)
+    print(f"decode_service listening on {cfg.host}:{port} (dp={cfg.dp} ep={cfg.ep}, kv {me.receiver.transport})",
+          flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=2).wait()
-    servicer.close()
+    coordinator.stop()
+    for proc in followers:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
     sys.exit(0)
+
+
+__all__ = ["STOP", "DecodeConfig", "main"]

@@ -2,6 +2,10 @@
 
     python -m prefill_service --model DIR [--host 127.0.0.1] [--port 0] [--metrics-port 0]
                               [--kv-transport tcp|mooncake] [--max-prefill-tokens 4096]
+                              [--cp N] [--ep N] [--layer-sharding o_proj,q_b_proj]
+
+With `--cp N` the instance is a context-parallel group of N ranks (spawned here, or torchrun-style
+from RANK / WORLD_SIZE / MASTER_ADDR across nodes); experts split over `--ep` ranks of it.
 
 `Prefill(prompt, sampling, destination)` schedules the prompt on the engine (chunked, batched with
 other prompts), pushes every layer's MLA and indexer blocks to the destination lease right after
@@ -22,11 +26,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
+import torch
 
+from prefill_service.cp import CPLeader, CPRank
+from prefill_service.cp import follower_loop as cp_follower_loop
 from shared import metrics
+from shared.device import get_device
 from shared.engine import EngineConfig, LLMEngine, SamplingParams, StepEvent
 from shared.engine.scheduler import ScheduledChunk
 from shared.engine.worker import EngineWorker
+from shared.parallel import ParallelConfig, ParallelState
+from shared.parallel.launch import launch_ranks
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import build_server, sampling_from_proto, set_serving
 from shared.transfer import Destination, KVPush, TransferError, make_sender
@@ -46,6 +56,27 @@ class PrefillConfig:
     block_size: int = 16
     kv_cache_tokens: int = 65536
     max_prefill_tokens: int = 4096
+    cp: int = 1
+    ep: int = 1
+    layer_sharding: tuple[str, ...] = ()
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(world=self.cp, cp=self.cp, ep=self.ep, layer_sharding=self.layer_sharding)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
+                            kv_cache_tokens=self.kv_cache_tokens, max_prefill_tokens=self.max_prefill_tokens)
+
+
+def _state(cfg: PrefillConfig, rank: int) -> ParallelState:
+    torch.set_num_threads(max(1, torch.get_num_threads() // cfg.cp))
+    return ParallelState.initialize(cfg.parallel(), rank, get_device(None), timeout_s=7 * 24 * 3600)
+
+
+def follower_main(rank: int, cfg: PrefillConfig) -> None:
+    """Entry point of CP ranks 1..N-1."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s prefill[{rank}] %(levelname)s %(message)s")
+    cp_follower_loop(CPRank(LLMEngine(cfg.engine_config(), _state(cfg, rank))))
 
 
 @dataclass
@@ -141,12 +172,15 @@ class PrefillWorker(EngineWorker):
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
-    def __init__(self, cfg: PrefillConfig):
+    """cp = 1: a PrefillWorker batches and chunks prompts; cp > 1: a CPLeader drives the CP group."""
+
+    def __init__(self, cfg: PrefillConfig, state: ParallelState | None = None):
         self.cfg = cfg
-        self.engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
-                                             kv_cache_tokens=cfg.kv_cache_tokens,
-                                             max_prefill_tokens=cfg.max_prefill_tokens))
-        self.worker = PrefillWorker(self.engine, cfg.kv_transport)
+        self.engine = LLMEngine(cfg.engine_config(), state)
+        if cfg.cp > 1:
+            self.worker = CPLeader(CPRank(self.engine))
+        else:
+            self.worker = PrefillWorker(self.engine, cfg.kv_transport)
         metrics.KV_TOTAL_BLOCKS.labels("prefill").set(self.engine.kv.num_blocks)
 
     def GetLoad(self, request, context):  # noqa: N802
@@ -187,7 +221,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
 
     def close(self) -> None:
         self.worker.stop()
-        for sender in self.worker.senders.values():
+        senders = self.worker.me.senders if isinstance(self.worker, CPLeader) else self.worker.senders
+        for sender in senders.values():
             sender.close()
 
 
@@ -204,13 +239,17 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=65536)
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="chunked-prefill budget per step")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides --cp)")
+    p.add_argument("--layer-sharding", default="", help="e.g. o_proj,q_b_proj")
     a = p.parse_args(argv)
     return PrefillConfig(a.model, a.host, a.port, a.metrics_port, a.kv_transport, a.dtype, a.block_size,
-                         a.kv_cache_tokens, a.max_prefill_tokens)
+                         a.kv_cache_tokens, a.max_prefill_tokens, a.cp, a.ep,
+                         ParallelConfig.parse_layer_sharding(a.layer_sharding))
 
 
-def serve(cfg: PrefillConfig) -> tuple[grpc.Server, int, PrefillServicer]:
-    servicer = PrefillServicer(cfg)
+def serve(cfg: PrefillConfig, state: ParallelState | None = None) -> tuple[grpc.Server, int, PrefillServicer]:
+    servicer = PrefillServicer(cfg, state)
     server, port, health = build_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(servicer, s)], [SERVICE])
     server.start()
@@ -221,13 +260,22 @@ def serve(cfg: PrefillConfig) -> tuple[grpc.Server, int, PrefillServicer]:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
     cfg = parse_args(argv)
+    cfg.parallel()  # validate before spawning anything
+    rank, followers = launch_ranks(cfg.cp, follower_main, cfg)
+    if rank != 0:  # torchrun-style follower
+        follower_main(rank, cfg)
+        return
     metrics.start_metrics_server(cfg.metrics_port)
-    server, port, servicer = serve(cfg)
-    print(f"prefill_service listening on {cfg.host}:{port}", flush=True)
+    server, port, servicer = serve(cfg, _state(cfg, 0))
+    print(f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} ep={cfg.ep})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=2).wait()
     servicer.close()
+    for proc in followers:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
     sys.exit(0)

@@ -132,7 +132,11 @@ class Cluster:
 def cmd_up(args: argparse.Namespace) -> None:
     model = args.model or str(ensure_tiny_model(DEFAULT_MODEL))
     cluster = Cluster(model, args.num_prefill, args.num_decode, args.port, args.kv_transport,
-                      log_dir=Path(args.log_dir) if args.log_dir else None)
+                      log_dir=Path(args.log_dir) if args.log_dir else None,
+                      extra_prefill=["--cp", str(args.prefill_cp), "--ep", str(args.prefill_ep),
+                                     "--layer-sharding", args.layer_sharding],
+                      extra_decode=["--dp", str(args.decode_dp), "--ep", str(args.decode_ep),
+                                    "--layer-sharding", args.layer_sharding])
     print(f"starting {args.num_prefill} prefill + {args.num_decode} decode + router on {model} ...", flush=True)
     cluster.start()
     print(f"pdserve up: router at {cluster.address}; prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}")
@@ -189,6 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
     up.add_argument("--log-dir", default=None, help="write each service's log here")
+    up.add_argument("--prefill-cp", type=int, default=1, help="context-parallel ranks per prefill instance")
+    up.add_argument("--prefill-ep", type=int, default=1, help="expert-parallel ranks per prefill instance")
+    up.add_argument("--decode-dp", type=int, default=1, help="attention-DP ranks per decode instance")
+    up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
+    up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
     up.set_defaults(fn=cmd_up)
     gen = sub.add_parser("generate", help="stream one request from the router")
     gen.add_argument("prompt", nargs="?", default=None)

@@ -104,7 +104,7 @@ def test_ep_equals_single(ckpt, ep):
     single, _ = load_model(path, "float32")
     moe = single.model.layers[1].mlp
     full_bytes = sum(p.numel() * p.element_size() for n, p in single.named_parameters() if ".experts." in n)
-    for rank, (logits, routed, skewed, expert_bytes) in enumerate(results):
+    for rank, (logits, routed, _, expert_bytes) in enumerate(results):
         assert _close(logits, engine_logits(single, prompts[rank]))
         assert _close(routed, moe(x[rank]))
         assert expert_bytes * ep == full_bytes  # each rank holds exactly its share of the experts
@@ -222,3 +222,39 @@ def test_layer_sharding(ckpt, k):
         for i in range(layers - 1):  # layer i+1's broadcast is in flight while layer i computes
             assert pos[("broadcast_issued", i + 1)] < pos[("compute_start", i)] < pos[("compute_end", i)]
             assert pos[("compute_end", i)] < pos[("broadcast_waited", i + 1)]
+
+
+# --- end to end: CP prefill instance + DP/EP decode instance ----------------------------------------
+
+def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
+    import threading
+
+    import grpc
+
+    from router.cli import Cluster
+    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+
+    path = str(ckpt("v32_sparse"))
+    prompts = random_prompts(6, [3, 17, 40, 1, 26, 9], 512, seed=65)
+    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
+    got: dict[int, list[int]] = {}
+    with Cluster(path, log_dir=tmp_path / "logs",
+                 extra_prefill=["--cp", "2", "--ep", "2", "--block-size", "4"],
+                 extra_decode=["--dp", "2", "--ep", "2", "--block-size", "4"]) as cluster:
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
+
+        def run(i: int) -> None:
+            sp = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[i], sampling_params=sp)
+            got[i] = [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+            load = internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=10)
+    assert [got.get(i) for i in range(len(prompts))] == want
+    assert len(load.ranks) == 2 and all(r.free_blocks == r.total_blocks for r in load.ranks)
+    assert all(r.admitted > 0 for r in load.ranks)  # concurrent requests spread over both DP ranks

@@ -96,7 +96,13 @@ class LLMEngine:
         self._requests: dict[str, _Tracked] = {}
         self._counter = itertools.count()
         self._default_gen = torch.Generator().manual_seed(config.seed)
-        self._scratch: list[int] | None = None
+        # parallel ranks keep one scratch block for dummy batches (DP idle ranks, empty CP shares)
+        self._scratch: list[int] | None = self.kv.allocator.allocate(1) if self.parallel.is_parallel else None
+
+    @property
+    def usable_blocks(self) -> int:
+        """KV blocks requests can use (the pool minus the scratch block of a parallel rank)."""
+        return self.kv.num_blocks - (1 if self._scratch else 0)
 
     @property
     def max_model_len(self) -> int:

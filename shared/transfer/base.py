@@ -89,14 +89,24 @@ class KVPush(ABC):
                                 f"{len(self.dest.block_ids)}")
         self._queue.put((layer, list(src_blocks), first))
 
-    def finish(self, timeout: float = 60.0) -> None:
+    def finish(self, timeout: float = 60.0, commit: bool = True) -> None:
+        """Wait for every queued write; then commit, unless another rank of a CP group commits
+        for all of them once every rank has finished (`commit=False`)."""
         self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TransferError("KV push did not finish in time")
         if self._error is not None:
             raise TransferError(str(self._error)) from self._error
+        if commit:
+            self._commit()
+
+    def commit(self) -> None:
+        """Tell the receiver the push is complete (after finish(commit=False) on every CP rank)."""
         self._commit()
+
+    def close(self) -> None:
+        self._close()
 
     def abort(self) -> None:
         self._queue.put(None)

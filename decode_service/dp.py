@@ -1,0 +1,260 @@
+"""Attention-DP decode: one DecodeRank per rank, stepped in lock-step by the coordinator on rank 0.
+
+Each loop iteration rank 0 broadcasts the pending commands (reserve / admit / abort / release, each
+addressed to one rank), every rank applies its own, then every rank runs one `dp_step` (its batch,
+or a dummy batch while any other rank has work, so the EP collectives are always entered by all),
+and rank 0 gathers the replies, the token events and each rank's load. With one rank there are no
+collectives and this is a plain engine loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shared.engine import EngineConfig, LLMEngine, SamplingParams
+from shared.engine.llm import dp_step
+from shared.kvcache import OutOfBlocks
+from shared.kvcache.lease import LeaseError, LeaseTable
+from shared.parallel import ParallelState
+from shared.transfer import TcpReceiver
+from shared.transfer.base import cache_kinds
+
+log = logging.getLogger("pdserve.decode")
+STOP = "stop"
+
+
+class CommandError(Exception):
+    """A command failed on its rank; `code` names the gRPC status the front should return."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Command:
+    kind: str  # reserve | admit | abort | release
+    rank: int
+    cid: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Event:
+    request_id: str
+    token_id: int
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+class DecodeRank:
+    """One rank's engine, KV pool, leases and KV receiver."""
+
+    def __init__(self, cfg, rank: int, state: ParallelState):  # noqa: ANN001 - DecodeConfig
+        self.rank, self.state = rank, state
+        self.admitted = 0
+        self.engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
+                                             kv_cache_tokens=cfg.kv_cache_tokens, max_num_seqs=cfg.max_num_seqs),
+                                state)
+        kv = self.engine.kv
+        self.leases = LeaseTable(kv.allocator, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
+                                 cfg.lease_seconds)
+        self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port + rank if cfg.kv_port else 0)
+        self.receiver = self.tcp
+        if cfg.kv_transport == "mooncake":
+            from shared.transfer.mooncake import MooncakeReceiver
+
+            self.receiver = MooncakeReceiver(kv, self.tcp, cfg.host)
+
+    def apply(self, cmd: Command) -> Any:
+        a = cmd.args
+        if cmd.kind == "reserve":
+            try:
+                lease = self.leases.reserve(a["request_id"], a["num_tokens"])
+            except OutOfBlocks as exc:
+                return CommandError("RESOURCE_EXHAUSTED", f"decode rank {self.rank} KV pool full: {exc}")
+            return self.receiver.destination(lease)
+        if cmd.kind == "admit":
+            return self._admit(a)
+        if cmd.kind == "abort":
+            self.engine.abort(a["request_id"])
+            return None
+        if cmd.kind == "release":
+            return self.leases.release(a["lease_id"])
+        return CommandError("INTERNAL", f"unknown command {cmd.kind}")
+
+    def _admit(self, a: dict[str, Any]) -> list[Event] | CommandError:
+        try:
+            lease = self.leases.claim(a["lease_id"])
+        except LeaseError as exc:
+            return CommandError("FAILED_PRECONDITION", str(exc))
+        try:
+            seq = self.engine.make_sequence(a["prompt"], SamplingParams(**a["params"]), a["request_id"])
+        except ValueError as exc:
+            self.engine.kv.allocator.free(lease.blocks)
+            return CommandError("INVALID_ARGUMENT", str(exc))
+        seq.block_table = list(lease.blocks)
+        self.admitted += 1
+        if a.get("rng_state") and seq.params.seed is not None:
+            seq.generator.set_state(torch.frombuffer(bytearray(a["rng_state"]), dtype=torch.uint8))
+        return [_event(ev) for ev in self.engine.add_prefilled(seq, a["first_token"])]
+
+    def step(self) -> list[Event]:
+        self.leases.expire()
+        if self.state.is_parallel:
+            events, _ = dp_step(self.engine)
+        else:
+            events = self.engine.step()
+        return [_event(ev) for ev in events]
+
+    def load(self) -> dict[str, int]:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        reserved = sum(len(lease.blocks) for lease in list(self.leases._leases.values())) * kv.layout.block_size
+        return {"rank": self.rank, "running": len(sched.running), "waiting": len(sched.waiting),
+                "free_blocks": kv.allocator.num_free, "total_blocks": self.engine.usable_blocks,
+                "active_leases": len(self.leases), "has_work": int(self.engine.has_work), "admitted": self.admitted,
+                "tokens": sum(s.num_tokens for s in sched.running) + reserved}
+
+    def close(self) -> None:
+        self.receiver.close()
+        if self.receiver is not self.tcp:
+            self.tcp.close()
+
+
+def _event(ev) -> Event:  # noqa: ANN001 - StepEvent
+    return Event(ev.seq.request_id, ev.token_id, ev.text, ev.finished, ev.seq.finish_reason)
+
+
+def follower_loop(me: DecodeRank) -> None:
+    """Ranks 1..N-1: apply broadcast commands, step, report to rank 0, until STOP."""
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] == STOP:
+            break
+        replies = [(cmd.cid, me.apply(cmd)) for cmd in box[0] if cmd.rank == me.rank]
+        events = me.step()
+        dist.gather_object((replies, events, me.load()), None, dst=0)
+    me.close()
+
+
+class Coordinator:
+    """Rank 0: owns the lock-step loop; gRPC handlers submit commands and read event streams."""
+
+    def __init__(self, me: DecodeRank, world: int):
+        self.me, self.world = me, world
+        self.loads: list[dict[str, int]] = [me.load()] + [
+            {"rank": r, "running": 0, "waiting": 0, "free_blocks": me.engine.kv.num_blocks,
+             "total_blocks": me.engine.kv.num_blocks, "active_leases": 0, "has_work": 0, "tokens": 0, "admitted": 0}
+            for r in range(1, world)]
+        self.lease_rank: dict[str, int] = {}
+        self._pending: queue.Queue[tuple[Command, Future]] = queue.Queue()
+        self._futures: dict[int, Future] = {}
+        self._streams: dict[str, queue.Queue] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dp-coordinator", daemon=True)
+        self._thread.start()
+
+    # -- API for gRPC handlers ---------------------------------------------------------------------
+    def submit(self, kind: str, rank: int, **args: Any) -> Future:
+        fut: Future = Future()
+        self._pending.put((Command(kind, rank, next(self._ids), args), fut))
+        return fut
+
+    def pick_rank(self, tokens: int) -> int:
+        """Least loaded DP rank by tokens (running contexts + reservations). The choice is counted
+        at once, so a burst of reservations between two steps spreads over the ranks."""
+        rank = min(range(self.world), key=lambda r: (self.loads[r]["tokens"], self.loads[r]["running"], r))
+        self.loads[rank] = {**self.loads[rank], "tokens": self.loads[rank]["tokens"] + tokens}
+        return rank
+
+    def open_stream(self, request_id: str) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        q = self._streams.pop(request_id, None)
+        if q is not None:
+            q.put(None)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._thread.join(10)
+
+    # -- loop ----------------------------------------------------------------------------------------
+    def _drain(self, block: bool) -> list[Command]:
+        """Pending commands; when idle, wait briefly for the first one (this is also the tick)."""
+        cmds = []
+        while True:
+            try:
+                cmd, fut = self._pending.get(timeout=0.05) if block and not cmds else self._pending.get_nowait()
+            except queue.Empty:
+                return cmds
+            self._futures[cmd.cid] = fut
+            cmds.append(cmd)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                idle = not any(load["has_work"] for load in self.loads)
+                cmds = self._drain(block=idle)
+                if idle and not cmds and self.world == 1:
+                    self.me.leases.expire()
+                    self.loads[0] = self.me.load()
+                    continue
+                if self.world > 1:
+                    dist.broadcast_object_list([cmds], src=0)
+                replies = [(cmd.cid, self.me.apply(cmd)) for cmd in cmds if cmd.rank == 0]
+                events = self.me.step()
+                reports = [(replies, events, self.me.load())]
+                if self.world > 1:
+                    gathered: list[Any] = [None] * self.world
+                    dist.gather_object(reports[0], gathered, dst=0)
+                    reports = gathered
+                for rank, (rank_replies, rank_events, load) in enumerate(reports):
+                    self.loads[rank] = load
+                    for cid, reply in rank_replies:
+                        self._resolve(cid, reply)
+                    self._dispatch(rank_events)
+        except Exception:  # noqa: BLE001
+            log.exception("decode coordinator loop failed")
+            raise
+        finally:
+            if self.world > 1:
+                dist.broadcast_object_list([STOP], src=0)
+            self.me.close()
+
+    def _resolve(self, cid: int, reply: Any) -> None:
+        fut = self._futures.pop(cid, None)
+        if fut is None:
+            return
+        if isinstance(reply, CommandError):
+            fut.set_exception(reply)
+        else:
+            if isinstance(reply, list):  # admit: deliver the first token before the caller streams
+                self._dispatch(reply)
+            fut.set_result(reply)
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for ev in events:
+            q = self._streams.get(ev.request_id)
+            if q is not None:
+                q.put(ev)
+                if ev.finished:
+                    self.close_stream(ev.request_id)
+
+
+def params_dict(p: SamplingParams) -> dict[str, Any]:
+    return asdict(p)
