@@ -3,11 +3,14 @@ the environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) so one instance can
 
 from __future__ import annotations
 
+import io
 import os
 import socket
+import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from shared.parallel.state import env_rank_world
@@ -37,3 +40,45 @@ def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> 
     for p in procs:
         p.start()
     return 0, procs
+
+
+def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue) -> None:  # noqa: ANN001
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+                      PDSERVE_DEVICE="cpu", OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+    try:
+        buf = io.BytesIO()  # plain bytes: shared-memory tensors would vanish when this process exits
+        torch.save(fn(rank, world, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1) -> list:  # noqa: ANN001
+    """Run fn(rank, world, *args) on `world` local gloo ranks (spawned processes, MASTER_* set) and
+    return their results in rank order; a rank that fails or hangs past `timeout` raises (tests, benches)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, threads, fn, args, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
