@@ -119,11 +119,12 @@ class DecodeRank:
 
     def load(self) -> dict[str, int]:
         sched, kv = self.engine.scheduler, self.engine.kv
-        reserved = sum(len(lease.blocks) for lease in list(self.leases._leases.values())) * kv.layout.block_size
+        reserved = self.leases.reserved_blocks() * kv.layout.block_size
         return {"rank": self.rank, "running": len(sched.running), "waiting": len(sched.waiting),
                 "free_blocks": kv.allocator.num_free, "total_blocks": self.engine.usable_blocks,
                 "active_leases": len(self.leases), "has_work": int(self.engine.has_work), "admitted": self.admitted,
-                "tokens": sum(s.num_tokens for s in sched.running) + reserved}
+                "tokens": sum(s.num_tokens for s in sched.running) + reserved,
+                "expired": self.leases.drain_expired()}
 
     def close(self) -> None:
         self.receiver.close()
@@ -153,7 +154,7 @@ class Coordinator:
 
     def __init__(self, me: DecodeRank, world: int):
         self.me, self.world = me, world
-        self.loads: list[dict[str, int]] = [me.load()] + [
+        self.loads: list[dict[str, Any]] = [me.load()] + [
             {"rank": r, "running": 0, "waiting": 0, "free_blocks": me.engine.kv.num_blocks,
              "total_blocks": me.engine.kv.num_blocks, "active_leases": 0, "has_work": 0, "tokens": 0, "admitted": 0}
             for r in range(1, world)]
@@ -212,7 +213,7 @@ class Coordinator:
                 cmds = self._drain(block=idle)
                 if idle and not cmds and self.world == 1:
                     self.me.leases.expire()
-                    self.loads[0] = self.me.load()
+                    self._absorb(0, self.me.load())
                     continue
                 if self.world > 1:
                     dist.broadcast_object_list([cmds], src=0)
@@ -224,7 +225,7 @@ class Coordinator:
                     dist.gather_object(reports[0], gathered, dst=0)
                     reports = gathered
                 for rank, (rank_replies, rank_events, load) in enumerate(reports):
-                    self.loads[rank] = load
+                    self._absorb(rank, load)
                     for cid, reply in rank_replies:
                         self._resolve(cid, reply)
                     self._dispatch(rank_events)
@@ -235,6 +236,12 @@ class Coordinator:
             if self.world > 1:
                 dist.broadcast_object_list([STOP], src=0)
             self.me.close()
+
+    def _absorb(self, rank: int, load: dict[str, Any]) -> None:
+        """Take a rank's load report; forget the routing of its expired leases."""
+        for lease_id in load.pop("expired"):
+            self.lease_rank.pop(lease_id, None)
+        self.loads[rank] = load
 
     def _resolve(self, cid: int, reply: Any) -> None:
         fut = self._futures.pop(cid, None)

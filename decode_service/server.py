@@ -108,7 +108,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 
     def GetLoad(self, request, context):  # noqa: N802
         loads = self.coord.loads
-        ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items() if k != "has_work"}) for x in loads]
+        ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items() if k not in ("has_work", "expired")})
+                 for x in loads]
         return internal_pb2.LoadReport(
             running=sum(x["running"] for x in loads), waiting=sum(x["waiting"] for x in loads),
             free_blocks=sum(x["free_blocks"] for x in loads), total_blocks=sum(x["total_blocks"] for x in loads),

@@ -46,6 +46,7 @@ class LeaseTable:
         self.num_layers, self.kinds, self.ttl = num_layers, kinds, ttl_seconds
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
+        self._expired: list[str] = []
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -107,7 +108,18 @@ class LeaseTable:
                 del self._leases[lease.lease_id]
         for lease in dead:
             self.allocator.free(lease.blocks)
+        self._expired.extend(lease.lease_id for lease in dead)
         return len(dead)
+
+    def drain_expired(self) -> list[str]:
+        """Ids of leases expired since the last call (so a front can forget their routing)."""
+        with self._lock:
+            out, self._expired = self._expired, []
+        return out
+
+    def reserved_blocks(self) -> int:
+        with self._lock:
+            return sum(len(lease.blocks) for lease in self._leases.values())
 
 
 __all__ = ["Lease", "LeaseError", "LeaseTable", "OutOfBlocks"]
