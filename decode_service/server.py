@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from decode_service.dp import STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
 from shared import metrics
-from shared.device import get_device
-from shared.parallel import ParallelConfig, ParallelState
-from shared.parallel.launch import launch_ranks
+from shared.parallel import ParallelConfig
+from shared.parallel.launch import launch_ranks, service_state
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import build_server, sampling_from_proto, set_serving
+from shared.rpc.service import build_server, sampling_from_proto, set_serving, wait_for_shutdown
 
 log = logging.getLogger("pdserve.decode")
 SERVICE = "pdserve.v1.Decode"
@@ -54,15 +50,10 @@ class DecodeConfig:
         return ParallelConfig(world=self.dp, dp=self.dp, ep=self.ep, layer_sharding=self.layer_sharding)
 
 
-def _state(cfg: DecodeConfig, rank: int) -> ParallelState:
-    torch.set_num_threads(max(1, torch.get_num_threads() // cfg.dp))
-    return ParallelState.initialize(cfg.parallel(), rank, get_device(None), timeout_s=7 * 24 * 3600)
-
-
 def follower_main(rank: int, cfg: DecodeConfig) -> None:
     """Entry point of DP ranks 1..N-1."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s decode[{rank}] %(levelname)s %(message)s")
-    follower_loop(DecodeRank(cfg, rank, _state(cfg, rank)))
+    follower_loop(DecodeRank(cfg, rank, service_state(cfg.parallel(), rank)))
 
 
 class DecodeServicer(internal_pb2_grpc.DecodeServicer):
@@ -183,16 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     if rank != 0:  # torchrun-style follower
         follower_main(rank, cfg)
         return
-    me = DecodeRank(cfg, 0, _state(cfg, 0))
+    me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
     coordinator = Coordinator(me, cfg.dp)
     metrics.start_metrics_server(cfg.metrics_port)
     server, port = serve(cfg, coordinator)
     print(f"decode_service listening on {cfg.host}:{port} (dp={cfg.dp} ep={cfg.ep}, kv {me.receiver.transport})",
           flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_shutdown()
     server.stop(grace=2).wait()
     coordinator.stop()
     for proc in followers:

@@ -18,27 +18,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import signal
 import sys
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from prefill_service.cp import CPLeader, CPRank
 from prefill_service.cp import follower_loop as cp_follower_loop
 from shared import metrics
-from shared.device import get_device
 from shared.engine import EngineConfig, LLMEngine, SamplingParams, StepEvent
 from shared.engine.scheduler import ScheduledChunk
 from shared.engine.worker import EngineWorker
 from shared.parallel import ParallelConfig, ParallelState
-from shared.parallel.launch import launch_ranks
+from shared.parallel.launch import launch_ranks, service_state
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import build_server, sampling_from_proto, set_serving
+from shared.rpc.service import build_server, sampling_from_proto, set_serving, wait_for_shutdown
 from shared.transfer import Destination, KVPush, TransferError, make_sender
 
 log = logging.getLogger("pdserve.prefill")
@@ -68,15 +64,10 @@ class PrefillConfig:
                             kv_cache_tokens=self.kv_cache_tokens, max_prefill_tokens=self.max_prefill_tokens)
 
 
-def _state(cfg: PrefillConfig, rank: int) -> ParallelState:
-    torch.set_num_threads(max(1, torch.get_num_threads() // cfg.cp))
-    return ParallelState.initialize(cfg.parallel(), rank, get_device(None), timeout_s=7 * 24 * 3600)
-
-
 def follower_main(rank: int, cfg: PrefillConfig) -> None:
     """Entry point of CP ranks 1..N-1."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s prefill[{rank}] %(levelname)s %(message)s")
-    cp_follower_loop(CPRank(LLMEngine(cfg.engine_config(), _state(cfg, rank))))
+    cp_follower_loop(CPRank(LLMEngine(cfg.engine_config(), service_state(cfg.parallel(), rank))))
 
 
 @dataclass
@@ -266,12 +257,9 @@ def main(argv: list[str] | None = None) -> None:
         follower_main(rank, cfg)
         return
     metrics.start_metrics_server(cfg.metrics_port)
-    server, port, servicer = serve(cfg, _state(cfg, 0))
+    server, port, servicer = serve(cfg, service_state(cfg.parallel(), 0))
     print(f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} ep={cfg.ep})", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_shutdown()
     server.stop(grace=2).wait()
     servicer.close()
     for proc in followers:

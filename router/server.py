@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import signal
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ from shared.config import ModelConfig
 from shared.engine.sampler import SamplingParams
 from shared.engine.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from shared.rpc.service import build_server, channel, sampling_from_proto, set_serving
+from shared.rpc.service import build_server, channel, sampling_from_proto, set_serving, wait_for_shutdown
 
 log = logging.getLogger("pdserve.router")
 SERVICE = "pdserve.v1.Generation"
@@ -230,9 +229,6 @@ def main(argv: list[str] | None = None) -> None:
     metrics.start_metrics_server(cfg.metrics_port)
     server, port, _ = serve(cfg)
     print(f"router listening on {cfg.host}:{port}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_shutdown()
     server.stop(grace=2).wait()
     sys.exit(0)

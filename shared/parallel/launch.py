@@ -13,13 +13,23 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from shared.parallel.state import env_rank_world
+from shared.device import get_device
+from shared.parallel.state import ParallelConfig, ParallelState, env_rank_world
+
+SERVICE_TIMEOUT_S = 7 * 24 * 3600  # idle followers wait in a broadcast; never time them out
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def service_state(config: ParallelConfig, rank: int) -> ParallelState:
+    """A service rank's process group; the host's threads are split between the ranks on it."""
+    local_ranks = 1 if env_rank_world() else config.world
+    torch.set_num_threads(max(1, torch.get_num_threads() // local_ranks))
+    return ParallelState.initialize(config, rank, get_device(None), timeout_s=SERVICE_TIMEOUT_S)
 
 
 def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> tuple[int, list]:

@@ -63,6 +63,17 @@ def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
     return msg
 
 
+def wait_for_shutdown() -> None:
+    """Block until SIGINT or SIGTERM (every service's main loop)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
 def channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=GRPC_OPTIONS)
 
