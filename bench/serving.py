@@ -95,6 +95,33 @@ def wire_seconds(engine: LLMEngine, tokens: int) -> float:
     return best
 
 
+def phases(cluster: Cluster, prompt: list[int], repeat: int = 5) -> dict[str, float]:
+    """The router's three calls made by hand, timed: median ms of reserve, prefill (with the server's
+    own compute+push time), and decode until the first token."""
+    from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
+
+    dec = internal_pb2_grpc.DecodeStub(grpc.insecure_channel(cluster.decode_addrs[0]))
+    pre = internal_pb2_grpc.PrefillStub(grpc.insecure_channel(cluster.prefill_addrs[0]))
+    sp = generation_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    rows: dict[str, list[float]] = {"reserve": [], "prefill rpc": [], "prefill server": [], "decode first": []}
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        r = dec.Reserve(internal_pb2.ReserveRequest(request_id=f"p{i}", num_prompt_tokens=len(prompt), max_tokens=2))
+        t1 = time.perf_counter()
+        first = pre.Prefill(internal_pb2.PrefillRequest(request_id=f"p{i}", prompt_token_ids=prompt, sampling_params=sp,
+                                                        destination=r.destination))
+        t2 = time.perf_counter()
+        stream = dec.Decode(internal_pb2.DecodeRequest(request_id=f"p{i}", lease_id=r.destination.lease_id,
+                                                       prompt_token_ids=prompt, sampling_params=sp,
+                                                       first_token_id=first.first_token_id))
+        next(iter(stream))
+        t3 = time.perf_counter()
+        stream.cancel()
+        for key, value in zip(rows, (t1 - t0, t2 - t1, first.prefill_seconds, t3 - t2)):
+            rows[key].append(value * 1e3)
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/tiny-v32")
@@ -124,6 +151,7 @@ def main() -> None:
         print(f"{args.streams} concurrent streams through the router ...", flush=True)
         remote = run_router(cluster.address, prompts, args.max_tokens)
         remote_long = [stream_once(stub, long_prompt, 1)[0] for _ in range(5)]
+        breakdown = phases(cluster, long_prompt)
 
     rows = []
     for name, r in (("router (disaggregated)", remote), ("in-process engine", local)):
@@ -140,6 +168,12 @@ def main() -> None:
         ["KV wire time (built-in tcp)", f"{wire * 1e3:.1f}"],
         ["overhead - wire time (target <= 5 ms)", f"{(d_ttft - l_ttft - wire) * 1e3:.1f}"],
     ]))
+    print()
+    b = breakdown
+    machinery = b["reserve"] + b["prefill rpc"] - b["prefill server"] + b["decode first"]
+    print(table(["1k-token prompt, phases by hand (median)", "ms"],
+                [[k, f"{v:.1f}"] for k, v in b.items()]
+                + [["machinery = reserve + (prefill rpc - prefill server) + decode first", f"{machinery:.1f}"]]))
     png = bar_plot(OUT / "serving.png", f"{args.streams} streams, {args.prompt_len}-token prompts, "
                    f"{args.max_tokens} new tokens", ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"],
                    {name: [pct(r["ttft"], .5) * 1e3, pct(r["ttft"], .9) * 1e3, pct(r["tpot"], .5) * 1e3,

@@ -42,7 +42,6 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     order: int = field(default_factory=lambda: next(_ids))
-    owns_blocks: bool = True  # False while blocks belong to an external reservation (decode service)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -135,10 +134,7 @@ class Scheduler:
         chunks = []
         for seq in sorted((s for s in self.running if not s.is_prefilling), key=lambda s: s.order):
             while seq.status is Status.RUNNING and not self._ensure_blocks(seq, seq.num_tokens):
-                victim = max((s for s in self.running if s.owns_blocks), key=lambda s: s.order, default=None)
-                if victim is None:
-                    raise RuntimeError("KV pool exhausted by requests that cannot be preempted")
-                self.preempt(victim)
+                self.preempt(max(self.running, key=lambda s: s.order))
             if seq.status is Status.RUNNING:
                 chunks.append(ScheduledChunk(seq, seq.num_uncached))
         return chunks
@@ -158,7 +154,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.owns_blocks and seq.block_table:
+        if seq.block_table:
             self.allocator.free(seq.block_table)
-        seq.block_table = [] if seq.owns_blocks else seq.block_table
+        seq.block_table = []
         seq.status, seq.finish_reason = Status.FINISHED, reason
