@@ -140,9 +140,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=model))
     run_in_process(engine, prompts[:2], 4)  # warm-up
     local = run_in_process(engine, prompts, args.max_tokens)
-    local_long = [run_in_process(engine, [long_prompt], 1)["ttft"][0] for _ in range(5)]
     wire = wire_seconds(engine, args.long_prompt)
-    del engine
 
     print(f"starting router + 1 prefill + 1 decode ({args.kv_transport}) ...", flush=True)
     with Cluster(model, kv_transport=args.kv_transport) as cluster:
@@ -150,7 +148,10 @@ def main() -> None:
         run_router(cluster.address, prompts[:2], 4)  # warm-up
         print(f"{args.streams} concurrent streams through the router ...", flush=True)
         remote = run_router(cluster.address, prompts, args.max_tokens)
-        remote_long = [stream_once(stub, long_prompt, 1)[0] for _ in range(5)]
+        remote_long, local_long = [], []
+        for _ in range(5):  # alternate, so machine noise hits both paths alike
+            remote_long.append(stream_once(stub, long_prompt, 1)[0])
+            local_long.append(run_in_process(engine, [long_prompt], 1)["ttft"][0])
         breakdown = phases(cluster, long_prompt)
 
     rows = []

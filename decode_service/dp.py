@@ -217,9 +217,11 @@ class Coordinator:
                     continue
                 if self.world > 1:
                     dist.broadcast_object_list([cmds], src=0)
-                replies = [(cmd.cid, self.me.apply(cmd)) for cmd in cmds if cmd.rank == 0]
+                for cmd in cmds:  # rank 0's own replies (an admit's first token) go out before the step
+                    if cmd.rank == 0:
+                        self._resolve(cmd.cid, self.me.apply(cmd))
                 events = self.me.step()
-                reports = [(replies, events, self.me.load())]
+                reports = [([], events, self.me.load())]
                 if self.world > 1:
                     gathered: list[Any] = [None] * self.world
                     dist.gather_object(reports[0], gathered, dst=0)
