@@ -57,10 +57,13 @@ class Pool:
         self.instances = [Instance(a, stub_cls(channel(a))) for a in addresses]
         self._rr = itertools.count()
 
-    def pick(self) -> Instance:
+    def ranked(self) -> list[Instance]:
+        """All instances, fewest in flight first (ties rotate): the first is the pick, the rest
+        are the fail-over order."""
         start = next(self._rr)
         n = len(self.instances)
-        return min((self.instances[(start + i) % n] for i in range(n)), key=lambda inst: inst.outstanding)
+        rotated = [self.instances[(start + i) % n] for i in range(n)]
+        return sorted(rotated, key=lambda inst: inst.outstanding)
 
 
 class _InFlight:
@@ -130,17 +133,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         timeout = min(self.cfg.request_timeout, deadline) if deadline else self.cfg.request_timeout
         sampling = request.sampling_params
 
-        with _InFlight(self.decode.pick()) as dec:
-            reserve = self._call(context, dec, lambda: dec.stub.Reserve(
-                internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=params.max_tokens),
-                timeout=PEER_TIMEOUT))
+        reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
+                                                  max_tokens=params.max_tokens)
+        full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        dec, reserve = self._first_ok(context, self.decode, lambda inst: inst.stub.Reserve(
+            reserve_req, timeout=PEER_TIMEOUT), retry_on=full_or_down)
+        with _InFlight(dec):
             lease_id = reserve.destination.lease_id
             claimed = False
             try:
-                with _InFlight(self.prefill.pick()) as pre:
-                    first = self._call(context, pre, lambda: pre.stub.Prefill(
-                        internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sampling,
-                                                    destination=reserve.destination), timeout=timeout))
+                prefill_req = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
+                                                          sampling_params=sampling, destination=reserve.destination)
+                _, first = self._first_ok(context, self.prefill, lambda inst: inst.stub.Prefill(
+                    prefill_req, timeout=timeout), retry_on=(grpc.StatusCode.UNAVAILABLE,))
                 stream = dec.stub.Decode(internal_pb2.DecodeRequest(
                     request_id=rid, lease_id=lease_id, prompt_token_ids=ids, sampling_params=sampling,
                     first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout)
@@ -182,12 +187,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         metrics.TOKENS.labels("router", "output").inc(n)
 
     @staticmethod
-    def _call(context, inst: Instance, fn):  # noqa: ANN001, ANN205
-        try:
-            return fn()
-        except grpc.RpcError as exc:
-            metrics.REQUESTS.labels("router", "error").inc()
-            context.abort(_map_code(exc.code()), f"{inst.address}: {exc.details()}")
+    def _first_ok(context, pool: Pool, call, retry_on: tuple) -> tuple[Instance, object]:  # noqa: ANN001
+        """call(instance) on the preferred instance, failing over to the next on `retry_on` codes;
+        aborts the client's RPC with the last error when none succeeds."""
+        candidates = pool.ranked()
+        for i, inst in enumerate(candidates):
+            try:
+                with _InFlight(inst):
+                    return inst, call(inst)
+            except grpc.RpcError as exc:
+                if exc.code() in retry_on and i + 1 < len(candidates):
+                    log.warning("%s: %s; trying the next instance", inst.address, exc.code().name)
+                    continue
+                metrics.REQUESTS.labels("router", "error").inc()
+                context.abort(_map_code(exc.code()), f"{inst.address}: {exc.details()}")
+        raise AssertionError("unreachable: a pool has at least one instance")
 
 
 def _map_code(code: grpc.StatusCode) -> grpc.StatusCode:

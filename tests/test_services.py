@@ -223,3 +223,36 @@ def test_metrics_endpoint(model_dir):
         generate(c.address, prompt_token_ids=[5, 6, 7], sampling_params=greedy(3))
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "pdserve_kv_free_blocks" in body and 'pdserve_tokens_total{kind="output",service="decode"} 3.0' in body
+
+
+def test_two_by_two_instances_and_failover(model_dir, local_llm, tmp_path):
+    """M=2 prefill, N=2 decode: requests spread over both decode instances; with one prefill and one
+    decode instance killed, the router fails over to the live ones."""
+    prompts = random_prompts(8, [5, 14, 23], 512, seed=33)
+    want = [o.token_ids for o in local_llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0,
+                                                                            ignore_eos=True))]
+    with Cluster(str(model_dir), num_prefill=2, num_decode=2, log_dir=tmp_path / "logs",
+                 extra_decode=["--block-size", "4"], extra_prefill=["--block-size", "4"]) as c:
+        got: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            got[i] = tokens(generate(c.address, prompt_token_ids=prompts[i], sampling_params=greedy(6)))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [got.get(i) for i in range(8)] == want
+        admitted = []
+        for addr in c.decode_addrs:
+            with grpc.insecure_channel(addr) as ch:
+                load = internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=5)
+            admitted.append(sum(r.admitted for r in load.ranks))
+        assert all(n > 0 for n in admitted), admitted
+        # kill prefill 0 and decode 0 (the router's instance order: decodes first, then prefills)
+        for proc in (c.procs[0], c.procs[2]):
+            proc.kill()
+            proc.wait(10)
+        for i in range(4):
+            assert tokens(generate(c.address, prompt_token_ids=prompts[i], sampling_params=greedy(6))) == want[i]
