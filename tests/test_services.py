@@ -16,11 +16,8 @@ from router.cli import Cluster, free_port
 from shared.engine import LLM, SamplingParams
 from shared.loader.tokenizer_train import train_tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from shared.transfer.mooncake import mooncake_available
-from tests.helpers import load_reference, random_prompts, reference_greedy
+from tests.helpers import TRANSPORTS, load_reference, random_prompts, reference_greedy
 
-TRANSPORTS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
-    not mooncake_available(), reason="Mooncake transfer engine not installed (make installs it)"))]
 LEASE_SECONDS = 2.0
 
 

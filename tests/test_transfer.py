@@ -12,11 +12,8 @@ from shared.kvcache.lease import LeaseTable
 from shared.rpc import codegen
 from shared.transfer import TcpReceiver, TransferError, make_sender
 from shared.transfer.base import cache_kinds
-from shared.transfer.mooncake import MooncakeReceiver, mooncake_available
-from tests.helpers import random_prompts
-
-TRANSPORTS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
-    not mooncake_available(), reason="Mooncake transfer engine not installed (make installs it)"))]
+from shared.transfer.mooncake import MooncakeReceiver
+from tests.helpers import TRANSPORTS, random_prompts
 
 
 def _decode_side(layout, transport: str, ttl: float = 30.0):
