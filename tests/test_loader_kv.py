@@ -153,3 +153,29 @@ def test_deepseek_indexer_numerics_close_to_default(ckpt):
     assert not torch.equal(a, b)  # the FP8 path is really taken
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).mean() > 0.9
     assert_close_logits(a[:8], b[:8])  # while context <= index_topk selection is all keys either way
+
+
+def test_fused_expert_layout_loads(tmp_path):
+    """transformers 5 can store experts fused (experts.gate_up_proj [E, 2I, D], gate first)."""
+    path = write_checkpoint(tmp_path / "perexpert", "deepseek_v32", num_hidden_layers=2, tokenizer=False)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    fused, n_experts = {}, 8
+    for name, t in tensors.items():
+        if ".mlp.experts." not in name:
+            fused[name] = t
+    for layer in (1,):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"],
+                                                                  tensors[f"{prefix}.{e}.up_proj.weight"]])
+                                                       for e in range(n_experts)])
+        downs = [tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(n_experts)]
+        fused[f"{prefix}.down_proj"] = torch.stack(downs)
+    other = tmp_path / "fused"
+    other.mkdir()
+    (other / "config.json").write_text((path / "config.json").read_text())
+    save_file(fused, str(other / "model.safetensors"))
+    a, _ = load_model(path, "float32")
+    b, _ = load_model(other, "float32")
+    ids = random_prompts(1, [20], 1000, seed=22)[0]
+    assert torch.equal(engine_logits(a, ids), engine_logits(b, ids))

@@ -258,3 +258,45 @@ def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
     assert [got.get(i) for i in range(len(prompts))] == want
     assert len(load.ranks) == 2 and all(r.free_blocks == r.total_blocks for r in load.ranks)
     assert all(r.admitted > 0 for r in load.ranks)  # concurrent requests spread over both DP ranks
+
+
+def test_torchrun_style_ranks_form_one_decode_instance(ckpt, tmp_path):
+    """Ranks started separately with MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE (as on several
+    nodes) form one dp=2 decode instance; rank 0 serves gRPC and reports both ranks."""
+    import os
+    import subprocess
+    import sys
+
+    import grpc
+
+    from router.cli import free_port, wait_serving
+    from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
+
+    port, master = free_port(), free_port()
+    procs = []
+    try:
+        for rank in (1, 0):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "RANK": str(rank),
+                   "WORLD_SIZE": "2"}
+            log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "decode_service", "--model", str(ckpt("v32_sparse")), "--port", str(port),
+                 "--dp", "2", "--ep", "2", "--block-size", "4"], env=env, stdout=log, stderr=subprocess.STDOUT))
+        wait_serving(f"127.0.0.1:{port}", timeout=120, proc=procs[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = internal_pb2_grpc.DecodeStub(ch)
+            leases = [stub.Reserve(internal_pb2.ReserveRequest(request_id=f"r{i}", num_prompt_tokens=8, max_tokens=8),
+                                   timeout=30) for i in range(2)]
+            assert {r.dp_rank for r in leases} == {0, 1}  # the second reservation goes to the other rank
+            load = stub.GetLoad(internal_pb2.LoadRequest(), timeout=10)
+            assert [r.rank for r in load.ranks] == [0, 1]
+            for r in leases:
+                assert stub.Release(internal_pb2.ReleaseRequest(lease_id=r.destination.lease_id), timeout=30).released
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()

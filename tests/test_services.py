@@ -253,3 +253,12 @@ def test_two_by_two_instances_and_failover(model_dir, local_llm, tmp_path):
             proc.wait(10)
         for i in range(4):
             assert tokens(generate(c.address, prompt_token_ids=prompts[i], sampling_params=greedy(6))) == want[i]
+
+
+def test_deadline_frees_decode_blocks(cluster):
+    initial = decode_load(cluster).total_blocks
+    with pytest.raises(grpc.RpcError) as err:
+        generate(cluster.address, timeout=1.5, prompt_token_ids=[5, 6, 7], sampling_params=greedy(480))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: decode_load(cluster).free_blocks == initial)
+    assert decode_load(cluster).running == 0 and decode_load(cluster).active_leases == 0
