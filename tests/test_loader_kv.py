@@ -179,3 +179,17 @@ def test_fused_expert_layout_loads(tmp_path):
     b, _ = load_model(other, "float32")
     ids = random_prompts(1, [20], 1000, seed=22)[0]
     assert torch.equal(engine_logits(a, ids), engine_logits(b, ids))
+
+
+def test_expert_parallel_loading_reads_only_local_experts(tmp_path):
+    from shared.parallel import ParallelConfig, ParallelState
+
+    path = write_checkpoint(tmp_path / "ep", "deepseek_v32", num_hidden_layers=2, tokenizer=False)
+    full, full_report = load_model(path, "float32")
+    rank1 = ParallelState(ParallelConfig(world=2, dp=2, ep=2), rank=1)  # placement only: no collectives run
+    part, report = load_model(path, "float32", parallel=rank1)
+    experts = part.model.layers[1].mlp.experts
+    assert (experts.first_expert, experts.num_local) == (4, 4)
+    assert torch.equal(experts.gate_up_proj, full.model.layers[1].mlp.experts.gate_up_proj[4:8])
+    assert torch.equal(experts.down_proj, full.model.layers[1].mlp.experts.down_proj[4:8])
+    assert full_report.loaded - report.loaded == 4 * 3  # experts 0-3 (gate, up, down) were never read
