@@ -58,22 +58,43 @@ class Experts(nn.Module):
 
     def run(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]:
-        rows sorted by expert, one matmul per expert with tokens, zero-token experts skipped."""
+        rows sorted by expert, zero-token experts skipped. When the active experts get similar row
+        counts (decode batches) they run as one padded batched matmul; otherwise one matmul each."""
         order = local_ids.argsort(stable=True)
-        counts = torch.bincount(local_ids, minlength=self.num_local).tolist()
+        counts_t = torch.bincount(local_ids, minlength=self.num_local)
+        counts = counts_t.tolist()
+        active = [e for e, c in enumerate(counts) if c]
         xs = rows[order]
-        out = torch.empty_like(xs)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            seg = xs[start : start + count]
-            gate, up = F.linear(seg, self.gate_up_proj[expert]).split(self.inter, -1)
-            out[start : start + count] = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            start += count
+        if active and max(counts) * len(active) <= 2 * rows.shape[0]:
+            out = self._run_padded(xs, local_ids[order], counts_t, active, max(counts))
+        else:
+            out = torch.empty_like(xs)
+            start = 0
+            for expert in active:
+                seg = xs[start : start + counts[expert]]
+                gate, up = F.linear(seg, self.gate_up_proj[expert]).split(self.inter, -1)
+                out[start : start + counts[expert]] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+                start += counts[expert]
         result = torch.empty_like(out)
         result[order] = out
         return result
+
+    def _run_padded(self, xs: torch.Tensor, sorted_ids: torch.Tensor, counts: torch.Tensor, active: list[int],
+                    width: int) -> torch.Tensor:
+        """Sorted rows → [active experts, width, D] (zero padded) → two bmm's → back to sorted rows."""
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.full((self.num_local,), -1, dtype=torch.long, device=xs.device)
+        slot[active] = torch.arange(len(active), device=xs.device)
+        row_slot = slot[sorted_ids]
+        row_pos = torch.arange(xs.shape[0], device=xs.device) - starts[sorted_ids]
+        buf = xs.new_zeros(len(active), width, xs.shape[1])
+        buf[row_slot, row_pos] = xs
+        every = len(active) == self.num_local  # no weight copy when every expert has rows
+        w_gu = self.gate_up_proj if every else self.gate_up_proj[active]
+        w_down = self.down_proj if every else self.down_proj[active]
+        gate, up = torch.bmm(buf, w_gu.transpose(1, 2)).split(self.inter, -1)
+        out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2))
+        return out[row_slot, row_pos]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """All experts local: fp32 weighted sum [N, D]."""
