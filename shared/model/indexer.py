@@ -66,21 +66,24 @@ class Indexer(nn.Module):
         if self.numerics == "deepseek":
             q = fake_quant_ue8m0(hadamard_transform(q), min(128, self.head_dim))
         w = self.weights_proj(x.float()) * self.n_heads**-0.5  # [N, H]
-        keys = gather_context(index_pool, fb).float()  # [R, T, D]
+        # q·k runs in the cache dtype with fp32 accumulation (exact in an fp32 model; in bf16 finer
+        # than DeepSeek's own FP8 scoring) and only the small [.., H, T] scores are widened.
+        keys = gather_context(index_pool, fb)  # [R, T, D]
+        q = q.to(keys.dtype)
         k_sel = min(self.topk, fb.max_context)
 
         if fb.is_decode:
-            scores = torch.relu(torch.bmm(q.float(), keys.transpose(1, 2)) * self.scale)  # [R, H, T]
+            scores = torch.relu(torch.bmm(q, keys.transpose(1, 2)).float() * self.scale)  # [R, H, T]
             index = torch.bmm(w.unsqueeze(1), scores).squeeze(1)  # [R, T]
             index = index.masked_fill(~fb.key_valid, float("-inf"))
             picks = index.topk(k_sel, dim=-1).indices
             return Selection(indices=picks, valid=fb.key_valid.gather(1, picks))
 
-        qp, wp = fb.padded(q).float(), fb.padded(w)  # [R, S, H, D], [R, S, H]
+        qp, wp = fb.padded(q), fb.padded(w)  # [R, S, H, D], [R, S, H]
         mask = torch.zeros_like(fb.causal)
         for s0 in range(0, qp.shape[1], QUERY_TILE):
             s1 = s0 + QUERY_TILE
-            scores = torch.relu(torch.einsum("rshd,rtd->rsht", qp[:, s0:s1], keys) * self.scale)
+            scores = torch.relu(torch.einsum("rshd,rtd->rsht", qp[:, s0:s1], keys).float() * self.scale)
             index = torch.einsum("rsh,rsht->rst", wp[:, s0:s1], scores)
             index = index.masked_fill(~fb.causal[:, s0:s1], float("-inf"))
             picks = index.topk(k_sel, dim=-1).indices
