@@ -1,10 +1,12 @@
-"""Context-parallel prefill across the ranks of one prefill instance.
+"""Prefill across the ranks of one parallel prefill instance (context parallel, or local TP).
 
-Rank 0 (the gRPC front) broadcasts one request at a time; every rank computes its zigzag share of
-the prompt, the layers all-gather the new KV so attention and the indexer see the whole prefix, and
-each rank pushes the blocks whose first token it computed, layer by layer, straight to the decode
-lease. When every rank's writes are done (an all-gather of their outcomes), rank 0 commits; the rank
-holding the last prompt token samples the first token.
+Rank 0 (the gRPC front) broadcasts one request at a time. Under CP every rank computes its zigzag
+share of the prompt, the layers all-gather the new KV so attention and the indexer see the whole
+prefix, and each rank pushes the blocks whose first token it computed, layer by layer, straight to
+the decode lease. Under local TP every rank computes the whole prompt with its shards of o_proj /
+lm_head / embedding and rank 0 alone pushes (the KV is identical on all ranks). When every rank's
+writes are done (an all-gather of their outcomes), rank 0 commits; the rank holding the last prompt
+token samples the first token.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.sampler import sample
+from shared.model import ForwardBatch, SeqChunk
 from shared.parallel.cp import build_cp_batch, owned_blocks
 from shared.transfer import Destination, TransferError, make_sender
 
@@ -63,23 +66,29 @@ class CPRank:
         table = kv.allocator.allocate(kv.blocks_needed(len(job.prompt)))
         push, token, rng, error = None, None, b"", None
         try:
-            if job.dest.transport not in self.senders:
-                self.senders[job.dest.transport] = make_sender(job.dest.transport, kv)
-            push = self.senders[job.dest.transport].open(job.dest)
-            runs = _runs(owned_blocks(len(job.prompt), rank, cp, bs))
+            if cp > 1:
+                runs = _runs(owned_blocks(len(job.prompt), rank, cp, bs))
+                fb = build_cp_batch(job.prompt, table, rank, cp, bs, engine.device, state.world_group, self.scratch)
+            else:  # local TP: identical KV everywhere, rank 0 pushes it all
+                runs = [list(range(len(table)))] if rank == 0 else []
+                fb = ForwardBatch.build([SeqChunk(job.prompt, 0, table)], bs, engine.device)
+            if runs:
+                if job.dest.transport not in self.senders:
+                    self.senders[job.dest.transport] = make_sender(job.dest.transport, kv)
+                push = self.senders[job.dest.transport].open(job.dest)
 
             def layer_done(layer: int) -> None:
                 for run in runs:
                     push.send_layer(layer, [table[b] for b in run], run[0])
 
-            fb = build_cp_batch(job.prompt, table, rank, cp, bs, engine.device, state.world_group, self.scratch)
             logits = engine.model(fb, kv, layer_done)
             if logits.shape[0]:  # this rank computed the last prompt token
                 gen = (torch.Generator().manual_seed(job.params.seed) if job.params.seed is not None
                        else engine._default_gen)
                 token = sample(logits, [job.params], [gen])[0]
                 rng = bytes(gen.get_state().numpy()) if job.params.seed is not None else b""
-            push.finish(commit=False)
+            if push is not None:
+                push.finish(commit=False)
         except (TransferError, ValueError, RuntimeError) as exc:
             error = str(exc)
         finally:

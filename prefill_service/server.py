@@ -54,10 +54,16 @@ class PrefillConfig:
     max_prefill_tokens: int = 4096
     cp: int = 1
     ep: int = 1
+    tp: int = 1
     layer_sharding: tuple[str, ...] = ()
 
+    @property
+    def world(self) -> int:
+        return self.cp * self.tp
+
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(world=self.cp, cp=self.cp, ep=self.ep, layer_sharding=self.layer_sharding)
+        return ParallelConfig(world=self.world, cp=self.cp, tp=self.tp, ep=self.ep,
+                              layer_sharding=self.layer_sharding)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
@@ -65,7 +71,7 @@ class PrefillConfig:
 
 
 def follower_main(rank: int, cfg: PrefillConfig) -> None:
-    """Entry point of CP ranks 1..N-1."""
+    """Entry point of ranks 1..N-1 of a CP or TP prefill group."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s prefill[{rank}] %(levelname)s %(message)s")
     cp_follower_loop(CPRank(LLMEngine(cfg.engine_config(), service_state(cfg.parallel(), rank))))
 
@@ -163,12 +169,12 @@ class PrefillWorker(EngineWorker):
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
-    """cp = 1: a PrefillWorker batches and chunks prompts; cp > 1: a CPLeader drives the CP group."""
+    """One rank: a PrefillWorker batches and chunks prompts; a CP or TP group: a CPLeader drives it."""
 
     def __init__(self, cfg: PrefillConfig, state: ParallelState | None = None):
         self.cfg = cfg
         self.engine = LLMEngine(cfg.engine_config(), state)
-        if cfg.cp > 1:
+        if cfg.world > 1:
             self.worker = CPLeader(CPRank(self.engine))
         else:
             self.worker = PrefillWorker(self.engine, cfg.kv_transport)
@@ -231,11 +237,12 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p.add_argument("--kv-cache-tokens", type=int, default=65536)
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="chunked-prefill budget per step")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides --cp)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the instance's ranks)")
+    p.add_argument("--tp", type=int, default=1, help="local TP ranks for o_proj / lm_head / embedding (with --cp 1)")
     p.add_argument("--layer-sharding", default="", help="e.g. o_proj,q_b_proj")
     a = p.parse_args(argv)
     return PrefillConfig(a.model, a.host, a.port, a.metrics_port, a.kv_transport, a.dtype, a.block_size,
-                         a.kv_cache_tokens, a.max_prefill_tokens, a.cp, a.ep,
+                         a.kv_cache_tokens, a.max_prefill_tokens, a.cp, a.ep, a.tp,
                          ParallelConfig.parse_layer_sharding(a.layer_sharding))
 
 
@@ -252,13 +259,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
     cfg = parse_args(argv)
     cfg.parallel()  # validate before spawning anything
-    rank, followers = launch_ranks(cfg.cp, follower_main, cfg)
+    rank, followers = launch_ranks(cfg.world, follower_main, cfg)
     if rank != 0:  # torchrun-style follower
         follower_main(rank, cfg)
         return
     metrics.start_metrics_server(cfg.metrics_port)
     server, port, servicer = serve(cfg, service_state(cfg.parallel(), 0))
-    print(f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} ep={cfg.ep})", flush=True)
+    print(f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} tp={cfg.tp} ep={cfg.ep})", flush=True)
     wait_for_shutdown()
     server.stop(grace=2).wait()
     servicer.close()

@@ -300,3 +300,22 @@ def test_torchrun_style_ranks_form_one_decode_instance(ckpt, tmp_path):
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_cluster_tp2_prefill(ckpt, tmp_path):
+    """A prefill instance with local TP (o_proj / lm_head / embedding sharded over 2 ranks)."""
+    import grpc
+
+    from router.cli import Cluster
+    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+    path = str(ckpt("v32_sparse"))
+    prompts = random_prompts(3, [5, 33, 12], 512, seed=66)
+    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
+    with Cluster(path, log_dir=tmp_path / "logs", extra_prefill=["--tp", "2", "--block-size", "4"],
+                 extra_decode=["--block-size", "4"]) as cluster:
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
+        sp = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        got = [[t for m in stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=sp),
+                                         timeout=120) for t in m.token_ids] for p in prompts]
+    assert got == want
