@@ -133,7 +133,8 @@ def cmd_up(args: argparse.Namespace) -> None:
     model = args.model or str(ensure_tiny_model(DEFAULT_MODEL))
     cluster = Cluster(model, args.num_prefill, args.num_decode, args.port, args.kv_transport,
                       log_dir=Path(args.log_dir) if args.log_dir else None,
-                      extra_prefill=["--cp", str(args.prefill_cp), "--ep", str(args.prefill_ep),
+                      extra_prefill=["--cp", str(args.prefill_cp), "--tp", str(args.prefill_tp),
+                                     "--ep", str(args.prefill_ep),
                                      "--layer-sharding", args.layer_sharding],
                       extra_decode=["--dp", str(args.decode_dp), "--ep", str(args.decode_ep),
                                     "--layer-sharding", args.layer_sharding])
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
     up.add_argument("--log-dir", default=None, help="write each service's log here")
     up.add_argument("--prefill-cp", type=int, default=1, help="context-parallel ranks per prefill instance")
+    up.add_argument("--prefill-tp", type=int, default=1, help="local-TP ranks per prefill instance (with cp 1)")
     up.add_argument("--prefill-ep", type=int, default=1, help="expert-parallel ranks per prefill instance")
     up.add_argument("--decode-dp", type=int, default=1, help="attention-DP ranks per decode instance")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
