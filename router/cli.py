@@ -139,6 +139,11 @@ def cmd_up(args: argparse.Namespace) -> None:
                       extra_decode=["--dp", str(args.decode_dp), "--ep", str(args.decode_ep),
                                     "--layer-sharding", args.layer_sharding])
     print(f"starting {args.num_prefill} prefill + {args.num_decode} decode + router on {model} ...", flush=True)
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started with SIGINT ignored (background jobs)
+        signal.signal(sig, interrupt)
     cluster.start()
     print(f"pdserve up: router at {cluster.address}; prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}")
     print("Ctrl-C to stop", flush=True)
