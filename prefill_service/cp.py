@@ -57,7 +57,7 @@ class CPRank:
         self.engine = engine
         self.state = engine.parallel
         self.senders: dict[str, Any] = {}
-        self.scratch = engine._scratch[0] if engine._scratch else engine.kv.allocator.allocate(1)[0]
+        self.scratch = engine.scratch_blocks[0] if engine.scratch_blocks else engine.kv.allocator.allocate(1)[0]
 
     def run(self, job: CPJob) -> tuple[int | None, bytes, str | None, Any]:
         """Returns (first token or None, rng state, error or None, the open push)."""
@@ -84,7 +84,7 @@ class CPRank:
             logits = engine.model(fb, kv, layer_done)
             if logits.shape[0]:  # this rank computed the last prompt token
                 gen = (torch.Generator().manual_seed(job.params.seed) if job.params.seed is not None
-                       else engine._default_gen)
+                       else engine.default_generator)
                 token = sample(logits, [job.params], [gen])[0]
                 rng = bytes(gen.get_state().numpy()) if job.params.seed is not None else b""
             if push is not None:

@@ -28,7 +28,7 @@ import grpc
 from prefill_service.cp import CPLeader, CPRank
 from prefill_service.cp import follower_loop as cp_follower_loop
 from shared import metrics
-from shared.engine import EngineConfig, LLMEngine, SamplingParams, StepEvent
+from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.scheduler import ScheduledChunk
 from shared.engine.worker import EngineWorker
 from shared.parallel import ParallelConfig, ParallelState
@@ -97,11 +97,11 @@ class PrefillWorker(EngineWorker):
             self.senders[transport] = make_sender(transport, self.engine.kv)
         return self.senders[transport]
 
-    def step(self) -> list[StepEvent]:
+    def step(self) -> None:
         engine = self.engine
         chunks = engine.scheduler.schedule()
         if not chunks:
-            return []
+            return
         plan = [(self.jobs[c.seq.request_id].push, *self._blocks(c)) for c in chunks]
 
         def layer_done(layer: int) -> None:
@@ -114,8 +114,7 @@ class PrefillWorker(EngineWorker):
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
             for c in chunks:
                 self._fail(c.seq.request_id, exc)
-            return []
-        events = []
+            return
         for seq, tok in zip([c.seq for c in chunks if c.completes], tokens):
             job = self.jobs.pop(seq.request_id)
             try:
@@ -126,9 +125,8 @@ class PrefillWorker(EngineWorker):
                 continue
             metrics.KV_BYTES.labels(self.transport).inc(job.push.bytes_sent)
             state = bytes(seq.generator.get_state().numpy()) if seq.params.seed is not None else b""
-            events.extend(engine._append_token(seq, tok))  # max_tokens=1: finishes, frees the blocks
+            engine.append_token(seq, tok)  # max_tokens=1: finishes, frees the blocks
             job.done.set_result((tok, state, time.perf_counter() - job.started))
-        return events
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
         """Queue a prompt whose KV goes to `dest`; the Future yields (first token, rng state, seconds).

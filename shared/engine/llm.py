@@ -95,14 +95,14 @@ class LLMEngine:
                                    config.max_prefill_tokens)
         self._requests: dict[str, _Tracked] = {}
         self._counter = itertools.count()
-        self._default_gen = torch.Generator().manual_seed(config.seed)
+        self.default_generator = torch.Generator().manual_seed(config.seed)
         # parallel ranks keep one scratch block for dummy batches (DP idle ranks, empty CP shares)
-        self._scratch: list[int] | None = self.kv.allocator.allocate(1) if self.parallel.is_parallel else None
+        self.scratch_blocks: list[int] | None = self.kv.allocator.allocate(1) if self.parallel.is_parallel else None
 
     @property
     def usable_blocks(self) -> int:
         """KV blocks requests can use (the pool minus the scratch block of a parallel rank)."""
-        return self.kv.num_blocks - (1 if self._scratch else 0)
+        return self.kv.num_blocks - (1 if self.scratch_blocks else 0)
 
     @property
     def max_model_len(self) -> int:
@@ -135,7 +135,7 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._counter)}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in flight")
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._default_gen
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self.default_generator
         seq = Sequence(rid, list(prompt_token_ids), params, generator=gen)
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
         self._requests[rid] = _Tracked(seq, detok)
@@ -150,7 +150,7 @@ class LLMEngine:
     def add_prefilled(self, seq: Sequence, first_token: int) -> list[StepEvent]:
         """Admit a request whose prompt KV is already in its blocks (disaggregated decode)."""
         seq.num_cached = len(seq.prompt_token_ids)
-        events = self._append_token(seq, first_token)
+        events = self.append_token(seq, first_token)
         if seq.status is not Status.FINISHED:
             self.scheduler.add_running(seq)
         return events
@@ -188,9 +188,9 @@ class LLMEngine:
     def dummy_step(self) -> None:
         """A one-token forward into a scratch block, for a parallel rank with nothing to do: every
         rank must enter the same collectives (EP all-to-all, layer-sharding broadcasts) each step."""
-        if self._scratch is None:
-            self._scratch = self.kv.allocator.allocate(1)
-        fb = ForwardBatch.build([SeqChunk([0], 0, self._scratch, need_logits=False)], self.layout.block_size,
+        if self.scratch_blocks is None:
+            self.scratch_blocks = self.kv.allocator.allocate(1)
+        fb = ForwardBatch.build([SeqChunk([0], 0, self.scratch_blocks, need_logits=False)], self.layout.block_size,
                                 self.device)
         self.model(fb, self.kv)
 
@@ -201,10 +201,10 @@ class LLMEngine:
         events: list[StepEvent] = []
         tokens = self.sample(chunks, logits)
         for seq, tok in zip([c.seq for c in chunks if c.completes], tokens):
-            events.extend(self._append_token(seq, tok))
+            events.extend(self.append_token(seq, tok))
         return events
 
-    def _append_token(self, seq: Sequence, token: int) -> list[StepEvent]:
+    def append_token(self, seq: Sequence, token: int) -> list[StepEvent]:
         tracked = self._requests[seq.request_id]
         seq.output_token_ids.append(token)
         new_text = tracked.detok.update(seq.output_token_ids) if tracked.detok else ""
