@@ -14,6 +14,7 @@ import time
 import grpc
 
 from router.cli import DEFAULT_MODEL, Cluster
+from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import ensure_tiny_model
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -23,15 +24,16 @@ PROMPTS = ["Hello world.", "The capital of France is", "Once upon a time", "Expl
 def run_one(stub, prompt: str, max_tokens: int, results: dict) -> None:  # noqa: ANN001
     req = generation_pb2.GenerateRequest(prompt=prompt, sampling_params=generation_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    t0, stamps, text, finish = time.perf_counter(), [], "", ""
+    t0, stamps, text, finish, ids = time.perf_counter(), [], "", "", []
     for msg in stub.Generate(req, timeout=120):
         if msg.token_ids:
             stamps.append(time.perf_counter())
+        ids.extend(msg.token_ids)
         text += msg.text
         finish = msg.finish_reason or finish
     ttft = stamps[0] - t0
     tpot = (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
-    results[prompt] = (text, ttft, tpot, len(stamps), finish)
+    results[prompt] = (text, ttft, tpot, ids, finish)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,11 +54,16 @@ def main(argv: list[str] | None = None) -> None:
         for t in threads:
             t.join()
         for prompt in PROMPTS:
-            text, ttft, tpot, n, finish = results[prompt]
-            print(f"prompt: {prompt!r}\n  text: {text!r}\n  {n} tokens, finish={finish}, "
+            text, ttft, tpot, ids, finish = results[prompt]
+            print(f"prompt: {prompt!r}\n  text: {text!r}\n  {len(ids)} tokens, finish={finish}, "
                   f"TTFT {ttft * 1e3:.1f} ms, TPOT {tpot * 1e3:.1f} ms")
-        print("\n(the tiny model has random weights: its text is noise; the tokens match in-process LLM.generate)")
-    print("all services stopped")
+    print("all services stopped; checking the tokens against in-process LLM.generate ...")
+    local = LLM(model).generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
+    same = all(out.token_ids == results[p][3] for p, out in zip(PROMPTS, local))
+    print(f"disaggregated tokens == in-process tokens: {same}")
+    print("(the tiny model has random weights, so its text is noise)")
+    if not same:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
