@@ -20,6 +20,7 @@ import grpc
 
 from decode_service.dp import STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
 from shared import metrics
+from shared.config import ServiceConfig
 from shared.parallel import ParallelConfig
 from shared.parallel.launch import launch_ranks, service_state
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -30,21 +31,11 @@ SERVICE = "pdserve.v1.Decode"
 
 
 @dataclass
-class DecodeConfig:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    kv_transport: str = "tcp"
+class DecodeConfig(ServiceConfig):
     kv_port: int = 0
     lease_seconds: float = 30.0
-    dtype: str = "float32"
-    block_size: int = 16
-    kv_cache_tokens: int = 65536
     max_num_seqs: int = 256
     dp: int = 1
-    ep: int = 1
-    layer_sharding: tuple[str, ...] = ()
 
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(world=self.dp, dp=self.dp, ep=self.ep, layer_sharding=self.layer_sharding)
@@ -137,24 +128,12 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     p = argparse.ArgumentParser(prog="python -m decode_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
-    p.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
+    ServiceConfig.add_arguments(p)
     p.add_argument("--kv-port", type=int, default=0, help="TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="unused reservations expire after this")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size per DP rank")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dp", type=int, default=1, help="attention data-parallel ranks")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides --dp)")
-    p.add_argument("--layer-sharding", default="", help="e.g. o_proj,q_b_proj")
-    a = p.parse_args(argv)
-    return DecodeConfig(a.model, a.host, a.port, a.metrics_port, a.kv_transport, a.kv_port, a.lease_seconds,
-                        a.dtype, a.block_size, a.kv_cache_tokens, a.max_num_seqs, a.dp, a.ep,
-                        ParallelConfig.parse_layer_sharding(a.layer_sharding))
+    return DecodeConfig.from_args(p.parse_args(argv))
 
 
 def serve(cfg: DecodeConfig, coordinator: Coordinator) -> tuple[grpc.Server, int]:

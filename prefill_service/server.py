@@ -28,6 +28,7 @@ import grpc
 from prefill_service.cp import CPLeader, CPRank
 from prefill_service.cp import follower_loop as cp_follower_loop
 from shared import metrics
+from shared.config import ServiceConfig
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.scheduler import ScheduledChunk
 from shared.engine.worker import EngineWorker
@@ -42,20 +43,10 @@ SERVICE = "pdserve.v1.Prefill"
 
 
 @dataclass
-class PrefillConfig:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    kv_transport: str = "tcp"
-    dtype: str = "float32"
-    block_size: int = 16
-    kv_cache_tokens: int = 65536
+class PrefillConfig(ServiceConfig):
     max_prefill_tokens: int = 4096
     cp: int = 1
-    ep: int = 1
     tp: int = 1
-    layer_sharding: tuple[str, ...] = ()
 
     @property
     def world(self) -> int:
@@ -224,24 +215,11 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
 def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p = argparse.ArgumentParser(prog="python -m prefill_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
-    p.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp",
-                   help="backend used for pushes (the destination names the transport per request)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, default=65536)
+    ServiceConfig.add_arguments(p)
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="chunked-prefill budget per step")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the instance's ranks)")
     p.add_argument("--tp", type=int, default=1, help="local TP ranks for o_proj / lm_head / embedding (with --cp 1)")
-    p.add_argument("--layer-sharding", default="", help="e.g. o_proj,q_b_proj")
-    a = p.parse_args(argv)
-    return PrefillConfig(a.model, a.host, a.port, a.metrics_port, a.kv_transport, a.dtype, a.block_size,
-                         a.kv_cache_tokens, a.max_prefill_tokens, a.cp, a.ep, a.tp,
-                         ParallelConfig.parse_layer_sharding(a.layer_sharding))
+    return PrefillConfig.from_args(p.parse_args(argv))
 
 
 def serve(cfg: PrefillConfig, state: ParallelState | None = None) -> tuple[grpc.Server, int, PrefillServicer]:

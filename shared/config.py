@@ -6,9 +6,10 @@ both the legacy (`rope_scaling` + `rope_theta`) and the transformers-5 (`rope_pa
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,38 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+@dataclass
+class ServiceConfig:
+    """The flags every engine-backed service takes (the deployment renders exactly these)."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    kv_transport: str = "tcp"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_tokens: int = 65536
+    ep: int = 1
+    layer_sharding: tuple[str, ...] = ()
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
+        p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+        p.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
+        p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+        p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+        p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size (per rank)")
+        p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the instance's ranks)")
+        p.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: layer i's weight lives on rank i %% K")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServiceConfig:
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        values["layer_sharding"] = tuple(x for x in (args.layer_sharding or "").split(",") if x)
+        return cls(**values)

@@ -46,10 +46,6 @@ class ParallelConfig:
         if bad:
             raise ValueError(f"layer_sharding supports {LAYER_SHARDABLE}, got {sorted(bad)}")
 
-    @classmethod
-    def parse_layer_sharding(cls, text: str | None) -> tuple[str, ...]:
-        return tuple(x for x in (text or "").split(",") if x)
-
 
 @dataclass
 class ParallelState:
