@@ -104,9 +104,12 @@ def main() -> None:
     print()
     print(table(["cp = dp = ep", "threads/rank", f"prefill {args.prompt_len} ms", "decode tok/s"], rows))
     print(f"(this machine: {cores} cores shared by all ranks)")
-    png = bar_plot(OUT / "parallel.png", f"tiny model on {cores} cores", ["prefill ms (cp)", "decode tok/s (dp+ep)"],
-                   {f"x{w}": [prefill_ms[i], decode_tps[i]] for i, w in enumerate((1, 2))}, "value")
-    print(f"plot: {png}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    bar_plot(OUT / "parallel_prefill.png", f"{args.prompt_len}-token prefill, {cores} cores",
+             ["cp=1", "cp=2"], {"prefill": prefill_ms}, "milliseconds (lower is better)")
+    bar_plot(OUT / "parallel_decode.png", f"decode {args.decode_requests} requests, {cores} cores",
+             ["dp=ep=1", "dp=ep=2"], {"decode": decode_tps}, "tokens/s (higher is better)")
+    print(f"plots: {OUT / 'parallel_prefill.png'}, {OUT / 'parallel_decode.png'}")
 
 
 if __name__ == "__main__":
