@@ -119,6 +119,7 @@ def phases(cluster: Cluster, prompt: list[int], repeat: int = 5) -> dict[str, fl
         stream.cancel()
         for key, value in zip(rows, (t1 - t0, t2 - t1, first.prefill_seconds, t3 - t2)):
             rows[key].append(value * 1e3)
+        time.sleep(0.2)  # let decode finish the cancelled request's step: each round starts idle
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
