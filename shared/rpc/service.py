@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterable
 from concurrent import futures
 
@@ -21,7 +22,11 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_m
 
 def build_server(host: str, port: int, register: Iterable[Callable[[grpc.Server], None]],
                  service_names: list[str], max_workers: int = 64) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A started-ready server (not started) with health checking and reflection; returns bound port."""
+    """A server (not started) with health checking and reflection; returns it with its bound port.
+
+    The GIL switch interval drops from 5 ms to 0.5 ms: handler threads must not wait a whole
+    interval behind the engine thread to send a token (latency over a tiny throughput cost)."""
+    sys.setswitchinterval(0.0005)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
     for add in register:
         add(server)
