@@ -5,6 +5,11 @@ addressed to one rank), every rank applies its own, then every rank runs one `dp
 or a dummy batch while any other rank has work, so the EP collectives are always entered by all),
 and rank 0 gathers the replies, the token events and each rank's load. With one rank there are no
 collectives and this is a plain engine loop.
+
+With local TP (`--tp N`, dp 1) the ranks mirror one batch: every command applies on every rank
+in the same order (same lease ids, so the same blocks), the pushed KV lands on rank 0 and is
+broadcast to the other ranks at admission, lease expiry is an ordered release command for all
+ranks, and only rank 0's replies and events are used.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import secrets
 import threading
+import uuid
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +37,7 @@ from shared.transfer.base import cache_kinds
 
 log = logging.getLogger("pdserve.decode")
 STOP = "stop"
+ALL = -1  # Command.rank for a command every rank applies (TP mirror mode)
 
 
 class CommandError(Exception):
@@ -62,6 +70,7 @@ class DecodeRank:
 
     def __init__(self, cfg, rank: int, state: ParallelState):  # noqa: ANN001 - DecodeConfig
         self.rank, self.state = rank, state
+        self.mirror = state.config.tp > 1
         self.admitted = 0
         self.engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
                                              kv_cache_tokens=cfg.kv_cache_tokens, max_num_seqs=cfg.max_num_seqs),
@@ -80,7 +89,7 @@ class DecodeRank:
         a = cmd.args
         if cmd.kind == "reserve":
             try:
-                lease = self.leases.reserve(a["request_id"], a["num_tokens"])
+                lease = self.leases.reserve(a["request_id"], a["num_tokens"], a.get("lease_id"), a.get("token"))
             except OutOfBlocks as exc:
                 return CommandError("RESOURCE_EXHAUSTED", f"decode rank {self.rank} KV pool full: {exc}")
             return self.receiver.destination(lease)
@@ -95,9 +104,11 @@ class DecodeRank:
 
     def _admit(self, a: dict[str, Any]) -> list[Event] | CommandError:
         try:
-            lease = self.leases.claim(a["lease_id"])
+            lease = self.leases.claim(a["lease_id"], require_complete=not (self.mirror and self.rank))
         except LeaseError as exc:
             return CommandError("FAILED_PRECONDITION", str(exc))
+        if self.mirror:
+            self._copy_kv_from_rank0(lease.blocks)
         try:
             seq = self.engine.make_sequence(a["prompt"], SamplingParams(**a["params"]), a["request_id"])
         except ValueError as exc:
@@ -109,8 +120,19 @@ class DecodeRank:
             seq.generator.set_state(torch.frombuffer(bytearray(a["rng_state"]), dtype=torch.uint8))
         return [_event(ev) for ev in self.engine.add_prefilled(seq, a["first_token"])]
 
+    def _copy_kv_from_rank0(self, blocks: list[int]) -> None:
+        """TP mirror: the prefill pushed into rank 0's blocks; every rank gets the same rows."""
+        index = torch.tensor(blocks, dtype=torch.long)
+        for pool in (self.engine.kv.mla, self.engine.kv.index):
+            if pool is None:
+                continue
+            rows = pool[:, index].contiguous()  # [layers, blocks, block_size, dim]
+            dist.broadcast(rows, src=0, group=self.state.world_group)
+            pool[:, index] = rows
+
     def step(self) -> list[Event]:
-        self.leases.expire()
+        if not self.mirror:  # mirrors release expired leases by command, in the same order everywhere
+            self.leases.expire()
         if self.state.is_parallel:
             events, _ = dp_step(self.engine)
         else:
@@ -143,7 +165,7 @@ def follower_loop(me: DecodeRank) -> None:
         dist.broadcast_object_list(box, src=0)
         if box[0] == STOP:
             break
-        replies = [(cmd.cid, me.apply(cmd)) for cmd in box[0] if cmd.rank == me.rank]
+        replies = [(cmd.cid, me.apply(cmd)) for cmd in box[0] if cmd.rank in (me.rank, ALL)]
         events = me.step()
         dist.gather_object((replies, events, me.load()), None, dst=0)
     me.close()
@@ -154,6 +176,7 @@ class Coordinator:
 
     def __init__(self, me: DecodeRank, world: int):
         self.me, self.world = me, world
+        self.mirror = me.mirror
         self.loads: list[dict[str, Any]] = [me.load()] + [
             {"rank": r, "running": 0, "waiting": 0, "free_blocks": me.engine.kv.num_blocks,
              "total_blocks": me.engine.kv.num_blocks, "active_leases": 0, "has_work": 0, "tokens": 0, "admitted": 0}
@@ -170,12 +193,22 @@ class Coordinator:
     # -- API for gRPC handlers ---------------------------------------------------------------------
     def submit(self, kind: str, rank: int, **args: Any) -> Future:
         fut: Future = Future()
+        if self.mirror:
+            rank = ALL
+            if kind == "reserve":  # one lease id and token for every mirror rank
+                args = {**args, "lease_id": uuid.uuid4().hex, "token": secrets.token_bytes(16)}
+            elif kind == "admit" and not self.me.leases.is_complete(args["lease_id"]):
+                fut.set_exception(CommandError("FAILED_PRECONDITION",
+                                               f"lease {args['lease_id']!r} is unknown, expired or incomplete"))
+                return fut
         self._pending.put((Command(kind, rank, next(self._ids), args), fut))
         return fut
 
     def pick_rank(self, tokens: int) -> int:
         """Least loaded DP rank by tokens (running contexts + reservations). The choice is counted
         at once, so a burst of reservations between two steps spreads over the ranks."""
+        if self.mirror:
+            return 0
         rank = min(range(self.world), key=lambda r: (self.loads[r]["tokens"], self.loads[r]["running"], r))
         self.loads[rank] = {**self.loads[rank], "tokens": self.loads[rank]["tokens"] + tokens}
         return rank
@@ -211,6 +244,8 @@ class Coordinator:
             while not self._stop:
                 idle = not any(load["has_work"] for load in self.loads)
                 cmds = self._drain(block=idle)
+                if self.mirror:
+                    cmds += self._expiry_commands()
                 if idle and not cmds and self.world == 1:
                     self.me.leases.expire()
                     self._absorb(0, self.me.load())
@@ -218,7 +253,7 @@ class Coordinator:
                 if self.world > 1:
                     dist.broadcast_object_list([cmds], src=0)
                 for cmd in cmds:  # rank 0's own replies (an admit's first token) go out before the step
-                    if cmd.rank == 0:
+                    if cmd.rank in (0, ALL):
                         self._resolve(cmd.cid, self.me.apply(cmd))
                 events = self.me.step()
                 reports = [([], events, self.me.load())]
@@ -227,6 +262,9 @@ class Coordinator:
                     dist.gather_object(reports[0], gathered, dst=0)
                     reports = gathered
                 for rank, (rank_replies, rank_events, load) in enumerate(reports):
+                    if self.mirror and rank:  # mirrors repeat rank 0: their replies and events are dropped
+                        self.loads[rank] = {**load, "expired": []}
+                        continue
                     self._absorb(rank, load)
                     for cid, reply in rank_replies:
                         self._resolve(cid, reply)
@@ -244,6 +282,14 @@ class Coordinator:
         for lease_id in load.pop("expired"):
             self.lease_rank.pop(lease_id, None)
         self.loads[rank] = load
+
+    def _expiry_commands(self) -> list[Command]:
+        """TP mirror: overdue leases become release commands applied by every rank in order."""
+        out = []
+        for lease_id in self.me.leases.overdue():
+            self.lease_rank.pop(lease_id, None)
+            out.append(Command("release", ALL, next(self._ids), {"lease_id": lease_id}))
+        return out
 
     def _resolve(self, cid: int, reply: Any) -> None:
         fut = self._futures.pop(cid, None)

@@ -36,9 +36,15 @@ class DecodeConfig(ServiceConfig):
     lease_seconds: float = 30.0
     max_num_seqs: int = 256
     dp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
 
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(world=self.dp, dp=self.dp, ep=self.ep, layer_sharding=self.layer_sharding)
+        return ParallelConfig(world=self.world, dp=self.dp, tp=self.tp, ep=self.ep,
+                              layer_sharding=self.layer_sharding)
 
 
 def follower_main(rank: int, cfg: DecodeConfig) -> None:
@@ -133,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     p.add_argument("--lease-seconds", type=float, default=30.0, help="unused reservations expire after this")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dp", type=int, default=1, help="attention data-parallel ranks")
+    p.add_argument("--tp", type=int, default=1, help="local TP ranks for o_proj / lm_head / embedding (with --dp 1)")
     return DecodeConfig.from_args(p.parse_args(argv))
 
 
@@ -149,15 +156,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
     cfg = parse_args(argv)
     cfg.parallel()  # validate before spawning anything
-    rank, followers = launch_ranks(cfg.dp, follower_main, cfg)
+    rank, followers = launch_ranks(cfg.world, follower_main, cfg)
     if rank != 0:  # torchrun-style follower
         follower_main(rank, cfg)
         return
     me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
-    coordinator = Coordinator(me, cfg.dp)
+    coordinator = Coordinator(me, cfg.world)
     metrics.start_metrics_server(cfg.metrics_port)
     server, port = serve(cfg, coordinator)
-    print(f"decode_service listening on {cfg.host}:{port} (dp={cfg.dp} ep={cfg.ep}, kv {me.receiver.transport})",
+    print(f"decode_service listening on {cfg.host}:{port} "
+          f"(dp={cfg.dp} tp={cfg.tp} ep={cfg.ep}, kv {me.receiver.transport})",
           flush=True)
     wait_for_shutdown()
     server.stop(grace=2).wait()

@@ -136,7 +136,8 @@ def cmd_up(args: argparse.Namespace) -> None:
                       extra_prefill=["--cp", str(args.prefill_cp), "--tp", str(args.prefill_tp),
                                      "--ep", str(args.prefill_ep),
                                      "--layer-sharding", args.layer_sharding],
-                      extra_decode=["--dp", str(args.decode_dp), "--ep", str(args.decode_ep),
+                      extra_decode=["--dp", str(args.decode_dp), "--tp", str(args.decode_tp),
+                                    "--ep", str(args.decode_ep),
                                     "--layer-sharding", args.layer_sharding])
     print(f"starting {args.num_prefill} prefill + {args.num_decode} decode + router on {model} ...", flush=True)
     def interrupt(*_: object) -> None:
@@ -203,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--prefill-tp", type=int, default=1, help="local-TP ranks per prefill instance (with cp 1)")
     up.add_argument("--prefill-ep", type=int, default=1, help="expert-parallel ranks per prefill instance")
     up.add_argument("--decode-dp", type=int, default=1, help="attention-DP ranks per decode instance")
+    up.add_argument("--decode-tp", type=int, default=1, help="local-TP ranks per decode instance (with dp 1)")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
     up.set_defaults(fn=cmd_up)

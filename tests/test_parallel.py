@@ -302,20 +302,44 @@ def test_torchrun_style_ranks_form_one_decode_instance(ckpt, tmp_path):
                 p.kill()
 
 
-def test_cluster_tp2_prefill(ckpt, tmp_path):
-    """A prefill instance with local TP (o_proj / lm_head / embedding sharded over 2 ranks)."""
+def test_cluster_tp2_prefill_and_decode(ckpt, tmp_path):
+    """Local TP (o_proj / lm_head / embedding sharded over 2 ranks) in a prefill and a decode
+    instance: same greedy tokens; the decode mirror ranks free every block, expiry included."""
+    import threading
+    import time
+
     import grpc
 
     from router.cli import Cluster
-    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
+    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 
     path = str(ckpt("v32_sparse"))
-    prompts = random_prompts(3, [5, 33, 12], 512, seed=66)
+    prompts = random_prompts(4, [5, 33, 12, 20], 512, seed=66)
     want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
+    got: dict[int, list[int]] = {}
     with Cluster(path, log_dir=tmp_path / "logs", extra_prefill=["--tp", "2", "--block-size", "4"],
-                 extra_decode=["--block-size", "4"]) as cluster:
+                 extra_decode=["--tp", "2", "--block-size", "4", "--lease-seconds", "2"]) as cluster:
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
         sp = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        got = [[t for m in stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=sp),
-                                         timeout=120) for t in m.token_ids] for p in prompts]
-    assert got == want
+
+        def run(i: int) -> None:
+            req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[i], sampling_params=sp)
+            got[i] = [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+            dec = internal_pb2_grpc.DecodeStub(ch)
+            dec.Reserve(internal_pb2.ReserveRequest(request_id="unused", num_prompt_tokens=8, max_tokens=8), timeout=30)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                load = dec.GetLoad(internal_pb2.LoadRequest(), timeout=10)
+                if load.active_leases == 0 and all(r.free_blocks == r.total_blocks for r in load.ranks):
+                    break
+                time.sleep(0.2)
+    assert [got.get(i) for i in range(len(prompts))] == want
+    assert len(load.ranks) == 2 and all(r.free_blocks == r.total_blocks for r in load.ranks)
+    assert load.active_leases == 0

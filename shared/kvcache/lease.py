@@ -51,10 +51,13 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def reserve(self, request_id: str, num_tokens: int) -> Lease:
+    def reserve(self, request_id: str, num_tokens: int, lease_id: str | None = None,
+                token: bytes | None = None) -> Lease:
+        """Blocks for `num_tokens` under a new lease (id and token given by a caller that mirrors
+        the same lease on several ranks)."""
         need = -(-num_tokens // self.block_size)
         blocks = self.allocator.allocate(need)  # raises OutOfBlocks
-        lease = Lease(uuid.uuid4().hex, request_id, secrets.token_bytes(16), blocks,
+        lease = Lease(lease_id or uuid.uuid4().hex, request_id, token or secrets.token_bytes(16), blocks,
                       time.monotonic() + self.ttl, self.num_layers, self.kinds)
         with self._lock:
             self._leases[lease.lease_id] = lease
@@ -79,13 +82,19 @@ class LeaseTable:
             lease.committed = True
             return lease.complete
 
-    def claim(self, lease_id: str) -> Lease:
-        """Hand a complete lease's blocks to the caller (who frees them from now on)."""
+    def is_complete(self, lease_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            return lease is not None and lease.complete
+
+    def claim(self, lease_id: str, require_complete: bool = True) -> Lease:
+        """Hand a complete lease's blocks to the caller (who frees them from now on). A TP mirror
+        rank claims without the push (its KV is copied from rank 0 afterwards)."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise LeaseError(f"unknown or expired lease {lease_id!r}")
-            if not lease.complete:
+            if require_complete and not lease.complete:
                 missing = self.num_layers * len(self.kinds) - len(lease.received)
                 raise LeaseError(f"lease {lease_id!r} is incomplete: {missing} layer caches missing"
                                  + ("" if lease.committed else ", no commit"))
@@ -110,6 +119,13 @@ class LeaseTable:
             self.allocator.free(lease.blocks)
         self._expired.extend(lease.lease_id for lease in dead)
         return len(dead)
+
+    def overdue(self, now: float | None = None) -> list[str]:
+        """Ids of leases past their deadline, without freeing them (a TP mirror group releases them
+        as an ordered command on every rank instead)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return [lease.lease_id for lease in self._leases.values() if now > lease.expires_at]
 
     def drain_expired(self) -> list[str]:
         """Ids of leases expired since the last call (so a front can forget their routing)."""
