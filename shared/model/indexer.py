@@ -19,7 +19,7 @@ from torch import nn
 from shared.config import ModelConfig
 from shared.model.batch import ForwardBatch, gather_context, write_rows
 from shared.model.layers import linear
-from shared.model.rope import rope_neox
+from shared.model.rope import RopeAngles, rope_neox
 from shared.quant.fp8 import fake_quant_ue8m0, hadamard_transform
 
 QUERY_TILE = 256  # prefill scores are computed this many queries at a time to bound memory
@@ -49,20 +49,20 @@ class Indexer(nn.Module):
         self.weights_proj = linear(cfg.hidden_size, self.n_heads, torch.float32)  # fp32 (spec [UPD] 2)
         self.scale = self.head_dim**-0.5
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return torch.cat([rope_neox(x[..., : self.rope_dim], cos, sin), x[..., self.rope_dim :]], -1)
+    def _rope(self, x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
+        return torch.cat([rope_neox(x[..., : self.rope_dim], rope), x[..., self.rope_dim :]], -1)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                fb: ForwardBatch, index_pool: torch.Tensor) -> Selection | None:
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeAngles, fb: ForwardBatch,
+                index_pool: torch.Tensor) -> Selection | None:
         n = x.shape[0]
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x)), rope)
         if self.numerics == "deepseek":
             k = fake_quant_ue8m0(hadamard_transform(k), min(128, self.head_dim))
         write_rows(index_pool, fb, k)
         if fb.max_context <= self.topk:
             return None  # every causal key is selected: dense MLA
 
-        q = self._rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), cos, sin)
+        q = self._rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), rope)
         if self.numerics == "deepseek":
             q = fake_quant_ue8m0(hadamard_transform(q), min(128, self.head_dim))
         w = self.weights_proj(x.float()) * self.n_heads**-0.5  # [N, H]

@@ -18,7 +18,7 @@ from shared.config import ModelConfig
 from shared.model.batch import ForwardBatch, gather_context, gather_rows, write_rows
 from shared.model.indexer import Indexer, Selection
 from shared.model.layers import RMSNorm, linear
-from shared.model.rope import rope_interleaved, rope_neox
+from shared.model.rope import RopeAngles, rope_interleaved, rope_neox
 
 
 class MLA(nn.Module):
@@ -42,8 +42,8 @@ class MLA(nn.Module):
         self.o_proj = linear(self.n_heads * self.v_dim, cfg.hidden_size, dtype)
         self.indexer = Indexer(cfg, dtype, indexer_numerics) if cfg.has_indexer else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
-                mla_pool: torch.Tensor, index_pool: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeAngles, fb: ForwardBatch, mla_pool: torch.Tensor,
+                index_pool: torch.Tensor | None) -> torch.Tensor:
         n = x.shape[0]
         if self.q_lora_rank:
             qr = self.q_a_layernorm(self.q_a_proj(x))
@@ -52,15 +52,15 @@ class MLA(nn.Module):
             qr, q = None, self.q_proj(x)
         q = q.view(n, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
-        q_pe = self.rotate(q_pe, cos, sin)
+        q_pe = self.rotate(q_pe, rope)
 
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        row = torch.cat([self.kv_a_layernorm(c_kv), self.rotate(k_pe, cos, sin)], -1)
+        row = torch.cat([self.kv_a_layernorm(c_kv), self.rotate(k_pe, rope)], -1)
         write_rows(mla_pool, fb, row)
 
         selection = None
         if self.indexer is not None:
-            selection = self.indexer(x, qr, cos, sin, fb, index_pool)
+            selection = self.indexer(x, qr, rope, fb, index_pool)
 
         w_kv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_kv_b[:, : self.nope])

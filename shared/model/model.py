@@ -17,7 +17,7 @@ from shared.model.batch import ForwardBatch
 from shared.model.layers import MLP, RMSNorm, linear
 from shared.model.mla import MLA
 from shared.model.moe import MoE
-from shared.model.rope import RotaryTable
+from shared.model.rope import RopeAngles, RotaryTable
 from shared.parallel.state import ParallelState
 
 
@@ -34,10 +34,9 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
-                kv: KVCache) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: RopeAngles, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
         index_pool = kv.index[self.layer_idx] if kv.index is not None else None
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, fb, kv.mla[self.layer_idx], index_pool)
+        h = h + self.self_attn(self.input_layernorm(h), rope, fb, kv.mla[self.layer_idx], index_pool)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -94,7 +93,7 @@ class DeepseekForCausalLM(nn.Module):
         [len(fb.logits_index), vocab]. `layer_done(i)` fires after layer i's KV is in the pool
         (the prefill service pushes that layer to decode while the next one computes)."""
         h = self.model.embed_tokens(fb.input_ids)
-        cos, sin = self.rotary.lookup(fb.positions, self.dtype)
+        rope = self.rotary.lookup(fb.positions, self.dtype)
         sharder = self.sharder
         for layer in self.model.layers:
             i = layer.layer_idx
@@ -102,7 +101,7 @@ class DeepseekForCausalLM(nn.Module):
                 sharder.acquire(i)  # waits for layer i's weights (broadcast issued one layer earlier)
                 sharder.prefetch(i + 1)  # layer i+1's broadcast flies while layer i computes
                 sharder.events.append(("compute_start", i))
-            h = layer(h, cos, sin, fb, kv)
+            h = layer(h, rope, fb, kv)
             if sharder is not None:
                 sharder.events.append(("compute_end", i))
                 sharder.release(i)
