@@ -72,6 +72,7 @@ class DecodeRank:
         self.rank, self.state = rank, state
         self.mirror = state.config.tp > 1
         self.admitted = 0
+        self.applied_cid = -1  # the newest command applied here (load reports say what they include)
         self.engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
                                              kv_cache_tokens=cfg.kv_cache_tokens, max_num_seqs=cfg.max_num_seqs),
                                 state)
@@ -86,6 +87,7 @@ class DecodeRank:
             self.receiver = MooncakeReceiver(kv, self.tcp, cfg.host)
 
     def apply(self, cmd: Command) -> Any:
+        self.applied_cid = max(self.applied_cid, cmd.cid)
         a = cmd.args
         if cmd.kind == "reserve":
             try:
@@ -145,7 +147,7 @@ class DecodeRank:
         return {"rank": self.rank, "running": len(sched.running), "waiting": len(sched.waiting),
                 "free_blocks": kv.allocator.num_free, "total_blocks": self.engine.usable_blocks,
                 "active_leases": len(self.leases), "has_work": int(self.engine.has_work), "admitted": self.admitted,
-                "tokens": sum(s.num_tokens for s in sched.running) + reserved,
+                "tokens": sum(s.num_tokens for s in sched.running) + reserved, "applied_cid": self.applied_cid,
                 "expired": self.leases.drain_expired()}
 
     def close(self) -> None:
@@ -179,9 +181,12 @@ class Coordinator:
         self.mirror = me.mirror
         self.loads: list[dict[str, Any]] = [me.load()] + [
             {"rank": r, "running": 0, "waiting": 0, "free_blocks": me.engine.kv.num_blocks,
-             "total_blocks": me.engine.kv.num_blocks, "active_leases": 0, "has_work": 0, "tokens": 0, "admitted": 0}
+             "total_blocks": me.engine.kv.num_blocks, "active_leases": 0, "has_work": 0, "tokens": 0, "admitted": 0,
+             "applied_cid": -1}
             for r in range(1, world)]
         self.lease_rank: dict[str, int] = {}
+        self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (cid, tokens)
+        self._place_lock = threading.Lock()
         self._pending: queue.Queue[tuple[Command, Future]] = queue.Queue()
         self._futures: dict[int, Future] = {}
         self._streams: dict[str, queue.Queue] = {}
@@ -193,6 +198,8 @@ class Coordinator:
     # -- API for gRPC handlers ---------------------------------------------------------------------
     def submit(self, kind: str, rank: int, **args: Any) -> Future:
         fut: Future = Future()
+        cid = next(self._ids)
+        fut.cid = cid  # type: ignore[attr-defined] - lets reserve() match load reports to it
         if self.mirror:
             rank = ALL
             if kind == "reserve":  # one lease id and token for every mirror rank
@@ -201,17 +208,25 @@ class Coordinator:
                 fut.set_exception(CommandError("FAILED_PRECONDITION",
                                                f"lease {args['lease_id']!r} is unknown, expired or incomplete"))
                 return fut
-        self._pending.put((Command(kind, rank, next(self._ids), args), fut))
+        self._pending.put((Command(kind, rank, cid, args), fut))
         return fut
 
-    def pick_rank(self, tokens: int) -> int:
-        """Least loaded DP rank by tokens (running contexts + reservations). The choice is counted
-        at once, so a burst of reservations between two steps spreads over the ranks."""
-        if self.mirror:
-            return 0
-        rank = min(range(self.world), key=lambda r: (self.loads[r]["tokens"], self.loads[r]["running"], r))
-        self.loads[rank] = {**self.loads[rank], "tokens": self.loads[rank]["tokens"] + tokens}
-        return rank
+    def reserve(self, request_id: str, tokens: int) -> tuple[int, Future]:
+        """Place a reservation on the least loaded DP rank by tokens (running contexts + leases).
+        Reservations not yet visible in a rank's load report are counted too, so a burst of them
+        spreads over the ranks."""
+        with self._place_lock:
+            if self.mirror:
+                rank = 0
+            else:
+                def load(r: int) -> tuple[int, int, int]:
+                    pending = sum(t for _, t in self._unreported[r])
+                    return self.loads[r]["tokens"] + pending, self.loads[r]["running"], r
+
+                rank = min(range(self.world), key=load)
+            fut = self.submit("reserve", rank, request_id=request_id, num_tokens=tokens)
+            self._unreported[rank].append((fut.cid, tokens))
+        return rank, fut
 
     def open_stream(self, request_id: str) -> queue.Queue:
         q: queue.Queue = queue.Queue()
@@ -263,7 +278,7 @@ class Coordinator:
                     reports = gathered
                 for rank, (rank_replies, rank_events, load) in enumerate(reports):
                     if self.mirror and rank:  # mirrors repeat rank 0: their replies and events are dropped
-                        self.loads[rank] = {**load, "expired": []}
+                        self.loads[rank] = load
                         continue
                     self._absorb(rank, load)
                     for cid, reply in rank_replies:
@@ -281,6 +296,8 @@ class Coordinator:
         """Take a rank's load report; forget the routing of its expired leases."""
         for lease_id in load.pop("expired"):
             self.lease_rank.pop(lease_id, None)
+        with self._place_lock:
+            self._unreported[rank] = [(c, t) for c, t in self._unreported[rank] if c > load["applied_cid"]]
         self.loads[rank] = load
 
     def _expiry_commands(self) -> list[Command]:

@@ -78,9 +78,9 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         if total > self.max_model_len:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"max_tokens: prompt + max_tokens ({total}) exceeds the context {self.max_model_len}")
-        rank = self.coord.pick_rank(total)
+        rank, placed = self.coord.reserve(request.request_id, total)
         try:
-            dest = self.coord.submit("reserve", rank, request_id=request.request_id, num_tokens=total).result(60)
+            dest = placed.result(60)
         except CommandError as exc:
             metrics.REQUESTS.labels("decode", "rejected").inc()
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
@@ -96,8 +96,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 
     def GetLoad(self, request, context):  # noqa: N802
         loads = self.coord.loads
-        ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items() if k not in ("has_work", "expired")})
-                 for x in loads]
+        internal_only = ("has_work", "expired", "applied_cid")
+        ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items() if k not in internal_only}) for x in loads]
         return internal_pb2.LoadReport(
             running=sum(x["running"] for x in loads), waiting=sum(x["waiting"] for x in loads),
             free_blocks=sum(x["free_blocks"] for x in loads), total_blocks=sum(x["total_blocks"] for x in loads),
