@@ -62,12 +62,11 @@ class LayerSharder:
             self._module(layer, name).weight = nn.Parameter(buf, requires_grad=False)
 
     def release(self, layer: int) -> None:
-        if any(self.owner(layer) != self.rank for _ in self.names):
-            for name in self.names:
-                self._module(layer, name).weight = self.dummy[name]
-        else:
-            for name in self.names:
-                self._module(layer, name).weight = nn.Parameter(self.owned[(layer, name)], requires_grad=False)
+        """After layer `layer` computed: a non-owner drops the staged weight for the shared dummy."""
+        for name in self.names:
+            owned = self.owned.get((layer, name))
+            weight = self.dummy[name] if owned is None else nn.Parameter(owned, requires_grad=False)
+            self._module(layer, name).weight = weight
 
     def sharded_param_bytes(self) -> int:
         """Bytes of the sharded linears' weights this rank stores (owned layers only)."""
