@@ -237,9 +237,6 @@ class LLMEngine:
         tracked.text = tracked.text[:cut]
         return new_text[: max(0, cut - before)]
 
-    def text_of(self, seq: Sequence) -> str | None:
-        return self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else None
-
 
 class LLM:
     """Offline batch generation over LLMEngine (continuous batching inside)."""

@@ -63,9 +63,6 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         return self.bytes_per_token_per_layer() * self.num_layers
 
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token() * self.block_size
-
     def describe(self) -> dict[str, object]:
         """JSON-friendly description, exchanged by peers to check they speak the same layout."""
         return {

@@ -68,14 +68,6 @@ class KVCache:
         )
         self.allocator = BlockAllocator(num_blocks)
 
-    def mla_slots(self, layer: int) -> torch.Tensor:
-        """Layer pool as flat token slots [num_blocks * block_size, mla_dim] (a view)."""
-        return self.mla[layer].view(-1, self.layout.mla_dim)
-
-    def index_slots(self, layer: int) -> torch.Tensor:
-        assert self.index is not None, "this model has no indexer cache"
-        return self.index[layer].view(-1, self.layout.index_head_dim)
-
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.layout.block_size)
 
@@ -83,7 +75,8 @@ class KVCache:
         """A request's cached rows for one layer in position order (tests, debugging)."""
         bs = self.layout.block_size
         slots = torch.tensor([block_table[t // bs] * bs + t % bs for t in range(num_tokens)], dtype=torch.long)
-        out = {"mla": self.mla_slots(layer)[slots.to(self.device)]}
+        slots = slots.to(self.device)
+        out = {"mla": self.mla[layer].view(-1, self.layout.mla_dim)[slots]}
         if self.index is not None:
-            out["index"] = self.index_slots(layer)[slots.to(self.device)]
+            out["index"] = self.index[layer].view(-1, self.layout.index_head_dim)[slots]
         return out

@@ -67,7 +67,3 @@ class LayerSharder:
             owned = self.owned.get((layer, name))
             weight = self.dummy[name] if owned is None else nn.Parameter(owned, requires_grad=False)
             self._module(layer, name).weight = weight
-
-    def sharded_param_bytes(self) -> int:
-        """Bytes of the sharded linears' weights this rank stores (owned layers only)."""
-        return sum(t.numel() * t.element_size() for t in self.owned.values())

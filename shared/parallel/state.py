@@ -73,10 +73,6 @@ class ParallelState:
     def is_parallel(self) -> bool:
         return self.config.world > 1
 
-    def group_ranks(self, size: int) -> list[int]:
-        start = self.rank // size * size
-        return list(range(start, start + size))
-
     @classmethod
     def single(cls) -> ParallelState:
         return cls()
