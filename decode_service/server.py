@@ -21,7 +21,6 @@ import grpc
 from decode_service.dp import STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
 from shared import metrics
 from shared.config import ServiceConfig
-from shared.parallel import ParallelConfig
 from shared.parallel.launch import launch_ranks, service_state
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import build_server, sampling_from_proto, set_serving, wait_for_shutdown
@@ -35,16 +34,6 @@ class DecodeConfig(ServiceConfig):
     kv_port: int = 0
     lease_seconds: float = 30.0
     max_num_seqs: int = 256
-    dp: int = 1
-    tp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp
-
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(world=self.world, dp=self.dp, tp=self.tp, ep=self.ep,
-                              layer_sharding=self.layer_sharding)
 
 
 def follower_main(rank: int, cfg: DecodeConfig) -> None:
@@ -139,7 +128,6 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     p.add_argument("--lease-seconds", type=float, default=30.0, help="unused reservations expire after this")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dp", type=int, default=1, help="attention data-parallel ranks")
-    p.add_argument("--tp", type=int, default=1, help="local TP ranks for o_proj / lm_head / embedding (with --dp 1)")
     return DecodeConfig.from_args(p.parse_args(argv))
 
 

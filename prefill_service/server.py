@@ -32,7 +32,7 @@ from shared.config import ServiceConfig
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.scheduler import ScheduledChunk
 from shared.engine.worker import EngineWorker
-from shared.parallel import ParallelConfig, ParallelState
+from shared.parallel import ParallelState
 from shared.parallel.launch import launch_ranks, service_state
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import build_server, sampling_from_proto, set_serving, wait_for_shutdown
@@ -45,16 +45,6 @@ SERVICE = "pdserve.v1.Prefill"
 @dataclass
 class PrefillConfig(ServiceConfig):
     max_prefill_tokens: int = 4096
-    cp: int = 1
-    tp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.cp * self.tp
-
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(world=self.world, cp=self.cp, tp=self.tp, ep=self.ep,
-                              layer_sharding=self.layer_sharding)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
@@ -218,7 +208,6 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     ServiceConfig.add_arguments(p)
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="chunked-prefill budget per step")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
-    p.add_argument("--tp", type=int, default=1, help="local TP ranks for o_proj / lm_head / embedding (with --cp 1)")
     return PrefillConfig.from_args(p.parse_args(argv))
 
 

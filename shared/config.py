@@ -184,7 +184,21 @@ class ServiceConfig:
     block_size: int = 16
     kv_cache_tokens: int = 65536
     ep: int = 1
+    tp: int = 1
+    cp: int = 1  # prefill instances
+    dp: int = 1  # decode instances
     layer_sharding: tuple[str, ...] = ()
+
+    @property
+    def world(self) -> int:
+        """Ranks in the instance (cp, dp and tp exclude each other beyond 1)."""
+        return self.cp * self.dp * self.tp
+
+    def parallel(self):  # noqa: ANN201 - shared.parallel.ParallelConfig (imported lazily: no cycle)
+        from shared.parallel.state import ParallelConfig
+
+        return ParallelConfig(world=self.world, cp=self.cp, dp=self.dp, tp=self.tp, ep=self.ep,
+                              layer_sharding=self.layer_sharding)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -197,10 +211,11 @@ class ServiceConfig:
         p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
         p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size (per rank)")
         p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the instance's ranks)")
+        p.add_argument("--tp", type=int, default=1, help="local TP ranks for o_proj / lm_head / embedding")
         p.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: layer i's weight lives on rank i %% K")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServiceConfig:
-        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         values["layer_sharding"] = tuple(x for x in (args.layer_sharding or "").split(",") if x)
         return cls(**values)

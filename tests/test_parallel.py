@@ -12,7 +12,7 @@ from shared.loader import load_model
 from shared.parallel import ParallelConfig, ParallelState
 from shared.parallel.cp import build_cp_batch, owned_blocks, zigzag_ranges
 from tests.dist_utils import run_ranks
-from tests.helpers import engine_logits, random_prompts
+from tests.helpers import concurrent_greedy, engine_logits, random_prompts
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -227,35 +227,22 @@ def test_layer_sharding(ckpt, k):
 # --- end to end: CP prefill instance + DP/EP decode instance ----------------------------------------
 
 def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
-    import threading
 
     import grpc
 
     from router.cli import Cluster
-    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+    from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 
     path = str(ckpt("v32_sparse"))
     prompts = random_prompts(6, [3, 17, 40, 1, 26, 9], 512, seed=65)
     want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
-    got: dict[int, list[int]] = {}
     with Cluster(path, log_dir=tmp_path / "logs",
                  extra_prefill=["--cp", "2", "--ep", "2", "--block-size", "4"],
                  extra_decode=["--dp", "2", "--ep", "2", "--block-size", "4"]) as cluster:
-        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
-
-        def run(i: int) -> None:
-            sp = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-            req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[i], sampling_params=sp)
-            got[i] = [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        got = concurrent_greedy(cluster.address, prompts, 8)
         with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
             load = internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=10)
-    assert [got.get(i) for i in range(len(prompts))] == want
+    assert got == want
     assert len(load.ranks) == 2 and all(r.free_blocks == r.total_blocks for r in load.ranks)
     assert all(r.admitted > 0 for r in load.ranks)  # concurrent requests spread over both DP ranks
 
@@ -305,32 +292,19 @@ def test_torchrun_style_ranks_form_one_decode_instance(ckpt, tmp_path):
 def test_cluster_tp2_prefill_and_decode(ckpt, tmp_path):
     """Local TP (o_proj / lm_head / embedding sharded over 2 ranks) in a prefill and a decode
     instance: same greedy tokens; the decode mirror ranks free every block, expiry included."""
-    import threading
     import time
 
     import grpc
 
     from router.cli import Cluster
-    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+    from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 
     path = str(ckpt("v32_sparse"))
     prompts = random_prompts(4, [5, 33, 12, 20], 512, seed=66)
     want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
-    got: dict[int, list[int]] = {}
     with Cluster(path, log_dir=tmp_path / "logs", extra_prefill=["--tp", "2", "--block-size", "4"],
                  extra_decode=["--tp", "2", "--block-size", "4", "--lease-seconds", "2"]) as cluster:
-        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
-        sp = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-        def run(i: int) -> None:
-            req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[i], sampling_params=sp)
-            got[i] = [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        got = concurrent_greedy(cluster.address, prompts, 8)
         with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
             dec = internal_pb2_grpc.DecodeStub(ch)
             dec.Reserve(internal_pb2.ReserveRequest(request_id="unused", num_prompt_tokens=8, max_tokens=8), timeout=30)
@@ -340,6 +314,6 @@ def test_cluster_tp2_prefill_and_decode(ckpt, tmp_path):
                 if load.active_leases == 0 and all(r.free_blocks == r.total_blocks for r in load.ranks):
                     break
                 time.sleep(0.2)
-    assert [got.get(i) for i in range(len(prompts))] == want
+    assert got == want
     assert len(load.ranks) == 2 and all(r.free_blocks == r.total_blocks for r in load.ranks)
     assert load.active_leases == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 import urllib.request
 
@@ -16,7 +15,7 @@ from router.cli import Cluster, free_port
 from shared.engine import LLM, SamplingParams
 from shared.loader.tokenizer_train import train_tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from tests.helpers import TRANSPORTS, load_reference, random_prompts, reference_greedy
+from tests.helpers import TRANSPORTS, concurrent_greedy, load_reference, random_prompts, reference_greedy
 
 LEASE_SECONDS = 2.0
 
@@ -106,17 +105,7 @@ def test_32_concurrent_streams(cluster, local_llm):
     prompts = random_prompts(32, [4, 11, 19, 27, 35], 512, seed=32)
     expected = [o.token_ids for o in local_llm.generate(
         prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))]
-    results: dict[int, list[int]] = {}
-
-    def run(i: int) -> None:
-        results[i] = tokens(generate(cluster.address, prompt_token_ids=prompts[i], sampling_params=greedy(10)))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert [results.get(i) for i in range(32)] == expected
+    assert concurrent_greedy(cluster.address, prompts, 10) == expected
     assert wait_for(lambda: decode_load(cluster).free_blocks == decode_load(cluster).total_blocks)
 
 
@@ -230,17 +219,7 @@ def test_two_by_two_instances_and_failover(model_dir, local_llm, tmp_path):
                                                                             ignore_eos=True))]
     with Cluster(str(model_dir), num_prefill=2, num_decode=2, log_dir=tmp_path / "logs",
                  extra_decode=["--block-size", "4"], extra_prefill=["--block-size", "4"]) as c:
-        got: dict[int, list[int]] = {}
-
-        def run(i: int) -> None:
-            got[i] = tokens(generate(c.address, prompt_token_ids=prompts[i], sampling_params=greedy(6)))
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert [got.get(i) for i in range(8)] == want
+        assert concurrent_greedy(c.address, prompts, 6) == want
         admitted = []
         for addr in c.decode_addrs:
             with grpc.insecure_channel(addr) as ch:
