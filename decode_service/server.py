@@ -21,7 +21,7 @@ import grpc
 from decode_service.dp import STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
 from shared import metrics
 from shared.config import ServiceConfig
-from shared.parallel.launch import launch_ranks, service_state
+from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import build_server, sampling_from_proto, set_serving, wait_for_shutdown
 
@@ -143,10 +143,8 @@ def serve(cfg: DecodeConfig, coordinator: Coordinator) -> tuple[grpc.Server, int
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
     cfg = parse_args(argv)
-    cfg.parallel()  # validate before spawning anything
-    rank, followers = launch_ranks(cfg.world, follower_main, cfg)
-    if rank != 0:  # torchrun-style follower
-        follower_main(rank, cfg)
+    followers = start_instance(cfg, follower_main)
+    if followers is None:  # this process was a torchrun-style follower
         return
     me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
     coordinator = Coordinator(me, cfg.world)
@@ -158,10 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     wait_for_shutdown()
     server.stop(grace=2).wait()
     coordinator.stop()
-    for proc in followers:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    join_ranks(followers)
     sys.exit(0)
 
 

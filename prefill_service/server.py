@@ -33,7 +33,7 @@ from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.scheduler import ScheduledChunk
 from shared.engine.worker import EngineWorker
 from shared.parallel import ParallelState
-from shared.parallel.launch import launch_ranks, service_state
+from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import build_server, sampling_from_proto, set_serving, wait_for_shutdown
 from shared.transfer import Destination, KVPush, TransferError, make_sender
@@ -223,10 +223,8 @@ def serve(cfg: PrefillConfig, state: ParallelState | None = None) -> tuple[grpc.
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
     cfg = parse_args(argv)
-    cfg.parallel()  # validate before spawning anything
-    rank, followers = launch_ranks(cfg.world, follower_main, cfg)
-    if rank != 0:  # torchrun-style follower
-        follower_main(rank, cfg)
+    followers = start_instance(cfg, follower_main)
+    if followers is None:  # this process was a torchrun-style follower
         return
     metrics.start_metrics_server(cfg.metrics_port)
     server, port, servicer = serve(cfg, service_state(cfg.parallel(), 0))
@@ -234,8 +232,5 @@ def main(argv: list[str] | None = None) -> None:
     wait_for_shutdown()
     server.stop(grace=2).wait()
     servicer.close()
-    for proc in followers:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    join_ranks(followers)
     sys.exit(0)

@@ -52,6 +52,25 @@ def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> 
     return 0, procs
 
 
+def start_instance(cfg: Any, follower: Callable[[int, Any], None]) -> list | None:
+    """A service's start: validate its parallel shape (cfg.parallel()), start its ranks. Returns the
+    spawned followers on rank 0; a torchrun-started follower runs `follower` here and gets None."""
+    cfg.parallel()  # raises before anything is spawned
+    rank, followers = launch_ranks(cfg.world, follower, cfg)
+    if rank != 0:
+        follower(rank, cfg)
+        return None
+    return followers
+
+
+def join_ranks(procs: list, timeout: float = 10.0) -> None:
+    """Wait for spawned followers to exit after the leader told them to stop; kill stragglers."""
+    for proc in procs:
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+
+
 def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue) -> None:  # noqa: ANN001
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                       PDSERVE_DEVICE="cpu", OMP_NUM_THREADS=str(threads))
