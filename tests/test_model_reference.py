@@ -24,7 +24,7 @@ CASES = ["v32_dense", "v32_sparse", "v32_yarn", "v3"]
 @pytest.mark.parametrize("name", CASES)
 def test_logits_every_position(ckpt, name):
     path = ckpt(name)
-    model, _ = load_model(path, "float32")
+    model, _ = load_model(path, "float32", indexer_numerics="transformers")
     ref = load_reference(path)
     length = 48  # > index_topk of the sparse cases, > original_max_position_embeddings (32) for YaRN
     for ids in random_prompts(2, [length, 33], model.config.vocab_size, seed=1):
@@ -32,7 +32,7 @@ def test_logits_every_position(ckpt, name):
 
 
 def test_yarn_is_active(ckpt):
-    model, _ = load_model(ckpt("v32_yarn"), "float32")
+    model, _ = load_model(ckpt("v32_yarn"), "float32", indexer_numerics="transformers")
     assert model.config.rope.rope_type == "yarn" and model.config.rope.factor > 1
     plain = 1 / 10000 ** (torch.arange(0, 16, 2) / 16)
     assert not torch.allclose(model.rotary.inv_freq, plain)
@@ -42,7 +42,7 @@ def test_yarn_is_active(ckpt):
 @pytest.mark.parametrize("name", ["v32_sparse", "v3"])
 def test_incremental_decode_matches_reference_positions(ckpt, name):
     path = ckpt(name)
-    model, _ = load_model(path, "float32")
+    model, _ = load_model(path, "float32", indexer_numerics="transformers")
     ref = load_reference(path)
     ids = random_prompts(1, [40], model.config.vocab_size, seed=2)[0]
     full = reference_logits(ref, ids)
@@ -61,7 +61,7 @@ def test_incremental_decode_matches_reference_positions(ckpt, name):
 @pytest.mark.parametrize("name", ["v32_sparse", "v3"])
 def test_greedy_continuation_matches_reference(ckpt, name):
     path = ckpt(name)
-    llm = LLM(str(path), block_size=4)
+    llm = LLM(str(path), block_size=4, indexer_numerics="transformers")
     ref = load_reference(path)
     prompts = random_prompts(8, [3, 7, 12, 20, 5, 9, 15, 30], llm.engine.model_config.vocab_size, seed=3)
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
@@ -72,7 +72,7 @@ def test_greedy_continuation_matches_reference(ckpt, name):
 
 def test_hidden_states_per_layer(ckpt):
     path = ckpt("v32_sparse")
-    model, _ = load_model(path, "float32")
+    model, _ = load_model(path, "float32", indexer_numerics="transformers")
     ref = load_reference(path)
     ids = random_prompts(1, [40], model.config.vocab_size, seed=4)[0]
     ours, theirs = [], []
@@ -94,7 +94,7 @@ def test_tiny_generator_is_hf_layout(tmp_path):
     from shared.loader.tiny import write_checkpoint
 
     path = write_checkpoint(tmp_path / "tiny", "deepseek_v32", num_hidden_layers=2, index_topk=8, shards=2)
-    model, _ = load_model(path, "float32")
+    model, _ = load_model(path, "float32", indexer_numerics="transformers")
     ref = load_reference(path)
     ids = random_prompts(1, [24], model.config.vocab_size, seed=5)[0]
     assert_close_logits(engine_logits(model, ids), reference_logits(ref, ids))

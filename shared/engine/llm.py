@@ -34,7 +34,7 @@ class EngineConfig:
     kv_cache_tokens: int = 65536
     max_num_seqs: int = 256
     max_prefill_tokens: int = 4096  # chunked prefill budget per step
-    indexer_numerics: str = "transformers"  # or "deepseek" (Hadamard + FP8 fake-quant)
+    indexer_numerics: str = "deepseek"  # DeepSeek's own (Hadamard + FP8 e4m3, ue8m0); "transformers" to compare with HF
     seed: int = 0
     progress: bool = False
 

@@ -2,8 +2,11 @@
 
 * single `model.safetensors` or sharded with `model.safetensors.index.json`;
 * per-expert (`mlp.experts.E.gate_proj.weight`) and fused (`mlp.experts.gate_up_proj`) expert layouts;
-* FP8 e4m3 weights with 128×128 `weight_scale_inv` block scales (multipliers; ragged edges);
-* MTP layers (index ≥ num_hidden_layers) skipped unless asked for;
+* FP8 e4m3 weights with `weight_scale_inv` block scales as `quantization_config` describes them
+  (block size from `weight_block_size`, fp32 or e8m0 scales; multipliers; ragged edges), incl. fused
+  3-D expert tensors whose scales are sliced with the weights under expert parallelism;
+* the MTP layer DeepSeek ships at index `num_hidden_layers` skipped (never read) unless asked for,
+  then kept as stored (FP8 stays FP8, scales beside it) for the MTP drafter;
 * tensors are read lazily with `safe_open`, one at a time, straight into the parameter.
 """
 
@@ -21,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shared.config import ModelConfig
+from shared.config import Fp8Scheme, ModelConfig
 from shared.device import get_device, parse_dtype
 from shared.model import DeepseekForCausalLM
 from shared.model.moe import Experts
@@ -92,23 +95,25 @@ def iter_tensors(path: Path, files: dict[str, list[str]], rows: Callable[[str], 
                 part = rows(name) if rows is not None else slice(None)
                 if part is None:
                     continue
-                tensor = f.get_tensor(name) if part == slice(None) else f.get_slice(name)[part]
+                whole = part == slice(None)
+                tensor = f.get_tensor(name) if whole else f.get_slice(name)[part]
                 scale = None
                 scale_name = name + "_scale_inv"
                 if scale_name in all_names:
                     if all_names[scale_name] == fname:
-                        scale = f.get_tensor(scale_name)
+                        scale = f.get_tensor(scale_name) if whole else f.get_slice(scale_name)[part]
                     else:
                         with safe_open(path / all_names[scale_name], "pt") as g:
-                            scale = g.get_tensor(scale_name)
+                            scale = g.get_tensor(scale_name) if whole else g.get_slice(scale_name)[part]
                 yield name, tensor, scale
 
 
-def _dequant(name: str, tensor: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def _dequant(name: str, tensor: torch.Tensor, scale: torch.Tensor | None, scheme: Fp8Scheme | None) -> torch.Tensor:
     if tensor.dtype in _FP8:
         if scale is None:
             raise ValueError(f"{name} is FP8 but has no weight_scale_inv")
-        return dequant_block_fp8(tensor, scale)
+        scheme = scheme or Fp8Scheme()
+        return dequant_block_fp8(tensor, scale, scheme.block, scheme.scale_fmt)
     return tensor
 
 
@@ -116,13 +121,20 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
                  progress: bool = False) -> LoadReport:
     path = Path(path)
     cfg = model.config
+    scheme = cfg.fp8
     params = dict(model.named_parameters())
     files = checkpoint_files(path)
     spans = {name: (m.first_expert, m.first_expert + m.num_local)
              for name, m in model.named_modules() if isinstance(m, Experts)}
 
+    def is_mtp(name: str) -> bool:
+        layer = _LAYER.match(name)
+        return layer is not None and int(layer.group(1)) >= cfg.num_hidden_layers
+
     def rows(name: str) -> slice | None:
-        """Expert parallelism: read only this rank's experts."""
+        """What to read: the MTP layer only when asked; under expert parallelism only this rank's experts."""
+        if is_mtp(name):
+            return slice(None) if include_mtp else None
         expert = _EXPERT.match(name)
         if expert:
             lo, hi = spans[expert.group(1)]
@@ -137,15 +149,16 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
     bar = Progress(n_tensors, f"loading {path.name}", progress)
     report, filled, t0 = LoadReport(), set(), time.monotonic()
 
+    report.skipped_mtp = sum(1 for names in files.values() for n in names
+                             if is_mtp(n) and not n.endswith("_scale_inv") and not include_mtp)
     for name, tensor, scale in iter_tensors(path, files, rows):
         bar.step()
-        layer = _LAYER.match(name)
-        if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
-            report.skipped_mtp += 1
-            if include_mtp:
-                report.mtp_tensors[name] = _dequant(name, tensor, scale)
+        if is_mtp(name):  # kept as stored: FP8 stays FP8 with its scale beside it
+            report.mtp_tensors[name] = tensor
+            if scale is not None:
+                report.mtp_tensors[name + "_scale_inv"] = scale
             continue
-        weight = _dequant(name, tensor, scale)
+        weight = _dequant(name, tensor, scale, scheme)
         expert = _EXPERT.match(name)
         if expert:
             prefix, proj = expert.group(1), expert.group(3)
@@ -188,7 +201,7 @@ def _expert_param_filled(name: str, params: dict, filled: set, cfg: ModelConfig)
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | None = None,
-               indexer_numerics: str = "transformers", progress: bool = False,
+               indexer_numerics: str = "deepseek", progress: bool = False,
                include_mtp: bool = False, parallel: ParallelState | None = None,
                ) -> tuple[DeepseekForCausalLM, LoadReport]:
     """Build the model from `path/config.json` and fill it from the safetensors next to it

@@ -2,8 +2,9 @@
 
 A step is a flat run of new tokens from R requests (request-major, each request's tokens contiguous
 and in position order). Attention works on a padded [R, S_max] view of the queries against the
-request's whole cached context [R, T_max], gathered from the paged pool through per-request block
-tables. Everything here is computed once per step, not once per layer.
+request's cached context, read from the paged pool through per-request block tables in tiles
+(shared.model.attention). Nothing here grows with R × S × T: visibility masks are made per tile.
+Everything here is computed once per step, not once per layer.
 """
 
 from __future__ import annotations
@@ -35,22 +36,26 @@ class CPGather:
     local_rows: int  # rows of this step that are real (0 on a rank that only runs a dummy token)
 
 
+DEFAULT_WORKSPACE_BYTES = 256 << 20  # attention / indexer working set per tile (see shared.model.attention)
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [N] long
     positions: torch.Tensor  # [N] long, absolute positions
     slot_mapping: torch.Tensor  # [N] long, flat pool slot where each new token's KV is written
+    token_request: torch.Tensor  # [N] long, the request row of each new token
     query_index: torch.Tensor  # [R, S_max] long, flat token index (padding → 0)
     query_valid: torch.Tensor  # [R, S_max] bool
+    query_pos: torch.Tensor  # [R, S_max] long, absolute position of each query (padding → 0: sees key 0 only)
     block_tables: torch.Tensor  # [R, T_pad / block_size] long (padding → block 0)
-    key_slots: torch.Tensor  # [R, T_pad] long, flat pool slot of context position t (padding → 0)
-    key_valid: torch.Tensor  # [R, T_pad] bool, t < context_len
-    causal: torch.Tensor  # [R, S_max, T_pad] bool, key t visible to query s
     context_lens: torch.Tensor  # [R] long, tokens in cache after this step
     logits_index: torch.Tensor  # [M] long, flat tokens whose next-token logits are wanted
+    block_size: int
     max_context: int
     is_decode: bool  # every request has exactly one new token
     uniform: bool  # every request has the same number of new tokens: [R, S_max] is a plain view
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     cp: CPGather | None = None
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,8 +74,24 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def padded_context(self) -> int:
+        """T_pad: the key axis of a gathered context (whole blocks)."""
+        return self.block_tables.shape[1] * self.block_size
+
+    def visible(self, rows: slice, queries: slice, t0: int, t1: int) -> torch.Tensor:
+        """Causal visibility [r, s, t1 - t0] of keys t0..t1 to the queries of a tile (key t ≤ query position)."""
+        t = torch.arange(t0, t1, device=self.query_pos.device)
+        return t <= self.query_pos[rows, queries, None]
+
+    def slots_of(self, token_rows: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """Flat pool slots of context positions `key_positions` [n, k] of the requests `token_rows` [n]."""
+        blocks = self.block_tables[token_rows[:, None], key_positions // self.block_size]
+        return blocks * self.block_size + key_positions % self.block_size
+
     @classmethod
-    def build(cls, chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardBatch:
+    def build(cls, chunks: list[SeqChunk], block_size: int, device: torch.device,
+              workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> ForwardBatch:
         if not chunks:
             raise ValueError("a step needs at least one request")
         lens = [len(c.token_ids) for c in chunks]
@@ -97,18 +118,11 @@ class ForwardBatch:
         query_valid = s[None, :] < lens_t[:, None]
         offsets = torch.cumsum(lens_t, 0) - lens_t
         query_index = torch.where(query_valid, offsets[:, None] + s[None, :], torch.zeros(()).long())
-        query_pos = starts[:, None] + s[None, :]
-
-        t = torch.arange(n_blocks * block_size)
-        key_slots = tables[:, t // block_size] * block_size + (t % block_size)[None, :]
-        key_valid = t[None, :] < ctx_t[:, None]
-        key_slots = torch.where(key_valid, key_slots, torch.zeros(()).long())
-        causal = (t[None, None, :] <= query_pos[:, :, None]) & query_valid[:, :, None]
-        # Padded query rows see key 0 so their (discarded) softmax stays finite.
-        causal[:, :, 0] |= ~query_valid
+        query_pos = torch.where(query_valid, starts[:, None] + s[None, :], torch.zeros(()).long())
 
         positions = query_pos[query_valid]
-        slot_mapping = key_slots.gather(1, torch.where(query_valid, query_pos, 0))[query_valid]
+        token_request = torch.repeat_interleave(torch.arange(num_seqs), lens_t)
+        slot_mapping = tables[token_request, positions // block_size] * block_size + positions % block_size
         logits_index = [int(offsets[i]) + lens[i] - 1 for i, c in enumerate(chunks) if c.need_logits]
         input_ids = torch.tensor([tok for c in chunks for tok in c.token_ids], dtype=torch.long)
 
@@ -119,27 +133,28 @@ class ForwardBatch:
             input_ids=dev(input_ids),
             positions=dev(positions),
             slot_mapping=dev(slot_mapping),
+            token_request=dev(token_request),
             query_index=dev(query_index),
             query_valid=dev(query_valid),
+            query_pos=dev(query_pos),
             block_tables=dev(tables),
-            key_slots=dev(key_slots),
-            key_valid=dev(key_valid),
-            causal=dev(causal),
             context_lens=dev(ctx_t),
             logits_index=dev(torch.tensor(logits_index, dtype=torch.long)),
+            block_size=block_size,
             max_context=t_max,
             is_decode=s_max == 1,
             uniform=min(lens) == s_max,
+            workspace_bytes=workspace_bytes,
         )
 
 
-def gather_context(pool: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-    """Each request's cached rows in position order, [R, T_pad, D], from a [blocks, block_size, D]
+def gather_blocks(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Rows of whole blocks in table order, [R, n_blocks * block_size, D], from a [blocks, block_size, D]
     pool. Copies whole blocks (an embedding lookup on the block table): far faster than per-row
     indexing on CPU."""
     num_blocks, block_size, dim = pool.shape
-    rows = torch.nn.functional.embedding(fb.block_tables, pool.view(num_blocks, block_size * dim))
-    return rows.view(fb.block_tables.shape[0], -1, dim)
+    rows = torch.nn.functional.embedding(tables, pool.view(num_blocks, block_size * dim))
+    return rows.view(tables.shape[0], -1, dim)
 
 
 def gather_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,11 @@ The new tokens' keys are written to the cache before scoring; the causal mask is
 top-k; top-k = min(index_topk, context). While every request's context fits in index_topk the
 scoring is skipped (all causal keys are selected) but the keys are still cached for later steps.
 
-`numerics="deepseek"` reproduces DeepSeek's own kernels (Hadamard rotation, then FP8 e4m3 fake
-quantization with power-of-two scales of q and k); the default matches transformers.
+`numerics="deepseek"` (the default) reproduces DeepSeek's own kernels: Hadamard rotation, then
+FP8 e4m3 quantization of q and k with power-of-two (ue8m0) scales, scores accumulated in fp32 —
+the numerics the released checkpoints were trained and evaluated with. `"transformers"` skips the
+rotation and quantization as transformers' port does (used to compare with it). Scoring is tiled
+(shared.model.attention.indexer_topk): memory stays bounded at any context length.
 """
 
 from __future__ import annotations
@@ -17,28 +20,28 @@ import torch
 from torch import nn
 
 from shared.config import ModelConfig
-from shared.model.batch import ForwardBatch, gather_context, write_rows
+from shared.model.attention import indexer_topk
+from shared.model.batch import ForwardBatch, write_rows
 from shared.model.layers import linear
 from shared.model.rope import RopeAngles, rope_neox
 from shared.quant.fp8 import fake_quant_ue8m0, hadamard_transform
 
-QUERY_TILE = 256  # prefill scores are computed this many queries at a time to bound memory
+NUMERICS = ("deepseek", "transformers")
 
 
 @dataclass
 class Selection:
-    """Keys a query may attend to. Decode: `indices`/`valid` [R, k]. Prefill: `mask` [R, S, T]."""
+    """The context positions each new token (flat, [N, k]) may attend to; `valid` marks real picks."""
 
-    indices: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
+    picks: torch.Tensor
+    valid: torch.Tensor
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, numerics: str = "transformers"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, numerics: str = "deepseek"):
         super().__init__()
-        if numerics not in ("transformers", "deepseek"):
-            raise ValueError(f"indexer numerics must be 'transformers' or 'deepseek', got {numerics!r}")
+        if numerics not in NUMERICS:
+            raise ValueError(f"indexer_numerics must be one of {NUMERICS}, got {numerics!r}")
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.rope_dim, self.topk = cfg.qk_rope_head_dim, cfg.index_topk
         self.numerics = numerics
@@ -52,40 +55,25 @@ class Indexer(nn.Module):
     def _rope(self, x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
         return torch.cat([rope_neox(x[..., : self.rope_dim], rope), x[..., self.rope_dim :]], -1)
 
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """DeepSeek: Hadamard rotation, then e4m3 with one power-of-two scale per 128 dims."""
+        if self.numerics != "deepseek":
+            return x
+        return fake_quant_ue8m0(hadamard_transform(x), min(128, self.head_dim))
+
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeAngles, fb: ForwardBatch,
                 index_pool: torch.Tensor) -> Selection | None:
         n = x.shape[0]
-        k = self._rope(self.k_norm(self.wk(x)), rope)
-        if self.numerics == "deepseek":
-            k = fake_quant_ue8m0(hadamard_transform(k), min(128, self.head_dim))
+        k = self._quantize(self._rope(self.k_norm(self.wk(x)), rope))
         write_rows(index_pool, fb, k)
         if fb.max_context <= self.topk:
             return None  # every causal key is selected: dense MLA
 
-        q = self._rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), rope)
-        if self.numerics == "deepseek":
-            q = fake_quant_ue8m0(hadamard_transform(q), min(128, self.head_dim))
+        q = self._quantize(self._rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), rope))
         w = self.weights_proj(x.float()) * self.n_heads**-0.5  # [N, H]
-        # q·k runs in the cache dtype with fp32 accumulation (exact in an fp32 model; in bf16 finer
-        # than DeepSeek's own FP8 scoring) and only the small [.., H, T] scores are widened.
-        keys = gather_context(index_pool, fb)  # [R, T, D]
-        q = q.to(keys.dtype)
-        k_sel = min(self.topk, fb.max_context)
-
-        if fb.is_decode:
-            scores = torch.relu(torch.bmm(q, keys.transpose(1, 2)).float() * self.scale)  # [R, H, T]
-            index = torch.bmm(w.unsqueeze(1), scores).squeeze(1)  # [R, T]
-            index = index.masked_fill(~fb.key_valid, float("-inf"))
-            picks = index.topk(k_sel, dim=-1).indices
-            return Selection(indices=picks, valid=fb.key_valid.gather(1, picks))
-
-        qp, wp = fb.padded(q), fb.padded(w)  # [R, S, H, D], [R, S, H]
-        mask = torch.zeros_like(fb.causal)
-        for s0 in range(0, qp.shape[1], QUERY_TILE):
-            s1 = s0 + QUERY_TILE
-            scores = torch.relu(torch.einsum("rshd,rtd->rsht", qp[:, s0:s1], keys).float() * self.scale)
-            index = torch.einsum("rsh,rsht->rst", wp[:, s0:s1], scores)
-            index = index.masked_fill(~fb.causal[:, s0:s1], float("-inf"))
-            picks = index.topk(k_sel, dim=-1).indices
-            mask[:, s0:s1].scatter_(-1, picks, True)
-        return Selection(mask=mask & fb.causal)
+        # DeepSeek scores FP8 q·k with fp32 accumulation and fp32 per-head logits: exact here in fp32
+        # (the fake-quantized values are exact in the cache dtype). "transformers" scores in the cache dtype.
+        compute = torch.float32 if self.numerics == "deepseek" else index_pool.dtype
+        picks, valid = indexer_topk(fb.padded(q), fb.padded(w), fb, index_pool, min(self.topk, fb.max_context),
+                                    self.scale, compute)
+        return Selection(fb.unpadded(picks), fb.unpadded(valid))

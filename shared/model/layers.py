@@ -20,6 +20,11 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's form: weight and normalized x both in fp32, result fp32."""
+        xf = x.float()
+        return self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
+
 
 def linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
     """Bias-free linear with uninitialized storage (the loader fills it)."""

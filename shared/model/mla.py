@@ -3,10 +3,9 @@
 Per token the cache keeps one 576-d row (c_kv 512 | k_pe 64) shared by all heads (MQA mode of MLA).
 Queries are absorbed into latent space, q_abs[h] = q_nope[h] · W_UK[h], so a score is one dot
 product of [q_abs | q_pe] with the cached row; the output o_lat = p · c_kv goes back through W_UV.
-The same code runs prefill (masked over the request's cached context, causal ∧ indexer selection)
-and decode (gathering only the indexer's top-k rows when the context exceeds index_topk). On CPU
-the masked form is used for multi-token steps: gathering S × k rows per request would be
-memory-bound, while the mask gives the identical result.
+The same code runs prefill and decode: while the context fits index_topk (or without an indexer)
+a causal dense attention over the request's cached rows, beyond it each query gathers only its
+top-k rows. Both are tiled to a bounded working set (shared.model.attention).
 """
 
 from __future__ import annotations
@@ -15,14 +14,15 @@ import torch
 from torch import nn
 
 from shared.config import ModelConfig
-from shared.model.batch import ForwardBatch, gather_context, gather_rows, write_rows
+from shared.model.attention import dense_attention, sparse_attention
+from shared.model.batch import ForwardBatch, write_rows
 from shared.model.indexer import Indexer, Selection
 from shared.model.layers import RMSNorm, linear
 from shared.model.rope import RopeAngles, rope_interleaved, rope_neox
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str = "transformers"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str = "deepseek"):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -72,22 +72,6 @@ class MLA(nn.Module):
     def _attend(self, query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
                 sel: Selection | None) -> torch.Tensor:
         c = self.kv_lora_rank
-        if fb.is_decode:  # one query per request, requests in order
-            if sel is not None:
-                keys, valid = gather_rows(pool, fb.key_slots.gather(1, sel.indices)), sel.valid
-            else:
-                keys, valid = gather_context(pool, fb), fb.key_valid
-            scores = torch.bmm(query, keys.transpose(1, 2)).mul_(self.scale)  # [R, H, K]
-            scores.masked_fill_(~valid[:, None, :], float("-inf"))
-            probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype)
-            return torch.bmm(probs, keys)[..., :c]  # full rows: a strided slice of keys is slower
-
-        r, s_max = fb.query_index.shape
-        keys = gather_context(pool, fb)  # [R, T, 576]
-        q = fb.padded(query).reshape(r, s_max * self.n_heads, -1)
-        scores = torch.bmm(q, keys.transpose(1, 2)).view(r, s_max, self.n_heads, -1).mul_(self.scale)
-        mask = fb.causal if sel is None else sel.mask
-        scores.masked_fill_(~mask[:, :, None, :], float("-inf"))
-        probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype).view(r, s_max * self.n_heads, -1)
-        o = torch.bmm(probs, keys)[..., :c].reshape(r, s_max, self.n_heads, c)
-        return fb.unpadded(o)
+        if sel is not None:  # each query attends to its top-k rows only
+            return sparse_attention(query, fb, pool, sel.picks, sel.valid, self.scale, c)
+        return fb.unpadded(dense_attention(fb.padded(query), fb, pool, self.scale, c))

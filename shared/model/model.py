@@ -49,7 +49,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, dtype, indexer_numerics, parallel) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)  # fp32, as DeepSeek keeps it
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -58,13 +58,15 @@ class DeepseekForCausalLM(nn.Module):
     for local TP and sets up layer sharding."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, indexer_numerics: str = "transformers",
+                 device: torch.device | None = None, indexer_numerics: str = "deepseek",
                  parallel: ParallelState | None = None):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.parallel = parallel or ParallelState.single()
         self.model = Backbone(cfg, dtype, indexer_numerics, self.parallel)
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        # DeepSeek computes the head in fp32 (fp32 weight, fp32 input): logits of a 129k vocabulary
+        # differ by less than bf16's resolution, so a bf16 head would reorder near-ties.
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, torch.float32)
         self.rotary = RotaryTable(cfg.rope, cfg.qk_rope_head_dim, device or torch.device("cpu"))
         self.sharder = None
         self.requires_grad_(False)
@@ -107,5 +109,6 @@ class DeepseekForCausalLM(nn.Module):
                 sharder.release(i)
             if layer_done is not None:
                 layer_done(i)
-        h = self.model.norm(h[fb.logits_index])
-        return self.lm_head(h).float()
+        # DeepSeek's final norm: fp32 math with the fp32 weight, rounded to the model dtype, then the fp32 head.
+        h = self.model.norm.fp32(h[fb.logits_index]).to(self.dtype).float()
+        return self.lm_head(h)

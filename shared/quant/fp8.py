@@ -14,11 +14,37 @@ FP8_MAX = 448.0
 BLOCK = 128
 
 
-def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """W[i, j] = float(W8[i, j]) * scale_inv[i // block, j // block], ragged edges sliced off."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
-    return weight.float() * scale
+def decode_scales(scale_inv: torch.Tensor, scale_fmt: str | None = None) -> torch.Tensor:
+    """Weight block scales as fp32 multipliers: fp32/bf16 as stored, e8m0 exponent bytes
+    (float8_e8m0fnu, or uint8 under scale_fmt ue8m0) as 2^(byte - 127)."""
+    if scale_inv.dtype == torch.float8_e8m0fnu:
+        return scale_inv.float()
+    if scale_inv.dtype == torch.uint8:
+        if scale_fmt != "ue8m0":
+            raise ValueError("uint8 weight scales need quantization_config.scale_fmt 'ue8m0'")
+        return torch.exp2(scale_inv.float() - 127.0)
+    return scale_inv.float()
+
+
+def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: int | tuple[int, int] = BLOCK,
+                      scale_fmt: str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W[..., i, j] = float(W8[..., i, j]) * scale_inv[..., i // br, j // bc], ragged edges sliced off.
+    Leading dims (stacked experts [E, rows, cols]) carry their own scales [E, ⌈rows/br⌉, ⌈cols/bc⌉].
+    Converts in place on one output-sized buffer (no second weight-sized temporary)."""
+    br, bc = (block, block) if isinstance(block, int) else block
+    rows, cols = weight.shape[-2:]
+    scale = decode_scales(scale_inv, scale_fmt)
+    want = (*weight.shape[:-2], -(-rows // br), -(-cols // bc))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"weight_scale_inv shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
+                         f"with blocks {br}x{bc} (expected {want})")
+    out = weight.to(torch.float32)
+    scale = scale.repeat_interleave(br, dim=-2)[..., :rows, :]  # [..., rows, ⌈cols/bc⌉]
+    full, rem = divmod(cols, bc)
+    out[..., : full * bc].unflatten(-1, (full, bc)).mul_(scale[..., :full, None])
+    if rem:
+        out[..., full * bc :].mul_(scale[..., full:])
+    return out.to(dtype)
 
 
 def quant_block_fp8(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

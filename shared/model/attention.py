@@ -1,0 +1,169 @@
+"""MLA attention and indexer scoring over the paged cache, in bounded working memory.
+
+Untiled, a step would hold tokens × heads × context scores (4k tokens × 128 heads × 4k context in
+fp32 is 8.6 GB for one layer). Every function here cuts the work into tiles — request groups ×
+query tiles × key tiles — whose working set fits `fb.workspace_bytes`:
+* small steps are one tile: a single batched matmul, the fastest form on CPU;
+* long contexts stream the keys through in tiles, with an online softmax (dense attention) or a
+  running top-k merge (indexer), so memory no longer depends on the context length;
+* sparse attention gathers each query's selected rows only: work O(S·k), not O(S·T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.model.batch import ForwardBatch, gather_blocks, gather_rows
+
+_MIN_QUERY_TILE = 16
+
+
+@dataclass(frozen=True)
+class Tiles:
+    requests: int
+    queries: int
+    keys: int  # a whole number of blocks, or the whole padded context
+
+
+def plan_tiles(num_requests: int, num_queries: int, context: int, block_size: int, per_pair: int,
+               per_query: int, per_key: int, budget: int) -> Tiles:
+    """Largest tiles whose bytes, r · (q · k · per_pair + q · per_query + k · per_key), fit `budget`:
+    whole contexts for as many requests as fit; else one request with all its keys and as many
+    queries as fit; else key tiles (whole blocks) for a query tile."""
+
+    def cost(r: int, q: int, k: int) -> int:
+        return r * (q * k * per_pair + q * per_query + k * per_key)
+
+    whole = cost(1, num_queries, context)
+    if whole <= budget:
+        return Tiles(min(num_requests, max(1, budget // whole)), num_queries, context)
+    queries = (budget - context * per_key) // (context * per_pair + per_query)
+    if queries >= min(num_queries, _MIN_QUERY_TILE):
+        return Tiles(1, min(num_queries, queries), context)
+    queries = min(num_queries, 4 * _MIN_QUERY_TILE)
+    keys = (budget - queries * per_query) // (queries * per_pair + per_key)
+    keys = max(block_size, keys // block_size * block_size)
+    return Tiles(1, queries, min(keys, context))
+
+
+def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float,
+                    out_dim: int) -> torch.Tensor:
+    """Causal attention of padded queries [R, S, H, D] over each request's cached rows [T, D]
+    (MQA: one row shared by all heads); returns the first `out_dim` dims of p·rows, [R, S, H, out_dim]."""
+    r_all, s_all, heads, dim = query.shape
+    size, t_pad = fb.block_size, fb.padded_context
+    isz = query.element_size()
+    tiles = plan_tiles(r_all, s_all, t_pad, size, per_pair=heads * (4 + isz),
+                       per_query=heads * out_dim * 4 * 2, per_key=dim * isz, budget=fb.workspace_bytes)
+    out = query.new_empty(r_all, s_all, heads, out_dim)
+    for r0 in range(0, r_all, tiles.requests):
+        rows = slice(r0, min(r_all, r0 + tiles.requests))
+        for s0 in range(0, s_all, tiles.queries):
+            queries = slice(s0, min(s_all, s0 + tiles.queries))
+            q = query[rows, queries]
+            if tiles.keys >= t_pad:
+                out[rows, queries] = _attend_whole(q, fb, pool, rows, queries, scale, out_dim)
+            else:
+                out[rows, queries] = _attend_online(q, fb, pool, rows, queries, scale, out_dim, tiles.keys)
+    return out
+
+
+def _attend_whole(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: slice, queries: slice,
+                  scale: float, out_dim: int) -> torch.Tensor:
+    r, s, heads, dim = q.shape
+    keys = gather_blocks(pool, fb.block_tables[rows])  # [r, T, D]
+    scores = torch.bmm(q.reshape(r, s * heads, dim), keys.transpose(1, 2)).view(r, s, heads, -1).mul_(scale)
+    scores.masked_fill_(~fb.visible(rows, queries, 0, keys.shape[1])[:, :, None, :], float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype).view(r, s * heads, -1)
+    return torch.bmm(probs, keys)[..., :out_dim].view(r, s, heads, out_dim)
+
+
+def _attend_online(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: slice, queries: slice,
+                   scale: float, out_dim: int, key_tile: int) -> torch.Tensor:
+    """Flash-style: keys stream through in tiles; running max / sum / output in fp32. Tiles start at
+    key 0, which every query sees, so the running max is finite after the first tile."""
+    r, s, heads, dim = q.shape
+    size = fb.block_size
+    last = int(fb.query_pos[rows, queries].max()) + 1  # no query sees beyond this
+    flat_q = q.reshape(r, s * heads, dim)
+    run_max = torch.full((r, s, heads), float("-inf"), device=q.device)
+    run_sum = torch.zeros(r, s, heads, device=q.device)
+    acc = torch.zeros(r, s, heads, out_dim, device=q.device)
+    blocks_per_tile = key_tile // size
+    for b0 in range(0, -(-last // size), blocks_per_tile):
+        keys = gather_blocks(pool, fb.block_tables[rows, b0 : b0 + blocks_per_tile])  # [r, k, D]
+        t0 = b0 * size
+        scores = torch.bmm(flat_q, keys.transpose(1, 2)).view(r, s, heads, -1).float().mul_(scale)
+        scores.masked_fill_(~fb.visible(rows, queries, t0, t0 + keys.shape[1])[:, :, None, :], float("-inf"))
+        new_max = torch.maximum(run_max, scores.amax(-1))
+        alpha = torch.exp(run_max - new_max)
+        p = torch.exp(scores - new_max[..., None])
+        run_sum = run_sum * alpha + p.sum(-1)
+        pv = torch.bmm(p.to(q.dtype).view(r, s * heads, -1), keys)[..., :out_dim].view(r, s, heads, out_dim)
+        acc = acc * alpha[..., None] + pv.float()
+        run_max = new_max
+    return (acc / run_sum[..., None]).to(q.dtype)
+
+
+def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, picks: torch.Tensor,
+                     valid: torch.Tensor, scale: float, out_dim: int) -> torch.Tensor:
+    """Each flat query [N, H, D] attends only to its selected context positions `picks` [N, k]
+    (`valid` marks real picks): their rows are gathered per query tile, so work and memory are
+    O(N · k) whatever the context length."""
+    n_all, heads, dim = query.shape
+    k = picks.shape[1]
+    isz = query.element_size()
+    per_query = k * dim * isz + heads * k * (4 + isz) + k * 8
+    step = max(1, fb.workspace_bytes // per_query)
+    out = query.new_empty(n_all, heads, out_dim)
+    for n0 in range(0, n_all, step):
+        tile = slice(n0, min(n_all, n0 + step))
+        keys = gather_rows(pool, fb.slots_of(fb.token_request[tile], picks[tile]))  # [n, k, D]
+        scores = torch.bmm(query[tile], keys.transpose(1, 2)).mul_(scale)  # [n, H, k]
+        scores.masked_fill_(~valid[tile, None, :], float("-inf"))
+        probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype)
+        out[tile] = torch.bmm(probs, keys)[..., :out_dim]
+    return out
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, k: int,
+                 scale: float, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lightning-indexer selection for padded queries q [R, S, H, D] with head weights [R, S, H] (fp32):
+    I[s, t] = Σ_h w[s, h] · ReLU(q[s, h] · key[t] · scale) over causal keys t ≤ pos(s); returns the
+    top-k context positions [R, S, k] and which of them are real (finite score) picks. q·k runs in
+    `compute_dtype` with the per-head scores kept in fp32; key tiles merge into a running top-k."""
+    r_all, s_all, heads, dim = q.shape
+    size, t_pad = fb.block_size, fb.padded_context
+    csz = torch.tensor([], dtype=compute_dtype).element_size()
+    tiles = plan_tiles(r_all, s_all, t_pad, size, per_pair=heads * (4 + csz) + 8,
+                       per_query=2 * k * 12, per_key=dim * (csz + pool.element_size()),
+                       budget=fb.workspace_bytes)
+    picks = torch.empty(r_all, s_all, k, dtype=torch.long, device=q.device)
+    valid = torch.empty(r_all, s_all, k, dtype=torch.bool, device=q.device)
+    q = q.to(compute_dtype)
+    for r0 in range(0, r_all, tiles.requests):
+        rows = slice(r0, min(r_all, r0 + tiles.requests))
+        for s0 in range(0, s_all, tiles.queries):
+            queries = slice(s0, min(s_all, s0 + tiles.queries))
+            qt, wt = q[rows, queries], weights[rows, queries]
+            r, s = qt.shape[:2]
+            last = int(fb.query_pos[rows, queries].max()) + 1
+            best_val = best_idx = None
+            for t0 in range(0, last, tiles.keys):
+                keys = gather_blocks(pool, fb.block_tables[rows, t0 // size : (t0 + tiles.keys) // size])
+                scores = torch.bmm(qt.reshape(r, s * heads, dim), keys.to(compute_dtype).transpose(1, 2))
+                scores = torch.relu(scores.float().mul_(scale)).view(r, s, heads, -1)
+                index = torch.einsum("rsh,rsht->rst", wt, scores)
+                index.masked_fill_(~fb.visible(rows, queries, t0, t0 + keys.shape[1]), float("-inf"))
+                positions = torch.arange(t0, t0 + keys.shape[1], device=q.device).expand(r, s, -1)
+                if best_val is not None:  # running merge: the top-k of (best so far ∪ this tile)
+                    index, positions = torch.cat([best_val, index], -1), torch.cat([best_idx, positions], -1)
+                best_val, top = index.topk(min(k, index.shape[-1]), dim=-1)
+                best_idx = positions.gather(-1, top)
+            n = best_val.shape[-1]
+            picks[rows, queries, :n], valid[rows, queries, :n] = best_idx, torch.isfinite(best_val)
+            if n < k:  # fewer keys than k in the whole range: the rest are padding
+                picks[rows, queries, n:], valid[rows, queries, n:] = 0, False
+    return picks, valid
