@@ -138,7 +138,7 @@ def main() -> None:
     long_prompt = torch.randint(2, 1000, (args.long_prompt,), generator=g).tolist()
 
     print("in-process engine ...", flush=True)
-    engine = LLMEngine(EngineConfig(model=model))
+    engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16"))  # what the services run
     run_in_process(engine, prompts[:2], 4)  # warm-up
     local = run_in_process(engine, prompts, args.max_tokens)
     wire = wire_seconds(engine, args.long_prompt)

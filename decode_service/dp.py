@@ -60,7 +60,6 @@ class Command:
 class Event:
     request_id: str
     token_id: int
-    text: str
     finished: bool
     finish_reason: str | None
 
@@ -74,6 +73,7 @@ class DecodeRank:
         self.admitted = 0
         self.applied_cid = -1  # the newest command applied here (load reports say what they include)
         self.engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
+                                             indexer_numerics=cfg.indexer_numerics,
                                              kv_cache_tokens=cfg.kv_cache_tokens, max_num_seqs=cfg.max_num_seqs),
                                 state)
         kv = self.engine.kv
@@ -157,7 +157,7 @@ class DecodeRank:
 
 
 def _event(ev) -> Event:  # noqa: ANN001 - StepEvent
-    return Event(ev.seq.request_id, ev.token_id, ev.text, ev.finished, ev.seq.finish_reason)
+    return Event(ev.seq.request_id, ev.token_id, ev.finished, ev.seq.finish_reason)
 
 
 def follower_loop(me: DecodeRank) -> None:

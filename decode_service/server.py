@@ -97,10 +97,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         if rank is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
         rid = request.request_id or request.lease_id
+        params = sampling_from_proto(request.sampling_params)
         stream = self.coord.open_stream(rid)
         admit = self.coord.submit("admit", rank, request_id=rid, lease_id=request.lease_id,
-                                  prompt=list(request.prompt_token_ids),
-                                  params=params_dict(sampling_from_proto(request.sampling_params)),
+                                  prompt=list(request.prompt_token_ids), params=params_dict(params),
                                   first_token=request.first_token_id, rng_state=bytes(request.rng_state))
         try:
             admit.result(60)
@@ -110,10 +110,18 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.coord.lease_rank.pop(request.lease_id, None)  # claimed: the blocks belong to the request now
         context.add_callback(lambda: self.coord.submit("abort", rank, request_id=rid))
         reason = None
+        out = self.coord.me.engine.output_processor(params)  # text made here, off the engine thread
         while (ev := stream.get()) is not None:
             reason = ev.finish_reason if ev.finished else None
+            text = out.process([ev.token_id])
+            if out.stopped and not ev.finished:  # a stop string: the engine stops this request now
+                reason = "stop"
+                self.coord.submit("abort", rank, request_id=rid)
             metrics.TOKENS.labels("decode", "output").inc()
-            yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=ev.text, finish_reason=reason or "")
+            yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "")
+            if out.stopped:
+                break
+        self.coord.close_stream(rid)
         metrics.REQUESTS.labels("decode", reason or "abort").inc()
         self._update_gauges()
         if reason is None and context.is_active():

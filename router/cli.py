@@ -60,6 +60,8 @@ class Cluster:
     num_decode: int = 1
     port: int = 0
     kv_transport: str = "tcp"
+    dtype: str = "bfloat16"
+    indexer_numerics: str = "deepseek"
     host: str = "127.0.0.1"
     extra_prefill: list[str] = field(default_factory=list)
     extra_decode: list[str] = field(default_factory=list)
@@ -82,20 +84,21 @@ class Cluster:
 
     def start(self, timeout: float = 240.0) -> Cluster:
         common = ["--model", self.model, "--host", self.host]
+        engine = ["--dtype", self.dtype, "--indexer-numerics", self.indexer_numerics]
         waits = []
         try:
             for i in range(self.num_decode):
                 port = free_port(self.host)
                 addr = f"{self.host}:{port}"
                 proc = self._spawn(f"decode{i}", ["decode_service", *common, "--port", str(port),
-                                                  "--kv-transport", self.kv_transport, *self.extra_decode])
+                                                  "--kv-transport", self.kv_transport, *engine, *self.extra_decode])
                 self.decode_addrs.append(addr)
                 waits.append((addr, proc))
             for i in range(self.num_prefill):
                 port = free_port(self.host)
                 addr = f"{self.host}:{port}"
                 proc = self._spawn(f"prefill{i}", ["prefill_service", *common, "--port", str(port),
-                                                   "--kv-transport", self.kv_transport, *self.extra_prefill])
+                                                   "--kv-transport", self.kv_transport, *engine, *self.extra_prefill])
                 self.prefill_addrs.append(addr)
                 waits.append((addr, proc))
             router_port = self.port or free_port(self.host)
@@ -131,7 +134,8 @@ class Cluster:
 
 def cmd_up(args: argparse.Namespace) -> None:
     model = args.model or str(ensure_tiny_model(DEFAULT_MODEL))
-    cluster = Cluster(model, args.num_prefill, args.num_decode, args.port, args.kv_transport,
+    cluster = Cluster(model, args.num_prefill, args.num_decode, args.port, args.kv_transport, args.dtype,
+                      args.indexer_numerics,
                       log_dir=Path(args.log_dir) if args.log_dir else None,
                       extra_prefill=["--cp", str(args.prefill_cp), "--tp", str(args.prefill_tp),
                                      "--ep", str(args.prefill_ep),
@@ -200,6 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
     up.add_argument("--log-dir", default=None, help="write each service's log here")
+    up.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
+                    help="compute dtype of prefill and decode (auto: the checkpoint's own)")
+    up.add_argument("--indexer-numerics", default="deepseek", choices=["deepseek", "transformers"],
+                    help="lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or transformers'")
     up.add_argument("--prefill-cp", type=int, default=1, help="context-parallel ranks per prefill instance")
     up.add_argument("--prefill-tp", type=int, default=1, help="local-TP ranks per prefill instance (with cp 1)")
     up.add_argument("--prefill-ep", type=int, default=1, help="expert-parallel ranks per prefill instance")

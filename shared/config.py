@@ -99,6 +99,14 @@ class ModelConfig:
     index_n_heads: int = 0
     num_nextn_predict_layers: int = 0
     quantization: dict[str, Any] = field(default_factory=dict)
+    checkpoint_dtype: str | None = None  # config.json "torch_dtype" / "dtype"
+
+    @property
+    def default_dtype(self) -> str:
+        """dtype "auto": the checkpoint's own compute dtype (FP8 releases compute in bfloat16)."""
+        if self.quantization or self.checkpoint_dtype not in ("float32", "bfloat16", "float16"):
+            return "bfloat16"
+        return self.checkpoint_dtype
 
     @property
     def fp8(self) -> Fp8Scheme | None:
@@ -180,6 +188,7 @@ class ModelConfig:
             index_n_heads=int(raw["index_n_heads"]) if v32 else 0,
             num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
             quantization=dict(raw.get("quantization_config") or {}),
+            checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         )
         cfg.validate()
         return cfg
@@ -278,7 +287,8 @@ class ServiceConfig:
     port: int = 0
     metrics_port: int = 0
     kv_transport: str = "tcp"
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
+    indexer_numerics: str = "deepseek"
     block_size: int = 16
     kv_cache_tokens: int = 65536
     ep: int = 1
@@ -305,7 +315,10 @@ class ServiceConfig:
         p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
         p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
         p.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
-        p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+        p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
+                       help="compute dtype (auto: the checkpoint's own)")
+        p.add_argument("--indexer-numerics", default="deepseek", choices=["deepseek", "transformers"],
+                       help="lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or transformers'")
         p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
         p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size (per rank)")
         p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the instance's ranks)")

@@ -236,7 +236,7 @@ def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
     path = str(ckpt("v32_sparse"))
     prompts = random_prompts(6, [3, 17, 40, 1, 26, 9], 512, seed=65)
     want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
-    with Cluster(path, log_dir=tmp_path / "logs",
+    with Cluster(path, dtype="float32", log_dir=tmp_path / "logs",
                  extra_prefill=["--cp", "2", "--ep", "2", "--block-size", "4"],
                  extra_decode=["--dp", "2", "--ep", "2", "--block-size", "4"]) as cluster:
         got = concurrent_greedy(cluster.address, prompts, 8)
@@ -302,7 +302,7 @@ def test_cluster_tp2_prefill_and_decode(ckpt, tmp_path):
     path = str(ckpt("v32_sparse"))
     prompts = random_prompts(4, [5, 33, 12, 20], 512, seed=66)
     want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
-    with Cluster(path, log_dir=tmp_path / "logs", extra_prefill=["--tp", "2", "--block-size", "4"],
+    with Cluster(path, dtype="float32", log_dir=tmp_path / "logs", extra_prefill=["--tp", "2", "--block-size", "4"],
                  extra_decode=["--tp", "2", "--block-size", "4", "--lease-seconds", "2"]) as cluster:
         got = concurrent_greedy(cluster.address, prompts, 8)
         with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:

@@ -18,6 +18,8 @@ from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_
 from tests.helpers import TRANSPORTS, concurrent_greedy, load_reference, random_prompts, reference_greedy
 
 LEASE_SECONDS = 2.0
+# The services compare with transformers here: fp32 and transformers' indexer numerics (both are flags).
+REFERENCE_NUMERICS = dict(dtype="float32", indexer_numerics="transformers")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def model_dir(ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def cluster(request, model_dir, tmp_path_factory):
-    c = Cluster(str(model_dir), kv_transport=request.param, log_dir=tmp_path_factory.mktemp(f"logs-{request.param}"),
+    c = Cluster(str(model_dir), kv_transport=request.param, **REFERENCE_NUMERICS, log_dir=tmp_path_factory.mktemp(f"logs-{request.param}"),
                 extra_decode=["--lease-seconds", str(LEASE_SECONDS), "--block-size", "4"],
                 extra_prefill=["--block-size", "4", "--max-prefill-tokens", "16"])
     c.start()
@@ -41,7 +43,7 @@ def cluster(request, model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_llm(model_dir):
-    return LLM(str(model_dir), block_size=4)
+    return LLM(str(model_dir), block_size=4, **REFERENCE_NUMERICS)
 
 
 def generate(address: str, timeout: float = 60, **kwargs) -> list[generation_pb2.GenerateResponse]:
@@ -205,7 +207,7 @@ def test_dead_peer_is_unavailable_fast(model_dir):
 
 def test_metrics_endpoint(model_dir):
     port = free_port()
-    with Cluster(str(model_dir), extra_decode=["--metrics-port", str(port)]) as c:
+    with Cluster(str(model_dir), **REFERENCE_NUMERICS, extra_decode=["--metrics-port", str(port)]) as c:
         generate(c.address, prompt_token_ids=[5, 6, 7], sampling_params=greedy(3))
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "pdserve_kv_free_blocks" in body and 'pdserve_tokens_total{kind="output",service="decode"} 3.0' in body
@@ -217,7 +219,7 @@ def test_two_by_two_instances_and_failover(model_dir, local_llm, tmp_path):
     prompts = random_prompts(8, [5, 14, 23], 512, seed=33)
     want = [o.token_ids for o in local_llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0,
                                                                             ignore_eos=True))]
-    with Cluster(str(model_dir), num_prefill=2, num_decode=2, log_dir=tmp_path / "logs",
+    with Cluster(str(model_dir), num_prefill=2, num_decode=2, **REFERENCE_NUMERICS, log_dir=tmp_path / "logs",
                  extra_decode=["--block-size", "4"], extra_prefill=["--block-size", "4"]) as c:
         assert concurrent_greedy(c.address, prompts, 6) == want
         admitted = []

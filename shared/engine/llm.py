@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from shared.device import get_device, parse_dtype
+from shared.device import get_device
 from shared.engine.sampler import SamplingParams, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
-from shared.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.engine.chat import ChatMessage, render_messages
+from shared.engine.tokenizer import OutputProcessor, Tokenizer
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
 from shared.model import ForwardBatch, SeqChunk
@@ -27,7 +28,7 @@ from shared.parallel.state import ParallelState
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # the checkpoint's own ("bfloat16" for DeepSeek's releases), or float32 / bfloat16
     device: str | None = None  # None/"auto": best available
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: kv_cache_tokens / block_size
@@ -58,20 +59,12 @@ class RequestOutput:
 
 @dataclass
 class StepEvent:
-    """What one step produced for one request: a new token (maybe the last)."""
+    """What one step produced for one request: a new token (maybe the last). Text is made by the
+    consumer (OutputProcessor), off the engine thread."""
 
     seq: Sequence
     token_id: int
-    text: str
     finished: bool
-
-
-@dataclass
-class _Tracked:
-    seq: Sequence
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    events: list[StepEvent] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -82,18 +75,18 @@ class LLMEngine:
         self.config = config
         self.parallel = parallel or ParallelState.single()
         self.device = get_device(config.device)
-        self.dtype = parse_dtype(config.dtype)
-        self.model, self.load_report = load_model(config.model, self.dtype, str(self.device),
+        self.model, self.load_report = load_model(config.model, config.dtype, str(self.device),
                                                   config.indexer_numerics, progress=config.progress,
                                                   parallel=self.parallel)
         self.model_config = self.model.config
+        self.dtype = self.model.dtype
         self.tokenizer = Tokenizer.from_model_dir(config.model, self.model_config.bos_token_id)
         self.layout = KVLayout.from_model_config(self.model_config, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
         self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
                                    config.max_prefill_tokens)
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.default_generator = torch.Generator().manual_seed(config.seed)
         # parallel ranks keep one scratch block for dummy batches (DP idle ranks, empty CP shares)
@@ -137,9 +130,12 @@ class LLMEngine:
             raise ValueError(f"request_id {rid!r} is already in flight")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self.default_generator
         seq = Sequence(rid, list(prompt_token_ids), params, generator=gen)
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
-        self._requests[rid] = _Tracked(seq, detok)
+        self._requests[rid] = seq
         return seq
+
+    def output_processor(self, params: SamplingParams) -> OutputProcessor:
+        """Text deltas and stop strings for one request, for whichever thread consumes its tokens."""
+        return OutputProcessor(self.tokenizer, params.stop, params.skip_special_tokens)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> Sequence:
@@ -156,9 +152,9 @@ class LLMEngine:
         return events
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        tracked = self._requests.pop(request_id, None)
-        if tracked is not None:
-            self.scheduler.finish(tracked.seq, reason)
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, reason)
 
     @property
     def has_work(self) -> bool:
@@ -205,43 +201,29 @@ class LLMEngine:
         return events
 
     def append_token(self, seq: Sequence, token: int) -> list[StepEvent]:
-        tracked = self._requests[seq.request_id]
         seq.output_token_ids.append(token)
-        new_text = tracked.detok.update(seq.output_token_ids) if tracked.detok else ""
-        tracked.text += new_text
-        reason = self._stop_reason(seq, tracked)
+        reason = self._stop_reason(seq)
         if reason is not None:
-            if reason == "stop" and seq.params.stop and tracked.detok:
-                new_text = self._trim_stop_string(tracked, new_text)
             self.scheduler.finish(seq, reason)
             self._requests.pop(seq.request_id, None)
-        return [StepEvent(seq, token, new_text, reason is not None)]
+        return [StepEvent(seq, token, reason is not None)]
 
-    def _stop_reason(self, seq: Sequence, tracked: _Tracked) -> str | None:
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """Token-level stops; stop *strings* are found by the consumer's OutputProcessor, which aborts."""
         p, tok = seq.params, seq.output_token_ids[-1]
         if not p.ignore_eos and tok in self.model_config.eos_token_ids:
             return "stop"
         if tok in p.stop_token_ids:
             return "stop"
-        if p.stop and any(s in tracked.text for s in p.stop):
-            return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-    @staticmethod
-    def _trim_stop_string(tracked: _Tracked, new_text: str) -> str:
-        """Cut the text at the first stop string (the stop string itself is not returned)."""
-        cut = min(tracked.text.find(s) for s in tracked.seq.params.stop if s in tracked.text)
-        before = len(tracked.text) - len(new_text)
-        tracked.text = tracked.text[:cut]
-        return new_text[: max(0, cut - before)]
 
 
 class LLM:
     """Offline batch generation over LLMEngine (continuous batching inside)."""
 
-    def __init__(self, model: str, dtype: str = "float32", parallel: ParallelState | None = None, **kwargs: object):
+    def __init__(self, model: str, dtype: str = "auto", parallel: ParallelState | None = None, **kwargs: object):
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs), parallel)  # type: ignore[arg-type]
 
     @property
@@ -254,18 +236,29 @@ class LLM:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        seqs, texts = [], {}
+        seqs, outputs = [], {}
         for prompt, p in zip(prompts, params_list):
             ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            seqs.append(self.engine.add_request(ids, p))
+            seq = self.engine.add_request(ids, p)
+            seqs.append(seq)
+            outputs[seq.request_id] = self.engine.output_processor(p)
         while self.engine.has_work:
             for ev in self.engine.step():
-                texts[ev.seq.request_id] = texts.get(ev.seq.request_id, "") + ev.text
+                out = outputs[ev.seq.request_id]
+                out.process([ev.token_id])
+                if out.stopped and not ev.finished:
+                    self.engine.abort(ev.seq.request_id, "stop")
         return [
             RequestOutput(s.request_id, s.prompt_token_ids, list(s.output_token_ids),
-                          texts.get(s.request_id, "") if self.engine.tokenizer else None, s.finish_reason)
+                          outputs[s.request_id].text if self.engine.tokenizer else None, s.finish_reason)
             for s in seqs
         ]
+
+    def chat(self, messages: list[ChatMessage] | list[dict], sampling_params: SamplingParams | None = None,
+             thinking: bool = False) -> RequestOutput:
+        """One conversation rendered with the DeepSeek-V3.2 chat encoding, then generated."""
+        msgs = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+        return self.generate(render_messages(msgs, thinking), sampling_params)[0]
 
 
 def dp_step(engine: LLMEngine) -> tuple[list[StepEvent], bool]:

@@ -19,6 +19,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -36,27 +37,59 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits [V] outside top-k and the top-p nucleus with -inf."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+# Top-p rows first look for their nucleus among this many best tokens (exact when it lies inside,
+# which it does for any trained model's distribution); rows whose nucleus is wider are sorted whole.
+NUCLEUS_CANDIDATES = 1024
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` [M, V] (fp32). Greedy rows are one vectorized argmax."""
-    out = logits.argmax(-1).tolist()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        out[i] = int(torch.multinomial(probs.cpu(), 1, generator=generators[i]).item())
-    return out
+    """One token per row of `logits` [M, V] (fp32), every row in one batched pass: greedy rows take the
+    argmax; sampled rows apply temperature, top-k then top-p (on the top-k renormalized distribution)
+    and draw by inverse CDF with one uniform from their own generator (a seeded request replays)."""
+    out = logits.argmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        chosen = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
+        out[index] = chosen
+    return out.tolist()
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 ) -> torch.Tensor:
+    m, vocab = logits.shape
+    dev = logits.device
+    x = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(dev)
+    if bool((top_k == vocab).all() and (top_p >= 1).all()):  # plain temperature: the whole vocabulary
+        return _draw(x.softmax(-1), u)
+
+    width = int(min(vocab, max(int(top_k[top_k < vocab].max()) if (top_k < vocab).any() else 0,
+                               NUCLEUS_CANDIDATES if (top_p < 1).any() else 0)))
+    vals, ids = x.topk(width, dim=-1)  # sorted, best first
+    ranks = torch.arange(width, device=dev)
+    vals = vals.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    # probabilities relative to the top-k-filtered distribution (the whole vocabulary when top-k is off)
+    full_lse = torch.logsumexp(x, -1, keepdim=True)
+    norm = torch.where((top_k < vocab)[:, None], torch.logsumexp(vals, -1, keepdim=True), full_lse)
+    probs = torch.exp(vals - norm)
+    before = probs.cumsum(-1) - probs
+    wide = (top_p < 1) & (top_k == vocab) & (before[:, -1] + probs[:, -1] < top_p)
+    keep = before < top_p[:, None]  # drop a token once the mass before it reaches top_p (the first stays)
+    picks = ids.gather(1, _draw(probs * keep, u)[:, None]).squeeze(1)
+    if bool(wide.any()):  # nucleus wider than the candidates: sort those rows whole
+        w = wide.nonzero().squeeze(1)
+        sorted_x, order = x[w].sort(-1, descending=True)
+        p_all = (sorted_x - full_lse[w]).exp()
+        before_all = p_all.cumsum(-1) - p_all
+        picks[w] = order.gather(1, _draw(p_all * (before_all < top_p[w, None]), u[w])[:, None]).squeeze(1)
+    return picks
+
+
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: per row the first index whose cumulative weight exceeds u · total."""
+    cdf = weights.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    return idx.clamp_(max=weights.shape[-1] - 1)

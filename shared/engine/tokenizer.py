@@ -1,4 +1,9 @@
-"""Tokenizer wrapper over Hugging Face `tokenizers` (tokenizer.json), with incremental detokenizing."""
+"""Tokenizer over the checkpoint's own `tokenizer.json`, incremental detokenizing and stop strings.
+
+Detokenizing and stop strings run where the tokens are consumed (the caller of `LLM.generate`, the
+decode service's stream handler), never on the engine thread; their work per token is bounded by a
+short window, not by the output length.
+"""
 
 from __future__ import annotations
 
@@ -19,24 +24,68 @@ class Tokenizer:
         return cls(path, bos_token_id) if path.exists() else None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Special tokens written in the text (e.g. a rendered chat prompt) become their ids; BOS is
+        prepended unless the text already starts with it."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_token_id] if add_bos and self.bos_token_id is not None else []) + ids
+        if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
 
 class IncrementalDetokenizer:
-    """Emits only complete new text: holds back while the tail is a partial UTF-8 character."""
+    """Emits only complete new text, decoding a short window of tokens per step (prefix/read
+    offsets, as vLLM does): the work per token does not grow with the output. Holds back while the
+    tail is a partial UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.text = ""
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
 
-    def update(self, output_ids: list[int]) -> str:
-        full = self.tokenizer.decode(output_ids)
-        if full.endswith("\ufffd"):
+    def update(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        window = self.ids[self.prefix_offset :]
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tokenizer.decode(window, self.skip)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
-        new = full[len(self.text):] if full.startswith(self.text) else full
-        self.text = full
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+
+class OutputProcessor:
+    """Per request: token ids → text deltas, ending at the first stop string (not returned). A stop
+    string is looked for only where it could end: in the new text plus the longest stop string's
+    length before it."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None, skip_special_tokens: bool = True):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
+        self.stop = [s for s in (stop or []) if s]
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self.stopped = False
+
+    def process(self, token_ids: list[int]) -> str:
+        """The new text for these tokens (cut at a stop string, after which `stopped` is True)."""
+        if self.detok is None or self.stopped:
+            return ""
+        new = self.detok.update(token_ids)
+        if not new:
+            return ""
+        start = len(self.text)
+        self.text += new
+        if self.stop:
+            tail_from = max(0, start - self.longest + 1)
+            hits = [i for i in (self.text.find(s, tail_from) for s in self.stop) if i >= 0]
+            if hits:
+                cut = min(hits)
+                self.stopped = True
+                self.text = self.text[:cut]
+                return new[: max(0, cut - start)]
         return new

@@ -200,7 +200,7 @@ def _expert_param_filled(name: str, params: dict, filled: set, cfg: ModelConfig)
     return False
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | None = None,
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | None = None,
                indexer_numerics: str = "deepseek", progress: bool = False,
                include_mtp: bool = False, parallel: ParallelState | None = None,
                ) -> tuple[DeepseekForCausalLM, LoadReport]:
@@ -208,6 +208,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     (only this rank's experts under expert parallelism), then shard it for TP / layer sharding."""
     cfg = ModelConfig.from_pretrained(path)
     dev = get_device(device)
+    dtype = cfg.default_dtype if dtype == "auto" else dtype
     model = DeepseekForCausalLM(cfg, parse_dtype(dtype), dev, indexer_numerics, parallel)
     report = load_weights(model, path, include_mtp=include_mtp, progress=progress)
     model = model.to(dev)

@@ -56,13 +56,14 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=list(msg.stop_token_ids),
         stop=list(msg.stop),
         ignore_eos=msg.ignore_eos,
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
     )
 
 
 def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
     msg = generation_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
                                         top_k=p.top_k, stop_token_ids=p.stop_token_ids, stop=p.stop,
-                                        ignore_eos=p.ignore_eos)
+                                        ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens)
     if p.seed is not None:
         msg.seed = p.seed
     return msg
