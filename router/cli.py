@@ -3,8 +3,10 @@
     pdserve up [--model DIR] [--num-prefill M] [--num-decode N] [--port 50051] [--kv-transport tcp|mooncake]
         all-in-one on loopback: router + M prefill + N decode subprocesses; default model is the
         embedded tiny model (generated on first use under ./models/tiny-v32); Ctrl-C stops all.
-    pdserve generate "text" | --prompt-token-ids 1 2 3 [--address 127.0.0.1:50051] [--max-tokens 32] ...
-        streams one request to the terminal.
+    pdserve generate "text" | --prompt-token-ids 1 2 3 [--chat [--thinking]] [--address 127.0.0.1:50051] ...
+        streams one request to the terminal (--chat: the text as a user message, chat-encoded).
+    pdserve chat [--system TEXT] [--thinking] [--address 127.0.0.1:50051]
+        interactive multi-turn chat.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.engine.chat import EOS, split_reasoning
 from shared.loader.tiny import ensure_tiny_model
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -163,13 +167,21 @@ def cmd_up(args: argparse.Namespace) -> None:
         print("stopped")
 
 
-def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+def sampling_args(args: argparse.Namespace) -> generation_pb2.SamplingParams:
     sp = generation_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                       top_k=args.top_k, ignore_eos=args.ignore_eos, stop=args.stop or [])
+                                       top_k=args.top_k, ignore_eos=args.ignore_eos, stop=args.stop or [],
+                                       skip_special_tokens=not args.keep_special_tokens)
     if args.seed is not None:
         sp.seed = args.seed
+    return sp
+
+
+def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+    if args.chat:  # the prompt as one user turn, rendered with the model's chat encoding by the router
+        return generation_pb2.GenerateRequest(messages=[generation_pb2.ChatMessage(role="user", content=args.prompt)],
+                                              thinking=args.thinking, sampling_params=sampling_args(args))
     return generation_pb2.GenerateRequest(prompt=args.prompt or "", prompt_token_ids=args.prompt_token_ids or [],
-                                          sampling_params=sp)
+                                          sampling_params=sampling_args(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -191,6 +203,60 @@ def cmd_generate(args: argparse.Namespace) -> None:
             sys.exit(1)
     if args.show_ids:
         print("token ids:", ids)
+
+
+def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> None:
+    """Interactive chat: each turn sends the whole conversation (DeepSeek-V3.2 chat encoding on the
+    router); in thinking mode the reasoning is shown dimmed and dropped from the history."""
+    system = [generation_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
+    history = list(system)
+    args.keep_special_tokens = args.keep_special_tokens or args.thinking  # </think> separates the answer
+    print("pdserve chat: /reset clears the conversation, /exit (or Ctrl-D) quits", flush=True)
+    with grpc.insecure_channel(args.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        while True:
+            try:
+                line = read("you> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return
+            if line.strip() in ("/exit", "/quit"):
+                return
+            if line.strip() == "/reset":
+                history = list(system)
+                continue
+            if not line.strip():
+                continue
+            history.append(generation_pb2.ChatMessage(role="user", content=line))
+            req = generation_pb2.GenerateRequest(messages=history, thinking=args.thinking,
+                                                 sampling_params=sampling_args(args))
+            text = ""
+            print("assistant> ", end="", flush=True)
+            try:
+                for msg in stub.Generate(req, timeout=args.timeout):
+                    print(msg.text, end="", flush=True)
+                    text += msg.text
+            except grpc.RpcError as exc:
+                print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                history.pop()
+                continue
+            print(flush=True)
+            reasoning, answer = split_reasoning(text) if args.thinking else ("", text)
+            history.append(generation_pb2.ChatMessage(role="assistant", content=answer.replace(EOS, "")))
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--keep-special-tokens", action="store_true", help="keep special tokens (e.g. <think>) in the text")
+    p.add_argument("--thinking", action="store_true", help="chat: thinking mode (the reply starts with reasoning)")
+    p.add_argument("--timeout", type=float, default=600.0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,17 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     gen = sub.add_parser("generate", help="stream one request from the router")
     gen.add_argument("prompt", nargs="?", default=None)
     gen.add_argument("--prompt-token-ids", type=int, nargs="+", default=None)
-    gen.add_argument("--address", default="127.0.0.1:50051")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--timeout", type=float, default=600.0)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat encoding)")
+    _add_sampling_flags(gen, 32)
     gen.add_argument("--show-ids", action="store_true")
     gen.set_defaults(fn=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat with the router (DeepSeek-V3.2 chat encoding)")
+    chat.add_argument("--system", default="", help="system prompt")
+    _add_sampling_flags(chat, 256)
+    chat.set_defaults(fn=cmd_chat)
     args = p.parse_args(argv)
     args.fn(args)
 

@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"prompt: {prompt!r}\n  text: {text!r}\n  {len(ids)} tokens, finish={finish}, "
                   f"TTFT {ttft * 1e3:.1f} ms, TPOT {tpot * 1e3:.1f} ms")
     print("all services stopped; checking the tokens against in-process LLM.generate ...")
-    local = LLM(model, dtype="bfloat16").generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    local = LLM(model, dtype="bfloat16").generate(PROMPTS, params)  # the services' dtype
     same = all(out.token_ids == results[p][3] for p, out in zip(PROMPTS, local))
     print(f"disaggregated tokens == in-process tokens: {same}")
     print("(the tiny model has random weights, so its text is noise)")

@@ -20,6 +20,7 @@ import grpc
 
 from shared import metrics
 from shared.config import ModelConfig
+from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.sampler import SamplingParams
 from shared.engine.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
@@ -96,13 +97,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def validate(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Return (prompt ids, params) or raise Invalid naming the field."""
-        has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
-        if has_text == has_ids:
-            raise Invalid("exactly one of prompt and prompt_token_ids must be set"
-                          + (" (both were)" if has_text else " (prompt is empty)"))
-        if has_text:
-            if self.tokenizer is None:
-                raise Invalid("prompt: this model has no tokenizer; send prompt_token_ids")
+        given = [name for name, present in (("prompt", bool(request.prompt)),
+                                            ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+                                            ("messages", len(request.messages) > 0)) if present]
+        if len(given) != 1:
+            raise Invalid("exactly one of prompt, prompt_token_ids and messages must be set"
+                          + (f" ({' and '.join(given)} were {'both' if len(given) == 2 else 'all'} set)"
+                             if given else " (all are empty)"))
+        if given[0] != "prompt_token_ids" and self.tokenizer is None:
+            raise Invalid(f"{given[0]}: this model has no tokenizer; send prompt_token_ids")
+        if given[0] == "messages":
+            try:
+                text = render_messages([ChatMessage(m.role, m.content, m.reasoning_content) for m in request.messages],
+                                       thinking=request.thinking)
+            except ValueError as exc:
+                raise Invalid(str(exc)) from exc
+            ids = self.tokenizer.encode(text)
+        elif given[0] == "prompt":
             ids = self.tokenizer.encode(request.prompt)
         else:
             ids = list(request.prompt_token_ids)

@@ -215,7 +215,8 @@ class ModelConfig:
             if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
                 raise ValueError("config.json: num_experts_per_tok exceeds the experts in topk_group groups")
         if self.has_indexer and self.qk_rope_head_dim > self.index_head_dim:
-            raise ValueError("config.json: index_head_dim must be >= qk_rope_head_dim (the indexer ropes its first dims)")
+            raise ValueError("config.json: index_head_dim must be >= qk_rope_head_dim (the indexer ropes its "
+                             "first dims)")
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:

@@ -33,7 +33,8 @@ def model_dir(ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def cluster(request, model_dir, tmp_path_factory):
-    c = Cluster(str(model_dir), kv_transport=request.param, **REFERENCE_NUMERICS, log_dir=tmp_path_factory.mktemp(f"logs-{request.param}"),
+    c = Cluster(str(model_dir), kv_transport=request.param, **REFERENCE_NUMERICS,
+                log_dir=tmp_path_factory.mktemp(f"logs-{request.param}"),
                 extra_decode=["--lease-seconds", str(LEASE_SECONDS), "--block-size", "4"],
                 extra_prefill=["--block-size", "4", "--max-prefill-tokens", "16"])
     c.start()
@@ -123,6 +124,9 @@ BAD_REQUESTS = [
     ("top_p", dict(prompt_token_ids=[3], sampling_params=generation_pb2.SamplingParams(top_p=0.0))),
     ("top_p", dict(prompt_token_ids=[3], sampling_params=generation_pb2.SamplingParams(top_p=1.5))),
     ("top_k", dict(prompt_token_ids=[3], sampling_params=generation_pb2.SamplingParams(top_k=-3))),
+    ("messages", dict(messages=[generation_pb2.ChatMessage(role="robot", content="hi")], sampling_params=greedy())),
+    ("messages", dict(messages=[generation_pb2.ChatMessage(role="user", content="hi")], prompt="hi",
+                      sampling_params=greedy())),
 ]
 
 

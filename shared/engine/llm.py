@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from shared.device import get_device
+from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.sampler import SamplingParams, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
-from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.tokenizer import OutputProcessor, Tokenizer
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model

@@ -6,17 +6,18 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+from shared.engine.chat import BOS, EOS, SPECIAL_TOKENS
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
 
 
 def train_tokenizer(vocab_size: int, out_file: Path) -> Tokenizer:
-    """Byte-level BPE; BOS = id 0, EOS = id 1 as in DeepSeek's vocabulary. Deterministic."""
+    """Byte-level BPE; BOS = id 0, EOS = id 1 as in DeepSeek's vocabulary, then DeepSeek's chat special
+    tokens (<｜User｜>, <｜Assistant｜>, <think>, </think>). Deterministic."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
+        vocab_size=vocab_size, special_tokens=[BOS, EOS, *(t for t in SPECIAL_TOKENS if t not in (BOS, EOS))], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train([str(CORPUS)], trainer)
