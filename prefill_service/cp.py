@@ -69,9 +69,10 @@ class CPRank:
             if cp > 1:
                 runs = _runs(owned_blocks(len(job.prompt), rank, cp, bs))
                 fb = build_cp_batch(job.prompt, table, rank, cp, bs, engine.device, state.world_group, self.scratch)
+                fb.workspace_bytes = engine.workspace_bytes
             else:  # local TP: identical KV everywhere, rank 0 pushes it all
                 runs = [list(range(len(table)))] if rank == 0 else []
-                fb = ForwardBatch.build([SeqChunk(job.prompt, 0, table)], bs, engine.device)
+                fb = ForwardBatch.build([SeqChunk(job.prompt, 0, table)], bs, engine.device, engine.workspace_bytes)
             if runs:
                 if job.dest.transport not in self.senders:
                     self.senders[job.dest.transport] = make_sender(job.dest.transport, kv)

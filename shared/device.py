@@ -6,6 +6,7 @@ unchanged on CPU (gloo), CUDA (nccl) and Ascend NPU (hccl, through torch-npu).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -63,6 +64,25 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return table[name.lower()]
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(table)}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16: the CPU multiplies bf16 in hardware (else oneDNN emulates it, ~10-250x slower)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention matmuls run in for tensors stored as `dtype`: the storage dtype on
+    accelerators and bf16-capable CPUs; fp32 on CPUs without bf16 arithmetic (accumulation is fp32
+    either way, so only speed and the rounding of intermediate scores differ)."""
+    if dtype in (torch.bfloat16, torch.float16) and device.type == _CPU and not _cpu_has_native_bf16():
+        return torch.float32
+    return dtype
 
 
 def synchronize(device: torch.device) -> None:

@@ -35,13 +35,14 @@ class EngineConfig:
     kv_cache_tokens: int = 65536
     max_num_seqs: int = 256
     max_prefill_tokens: int = 4096  # chunked prefill budget per step
+    attention_workspace_mb: int = 256  # attention / indexer working set per tile (independent of context)
     indexer_numerics: str = "deepseek"  # DeepSeek's own (Hadamard + FP8 e4m3, ue8m0); "transformers" to compare with HF
     seed: int = 0
     progress: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.max_prefill_tokens <= 0 or self.max_num_seqs <= 0:
-            raise ValueError("block_size, max_prefill_tokens and max_num_seqs must be positive")
+        if min(self.block_size, self.max_prefill_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:
+            raise ValueError("block_size, max_prefill_tokens, max_num_seqs and attention_workspace_mb must be positive")
 
 
 @dataclass
@@ -96,6 +97,10 @@ class LLMEngine:
     def usable_blocks(self) -> int:
         """KV blocks requests can use (the pool minus the scratch block of a parallel rank)."""
         return self.kv.num_blocks - (1 if self.scratch_blocks else 0)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.config.attention_workspace_mb << 20
 
     @property
     def max_model_len(self) -> int:
@@ -168,7 +173,7 @@ class LLMEngine:
                      c.seq.num_cached, c.seq.block_table, need_logits=c.completes)
             for c in chunks
         ]
-        fb = ForwardBatch.build(seq_chunks, self.layout.block_size, self.device)
+        fb = ForwardBatch.build(seq_chunks, self.layout.block_size, self.device, self.workspace_bytes)
         logits = self.model(fb, self.kv, layer_done)
         for c in chunks:
             c.seq.num_cached += c.num_tokens

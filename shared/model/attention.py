@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.device import compute_dtype
 from shared.model.batch import ForwardBatch, gather_blocks, gather_rows
 
 _MIN_QUERY_TILE = 16
@@ -51,10 +52,12 @@ def plan_tiles(num_requests: int, num_queries: int, context: int, block_size: in
 def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float,
                     out_dim: int) -> torch.Tensor:
     """Causal attention of padded queries [R, S, H, D] over each request's cached rows [T, D]
-    (MQA: one row shared by all heads); returns the first `out_dim` dims of p·rows, [R, S, H, out_dim]."""
+    (MQA: one row shared by all heads); returns the first `out_dim` dims of p·rows, [R, S, H, out_dim].
+    Matmuls run in `compute_dtype` (fp32 on CPUs without bf16 arithmetic)."""
     r_all, s_all, heads, dim = query.shape
     size, t_pad = fb.block_size, fb.padded_context
-    isz = query.element_size()
+    cdt = compute_dtype(query.dtype, query.device)
+    isz = torch.empty((), dtype=cdt).element_size()
     tiles = plan_tiles(r_all, s_all, t_pad, size, per_pair=heads * (4 + isz),
                        per_query=heads * out_dim * 4 * 2, per_key=dim * isz, budget=fb.workspace_bytes)
     out = query.new_empty(r_all, s_all, heads, out_dim)
@@ -62,7 +65,7 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
         rows = slice(r0, min(r_all, r0 + tiles.requests))
         for s0 in range(0, s_all, tiles.queries):
             queries = slice(s0, min(s_all, s0 + tiles.queries))
-            q = query[rows, queries]
+            q = query[rows, queries].to(cdt)
             if tiles.keys >= t_pad:
                 out[rows, queries] = _attend_whole(q, fb, pool, rows, queries, scale, out_dim)
             else:
@@ -73,7 +76,7 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
 def _attend_whole(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: slice, queries: slice,
                   scale: float, out_dim: int) -> torch.Tensor:
     r, s, heads, dim = q.shape
-    keys = gather_blocks(pool, fb.block_tables[rows])  # [r, T, D]
+    keys = gather_blocks(pool, fb.block_tables[rows]).to(q.dtype)  # [r, T, D]
     scores = torch.bmm(q.reshape(r, s * heads, dim), keys.transpose(1, 2)).view(r, s, heads, -1).mul_(scale)
     scores.masked_fill_(~fb.visible(rows, queries, 0, keys.shape[1])[:, :, None, :], float("-inf"))
     probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype).view(r, s * heads, -1)
@@ -93,7 +96,7 @@ def _attend_online(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: 
     acc = torch.zeros(r, s, heads, out_dim, device=q.device)
     blocks_per_tile = key_tile // size
     for b0 in range(0, -(-last // size), blocks_per_tile):
-        keys = gather_blocks(pool, fb.block_tables[rows, b0 : b0 + blocks_per_tile])  # [r, k, D]
+        keys = gather_blocks(pool, fb.block_tables[rows, b0 : b0 + blocks_per_tile]).to(q.dtype)  # [r, k, D]
         t0 = b0 * size
         scores = torch.bmm(flat_q, keys.transpose(1, 2)).view(r, s, heads, -1).float().mul_(scale)
         scores.masked_fill_(~fb.visible(rows, queries, t0, t0 + keys.shape[1])[:, :, None, :], float("-inf"))
@@ -104,7 +107,7 @@ def _attend_online(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: 
         pv = torch.bmm(p.to(q.dtype).view(r, s * heads, -1), keys)[..., :out_dim].view(r, s, heads, out_dim)
         acc = acc * alpha[..., None] + pv.float()
         run_max = new_max
-    return (acc / run_sum[..., None]).to(q.dtype)
+    return acc / run_sum[..., None]
 
 
 def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, picks: torch.Tensor,
@@ -114,16 +117,17 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
     O(N · k) whatever the context length."""
     n_all, heads, dim = query.shape
     k = picks.shape[1]
-    isz = query.element_size()
+    cdt = compute_dtype(query.dtype, query.device)
+    isz = torch.empty((), dtype=cdt).element_size()
     per_query = k * dim * isz + heads * k * (4 + isz) + k * 8
     step = max(1, fb.workspace_bytes // per_query)
     out = query.new_empty(n_all, heads, out_dim)
     for n0 in range(0, n_all, step):
         tile = slice(n0, min(n_all, n0 + step))
-        keys = gather_rows(pool, fb.slots_of(fb.token_request[tile], picks[tile]))  # [n, k, D]
-        scores = torch.bmm(query[tile], keys.transpose(1, 2)).mul_(scale)  # [n, H, k]
+        keys = gather_rows(pool, fb.slots_of(fb.token_request[tile], picks[tile])).to(cdt)  # [n, k, D]
+        scores = torch.bmm(query[tile].to(cdt), keys.transpose(1, 2)).mul_(scale)  # [n, H, k]
         scores.masked_fill_(~valid[tile, None, :], float("-inf"))
-        probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype)
+        probs = scores.softmax(-1, dtype=torch.float32).to(cdt)
         out[tile] = torch.bmm(probs, keys)[..., :out_dim]
     return out
 

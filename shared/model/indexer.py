@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from shared.config import ModelConfig
+from shared.device import compute_dtype
 from shared.model.attention import indexer_topk
 from shared.model.batch import ForwardBatch, write_rows
 from shared.model.layers import linear
@@ -73,7 +74,7 @@ class Indexer(nn.Module):
         w = self.weights_proj(x.float()) * self.n_heads**-0.5  # [N, H]
         # DeepSeek scores FP8 q·k with fp32 accumulation and fp32 per-head logits: exact here in fp32
         # (the fake-quantized values are exact in the cache dtype). "transformers" scores in the cache dtype.
-        compute = torch.float32 if self.numerics == "deepseek" else index_pool.dtype
+        compute = torch.float32 if self.numerics == "deepseek" else compute_dtype(index_pool.dtype, x.device)
         picks, valid = indexer_topk(fb.padded(q), fb.padded(w), fb, index_pool, min(self.topk, fb.max_context),
                                     self.scale, compute)
         return Selection(fb.unpadded(picks), fb.unpadded(valid))

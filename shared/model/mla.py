@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shared.config import ModelConfig
+from shared.device import compute_dtype
 from shared.model.attention import dense_attention, sparse_attention
 from shared.model.batch import ForwardBatch, write_rows
 from shared.model.indexer import Indexer, Selection
@@ -62,12 +63,13 @@ class MLA(nn.Module):
         if self.indexer is not None:
             selection = self.indexer(x, qr, rope, fb, index_pool)
 
-        w_kv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_kv_b[:, : self.nope])
-        query = torch.cat([q_abs, q_pe], -1)  # [N, H, kv_lora_rank + rope]
+        cdt = compute_dtype(x.dtype, x.device)  # per-head matmuls: fp32 on CPUs without bf16 arithmetic
+        w_kv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank).to(cdt)
+        q_abs = torch.einsum("nhd,hdc->nhc", q_nope.to(cdt), w_kv_b[:, : self.nope])
+        query = torch.cat([q_abs, q_pe.to(cdt)], -1)  # [N, H, kv_lora_rank + rope]
         o_lat = self._attend(query, fb, mla_pool, selection)  # [N, H, kv_lora_rank]
-        o = torch.einsum("nhc,hvc->nhv", o_lat, w_kv_b[:, self.nope :])
-        return self.o_proj(o.reshape(n, self.n_heads * self.v_dim))
+        o = torch.einsum("nhc,hvc->nhv", o_lat.to(cdt), w_kv_b[:, self.nope :])
+        return self.o_proj(o.reshape(n, self.n_heads * self.v_dim).to(x.dtype))
 
     def _attend(self, query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
                 sel: Selection | None) -> torch.Tensor:

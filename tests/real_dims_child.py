@@ -1,0 +1,78 @@
+"""Run in a subprocess by test_real_shapes: one layer at the 671B per-layer dims prefills a long prompt
+in chunks; prints JSON with the peak RSS of each chunk (the peak is reset before each chunk through
+/proc/self/clear_refs), the weights' and the KV pool's bytes, and a tiled-vs-untiled comparison.
+
+    python tests/real_dims_child.py PROMPT_TOKENS CHUNK WORKSPACE_MB [DTYPE]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.kvcache import KVCache, KVLayout  # noqa: E402
+from shared.loader.synthetic import random_model, real_layer_config  # noqa: E402
+from shared.model import ForwardBatch, SeqChunk  # noqa: E402
+
+
+def rss_peak_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def rss_now_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def main() -> None:
+    prompt_tokens, chunk, workspace_mb = (int(a) for a in sys.argv[1:4])
+    dtype = getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.float32
+    torch.manual_seed(0)
+    cfg = real_layer_config()
+    model = random_model(cfg, dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    bs = 64
+    kv = KVCache(KVLayout.from_model_config(cfg, bs, model.dtype), -(-prompt_tokens // bs) + 1, torch.device("cpu"))
+    kv_bytes = sum(t.numel() * t.element_size() for t in (kv.mla, kv.index) if t is not None)
+    table = kv.allocator.allocate(kv.blocks_needed(prompt_tokens))
+    ids = torch.randint(2, cfg.vocab_size, (prompt_tokens,)).tolist()
+    baseline_model = rss_now_bytes()  # runtime + weights + KV pool
+    chunks = []
+    for start in range(0, prompt_tokens, chunk):
+        baseline = rss_now_bytes()
+        reset_peak()
+        fb = ForwardBatch.build([SeqChunk(ids[start : start + chunk], start, table)], bs, torch.device("cpu"),
+                                workspace_mb << 20)
+        logits = model(fb, kv)
+        chunks.append({"context": start + len(fb.input_ids), "baseline": baseline, "peak": rss_peak_bytes(),
+                       "finite": bool(torch.isfinite(logits).all())})
+
+    # tiled == untiled on a short prompt at the same dims (dense: 256 tokens < index_topk)
+    short = ids[:256]
+    outs = []
+    for budget in (1 << 36, 1 << 20):  # one tile vs key tiles of a few blocks (online softmax)
+        kv2 = KVCache(KVLayout.from_model_config(cfg, bs, model.dtype), 8, torch.device("cpu"))
+        fb = ForwardBatch.build([SeqChunk(short, 0, kv2.allocator.allocate(4))], bs, torch.device("cpu"), budget)
+        fb.logits_index = torch.arange(len(short))
+        outs.append(model(fb, kv2))
+    cos = torch.nn.functional.cosine_similarity(outs[0], outs[1], dim=-1).min().item()
+    print(json.dumps({"weights": weights, "kv": kv_bytes, "baseline_model": baseline_model, "chunks": chunks, "tiled_vs_untiled_cos": cos,
+                      "tiled_vs_untiled_maxabs": (outs[0] - outs[1]).abs().max().item()}))
+
+
+if __name__ == "__main__":
+    main()
