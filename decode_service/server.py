@@ -113,7 +113,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         out = self.coord.me.engine.output_processor(params)  # text made here, off the engine thread
         while (ev := stream.get()) is not None:
             reason = ev.finish_reason if ev.finished else None
-            text = out.process([ev.token_id])
+            text = out.process([ev.token_id], final=ev.finished)
             if out.stopped and not ev.finished:  # a stop string: the engine stops this request now
                 reason = "stop"
                 self.coord.submit("abort", rank, request_id=rid)

@@ -88,7 +88,8 @@ def _layer(i: int, cfg: dict, moe: bool, gen: torch.Generator) -> tuple[dict, di
     }
     other = {
         p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
-        p + "self_attn.q_a_layernorm.weight": norm(ql), p + "self_attn.kv_a_layernorm.weight": norm(cfg["kv_lora_rank"]),
+        p + "self_attn.q_a_layernorm.weight": norm(ql),
+        p + "self_attn.kv_a_layernorm.weight": norm(cfg["kv_lora_rank"]),
         p + "self_attn.indexer.k_norm.weight": norm(didx), p + "self_attn.indexer.k_norm.bias": rnd(didx),
         p + "self_attn.indexer.weights_proj.weight": rnd(nidx, h).to(torch.bfloat16),
     }

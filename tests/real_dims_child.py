@@ -70,7 +70,8 @@ def main() -> None:
         fb.logits_index = torch.arange(len(short))
         outs.append(model(fb, kv2))
     cos = torch.nn.functional.cosine_similarity(outs[0], outs[1], dim=-1).min().item()
-    print(json.dumps({"weights": weights, "kv": kv_bytes, "baseline_model": baseline_model, "chunks": chunks, "tiled_vs_untiled_cos": cos,
+    print(json.dumps({"weights": weights, "kv": kv_bytes, "baseline_model": baseline_model, "chunks": chunks,
+                      "tiled_vs_untiled_cos": cos,
                       "tiled_vs_untiled_maxabs": (outs[0] - outs[1]).abs().max().item()}))
 
 

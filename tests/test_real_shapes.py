@@ -41,7 +41,8 @@ def test_real_dims_8k_prefill_in_2k_chunks_bounded_memory():
                          capture_output=True, text=True, timeout=1100, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     budget = WORKSPACE_MB * (1 << 20) + CHUNK * ACTIVATION_BYTES_PER_TOKEN
-    print(f"\nweights {report['weights'] / GiB:.2f} GiB, KV {report['kv'] / GiB:.3f} GiB, budget {budget / GiB:.2f} GiB")
+    print(f"\nweights {report['weights'] / GiB:.2f} GiB, KV {report['kv'] / GiB:.3f} GiB, "
+          f"budget {budget / GiB:.2f} GiB")
     for c in report["chunks"]:
         grow = c["peak"] - c["baseline"]
         print(f"  context {c['context']:5d}: RSS before {c['baseline'] / GiB:.2f} GiB, peak {c['peak'] / GiB:.2f} GiB "

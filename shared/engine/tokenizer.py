@@ -62,30 +62,30 @@ class IncrementalDetokenizer:
 class OutputProcessor:
     """Per request: token ids → text deltas, ending at the first stop string (not returned). A stop
     string is looked for only where it could end: in the new text plus the longest stop string's
-    length before it."""
+    length before it. While stop strings are set, the last (longest - 1) characters are held back
+    from the stream (they may turn out to begin a stop string) and released by the final call."""
 
     def __init__(self, tokenizer: Tokenizer | None, stop: list[str] | None = None, skip_special_tokens: bool = True):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.stop = [s for s in (stop or []) if s]
-        self.longest = max((len(s) for s in self.stop), default=0)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
+        self.emitted = 0  # characters of `text` already returned
         self.stopped = False
 
-    def process(self, token_ids: list[int]) -> str:
-        """The new text for these tokens (cut at a stop string, after which `stopped` is True)."""
+    def process(self, token_ids: list[int], final: bool = False) -> str:
+        """The text to stream for these tokens (`final`: the request ends here, release everything held)."""
         if self.detok is None or self.stopped:
             return ""
         new = self.detok.update(token_ids)
-        if not new:
-            return ""
         start = len(self.text)
         self.text += new
-        if self.stop:
-            tail_from = max(0, start - self.longest + 1)
+        if new and self.stop:
+            tail_from = max(0, start - self.hold)
             hits = [i for i in (self.text.find(s, tail_from) for s in self.stop) if i >= 0]
             if hits:
-                cut = min(hits)
-                self.stopped = True
-                self.text = self.text[:cut]
-                return new[: max(0, cut - start)]
-        return new
+                self.stopped, final = True, True
+                self.text = self.text[: min(hits)]
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        out, self.emitted = self.text[self.emitted : end], end
+        return out

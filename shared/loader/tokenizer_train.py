@@ -7,6 +7,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shared.engine.chat import BOS, EOS, SPECIAL_TOKENS
+
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
 
 
@@ -17,7 +18,8 @@ def train_tokenizer(vocab_size: int, out_file: Path) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[BOS, EOS, *(t for t in SPECIAL_TOKENS if t not in (BOS, EOS))], show_progress=False,
+        vocab_size=vocab_size, show_progress=False,
+        special_tokens=[BOS, EOS, *(t for t in SPECIAL_TOKENS if t not in (BOS, EOS))],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train([str(CORPUS)], trainer)

@@ -1,0 +1,167 @@
+"""Real shapes: one layer at the 671B model's per-layer dims — prefill time and peak memory vs context,
+decode step time vs context, and the sampler at the real vocabulary.
+
+    python bench/real_shapes.py [--contexts 2048,8192,32768] [--chunk 2048] [--dtype float32]
+                                [--decode-batch 1,16] [--workspace-mb 256]
+
+Prefill runs the longest prompt once in `--chunk`-token chunks; the time and peak RSS to prefill a
+C-token prompt are those of its first C / chunk chunks (the peak is reset before every chunk through
+/proc/self/clear_refs). Decode steps run over KV rows filled with random values (a step's cost depends
+on the context length, not on the values). On CPUs without bf16 arithmetic use float32 (the default):
+bf16 matmuls are emulated there and 10-250x slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import OUT, table  # noqa: E402
+from shared.engine.sampler import SamplingParams, sample  # noqa: E402
+from shared.kvcache import KVCache, KVLayout  # noqa: E402
+from shared.loader.synthetic import random_model, real_layer_config  # noqa: E402
+from shared.model import ForwardBatch, SeqChunk  # noqa: E402
+
+GiB = 1 << 30
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def prefill(model, cfg, contexts: list[int], chunk: int, workspace: int) -> list[list]:  # noqa: ANN001
+    bs, longest = 64, max(contexts)
+    kv = KVCache(KVLayout.from_model_config(cfg, bs, model.dtype), longest // bs + 1, torch.device("cpu"))
+    table_ = kv.allocator.allocate(kv.blocks_needed(longest))
+    ids = torch.randint(2, cfg.vocab_size, (longest,)).tolist()
+    base = _status("VmRSS")
+    elapsed, peak, rows = 0.0, 0, []
+    for start in range(0, longest, chunk):
+        _reset_peak()
+        fb = ForwardBatch.build([SeqChunk(ids[start : start + chunk], start, table_)], bs, torch.device("cpu"),
+                                workspace)
+        t0 = time.perf_counter()
+        model(fb, kv)
+        elapsed += time.perf_counter() - t0
+        peak = max(peak, _status("VmHWM"))
+        done = start + len(fb.input_ids)
+        print(f"  prefill {done:6d}/{longest} tokens  {elapsed:7.1f}s  peak RSS {peak / GiB:.2f} GiB", flush=True)
+        if done in contexts:
+            rows.append([done, elapsed, done / elapsed, peak / GiB, (peak - base) / GiB])
+    return rows
+
+
+def decode(model, cfg, contexts: list[int], batches: list[int], workspace: int, steps: int = 3) -> list[list]:  # noqa: ANN001
+    bs, rows = 64, []
+    for batch in batches:
+        for ctx in contexts:
+            kv = KVCache(KVLayout.from_model_config(cfg, bs, model.dtype), batch * (ctx // bs + 2), torch.device("cpu"))
+            for pool in (kv.mla, kv.index):
+                pool.normal_(0, 1)  # any values: the cost depends on the context length only
+            tables = [kv.allocator.allocate(kv.blocks_needed(ctx + steps)) for _ in range(batch)]
+            times = []
+            for step in range(steps):
+                fb = ForwardBatch.build([SeqChunk([5], ctx + step, t) for t in tables], bs, torch.device("cpu"),
+                                        workspace)
+                t0 = time.perf_counter()
+                model(fb, kv)
+                times.append(time.perf_counter() - t0)
+            best = min(times[1:] or times)
+            print(f"  decode batch {batch:3d} context {ctx:6d}: {best * 1e3:8.1f} ms/step", flush=True)
+            rows.append([batch, ctx, best * 1e3, batch / best])
+            del kv
+    return rows
+
+
+def sampler(rows: int = 256, vocab: int = 129280) -> list[list]:
+    gen = torch.Generator().manual_seed(0)
+    peaked = torch.randn(rows, vocab, generator=gen) * 2 + torch.linspace(12, 0, vocab)[torch.randperm(vocab)]
+    flat = torch.randn(rows, vocab, generator=gen)
+    cases = [("greedy", peaked, SamplingParams(temperature=0)),
+             ("temperature 0.8", peaked, SamplingParams(temperature=0.8)),
+             ("top_k 50", peaked, SamplingParams(temperature=0.8, top_k=50)),
+             ("top_p 0.9 (trained-like logits)", peaked, SamplingParams(temperature=0.8, top_p=0.9)),
+             ("top_p 0.9 (flat logits: full sort)", flat, SamplingParams(temperature=0.8, top_p=0.9)),
+             ("top_k 100 + top_p 0.9, seeded", peaked, SamplingParams(temperature=0.8, top_k=100, top_p=0.9, seed=1))]
+    out = []
+    for name, logits, p in cases:
+        gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+        sample(logits[:8], [p] * 8, gens[:8])
+        t0 = time.perf_counter()
+        sample(logits, [p] * rows, gens)
+        ms = (time.perf_counter() - t0) * 1e3
+        print(f"  sampler {name:36s} {ms:8.1f} ms", flush=True)
+        out.append([name, rows, vocab, ms])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="2048,8192,32768")
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--decode-batch", default="1,16")
+    p.add_argument("--workspace-mb", type=int, default=256)
+    p.add_argument("--skip-prefill", action="store_true")
+    args = p.parse_args(argv)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.decode_batch.split(",")]
+    workspace = args.workspace_mb << 20
+    cfg = real_layer_config()
+    print(f"building one layer at the 671B per-layer dims ({args.dtype}) ...", flush=True)
+    model = random_model(cfg, getattr(torch, args.dtype))
+    weights = sum(x.numel() * x.element_size() for x in model.parameters())
+    print(f"weights {weights / GiB:.2f} GiB; {torch.get_num_threads()} threads", flush=True)
+
+    pre = [] if args.skip_prefill else prefill(model, cfg, contexts, args.chunk, workspace)
+    dec = decode(model, cfg, contexts, batches, workspace)
+    smp = sampler()
+
+    head = (f"one layer at the 671B per-layer dims (hidden 7168, 128 heads, kv_lora 512, indexer 64x128, "
+            f"index_topk 2048, 4 experts), {args.dtype}, workspace {args.workspace_mb} MiB, "
+            f"{torch.get_num_threads()} threads")
+    print("\n" + head)
+    if pre:
+        print(table(["prompt tokens", "prefill s", "tok/s", "peak RSS GiB", "peak over model GiB"], pre))
+    print(table(["decode batch", "context", "ms/step", "tok/s"], dec))
+    print(table(["sampler", "rows", "vocab", "ms"], smp))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    if pre:
+        axes[0].plot([r[0] for r in pre], [r[1] for r in pre], "o-")
+        axes[0].set(title="prefill time (2k chunks)", xlabel="prompt tokens", ylabel="seconds", xscale="log")
+        axes[1].plot([r[0] for r in pre], [r[4] for r in pre], "o-")
+        axes[1].set(title="peak RSS over model + KV", xlabel="prompt tokens", ylabel="GiB", xscale="log",
+                    ylim=(0, None))
+    for batch in batches:
+        pts = [r for r in dec if r[0] == batch]
+        axes[2].plot([r[1] for r in pts], [r[2] for r in pts], "o-", label=f"batch {batch}")
+    axes[2].set(title="decode step time", xlabel="context tokens", ylabel="ms / step", xscale="log")
+    axes[2].legend()
+    fig.suptitle(head, fontsize=8)
+    fig.tight_layout()
+    OUT.mkdir(parents=True, exist_ok=True)
+    fig.savefig(OUT / "real_shapes.png", dpi=120)
+    print(f"plot: {OUT / 'real_shapes.png'}")
+
+
+if __name__ == "__main__":
+    main()
