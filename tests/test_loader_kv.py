@@ -13,22 +13,10 @@ from shared.config import ModelConfig
 from shared.kvcache import KVLayout
 from shared.loader import load_model
 from shared.loader.checkpoint import checkpoint_files
+from shared.loader.synthetic import REAL_671B
 from shared.loader.tiny import write_checkpoint
 from shared.quant.fp8 import act_quant_ue8m0, dequant_block_fp8, fake_quant_ue8m0, hadamard_transform
 from tests.helpers import assert_close_logits, engine_logits, random_prompts
-
-# The real DeepSeek-V3.2 config.json (the fields that matter here), legacy rope_scaling spelling.
-REAL_671B = {
-    "model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1,
-    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
-    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-    "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
-    "max_position_embeddings": 163840, "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-}
-
 
 def test_real_config_parses_and_kv_bytes():
     cfg = ModelConfig.from_dict(REAL_671B)

@@ -62,7 +62,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     x = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
-    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(dev)
+    u = _uniforms(generators).to(dev)
     if bool((top_k == vocab).all() and (top_p >= 1).all()):  # plain temperature: the whole vocabulary
         return _draw(x.softmax(-1), u)
 
@@ -86,6 +86,18 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
         before_all = p_all.cumsum(-1) - p_all
         picks[w] = order.gather(1, _draw(p_all * (before_all < top_p[w, None]), u[w])[:, None]).squeeze(1)
     return picks
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One uniform per row: rows sharing a generator (every unseeded row shares the engine's) draw in
+    one call, in row order; a seeded request's own generator gives the same draws wherever it runs."""
+    u = torch.empty(len(generators))
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(generators):
+        groups.setdefault(id(g), []).append(i)
+    for rows in groups.values():
+        u[rows] = torch.rand(len(rows), generator=generators[rows[0]])
+    return u
 
 
 def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
