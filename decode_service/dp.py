@@ -20,6 +20,7 @@ import queue
 import secrets
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from shared.transfer.base import cache_kinds
 
 log = logging.getLogger("pdserve.decode")
 STOP = "stop"
+FATAL = object()  # put in every stream when the engine loop dies: the handlers end with UNAVAILABLE
 ALL = -1  # Command.rank for a command every rank applies (TP mirror mode)
 
 
@@ -62,6 +64,7 @@ class Event:
     token_id: int
     finished: bool
     finish_reason: str | None
+    error: str = ""  # finish_reason "error": the engine failed this request (no token)
 
 
 class DecodeRank:
@@ -91,7 +94,8 @@ class DecodeRank:
         a = cmd.args
         if cmd.kind == "reserve":
             try:
-                lease = self.leases.reserve(a["request_id"], a["num_tokens"], a.get("lease_id"), a.get("token"))
+                lease = self.leases.reserve(a["request_id"], a["num_tokens"], a.get("lease_id"), a.get("token"),
+                                            a.get("prompt_tokens"))
             except OutOfBlocks as exc:
                 return CommandError("RESOURCE_EXHAUSTED", f"decode rank {self.rank} KV pool full: {exc}")
             return self.receiver.destination(lease)
@@ -135,10 +139,17 @@ class DecodeRank:
     def step(self) -> list[Event]:
         if not self.mirror:  # mirrors release expired leases by command, in the same order everywhere
             self.leases.expire()
-        if self.state.is_parallel:
+        if self.state.is_parallel:  # a failure inside the group's collectives cannot be contained
             events, _ = dp_step(self.engine)
-        else:
+            return [_event(ev) for ev in events]
+        try:
             events = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the loop goes on
+            log.exception("decode step failed; failing the requests of this batch")
+            failed = list(self.engine.scheduler.running)
+            for seq in failed:
+                self.engine.abort(seq.request_id, "error")
+            return [Event(seq.request_id, -1, True, "error", f"decode step failed: {exc}") for seq in failed]
         return [_event(ev) for ev in events]
 
     def load(self) -> dict[str, int]:
@@ -187,11 +198,13 @@ class Coordinator:
         self.lease_rank: dict[str, int] = {}
         self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (cid, tokens)
         self._place_lock = threading.Lock()
+        self._streams_lock = threading.Lock()
         self._pending: queue.Queue[tuple[Command, Future]] = queue.Queue()
         self._futures: dict[int, Future] = {}
         self._streams: dict[str, queue.Queue] = {}
         self._ids = itertools.count()
         self._stop = False
+        self.on_fatal: Callable[[str], None] | None = None  # set by the server: NOT_SERVING, then exit
         self._thread = threading.Thread(target=self._loop, name="dp-coordinator", daemon=True)
         self._thread.start()
 
@@ -211,7 +224,7 @@ class Coordinator:
         self._pending.put((Command(kind, rank, cid, args), fut))
         return fut
 
-    def reserve(self, request_id: str, tokens: int) -> tuple[int, Future]:
+    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> tuple[int, Future]:
         """Place a reservation on the least loaded DP rank by tokens (running contexts + leases).
         Reservations not yet visible in a rank's load report are counted too, so a burst of them
         spreads over the ranks."""
@@ -224,17 +237,26 @@ class Coordinator:
                     return self.loads[r]["tokens"] + pending, self.loads[r]["running"], r
 
                 rank = min(range(self.world), key=load)
-            fut = self.submit("reserve", rank, request_id=request_id, num_tokens=tokens)
+            fut = self.submit("reserve", rank, request_id=request_id, num_tokens=tokens, prompt_tokens=prompt_tokens)
             self._unreported[rank].append((fut.cid, tokens))
         return rank, fut
 
     def open_stream(self, request_id: str) -> queue.Queue:
+        """The event queue of a new stream; a request id already streaming is refused (KeyError), and
+        the stream that has it is not touched."""
         q: queue.Queue = queue.Queue()
-        self._streams[request_id] = q
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise KeyError(request_id)
+            self._streams[request_id] = q
         return q
 
-    def close_stream(self, request_id: str) -> None:
-        q = self._streams.pop(request_id, None)
+    def close_stream(self, request_id: str, q: queue.Queue | None = None) -> None:
+        """End a stream (only `q` when given: a refused duplicate never closes the stream it collided with)."""
+        with self._streams_lock:
+            if q is not None and self._streams.get(request_id) is not q:
+                return
+            q = self._streams.pop(request_id, None)
         if q is not None:
             q.put(None)
 
@@ -284,9 +306,17 @@ class Coordinator:
                     for cid, reply in rank_replies:
                         self._resolve(cid, reply)
                     self._dispatch(rank_events)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             log.exception("decode coordinator loop failed")
-            raise
+            with self._streams_lock:
+                streams, self._streams = list(self._streams.values()), {}
+            for q in streams:
+                q.put(FATAL)
+            for fut in self._futures.values():
+                if not fut.done():
+                    fut.set_exception(CommandError("UNAVAILABLE", f"decode engine failed: {exc}"))
+            if self.on_fatal is not None:
+                self.on_fatal(f"{type(exc).__name__}: {exc}")
         finally:
             if self.world > 1:
                 dist.broadcast_object_list([STOP], src=0)

@@ -13,17 +13,23 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from dataclasses import dataclass
 
 import grpc
 
-from decode_service.dp import STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
+from decode_service.dp import FATAL, STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
 from shared import metrics
 from shared.config import ServiceConfig
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import build_server, sampling_from_proto, set_serving, wait_for_shutdown
+from shared.rpc.service import (
+    build_server,
+    exit_after_drain,
+    fail_process,
+    sampling_from_proto,
+    set_serving,
+    wait_for_shutdown,
+)
 
 log = logging.getLogger("pdserve.decode")
 SERVICE = "pdserve.v1.Decode"
@@ -67,7 +73,13 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         if total > self.max_model_len:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"max_tokens: prompt + max_tokens ({total}) exceeds the context {self.max_model_len}")
-        rank, placed = self.coord.reserve(request.request_id, total)
+        engine = self.coord.me.engine
+        need = -(-total // engine.layout.block_size)
+        if need > engine.usable_blocks:  # can never fit: not a retryable RESOURCE_EXHAUSTED
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_tokens: prompt + max_tokens needs {need} KV blocks, a decode rank has "
+                          f"{engine.usable_blocks}")
+        rank, placed = self.coord.reserve(request.request_id, total, request.num_prompt_tokens)
         try:
             dest = placed.result(60)
         except CommandError as exc:
@@ -98,20 +110,31 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
         rid = request.request_id or request.lease_id
         params = sampling_from_proto(request.sampling_params)
-        stream = self.coord.open_stream(rid)
+        try:
+            params.validate()
+            stream = self.coord.open_stream(rid)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
+        except KeyError:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already streaming here")
         admit = self.coord.submit("admit", rank, request_id=rid, lease_id=request.lease_id,
                                   prompt=list(request.prompt_token_ids), params=params_dict(params),
                                   first_token=request.first_token_id, rng_state=bytes(request.rng_state))
         try:
             admit.result(60)
         except CommandError as exc:
-            self.coord.close_stream(rid)
+            self.coord.close_stream(rid, stream)
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         self.coord.lease_rank.pop(request.lease_id, None)  # claimed: the blocks belong to the request now
         context.add_callback(lambda: self.coord.submit("abort", rank, request_id=rid))
         reason = None
         out = self.coord.me.engine.output_processor(params)  # text made here, off the engine thread
         while (ev := stream.get()) is not None:
+            if ev is FATAL:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the decode engine failed; this instance is restarting")
+            if ev.finish_reason == "error":
+                metrics.REQUESTS.labels("decode", "error").inc()
+                context.abort(grpc.StatusCode.INTERNAL, ev.error)
             reason = ev.finish_reason if ev.finished else None
             text = out.process([ev.token_id], final=ev.finished)
             if out.stopped and not ev.finished:  # a stop string: the engine stops this request now
@@ -121,7 +144,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "")
             if out.stopped:
                 break
-        self.coord.close_stream(rid)
+        self.coord.close_stream(rid, stream)
         metrics.REQUESTS.labels("decode", reason or "abort").inc()
         self._update_gauges()
         if reason is None and context.is_active():
@@ -139,13 +162,14 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     return DecodeConfig.from_args(p.parse_args(argv))
 
 
-def serve(cfg: DecodeConfig, coordinator: Coordinator) -> tuple[grpc.Server, int]:
+def serve(cfg: DecodeConfig, coordinator: Coordinator):  # noqa: ANN201 - (server, port, health)
     servicer = DecodeServicer(cfg, coordinator)
     server, port, health = build_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE])
+    coordinator.on_fatal = lambda reason: fail_process(health, [SERVICE], reason)
     server.start()
     set_serving(health, [SERVICE])
-    return server, port
+    return server, port, health
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,15 +181,17 @@ def main(argv: list[str] | None = None) -> None:
     me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
     coordinator = Coordinator(me, cfg.world)
     metrics.start_metrics_server(cfg.metrics_port)
-    server, port = serve(cfg, coordinator)
+    server, port, health = serve(cfg, coordinator)
     print(f"decode_service listening on {cfg.host}:{port} "
           f"(dp={cfg.dp} tp={cfg.tp} ep={cfg.ep}, kv {me.receiver.transport})",
           flush=True)
     wait_for_shutdown()
-    server.stop(grace=2).wait()
-    coordinator.stop()
-    join_ranks(followers)
-    sys.exit(0)
+
+    def cleanup() -> None:
+        coordinator.stop()
+        join_ranks(followers)
+
+    exit_after_drain(server, health, [SERVICE], cfg.drain_seconds, cleanup)
 
 
 __all__ = ["STOP", "DecodeConfig", "main"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -35,7 +34,14 @@ from shared.engine.worker import EngineWorker
 from shared.parallel import ParallelState
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import build_server, sampling_from_proto, set_serving, wait_for_shutdown
+from shared.rpc.service import (
+    build_server,
+    exit_after_drain,
+    fail_process,
+    sampling_from_proto,
+    set_serving,
+    wait_for_shutdown,
+)
 from shared.transfer import Destination, KVPush, TransferError, make_sender
 
 log = logging.getLogger("pdserve.prefill")
@@ -129,6 +135,13 @@ class PrefillWorker(EngineWorker):
         self.call(add).result()
         return done
 
+    def on_failure(self, exc: BaseException) -> None:
+        super().on_failure(exc)
+        for rid in list(self.jobs):
+            job = self.jobs.pop(rid)
+            if not job.done.done():
+                job.done.set_exception(RuntimeError(f"prefill engine failed: {exc}"))
+
     def cancel(self, request_id: str, reason: BaseException) -> None:
         self.call(lambda engine: self._fail(request_id, reason))
 
@@ -171,6 +184,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         dest = Destination.from_proto(request.destination)
         prompt = list(request.prompt_token_ids)
         rid = request.request_id
+        remaining = context.time_remaining()  # None: no deadline (grpc reports a huge value then)
+        if remaining is not None and remaining <= 0:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
         try:
             done = self.worker.submit(rid, prompt, params, dest)
         except ValueError as exc:
@@ -178,10 +194,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        context.add_callback(lambda: self.worker.cancel(rid, RuntimeError("cancelled")))
+        if not context.add_callback(lambda: self.worker.cancel(rid, RuntimeError("cancelled"))):
+            self.worker.cancel(rid, RuntimeError("cancelled"))  # the caller is already gone: drop the prompt
+            context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
         try:
-            remaining = context.time_remaining()  # huge (not None) when the caller set no deadline
-            token, state, seconds = done.result(timeout=remaining if remaining and remaining < 1e6 else None)
+            remaining = context.time_remaining()
+            token, state, seconds = done.result(timeout=remaining if remaining is not None and remaining < 1e6
+                                                else None)
         except TransferError as exc:
             metrics.REQUESTS.labels("prefill", "transfer_error").inc()
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}")
@@ -216,6 +235,9 @@ def serve(cfg: PrefillConfig, state: ParallelState | None = None) -> tuple[grpc.
     servicer = PrefillServicer(cfg, state)
     server, port, health = build_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(servicer, s)], [SERVICE])
+    if isinstance(servicer.worker, PrefillWorker):
+        servicer.worker.on_fatal = lambda reason: fail_process(health, [SERVICE], reason)
+    servicer.health = health
     server.start()
     set_serving(health, [SERVICE])
     return server, port, servicer
@@ -231,7 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     server, port, servicer = serve(cfg, service_state(cfg.parallel(), 0))
     print(f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} tp={cfg.tp} ep={cfg.ep})", flush=True)
     wait_for_shutdown()
-    server.stop(grace=2).wait()
-    servicer.close()
-    join_ranks(followers)
-    sys.exit(0)
+
+    def cleanup() -> None:
+        servicer.close()
+        join_ranks(followers)
+
+    exit_after_drain(server, servicer.health, [SERVICE], cfg.drain_seconds, cleanup)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import sys
+import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from shared import metrics
 from shared.config import ModelConfig
@@ -24,7 +25,14 @@ from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.sampler import SamplingParams
 from shared.engine.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from shared.rpc.service import build_server, channel, sampling_from_proto, set_serving, wait_for_shutdown
+from shared.rpc.service import (
+    build_server,
+    channel,
+    exit_after_drain,
+    sampling_from_proto,
+    set_serving,
+    wait_for_shutdown,
+)
 
 log = logging.getLogger("pdserve.router")
 SERVICE = "pdserve.v1.Generation"
@@ -41,6 +49,31 @@ class RouterConfig:
     port: int = 50051
     metrics_port: int = 0
     request_timeout: float = 600.0
+    max_prompt_bytes: int = 0  # 0: 32 bytes per token of the model's context, at most 8 MiB
+    drain_seconds: float = 5.0
+
+
+MAX_REQUEST_ID = 128
+REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:/-]*")
+MAX_MESSAGES = 1024
+
+
+class _Malformed:
+    """What the lenient deserializer hands the handler for bytes that are no GenerateRequest."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _lenient(parse):  # noqa: ANN001, ANN202
+    """A request that does not parse (e.g. a string field that is not UTF-8) becomes INVALID_ARGUMENT
+    in the handler instead of gRPC's INTERNAL."""
+    def deserialize(data: bytes):  # noqa: ANN202
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return _Malformed(str(exc) or "malformed request")
+    return deserialize
 
 
 @dataclass
@@ -95,8 +128,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.prefill = Pool(cfg.prefill, internal_pb2_grpc.PrefillStub)
         self.decode = Pool(cfg.decode, internal_pb2_grpc.DecodeStub)
 
+    @property
+    def max_prompt_bytes(self) -> int:
+        return self.cfg.max_prompt_bytes or min(8 << 20, 32 * self.model_config.max_position_embeddings)
+
     def validate(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """Return (prompt ids, params) or raise Invalid naming the field."""
+        """Return (prompt ids, params) or raise Invalid naming the field. Sizes are checked before any
+        work (tokenizing included); tokenizing releases the GIL, so a long prompt delays no one else."""
+        if isinstance(request, _Malformed):
+            raise Invalid(f"request: not a valid GenerateRequest ({request.reason}); strings must be UTF-8")
+        if len(request.request_id) > MAX_REQUEST_ID or not REQUEST_ID_CHARS.fullmatch(request.request_id):
+            raise Invalid(f"request_id: at most {MAX_REQUEST_ID} characters of [A-Za-z0-9._:/-]")
+        if len(request.messages) > MAX_MESSAGES:
+            raise Invalid(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}")
+        size = len(request.prompt.encode()) + sum(len(m.content.encode()) + len(m.reasoning_content.encode())
+                                                  for m in request.messages)
+        if size > self.max_prompt_bytes:
+            raise Invalid(f"prompt: {size} bytes of text exceed the limit of {self.max_prompt_bytes}")
+        if len(request.prompt_token_ids) > self.model_config.max_position_embeddings:
+            raise Invalid(f"prompt_token_ids: {len(request.prompt_token_ids)} tokens exceed the model's context "
+                          f"of {self.model_config.max_position_embeddings}")
         given = [name for name, present in (("prompt", bool(request.prompt)),
                                             ("prompt_token_ids", len(request.prompt_token_ids) > 0),
                                             ("messages", len(request.messages) > 0)) if present]
@@ -139,9 +190,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Invalid as exc:
             metrics.REQUESTS.labels("router", "invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rid = request.request_id or uuid.uuid4().hex
-        deadline = context.time_remaining()
-        timeout = min(self.cfg.request_timeout, deadline) if deadline else self.cfg.request_timeout
+        rid = uuid.uuid4().hex  # internal ids are the router's; the client's request_id is only echoed back
+        label = request.request_id or rid
+        deadline = context.time_remaining()  # None without a deadline
+        if deadline is not None and deadline <= 0:
+            metrics.REQUESTS.labels("router", "deadline").inc()
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before it started")
+        timeout = min(self.cfg.request_timeout, deadline) if deadline is not None else self.cfg.request_timeout
         sampling = request.sampling_params
 
         reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
@@ -162,7 +217,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout)
                 claimed = True
                 context.add_callback(stream.cancel)
-                yield from self._relay(stream, context, rid, len(ids), t0)
+                yield from self._relay(stream, context, label, len(ids), t0)
             finally:
                 if not claimed:
                     try:
@@ -232,17 +287,27 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--drain-seconds", type=float, default=5.0,
+                   help="on SIGTERM: in-flight streams get this long to finish, then the process exits")
+    p.add_argument("--max-prompt-bytes", type=int, default=0,
+                   help="largest text prompt / messages accepted (0: 32 bytes per context token, at most 8 MiB)")
     a = p.parse_args(argv)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     return RouterConfig(a.model, split(a.prefill), split(a.decode), a.host, a.port, a.metrics_port,
-                        a.request_timeout)
+                        a.request_timeout, a.max_prompt_bytes, a.drain_seconds)
 
 
 def serve(cfg: RouterConfig) -> tuple[grpc.Server, int, GenerationServicer]:
     servicer = GenerationServicer(cfg)
-    server, port, health = build_server(
-        cfg.host, cfg.port, [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
-        [SERVICE], max_workers=256)
+
+    def register(server: grpc.Server) -> None:
+        handler = grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(generation_pb2.GenerateRequest.FromString),
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Generate": handler}),))
+
+    server, port, health = build_server(cfg.host, cfg.port, [register], [SERVICE], max_workers=256)
+    servicer.health = health
     server.start()
     set_serving(health, [SERVICE])
     return server, port, servicer
@@ -252,8 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = parse_args(argv)
     metrics.start_metrics_server(cfg.metrics_port)
-    server, port, _ = serve(cfg)
+    server, port, servicer = serve(cfg)
     print(f"router listening on {cfg.host}:{port}", flush=True)
     wait_for_shutdown()
-    server.stop(grace=2).wait()
-    sys.exit(0)
+    exit_after_drain(server, servicer.health, [SERVICE], cfg.drain_seconds)

@@ -297,6 +297,7 @@ class ServiceConfig:
     cp: int = 1  # prefill instances
     dp: int = 1  # decode instances
     layer_sharding: tuple[str, ...] = ()
+    drain_seconds: float = 5.0
 
     @property
     def world(self) -> int:
@@ -325,6 +326,8 @@ class ServiceConfig:
         p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the instance's ranks)")
         p.add_argument("--tp", type=int, default=1, help="local TP ranks for o_proj / lm_head / embedding")
         p.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: layer i's weight lives on rank i %% K")
+        p.add_argument("--drain-seconds", type=float, default=5.0,
+                       help="on SIGTERM: in-flight requests get this long to finish, then the process exits")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServiceConfig:

@@ -18,6 +18,7 @@ from shared.loader.tiny import write_checkpoint
 from shared.quant.fp8 import act_quant_ue8m0, dequant_block_fp8, fake_quant_ue8m0, hadamard_transform
 from tests.helpers import assert_close_logits, engine_logits, random_prompts
 
+
 def test_real_config_parses_and_kv_bytes():
     cfg = ModelConfig.from_dict(REAL_671B)
     assert cfg.softmax_scale == pytest.approx(0.1352337789, rel=1e-8)

@@ -34,7 +34,7 @@ def test_received_kv_is_bitwise_local(ckpt, transport):
     params = SamplingParams(max_tokens=4, temperature=0)
     futures, lease_of = [], {}
     for i, prompt in enumerate(prompts):
-        lease = leases.reserve(f"r{i}", len(prompt) + 4)
+        lease = leases.reserve(f"r{i}", len(prompt) + 4, prompt_tokens=len(prompt))
         lease_of[i] = lease
         futures.append(worker.submit(f"r{i}", prompt, params, receiver.destination(lease)))
     firsts = [f.result(timeout=60)[0] for f in futures]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+# Bounds every request is held to (a request beyond them is refused before any work).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 100.0  # below 1e-5, logits / T overflow fp32: use 0 (greedy)
+MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS = 16, 256, 64
 
 
 @dataclass
@@ -22,15 +27,29 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad field."""
+        """Raise ValueError naming the bad field. Every number must be finite and in range, and every
+        size bounded, before any work is done for the request."""
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                             f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be >= 0 (or -1 for off), got {self.top_k}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not 0 < len(s) <= MAX_STOP_LENGTH:
+                raise ValueError(f"stop: each stop string needs 1 to {MAX_STOP_LENGTH} characters, got {len(s)}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +65,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """One token per row of `logits` [M, V] (fp32), every row in one batched pass: greedy rows take the
     argmax; sampled rows apply temperature, top-k then top-p (on the top-k renormalized distribution)
     and draw by inverse CDF with one uniform from their own generator (a seeded request replays)."""
+    logits = _sanitize(logits)
     out = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -86,6 +106,17 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
         before_all = p_all.cumsum(-1) - p_all
         picks[w] = order.gather(1, _draw(p_all * (before_all < top_p[w, None]), u[w])[:, None]).squeeze(1)
     return picks
+
+
+def _sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """NaN → -inf, +inf → the largest float, and a row with no finite logit becomes uniform: a broken
+    row yields some token instead of failing the batch it is in."""
+    if bool(torch.isfinite(logits).all()):
+        return logits
+    x = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    dead = ~torch.isfinite(x).any(-1)
+    x[dead] = 0.0
+    return x
 
 
 def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -26,7 +26,7 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Special tokens written in the text (e.g. a rendered chat prompt) become their ids; BOS is
         prepended unless the text already starts with it."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids  # releases the GIL (encode does not)
         if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids

@@ -18,6 +18,8 @@ class EngineWorker:
         self._calls: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
         self._wake = threading.Event()
         self._stopped = False
+        self.failed: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None  # set by the service: NOT_SERVING, then exit
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -50,10 +52,25 @@ class EngineWorker:
                     fut.set_exception(exc)
 
     def _loop(self) -> None:
-        while not self._stopped:
-            self._run_calls()
-            if self.engine.has_work:
-                self.step()
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
+        try:
+            while not self._stopped:
+                self._run_calls()
+                if self.engine.has_work:
+                    self.step()
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except Exception as exc:  # noqa: BLE001 - steps contain their own failures; this is the loop itself
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self.on_failure(exc)
+            if self.on_fatal is not None:
+                self.on_fatal(self.failed)
+
+    def on_failure(self, exc: BaseException) -> None:
+        """The loop died: fail whatever waits on it (subclasses know their waiters)."""
+        while True:
+            try:
+                _, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            fut.set_exception(exc)

@@ -3,6 +3,11 @@
 A lease holds blocks for one request until the decode step claims them. Every write must name a live
 lease and carry its random token; a lease nobody claims expires and frees its blocks; release frees
 at once (prefill failure, client cancel). All methods are thread-safe (gRPC and receiver threads).
+
+Leases are fences: a write holds its lease from `begin_write` to `end_write`; a lease released or
+expired meanwhile leaves the table at once (no new writes, no claim) but its blocks are freed only
+when the last write in flight ends, so no block is reused while bytes still land in it. Completion is
+per block: every block of every layer and cache kind must have been written before a commit holds.
 """
 
 from __future__ import annotations
@@ -31,12 +36,22 @@ class Lease:
     expires_at: float
     num_layers: int
     kinds: tuple[str, ...]
-    received: set[tuple[int, str]] = field(default_factory=set)
+    prompt_blocks: int = 0  # blocks the push must fill (the prompt's); the rest are for generated tokens
+    covered: dict[tuple[int, str], set[int]] = field(default_factory=dict)  # (layer, kind) → written blocks
     committed: bool = False
+    writers: int = 0  # writes in flight
+    dead: bool = False  # released or expired while written: blocks freed by the last writer
+
+    @property
+    def missing(self) -> int:
+        """(layer, kind) caches not fully written yet."""
+        need = range(self.prompt_blocks)
+        return sum(1 for layer in range(self.num_layers) for kind in self.kinds
+                   if not self.covered.get((layer, kind), set()).issuperset(need))
 
     @property
     def complete(self) -> bool:
-        return self.committed and len(self.received) == self.num_layers * len(self.kinds)
+        return self.committed and self.missing == 0
 
 
 class LeaseTable:
@@ -52,13 +67,14 @@ class LeaseTable:
         return len(self._leases)
 
     def reserve(self, request_id: str, num_tokens: int, lease_id: str | None = None,
-                token: bytes | None = None) -> Lease:
+                token: bytes | None = None, prompt_tokens: int | None = None) -> Lease:
         """Blocks for `num_tokens` under a new lease (id and token given by a caller that mirrors
-        the same lease on several ranks)."""
+        the same lease on several ranks); the push must fill the first `prompt_tokens` (all by default)."""
         need = -(-num_tokens // self.block_size)
         blocks = self.allocator.allocate(need)  # raises OutOfBlocks
+        filled = need if prompt_tokens is None else -(-min(prompt_tokens, num_tokens) // self.block_size)
         lease = Lease(lease_id or uuid.uuid4().hex, request_id, token or secrets.token_bytes(16), blocks,
-                      time.monotonic() + self.ttl, self.num_layers, self.kinds)
+                      time.monotonic() + self.ttl, self.num_layers, self.kinds, prompt_blocks=filled)
         with self._lock:
             self._leases[lease.lease_id] = lease
         return lease
@@ -73,14 +89,34 @@ class LeaseTable:
             raise LeaseError(f"bad token for lease {lease_id!r}")
         return lease
 
-    def mark_received(self, lease: Lease, layer: int, kind: str) -> None:
+    def begin_write(self, lease_id: str, token: bytes, layer: int, kind: str, first: int, count: int) -> Lease:
+        """Hold the lease for a write of its blocks [first, first + count) of one layer and kind."""
+        lease = self.check(lease_id, token)
+        if count <= 0 or first < 0 or first + count > len(lease.blocks):
+            raise LeaseError(f"write of blocks [{first}, {first + count}) does not fit lease {lease_id!r} "
+                             f"({len(lease.blocks)} blocks)")
+        if not 0 <= layer < self.num_layers or kind not in self.kinds:
+            raise LeaseError(f"no cache for layer {layer} kind {kind!r}")
         with self._lock:
-            lease.received.add((layer, kind))
+            if self._leases.get(lease_id) is not lease:
+                raise LeaseError(f"unknown or expired lease {lease_id!r}")
+            lease.writers += 1
+        return lease
+
+    def end_write(self, lease: Lease, layer: int, kind: str, first: int, count: int, ok: bool) -> None:
+        """Release the hold; a completed write covers its blocks. The last writer of a dead lease frees it."""
+        with self._lock:
+            lease.writers -= 1
+            if ok and not lease.dead:
+                lease.covered.setdefault((layer, kind), set()).update(range(first, first + count))
+            free = lease.dead and lease.writers == 0
+        if free:
+            self.allocator.free(lease.blocks)
 
     def commit(self, lease: Lease) -> bool:
         with self._lock:
             lease.committed = True
-            return lease.complete
+            return lease.complete and not lease.dead
 
     def is_complete(self, lease_id: str) -> bool:
         with self._lock:
@@ -95,16 +131,24 @@ class LeaseTable:
             if lease is None:
                 raise LeaseError(f"unknown or expired lease {lease_id!r}")
             if require_complete and not lease.complete:
-                missing = self.num_layers * len(self.kinds) - len(lease.received)
-                raise LeaseError(f"lease {lease_id!r} is incomplete: {missing} layer caches missing"
+                raise LeaseError(f"lease {lease_id!r} is incomplete: {lease.missing} layer caches missing"
                                  + ("" if lease.committed else ", no commit"))
+            if lease.writers:
+                raise LeaseError(f"lease {lease_id!r} still has {lease.writers} writes in flight")
             del self._leases[lease_id]
             return lease
 
+    def _retire(self, lease: Lease) -> bool:
+        """Take a lease out of the table (lock held); True when its blocks can be freed now."""
+        del self._leases[lease.lease_id]
+        lease.dead = True
+        return lease.writers == 0
+
     def release(self, lease_id: str) -> bool:
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-        if lease is not None:
+            lease = self._leases.get(lease_id)
+            free = lease is not None and self._retire(lease)
+        if free:
             self.allocator.free(lease.blocks)
         return lease is not None
 
@@ -113,9 +157,8 @@ class LeaseTable:
         now = time.monotonic() if now is None else now
         with self._lock:
             dead = [lease for lease in self._leases.values() if now > lease.expires_at]
-            for lease in dead:
-                del self._leases[lease.lease_id]
-        for lease in dead:
+            freeable = [lease for lease in dead if self._retire(lease)]
+        for lease in freeable:
             self.allocator.free(lease.blocks)
         self._expired.extend(lease.lease_id for lease in dead)
         return len(dead)

@@ -69,6 +69,40 @@ def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
     return msg
 
 
+def fail_process(health_servicer: health.HealthServicer, service_names: list[str], reason: str,
+                 grace: float = 1.0) -> None:
+    """The engine loop cannot go on: report NOT_SERVING at once, give streams `grace` seconds to end
+    with UNAVAILABLE, then exit non-zero so the orchestrator restarts the process."""
+    import os
+    import threading
+
+    log.error("engine loop failed, exiting in %.1fs: %s", grace, reason)
+    for name in ["", *service_names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    timer = threading.Timer(grace, lambda: os._exit(70))
+    timer.daemon = True
+    timer.start()
+
+
+def exit_after_drain(server: grpc.Server, health_servicer: health.HealthServicer, service_names: list[str],
+                     drain_seconds: float, cleanup: Callable[[], None] = lambda: None) -> None:
+    """SIGTERM/SIGINT: stop accepting (NOT_SERVING, new RPCs refused), let in-flight RPCs finish for up
+    to `drain_seconds` (then they are cancelled), clean up, exit. A watchdog exits regardless if
+    cleanup hangs, so a stop signal always ends the process."""
+    import os
+    import threading
+
+    watchdog = threading.Timer(drain_seconds + 10, lambda: os._exit(0))
+    watchdog.daemon = True
+    watchdog.start()
+    for name in ["", *service_names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.stop(grace=drain_seconds).wait(drain_seconds + 1)
+    cleanup()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def wait_for_shutdown() -> None:
     """Block until SIGINT or SIGTERM (every service's main loop)."""
     import signal

@@ -98,6 +98,7 @@ class KVPush(ABC):
             raise TransferError("KV push did not finish in time")
         if self._error is not None:
             raise TransferError(str(self._error)) from self._error
+        self._finish_writes()
         if commit:
             self._commit()
 
@@ -125,6 +126,9 @@ class KVPush(ABC):
             self._error = exc
             while self._queue.get() is not None:  # drain so finish() returns
                 pass
+
+    def _finish_writes(self) -> None:  # noqa: B027 - optional hook, a no-op for most transports
+        """After the last write of this sender (before any commit): transports that report writes separately."""
 
     @abstractmethod
     def _connect(self) -> None: ...

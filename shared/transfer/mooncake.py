@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from shared.kvcache import KVCache
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
-from shared.transfer.tcp import TcpReceiver, commit_over_tcp
+from shared.transfer.tcp import TcpReceiver, mark_over_tcp
 
 
 def mooncake_available() -> bool:
@@ -60,6 +60,7 @@ class MooncakeReceiver(KVReceiver):
     def __init__(self, kv: KVCache, control: TcpReceiver, host: str = "127.0.0.1", protocol: str = "tcp",
                  device_name: str = ""):
         self.kv, self.control = kv, control
+        control.accept_marks = True  # its control channel takes MARK frames for one-sided writes
         self._engine = _Engine(kv, host, protocol, device_name)
 
     def destination(self, lease) -> Destination:  # noqa: ANN001
@@ -75,7 +76,7 @@ class MooncakeReceiver(KVReceiver):
 class MooncakePush(KVPush):
     def __init__(self, kv: KVCache, dest: Destination, engine: _Engine):
         self._engine = engine
-        self._marks: set[tuple[int, str]] = set()
+        self._marks: list[tuple[int, str, int, int]] = []  # (layer, kind, first, count) written one-sidedly
         super().__init__(kv, dest)
 
     def _connect(self) -> None:
@@ -95,10 +96,16 @@ class MooncakePush(KVPush):
         if rc != 0:
             raise TransferError(f"Mooncake write to {self.dest.endpoint} failed (rc={rc})")
         self.bytes_sent += nbytes * len(src_blocks)
-        self._marks.add((layer, kind))
+        self._marks.append((layer, kind, first, len(src_blocks)))
+
+    def _finish_writes(self) -> None:
+        """Report this rank's one-sided writes (a CP group's commit comes from rank 0 afterwards)."""
+        marks, self._marks = self._marks, []
+        if marks:
+            mark_over_tcp(self.dest.control_endpoint, self.dest.lease_id, self.dest.token, marks, commit=False)
 
     def _commit(self) -> None:
-        commit_over_tcp(self.dest.control_endpoint, self.dest.lease_id, self.dest.token, sorted(self._marks))
+        mark_over_tcp(self.dest.control_endpoint, self.dest.lease_id, self.dest.token, [], commit=True)
 
 
 class MooncakeSender(KVSender):

@@ -6,9 +6,13 @@ lease and carries its token; a frame for an unknown or expired lease, or with a 
 refused and the connection closed. A COMMIT frame ends a push and is acknowledged once every
 layer of every cache kind has arrived.
 
-Frame header (network order): magic "PDKV", version, type (1 WRITE, 2 COMMIT), lease id (32 ascii),
-token (16), layer (u16), kind (u8: 0 mla, 1 index), first block (u32), block count (u32),
-payload bytes (u64). A WRITE payload is `count` whole blocks of that layer and kind.
+Frame header (network order): magic "PDKV", version, type (1 WRITE, 2 COMMIT, 3 MARK), lease id
+(32 ascii), token (16), layer (u16), kind (u8: 0 mla, 1 index), first block (u32), block count (u32),
+payload bytes (u64). A WRITE payload is `count` ≥ 1 whole blocks of that layer and kind; the write
+holds its lease until the last byte landed (a lease released meanwhile frees its blocks only then).
+MARK (no payload) reports blocks written one-sidedly by Mooncake and is accepted only by a receiver
+that serves as Mooncake's control channel. A commit holds only when every block of every layer and
+kind was written. Connections idle past IDLE_TIMEOUT are closed; at most MAX_CONNECTIONS at a time.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
 
 MAGIC, VERSION = b"PDKV", 1
-WRITE, COMMIT = 1, 2
+WRITE, COMMIT, MARK = 1, 2, 3
 KINDS = ("mla", "index")
 HEADER = struct.Struct("!4sBB32s16sHBIIQ")
 OK, REFUSED = 0, 1
 CONNECT_TIMEOUT = 5.0
+IDLE_TIMEOUT = 30.0  # a peer silent this long (between or inside frames) is disconnected
+MAX_CONNECTIONS = 256
 
 
 def byte_rows(kv: KVCache, kind: str) -> np.ndarray:
@@ -99,6 +105,8 @@ class TcpReceiver(KVReceiver):
         self.port = self._sock.getsockname()[1]
         self.endpoint = f"{advertise_host or host}:{self.port}"
         self._closed = False
+        self.accept_marks = False  # True when this receiver is Mooncake's control channel
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True).start()
 
     def destination(self, lease) -> Destination:  # noqa: ANN001
@@ -119,49 +127,65 @@ class TcpReceiver(KVReceiver):
             except OSError:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not self._connections.acquire(blocking=False):
+                self._refuse(conn, f"too many KV connections (at most {MAX_CONNECTIONS})")
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(IDLE_TIMEOUT)
         with conn:
             try:
-                while True:
-                    try:
-                        raw = _recv_exact(conn, HEADER.size)
-                    except ConnectionError:
-                        return
-                    magic, version, ftype, lease_id, token, layer, kind_id, first, count, nbytes = HEADER.unpack(raw)
-                    if magic != MAGIC or version != VERSION:
-                        return self._refuse(conn, "bad frame magic/version")
-                    try:
-                        lease = self.leases.check(lease_id.decode("ascii"), token)
-                    except LeaseError as exc:
-                        return self._refuse(conn, str(exc))
-                    if ftype == WRITE:
-                        error = self._receive_blocks(conn, lease, layer, kind_id, first, count, nbytes)
-                        if error:
-                            return self._refuse(conn, error)
-                    elif ftype == COMMIT:
-                        done = self.leases.commit(lease)
-                        self._reply(conn, OK if done else REFUSED,
-                                    "" if done else f"commit with {len(lease.received)} layer caches received")
-                    else:
-                        return self._refuse(conn, f"unknown frame type {ftype}")
+                while error := self._frame(conn):
+                    if error is not True:
+                        return self._refuse(conn, error)
             except (ConnectionError, OSError):
                 return
+            finally:
+                self._connections.release()
 
-    def _receive_blocks(self, conn: socket.socket, lease, layer: int, kind_id: int, first: int,  # noqa: ANN001
-                        count: int, nbytes: int) -> str | None:
-        kind = KINDS[kind_id] if kind_id < len(KINDS) else "?"
-        rows = self._rows.get(kind)
-        per_block = block_bytes(self.kv.layout, kind) if rows is not None else 0
-        if rows is None or layer >= self.kv.layout.num_layers:
-            return f"no cache for layer {layer} kind {kind}"
-        if first + count > len(lease.blocks) or nbytes != count * per_block:
-            return f"write of blocks [{first}, {first + count}) / {nbytes} bytes does not fit the lease"
-        for view in block_runs(rows, layer, lease.blocks[first : first + count]):
-            _recv_exact_into(conn, view)
-        self.leases.mark_received(lease, layer, kind)
-        return None
+    def _frame(self, conn: socket.socket) -> str | bool:
+        """Serve one frame: True to go on, an error message to refuse and close, False at end of stream."""
+        try:
+            raw = _recv_exact(conn, HEADER.size)
+        except ConnectionError:
+            return False
+        magic, version, ftype, lease_raw, token, layer, kind_id, first, count, nbytes = HEADER.unpack(raw)
+        if magic != MAGIC or version != VERSION:
+            return "bad frame magic/version"
+        try:
+            lease_id = lease_raw.decode("ascii")
+        except UnicodeDecodeError:
+            return "lease id is not ASCII"
+        kind = KINDS[kind_id] if kind_id < len(KINDS) else f"#{kind_id}"
+        try:
+            if ftype == COMMIT:
+                lease = self.leases.check(lease_id, token)
+                done = self.leases.commit(lease)
+                self._reply(conn, OK if done else REFUSED,
+                            "" if done else f"commit with {lease.missing} layer caches not fully written")
+                return True
+            if ftype == MARK and self.accept_marks and nbytes == 0:
+                lease = self.leases.begin_write(lease_id, token, layer, kind, first, count)
+                self.leases.end_write(lease, layer, kind, first, count, ok=True)
+                return True
+            if ftype != WRITE:
+                return f"frame type {ftype} not accepted here"
+            lease = self.leases.begin_write(lease_id, token, layer, kind, first, count)
+        except LeaseError as exc:
+            return str(exc)
+        ok = False
+        try:
+            rows = self._rows.get(kind)
+            if rows is None or nbytes != count * block_bytes(self.kv.layout, kind):
+                return f"write of {count} blocks carries {nbytes} bytes"
+            for view in block_runs(rows, layer, lease.blocks[first : first + count]):
+                _recv_exact_into(conn, view)
+            ok = True
+            return True
+        finally:
+            self.leases.end_write(lease, layer, kind, first, count, ok)
 
     @staticmethod
     def _reply(conn: socket.socket, status: int, message: str) -> None:
@@ -252,13 +276,22 @@ class TcpSender(KVSender):
         return TcpPush(self.kv, dest, self._rows)
 
 
-def commit_over_tcp(endpoint: str, lease_id: str, token: bytes, marks: list[tuple[int, str]]) -> None:
-    """Mooncake's control path: report the layers written one-sidedly, then commit."""
+def mark_over_tcp(endpoint: str, lease_id: str, token: bytes, marks: list[tuple[int, str, int, int]],
+                  commit: bool) -> None:
+    """Mooncake's control path: report the blocks written one-sidedly (MARK frames: layer, kind,
+    first, count), then commit when asked. A refused mark closes the connection with a reply."""
     with socket.create_connection(split_endpoint(endpoint), timeout=CONNECT_TIMEOUT) as sock:
         sock.settimeout(30)
         lease = lease_id.encode("ascii")
-        for layer, kind in marks:  # zero-length WRITE frames = "this layer landed by RDMA"
-            sock.sendall(HEADER.pack(MAGIC, VERSION, WRITE, lease, token, layer, KINDS.index(kind), 0, 0, 0))
+        for layer, kind, first, count in marks:
+            sock.sendall(HEADER.pack(MAGIC, VERSION, MARK, lease, token, layer, KINDS.index(kind), first, count, 0))
+        if not commit:
+            sock.shutdown(socket.SHUT_WR)  # accepted marks get no reply: EOF; a refusal replies first
+            try:
+                _, message = read_reply(sock)
+            except ConnectionError:
+                return
+            raise TransferError(f"KV receiver refused the marks: {message}")
         sock.sendall(HEADER.pack(MAGIC, VERSION, COMMIT, lease, token, 0, 0, 0, 0, 0))
         status, message = read_reply(sock)
     if status != OK:
