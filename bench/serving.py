@@ -100,8 +100,8 @@ def phases(cluster: Cluster, prompt: list[int], repeat: int = 5) -> dict[str, fl
     own compute+push time), and decode until the first token."""
     from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 
-    dec = internal_pb2_grpc.DecodeStub(grpc.insecure_channel(cluster.decode_addrs[0]))
-    pre = internal_pb2_grpc.PrefillStub(grpc.insecure_channel(cluster.prefill_addrs[0]))
+    dec = internal_pb2_grpc.DecodeStub(cluster.channel(cluster.decode_addrs[0]))
+    pre = internal_pb2_grpc.PrefillStub(cluster.channel(cluster.prefill_addrs[0]))
     sp = generation_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     rows: dict[str, list[float]] = {"reserve": [], "prefill rpc": [], "prefill server": [], "decode first": []}
     for i in range(repeat):

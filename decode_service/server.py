@@ -29,6 +29,7 @@ from shared.rpc.service import (
     sampling_from_proto,
     set_serving,
     wait_for_shutdown,
+    write_port_file,
 )
 
 log = logging.getLogger("pdserve.decode")
@@ -52,6 +53,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def __init__(self, cfg: DecodeConfig, coordinator: Coordinator):
         self.cfg, self.coord = cfg, coordinator
         self.max_model_len = coordinator.me.engine.max_model_len
+        self._update_gauges()
 
     def _result(self, fut, context):  # noqa: ANN001, ANN202
         try:
@@ -60,11 +62,12 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
     def _update_gauges(self) -> None:
-        loads = self.coord.loads
-        metrics.KV_FREE_BLOCKS.labels("decode").set(sum(x["free_blocks"] for x in loads))
-        metrics.KV_TOTAL_BLOCKS.labels("decode").set(sum(x["total_blocks"] for x in loads))
-        metrics.ACTIVE_LEASES.set(sum(x["active_leases"] for x in loads))
-        metrics.RUNNING.labels("decode").set(sum(x["running"] for x in loads))
+        """Gauges read the coordinator's latest per-rank reports when scraped, never a stale copy."""
+        loads = lambda: self.coord.loads  # noqa: E731
+        metrics.KV_FREE_BLOCKS.labels("decode").set_function(lambda: sum(x["free_blocks"] for x in loads()))
+        metrics.KV_TOTAL_BLOCKS.labels("decode").set_function(lambda: sum(x["total_blocks"] for x in loads()))
+        metrics.ACTIVE_LEASES.set_function(lambda: sum(x["active_leases"] for x in loads()))
+        metrics.RUNNING.labels("decode").set_function(lambda: sum(x["running"] for x in loads()))
 
     def Reserve(self, request, context):  # noqa: N802 - gRPC method name
         if request.num_prompt_tokens <= 0 or request.max_tokens <= 0:
@@ -86,7 +89,6 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             metrics.REQUESTS.labels("decode", "rejected").inc()
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         self.coord.lease_rank[dest.lease_id] = rank
-        self._update_gauges()
         return internal_pb2.ReserveResponse(destination=dest.to_proto(internal_pb2.KVDestination), dp_rank=rank)
 
     def Release(self, request, context):  # noqa: N802
@@ -146,7 +148,6 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 break
         self.coord.close_stream(rid, stream)
         metrics.REQUESTS.labels("decode", reason or "abort").inc()
-        self._update_gauges()
         if reason is None and context.is_active():
             yield internal_pb2.DecodeResponse(finish_reason="abort")
 
@@ -165,7 +166,8 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
 def serve(cfg: DecodeConfig, coordinator: Coordinator):  # noqa: ANN201 - (server, port, health)
     servicer = DecodeServicer(cfg, coordinator)
     server, port, health = build_server(
-        cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE])
+        cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE],
+        credentials=cfg.credentials(), max_workers=2 * cfg.max_num_seqs + 32)  # a stream holds a worker thread
     coordinator.on_fatal = lambda reason: fail_process(health, [SERVICE], reason)
     server.start()
     set_serving(health, [SERVICE])
@@ -180,8 +182,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
     coordinator = Coordinator(me, cfg.world)
-    metrics.start_metrics_server(cfg.metrics_port)
+    metrics.start_metrics_server(cfg.metrics_port, cfg.host)
     server, port, health = serve(cfg, coordinator)
+    write_port_file(cfg.port_file, port)
     print(f"decode_service listening on {cfg.host}:{port} "
           f"(dp={cfg.dp} tp={cfg.tp} ep={cfg.ep}, kv {me.receiver.transport})",
           flush=True)

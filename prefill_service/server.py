@@ -41,6 +41,7 @@ from shared.rpc.service import (
     sampling_from_proto,
     set_serving,
     wait_for_shutdown,
+    write_port_file,
 )
 from shared.transfer import Destination, KVPush, TransferError, make_sender
 
@@ -234,7 +235,8 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
 def serve(cfg: PrefillConfig, state: ParallelState | None = None) -> tuple[grpc.Server, int, PrefillServicer]:
     servicer = PrefillServicer(cfg, state)
     server, port, health = build_server(
-        cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(servicer, s)], [SERVICE])
+        cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(servicer, s)], [SERVICE],
+        credentials=cfg.credentials())
     if isinstance(servicer.worker, PrefillWorker):
         servicer.worker.on_fatal = lambda reason: fail_process(health, [SERVICE], reason)
     servicer.health = health
@@ -249,8 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower
         return
-    metrics.start_metrics_server(cfg.metrics_port)
+    metrics.start_metrics_server(cfg.metrics_port, cfg.host)
     server, port, servicer = serve(cfg, service_state(cfg.parallel(), 0))
+    write_port_file(cfg.port_file, port)
     print(f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} tp={cfg.tp} ep={cfg.ep})", flush=True)
     wait_for_shutdown()
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.engine.chat import EOS, split_reasoning
 from shared.loader.tiny import ensure_tiny_model
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from shared.rpc.service import TOKEN_ENV, Credentials, channel
 
 DEFAULT_MODEL = "models/tiny-v32"
 
@@ -36,6 +40,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def wait_port_file(path: Path, timeout: float, proc: subprocess.Popen) -> int:
+    """The port a service wrote to `path` once it was serving (fails fast if the process died)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return int(path.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(proc.args[2:4])} exited with {proc.returncode} before serving")
+        time.sleep(0.1)
+    raise TimeoutError(f"no port reported in {path} within {timeout}s")
 
 
 def wait_serving(address: str, timeout: float = 180.0, proc: subprocess.Popen | None = None) -> None:
@@ -70,6 +86,7 @@ class Cluster:
     extra_prefill: list[str] = field(default_factory=list)
     extra_decode: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    token: str = field(default_factory=lambda: secrets.token_hex(32))  # the cluster's secret, one per start
     procs: list[subprocess.Popen] = field(default_factory=list)
     prefill_addrs: list[str] = field(default_factory=list)
     decode_addrs: list[str] = field(default_factory=list)
@@ -80,42 +97,42 @@ class Cluster:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}  # by environment: not in `ps`
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         self.procs.append(proc)
         return proc
 
     def start(self, timeout: float = 240.0) -> Cluster:
+        """Every service binds port 0 (the router too unless `port` is set) and reports the port it
+        got through a port file, so concurrent clusters never race for ports."""
         common = ["--model", self.model, "--host", self.host]
         engine = ["--dtype", self.dtype, "--indexer-numerics", self.indexer_numerics]
-        waits = []
+        ports = Path(tempfile.mkdtemp(prefix="pdserve-ports-"))
         try:
-            for i in range(self.num_decode):
-                port = free_port(self.host)
-                addr = f"{self.host}:{port}"
-                proc = self._spawn(f"decode{i}", ["decode_service", *common, "--port", str(port),
-                                                  "--kv-transport", self.kv_transport, *engine, *self.extra_decode])
-                self.decode_addrs.append(addr)
-                waits.append((addr, proc))
-            for i in range(self.num_prefill):
-                port = free_port(self.host)
-                addr = f"{self.host}:{port}"
-                proc = self._spawn(f"prefill{i}", ["prefill_service", *common, "--port", str(port),
-                                                   "--kv-transport", self.kv_transport, *engine, *self.extra_prefill])
-                self.prefill_addrs.append(addr)
-                waits.append((addr, proc))
-            router_port = self.port or free_port(self.host)
-            self.address = f"{self.host}:{router_port}"
-            proc = self._spawn("router", ["router", *common, "--port", str(router_port),
+            started = []
+            for kind, n, extra in (("decode", self.num_decode, self.extra_decode),
+                                   ("prefill", self.num_prefill, self.extra_prefill)):
+                for i in range(n):
+                    file = ports / f"{kind}{i}"
+                    proc = self._spawn(f"{kind}{i}", [f"{kind}_service", *common, "--port", "0", "--port-file",
+                                                      str(file), "--kv-transport", self.kv_transport, *engine, *extra])
+                    started.append((kind, file, proc))
+            for kind, file, proc in started:  # the models load in parallel; collect the ports
+                addr = f"{self.host}:{wait_port_file(file, timeout, proc)}"
+                (self.decode_addrs if kind == "decode" else self.prefill_addrs).append(addr)
+            file = ports / "router"
+            proc = self._spawn("router", ["router", *common, "--port", str(self.port), "--port-file", str(file),
                                           "--prefill", ",".join(self.prefill_addrs),
                                           "--decode", ",".join(self.decode_addrs)])
-            waits.append((self.address, proc))
-            for addr, proc in waits:
-                wait_serving(addr, timeout, proc)
+            self.address = f"{self.host}:{wait_port_file(file, timeout, proc)}"
+            for addr in [*self.decode_addrs, *self.prefill_addrs, self.address]:
+                wait_serving(addr, timeout)
         except BaseException:
             self.stop()
             raise
+        finally:
+            shutil.rmtree(ports, ignore_errors=True)
         return self
 
     def stop(self) -> None:
@@ -128,6 +145,10 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
         self.procs.clear()
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A channel that presents this cluster's secret (to call an internal service directly)."""
+        return channel(address, Credentials(self.token))
 
     def __enter__(self) -> Cluster:
         return self.start()

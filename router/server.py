@@ -26,12 +26,14 @@ from shared.engine.sampler import SamplingParams
 from shared.engine.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
+    Credentials,
     build_server,
     channel,
     exit_after_drain,
     sampling_from_proto,
     set_serving,
     wait_for_shutdown,
+    write_port_file,
 )
 
 log = logging.getLogger("pdserve.router")
@@ -51,6 +53,9 @@ class RouterConfig:
     request_timeout: float = 600.0
     max_prompt_bytes: int = 0  # 0: 32 bytes per token of the model's context, at most 8 MiB
     drain_seconds: float = 5.0
+    auth_token_file: str | None = None
+    insecure: bool = False
+    port_file: str | None = None
 
 
 MAX_REQUEST_ID = 128
@@ -87,8 +92,8 @@ class Instance:
 class Pool:
     """Instances of one kind; picks the one with the fewest requests in flight (ties: round robin)."""
 
-    def __init__(self, addresses: list[str], stub_cls):  # noqa: ANN001
-        self.instances = [Instance(a, stub_cls(channel(a))) for a in addresses]
+    def __init__(self, addresses: list[str], stub_cls, credentials: Credentials | None = None):  # noqa: ANN001
+        self.instances = [Instance(a, stub_cls(channel(a, credentials))) for a in addresses]
         self._rr = itertools.count()
 
     def ranked(self) -> list[Instance]:
@@ -125,8 +130,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.cfg = cfg
         self.model_config = ModelConfig.from_pretrained(cfg.model)
         self.tokenizer = Tokenizer.from_model_dir(cfg.model, self.model_config.bos_token_id)
-        self.prefill = Pool(cfg.prefill, internal_pb2_grpc.PrefillStub)
-        self.decode = Pool(cfg.decode, internal_pb2_grpc.DecodeStub)
+        self.credentials = Credentials.from_args(cfg.auth_token_file, cfg.insecure)
+        self.prefill = Pool(cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
+        self.decode = Pool(cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -201,7 +207,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
                                                   max_tokens=params.max_tokens)
-        full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.DEADLINE_EXCEEDED)
         dec, reserve = self._first_ok(context, self.decode, lambda inst: inst.stub.Reserve(
             reserve_req, timeout=PEER_TIMEOUT), retry_on=full_or_down)
         with _InFlight(dec):
@@ -210,8 +217,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             try:
                 prefill_req = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
                                                           sampling_params=sampling, destination=reserve.destination)
-                _, first = self._first_ok(context, self.prefill, lambda inst: inst.stub.Prefill(
-                    prefill_req, timeout=timeout), retry_on=(grpc.StatusCode.UNAVAILABLE,))
+                _, first = self._first_ok(context, self.prefill, lambda inst: _cancellable(
+                    context, inst.stub.Prefill.future(prefill_req, timeout=timeout)),
+                    retry_on=(grpc.StatusCode.UNAVAILABLE,))
                 stream = dec.stub.Decode(internal_pb2.DecodeRequest(
                     request_id=rid, lease_id=lease_id, prompt_token_ids=ids, sampling_params=sampling,
                     first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout)
@@ -270,6 +278,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         raise AssertionError("unreachable: a pool has at least one instance")
 
 
+def _cancellable(context, call):  # noqa: ANN001, ANN202
+    """The result of an internal call that the client's cancel or deadline also cancels (a prefill
+    stops working on an abandoned prompt)."""
+    context.add_callback(call.cancel)
+    try:
+        return call.result()
+    except grpc.FutureCancelledError:
+        context.abort(grpc.StatusCode.CANCELLED, "the client went away")
+
+
 def _map_code(code: grpc.StatusCode) -> grpc.StatusCode:
     """Peer failures surface as UNAVAILABLE; the peer's own verdicts pass through."""
     passthrough = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -285,16 +303,21 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--decode", required=True, help="comma-separated decode instance addresses")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port-file", default=None, help="write the bound port here once serving (with --port 0)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--drain-seconds", type=float, default=5.0,
                    help="on SIGTERM: in-flight streams get this long to finish, then the process exits")
+    p.add_argument("--auth-token-file", default=None,
+                   help="file holding the cluster's shared secret (default: $PDSERVE_CLUSTER_TOKEN)")
+    p.add_argument("--insecure", action="store_true", help="call instances that run without the cluster secret")
     p.add_argument("--max-prompt-bytes", type=int, default=0,
                    help="largest text prompt / messages accepted (0: 32 bytes per context token, at most 8 MiB)")
     a = p.parse_args(argv)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     return RouterConfig(a.model, split(a.prefill), split(a.decode), a.host, a.port, a.metrics_port,
-                        a.request_timeout, a.max_prompt_bytes, a.drain_seconds)
+                        a.request_timeout, a.max_prompt_bytes, a.drain_seconds, a.auth_token_file, a.insecure,
+                        a.port_file)
 
 
 def serve(cfg: RouterConfig) -> tuple[grpc.Server, int, GenerationServicer]:
@@ -316,8 +339,9 @@ def serve(cfg: RouterConfig) -> tuple[grpc.Server, int, GenerationServicer]:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = parse_args(argv)
-    metrics.start_metrics_server(cfg.metrics_port)
+    metrics.start_metrics_server(cfg.metrics_port, cfg.host)
     server, port, servicer = serve(cfg)
+    write_port_file(cfg.port_file, port)
     print(f"router listening on {cfg.host}:{port}", flush=True)
     wait_for_shutdown()
     exit_after_drain(server, servicer.health, [SERVICE], cfg.drain_seconds)

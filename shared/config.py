@@ -298,6 +298,14 @@ class ServiceConfig:
     dp: int = 1  # decode instances
     layer_sharding: tuple[str, ...] = ()
     drain_seconds: float = 5.0
+    auth_token_file: str | None = None
+    insecure: bool = False
+    port_file: str | None = None
+
+    def credentials(self):  # noqa: ANN201 - shared.rpc.service.Credentials (imported lazily: no cycle)
+        from shared.rpc.service import Credentials
+
+        return Credentials.from_args(self.auth_token_file, self.insecure)
 
     @property
     def world(self) -> int:
@@ -315,6 +323,7 @@ class ServiceConfig:
         p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
+        p.add_argument("--port-file", default=None, help="write the bound gRPC port here once serving")
         p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
         p.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
         p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
@@ -328,6 +337,10 @@ class ServiceConfig:
         p.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: layer i's weight lives on rank i %% K")
         p.add_argument("--drain-seconds", type=float, default=5.0,
                        help="on SIGTERM: in-flight requests get this long to finish, then the process exits")
+        p.add_argument("--auth-token-file", default=None,
+                       help="file holding the cluster's shared secret (default: $PDSERVE_CLUSTER_TOKEN)")
+        p.add_argument("--insecure", action="store_true",
+                       help="accept internal calls without the cluster secret (development only)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServiceConfig:

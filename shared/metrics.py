@@ -18,7 +18,7 @@ ACTIVE_LEASES = Gauge("pdserve_active_leases", "KV reservations not yet claimed"
 RUNNING = Gauge("pdserve_running_requests", "Requests in the engine's running batch", ["service"])
 
 
-def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
-    """Serve /metrics; port 0 disables."""
+def start_metrics_server(port: int, host: str = "127.0.0.1") -> None:
+    """Serve /metrics on the service's own host (not every interface); port 0 disables."""
     if port:
         start_http_server(port, addr=host, registry=REGISTRY)

@@ -228,7 +228,6 @@ def test_layer_sharding(ckpt, k):
 
 def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
 
-    import grpc
 
     from router.cli import Cluster
     from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -240,7 +239,7 @@ def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
                  extra_prefill=["--cp", "2", "--ep", "2", "--block-size", "4"],
                  extra_decode=["--dp", "2", "--ep", "2", "--block-size", "4"]) as cluster:
         got = concurrent_greedy(cluster.address, prompts, 8)
-        with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+        with cluster.channel(cluster.decode_addrs[0]) as ch:
             load = internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=10)
     assert got == want
     assert len(load.ranks) == 2 and all(r.free_blocks == r.total_blocks for r in load.ranks)
@@ -268,7 +267,8 @@ def test_torchrun_style_ranks_form_one_decode_instance(ckpt, tmp_path):
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "decode_service", "--model", str(ckpt("v32_sparse")), "--port", str(port),
-                 "--dp", "2", "--ep", "2", "--block-size", "4"], env=env, stdout=log, stderr=subprocess.STDOUT))
+                 "--dp", "2", "--ep", "2", "--block-size", "4", "--insecure"], env=env, stdout=log,
+                stderr=subprocess.STDOUT))
         wait_serving(f"127.0.0.1:{port}", timeout=120, proc=procs[1])
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = internal_pb2_grpc.DecodeStub(ch)
@@ -294,8 +294,6 @@ def test_cluster_tp2_prefill_and_decode(ckpt, tmp_path):
     instance: same greedy tokens; the decode mirror ranks free every block, expiry included."""
     import time
 
-    import grpc
-
     from router.cli import Cluster
     from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 
@@ -305,7 +303,7 @@ def test_cluster_tp2_prefill_and_decode(ckpt, tmp_path):
     with Cluster(path, dtype="float32", log_dir=tmp_path / "logs", extra_prefill=["--tp", "2", "--block-size", "4"],
                  extra_decode=["--tp", "2", "--block-size", "4", "--lease-seconds", "2"]) as cluster:
         got = concurrent_greedy(cluster.address, prompts, 8)
-        with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+        with cluster.channel(cluster.decode_addrs[0]) as ch:
             dec = internal_pb2_grpc.DecodeStub(ch)
             dec.Reserve(internal_pb2.ReserveRequest(request_id="unused", num_prompt_tokens=8, max_tokens=8), timeout=30)
             deadline = time.monotonic() + 15

@@ -5,6 +5,7 @@ Every wait here is bounded and fails on a hang; nothing asserts how fast the sys
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -59,7 +60,7 @@ def _generate(address: str, timeout: float = 60, **kwargs) -> list:
 
 
 def _load(cluster) -> internal_pb2.LoadReport:
-    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+    with cluster.channel(cluster.decode_addrs[0]) as ch:
         return internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=5)
 
 
@@ -126,7 +127,7 @@ def test_client_request_ids_are_labels(cluster):
 def test_duplicate_decode_request_id_leaves_the_first_stream_alone(cluster):
     """A second Decode with a request id that is already streaming is refused (ALREADY_EXISTS) and the
     first stream runs to its end."""
-    with grpc.insecure_channel(cluster.decode_addrs[0]) as dch, grpc.insecure_channel(cluster.prefill_addrs[0]) as pch:
+    with cluster.channel(cluster.decode_addrs[0]) as dch, cluster.channel(cluster.prefill_addrs[0]) as pch:
         dec, pre = internal_pb2_grpc.DecodeStub(dch), internal_pb2_grpc.PrefillStub(pch)
         prompt, sp = [5, 6, 7, 8], _greedy(12)
         lease = dec.Reserve(internal_pb2.ReserveRequest(request_id="dup", num_prompt_tokens=4, max_tokens=12),
@@ -305,3 +306,50 @@ def test_sigterm_always_exits(model_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# --- authentication: secure by default --------------------------------------------------------------
+
+def test_internal_services_need_the_cluster_secret(cluster):
+    """Without the secret nobody can reserve (empty the pool), decode, or make prefill push anywhere;
+    with it (what the router presents) the same calls work. Health stays open for probes."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from shared.rpc.service import Credentials, channel
+
+    reserve = internal_pb2.ReserveRequest(request_id="x", num_prompt_tokens=4, max_tokens=4)
+    for creds in (None, Credentials("not-the-secret")):
+        with channel(cluster.decode_addrs[0], creds) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                internal_pb2_grpc.DecodeStub(ch).Reserve(reserve, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        with channel(cluster.prefill_addrs[0], creds) as ch:
+            dest = internal_pb2.KVDestination(transport="tcp", endpoint="10.0.0.1:1", lease_id="0" * 32)
+            with pytest.raises(grpc.RpcError) as err:
+                internal_pb2_grpc.PrefillStub(ch).Prefill(internal_pb2.PrefillRequest(
+                    request_id="x", prompt_token_ids=[1, 2], destination=dest), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _load(cluster).active_leases == 0
+    with cluster.channel(cluster.decode_addrs[0]) as ch:
+        stub = internal_pb2_grpc.DecodeStub(ch)
+        lease = stub.Reserve(reserve, timeout=10).destination.lease_id
+        assert stub.Release(internal_pb2.ReleaseRequest(lease_id=lease), timeout=10).released
+
+
+def test_a_service_started_without_a_secret_refuses_internal_calls(model_dir):
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_TOKEN"}
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "decode_service", "--model", str(model_dir), "--port", str(port),
+                             "--dtype", "float32"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_serving(f"127.0.0.1:{port}", 120, proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                internal_pb2_grpc.DecodeStub(ch).Reserve(internal_pb2.ReserveRequest(
+                    request_id="x", num_prompt_tokens=4, max_tokens=4), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        proc.kill()
+        proc.wait(30)

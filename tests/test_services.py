@@ -63,7 +63,7 @@ def tokens(msgs) -> list[int]:
 
 
 def decode_load(cluster) -> internal_pb2.LoadReport:
-    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+    with cluster.channel(cluster.decode_addrs[0]) as ch:
         return internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=5)
 
 
@@ -158,7 +158,7 @@ def test_cancel_frees_decode_blocks(cluster):
 
 def test_unused_reservation_expires(cluster):
     total = decode_load(cluster).total_blocks
-    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+    with cluster.channel(cluster.decode_addrs[0]) as ch:
         reply = internal_pb2_grpc.DecodeStub(ch).Reserve(
             internal_pb2.ReserveRequest(request_id="never-used", num_prompt_tokens=20, max_tokens=20), timeout=5)
     assert len(reply.destination.block_ids) == 10  # 40 tokens / block size 4
@@ -169,7 +169,7 @@ def test_unused_reservation_expires(cluster):
 
 
 def test_decode_refuses_incomplete_lease(cluster):
-    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+    with cluster.channel(cluster.decode_addrs[0]) as ch:
         stub = internal_pb2_grpc.DecodeStub(ch)
         reply = stub.Reserve(internal_pb2.ReserveRequest(request_id="x", num_prompt_tokens=4, max_tokens=4), timeout=5)
         with pytest.raises(grpc.RpcError) as err:
@@ -198,7 +198,7 @@ def test_dead_peer_is_unavailable_fast(model_dir):
     from router.server import RouterConfig, serve
 
     dead = f"127.0.0.1:{free_port()}"
-    server, port, _ = serve(RouterConfig(str(model_dir), [dead], [dead], port=0))
+    server, port, _ = serve(RouterConfig(str(model_dir), [dead], [dead], port=0, insecure=True))
     try:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
@@ -228,7 +228,7 @@ def test_two_by_two_instances_and_failover(model_dir, local_llm, tmp_path):
         assert concurrent_greedy(c.address, prompts, 6) == want
         admitted = []
         for addr in c.decode_addrs:
-            with grpc.insecure_channel(addr) as ch:
+            with c.channel(addr) as ch:
                 load = internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=5)
             admitted.append(sum(r.admitted for r in load.ranks))
         assert all(n > 0 for n in admitted), admitted

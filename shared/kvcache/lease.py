@@ -101,6 +101,7 @@ class LeaseTable:
             if self._leases.get(lease_id) is not lease:
                 raise LeaseError(f"unknown or expired lease {lease_id!r}")
             lease.writers += 1
+            lease.expires_at = max(lease.expires_at, time.monotonic() + self.ttl)  # written to: alive
         return lease
 
     def end_write(self, lease: Lease, layer: int, kind: str, first: int, count: int, ok: bool) -> None:
@@ -112,6 +113,11 @@ class LeaseTable:
             free = lease.dead and lease.writers == 0
         if free:
             self.allocator.free(lease.blocks)
+
+    def touch(self, lease: Lease) -> None:
+        """Keep-alive from the prefill working on this lease (queued or computing): it lives another TTL."""
+        with self._lock:
+            lease.expires_at = max(lease.expires_at, time.monotonic() + self.ttl)
 
     def commit(self, lease: Lease) -> bool:
         with self._lock:

@@ -8,6 +8,8 @@ buffers per linear alternate). `events` records the order, for tests and tracing
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -16,7 +18,7 @@ from torch import nn
 class LayerSharder:
     def __init__(self, layers: nn.ModuleList, names: tuple[str, ...], rank: int, world: int, group=None):  # noqa: ANN001
         self.layers, self.names, self.rank, self.k, self.group = layers, names, rank, world, group
-        self.events: list[tuple[str, int]] = []
+        self.events: deque[tuple[str, int]] = deque(maxlen=1024)  # the recent order only: bounded
         self._pending: dict[int, tuple[list, dict[str, torch.Tensor]]] = {}
         self.owned: dict[tuple[int, str], torch.Tensor] = {}
         self.staging: dict[str, list[torch.Tensor]] = {}

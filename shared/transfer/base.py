@@ -117,7 +117,14 @@ class KVPush(ABC):
     def _run(self) -> None:
         try:
             self._connect()
-            while (item := self._queue.get()) is not None:
+            while True:
+                try:
+                    item = self._queue.get(timeout=self.keepalive_seconds)
+                except queue.Empty:  # the prompt is still queued or computing: keep its lease alive
+                    self._keepalive()
+                    continue
+                if item is None:
+                    break
                 if self._error is None:
                     layer, src, first = item
                     for kind in self.kinds:
@@ -126,6 +133,11 @@ class KVPush(ABC):
             self._error = exc
             while self._queue.get() is not None:  # drain so finish() returns
                 pass
+
+    keepalive_seconds = 2.0  # an idle push touches its lease this often; a lease lives a TTL from the last touch
+
+    def _keepalive(self) -> None:  # noqa: B027 - transports with a connection to keep warm override it
+        """Tell the receiver this lease is still being worked on."""
 
     def _finish_writes(self) -> None:  # noqa: B027 - optional hook, a no-op for most transports
         """After the last write of this sender (before any commit): transports that report writes separately."""

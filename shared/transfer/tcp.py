@@ -6,13 +6,15 @@ lease and carries its token; a frame for an unknown or expired lease, or with a 
 refused and the connection closed. A COMMIT frame ends a push and is acknowledged once every
 layer of every cache kind has arrived.
 
-Frame header (network order): magic "PDKV", version, type (1 WRITE, 2 COMMIT, 3 MARK), lease id
+Frame header (network order): magic "PDKV", version, type (1 WRITE, 2 COMMIT, 3 MARK, 4 TOUCH), lease id
 (32 ascii), token (16), layer (u16), kind (u8: 0 mla, 1 index), first block (u32), block count (u32),
 payload bytes (u64). A WRITE payload is `count` ≥ 1 whole blocks of that layer and kind; the write
 holds its lease until the last byte landed (a lease released meanwhile frees its blocks only then).
-MARK (no payload) reports blocks written one-sidedly by Mooncake and is accepted only by a receiver
-that serves as Mooncake's control channel. A commit holds only when every block of every layer and
-kind was written. Connections idle past IDLE_TIMEOUT are closed; at most MAX_CONNECTIONS at a time.
+TOUCH (no payload) keeps a lease alive while its prompt waits in the prefill queue or computes (an
+idle push sends one every KVPush.keepalive_seconds). MARK (no payload) reports blocks written
+one-sidedly by Mooncake and is accepted only by a receiver that serves as Mooncake's control
+channel. A commit holds only when every block of every layer and kind was written. Connections idle
+past IDLE_TIMEOUT are closed; at most MAX_CONNECTIONS at a time.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
 
 MAGIC, VERSION = b"PDKV", 1
-WRITE, COMMIT, MARK = 1, 2, 3
+WRITE, COMMIT, MARK, TOUCH = 1, 2, 3, 4
 KINDS = ("mla", "index")
 HEADER = struct.Struct("!4sBB32s16sHBIIQ")
 OK, REFUSED = 0, 1
@@ -166,6 +168,9 @@ class TcpReceiver(KVReceiver):
                 self._reply(conn, OK if done else REFUSED,
                             "" if done else f"commit with {lease.missing} layer caches not fully written")
                 return True
+            if ftype == TOUCH:
+                self.leases.touch(self.leases.check(lease_id, token))
+                return True
             if ftype == MARK and self.accept_marks and nbytes == 0:
                 lease = self.leases.begin_write(lease_id, token, layer, kind, first, count)
                 self.leases.end_write(lease, layer, kind, first, count, ok=True)
@@ -241,6 +246,12 @@ class TcpPush(KVPush):
             self.bytes_sent += send_views(self._sock, [memoryview(header), *views])
         except OSError as exc:
             raise TransferError(f"KV write to {self.dest.endpoint} failed: {self._refusal() or exc}") from exc
+
+    def _keepalive(self) -> None:
+        try:
+            self._sock.sendall(self._header(TOUCH))
+        except OSError as exc:
+            raise TransferError(f"KV receiver {self.dest.endpoint} went away: {self._refusal() or exc}") from exc
 
     def _refusal(self) -> str | None:
         try:
