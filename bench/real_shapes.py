@@ -88,12 +88,14 @@ def decode(model, cfg, contexts: list[int], batches: list[int], workspace: int, 
 
 def sampler(rows: int = 256, vocab: int = 129280) -> list[list]:
     gen = torch.Generator().manual_seed(0)
-    peaked = torch.randn(rows, vocab, generator=gen) * 2 + torch.linspace(12, 0, vocab)[torch.randperm(vocab)]
+    # trained-like: probabilities ∝ rank^-2 (a few hundred tokens hold 90% of the mass), shuffled per row
+    zipf = -2.0 * torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))
+    peaked = torch.stack([zipf[torch.randperm(vocab, generator=gen)] for _ in range(rows)])
     flat = torch.randn(rows, vocab, generator=gen)
     cases = [("greedy", peaked, SamplingParams(temperature=0)),
              ("temperature 0.8", peaked, SamplingParams(temperature=0.8)),
              ("top_k 50", peaked, SamplingParams(temperature=0.8, top_k=50)),
-             ("top_p 0.9 (trained-like logits)", peaked, SamplingParams(temperature=0.8, top_p=0.9)),
+             ("top_p 0.9 (Zipf-like logits)", peaked, SamplingParams(temperature=0.8, top_p=0.9)),
              ("top_p 0.9 (flat logits: full sort)", flat, SamplingParams(temperature=0.8, top_p=0.9)),
              ("top_k 100 + top_p 0.9, seeded", peaked, SamplingParams(temperature=0.8, top_k=100, top_p=0.9, seed=1))]
     out = []
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-batch", default="1,16")
     p.add_argument("--workspace-mb", type=int, default=256)
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
     args = p.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.decode_batch.split(",")]
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"weights {weights / GiB:.2f} GiB; {torch.get_num_threads()} threads", flush=True)
 
     pre = [] if args.skip_prefill else prefill(model, cfg, contexts, args.chunk, workspace)
-    dec = decode(model, cfg, contexts, batches, workspace)
+    dec = [] if args.skip_decode else decode(model, cfg, contexts, batches, workspace)
     smp = sampler()
 
     head = (f"one layer at the 671B per-layer dims (hidden 7168, 128 heads, kv_lora 512, indexer 64x128, "
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + head)
     if pre:
         print(table(["prompt tokens", "prefill s", "tok/s", "peak RSS GiB", "peak over model GiB"], pre))
-    print(table(["decode batch", "context", "ms/step", "tok/s"], dec))
+    if dec:
+        print(table(["decode batch", "context", "ms/step", "tok/s"], dec))
     print(table(["sampler", "rows", "vocab", "ms"], smp))
 
     import matplotlib
@@ -145,17 +149,21 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ticks = (contexts, [f"{c // 1024}k" for c in contexts])
     if pre:
         axes[0].plot([r[0] for r in pre], [r[1] for r in pre], "o-")
         axes[0].set(title="prefill time (2k chunks)", xlabel="prompt tokens", ylabel="seconds", xscale="log")
         axes[1].plot([r[0] for r in pre], [r[4] for r in pre], "o-")
-        axes[1].set(title="peak RSS over model + KV", xlabel="prompt tokens", ylabel="GiB", xscale="log",
+        axes[1].set(title="peak RSS over the model + KV", xlabel="prompt tokens", ylabel="GiB", xscale="log",
                     ylim=(0, None))
     for batch in batches:
         pts = [r for r in dec if r[0] == batch]
         axes[2].plot([r[1] for r in pts], [r[2] for r in pts], "o-", label=f"batch {batch}")
-    axes[2].set(title="decode step time", xlabel="context tokens", ylabel="ms / step", xscale="log")
+    axes[2].set(title="decode step time", xlabel="context tokens", ylabel="ms / step", xscale="log", ylim=(0, None))
     axes[2].legend()
+    for ax in axes:
+        ax.minorticks_off()
+        ax.set_xticks(*ticks)
     fig.suptitle(head, fontsize=8)
     fig.tight_layout()
     OUT.mkdir(parents=True, exist_ok=True)
