@@ -8,16 +8,21 @@ Tiny deepseek_v3 (hidden 256, 4 layers, 8 experts top-2) and the same with the i
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
+
 import argparse
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+import torch  # noqa: E402
 
-from bench.common import OUT, bar_plot, table
-from shared.engine import LLM, SamplingParams
-from shared.loader.tiny import write_checkpoint
+from bench.common import OUT, bar_plot, table  # noqa: E402
+from shared.engine import LLM, SamplingParams  # noqa: E402
+from shared.loader.tiny import write_checkpoint  # noqa: E402
 
 
 def run_pdserve(path: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> float:

@@ -10,21 +10,26 @@ Prints a table; saves bench/out/parallel.png.
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
+
 import argparse
 import os
 import time
 
-import torch
+import torch  # noqa: E402
 
-from bench.common import OUT, bar_plot, table
-from shared.engine import EngineConfig, LLMEngine, SamplingParams
-from shared.engine.llm import dp_step
-from shared.kvcache import KVCache, KVLayout
-from shared.loader import load_model
-from shared.loader.tiny import ensure_tiny_model
-from shared.parallel import ParallelConfig, ParallelState
-from shared.parallel.cp import build_cp_batch
-from shared.parallel.launch import run_ranks
+from bench.common import OUT, bar_plot, table  # noqa: E402
+from shared.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from shared.engine.llm import dp_step  # noqa: E402
+from shared.kvcache import KVCache, KVLayout  # noqa: E402
+from shared.loader import load_model  # noqa: E402
+from shared.loader.tiny import ensure_tiny_model  # noqa: E402
+from shared.parallel import ParallelConfig, ParallelState  # noqa: E402
+from shared.parallel.cp import build_cp_batch  # noqa: E402
+from shared.parallel.launch import run_ranks  # noqa: E402
 
 CPU = torch.device("cpu")
 

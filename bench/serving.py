@@ -9,23 +9,28 @@ the KV transfer's wire time; saves bench/out/serving.png. All processes share th
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
+
 import argparse
 import statistics
 import threading
 import time
 
-import grpc
-import torch
+import grpc  # noqa: E402
+import torch  # noqa: E402
 
-from bench.common import OUT, bar_plot, table
-from router.cli import Cluster
-from shared.engine import EngineConfig, LLMEngine, SamplingParams
-from shared.kvcache import KVCache
-from shared.kvcache.lease import LeaseTable
-from shared.loader.tiny import ensure_tiny_model
-from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.transfer import TcpReceiver, make_sender
-from shared.transfer.base import cache_kinds
+from bench.common import OUT, bar_plot, table  # noqa: E402
+from router.cli import Cluster  # noqa: E402
+from shared.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from shared.kvcache import KVCache  # noqa: E402
+from shared.kvcache.lease import LeaseTable  # noqa: E402
+from shared.loader.tiny import ensure_tiny_model  # noqa: E402
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+from shared.transfer import TcpReceiver, make_sender  # noqa: E402
+from shared.transfer.base import cache_kinds  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:

@@ -10,19 +10,24 @@ one contiguous buffer. Prints GB/s and the ratio to the socket; saves bench/out/
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
+
 import argparse
 import socket
 import threading
 import time
 
-import torch
+import torch  # noqa: E402
 
-from bench.common import OUT, bar_plot, table
-from shared.kvcache import KVCache, KVLayout
-from shared.kvcache.lease import LeaseTable
-from shared.transfer import TcpReceiver, make_sender
-from shared.transfer.base import cache_kinds
-from shared.transfer.mooncake import MooncakeReceiver, mooncake_available
+from bench.common import OUT, bar_plot, table  # noqa: E402
+from shared.kvcache import KVCache, KVLayout  # noqa: E402
+from shared.kvcache.lease import LeaseTable  # noqa: E402
+from shared.transfer import TcpReceiver, make_sender  # noqa: E402
+from shared.transfer.base import cache_kinds  # noqa: E402
+from shared.transfer.mooncake import MooncakeReceiver, mooncake_available  # noqa: E402
 
 LAYOUT_671B = KVLayout(num_layers=61, block_size=64, kv_lora_rank=512, rope_dim=64, index_head_dim=132,
                        dtype=torch.bfloat16, index_dtype=torch.uint8)
