@@ -54,6 +54,18 @@ def make_hf_checkpoint(out: Path, model_type: str = "deepseek_v32", seed: int = 
     return out
 
 
+def wait_for(predicate, timeout: float = 15.0) -> bool:  # noqa: ANN001
+    """Poll `predicate` until it holds or `timeout` passes (a bounded wait that fails on a hang)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
 def load_reference(path: Path):
     from transformers import AutoModelForCausalLM
 

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -25,15 +24,7 @@ from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.loader.tokenizer_train import train_tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.transfer.tcp import HEADER, MAGIC, MARK, VERSION, WRITE, TcpReceiver, read_reply
-
-
-def wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
+from tests.helpers import wait_for
 
 
 @pytest.fixture(scope="module")

