@@ -37,3 +37,16 @@ def ckpt(tmp_path_factory):
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def served_model(ckpt, tmp_path_factory):
+    """The sparse v32 test checkpoint (written by transformers) plus a tokenizer for text prompts."""
+    import shutil
+
+    from shared.loader.tokenizer_train import train_tokenizer
+
+    path = tmp_path_factory.mktemp("served") / "model"
+    shutil.copytree(ckpt("v32_sparse"), path)
+    train_tokenizer(512, path / "tokenizer.json")
+    return path

@@ -10,7 +10,6 @@ more with PDSERVE_FUZZ_EXAMPLES.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import time
 
@@ -23,7 +22,6 @@ from hypothesis import strategies as st
 from router.cli import Cluster
 from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.lease import LeaseTable
-from shared.loader.tokenizer_train import train_tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.transfer import make_sender
 from shared.transfer.tcp import HEADER, MAGIC, VERSION, TcpReceiver
@@ -76,11 +74,8 @@ def requests(draw) -> generation_pb2.GenerateRequest:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def cluster(ckpt, tmp_path_factory):
-    path = tmp_path_factory.mktemp("fuzz") / "model"
-    shutil.copytree(ckpt("v32_sparse"), path)
-    train_tokenizer(512, path / "tokenizer.json")
-    with Cluster(str(path), dtype="float32", log_dir=tmp_path_factory.mktemp("logs"),
+def cluster(served_model, tmp_path_factory):
+    with Cluster(str(served_model), dtype="float32", log_dir=tmp_path_factory.mktemp("logs"),
                  extra_decode=["--block-size", "4", "--kv-cache-tokens", "256"],
                  extra_prefill=["--block-size", "4"]) as c:
         yield c

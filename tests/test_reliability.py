@@ -6,7 +6,6 @@ Every wait here is bounded and fails on a hang; nothing asserts how fast the sys
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,18 +20,14 @@ from router.cli import Cluster, free_port, wait_serving
 from shared.engine.sampler import SamplingParams, sample
 from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.lease import LeaseError, LeaseTable
-from shared.loader.tokenizer_train import train_tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.transfer.tcp import HEADER, MAGIC, MARK, VERSION, WRITE, TcpReceiver, read_reply
 from tests.helpers import wait_for
 
 
 @pytest.fixture(scope="module")
-def model_dir(ckpt, tmp_path_factory):
-    path = tmp_path_factory.mktemp("hostile") / "model"
-    shutil.copytree(ckpt("v32_sparse"), path)
-    train_tokenizer(512, path / "tokenizer.json")
-    return path
+def model_dir(served_model):
+    return served_model
 
 
 @pytest.fixture(scope="module")

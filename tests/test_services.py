@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import urllib.request
 
 import grpc
@@ -12,7 +11,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from router.cli import Cluster, free_port
 from shared.engine import LLM, SamplingParams
-from shared.loader.tokenizer_train import train_tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from tests.helpers import TRANSPORTS, concurrent_greedy, load_reference, random_prompts, reference_greedy, wait_for
 
@@ -22,12 +20,8 @@ REFERENCE_NUMERICS = dict(dtype="float32", indexer_numerics="transformers")
 
 
 @pytest.fixture(scope="module")
-def model_dir(ckpt, tmp_path_factory):
-    """The sparse v32 test checkpoint (written by transformers) plus a tokenizer for text prompts."""
-    path = tmp_path_factory.mktemp("served") / "model"
-    shutil.copytree(ckpt("v32_sparse"), path)
-    train_tokenizer(512, path / "tokenizer.json")
-    return path
+def model_dir(served_model):
+    return served_model
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
