@@ -53,7 +53,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def __init__(self, cfg: DecodeConfig, coordinator: Coordinator):
         self.cfg, self.coord = cfg, coordinator
         self.max_model_len = coordinator.me.engine.max_model_len
-        self._update_gauges()
+        self._export_gauges()
 
     def _result(self, fut, context):  # noqa: ANN001, ANN202
         try:
@@ -61,7 +61,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         except CommandError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
-    def _update_gauges(self) -> None:
+    def _export_gauges(self) -> None:
         """Gauges read the coordinator's latest per-rank reports when scraped, never a stale copy."""
         loads = lambda: self.coord.loads  # noqa: E731
         metrics.KV_FREE_BLOCKS.labels("decode").set_function(lambda: sum(x["free_blocks"] for x in loads()))

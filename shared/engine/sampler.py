@@ -92,11 +92,14 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     ranks = torch.arange(width, device=dev)
     vals = vals.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
     # probabilities relative to the top-k-filtered distribution (the whole vocabulary when top-k is off)
-    full_lse = torch.logsumexp(x, -1, keepdim=True)
-    norm = torch.where((top_k < vocab)[:, None], torch.logsumexp(vals, -1, keepdim=True), full_lse)
+    norm = torch.logsumexp(vals, -1, keepdim=True)
+    untruncated = top_k == vocab
+    if bool(untruncated.any()):  # a full-vocabulary pass only for rows without top-k
+        full_lse = torch.logsumexp(x, -1, keepdim=True)
+        norm = torch.where(untruncated[:, None], full_lse, norm)
     probs = torch.exp(vals - norm)
     before = probs.cumsum(-1) - probs
-    wide = (top_p < 1) & (top_k == vocab) & (before[:, -1] + probs[:, -1] < top_p)
+    wide = (top_p < 1) & untruncated & (before[:, -1] + probs[:, -1] < top_p)
     keep = before < top_p[:, None]  # drop a token once the mass before it reaches top_p (the first stays)
     picks = ids.gather(1, _draw(probs * keep, u)[:, None]).squeeze(1)
     if bool(wide.any()):  # nucleus wider than the candidates: sort those rows whole
