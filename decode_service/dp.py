@@ -82,12 +82,13 @@ class DecodeRank:
         kv = self.engine.kv
         self.leases = LeaseTable(kv.allocator, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
                                  cfg.lease_seconds)
-        self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port + rank if cfg.kv_port else 0)
+        self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port + rank if cfg.kv_port else 0,
+                               advertise_host=cfg.public_host, tls=cfg.credentials().ssl_context(server=True))
         self.receiver = self.tcp
         if cfg.kv_transport == "mooncake":
             from shared.transfer.mooncake import MooncakeReceiver
 
-            self.receiver = MooncakeReceiver(kv, self.tcp, cfg.host)
+            self.receiver = MooncakeReceiver(kv, self.tcp, cfg.public_host)
 
     def apply(self, cmd: Command) -> Any:
         self.applied_cid = max(self.applied_cid, cmd.cid)
@@ -201,7 +202,7 @@ class Coordinator:
         self._streams_lock = threading.Lock()
         self._pending: queue.Queue[tuple[Command, Future]] = queue.Queue()
         self._futures: dict[int, Future] = {}
-        self._streams: dict[str, queue.Queue] = {}
+        self._streams: dict[str, Any] = {}  # request id → event sink
         self._ids = itertools.count()
         self._stop = False
         self.on_fatal: Callable[[str], None] | None = None  # set by the server: NOT_SERVING, then exit
@@ -241,17 +242,18 @@ class Coordinator:
             self._unreported[rank].append((fut.cid, tokens))
         return rank, fut
 
-    def open_stream(self, request_id: str) -> queue.Queue:
-        """The event queue of a new stream; a request id already streaming is refused (KeyError), and
-        the stream that has it is not touched."""
-        q: queue.Queue = queue.Queue()
+    def open_stream(self, request_id: str, q: Any = None) -> Any:
+        """Register the event sink of a new stream (anything with a thread-safe `put`; a new
+        queue.Queue by default) and return it; a request id already streaming is refused (KeyError),
+        and the stream that has it is not touched."""
+        q = queue.Queue() if q is None else q
         with self._streams_lock:
             if request_id in self._streams:
                 raise KeyError(request_id)
             self._streams[request_id] = q
         return q
 
-    def close_stream(self, request_id: str, q: queue.Queue | None = None) -> None:
+    def close_stream(self, request_id: str, q: Any = None) -> None:
         """End a stream (only `q` when given: a refused duplicate never closes the stream it collided with)."""
         with self._streams_lock:
             if q is not None and self._streams.get(request_id) is not q:

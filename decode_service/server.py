@@ -12,6 +12,7 @@ places each reservation on the least-loaded rank and reports per-rank load.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -22,15 +23,7 @@ from shared import metrics
 from shared.config import ServiceConfig
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import (
-    build_server,
-    exit_after_drain,
-    fail_process,
-    sampling_from_proto,
-    set_serving,
-    wait_for_shutdown,
-    write_port_file,
-)
+from shared.rpc.service import Lifecycle, LoopQueue, sampling_from_proto, start_server, wait_future, write_port_file
 
 log = logging.getLogger("pdserve.decode")
 SERVICE = "pdserve.v1.Decode"
@@ -50,16 +43,20 @@ def follower_main(rank: int, cfg: DecodeConfig) -> None:
 
 
 class DecodeServicer(internal_pb2_grpc.DecodeServicer):
+    """Async handlers: a stream is a coroutine fed by the coordinator thread, not a gRPC thread, so
+    concurrency is bounded by the KV pool and `max_num_seqs`, and health/GetLoad stay prompt."""
+
     def __init__(self, cfg: DecodeConfig, coordinator: Coordinator):
         self.cfg, self.coord = cfg, coordinator
+        self.credentials = cfg.credentials()
         self.max_model_len = coordinator.me.engine.max_model_len
         self._export_gauges()
 
-    def _result(self, fut, context):  # noqa: ANN001, ANN202
+    async def _result(self, fut, context):  # noqa: ANN001, ANN202
         try:
-            return fut.result(timeout=60)
+            return await wait_future(fut, 60)
         except CommandError as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
     def _export_gauges(self) -> None:
         """Gauges read the coordinator's latest per-rank reports when scraped, never a stale copy."""
@@ -69,35 +66,37 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         metrics.ACTIVE_LEASES.set_function(lambda: sum(x["active_leases"] for x in loads()))
         metrics.RUNNING.labels("decode").set_function(lambda: sum(x["running"] for x in loads()))
 
-    def Reserve(self, request, context):  # noqa: N802 - gRPC method name
+    async def Reserve(self, request, context):  # noqa: N802 - gRPC method name
         if request.num_prompt_tokens <= 0 or request.max_tokens <= 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_prompt_tokens and max_tokens must be > 0")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_prompt_tokens and max_tokens must be > 0")
         total = request.num_prompt_tokens + request.max_tokens
         if total > self.max_model_len:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"max_tokens: prompt + max_tokens ({total}) exceeds the context {self.max_model_len}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_tokens: prompt + max_tokens ({total}) exceeds the context {self.max_model_len}")
         engine = self.coord.me.engine
         need = -(-total // engine.layout.block_size)
         if need > engine.usable_blocks:  # can never fit: not a retryable RESOURCE_EXHAUSTED
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"max_tokens: prompt + max_tokens needs {need} KV blocks, a decode rank has "
-                          f"{engine.usable_blocks}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_tokens: prompt + max_tokens needs {need} KV blocks, a decode rank has "
+                                f"{engine.usable_blocks}")
         rank, placed = self.coord.reserve(request.request_id, total, request.num_prompt_tokens)
         try:
-            dest = placed.result(60)
+            dest = await wait_future(placed, 60)
         except CommandError as exc:
             metrics.REQUESTS.labels("decode", "rejected").inc()
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         self.coord.lease_rank[dest.lease_id] = rank
-        return internal_pb2.ReserveResponse(destination=dest.to_proto(internal_pb2.KVDestination), dp_rank=rank)
+        msg = dest.to_proto(internal_pb2.KVDestination)
+        msg.signature = self.credentials.sign(msg)  # the prefill pushes only where a decode instance vouched
+        return internal_pb2.ReserveResponse(destination=msg, dp_rank=rank)
 
-    def Release(self, request, context):  # noqa: N802
+    async def Release(self, request, context):  # noqa: N802
         rank = self.coord.lease_rank.pop(request.lease_id, None)
-        released = rank is not None and bool(self._result(
+        released = rank is not None and bool(await self._result(
             self.coord.submit("release", rank, lease_id=request.lease_id), context))
         return internal_pb2.ReleaseResponse(released=released)
 
-    def GetLoad(self, request, context):  # noqa: N802
+    async def GetLoad(self, request, context):  # noqa: N802
         loads = self.coord.loads
         internal_only = ("has_work", "expired", "applied_cid")
         ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items() if k not in internal_only}) for x in loads]
@@ -106,50 +105,55 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             free_blocks=sum(x["free_blocks"] for x in loads), total_blocks=sum(x["total_blocks"] for x in loads),
             active_leases=sum(x["active_leases"] for x in loads), ranks=ranks)
 
-    def Decode(self, request, context):  # noqa: N802
+    async def Decode(self, request, context):  # noqa: N802
         rank = self.coord.lease_rank.get(request.lease_id)
         if rank is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
         rid = request.request_id or request.lease_id
         params = sampling_from_proto(request.sampling_params)
         try:
             params.validate()
-            stream = self.coord.open_stream(rid)
+            stream = self.coord.open_stream(rid, LoopQueue())
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
         except KeyError:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already streaming here")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already streaming here")
         admit = self.coord.submit("admit", rank, request_id=rid, lease_id=request.lease_id,
                                   prompt=list(request.prompt_token_ids), params=params_dict(params),
                                   first_token=request.first_token_id, rng_state=bytes(request.rng_state))
         try:
-            admit.result(60)
+            await wait_future(admit, 60)
         except CommandError as exc:
             self.coord.close_stream(rid, stream)
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         self.coord.lease_rank.pop(request.lease_id, None)  # claimed: the blocks belong to the request now
-        context.add_callback(lambda: self.coord.submit("abort", rank, request_id=rid))
-        reason = None
+        reason, ended = None, False
         out = self.coord.me.engine.output_processor(params)  # text made here, off the engine thread
-        while (ev := stream.get()) is not None:
-            if ev is FATAL:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the decode engine failed; this instance is restarting")
-            if ev.finish_reason == "error":
-                metrics.REQUESTS.labels("decode", "error").inc()
-                context.abort(grpc.StatusCode.INTERNAL, ev.error)
-            reason = ev.finish_reason if ev.finished else None
-            text = out.process([ev.token_id], final=ev.finished)
-            if out.stopped and not ev.finished:  # a stop string: the engine stops this request now
-                reason = "stop"
+        try:
+            while (ev := await stream.get()) is not None:
+                if ev is FATAL:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "the decode engine failed; this instance is restarting")
+                if ev.finish_reason == "error":
+                    ended = True
+                    metrics.REQUESTS.labels("decode", "error").inc()
+                    await context.abort(grpc.StatusCode.INTERNAL, ev.error)
+                reason = ev.finish_reason if ev.finished else None
+                ended = ev.finished
+                text = out.process([ev.token_id], final=ev.finished)
+                if out.stopped and not ev.finished:  # a stop string: the engine stops this request now
+                    reason = "stop"
+                metrics.TOKENS.labels("decode", "output").inc()
+                yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "")
+                if out.stopped:
+                    break
+            metrics.REQUESTS.labels("decode", reason or "abort").inc()
+            if reason is None:
+                yield internal_pb2.DecodeResponse(finish_reason="abort")
+        finally:  # finished, stopped, cancelled by the caller, deadline, or an error: the engine lets go
+            self.coord.close_stream(rid, stream)
+            if not ended:
                 self.coord.submit("abort", rank, request_id=rid)
-            metrics.TOKENS.labels("decode", "output").inc()
-            yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "")
-            if out.stopped:
-                break
-        self.coord.close_stream(rid, stream)
-        metrics.REQUESTS.labels("decode", reason or "abort").inc()
-        if reason is None and context.is_active():
-            yield internal_pb2.DecodeResponse(finish_reason="abort")
 
 
 def parse_args(argv: list[str] | None = None) -> DecodeConfig:
@@ -163,15 +167,27 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     return DecodeConfig.from_args(p.parse_args(argv))
 
 
-def serve(cfg: DecodeConfig, coordinator: Coordinator):  # noqa: ANN201 - (server, port, health)
+async def serve(cfg: DecodeConfig, coordinator: Coordinator) -> tuple[grpc.aio.Server, int, Lifecycle]:
     servicer = DecodeServicer(cfg, coordinator)
-    server, port, health = build_server(
+    server, port, life = await start_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE],
-        credentials=cfg.credentials(), max_workers=2 * cfg.max_num_seqs + 32)  # a stream holds a worker thread
-    coordinator.on_fatal = lambda reason: fail_process(health, [SERVICE], reason)
-    server.start()
-    set_serving(health, [SERVICE])
-    return server, port, health
+        credentials=servicer.credentials)
+    coordinator.on_fatal = life.fail
+    return server, port, life
+
+
+async def _serve_until_stopped(cfg: DecodeConfig, coordinator: Coordinator, me: DecodeRank,
+                               followers: list) -> None:
+    _, port, life = await serve(cfg, coordinator)
+    write_port_file(cfg.port_file, port)
+    print(f"decode_service listening on {cfg.host}:{port} "
+          f"(dp={cfg.dp} tp={cfg.tp} ep={cfg.ep}, kv {me.receiver.transport})", flush=True)
+
+    def cleanup() -> None:
+        coordinator.stop()
+        join_ranks(followers)
+
+    await life.run(cfg.drain_seconds, cleanup)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,18 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
     coordinator = Coordinator(me, cfg.world)
     metrics.start_metrics_server(cfg.metrics_port, cfg.host)
-    server, port, health = serve(cfg, coordinator)
-    write_port_file(cfg.port_file, port)
-    print(f"decode_service listening on {cfg.host}:{port} "
-          f"(dp={cfg.dp} tp={cfg.tp} ep={cfg.ep}, kv {me.receiver.transport})",
-          flush=True)
-    wait_for_shutdown()
-
-    def cleanup() -> None:
-        coordinator.stop()
-        join_ranks(followers)
-
-    exit_after_drain(server, health, [SERVICE], cfg.drain_seconds, cleanup)
+    asyncio.run(_serve_until_stopped(cfg, coordinator, me, followers))
 
 
 __all__ = ["STOP", "DecodeConfig", "main"]

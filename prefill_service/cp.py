@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,8 @@ from shared.engine import LLMEngine, SamplingParams
 from shared.engine.sampler import sample
 from shared.model import ForwardBatch, SeqChunk
 from shared.parallel.cp import build_cp_batch, owned_blocks
-from shared.transfer import Destination, TransferError, make_sender
+from shared.transfer import Destination, KVSender, TransferError
+from shared.transfer import make_sender as make_sender_
 
 log = logging.getLogger("pdserve.prefill")
 STOP = "stop"
@@ -53,10 +55,11 @@ def _runs(blocks: list[int]) -> list[list[int]]:
 class CPRank:
     """What every CP rank does for one request."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, make_sender: Callable[[str], KVSender] | None = None):
         self.engine = engine
         self.state = engine.parallel
-        self.senders: dict[str, Any] = {}
+        self.senders: dict[str, KVSender] = {}
+        self._make = make_sender or (lambda transport: make_sender_(transport, engine.kv))
         self.scratch = engine.scratch_blocks[0] if engine.scratch_blocks else engine.kv.allocator.allocate(1)[0]
 
     def run(self, job: CPJob) -> tuple[int | None, bytes, str | None, Any]:
@@ -75,7 +78,7 @@ class CPRank:
                 fb = ForwardBatch.build([SeqChunk(job.prompt, 0, table)], bs, engine.device, engine.workspace_bytes)
             if runs:
                 if job.dest.transport not in self.senders:
-                    self.senders[job.dest.transport] = make_sender(job.dest.transport, kv)
+                    self.senders[job.dest.transport] = self._make(job.dest.transport)
                 push = self.senders[job.dest.transport].open(job.dest)
 
             def layer_done(layer: int) -> None:
@@ -90,8 +93,9 @@ class CPRank:
                 rng = bytes(gen.get_state().numpy()) if job.params.seed is not None else b""
             if push is not None:
                 push.finish(commit=False)
-        except (TransferError, ValueError, RuntimeError) as exc:
-            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the outcome all-gather, or they diverge
+            log.exception("CP rank %d failed request %s", rank, job.request_id)
+            error = f"{type(exc).__name__}: {exc}"
         finally:
             kv.allocator.free(table)
         return token, rng, error, push
@@ -114,13 +118,17 @@ class CPRank:
         return first[0], first[1], "; ".join(errors) or None
 
 
+HEARTBEAT_SECONDS = 5.0  # an idle leader broadcasts this often, so followers never wait near the collective timeout
+
+
 def follower_loop(me: CPRank) -> None:
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         if box[0] == STOP:
             return
-        me.step(box[0])
+        if box[0] is not None:  # None: the leader's idle heartbeat
+            me.step(box[0])
 
 
 class CPLeader:
@@ -131,6 +139,7 @@ class CPLeader:
         self._jobs: queue.Queue = queue.Queue()
         self._queued: dict[str, Future] = {}
         self._stop = False
+        self.on_fatal: Callable[[str], None] | None = None  # set by the service: NOT_SERVING, then exit
         self._thread = threading.Thread(target=self._loop, name="cp-leader", daemon=True)
         self._thread.start()
 
@@ -152,12 +161,17 @@ class CPLeader:
         self._thread.join(10)
 
     def _loop(self) -> None:
+        last, fut = time.monotonic(), None
         try:
             while not self._stop:
                 try:
                     job, fut, t0 = self._jobs.get(timeout=0.2)
                 except queue.Empty:
+                    if time.monotonic() - last > HEARTBEAT_SECONDS:
+                        dist.broadcast_object_list([None], src=0)
+                        last = time.monotonic()
                     continue
+                last = time.monotonic()
                 self._queued.pop(job.request_id, None)
                 if not fut.set_running_or_notify_cancel():
                     continue
@@ -167,5 +181,17 @@ class CPLeader:
                     fut.set_exception(TransferError(error or "no rank produced the first token"))
                 else:
                     fut.set_result((token, rng, time.perf_counter() - t0))
+        except Exception as exc:  # noqa: BLE001 - a collective failed or timed out: the group cannot go on
+            log.exception("CP leader loop failed")
+            if fut is not None and not fut.done():
+                fut.set_exception(TransferError(f"prefill group failed: {exc}"))
+            for queued in list(self._queued.values()):
+                if queued.set_running_or_notify_cancel():
+                    queued.set_exception(TransferError(f"prefill group failed: {exc}"))
+            if self.on_fatal is not None:
+                self.on_fatal(f"{type(exc).__name__}: {exc}")
         finally:
-            dist.broadcast_object_list([STOP], src=0)
+            try:
+                dist.broadcast_object_list([STOP], src=0)
+            except Exception:  # noqa: BLE001 - the group is already broken
+                pass

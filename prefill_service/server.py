@@ -16,10 +16,12 @@ returns the first sampled token.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -34,16 +36,9 @@ from shared.engine.worker import EngineWorker
 from shared.parallel import ParallelState
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import (
-    build_server,
-    exit_after_drain,
-    fail_process,
-    sampling_from_proto,
-    set_serving,
-    wait_for_shutdown,
-    write_port_file,
-)
-from shared.transfer import Destination, KVPush, TransferError, make_sender
+from shared.rpc.service import Lifecycle, sampling_from_proto, start_server, wait_future, write_port_file
+from shared.transfer import Destination, KVPush, KVSender, TransferError, make_sender
+from shared.transfer.tcp import STALL_SECONDS
 
 log = logging.getLogger("pdserve.prefill")
 SERVICE = "pdserve.v1.Prefill"
@@ -52,6 +47,7 @@ SERVICE = "pdserve.v1.Prefill"
 @dataclass
 class PrefillConfig(ServiceConfig):
     max_prefill_tokens: int = 4096
+    kv_stall_seconds: float = STALL_SECONDS
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
@@ -75,15 +71,17 @@ class _Job:
 class PrefillWorker(EngineWorker):
     """Engine thread whose step pushes each computed layer of each scheduled chunk."""
 
-    def __init__(self, engine: LLMEngine, transport: str):
+    def __init__(self, engine: LLMEngine, transport: str, make: Callable[[str], KVSender] | None = None):
         self.jobs: dict[str, _Job] = {}
-        self.senders = {}
+        self.senders: dict[str, KVSender] = {}
         self.transport = transport
+        self._make = make or (lambda t: make_sender(t, engine.kv))
+        self._finishers = ThreadPoolExecutor(4, thread_name_prefix="kv-finish")
         super().__init__(engine, "prefill-engine")
 
-    def sender(self, transport: str):  # noqa: ANN201
+    def sender(self, transport: str) -> KVSender:
         if transport not in self.senders:
-            self.senders[transport] = make_sender(transport, self.engine.kv)
+            self.senders[transport] = self._make(transport)
         return self.senders[transport]
 
     def step(self) -> None:
@@ -106,34 +104,48 @@ class PrefillWorker(EngineWorker):
             return
         for seq, tok in zip([c.seq for c in chunks if c.completes], tokens):
             job = self.jobs.pop(seq.request_id)
-            try:
-                job.push.finish()
-            except TransferError as exc:
-                engine.abort(seq.request_id)
-                job.done.set_exception(exc)
-                continue
-            metrics.KV_BYTES.labels(self.transport).inc(job.push.bytes_sent)
+            blocks, seq.block_table = seq.block_table, []  # held until the push has read them
             state = bytes(seq.generator.get_state().numpy()) if seq.params.seed is not None else b""
-            engine.append_token(seq, tok)  # max_tokens=1: finishes, frees the blocks
-            job.done.set_result((tok, state, time.perf_counter() - job.started))
+            engine.append_token(seq, tok)  # max_tokens=1: the request is done here
+            self._finishers.submit(self._complete, job, blocks, tok, state)
+
+    def _complete(self, job: _Job, blocks: list[int], token: int, state: bytes) -> None:
+        """On a finisher thread, so the engine steps on while pushes drain and commit: wait for the
+        push, then hand the blocks back to the engine thread and answer the caller."""
+        try:
+            job.push.finish()
+        except Exception as exc:  # noqa: BLE001 - TransferError, or anything else: the caller hears it
+            job.done.set_exception(exc if isinstance(exc, TransferError) else TransferError(str(exc)))
+            return
+        finally:
+            self.call(lambda engine: engine.kv.allocator.free(blocks))
+        metrics.KV_BYTES.labels(self.transport).inc(job.push.bytes_sent)
+        job.done.set_result((token, state, time.perf_counter() - job.started))
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
-        """Queue a prompt whose KV goes to `dest`; the Future yields (first token, rng state, seconds).
-        Raises ValueError (bad request) or TransferError (bad destination) right away."""
+        """Queue a prompt whose KV goes to `dest`; the Future yields (first token, rng state, seconds),
+        or fails with ValueError (bad request) or TransferError (bad destination, failed push)."""
         done: Future = Future()
 
         def add(engine: LLMEngine) -> None:
-            seq = engine.make_sequence(prompt, params, request_id)  # validates against the real params
+            if done.done():  # cancelled before the engine got to it
+                return
+            try:
+                seq = engine.make_sequence(prompt, params, request_id)  # validates against the real params
+            except ValueError as exc:
+                done.set_exception(exc)
+                return
             seq.params = dataclasses.replace(params, max_tokens=1)  # prefill ends at the first token
             try:
                 push = self.sender(dest.transport).open(dest)
-            except BaseException:
+            except Exception as exc:  # noqa: BLE001
                 engine.abort(request_id)
-                raise
+                done.set_exception(exc if isinstance(exc, TransferError) else TransferError(str(exc)))
+                return
             self.jobs[request_id] = _Job(push, done, time.perf_counter())
             engine.scheduler.add(seq)
 
-        self.call(add).result()
+        self.call(add)
         return done
 
     def on_failure(self, exc: BaseException) -> None:
@@ -146,6 +158,10 @@ class PrefillWorker(EngineWorker):
     def cancel(self, request_id: str, reason: BaseException) -> None:
         self.call(lambda engine: self._fail(request_id, reason))
 
+    def stop(self) -> None:
+        super().stop()
+        self._finishers.shutdown(wait=False, cancel_futures=True)
+
     def _blocks(self, c: ScheduledChunk) -> tuple[list[int], int]:
         """Source blocks touched by this chunk and the lease index of the first one."""
         bs = self.engine.layout.block_size
@@ -157,7 +173,7 @@ class PrefillWorker(EngineWorker):
         job = self.jobs.pop(request_id, None)
         self.engine.abort(request_id)
         if job is not None:
-            job.push.abort()
+            self._finishers.submit(job.push.abort)  # joins the push thread: not on the engine thread
             if not job.done.done():
                 job.done.set_exception(exc)
 
@@ -167,49 +183,55 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
 
     def __init__(self, cfg: PrefillConfig, state: ParallelState | None = None):
         self.cfg = cfg
+        self.credentials = cfg.credentials()
         self.engine = LLMEngine(cfg.engine_config(), state)
+        tls = self.credentials.ssl_context(server=False)
+
+        def make(transport: str) -> KVSender:
+            return make_sender(transport, self.engine.kv, cfg.public_host, tls=tls, stall_seconds=cfg.kv_stall_seconds)
+
         if cfg.world > 1:
-            self.worker = CPLeader(CPRank(self.engine))
+            self.worker = CPLeader(CPRank(self.engine, make))
         else:
-            self.worker = PrefillWorker(self.engine, cfg.kv_transport)
+            self.worker = PrefillWorker(self.engine, cfg.kv_transport, make)
         metrics.KV_TOTAL_BLOCKS.labels("prefill").set(self.engine.kv.num_blocks)
 
-    def GetLoad(self, request, context):  # noqa: N802
+    async def GetLoad(self, request, context):  # noqa: N802
         sched = self.engine.scheduler
         return internal_pb2.LoadReport(running=len(sched.running), waiting=len(sched.waiting),
                                        free_blocks=self.engine.kv.allocator.num_free,
                                        total_blocks=self.engine.kv.num_blocks)
 
-    def Prefill(self, request, context):  # noqa: N802
+    async def Prefill(self, request, context):  # noqa: N802
+        problem = self.credentials.vouched(request.destination)
+        if problem:  # KV goes only where a decode instance of this cluster vouched for it
+            metrics.REQUESTS.labels("prefill", "refused").inc()
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
         params = sampling_from_proto(request.sampling_params)
         dest = Destination.from_proto(request.destination)
         prompt = list(request.prompt_token_ids)
         rid = request.request_id
-        remaining = context.time_remaining()  # None: no deadline (grpc reports a huge value then)
+        remaining = context.time_remaining()  # None: no deadline
         if remaining is not None and remaining <= 0:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
         try:
             done = self.worker.submit(rid, prompt, params, dest)
         except ValueError as exc:
             metrics.REQUESTS.labels("prefill", "invalid").inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except TransferError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        if not context.add_callback(lambda: self.worker.cancel(rid, RuntimeError("cancelled"))):
-            self.worker.cancel(rid, RuntimeError("cancelled"))  # the caller is already gone: drop the prompt
-            context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            remaining = context.time_remaining()
-            token, state, seconds = done.result(timeout=remaining if remaining is not None and remaining < 1e6
-                                                else None)
+            token, state, seconds = await wait_future(done)
+        except ValueError as exc:
+            metrics.REQUESTS.labels("prefill", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferError as exc:
             metrics.REQUESTS.labels("prefill", "transfer_error").inc()
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}")
-        except TimeoutError:
-            self.worker.cancel(rid, TimeoutError("deadline"))
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill deadline exceeded")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}")
+        except asyncio.CancelledError:  # the caller went away or its deadline passed: drop the prompt
+            self.worker.cancel(rid, RuntimeError("cancelled"))
+            raise
         except Exception as exc:  # noqa: BLE001
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
         metrics.REQUESTS.labels("prefill", "ok").inc()
         metrics.TOKENS.labels("prefill", "prompt").inc(len(prompt))
         metrics.PREFILL_SECONDS.observe(seconds)
@@ -229,20 +251,29 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     ServiceConfig.add_arguments(p)
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="chunked-prefill budget per step")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
+    p.add_argument("--kv-stall-seconds", type=float, default=STALL_SECONDS,
+                   help="a KV push that makes no progress this long fails (the request gets UNAVAILABLE)")
     return PrefillConfig.from_args(p.parse_args(argv))
 
 
-def serve(cfg: PrefillConfig, state: ParallelState | None = None) -> tuple[grpc.Server, int, PrefillServicer]:
-    servicer = PrefillServicer(cfg, state)
-    server, port, health = build_server(
+async def serve(cfg: PrefillConfig, servicer: PrefillServicer) -> tuple[grpc.aio.Server, int, Lifecycle]:
+    server, port, life = await start_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(servicer, s)], [SERVICE],
-        credentials=cfg.credentials())
-    if isinstance(servicer.worker, PrefillWorker):
-        servicer.worker.on_fatal = lambda reason: fail_process(health, [SERVICE], reason)
-    servicer.health = health
-    server.start()
-    set_serving(health, [SERVICE])
-    return server, port, servicer
+        credentials=servicer.credentials)
+    servicer.worker.on_fatal = life.fail
+    return server, port, life
+
+
+async def _serve_until_stopped(cfg: PrefillConfig, servicer: PrefillServicer, followers: list) -> None:
+    _, port, life = await serve(cfg, servicer)
+    write_port_file(cfg.port_file, port)
+    print(f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} tp={cfg.tp} ep={cfg.ep})", flush=True)
+
+    def cleanup() -> None:
+        servicer.close()
+        join_ranks(followers)
+
+    await life.run(cfg.drain_seconds, cleanup)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,13 +283,5 @@ def main(argv: list[str] | None = None) -> None:
     if followers is None:  # this process was a torchrun-style follower
         return
     metrics.start_metrics_server(cfg.metrics_port, cfg.host)
-    server, port, servicer = serve(cfg, service_state(cfg.parallel(), 0))
-    write_port_file(cfg.port_file, port)
-    print(f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} tp={cfg.tp} ep={cfg.ep})", flush=True)
-    wait_for_shutdown()
-
-    def cleanup() -> None:
-        servicer.close()
-        join_ranks(followers)
-
-    exit_after_drain(server, servicer.health, [SERVICE], cfg.drain_seconds, cleanup)
+    servicer = PrefillServicer(cfg, service_state(cfg.parallel(), 0))
+    asyncio.run(_serve_until_stopped(cfg, servicer, followers))

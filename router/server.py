@@ -8,33 +8,27 @@ decode.Reserve → prefill.Prefill (KV pushed to the reservation) → decode.Dec
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import itertools
 import logging
 import re
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from shared import metrics
-from shared.config import ModelConfig
+from shared.config import ModelConfig, add_tls_arguments
 from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.sampler import SamplingParams
 from shared.engine.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from shared.rpc.service import (
-    Credentials,
-    build_server,
-    channel,
-    exit_after_drain,
-    sampling_from_proto,
-    set_serving,
-    wait_for_shutdown,
-    write_port_file,
-)
+from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server, write_port_file
 
 log = logging.getLogger("pdserve.router")
 SERVICE = "pdserve.v1.Generation"
@@ -56,6 +50,10 @@ class RouterConfig:
     auth_token_file: str | None = None
     insecure: bool = False
     port_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    max_concurrent_requests: int = 1024
 
 
 MAX_REQUEST_ID = 128
@@ -85,15 +83,14 @@ def _lenient(parse):  # noqa: ANN001, ANN202
 class Instance:
     address: str
     stub: object
-    outstanding: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    outstanding: int = 0  # changed only on the event loop: no lock
 
 
 class Pool:
     """Instances of one kind; picks the one with the fewest requests in flight (ties: round robin)."""
 
     def __init__(self, addresses: list[str], stub_cls, credentials: Credentials | None = None):  # noqa: ANN001
-        self.instances = [Instance(a, stub_cls(channel(a, credentials))) for a in addresses]
+        self.instances = [Instance(a, stub_cls(aio_channel(a, credentials))) for a in addresses]
         self._rr = itertools.count()
 
     def ranked(self) -> list[Instance]:
@@ -105,18 +102,13 @@ class Pool:
         return sorted(rotated, key=lambda inst: inst.outstanding)
 
 
-class _InFlight:
-    def __init__(self, inst: Instance):
-        self.inst = inst
-
-    def __enter__(self) -> Instance:
-        with self.inst.lock:
-            self.inst.outstanding += 1
-        return self.inst
-
-    def __exit__(self, *exc: object) -> None:
-        with self.inst.lock:
-            self.inst.outstanding -= 1
+@contextlib.contextmanager
+def _in_flight(inst: Instance) -> Iterator[Instance]:
+    inst.outstanding += 1
+    try:
+        yield inst
+    finally:
+        inst.outstanding -= 1
 
 
 class Invalid(ValueError):
@@ -124,23 +116,33 @@ class Invalid(ValueError):
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """The public front: every handler is a coroutine, so open streams cost no threads; prompts are
+    tokenized on a small pool (the tokenizer releases the GIL) so a long one delays no one."""
+
     def __init__(self, cfg: RouterConfig):
         if not cfg.prefill or not cfg.decode:
             raise ValueError("the router needs at least one --prefill and one --decode address")
         self.cfg = cfg
         self.model_config = ModelConfig.from_pretrained(cfg.model)
         self.tokenizer = Tokenizer.from_model_dir(cfg.model, self.model_config.bos_token_id)
-        self.credentials = Credentials.from_args(cfg.auth_token_file, cfg.insecure)
+        self.credentials = Credentials.from_args(cfg.auth_token_file, cfg.insecure, cfg.tls_cert, cfg.tls_key,
+                                                 cfg.tls_ca)
+        self.metadata = self.credentials.metadata
         self.prefill = Pool(cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
         self.decode = Pool(cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)
+        self._tokenizers = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+        self._background: set[asyncio.Task] = set()
 
     @property
     def max_prompt_bytes(self) -> int:
         return self.cfg.max_prompt_bytes or min(8 << 20, 32 * self.model_config.max_position_embeddings)
 
-    def validate(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def _encode(self, text: str) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizers, self.tokenizer.encode, text)
+
+    async def validate(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Return (prompt ids, params) or raise Invalid naming the field. Sizes are checked before any
-        work (tokenizing included); tokenizing releases the GIL, so a long prompt delays no one else."""
+        work (tokenizing included)."""
         if isinstance(request, _Malformed):
             raise Invalid(f"request: not a valid GenerateRequest ({request.reason}); strings must be UTF-8")
         if len(request.request_id) > MAX_REQUEST_ID or not REQUEST_ID_CHARS.fullmatch(request.request_id):
@@ -163,80 +165,88 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                              if given else " (all are empty)"))
         if given[0] != "prompt_token_ids" and self.tokenizer is None:
             raise Invalid(f"{given[0]}: this model has no tokenizer; send prompt_token_ids")
+        params = sampling_from_proto(request.sampling_params)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise Invalid(f"sampling_params.{exc}") from exc
         if given[0] == "messages":
             try:
                 text = render_messages([ChatMessage(m.role, m.content, m.reasoning_content) for m in request.messages],
                                        thinking=request.thinking)
             except ValueError as exc:
                 raise Invalid(str(exc)) from exc
-            ids = self.tokenizer.encode(text)
+            ids = await self._encode(text)
         elif given[0] == "prompt":
-            ids = self.tokenizer.encode(request.prompt)
+            ids = await self._encode(request.prompt)
         else:
             ids = list(request.prompt_token_ids)
             vocab = self.model_config.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise Invalid(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        params = sampling_from_proto(request.sampling_params)
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise Invalid(f"sampling_params.{exc}") from exc
         limit = self.model_config.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
             raise Invalid(f"sampling_params.max_tokens: prompt ({len(ids)} tokens) + max_tokens "
                           f"({params.max_tokens}) exceeds the model's context of {limit}")
         return ids, params
 
-    def Generate(self, request, context):  # noqa: N802
+    async def Generate(self, request, context):  # noqa: N802
         t0 = time.perf_counter()
         try:
-            ids, params = self.validate(request)
+            ids, params = await self.validate(request)
         except Invalid as exc:
             metrics.REQUESTS.labels("router", "invalid").inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = uuid.uuid4().hex  # internal ids are the router's; the client's request_id is only echoed back
         label = request.request_id or rid
         deadline = context.time_remaining()  # None without a deadline
         if deadline is not None and deadline <= 0:
             metrics.REQUESTS.labels("router", "deadline").inc()
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before it started")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before it started")
         timeout = min(self.cfg.request_timeout, deadline) if deadline is not None else self.cfg.request_timeout
-        sampling = request.sampling_params
+        sampling, md = request.sampling_params, self.metadata
 
         reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
                                                   max_tokens=params.max_tokens)
         full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         grpc.StatusCode.DEADLINE_EXCEEDED)
-        dec, reserve = self._first_ok(context, self.decode, lambda inst: inst.stub.Reserve(
-            reserve_req, timeout=PEER_TIMEOUT), retry_on=full_or_down)
-        with _InFlight(dec):
+        dec, reserve = await self._first_ok(context, self.decode, lambda inst: inst.stub.Reserve(
+            reserve_req, timeout=PEER_TIMEOUT, metadata=md), retry_on=full_or_down)
+        with _in_flight(dec):
             lease_id = reserve.destination.lease_id
             claimed = False
             try:
                 prefill_req = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
                                                           sampling_params=sampling, destination=reserve.destination)
-                _, first = self._first_ok(context, self.prefill, lambda inst: _cancellable(
-                    context, inst.stub.Prefill.future(prefill_req, timeout=timeout)),
-                    retry_on=(grpc.StatusCode.UNAVAILABLE,))
+                _, first = await self._first_ok(context, self.prefill, lambda inst: inst.stub.Prefill(
+                    prefill_req, timeout=timeout, metadata=md), retry_on=(grpc.StatusCode.UNAVAILABLE,))
                 stream = dec.stub.Decode(internal_pb2.DecodeRequest(
                     request_id=rid, lease_id=lease_id, prompt_token_ids=ids, sampling_params=sampling,
-                    first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout)
+                    first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout, metadata=md)
                 claimed = True
-                context.add_callback(stream.cancel)
-                yield from self._relay(stream, context, label, len(ids), t0)
+                try:
+                    async for out in self._relay(stream, context, label, len(ids), t0):
+                        yield out
+                finally:
+                    stream.cancel()  # a no-op when it ended; otherwise the client left: decode lets go
             finally:
-                if not claimed:
-                    try:
-                        dec.stub.Release(internal_pb2.ReleaseRequest(lease_id=lease_id), timeout=PEER_TIMEOUT)
-                    except grpc.RpcError:
-                        pass  # the lease expires on its own
+                if not claimed:  # off the handler: it may be cancelled already
+                    task = asyncio.ensure_future(self._release(dec, lease_id))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
 
-    def _relay(self, stream, context, rid: str, prompt_tokens: int, t0: float):  # noqa: ANN001, ANN202
+    async def _release(self, dec: Instance, lease_id: str) -> None:
+        try:
+            await dec.stub.Release(internal_pb2.ReleaseRequest(lease_id=lease_id), timeout=PEER_TIMEOUT,
+                                   metadata=self.metadata)
+        except grpc.RpcError:
+            pass  # the lease expires on its own
+
+    async def _relay(self, stream, context, rid: str, prompt_tokens: int, t0: float):  # noqa: ANN001, ANN202
         n, t_first, t_last = 0, None, None
         try:
-            for msg in stream:
+            async for msg in stream:
                 now = time.perf_counter()
                 if msg.token_ids:
                     if t_first is None:
@@ -253,39 +263,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     metrics.REQUESTS.labels("router", msg.finish_reason).inc()
                 yield out
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED and not context.is_active():
-                metrics.REQUESTS.labels("router", "cancelled").inc()
-                return
             metrics.REQUESTS.labels("router", "error").inc()
-            context.abort(_map_code(exc.code()), f"decode stream failed: {exc.details()}")
+            await context.abort(_map_code(exc.code()), f"decode stream failed: {exc.details()}")
         metrics.TOKENS.labels("router", "output").inc(n)
 
     @staticmethod
-    def _first_ok(context, pool: Pool, call, retry_on: tuple) -> tuple[Instance, object]:  # noqa: ANN001
-        """call(instance) on the preferred instance, failing over to the next on `retry_on` codes;
-        aborts the client's RPC with the last error when none succeeds."""
+    async def _first_ok(context, pool: Pool, call, retry_on: tuple) -> tuple[Instance, object]:  # noqa: ANN001
+        """await call(instance) on the preferred instance, failing over to the next on `retry_on`
+        codes; aborts the client's RPC with the last error when none succeeds."""
         candidates = pool.ranked()
         for i, inst in enumerate(candidates):
             try:
-                with _InFlight(inst):
-                    return inst, call(inst)
+                with _in_flight(inst):
+                    return inst, await call(inst)
             except grpc.RpcError as exc:
                 if exc.code() in retry_on and i + 1 < len(candidates):
                     log.warning("%s: %s; trying the next instance", inst.address, exc.code().name)
                     continue
                 metrics.REQUESTS.labels("router", "error").inc()
-                context.abort(_map_code(exc.code()), f"{inst.address}: {exc.details()}")
+                await context.abort(_map_code(exc.code()), f"{inst.address}: {exc.details()}")
         raise AssertionError("unreachable: a pool has at least one instance")
-
-
-def _cancellable(context, call):  # noqa: ANN001, ANN202
-    """The result of an internal call that the client's cancel or deadline also cancels (a prefill
-    stops working on an abandoned prompt)."""
-    context.add_callback(call.cancel)
-    try:
-        return call.result()
-    except grpc.FutureCancelledError:
-        context.abort(grpc.StatusCode.CANCELLED, "the client went away")
 
 
 def _map_code(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -311,37 +308,40 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--auth-token-file", default=None,
                    help="file holding the cluster's shared secret (default: $PDSERVE_CLUSTER_TOKEN)")
     p.add_argument("--insecure", action="store_true", help="call instances that run without the cluster secret")
+    add_tls_arguments(p)
+    p.add_argument("--max-concurrent-requests", type=int, default=1024,
+                   help="Generate calls in flight beyond this get RESOURCE_EXHAUSTED at once")
     p.add_argument("--max-prompt-bytes", type=int, default=0,
                    help="largest text prompt / messages accepted (0: 32 bytes per context token, at most 8 MiB)")
     a = p.parse_args(argv)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     return RouterConfig(a.model, split(a.prefill), split(a.decode), a.host, a.port, a.metrics_port,
                         a.request_timeout, a.max_prompt_bytes, a.drain_seconds, a.auth_token_file, a.insecure,
-                        a.port_file)
+                        a.port_file, a.tls_cert, a.tls_key, a.tls_ca, a.max_concurrent_requests)
 
 
-def serve(cfg: RouterConfig) -> tuple[grpc.Server, int, GenerationServicer]:
+async def serve(cfg: RouterConfig) -> tuple[grpc.aio.Server, int, Lifecycle]:
     servicer = GenerationServicer(cfg)
 
-    def register(server: grpc.Server) -> None:
+    def register(server: grpc.aio.Server) -> None:
         handler = grpc.unary_stream_rpc_method_handler(
             servicer.Generate, request_deserializer=_lenient(generation_pb2.GenerateRequest.FromString),
             response_serializer=generation_pb2.GenerateResponse.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Generate": handler}),))
 
-    server, port, health = build_server(cfg.host, cfg.port, [register], [SERVICE], max_workers=256)
-    servicer.health = health
-    server.start()
-    set_serving(health, [SERVICE])
-    return server, port, servicer
+    return await start_server(cfg.host, cfg.port, [register], [SERVICE], servicer.credentials, public=True,
+                              max_concurrent_rpcs=cfg.max_concurrent_requests)
+
+
+async def _serve_until_stopped(cfg: RouterConfig) -> None:
+    _, port, life = await serve(cfg)
+    write_port_file(cfg.port_file, port)
+    print(f"router listening on {cfg.host}:{port}", flush=True)
+    await life.run(cfg.drain_seconds)
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = parse_args(argv)
     metrics.start_metrics_server(cfg.metrics_port, cfg.host)
-    server, port, servicer = serve(cfg)
-    write_port_file(cfg.port_file, port)
-    print(f"router listening on {cfg.host}:{port}", flush=True)
-    wait_for_shutdown()
-    exit_after_drain(server, servicer.health, [SERVICE], cfg.drain_seconds)
+    asyncio.run(_serve_until_stopped(cfg))

@@ -279,6 +279,12 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
+def add_tls_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", default=None, help="PEM certificate of this instance (mutual TLS on every hop)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM certificate of the cluster CA: peers must present one it signed")
+
+
 @dataclass
 class ServiceConfig:
     """The flags every engine-backed service takes (the deployment renders exactly these)."""
@@ -301,11 +307,25 @@ class ServiceConfig:
     auth_token_file: str | None = None
     insecure: bool = False
     port_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    advertise_host: str | None = None
 
     def credentials(self):  # noqa: ANN201 - shared.rpc.service.Credentials (imported lazily: no cycle)
         from shared.rpc.service import Credentials
 
-        return Credentials.from_args(self.auth_token_file, self.insecure)
+        return Credentials.from_args(self.auth_token_file, self.insecure, self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def public_host(self) -> str:
+        """The host peers reach this instance at (KV endpoints, Mooncake): --advertise-host, or --host
+        when that names one interface (a wildcard bind names none)."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            raise ValueError("--host binds every interface: give --advertise-host, the address peers use")
+        return self.host
 
     @property
     def world(self) -> int:
@@ -341,6 +361,9 @@ class ServiceConfig:
                        help="file holding the cluster's shared secret (default: $PDSERVE_CLUSTER_TOKEN)")
         p.add_argument("--insecure", action="store_true",
                        help="accept internal calls without the cluster secret (development only)")
+        add_tls_arguments(p)
+        p.add_argument("--advertise-host", default=None,
+                       help="address peers reach this instance at (needed with --host 0.0.0.0)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServiceConfig:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import urllib.request
 
 import grpc
@@ -9,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from router.cli import Cluster, free_port
+from router.cli import Cluster, free_port, wait_port_file
 from shared.engine import LLM, SamplingParams
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from tests.helpers import TRANSPORTS, concurrent_greedy, load_reference, random_prompts, reference_greedy, wait_for
@@ -178,17 +180,19 @@ def test_health_and_reflection(cluster):
             assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
 
 
-def test_dead_peer_is_unavailable_fast(model_dir):
-    from router.server import RouterConfig, serve
-
-    dead = f"127.0.0.1:{free_port()}"
-    server, port, _ = serve(RouterConfig(str(model_dir), [dead], [dead], port=0, insecure=True))
+def test_dead_peer_is_unavailable_fast(model_dir, tmp_path):
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there (a port taken meanwhile would still refuse gRPC)
+    port_file = tmp_path / "router.port"
+    proc = subprocess.Popen([sys.executable, "-m", "router", "--model", str(model_dir), "--prefill", dead,
+                             "--decode", dead, "--port", "0", "--port-file", str(port_file), "--insecure"])
     try:  # a bounded wait, not a timing assertion: a hang would end as DEADLINE_EXCEEDED and fail
+        port = wait_port_file(port_file, 120, proc)
         with pytest.raises(grpc.RpcError) as err:
             generate(f"127.0.0.1:{port}", timeout=30, prompt_token_ids=[5, 6], sampling_params=greedy(2))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        server.stop(0)
+        proc.kill()
+        proc.wait()
 
 
 def test_metrics_endpoint(model_dir):

@@ -60,6 +60,7 @@ class EngineWorker:
                 else:
                     self._wake.wait(0.05)
                     self._wake.clear()
+            self._run_calls()  # what was handed over before stop() still runs (e.g. freeing blocks)
         except Exception as exc:  # noqa: BLE001 - steps contain their own failures; this is the loop itself
             self.failed = f"{type(exc).__name__}: {exc}"
             self.on_failure(exc)

@@ -16,7 +16,9 @@ import torch.multiprocessing as mp
 from shared.device import get_device
 from shared.parallel.state import ParallelConfig, ParallelState, env_rank_world
 
-SERVICE_TIMEOUT_S = 7 * 24 * 3600  # idle followers wait in a broadcast; never time them out
+# A collective that waits longer than this fails and the instance exits (the orchestrator restarts it):
+# ranks that diverged on an error never hang. Idle leaders send heartbeats well inside it.
+SERVICE_TIMEOUT_S = 300
 
 
 def _free_port() -> int:

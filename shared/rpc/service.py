@@ -1,23 +1,35 @@
-"""gRPC plumbing shared by the services: server with health + reflection, internal-call
-authentication, request conversions.
+"""gRPC plumbing shared by the services: asyncio servers with health + reflection, internal-call
+authentication (cluster token or mutual TLS), dead-peer detection, lifecycle, request conversions.
 
-Internal services (Prefill, Decode) accept only callers presenting the cluster's shared secret
-(`authorization: Bearer <token>` metadata; the token comes from `--auth-token-file` or the
-PDSERVE_CLUSTER_TOKEN environment variable). Secure by default: a service with no token refuses
-every internal call unless started with an explicit `--insecure`. `pdserve up` and the Helm chart
-generate one secret per cluster. Health checks and reflection stay open (probes); the router's
-public Generate is the front door and needs no token. KV writes need a lease token that only an
-authenticated Reserve hands out.
+Servers are `grpc.aio`: a streaming RPC is a coroutine, not a thread, so the number of concurrent
+streams does not depend on a thread pool, and health checks are answered on the event loop while
+thousands of streams are open. Engines run on their own threads and hand results to the loop.
+
+Internal services (Prefill, Decode) accept only cluster members: callers presenting the cluster's
+shared secret (`authorization: Bearer <token>`; from `--auth-token-file` or PDSERVE_CLUSTER_TOKEN),
+or, with `--tls-cert/--tls-key/--tls-ca`, peers whose certificate the cluster CA signed (mutual
+TLS on every hop; the router's public port then serves TLS without asking clients for a
+certificate). Secure by default: a service with neither refuses every internal call unless started
+with an explicit `--insecure`. Health checks and reflection stay open (probes). KV destinations
+handed out by Reserve are signed with the token, and a prefill instance pushes only to a
+destination whose signature holds, so a direct Prefill call cannot make it send KV anywhere.
+
+Peers that stop answering (killed, SIGSTOPped, partitioned) are found by HTTP/2 keepalive pings
+every KEEPALIVE_MS with a KEEPALIVE_TIMEOUT_MS deadline: their calls end with UNAVAILABLE in
+about two seconds instead of hanging until a deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,50 +44,131 @@ log = logging.getLogger("pdserve")
 
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 INTERNAL_SERVICES = ("pdserve.v1.Prefill", "pdserve.v1.Decode")
+DEFAULT_MAX_TOKENS = 16
+KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 500, 1000
+_MESSAGE_LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+_KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+CHANNEL_OPTIONS = [*_MESSAGE_LIMITS, *_KEEPALIVE,
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]  # a restarted peer is found again within ~2 s
+SERVER_OPTIONS = [*_MESSAGE_LIMITS, *_KEEPALIVE, ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+                  ("grpc.http2.max_ping_strikes", 0)]
 
 
 @dataclass(frozen=True)
 class Credentials:
-    """The cluster secret this process presents (client) and demands (internal services)."""
+    """What this process presents (client) and demands (internal services): the cluster token
+    and/or certificate files for mutual TLS."""
 
     token: str | None = None
     insecure: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     @classmethod
-    def from_args(cls, token_file: str | None, insecure: bool) -> Credentials:
+    def from_args(cls, token_file: str | None, insecure: bool, tls_cert: str | None = None,
+                  tls_key: str | None = None, tls_ca: str | None = None) -> Credentials:
         token = Path(token_file).read_text().strip() if token_file else os.environ.get(TOKEN_ENV) or None
-        if token is None and not insecure:
-            log.warning("no cluster token (--auth-token-file or %s): internal calls will be refused; "
-                        "pass --insecure to accept them without one", TOKEN_ENV)
-        return cls(token, insecure)
+        tls = (tls_cert, tls_key, tls_ca)
+        if any(tls) and not all(tls):
+            raise ValueError("--tls-cert, --tls-key and --tls-ca go together")
+        for path in filter(None, tls):
+            if not Path(path).is_file():
+                raise ValueError(f"TLS file {path} does not exist")
+        creds = cls(token, insecure, *tls)
+        if not creds.authenticated and not insecure:
+            log.warning("no cluster token (--auth-token-file or %s) and no --tls-*: internal calls will be "
+                        "refused; pass --insecure to accept them without credentials", TOKEN_ENV)
+        return creds
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_ca is not None
+
+    @property
+    def authenticated(self) -> bool:
+        return bool(self.token) or self.tls
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
-    def allows(self, metadata: tuple) -> bool:
-        if self.insecure:
+    def allows(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+        """May a caller with this metadata use internal services? Under mutual TLS the handshake
+        already proved cluster membership (the server demands a certificate signed by the CA)."""
+        if self.insecure or self.tls:
             return True
         if not self.token:
             return False
         got = dict(metadata or ()).get("authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode())
+        return hmac.compare_digest(str(got).encode(), f"Bearer {self.token}".encode())
+
+    def _read(self) -> tuple[bytes, bytes, bytes]:
+        return tuple(Path(p).read_bytes() for p in (self.tls_key, self.tls_cert, self.tls_ca))  # type: ignore[return-value]
+
+    def server_credentials(self, require_client_cert: bool = True) -> grpc.ServerCredentials | None:
+        if not self.tls:
+            return None
+        key, cert, ca = self._read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=require_client_cert)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls:
+            return None
+        key, cert, ca = self._read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def ssl_context(self, server: bool):  # noqa: ANN201 - ssl.SSLContext | None
+        """The KV channel's TLS: both sides present a certificate and accept only the cluster CA's."""
+        if not self.tls:
+            return None
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        ctx.load_verify_locations(self.tls_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    # -- vouching for KV destinations --------------------------------------------------------------
+    def sign(self, dest: internal_pb2.KVDestination) -> bytes:
+        """HMAC of a destination with the cluster token (empty without one)."""
+        if not self.token:
+            return b""
+        fields = (dest.transport, dest.endpoint, dest.lease_id, dest.token.hex(), dest.control_endpoint,
+                  ",".join(map(str, dest.block_ids)), ",".join(map(str, dest.mla_base)),
+                  ",".join(map(str, dest.index_base)), dest.layout_json)
+        return hmac.new(self.token.encode(), "\x1f".join(fields).encode(), hashlib.sha256).digest()
+
+    def vouched(self, dest: internal_pb2.KVDestination) -> str | None:
+        """None when a prefill may push to `dest`, else why not: a destination must carry the
+        cluster's signature (decode signed it at Reserve), unless this process runs --insecure
+        without a token, or under TLS the KV peer's certificate is what vouches (tcp only)."""
+        if self.token:
+            return None if hmac.compare_digest(self.sign(dest), dest.signature) else \
+                "destination: not signed by a decode instance of this cluster"
+        if self.insecure or (self.tls and dest.transport == "tcp"):
+            return None
+        return "destination: cannot be verified without the cluster token"
 
 
-class _Authenticate(grpc.ServerInterceptor):
-    """Internal methods without the cluster secret end with UNAUTHENTICATED before any work."""
+class _Authenticate(grpc.aio.ServerInterceptor):
+    """Internal methods without cluster credentials end with UNAUTHENTICATED before any work."""
 
     def __init__(self, credentials: Credentials):
         self.credentials = credentials
 
-    def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
-        handler = continuation(details)
+    async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
+        handler = await continuation(details)
         service = details.method.split("/")[1] if details.method.count("/") >= 2 else ""
         if handler is None or service not in INTERNAL_SERVICES or self.credentials.allows(details.invocation_metadata):
             return handler
 
-        def deny(request, context):  # noqa: ANN001, ANN202
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{details.method} needs the cluster's secret")
+        async def deny(request, context):  # noqa: ANN001, ANN202
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{details.method} needs the cluster's credentials")
 
         kind = (grpc.unary_stream_rpc_method_handler if handler.response_streaming
                 else grpc.unary_unary_rpc_method_handler)
@@ -83,43 +176,91 @@ class _Authenticate(grpc.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
-class _PresentToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    def __init__(self, metadata: tuple[tuple[str, str], ...]):
-        self.extra = metadata
+class Lifecycle:
+    """Health, fatal failure and signal-driven drain of one asyncio gRPC server."""
 
-    def _details(self, details):  # noqa: ANN001, ANN202
-        return details._replace(metadata=tuple(details.metadata or ()) + self.extra)
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
+                 service_names: list[str]):
+        self.server, self.health, self.names = server, health_servicer, ["", *service_names]
+        self.loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
 
-    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
-        return continuation(self._details(details), request)
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.names:
+            await self.health.set(name, status)
 
-    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001, ANN201
-        return continuation(self._details(details), request)
+    def fail(self, reason: str, grace: float = 1.0) -> None:
+        """Thread-safe: the engine loop cannot go on. Report NOT_SERVING at once, give streams `grace`
+        seconds to end with UNAVAILABLE, then exit non-zero so the orchestrator restarts the process."""
+        log.error("engine loop failed, exiting in %.1fs: %s", grace, reason)
+        asyncio.run_coroutine_threadsafe(self.set(False), self.loop)
+        timer = threading.Timer(grace, lambda: os._exit(70))
+        timer.daemon = True
+        timer.start()
 
-DEFAULT_MAX_TOKENS = 16
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    async def run(self, drain_seconds: float, cleanup: Callable[[], None] = lambda: None) -> None:
+        """Serve until SIGTERM/SIGINT, then stop accepting (NOT_SERVING, new RPCs refused), let in-flight
+        RPCs finish for up to `drain_seconds` (then they are cancelled), clean up and exit. A watchdog
+        exits regardless if cleanup hangs, so a stop signal always ends the process."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, self.stopping.set)
+        await self.stopping.wait()
+        watchdog = threading.Timer(drain_seconds + 10, lambda: os._exit(0))
+        watchdog.daemon = True
+        watchdog.start()
+        await self.set(False)
+        await self.server.stop(drain_seconds)
+        await self.loop.run_in_executor(None, cleanup)
+        sys.stdout.flush()
+        os._exit(0)
 
 
-def build_server(host: str, port: int, register: Iterable[Callable[[grpc.Server], None]],
-                 service_names: list[str], max_workers: int = 64, credentials: Credentials | None = None,
-                 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A server (not started) with health checking and reflection; returns it with its bound port.
-
-    The GIL switch interval drops from 5 ms to 0.5 ms: handler threads must not wait a whole
-    interval behind the engine thread to send a token (latency over a tiny throughput cost)."""
-    sys.setswitchinterval(0.0005)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
-                         interceptors=[_Authenticate(credentials or Credentials())])
+async def start_server(host: str, port: int, register: Iterable[Callable[[grpc.aio.Server], None]],
+                       service_names: list[str], credentials: Credentials | None = None,
+                       public: bool = False, max_concurrent_rpcs: int | None = None,
+                       ) -> tuple[grpc.aio.Server, int, Lifecycle]:
+    """Start an asyncio server with health checking and reflection (only of its own services) and
+    mark it SERVING; returns it with its bound port. Under TLS an internal server demands a client
+    certificate from the cluster CA; a `public` one (the router) serves TLS to any client. RPCs
+    beyond `max_concurrent_rpcs` are refused with RESOURCE_EXHAUSTED at once (overload)."""
+    credentials = credentials or Credentials()
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_Authenticate(credentials)],
+                             maximum_concurrent_rpcs=max_concurrent_rpcs)
     for add in register:
         add(server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    tls = credentials.server_credentials(require_client_cert=not public)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls) if tls else server.add_insecure_port(address)
     if bound == 0:
-        raise RuntimeError(f"cannot bind {host}:{port}")
-    return server, bound, health_servicer
+        raise RuntimeError(f"cannot bind {address}")
+    await server.start()
+    life = Lifecycle(server, health_servicer, service_names)
+    await life.set(True)
+    return server, bound, life
+
+
+class LoopQueue:
+    """An asyncio queue that engine threads feed (`put` is thread-safe) and a coroutine drains."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: object) -> None:
+        self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get(self) -> object:
+        return await self._queue.get()
+
+
+async def wait_future(fut, timeout: float | None = None):  # noqa: ANN001, ANN201 - concurrent Future, its result
+    """Await a concurrent.futures.Future from an engine thread without blocking the event loop."""
+    return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
 
 def write_port_file(path: str | None, port: int) -> None:
@@ -128,11 +269,6 @@ def write_port_file(path: str | None, port: int) -> None:
         tmp = Path(f"{path}.tmp")
         tmp.write_text(str(port))
         tmp.replace(path)
-
-
-def set_serving(health_servicer: health.HealthServicer, service_names: list[str]) -> None:
-    for name in ["", *service_names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
 def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
@@ -159,58 +295,38 @@ def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
     return msg
 
 
-def fail_process(health_servicer: health.HealthServicer, service_names: list[str], reason: str,
-                 grace: float = 1.0) -> None:
-    """The engine loop cannot go on: report NOT_SERVING at once, give streams `grace` seconds to end
-    with UNAVAILABLE, then exit non-zero so the orchestrator restarts the process."""
-    import os
-    import threading
+class _PresentToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]):
+        self.extra = metadata
 
-    log.error("engine loop failed, exiting in %.1fs: %s", grace, reason)
-    for name in ["", *service_names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    timer = threading.Timer(grace, lambda: os._exit(70))
-    timer.daemon = True
-    timer.start()
+    def _details(self, details):  # noqa: ANN001, ANN202
+        return details._replace(metadata=tuple(details.metadata or ()) + self.extra)
 
+    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request)
 
-def exit_after_drain(server: grpc.Server, health_servicer: health.HealthServicer, service_names: list[str],
-                     drain_seconds: float, cleanup: Callable[[], None] = lambda: None) -> None:
-    """SIGTERM/SIGINT: stop accepting (NOT_SERVING, new RPCs refused), let in-flight RPCs finish for up
-    to `drain_seconds` (then they are cancelled), clean up, exit. A watchdog exits regardless if
-    cleanup hangs, so a stop signal always ends the process."""
-    import os
-    import threading
-
-    watchdog = threading.Timer(drain_seconds + 10, lambda: os._exit(0))
-    watchdog.daemon = True
-    watchdog.start()
-    for name in ["", *service_names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server.stop(grace=drain_seconds).wait(drain_seconds + 1)
-    cleanup()
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def wait_for_shutdown() -> None:
-    """Block until SIGINT or SIGTERM (every service's main loop)."""
-    import signal
-    import threading
-
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request)
 
 
 def channel(address: str, credentials: Credentials | None = None) -> grpc.Channel:
-    """A channel to a peer; calls on it present the cluster secret when there is one."""
-    ch = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-    if credentials is not None and credentials.token:
-        ch = grpc.intercept_channel(ch, _PresentToken(credentials.metadata))
+    """A blocking channel to a peer (clients, tools, tests): TLS with the cluster CA when configured,
+    the cluster token on every call when there is one, keepalive to notice a dead peer."""
+    creds = credentials or Credentials()
+    tls = creds.channel_credentials()
+    ch = (grpc.secure_channel(address, tls, options=CHANNEL_OPTIONS) if tls
+          else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    if creds.token:
+        ch = grpc.intercept_channel(ch, _PresentToken(creds.metadata))
     return ch
 
 
-__all__ = ["build_server", "channel", "generation_pb2", "internal_pb2", "sampling_from_proto", "sampling_to_proto",
-           "set_serving"]
+def aio_channel(address: str, credentials: Credentials | None = None) -> grpc.aio.Channel:
+    """The asyncio twin of `channel` for services calling services (calls pass `credentials.metadata`)."""
+    tls = (credentials or Credentials()).channel_credentials()
+    return (grpc.aio.secure_channel(address, tls, options=CHANNEL_OPTIONS) if tls
+            else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+
+
+__all__ = ["Credentials", "Lifecycle", "LoopQueue", "aio_channel", "channel", "generation_pb2", "internal_pb2",
+           "sampling_from_proto", "sampling_to_proto", "start_server"]

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import ssl
+
 from shared.kvcache import KVCache
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError
-from shared.transfer.tcp import TcpReceiver, TcpSender
+from shared.transfer.tcp import STALL_SECONDS, TcpReceiver, TcpSender
 
 TRANSPORTS = ("tcp", "mooncake")
 
 
-def make_sender(transport: str, kv: KVCache, host: str = "127.0.0.1", protocol: str = "tcp") -> KVSender:
+def make_sender(transport: str, kv: KVCache, host: str = "127.0.0.1", protocol: str = "tcp",
+                tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS) -> KVSender:
+    """A sender of `transport`; `tls` secures the TCP data or control channel, `stall_seconds` bounds
+    how long a push may make no progress."""
     if transport == "tcp":
-        return TcpSender(kv)
+        return TcpSender(kv, tls, stall_seconds)
     if transport == "mooncake":
         from shared.transfer.mooncake import MooncakeSender
 
-        return MooncakeSender(kv, host, protocol)
+        return MooncakeSender(kv, host, protocol, tls=tls, stall_seconds=stall_seconds)
     raise ValueError(f"unknown KV transport {transport!r}; choose from {TRANSPORTS}")
 
 

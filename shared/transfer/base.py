@@ -36,17 +36,19 @@ class Destination:
     mla_base: list[int] = field(default_factory=list)
     index_base: list[int] = field(default_factory=list)
     control_endpoint: str = ""
+    signature: bytes = b""  # the decode instance's HMAC over the fields above (Credentials.sign)
 
     def to_proto(self, msg_cls):  # noqa: ANN001 - generated message class
         return msg_cls(transport=self.transport, endpoint=self.endpoint, lease_id=self.lease_id, token=self.token,
                        block_ids=self.block_ids, layout_json=json.dumps(self.layout), mla_base=self.mla_base,
-                       index_base=self.index_base, control_endpoint=self.control_endpoint)
+                       index_base=self.index_base, control_endpoint=self.control_endpoint,
+                       signature=self.signature)
 
     @classmethod
     def from_proto(cls, msg) -> Destination:  # noqa: ANN001
         return cls(msg.transport, msg.endpoint, msg.lease_id, bytes(msg.token), list(msg.block_ids),
                    json.loads(msg.layout_json or "{}"), list(msg.mla_base), list(msg.index_base),
-                   msg.control_endpoint)
+                   msg.control_endpoint, bytes(msg.signature))
 
 
 def cache_kinds(layout: KVLayout) -> tuple[str, ...]:

@@ -13,9 +13,11 @@ librdmacm1 (`make` installs both).
 
 from __future__ import annotations
 
+import ssl
+
 from shared.kvcache import KVCache
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
-from shared.transfer.tcp import TcpReceiver, mark_over_tcp
+from shared.transfer.tcp import STALL_SECONDS, TcpReceiver, mark_over_tcp, touch_over_tcp
 
 
 def mooncake_available() -> bool:
@@ -74,8 +76,9 @@ class MooncakeReceiver(KVReceiver):
 
 
 class MooncakePush(KVPush):
-    def __init__(self, kv: KVCache, dest: Destination, engine: _Engine):
-        self._engine = engine
+    def __init__(self, kv: KVCache, dest: Destination, engine: _Engine, tls: ssl.SSLContext | None = None,
+                 stall_seconds: float = STALL_SECONDS):
+        self._engine, self._tls, self._stall = engine, tls, stall_seconds
         self._marks: list[tuple[int, str, int, int]] = []  # (layer, kind, first, count) written one-sidedly
         super().__init__(kv, dest)
 
@@ -102,19 +105,27 @@ class MooncakePush(KVPush):
         """Report this rank's one-sided writes (a CP group's commit comes from rank 0 afterwards)."""
         marks, self._marks = self._marks, []
         if marks:
-            mark_over_tcp(self.dest.control_endpoint, self.dest.lease_id, self.dest.token, marks, commit=False)
+            self._control(marks, commit=False)
 
     def _commit(self) -> None:
-        mark_over_tcp(self.dest.control_endpoint, self.dest.lease_id, self.dest.token, [], commit=True)
+        self._control([], commit=True)
+
+    def _keepalive(self) -> None:
+        touch_over_tcp(self.dest.control_endpoint, self.dest.lease_id, self.dest.token, self._tls, self._stall)
+
+    def _control(self, marks: list[tuple[int, str, int, int]], commit: bool) -> None:
+        mark_over_tcp(self.dest.control_endpoint, self.dest.lease_id, self.dest.token, marks, commit,
+                      self._tls, self._stall)
 
 
 class MooncakeSender(KVSender):
-    def __init__(self, kv: KVCache, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
-        self.kv = kv
+    def __init__(self, kv: KVCache, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
+                 tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS):
+        self.kv, self.tls, self.stall_seconds = kv, tls, stall_seconds
         self._engine = _Engine(kv, host, protocol, device_name)
 
     def open(self, dest: Destination) -> KVPush:
-        return MooncakePush(self.kv, dest, self._engine)
+        return MooncakePush(self.kv, dest, self._engine, self.tls, self.stall_seconds)
 
     def close(self) -> None:
         self._engine.close()

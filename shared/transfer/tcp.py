@@ -20,6 +20,7 @@ past IDLE_TIMEOUT are closed; at most MAX_CONNECTIONS at a time.
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import threading
 
@@ -36,8 +37,9 @@ KINDS = ("mla", "index")
 HEADER = struct.Struct("!4sBB32s16sHBIIQ")
 OK, REFUSED = 0, 1
 CONNECT_TIMEOUT = 5.0
-IDLE_TIMEOUT = 30.0  # a peer silent this long (between or inside frames) is disconnected
+IDLE_TIMEOUT = 10.0  # a peer silent this long (between or inside frames) is disconnected; pushes touch every 2 s
 MAX_CONNECTIONS = 256
+STALL_SECONDS = 1.5  # a push with no progress this long fails (send blocked, or no reply to a commit)
 
 
 def byte_rows(kv: KVCache, kind: str) -> np.ndarray:
@@ -81,6 +83,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def send_views(sock: socket.socket, views: list[memoryview]) -> int:
     """sendmsg until every byte of every view is out (sendmsg may stop part-way)."""
     total = sum(len(v) for v in views)
+    if isinstance(sock, ssl.SSLSocket):  # TLS has no scatter-gather send
+        for view in views:
+            sock.sendall(view)
+        return total
     pending = [v.cast("B") for v in views]
     while pending:
         sent = sock.sendmsg(pending[:512])
@@ -100,8 +106,8 @@ class TcpReceiver(KVReceiver):
     transport = "tcp"
 
     def __init__(self, kv: KVCache, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
-                 advertise_host: str | None = None):
-        self.kv, self.leases = kv, leases
+                 advertise_host: str | None = None, tls: ssl.SSLContext | None = None):
+        self.kv, self.leases, self.tls = kv, leases, tls
         self._rows = {kind: byte_rows(kv, kind) for kind in KINDS if pool_of_or_none(kv, kind) is not None}
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.port = self._sock.getsockname()[1]
@@ -139,13 +145,16 @@ class TcpReceiver(KVReceiver):
         conn.settimeout(IDLE_TIMEOUT)
         with conn:
             try:
+                if self.tls is not None:  # the handshake refuses peers without the cluster CA's certificate
+                    conn = self.tls.wrap_socket(conn, server_side=True)
                 while error := self._frame(conn):
                     if error is not True:
                         return self._refuse(conn, error)
-            except (ConnectionError, OSError):
+            except (ConnectionError, OSError):  # ssl.SSLError is an OSError
                 return
             finally:
                 self._connections.release()
+                conn.close()
 
     def _frame(self, conn: socket.socket) -> str | bool:
         """Serve one frame: True to go on, an error message to refuse and close, False at end of stream."""
@@ -219,20 +228,35 @@ def read_reply(sock: socket.socket) -> tuple[int, str]:
     return status, _recv_exact(sock, length).decode(errors="replace")
 
 
+def connect(endpoint: str, tls: ssl.SSLContext | None, timeout: float) -> socket.socket:
+    """A connection to a KV receiver (TLS when the cluster has certificates); `timeout` bounds every
+    later send and receive without progress."""
+    host, port = split_endpoint(endpoint)
+    sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        except BaseException:
+            sock.close()
+            raise
+    sock.settimeout(timeout)
+    return sock
+
+
 class TcpPush(KVPush):
-    def __init__(self, kv: KVCache, dest: Destination, rows: dict[str, np.ndarray]):
-        self._rows = rows
+    def __init__(self, kv: KVCache, dest: Destination, rows: dict[str, np.ndarray],
+                 tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS):
+        self._rows, self._tls, self._stall = rows, tls, stall_seconds
         self._sock: socket.socket | None = None
         self._lease = dest.lease_id.encode("ascii")
         super().__init__(kv, dest)
 
     def _connect(self) -> None:
         try:
-            self._sock = socket.create_connection(split_endpoint(self.dest.endpoint), timeout=CONNECT_TIMEOUT)
+            self._sock = connect(self.dest.endpoint, self._tls, self._stall)
         except OSError as exc:
             raise TransferError(f"KV receiver {self.dest.endpoint} unreachable: {exc}") from exc
-        self._sock.settimeout(60)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def _header(self, ftype: int, layer: int = 0, kind: int = 0, first: int = 0, count: int = 0,
                 nbytes: int = 0) -> bytes:
@@ -279,20 +303,19 @@ class TcpPush(KVPush):
 
 
 class TcpSender(KVSender):
-    def __init__(self, kv: KVCache):
-        self.kv = kv
+    def __init__(self, kv: KVCache, tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS):
+        self.kv, self.tls, self.stall_seconds = kv, tls, stall_seconds
         self._rows = {kind: byte_rows(kv, kind) for kind in KINDS if pool_of_or_none(kv, kind) is not None}
 
     def open(self, dest: Destination) -> KVPush:
-        return TcpPush(self.kv, dest, self._rows)
+        return TcpPush(self.kv, dest, self._rows, self.tls, self.stall_seconds)
 
 
 def mark_over_tcp(endpoint: str, lease_id: str, token: bytes, marks: list[tuple[int, str, int, int]],
-                  commit: bool) -> None:
+                  commit: bool, tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS) -> None:
     """Mooncake's control path: report the blocks written one-sidedly (MARK frames: layer, kind,
     first, count), then commit when asked. A refused mark closes the connection with a reply."""
-    with socket.create_connection(split_endpoint(endpoint), timeout=CONNECT_TIMEOUT) as sock:
-        sock.settimeout(30)
+    with connect(endpoint, tls, stall_seconds) as sock:
         lease = lease_id.encode("ascii")
         for layer, kind, first, count in marks:
             sock.sendall(HEADER.pack(MAGIC, VERSION, MARK, lease, token, layer, KINDS.index(kind), first, count, 0))
@@ -307,3 +330,13 @@ def mark_over_tcp(endpoint: str, lease_id: str, token: bytes, marks: list[tuple[
         status, message = read_reply(sock)
     if status != OK:
         raise TransferError(f"KV receiver refused the commit: {message}")
+
+
+def touch_over_tcp(endpoint: str, lease_id: str, token: bytes, tls: ssl.SSLContext | None = None,
+                   stall_seconds: float = STALL_SECONDS) -> None:
+    """Keep a lease alive from a transport without a connection of its own (Mooncake's keepalive)."""
+    try:
+        with connect(endpoint, tls, stall_seconds) as sock:
+            sock.sendall(HEADER.pack(MAGIC, VERSION, TOUCH, lease_id.encode("ascii"), token, 0, 0, 0, 0, 0))
+    except OSError as exc:
+        raise TransferError(f"KV receiver {endpoint} went away: {exc}") from exc
