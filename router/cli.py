@@ -7,6 +7,8 @@
         streams one request to the terminal (--chat: the text as a user message, chat-encoded).
     pdserve chat [--system TEXT] [--thinking] [--address 127.0.0.1:50051]
         interactive multi-turn chat.
+    pdserve certs --out DIR [--host H ...]
+        a cluster CA + node certificate for the services' --tls-cert/--tls-key/--tls-ca.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.engine.chat import EOS, split_reasoning
 from shared.loader.tiny import ensure_tiny_model
+from shared.rpc.certs import CertFiles, make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.rpc.service import TOKEN_ENV, Credentials, channel
 
@@ -54,10 +57,11 @@ def wait_port_file(path: Path, timeout: float, proc: subprocess.Popen) -> int:
     raise TimeoutError(f"no port reported in {path} within {timeout}s")
 
 
-def wait_serving(address: str, timeout: float = 180.0, proc: subprocess.Popen | None = None) -> None:
+def wait_serving(address: str, timeout: float = 180.0, proc: subprocess.Popen | None = None,
+                 credentials: Credentials | None = None) -> None:
     """Block until the gRPC health check at `address` says SERVING."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, credentials) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -87,6 +91,9 @@ class Cluster:
     extra_decode: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     token: str = field(default_factory=lambda: secrets.token_hex(32))  # the cluster's secret, one per start
+    tls: bool = False  # mutual TLS on every hop with a CA and certificate made for this start
+    extra_router: list[str] = field(default_factory=list)
+    certs: CertFiles | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     prefill_addrs: list[str] = field(default_factory=list)
     decode_addrs: list[str] = field(default_factory=list)
@@ -109,6 +116,11 @@ class Cluster:
         common = ["--model", self.model, "--host", self.host]
         engine = ["--dtype", self.dtype, "--indexer-numerics", self.indexer_numerics]
         ports = Path(tempfile.mkdtemp(prefix="pdserve-ports-"))
+        if self.tls and self.certs is None:
+            self._cert_dir = tempfile.mkdtemp(prefix="pdserve-tls-")
+            self.certs = make_cluster_certs(self._cert_dir, [self.host])
+        if self.certs is not None:
+            common += self.certs.flags()
         try:
             started = []
             for kind, n, extra in (("decode", self.num_decode, self.extra_decode),
@@ -124,10 +136,10 @@ class Cluster:
             file = ports / "router"
             proc = self._spawn("router", ["router", *common, "--port", str(self.port), "--port-file", str(file),
                                           "--prefill", ",".join(self.prefill_addrs),
-                                          "--decode", ",".join(self.decode_addrs)])
+                                          "--decode", ",".join(self.decode_addrs), *self.extra_router])
             self.address = f"{self.host}:{wait_port_file(file, timeout, proc)}"
             for addr in [*self.decode_addrs, *self.prefill_addrs, self.address]:
-                wait_serving(addr, timeout)
+                wait_serving(addr, timeout, credentials=self.credentials)
         except BaseException:
             self.stop()
             raise
@@ -145,10 +157,18 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
         self.procs.clear()
+        if getattr(self, "_cert_dir", None):
+            shutil.rmtree(self._cert_dir, ignore_errors=True)
+
+    @property
+    def credentials(self) -> Credentials:
+        """This cluster's credentials: its token and, with TLS, its certificate files."""
+        files = (str(self.certs.cert), str(self.certs.key), str(self.certs.ca)) if self.certs else (None,) * 3
+        return Credentials(self.token, False, *files)
 
     def channel(self, address: str) -> grpc.Channel:
-        """A channel that presents this cluster's secret (to call an internal service directly)."""
-        return channel(address, Credentials(self.token))
+        """A channel with this cluster's credentials (to call the router, or an internal service directly)."""
+        return channel(address, self.credentials)
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -160,7 +180,7 @@ class Cluster:
 def cmd_up(args: argparse.Namespace) -> None:
     model = args.model or str(ensure_tiny_model(DEFAULT_MODEL))
     cluster = Cluster(model, args.num_prefill, args.num_decode, args.port, args.kv_transport, args.dtype,
-                      args.indexer_numerics,
+                      args.indexer_numerics, tls=args.tls,
                       log_dir=Path(args.log_dir) if args.log_dir else None,
                       extra_prefill=["--cp", str(args.prefill_cp), "--tp", str(args.prefill_tp),
                                      "--ep", str(args.prefill_ep),
@@ -176,6 +196,8 @@ def cmd_up(args: argparse.Namespace) -> None:
         signal.signal(sig, interrupt)
     cluster.start()
     print(f"pdserve up: router at {cluster.address}; prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}")
+    if cluster.certs is not None:
+        print(f"mutual TLS on every hop; clients verify the router with --tls-ca {cluster.certs.ca}")
     print("Ctrl-C to stop", flush=True)
     try:
         while all(p.poll() is None for p in cluster.procs):
@@ -205,8 +227,20 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
                                           sampling_params=sampling_args(args))
 
 
+def client_channel(args: argparse.Namespace) -> grpc.Channel:
+    """The router's public port: plain, or TLS verified with --tls-ca (no client certificate needed)."""
+    if not args.tls_ca:
+        return grpc.insecure_channel(args.address)
+    return grpc.secure_channel(args.address, grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes()))
+
+
+def cmd_certs(args: argparse.Namespace) -> None:
+    files = make_cluster_certs(args.out, args.host or [], args.days)
+    print(f"CA {files.ca}\ncertificate {files.cert}\nkey {files.key}\nservice flags: {' '.join(files.flags())}")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
-    with grpc.insecure_channel(args.address) as ch:
+    with client_channel(args) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         t0, first, ids = time.perf_counter(), None, []
         try:
@@ -233,7 +267,7 @@ def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> No
     history = list(system)
     args.keep_special_tokens = args.keep_special_tokens or args.thinking  # </think> separates the answer
     print("pdserve chat: /reset clears the conversation, /exit (or Ctrl-D) quits", flush=True)
-    with grpc.insecure_channel(args.address) as ch:
+    with client_channel(args) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         while True:
             try:
@@ -268,6 +302,7 @@ def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> No
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--tls-ca", default=None, help="the router serves TLS: verify it with this CA certificate")
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -302,7 +337,14 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--decode-tp", type=int, default=1, help="local-TP ranks per decode instance (with dp 1)")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
+    up.add_argument("--tls", action="store_true",
+                    help="mutual TLS on every hop (gRPC and KV) with a CA and certificate made for this start")
     up.set_defaults(fn=cmd_up)
+    certs = sub.add_parser("certs", help="make a cluster CA and a node certificate for --tls-*")
+    certs.add_argument("--out", required=True, help="directory for ca.pem, ca.key, node.pem, node.key")
+    certs.add_argument("--host", action="append", help="a host name or IP the services are reached at (repeat)")
+    certs.add_argument("--days", type=int, default=30)
+    certs.set_defaults(fn=cmd_certs)
     gen = sub.add_parser("generate", help="stream one request from the router")
     gen.add_argument("prompt", nargs="?", default=None)
     gen.add_argument("--prompt-token-ids", type=int, nargs="+", default=None)
