@@ -94,19 +94,41 @@ class Cluster:
     tls: bool = False  # mutual TLS on every hop with a CA and certificate made for this start
     extra_router: list[str] = field(default_factory=list)
     certs: CertFiles | None = None
+    _commands: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # address → (name, argv)
+    _by_address: dict[str, subprocess.Popen] = field(default_factory=dict)
     procs: list[subprocess.Popen] = field(default_factory=list)
     prefill_addrs: list[str] = field(default_factory=list)
     decode_addrs: list[str] = field(default_factory=list)
     address: str = ""
 
+    def restart(self, address: str, timeout: float = 240.0) -> None:
+        """Start the service that served `address` again on the same port (after it died or was
+        killed), and wait until it serves: the router finds it again by reconnecting."""
+        name, args = self._commands[address]
+        old = self._by_address.get(address)
+        if old is not None and old.poll() is None:
+            old.kill()
+            old.wait(10)
+        port = address.rpartition(":")[2]
+        args = [a if prev != "--port" else port for prev, a in zip(["", *args], args)]
+        args = [a for i, a in enumerate(args) if a != "--port-file" and (i == 0 or args[i - 1] != "--port-file")]
+        proc = self._spawn(name, args)
+        self._by_address[address] = proc
+        wait_serving(address, timeout, proc, self.credentials)
+
+    def process(self, address: str) -> subprocess.Popen:
+        """The process serving `address` (router, prefill or decode)."""
+        return self._by_address[address]
+
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         out = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
+            out = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - lives as long as the process
         env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}  # by environment: not in `ps`
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
+        proc.pdserve_command = (name, args)  # type: ignore[attr-defined] - what restart() runs again
         self.procs.append(proc)
         return proc
 
@@ -133,11 +155,15 @@ class Cluster:
             for kind, file, proc in started:  # the models load in parallel; collect the ports
                 addr = f"{self.host}:{wait_port_file(file, timeout, proc)}"
                 (self.decode_addrs if kind == "decode" else self.prefill_addrs).append(addr)
+                self._by_address[addr] = proc
+                self._commands[addr] = proc.pdserve_command
             file = ports / "router"
             proc = self._spawn("router", ["router", *common, "--port", str(self.port), "--port-file", str(file),
                                           "--prefill", ",".join(self.prefill_addrs),
                                           "--decode", ",".join(self.decode_addrs), *self.extra_router])
             self.address = f"{self.host}:{wait_port_file(file, timeout, proc)}"
+            self._by_address[self.address] = proc
+            self._commands[self.address] = proc.pdserve_command
             for addr in [*self.decode_addrs, *self.prefill_addrs, self.address]:
                 wait_serving(addr, timeout, credentials=self.credentials)
         except BaseException:

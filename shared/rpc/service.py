@@ -48,7 +48,8 @@ DEFAULT_MAX_TOKENS = 16
 KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 500, 1000
 _MESSAGE_LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 _KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+              ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_MS), ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS)]
 CHANNEL_OPTIONS = [*_MESSAGE_LIMITS, *_KEEPALIVE,
                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                    ("grpc.max_reconnect_backoff_ms", 2000)]  # a restarted peer is found again within ~2 s
