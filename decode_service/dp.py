@@ -342,7 +342,7 @@ class Coordinator:
 
     def _resolve(self, cid: int, reply: Any) -> None:
         fut = self._futures.pop(cid, None)
-        if fut is None:
+        if fut is None or fut.done():  # nobody may cancel it, but a dead waiter must not stop the loop
             return
         if isinstance(reply, CommandError):
             fut.set_exception(reply)

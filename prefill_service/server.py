@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -76,7 +77,6 @@ class PrefillWorker(EngineWorker):
         self.senders: dict[str, KVSender] = {}
         self.transport = transport
         self._make = make or (lambda t: make_sender(t, engine.kv))
-        self._finishers = ThreadPoolExecutor(4, thread_name_prefix="kv-finish")
         super().__init__(engine, "prefill-engine")
 
     def sender(self, transport: str) -> KVSender:
@@ -107,18 +107,15 @@ class PrefillWorker(EngineWorker):
             blocks, seq.block_table = seq.block_table, []  # held until the push has read them
             state = bytes(seq.generator.get_state().numpy()) if seq.params.seed is not None else b""
             engine.append_token(seq, tok)  # max_tokens=1: the request is done here
-            self._finishers.submit(self._complete, job, blocks, tok, state)
+            job.push.finish_async(functools.partial(self._pushed, job, blocks, tok, state))
 
-    def _complete(self, job: _Job, blocks: list[int], token: int, state: bytes) -> None:
-        """On a finisher thread, so the engine steps on while pushes drain and commit: wait for the
-        push, then hand the blocks back to the engine thread and answer the caller."""
-        try:
-            job.push.finish()
-        except Exception as exc:  # noqa: BLE001 - TransferError, or anything else: the caller hears it
-            job.done.set_exception(exc if isinstance(exc, TransferError) else TransferError(str(exc)))
+    def _pushed(self, job: _Job, blocks: list[int], token: int, state: bytes, error: BaseException | None) -> None:
+        """On the push's thread once it committed (the engine stepped on meanwhile): hand the blocks
+        back to the engine thread, answer the caller."""
+        self.call(lambda engine: engine.kv.allocator.free(blocks))
+        if error is not None:
+            job.done.set_exception(error if isinstance(error, TransferError) else TransferError(str(error)))
             return
-        finally:
-            self.call(lambda engine: engine.kv.allocator.free(blocks))
         metrics.KV_BYTES.labels(self.transport).inc(job.push.bytes_sent)
         job.done.set_result((token, state, time.perf_counter() - job.started))
 
@@ -152,15 +149,12 @@ class PrefillWorker(EngineWorker):
         super().on_failure(exc)
         for rid in list(self.jobs):
             job = self.jobs.pop(rid)
+            job.push.abort()
             if not job.done.done():
                 job.done.set_exception(RuntimeError(f"prefill engine failed: {exc}"))
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
         self.call(lambda engine: self._fail(request_id, reason))
-
-    def stop(self) -> None:
-        super().stop()
-        self._finishers.shutdown(wait=False, cancel_futures=True)
 
     def _blocks(self, c: ScheduledChunk) -> tuple[list[int], int]:
         """Source blocks touched by this chunk and the lease index of the first one."""
@@ -173,7 +167,7 @@ class PrefillWorker(EngineWorker):
         job = self.jobs.pop(request_id, None)
         self.engine.abort(request_id)
         if job is not None:
-            self._finishers.submit(job.push.abort)  # joins the push thread: not on the engine thread
+            job.push.abort()  # does not wait: the push thread lets go by itself
             if not job.done.done():
                 job.done.set_exception(exc)
 

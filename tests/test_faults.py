@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import threading
 import time
 
 import grpc
@@ -22,6 +20,7 @@ from router.cli import Cluster
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.transfer.tcp import split_endpoint
 from tests.helpers import wait_for
+from tests.kv_proxy import KVProxy
 
 TIME_TO_ERROR: dict[str, float] = {}
 LONG = generation_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -124,58 +123,6 @@ def test_router_dies_or_freezes_mid_stream(cluster, sig):
     else:
         cluster.restart(cluster.address)
     _works(cluster)
-
-
-class KVProxy:
-    """A TCP proxy on 127.0.0.2:port → 127.0.0.1:port (decode's KV receiver), which forwards, stalls
-    (accepts and reads nothing) or drops (resets the connection after a few bytes)."""
-
-    def __init__(self, port: int):
-        self.mode = "forward"
-        self.target = ("127.0.0.1", port)
-        self.sock = socket.create_server(("127.0.0.2", port))
-        self.held: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            if self.mode == "stall":
-                self.held.append(conn)  # never read: the pusher's buffers fill, or its commit gets no answer
-                continue
-            threading.Thread(target=self._pipe, args=(conn,), daemon=True).start()
-
-    def _pipe(self, conn: socket.socket) -> None:
-        if self.mode == "drop":
-            conn.recv(64)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            conn.close()  # RST
-            return
-        up = socket.create_connection(self.target)
-
-        def copy(src: socket.socket, dst: socket.socket) -> None:
-            try:
-                while data := src.recv(1 << 16):
-                    dst.sendall(data)
-            except OSError:
-                pass
-            finally:
-                for s in (src, dst):
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-
-        threading.Thread(target=copy, args=(up, conn), daemon=True).start()
-        copy(conn, up)
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.held:
-            conn.close()
 
 
 def test_kv_proxy_stalls_or_drops_the_push(served_model, tmp_path):

@@ -253,15 +253,40 @@ class LoopQueue:
         self._queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item: object) -> None:
-        self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody reads any more
+            pass
 
     async def get(self) -> object:
         return await self._queue.get()
 
 
 async def wait_future(fut, timeout: float | None = None):  # noqa: ANN001, ANN201 - concurrent Future, its result
-    """Await a concurrent.futures.Future from an engine thread without blocking the event loop."""
-    return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+    """Await a concurrent.futures.Future from an engine thread without blocking the event loop.
+    Unlike asyncio.wrap_future, a cancelled caller (client gone, deadline) does not cancel `fut`:
+    the engine thread that settles it must never find it cancelled under its feet."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def copy(done) -> None:  # noqa: ANN001
+        if waiter.done():  # the caller stopped waiting
+            return
+        if done.cancelled():
+            waiter.cancel()
+        elif done.exception() is not None:
+            waiter.set_exception(done.exception())
+        else:
+            waiter.set_result(done.result())
+
+    def hand_over(done) -> None:  # noqa: ANN001 - on the thread that settled `fut`
+        try:
+            loop.call_soon_threadsafe(copy, done)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody waits any more
+            pass
+
+    fut.add_done_callback(hand_over)
+    return await asyncio.wait_for(waiter, timeout)
 
 
 def write_port_file(path: str | None, port: int) -> None:

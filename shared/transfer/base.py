@@ -12,6 +12,7 @@ import json
 import queue
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,8 +71,9 @@ def block_bytes(layout: KVLayout, kind: str) -> int:
 
 class KVPush(ABC):
     """One request's push session. `send_layer` only queues (it is called from the model's
-    layer_done hook, so the wire work overlaps the next layer's compute); `finish` waits for every
-    queued write and commits; `abort` drops the session."""
+    layer_done hook, so the wire work overlaps the next layer's compute); `finish_async` lets the
+    push's own thread drain the queue, commit and report; `finish` waits for that; `abort` drops the
+    session without waiting. Nothing here blocks the engine thread."""
 
     def __init__(self, kv: KVCache, dest: Destination):
         if dest.layout != kv.layout.describe():
@@ -80,7 +82,9 @@ class KVPush(ABC):
         self.kinds = cache_kinds(kv.layout)
         self.bytes_sent = 0
         self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
+        self._aborted = False
+        self._commit_at_end = False
+        self._on_end: Callable[[BaseException | None], None] | None = None
         self._thread = threading.Thread(target=self._run, name=f"kv-push-{dest.lease_id[:8]}", daemon=True)
         self._thread.start()
 
@@ -91,18 +95,21 @@ class KVPush(ABC):
                                 f"{len(self.dest.block_ids)}")
         self._queue.put((layer, list(src_blocks), first))
 
-    def finish(self, timeout: float = 60.0, commit: bool = True) -> None:
-        """Wait for every queued write; then commit, unless another rank of a CP group commits
-        for all of them once every rank has finished (`commit=False`)."""
+    def finish_async(self, on_end: Callable[[BaseException | None], None], commit: bool = True) -> None:
+        """No more layers: the push thread writes what is queued, commits (unless another rank of a
+        CP group commits for all: `commit=False`), then calls on_end(None or the error) itself."""
+        self._on_end, self._commit_at_end = on_end, commit
         self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+
+    def finish(self, timeout: float = 60.0, commit: bool = True) -> None:
+        """finish_async, waiting for the outcome; raises TransferError on failure."""
+        done, outcome = threading.Event(), []
+        self.finish_async(lambda error: (outcome.append(error), done.set()), commit)
+        if not done.wait(timeout):
+            self.abort()
             raise TransferError("KV push did not finish in time")
-        if self._error is not None:
-            raise TransferError(str(self._error)) from self._error
-        self._finish_writes()
-        if commit:
-            self._commit()
+        if outcome[0] is not None:
+            raise TransferError(str(outcome[0])) from outcome[0]
 
     def commit(self) -> None:
         """Tell the receiver the push is complete (after finish(commit=False) on every CP rank)."""
@@ -112,11 +119,13 @@ class KVPush(ABC):
         self._close()
 
     def abort(self) -> None:
+        """Drop the session; the push thread lets go of its connection when it sees this."""
+        self._aborted = True
         self._queue.put(None)
-        self._thread.join(5)
-        self._close()
 
     def _run(self) -> None:
+        error: BaseException | None = None
+        ended = False
         try:
             self._connect()
             while True:
@@ -126,15 +135,25 @@ class KVPush(ABC):
                     self._keepalive()
                     continue
                 if item is None:
+                    ended = True
                     break
-                if self._error is None:
-                    layer, src, first = item
-                    for kind in self.kinds:
-                        self._write(layer, kind, src, first)
-        except BaseException as exc:  # noqa: BLE001 - surfaced by finish()
-            self._error = exc
-            while self._queue.get() is not None:  # drain so finish() returns
+                if self._aborted:
+                    continue
+                layer, src, first = item
+                for kind in self.kinds:
+                    self._write(layer, kind, src, first)
+            if self._aborted:
+                raise TransferError("push aborted")
+            self._finish_writes()
+            if self._commit_at_end:
+                self._commit()
+        except BaseException as exc:  # noqa: BLE001 - reported to on_end
+            error = exc
+            self._close()  # a failed push lets go of its connection at once
+            while not ended and self._queue.get() is not None:  # the producer ends with None
                 pass
+        if self._on_end is not None:
+            self._on_end(error)
 
     keepalive_seconds = 2.0  # an idle push touches its lease this often; a lease lives a TTL from the last touch
 

@@ -109,7 +109,7 @@ class TcpReceiver(KVReceiver):
                  advertise_host: str | None = None, tls: ssl.SSLContext | None = None):
         self.kv, self.leases, self.tls = kv, leases, tls
         self._rows = {kind: byte_rows(kv, kind) for kind in KINDS if pool_of_or_none(kv, kind) is not None}
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
         self.port = self._sock.getsockname()[1]
         self.endpoint = f"{advertise_host or host}:{self.port}"
         self._closed = False
@@ -135,9 +135,8 @@ class TcpReceiver(KVReceiver):
             except OSError:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not self._connections.acquire(blocking=False):
-                self._refuse(conn, f"too many KV connections (at most {MAX_CONNECTIONS})")
-                conn.close()
+            if not self._connections.acquire(blocking=False):  # refused off the accept thread: it never blocks
+                threading.Thread(target=self._refuse_and_close, args=(conn,), daemon=True).start()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-conn", daemon=True).start()
 
@@ -206,6 +205,10 @@ class TcpReceiver(KVReceiver):
         data = message.encode()[:65535]
         conn.sendall(struct.pack("!BH", status, len(data)) + data)
 
+    def _refuse_and_close(self, conn: socket.socket) -> None:
+        with conn:
+            self._refuse(conn, f"too many KV connections (at most {MAX_CONNECTIONS})")
+
     def _refuse(self, conn: socket.socket, message: str) -> None:
         """Reply, then drain what the peer already sent: closing with unread bytes would reset the
         connection and lose the reply."""
@@ -246,13 +249,26 @@ def connect(endpoint: str, tls: ssl.SSLContext | None, timeout: float) -> socket
 
 class TcpPush(KVPush):
     def __init__(self, kv: KVCache, dest: Destination, rows: dict[str, np.ndarray],
-                 tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS):
+                 tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS,
+                 slot: threading.Semaphore | None = None):
         self._rows, self._tls, self._stall = rows, tls, stall_seconds
+        self._slot, self._holds_slot = slot, False
         self._sock: socket.socket | None = None
         self._lease = dest.lease_id.encode("ascii")
         super().__init__(kv, dest)
 
     def _connect(self) -> None:
+        """Take one of the sender's connection slots for this receiver (touching the lease while
+        waiting, so a long queue does not expire it), then connect."""
+        if self._slot is not None:
+            while not self._slot.acquire(timeout=self.keepalive_seconds):
+                if self._aborted:
+                    raise TransferError("push aborted")
+                touch_over_tcp(self.dest.endpoint, self.dest.lease_id, self.dest.token, self._tls, self._stall)
+            if self._aborted:
+                self._slot.release()
+                raise TransferError("push aborted")
+            self._holds_slot = True
         try:
             self._sock = connect(self.dest.endpoint, self._tls, self._stall)
         except OSError as exc:
@@ -300,15 +316,28 @@ class TcpPush(KVPush):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._holds_slot:
+            self._holds_slot = False
+            self._slot.release()
 
 
 class TcpSender(KVSender):
-    def __init__(self, kv: KVCache, tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS):
+    """Opens pushes; at most `connections_per_receiver` of them hold a connection to one receiver at
+    a time (the rest queue, keeping their leases alive), so a burst of prompts never floods a decode
+    instance's KV port."""
+
+    def __init__(self, kv: KVCache, tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS,
+                 connections_per_receiver: int = 32):
         self.kv, self.tls, self.stall_seconds = kv, tls, stall_seconds
         self._rows = {kind: byte_rows(kv, kind) for kind in KINDS if pool_of_or_none(kv, kind) is not None}
+        self._per_receiver = connections_per_receiver
+        self._slots: dict[str, threading.Semaphore] = {}
+        self._lock = threading.Lock()
 
     def open(self, dest: Destination) -> KVPush:
-        return TcpPush(self.kv, dest, self._rows, self.tls, self.stall_seconds)
+        with self._lock:
+            slot = self._slots.setdefault(dest.endpoint, threading.Semaphore(self._per_receiver))
+        return TcpPush(self.kv, dest, self._rows, self.tls, self.stall_seconds, slot)
 
 
 def mark_over_tcp(endpoint: str, lease_id: str, token: bytes, marks: list[tuple[int, str, int, int]],

@@ -1,0 +1,245 @@
+"""Soak, overload and concurrency (issue: reliability), against real services on loopback.
+
+* soak: PDSERVE_SOAK_REQUESTS (default 2,000) requests with random cancels, short deadlines and KV
+  connections dropped at random by a proxy → no INTERNAL, and afterwards KV blocks, leases, open
+  file descriptors and threads of every service are back to baseline;
+* 512 concurrent streams through the router, while health and GetLoad keep answering;
+* 2× overload for 20 s: the excess is refused with RESOURCE_EXHAUSTED, memory growth is bounded.
+
+Every wait is bounded and fails on a hang. Latencies are printed (run with -s), never asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.cli import Cluster
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+from shared.rpc.service import Credentials
+from shared.transfer.tcp import split_endpoint
+from tests.helpers import wait_for
+from tests.kv_proxy import KVProxy
+
+SOAK_REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "2000"))
+ALLOWED = {"OK", "DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}
+
+
+def _aio_channel(address: str, creds: Credentials | None = None) -> grpc.aio.Channel:
+    from shared.rpc.service import aio_channel
+
+    return aio_channel(address, creds)
+
+
+def _proc_counts(pid: int) -> tuple[int, int]:
+    """(open file descriptors, threads) of a process."""
+    return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _loads(c: Cluster) -> tuple[internal_pb2.LoadReport, internal_pb2.LoadReport]:
+    async with _aio_channel(c.decode_addrs[0]) as dch, _aio_channel(c.prefill_addrs[0]) as pch:
+        md = c.credentials.metadata
+        dec = await internal_pb2_grpc.DecodeStub(dch).GetLoad(internal_pb2.LoadRequest(), timeout=5, metadata=md)
+        pre = await internal_pb2_grpc.PrefillStub(pch).GetLoad(internal_pb2.LoadRequest(), timeout=5, metadata=md)
+    return dec, pre
+
+
+def _clean(c: Cluster) -> bool:
+    dec, pre = asyncio.run(_loads(c))
+    return (dec.free_blocks == dec.total_blocks and dec.active_leases == 0 and dec.running == 0
+            and dec.waiting == 0 and pre.free_blocks == pre.total_blocks and pre.running == 0 and pre.waiting == 0)
+
+
+async def _one(stub, rng: random.Random, outcomes: dict[str, int]) -> None:  # noqa: ANN001
+    roll = rng.random()
+    prompt = [rng.randrange(3, 512) for _ in range(rng.randint(1, 40))]
+    sp = generation_pb2.SamplingParams(max_tokens=rng.randint(1, 8), temperature=rng.choice([0.0, 0.8]),
+                                       ignore_eos=True)
+    timeout = rng.uniform(0.01, 0.4) if roll < 0.15 else 60
+    cancel_after = rng.randint(0, 3) if 0.15 <= roll < 0.3 else None
+    call = stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=sp),
+                         timeout=timeout)
+    outcome = "OK"
+    try:
+        if cancel_after == 0:
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            call.cancel()
+            outcome = "CANCELLED"
+        else:
+            n = 0
+            async for msg in call:
+                n += len(msg.token_ids)
+                if cancel_after is not None and n >= cancel_after:
+                    call.cancel()
+                    outcome = "CANCELLED"
+                    break
+    except grpc.aio.AioRpcError as exc:
+        outcome = exc.code().name
+    except asyncio.CancelledError:
+        outcome = "CANCELLED"
+    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+
+async def _run_many(address: str, n: int, concurrency: int, seed: int) -> dict[str, int]:
+    rng, outcomes = random.Random(seed), {}
+    sem = asyncio.Semaphore(concurrency)
+    async with _aio_channel(address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+
+        async def guarded() -> None:
+            async with sem:
+                await _one(stub, rng, outcomes)
+
+        await asyncio.wait_for(asyncio.gather(*(guarded() for _ in range(n))), timeout=max(600, n * 0.5))
+    return outcomes
+
+
+def test_soak_with_cancels_deadlines_and_transport_errors(served_model, tmp_path):
+    with Cluster(str(served_model), dtype="float32", log_dir=tmp_path / "logs",
+                 extra_decode=["--advertise-host", "127.0.0.2", "--lease-seconds", "5"]) as c:
+        with c.channel(c.decode_addrs[0]) as ch:
+            stub = internal_pb2_grpc.DecodeStub(ch)
+            dest = stub.Reserve(internal_pb2.ReserveRequest(request_id="probe", num_prompt_tokens=4, max_tokens=4),
+                                timeout=10).destination
+            stub.Release(internal_pb2.ReleaseRequest(lease_id=dest.lease_id), timeout=10)
+        proxy = KVProxy(split_endpoint(dest.endpoint)[1], drop_fraction=0.05, seed=1)
+        try:
+            pids = {addr: c.process(addr).pid for addr in [c.address, *c.prefill_addrs, *c.decode_addrs]}
+            asyncio.run(_run_many(c.address, 200, 24, seed=0))  # warm-up: pools and caches reach their size
+            assert wait_for(lambda: _clean(c), timeout=40)
+            before = {addr: _proc_counts(pid) for addr, pid in pids.items()}
+            t0 = time.monotonic()
+            outcomes = asyncio.run(_run_many(c.address, SOAK_REQUESTS, 24, seed=1))
+            seconds = time.monotonic() - t0
+            print(f"\nsoak: {SOAK_REQUESTS} requests in {seconds:.0f}s, outcomes {outcomes}, "
+                  f"KV connections dropped {proxy.dropped}")
+            assert sum(outcomes.values()) == SOAK_REQUESTS
+            assert set(outcomes) <= ALLOWED, outcomes  # never INTERNAL / UNKNOWN
+            assert outcomes.get("OK", 0) > SOAK_REQUESTS // 2 and proxy.dropped > 0
+            assert wait_for(lambda: _clean(c), timeout=60), asyncio.run(_loads(c))
+            def settled() -> bool:
+                return all(_proc_counts(pid) <= before[addr] for addr, pid in pids.items())
+
+            assert wait_for(settled, timeout=60), {a: (before[a], _proc_counts(p)) for a, p in pids.items()}
+            assert all(c.process(a).poll() is None for a in pids)  # nothing crashed
+        finally:
+            proxy.close()
+
+
+async def _probe_latencies(c: Cluster, stop: asyncio.Event) -> list[float]:
+    """Health of the router and decode, and decode GetLoad, every 50 ms until `stop`."""
+    seconds: list[float] = []
+    async with _aio_channel(c.address) as rch, _aio_channel(c.decode_addrs[0]) as dch:
+        probes = [lambda: health_pb2_grpc.HealthStub(rch).Check(health_pb2.HealthCheckRequest(), timeout=10),
+                  lambda: health_pb2_grpc.HealthStub(dch).Check(health_pb2.HealthCheckRequest(), timeout=10),
+                  lambda: internal_pb2_grpc.DecodeStub(dch).GetLoad(internal_pb2.LoadRequest(), timeout=10,
+                                                                      metadata=c.credentials.metadata)]
+        while not stop.is_set():
+            for probe in probes:
+                t0 = time.perf_counter()
+                await probe()
+                seconds.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.05)
+    return seconds
+
+
+def test_512_concurrent_streams_and_prompt_health(served_model, tmp_path):
+    streams = 512
+    with Cluster(str(served_model), dtype="float32", log_dir=tmp_path / "logs",
+                 extra_decode=["--max-num-seqs", str(streams)]) as c:
+        async def run() -> tuple[list[int], int, list[float]]:
+            peak, stop = 0, asyncio.Event()
+            async with _aio_channel(c.address) as ch, _aio_channel(c.decode_addrs[0]) as dch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                sp = generation_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+                async def stream(i: int) -> int:
+                    req = generation_pb2.GenerateRequest(prompt_token_ids=[3 + i % 500, 7, 9], sampling_params=sp)
+                    return sum([len(m.token_ids) async for m in stub.Generate(req, timeout=300)])
+
+                async def watch() -> None:
+                    nonlocal peak
+                    while not stop.is_set():
+                        load = await internal_pb2_grpc.DecodeStub(dch).GetLoad(
+                            internal_pb2.LoadRequest(), timeout=10, metadata=c.credentials.metadata)
+                        peak = max(peak, load.running)
+                        await asyncio.sleep(0.1)
+
+                watcher, prober = asyncio.create_task(watch()), asyncio.create_task(_probe_latencies(c, stop))
+                counts = await asyncio.wait_for(asyncio.gather(*(stream(i) for i in range(streams))), 400)
+                stop.set()
+                await watcher
+                return counts, peak, await prober
+
+        counts, peak, probe_seconds = asyncio.run(run())
+        probe_seconds.sort()
+        print(f"\n{streams} streams: peak running in decode {peak}; health/GetLoad under load: "
+              f"p50 {1e3 * statistics.median(probe_seconds):.1f} ms, "
+              f"p99 {1e3 * probe_seconds[int(0.99 * (len(probe_seconds) - 1))]:.1f} ms, "
+              f"max {1e3 * probe_seconds[-1]:.1f} ms over {len(probe_seconds)} probes")
+        assert counts == [24] * streams
+        assert peak > 64  # more streams at once than the old one-thread-per-stream limit
+        assert wait_for(lambda: _clean(c), timeout=40)
+
+
+def test_overload_at_twice_capacity(served_model, tmp_path):
+    """64 clients in a loop against a router that admits 32 requests at a time, for 20 s: the excess
+    gets RESOURCE_EXHAUSTED (not a queue that grows), everything else finishes, memory stays bounded."""
+    capacity, seconds = 32, 20.0
+    with Cluster(str(served_model), dtype="float32", log_dir=tmp_path / "logs",
+                 extra_router=["--max-concurrent-requests", str(capacity)]) as c:
+        pids = {addr: c.process(addr).pid for addr in [c.address, *c.prefill_addrs, *c.decode_addrs]}
+        asyncio.run(_run_many(c.address, 64, capacity, seed=5))  # warm-up
+        rss_before = {a: _rss_mb(p) for a, p in pids.items()}
+
+        async def run() -> tuple[dict[str, int], list[float]]:
+            outcomes: dict[str, int] = {}
+            rejected: list[float] = []
+            end = time.monotonic() + seconds
+            async with _aio_channel(c.address) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                sp = generation_pb2.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+                async def client(i: int) -> None:
+                    while time.monotonic() < end:
+                        t0 = time.perf_counter()
+                        try:
+                            req = generation_pb2.GenerateRequest(prompt_token_ids=[3 + i, 5, 7], sampling_params=sp)
+                            async for _ in stub.Generate(req, timeout=60):
+                                pass
+                            code = "OK"
+                        except grpc.aio.AioRpcError as exc:
+                            code = exc.code().name
+                            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                                rejected.append(time.perf_counter() - t0)
+                                await asyncio.sleep(0.01)  # a client backs off a little before retrying
+                        outcomes[code] = outcomes.get(code, 0) + 1
+
+                await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(2 * capacity))), seconds + 120)
+            return outcomes, rejected
+
+        outcomes, rejected = asyncio.run(run())
+        growth = {a: _rss_mb(p) - rss_before[a] for a, p in pids.items()}
+        rejected.sort()
+        p99 = rejected[int(0.99 * (len(rejected) - 1))]
+        print(f"\noverload 2x for {seconds:.0f}s: {outcomes}; rejection latency p50 "
+              f"{1e3 * statistics.median(rejected):.1f} ms, p99 {1e3 * p99:.1f} ms;"
+              f" RSS growth MB {({a: round(g) for a, g in growth.items()})}")
+        assert set(outcomes) == {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+        assert outcomes["OK"] > 0 and outcomes["RESOURCE_EXHAUSTED"] > 0
+        assert all(g < 256 for g in growth.values()), growth
+        assert wait_for(lambda: _clean(c), timeout=40)
