@@ -1,6 +1,6 @@
 """gRPC shell of a decode instance: Reserve → (KV pushed by prefill) → Decode stream → blocks freed.
 
-    python -m decode_service --model DIR [--host 127.0.0.1] [--port 0] [--metrics-port 0]
+    python -m decode_service --model DIR [--host 127.0.0.1] [--port 0] [--metrics-port N]
                              [--kv-transport tcp|mooncake] [--lease-seconds 30]
                              [--dp N] [--ep N] [--layer-sharding o_proj,q_b_proj]
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
     coordinator = Coordinator(me, cfg.world)
-    metrics.start_metrics_server(cfg.metrics_port, cfg.host)
+    metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
     asyncio.run(_serve_until_stopped(cfg, coordinator, me, followers))
 
 

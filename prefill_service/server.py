@@ -1,6 +1,6 @@
 """gRPC shell of a prefill instance.
 
-    python -m prefill_service --model DIR [--host 127.0.0.1] [--port 0] [--metrics-port 0]
+    python -m prefill_service --model DIR [--host 127.0.0.1] [--port 0] [--metrics-port N]
                               [--kv-transport tcp|mooncake] [--max-prefill-tokens 4096]
                               [--cp N] [--ep N] [--layer-sharding o_proj,q_b_proj]
 
@@ -276,6 +276,6 @@ def main(argv: list[str] | None = None) -> None:
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower
         return
-    metrics.start_metrics_server(cfg.metrics_port, cfg.host)
+    metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
     servicer = PrefillServicer(cfg, service_state(cfg.parallel(), 0))
     asyncio.run(_serve_until_stopped(cfg, servicer, followers))

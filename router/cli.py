@@ -94,6 +94,7 @@ class Cluster:
     tls: bool = False  # mutual TLS on every hop with a CA and certificate made for this start
     extra_router: list[str] = field(default_factory=list)
     certs: CertFiles | None = None
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # service address → its /metrics port
     _commands: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # address → (name, argv)
     _by_address: dict[str, subprocess.Popen] = field(default_factory=dict)
     procs: list[subprocess.Popen] = field(default_factory=list)
@@ -115,6 +116,11 @@ class Cluster:
         proc = self._spawn(name, args)
         self._by_address[address] = proc
         wait_serving(address, timeout, proc, self.credentials)
+
+    def _read_metrics_port(self, address: str, port_file: Path) -> None:
+        metrics_file = Path(f"{port_file}.metrics")
+        if metrics_file.exists():
+            self.metrics_ports[address] = int(metrics_file.read_text())
 
     def process(self, address: str) -> subprocess.Popen:
         """The process serving `address` (router, prefill or decode)."""
@@ -155,6 +161,7 @@ class Cluster:
             for kind, file, proc in started:  # the models load in parallel; collect the ports
                 addr = f"{self.host}:{wait_port_file(file, timeout, proc)}"
                 (self.decode_addrs if kind == "decode" else self.prefill_addrs).append(addr)
+                self._read_metrics_port(addr, file)
                 self._by_address[addr] = proc
                 self._commands[addr] = proc.pdserve_command
             file = ports / "router"
@@ -163,6 +170,7 @@ class Cluster:
                                           "--decode", ",".join(self.decode_addrs), *self.extra_router])
             self.address = f"{self.host}:{wait_port_file(file, timeout, proc)}"
             self._by_address[self.address] = proc
+            self._read_metrics_port(self.address, file)
             self._commands[self.address] = proc.pdserve_command
             for addr in [*self.decode_addrs, *self.prefill_addrs, self.address]:
                 wait_serving(addr, timeout, credentials=self.credentials)

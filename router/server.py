@@ -2,7 +2,7 @@
 decode.Reserve → prefill.Prefill (KV pushed to the reservation) → decode.Decode (token stream).
 
     python -m router --model DIR --prefill HOST:PORT[,HOST:PORT...] --decode HOST:PORT[,...]
-                     [--host 127.0.0.1] [--port 50051] [--metrics-port 0]
+                     [--host 127.0.0.1] [--port 50051] [--metrics-port N]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class RouterConfig:
     decode: list[str]
     host: str = "127.0.0.1"
     port: int = 50051
-    metrics_port: int = 0
+    metrics_port: int | None = None
     request_timeout: float = 600.0
     max_prompt_bytes: int = 0  # 0: 32 bytes per token of the model's context, at most 8 MiB
     drain_seconds: float = 5.0
@@ -301,7 +301,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--port-file", default=None, help="write the bound port here once serving (with --port 0)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: a free one, reported in PORT_FILE.metrics)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--drain-seconds", type=float, default=5.0,
                    help="on SIGTERM: in-flight streams get this long to finish, then the process exits")
@@ -343,5 +344,5 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
     cfg = parse_args(argv)
-    metrics.start_metrics_server(cfg.metrics_port, cfg.host)
+    metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
     asyncio.run(_serve_until_stopped(cfg))

@@ -292,7 +292,7 @@ class ServiceConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 0
-    metrics_port: int = 0
+    metrics_port: int | None = None
     kv_transport: str = "tcp"
     dtype: str = "bfloat16"
     indexer_numerics: str = "deepseek"
@@ -344,7 +344,8 @@ class ServiceConfig:
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
         p.add_argument("--port-file", default=None, help="write the bound gRPC port here once serving")
-        p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus /metrics on this port (0: a free one, reported in PORT_FILE.metrics)")
         p.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
         p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
                        help="compute dtype (auto: the checkpoint's own)")

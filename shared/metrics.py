@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -18,7 +20,15 @@ ACTIVE_LEASES = Gauge("pdserve_active_leases", "KV reservations not yet claimed"
 RUNNING = Gauge("pdserve_running_requests", "Requests in the engine's running batch", ["service"])
 
 
-def start_metrics_server(port: int, host: str = "127.0.0.1") -> None:
-    """Serve /metrics on the service's own host (not every interface); port 0 disables."""
-    if port:
-        start_http_server(port, addr=host, registry=REGISTRY)
+def start_metrics_server(port: int | None, host: str = "127.0.0.1", port_file: str | None = None) -> int | None:
+    """Serve /metrics on the service's own host (not every interface); None: no metrics server. Port 0
+    binds a free port, written to `{port_file}.metrics` so launchers and tests never race for one."""
+    if port is None:
+        return None
+    server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+    bound = server.server_port
+    if port_file:
+        tmp = Path(f"{port_file}.metrics.tmp")
+        tmp.write_text(str(bound))
+        tmp.replace(f"{port_file}.metrics")
+    return bound

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from router.cli import Cluster, free_port, wait_serving
+from router.cli import Cluster, wait_port_file, wait_serving
 from shared.engine.sampler import SamplingParams, sample
 from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.lease import LeaseError, LeaseTable
@@ -278,13 +278,24 @@ def test_decode_step_failure_fails_only_that_batch(model_dir):
         coord.stop()
 
 
-def test_sigterm_always_exits(model_dir, tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "decode_service", "--model", str(model_dir), "--port", str(port),
-                             "--dtype", "float32", "--drain-seconds", "1"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+def _start_decode(model_dir, tmp_path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:  # noqa: ANN001
+    """A decode service on a port it picked itself (port 0, reported through --port-file)."""
+    port_file = tmp_path / "decode.port"
+    proc = subprocess.Popen([sys.executable, "-m", "decode_service", "--model", str(model_dir), "--port", "0",
+                             "--port-file", str(port_file), "--dtype", "float32", *extra], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        port = wait_port_file(port_file, 120, proc)
         wait_serving(f"127.0.0.1:{port}", 120, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, port
+
+
+def test_sigterm_always_exits(model_dir, tmp_path):
+    proc, port = _start_decode(model_dir, tmp_path, "--drain-seconds", "1")
+    try:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         with socket.socket() as s:
@@ -324,13 +335,10 @@ def test_internal_services_need_the_cluster_secret(cluster):
         assert stub.Release(internal_pb2.ReleaseRequest(lease_id=lease), timeout=10).released
 
 
-def test_a_service_started_without_a_secret_refuses_internal_calls(model_dir):
+def test_a_service_started_without_a_secret_refuses_internal_calls(model_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_TOKEN"}
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "decode_service", "--model", str(model_dir), "--port", str(port),
-                             "--dtype", "float32"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = _start_decode(model_dir, tmp_path, env=env)
     try:
-        wait_serving(f"127.0.0.1:{port}", 120, proc)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             with pytest.raises(grpc.RpcError) as err:
                 internal_pb2_grpc.DecodeStub(ch).Reserve(internal_pb2.ReserveRequest(

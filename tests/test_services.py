@@ -196,9 +196,9 @@ def test_dead_peer_is_unavailable_fast(model_dir, tmp_path):
 
 
 def test_metrics_endpoint(model_dir):
-    port = free_port()
-    with Cluster(str(model_dir), **REFERENCE_NUMERICS, extra_decode=["--metrics-port", str(port)]) as c:
+    with Cluster(str(model_dir), **REFERENCE_NUMERICS, extra_decode=["--metrics-port", "0"]) as c:
         generate(c.address, prompt_token_ids=[5, 6, 7], sampling_params=greedy(3))
+        port = c.metrics_ports[c.decode_addrs[0]]
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "pdserve_kv_free_blocks" in body and 'pdserve_tokens_total{kind="output",service="decode"} 3.0' in body
 
