@@ -71,11 +71,42 @@ def test_writes_need_a_live_lease_and_its_token(ckpt, transport):
     with pytest.raises(TransferError, match="token"):
         push.finish()
     leases.release(lease.lease_id)
-    push = sender.open(receiver.destination(lease))  # released: unknown lease
+    push = sender.open(receiver.destination(lease))  # released: unknown lease (Mooncake: not writable)
     push.send_layer(0, [0, 1], 0)
-    with pytest.raises(TransferError, match="unknown or expired"):
+    with pytest.raises(TransferError, match="unknown or expired|Mooncake write"):
         push.finish()
     assert kv.allocator.num_free == kv.num_blocks
+
+
+def test_mooncake_writes_land_only_in_live_leases(ckpt):
+    """Only a live lease's blocks are registered with Mooncake: a one-sided write aimed at other
+    blocks, or at a released lease's, fails and leaves the memory untouched."""
+    pytest.importorskip("mooncake.engine")
+    engine = LLMEngine(EngineConfig(model=str(ckpt("v32_sparse")), block_size=4))
+    engine.kv.mla.fill_(1)
+    kv, leases, receiver = _decode_side(engine.layout, "mooncake")
+    sender = make_sender("mooncake", engine.kv)
+    lease = leases.reserve("a", 8)
+    dest = receiver.destination(lease)
+    outside = [b for b in range(kv.num_blocks) if b not in lease.blocks][:2]
+    dest.block_ids = outside  # not this lease's blocks
+    push = sender.open(dest)
+    push.send_layer(0, [0, 1], 0)
+    with pytest.raises(TransferError, match="Mooncake write"):
+        push.finish()
+    assert kv.mla[0, outside].abs().sum() == 0
+    good = sender.open(receiver.destination(lease))
+    good.send_layer(0, [0, 1], 0)
+    good.finish(commit=False)
+    assert kv.mla[0, lease.blocks].abs().sum() > 0  # the lease's own blocks take the write
+    leases.release(lease.lease_id)
+    kv.mla.zero_()
+    late = sender.open(dest := receiver.destination(lease))  # released: no longer registered
+    late.send_layer(0, [0, 1], 0)
+    with pytest.raises(TransferError):
+        late.finish(commit=False)
+    assert kv.mla.abs().sum() == 0 and not receiver._engine.registered
+    assert dest.lease_id == lease.lease_id
 
 
 def test_lease_expiry_and_release_free_blocks(ckpt):

@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.kvcache.pool import BlockAllocator, OutOfBlocks
@@ -62,9 +63,18 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
         self._expired: list[str] = []
+        self.on_end: list[Callable[[Lease], None]] = []  # called once when a lease leaves the table
+
+    def _ended(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            for hook in self.on_end:
+                hook(lease)
 
     def __len__(self) -> int:
         return len(self._leases)
+
+    def __contains__(self, lease_id: str) -> bool:
+        return lease_id in self._leases
 
     def reserve(self, request_id: str, num_tokens: int, lease_id: str | None = None,
                 token: bytes | None = None, prompt_tokens: int | None = None) -> Lease:
@@ -142,7 +152,8 @@ class LeaseTable:
             if lease.writers:
                 raise LeaseError(f"lease {lease_id!r} still has {lease.writers} writes in flight")
             del self._leases[lease_id]
-            return lease
+        self._ended([lease])
+        return lease
 
     def _retire(self, lease: Lease) -> bool:
         """Take a lease out of the table (lock held); True when its blocks can be freed now."""
@@ -154,6 +165,8 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.get(lease_id)
             free = lease is not None and self._retire(lease)
+        if lease is not None:
+            self._ended([lease])
         if free:
             self.allocator.free(lease.blocks)
         return lease is not None
@@ -164,6 +177,7 @@ class LeaseTable:
         with self._lock:
             dead = [lease for lease in self._leases.values() if now > lease.expires_at]
             freeable = [lease for lease in dead if self._retire(lease)]
+        self._ended(dead)
         for lease in freeable:
             self.allocator.free(lease.blocks)
         self._expired.extend(lease.lease_id for lease in dead)

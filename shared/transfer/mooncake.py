@@ -1,8 +1,12 @@
 """Mooncake Transfer Engine transport: one-sided writes (RDMA on clusters, `tcp` protocol in tests).
 
-Both sides register their whole KV pools with a Mooncake TransferEngine started in P2PHANDSHAKE
-mode (no metadata server). The decode side's descriptor carries its Mooncake session id and the
-per-layer base addresses of its pools; the prefill side writes each block straight to
+Both sides run a Mooncake TransferEngine in P2PHANDSHAKE mode (no metadata server). The prefill side
+registers its whole pools (sources: only read). The decode side registers, per lease, only the
+lease's blocks (one region per layer, cache kind and run of consecutive blocks) and unregisters them
+when the lease is claimed, released or expires: a one-sided write can land only in a live lease's
+blocks (RDMA NICs enforce the registered region), and a released lease's blocks are no longer
+writable before they are reused. The decode side's descriptor carries its Mooncake session id and
+the per-layer base addresses of its pools; the prefill side writes each block straight to
 `base[layer] + block * block_bytes`. Mooncake has no completion notice to the target, so after the
 writes the pusher reports the written layers and commits over the decode side's TCP control
 endpoint (the built-in receiver), exactly like a TCP push.
@@ -14,9 +18,19 @@ librdmacm1 (`make` installs both).
 from __future__ import annotations
 
 import ssl
+import threading
 
 from shared.kvcache import KVCache
-from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
+from shared.transfer.base import (
+    Destination,
+    KVPush,
+    KVReceiver,
+    KVSender,
+    TransferError,
+    block_bytes,
+    cache_kinds,
+    pool_of,
+)
 from shared.transfer.tcp import STALL_SECONDS, TcpReceiver, mark_over_tcp, touch_over_tcp
 
 
@@ -31,7 +45,7 @@ def mooncake_available() -> bool:
 class _Engine:
     """A TransferEngine with the KV pools registered."""
 
-    def __init__(self, kv: KVCache, host: str, protocol: str, device_name: str = ""):
+    def __init__(self, kv: KVCache, host: str, protocol: str, device_name: str = "", register_pools: bool = True):
         try:
             from mooncake.engine import TransferEngine
         except Exception as exc:  # noqa: BLE001
@@ -41,10 +55,50 @@ class _Engine:
             raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {protocol}) failed")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
         self.kv = kv
-        self.pools = [kv.mla] + ([kv.index] if kv.index is not None else [])
+        self.pools = [kv.mla] + ([kv.index] if kv.index is not None else []) if register_pools else []
         for pool in self.pools:
             if self.engine.register_memory(pool.data_ptr(), pool.numel() * pool.element_size()) != 0:
                 raise TransferError("Mooncake register_memory failed")
+        self._regions: dict[str, list[int]] = {}  # lease id → registered region addresses
+        self._lock = threading.Lock()
+
+    def lease_regions(self, blocks: list[int]) -> list[tuple[int, int]]:
+        """(address, bytes) of every run of consecutive blocks, per layer and cache kind."""
+        out = []
+        for kind in cache_kinds(self.kv.layout):
+            nbytes = block_bytes(self.kv.layout, kind)
+            for base in self.layer_bases(kind):
+                start = 0
+                for i in range(1, len(blocks) + 1):
+                    if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+                        out.append((base + blocks[start] * nbytes, (i - start) * nbytes))
+                        start = i
+        return out
+
+    def register_lease(self, lease_id: str, blocks: list[int]) -> None:
+        addrs = []
+        try:
+            for addr, size in self.lease_regions(blocks):
+                if self.engine.register_memory(addr, size) != 0:
+                    raise TransferError("Mooncake register_memory failed")
+                addrs.append(addr)
+        except BaseException:
+            for addr in addrs:
+                self.engine.unregister_memory(addr)
+            raise
+        with self._lock:
+            self._regions[lease_id] = addrs
+
+    @property
+    def registered(self) -> set[str]:
+        with self._lock:
+            return set(self._regions)
+
+    def unregister_lease(self, lease_id: str) -> None:
+        with self._lock:
+            addrs = self._regions.pop(lease_id, [])
+        for addr in addrs:
+            self.engine.unregister_memory(addr)
 
     def layer_bases(self, kind: str) -> list[int]:
         pool = pool_of(self.kv, kind)
@@ -54,6 +108,8 @@ class _Engine:
     def close(self) -> None:
         for pool in self.pools:
             self.engine.unregister_memory(pool.data_ptr())
+        for lease_id in list(self._regions):
+            self.unregister_lease(lease_id)
 
 
 class MooncakeReceiver(KVReceiver):
@@ -63,9 +119,13 @@ class MooncakeReceiver(KVReceiver):
                  device_name: str = ""):
         self.kv, self.control = kv, control
         control.accept_marks = True  # its control channel takes MARK frames for one-sided writes
-        self._engine = _Engine(kv, host, protocol, device_name)
+        self._engine = _Engine(kv, host, protocol, device_name, register_pools=False)
+        control.leases.on_end.append(lambda lease: self._engine.unregister_lease(lease.lease_id))
 
     def destination(self, lease) -> Destination:  # noqa: ANN001
+        """Registers the lease's blocks (only they are writable, until the lease ends)."""
+        if lease.lease_id in self.control.leases and lease.lease_id not in self._engine.registered:
+            self._engine.register_lease(lease.lease_id, list(lease.blocks))
         return Destination("mooncake", self._engine.session_id, lease.lease_id, lease.token, list(lease.blocks),
                            self.kv.layout.describe(), mla_base=self._engine.layer_bases("mla"),
                            index_base=self._engine.layer_bases("index") if self.kv.index is not None else [],
