@@ -33,6 +33,7 @@ from shared.engine.llm import dp_step
 from shared.kvcache import OutOfBlocks
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.parallel import ParallelState
+from shared.rpc.service import LoopQueue
 from shared.transfer import TcpReceiver
 from shared.transfer.base import cache_kinds
 
@@ -352,12 +353,17 @@ class Coordinator:
             fut.set_result(reply)
 
     def _dispatch(self, events: list[Event]) -> None:
-        for ev in events:
-            q = self._streams.get(ev.request_id)
-            if q is not None:
-                q.put(ev)
-                if ev.finished:
-                    self.close_stream(ev.request_id)
+        """A step's events to their streams, in one hand-over to the serving event loop."""
+        out = []
+        with self._streams_lock:
+            for ev in events:
+                q = self._streams.get(ev.request_id)
+                if q is not None:
+                    out.append((q, ev))
+                    if ev.finished:
+                        del self._streams[ev.request_id]
+                        out.append((q, None))
+        LoopQueue.put_all(out)
 
 
 def params_dict(p: SamplingParams) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -260,6 +261,27 @@ class LoopQueue:
 
     async def get(self) -> object:
         return await self._queue.get()
+
+    @staticmethod
+    def put_all(pairs: list[tuple[Any, object]]) -> None:
+        """Thread-safe: deliver many (sink, item) pairs with one wake-up per event loop (one per
+        engine step, not one per token), other sinks item by item."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[LoopQueue, object]]] = {}
+        for sink, item in pairs:
+            if isinstance(sink, LoopQueue):
+                by_loop.setdefault(sink.loop, []).append((sink, item))
+            else:
+                sink.put(item)
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+
+def _deliver(batch: list[tuple[LoopQueue, object]]) -> None:
+    for sink, item in batch:
+        sink._queue.put_nowait(item)
 
 
 async def wait_future(fut, timeout: float | None = None):  # noqa: ANN001, ANN201 - concurrent Future, its result
