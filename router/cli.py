@@ -75,6 +75,17 @@ def wait_serving(address: str, timeout: float = 180.0, proc: subprocess.Popen | 
     raise TimeoutError(f"{address} did not become SERVING within {timeout}s")
 
 
+def _die_with_parent() -> None:
+    """In a service child: get SIGTERM when the launcher dies, even by SIGKILL (Linux), so a killed
+    `pdserve up` or test leaves no orphans holding ports."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class Cluster:
     """Router + M prefill + N decode subprocesses on loopback."""
@@ -133,7 +144,7 @@ class Cluster:
             out = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - lives as long as the process
         env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}  # by environment: not in `ps`
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
         proc.pdserve_command = (name, args)  # type: ignore[attr-defined] - what restart() runs again
         self.procs.append(proc)
         return proc
