@@ -132,6 +132,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.decode = Pool(cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)
         self._tokenizers = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self._background: set[asyncio.Task] = set()
+        self.in_flight = 0  # Generate calls being served (changed only on the event loop)
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -192,6 +193,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return ids, params
 
     async def Generate(self, request, context):  # noqa: N802
+        """Admission first: beyond --max-concurrent-requests a call is refused at once, before any work
+        (health checks are never refused: an overloaded router is not a dead one)."""
+        if self.in_flight >= self.cfg.max_concurrent_requests:
+            metrics.REQUESTS.labels("router", "overloaded").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the router is at its limit of {self.cfg.max_concurrent_requests} requests in flight")
+        self.in_flight += 1
+        try:
+            async for out in self._generate(request, context):
+                yield out
+        finally:
+            self.in_flight -= 1
+
+    async def _generate(self, request, context):  # noqa: ANN001, ANN202
         t0 = time.perf_counter()
         try:
             ids, params = await self.validate(request)
@@ -330,8 +345,7 @@ async def serve(cfg: RouterConfig) -> tuple[grpc.aio.Server, int, Lifecycle]:
             response_serializer=generation_pb2.GenerateResponse.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Generate": handler}),))
 
-    return await start_server(cfg.host, cfg.port, [register], [SERVICE], servicer.credentials, public=True,
-                              max_concurrent_rpcs=cfg.max_concurrent_requests)
+    return await start_server(cfg.host, cfg.port, [register], [SERVICE], servicer.credentials, public=True)
 
 
 async def _serve_until_stopped(cfg: RouterConfig) -> None:

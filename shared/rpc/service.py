@@ -220,15 +220,12 @@ class Lifecycle:
 
 async def start_server(host: str, port: int, register: Iterable[Callable[[grpc.aio.Server], None]],
                        service_names: list[str], credentials: Credentials | None = None,
-                       public: bool = False, max_concurrent_rpcs: int | None = None,
-                       ) -> tuple[grpc.aio.Server, int, Lifecycle]:
+                       public: bool = False) -> tuple[grpc.aio.Server, int, Lifecycle]:
     """Start an asyncio server with health checking and reflection (only of its own services) and
     mark it SERVING; returns it with its bound port. Under TLS an internal server demands a client
-    certificate from the cluster CA; a `public` one (the router) serves TLS to any client. RPCs
-    beyond `max_concurrent_rpcs` are refused with RESOURCE_EXHAUSTED at once (overload)."""
+    certificate from the cluster CA; a `public` one (the router) serves TLS to any client."""
     credentials = credentials or Credentials()
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_Authenticate(credentials)],
-                             maximum_concurrent_rpcs=max_concurrent_rpcs)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_Authenticate(credentials)])
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()
