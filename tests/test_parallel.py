@@ -248,17 +248,18 @@ def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
 
 def test_torchrun_style_ranks_form_one_decode_instance(ckpt, tmp_path):
     """Ranks started separately with MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE (as on several
-    nodes) form one dp=2 decode instance; rank 0 serves gRPC and reports both ranks."""
+    nodes) form one dp=2 decode instance; rank 0 serves gRPC and reports both ranks; the follower
+    serves a health endpoint for its pod's probes ."""
     import os
     import subprocess
     import sys
 
     import grpc
 
-    from router.cli import free_port, wait_serving
+    from router.cli import free_port, wait_port_file, wait_serving
     from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 
-    port, master = free_port(), free_port()
+    master = free_port()  # torch.distributed's rendezvous port: chosen by the launcher, as torchrun does
     procs = []
     try:
         for rank in (1, 0):
@@ -266,10 +267,13 @@ def test_torchrun_style_ranks_form_one_decode_instance(ckpt, tmp_path):
                    "WORLD_SIZE": "2"}
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "decode_service", "--model", str(ckpt("v32_sparse")), "--port", str(port),
-                 "--dp", "2", "--ep", "2", "--block-size", "4", "--insecure"], env=env, stdout=log,
-                stderr=subprocess.STDOUT))
+                [sys.executable, "-m", "decode_service", "--model", str(ckpt("v32_sparse")), "--port", "0",
+                 "--port-file", str(tmp_path / f"rank{rank}.port"), "--dp", "2", "--ep", "2", "--block-size", "4",
+                 "--insecure"], env=env, stdout=log, stderr=subprocess.STDOUT))
+        follower_port = wait_port_file(tmp_path / "rank1.port", 120, procs[0])
+        port = wait_port_file(tmp_path / "rank0.port", 120, procs[1])
         wait_serving(f"127.0.0.1:{port}", timeout=120, proc=procs[1])
+        wait_serving(f"127.0.0.1:{follower_port}", timeout=30, proc=procs[0])  # the follower pod's probe
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = internal_pb2_grpc.DecodeStub(ch)
             leases = [stub.Reserve(internal_pb2.ReserveRequest(request_id=f"r{i}", num_prompt_tokens=8, max_tokens=8),

@@ -59,8 +59,14 @@ def start_instance(cfg: Any, follower: Callable[[int, Any], None]) -> list | Non
     spawned followers on rank 0; a torchrun-started follower runs `follower` here and gets None."""
     cfg.parallel()  # raises before anything is spawned
     rank, followers = launch_ranks(cfg.world, follower, cfg)
-    if rank != 0:
-        follower(rank, cfg)
+    if rank != 0:  # a torchrun-style follower (its own pod): probes need a health endpoint here
+        from shared.rpc.service import serve_follower_health
+
+        down = serve_follower_health(cfg.host, cfg.port, cfg.credentials(), cfg.port_file)
+        try:
+            follower(rank, cfg)
+        finally:
+            down()
         return None
     return followers
 

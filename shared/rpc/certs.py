@@ -4,7 +4,8 @@
 
 writes DIR/ca.pem (the cluster CA: every service's --tls-ca), DIR/node.pem and DIR/node.key (one
 certificate for every service, valid for server and client use, with the hosts as subject
-alternative names; 127.0.0.1 and localhost are always included). The CA key stays in DIR/ca.key
+alternative names; `pdserve` — the name peers verify, since pod addresses change — 127.0.0.1 and
+localhost are always included). The CA key stays in DIR/ca.key
 to sign more node certificates; keep it off the nodes. `pdserve up --tls` makes a fresh set per start.
 """
 
@@ -55,7 +56,7 @@ def make_cluster_certs(out_dir: str | Path, hosts: list[str] | tuple[str, ...] =
     _new_key_request(ca_key, f"/CN={name}-cluster-ca", x509_days=days, out=ca)
     _new_key_request(key, f"/CN={name}-node", csr=csr)
     names = []
-    for host in dict.fromkeys(["127.0.0.1", "localhost", *hosts]):
+    for host in dict.fromkeys(["pdserve", "127.0.0.1", "localhost", *hosts]):  # "pdserve": TLS_SERVER_NAME
         try:
             ipaddress.ip_address(host)
             names.append(f"IP:{host}")

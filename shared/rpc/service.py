@@ -40,6 +40,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.engine.sampler import SamplingParams
 from shared.rpc.pdserve.v1 import generation_pb2, internal_pb2
+from shared.transfer.tcp import TLS_SERVER_NAME
 
 log = logging.getLogger("pdserve")
 
@@ -55,7 +56,8 @@ CHANNEL_OPTIONS = [*_MESSAGE_LIMITS, *_KEEPALIVE,
                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                    ("grpc.max_reconnect_backoff_ms", 2000)]  # a restarted peer is found again within ~2 s
 SERVER_OPTIONS = [*_MESSAGE_LIMITS, *_KEEPALIVE, ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-                  ("grpc.http2.max_ping_strikes", 0)]
+                  ("grpc.http2.max_ping_strikes", 0),
+                  ("grpc.so_reuseport", 0)]  # a second process on a taken port fails instead of sharing it
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Credentials:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
         ctx.load_cert_chain(self.tls_cert, self.tls_key)
         ctx.load_verify_locations(self.tls_ca)
+        if not server:  # verified by the cluster CA and TLS_SERVER_NAME (see connect), not the pod address
+            ctx.check_hostname = True
         ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 
@@ -308,6 +312,27 @@ async def wait_future(fut, timeout: float | None = None):  # noqa: ANN001, ANN20
     return await asyncio.wait_for(waiter, timeout)
 
 
+def serve_follower_health(host: str, port: int, credentials: Credentials | None = None,
+                          port_file: str | None = None):  # noqa: ANN201
+    """A follower rank (one pod of a multi-node instance) serves only grpc.health.v1 on its --port
+    (0: a free one, reported in --port-file), SERVING while its rank loop runs, so orchestrator
+    probes work on every rank's pod. Returns a function that marks it NOT_SERVING (the loop ended)."""
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=SERVER_OPTIONS)
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    tls = (credentials or Credentials()).server_credentials(require_client_cert=True)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls) if tls else server.add_insecure_port(address)
+    if not bound:
+        raise RuntimeError(f"cannot bind {address}")
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    write_port_file(port_file, bound)
+    return lambda: servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 def write_port_file(path: str | None, port: int) -> None:
     """Report the port a service bound (port 0 = the OS picked one), atomically: a launcher reads it."""
     if path:
@@ -359,7 +384,8 @@ def channel(address: str, credentials: Credentials | None = None) -> grpc.Channe
     the cluster token on every call when there is one, keepalive to notice a dead peer."""
     creds = credentials or Credentials()
     tls = creds.channel_credentials()
-    ch = (grpc.secure_channel(address, tls, options=CHANNEL_OPTIONS) if tls
+    ch = (grpc.secure_channel(address, tls, options=[*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override",
+                                                                        TLS_SERVER_NAME)]) if tls
           else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
     if creds.token:
         ch = grpc.intercept_channel(ch, _PresentToken(creds.metadata))
@@ -369,7 +395,8 @@ def channel(address: str, credentials: Credentials | None = None) -> grpc.Channe
 def aio_channel(address: str, credentials: Credentials | None = None) -> grpc.aio.Channel:
     """The asyncio twin of `channel` for services calling services (calls pass `credentials.metadata`)."""
     tls = (credentials or Credentials()).channel_credentials()
-    return (grpc.aio.secure_channel(address, tls, options=CHANNEL_OPTIONS) if tls
+    return (grpc.aio.secure_channel(address, tls, options=[*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override",
+                                                                              TLS_SERVER_NAME)]) if tls
             else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
 
 

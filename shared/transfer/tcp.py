@@ -31,6 +31,9 @@ from shared.kvcache import KVCache
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
 
+# Under TLS, peers (gRPC and KV) are verified by the cluster CA and this name, which every node
+# certificate carries (`pdserve certs` adds it): pod addresses change, so certificates cannot list them.
+TLS_SERVER_NAME = "pdserve"
 MAGIC, VERSION = b"PDKV", 1
 WRITE, COMMIT, MARK, TOUCH = 1, 2, 3, 4
 KINDS = ("mla", "index")
@@ -239,7 +242,7 @@ def connect(endpoint: str, tls: ssl.SSLContext | None, timeout: float) -> socket
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if tls is not None:
         try:
-            sock = tls.wrap_socket(sock, server_hostname=host)
+            sock = tls.wrap_socket(sock, server_hostname=TLS_SERVER_NAME)  # the name every node certificate has
         except BaseException:
             sock.close()
             raise

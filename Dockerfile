@@ -1,0 +1,30 @@
+# pdserve image: the router, prefill and decode services (the Helm chart runs `python -m <service>`).
+#   docker build -t pdserve:0.1.0 .                                   # CPU (torch CPU wheel)
+#   docker build --build-arg BASE_IMAGE=<your Ascend CANN image with python 3.10+> \
+#                --build-arg EXTRAS=mooncake,npu -t pdserve:0.1.0-npu .   # Ascend NPU (torch-npu)
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ARG EXTRAS=mooncake
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
+
+# RDMA verbs + rdmacm for Mooncake; openssl for `pdserve certs`.
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 librdmacm1 openssl \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/pdserve
+# torch first, pinned, from the CPU index: nothing may pull a CUDA build.
+RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY shared ./shared
+COPY prefill_service ./prefill_service
+COPY decode_service ./decode_service
+COPY router ./router
+RUN pip install ".[${EXTRAS}]"
+
+# Services bind the pod address given by the chart; these are the defaults it uses.
+EXPOSE 50051 7001 7002 7100 9400
+USER 65534:65534
+CMD ["python", "-m", "router", "--help"]

@@ -1,0 +1,157 @@
+{{/* Names and labels */}}
+{{- define "pdserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}{{ .Release.Name | trunc 40 | trimSuffix "-" }}{{- else -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "pdserve.selector" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pdserve.secretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-token" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
+{{/* Flags every service takes for credentials (token from the environment, TLS from the secret). */}}
+{{- define "pdserve.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert
+- /etc/pdserve/tls/tls.crt
+- --tls-key
+- /etc/pdserve/tls/tls.key
+- --tls-ca
+- /etc/pdserve/tls/ca.crt
+{{- end }}
+{{- end -}}
+
+{{/* Flags of the engine services (prefill and decode). */}}
+{{- define "pdserve.engineArgs" -}}
+- --model
+- {{ .Values.model.path | quote }}
+- --host
+- $(POD_IP)
+- --advertise-host
+- $(POD_IP)
+- --metrics-port
+- {{ .Values.metrics.port | quote }}
+- --kv-transport
+- {{ .Values.engine.kvTransport }}
+- --dtype
+- {{ .Values.engine.dtype }}
+- --indexer-numerics
+- {{ .Values.engine.indexerNumerics }}
+- --block-size
+- {{ .Values.engine.blockSize | quote }}
+- --drain-seconds
+- {{ .Values.engine.drainSeconds | quote }}
+{{- include "pdserve.tlsArgs" . }}
+{{- end -}}
+
+{{- define "pdserve.env" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: PDSERVE_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.secretName" . }}
+      key: token
+{{- end -}}
+
+{{- define "pdserve.volumes" -}}
+- name: model
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: Directory
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required with tls.enabled" .Values.tls.secretName }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.mounts" -}}
+- name: model
+  mountPath: {{ if eq .Values.model.source "uri" }}{{ dir .Values.model.path }}{{ else }}{{ .Values.model.path }}{{ end }}
+  readOnly: {{ ne .Values.model.source "uri" }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/pdserve/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.initContainers" -}}
+{{- if eq .Values.model.source "uri" }}
+initContainers:
+  - name: fetch-model
+    image: {{ .Values.model.uri.image }}
+    command: {{ toJson .Values.model.uri.command }}
+    env:
+      - name: MODEL_URI
+        value: {{ required "model.uri.url is required with model.source=uri" .Values.model.uri.url | quote }}
+    volumeMounts:
+      - name: model
+        mountPath: {{ dir .Values.model.path }}
+{{- end }}
+{{- end -}}
+
+{{/* gRPC health probes: the kubelet's native gRPC probe, or (mutual TLS, which it cannot speak)
+     the package's own probe command. Startup allows a long model load. */}}
+{{- define "pdserve.probes" -}}
+{{- $port := .port -}}
+{{- $root := .root -}}
+{{- range $kind := list "startupProbe" "readinessProbe" "livenessProbe" }}
+{{ $kind }}:
+{{- if $root.Values.tls.enabled }}
+  exec:
+    command: ["sh", "-c", "exec python -m shared.rpc.probe \"$POD_IP:{{ $port }}\" --tls-cert /etc/pdserve/tls/tls.crt --tls-key /etc/pdserve/tls/tls.key --tls-ca /etc/pdserve/tls/ca.crt"]
+{{- else }}
+  grpc:
+    port: {{ $port }}
+{{- end }}
+{{- if eq $kind "startupProbe" }}
+  periodSeconds: 10
+  failureThreshold: 180
+{{- else }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 3
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
