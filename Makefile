@@ -9,13 +9,19 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 
 .PHONY: demo test install lint bench proto clean system-deps
 
-# System libraries for Mooncake (RDMA verbs + rdmacm); skipped when already present or not root.
+# System packages: RDMA verbs + rdmacm for Mooncake, prometheus (+ promtool) for the metrics test,
+# openssl for `pdserve certs` / `pdserve up --tls`. Skipped when present or not root.
 system-deps:
-	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1; then \
+	@missing=""; \
+	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
+	ldconfig -p | grep -q librdmacm.so.1 || missing="$$missing librdmacm1"; \
+	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
+	command -v openssl >/dev/null || missing="$$missing openssl"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null) \
-	      || echo "warning: could not install libibverbs1/librdmacm1 (Mooncake tests will be skipped)"; \
-	  else echo "warning: not root; install libibverbs1 librdmacm1 for the Mooncake transport"; fi; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	      || echo "warning: could not install$$missing (the tests that need them will be skipped)"; \
+	  else echo "warning: not root; install$$missing"; fi; \
 	fi
 
 $(STAMP): pyproject.toml Makefile

@@ -19,6 +19,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shared import metrics
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.llm import dp_step
 from shared.kvcache import OutOfBlocks
@@ -161,7 +163,7 @@ class DecodeRank:
                 "free_blocks": kv.allocator.num_free, "total_blocks": self.engine.usable_blocks,
                 "active_leases": len(self.leases), "has_work": int(self.engine.has_work), "admitted": self.admitted,
                 "tokens": sum(s.num_tokens for s in sched.running) + reserved, "applied_cid": self.applied_cid,
-                "expired": self.leases.drain_expired()}
+                "expired": self.leases.drain_expired(), "kv_bytes_received": self.tcp.bytes_received}
 
     def close(self) -> None:
         self.receiver.close()
@@ -195,7 +197,7 @@ class Coordinator:
         self.loads: list[dict[str, Any]] = [me.load()] + [
             {"rank": r, "running": 0, "waiting": 0, "free_blocks": me.engine.kv.num_blocks,
              "total_blocks": me.engine.kv.num_blocks, "active_leases": 0, "has_work": 0, "tokens": 0, "admitted": 0,
-             "applied_cid": -1}
+             "applied_cid": -1, "kv_bytes_received": 0}
             for r in range(1, world)]
         self.lease_rank: dict[str, int] = {}
         self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (cid, tokens)
@@ -295,6 +297,7 @@ class Coordinator:
                 for cmd in cmds:  # rank 0's own replies (an admit's first token) go out before the step
                     if cmd.rank in (0, ALL):
                         self._resolve(cmd.cid, self.me.apply(cmd))
+                t_step = time.perf_counter()
                 events = self.me.step()
                 reports = [([], events, self.me.load())]
                 if self.world > 1:
@@ -309,6 +312,7 @@ class Coordinator:
                     for cid, reply in rank_replies:
                         self._resolve(cid, reply)
                     self._dispatch(rank_events)
+                metrics.STEP_SECONDS.observe(time.perf_counter() - t_step)
         except Exception as exc:  # noqa: BLE001
             log.exception("decode coordinator loop failed")
             with self._streams_lock:
@@ -327,7 +331,9 @@ class Coordinator:
 
     def _absorb(self, rank: int, load: dict[str, Any]) -> None:
         """Take a rank's load report; forget the routing of its expired leases."""
-        for lease_id in load.pop("expired"):
+        expired = load.pop("expired")
+        metrics.EXPIRED_LEASES.inc(len(expired))
+        for lease_id in expired:
             self.lease_rank.pop(lease_id, None)
         with self._place_lock:
             self._unreported[rank] = [(c, t) for c, t in self._unreported[rank] if c > load["applied_cid"]]

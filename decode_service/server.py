@@ -59,12 +59,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
     def _export_gauges(self) -> None:
-        """Gauges read the coordinator's latest per-rank reports when scraped, never a stale copy."""
-        loads = lambda: self.coord.loads  # noqa: E731
-        metrics.KV_FREE_BLOCKS.labels("decode").set_function(lambda: sum(x["free_blocks"] for x in loads()))
-        metrics.KV_TOTAL_BLOCKS.labels("decode").set_function(lambda: sum(x["total_blocks"] for x in loads()))
-        metrics.ACTIVE_LEASES.set_function(lambda: sum(x["active_leases"] for x in loads()))
-        metrics.RUNNING.labels("decode").set_function(lambda: sum(x["running"] for x in loads()))
+        """Per-rank gauges read the coordinator's latest reports of every rank when scraped."""
+        metrics.REGISTRY.register(metrics.LoadCollector("decode", lambda: self.coord.loads))
 
     async def Reserve(self, request, context):  # noqa: N802 - gRPC method name
         if request.num_prompt_tokens <= 0 or request.max_tokens <= 0:
@@ -83,7 +79,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         try:
             dest = await wait_future(placed, 60)
         except CommandError as exc:
-            metrics.REQUESTS.labels("decode", "rejected").inc()
+            metrics.request_done("decode", exc.code, "reserve")
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         self.coord.lease_rank[dest.lease_id] = rank
         msg = dest.to_proto(internal_pb2.KVDestination)
@@ -98,7 +94,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 
     async def GetLoad(self, request, context):  # noqa: N802
         loads = self.coord.loads
-        internal_only = ("has_work", "expired", "applied_cid")
+        internal_only = ("has_work", "expired", "applied_cid", "kv_bytes_received")
         ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items() if k not in internal_only}) for x in loads]
         return internal_pb2.LoadReport(
             running=sum(x["running"] for x in loads), waiting=sum(x["waiting"] for x in loads),
@@ -125,6 +121,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await wait_future(admit, 60)
         except CommandError as exc:
             self.coord.close_stream(rid, stream)
+            metrics.request_done("decode", exc.code, "admit")
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         self.coord.lease_rank.pop(request.lease_id, None)  # claimed: the blocks belong to the request now
         reason, ended = None, False
@@ -136,7 +133,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                                         "the decode engine failed; this instance is restarting")
                 if ev.finish_reason == "error":
                     ended = True
-                    metrics.REQUESTS.labels("decode", "error").inc()
+                    metrics.request_done("decode", "INTERNAL", "step_error")
                     await context.abort(grpc.StatusCode.INTERNAL, ev.error)
                 reason = ev.finish_reason if ev.finished else None
                 ended = ev.finished
@@ -147,7 +144,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "")
                 if out.stopped:
                     break
-            metrics.REQUESTS.labels("decode", reason or "abort").inc()
+            metrics.request_done("decode", "OK", reason or "abort")
             if reason is None:
                 yield internal_pb2.DecodeResponse(finish_reason="abort")
         finally:  # finished, stopped, cancelled by the caller, deadline, or an error: the engine lets go

@@ -76,6 +76,8 @@ class PrefillWorker(EngineWorker):
         self.jobs: dict[str, _Job] = {}
         self.senders: dict[str, KVSender] = {}
         self.transport = transport
+        for family in (metrics.KV_PUSH_BYTES, metrics.KV_PUSH_SECONDS, metrics.KV_PUSH_FAILURES):
+            family.labels(transport)  # exported from the start (at 0), so dashboards and alerts see them
         self._make = make or (lambda t: make_sender(t, engine.kv))
         super().__init__(engine, "prefill-engine")
 
@@ -95,6 +97,7 @@ class PrefillWorker(EngineWorker):
             for push, src, first in plan:
                 push.send_layer(layer, src, first)
 
+        metrics.BATCH_TOKENS.observe(sum(c.num_tokens for c in chunks))
         try:
             logits = engine.run_chunks(chunks, layer_done)
             tokens = engine.sample(chunks, logits)
@@ -114,9 +117,11 @@ class PrefillWorker(EngineWorker):
         back to the engine thread, answer the caller."""
         self.call(lambda engine: engine.kv.allocator.free(blocks))
         if error is not None:
+            metrics.KV_PUSH_FAILURES.labels(self.transport).inc()
             job.done.set_exception(error if isinstance(error, TransferError) else TransferError(str(error)))
             return
-        metrics.KV_BYTES.labels(self.transport).inc(job.push.bytes_sent)
+        metrics.KV_PUSH_BYTES.labels(self.transport).inc(job.push.bytes_sent)
+        metrics.KV_PUSH_SECONDS.labels(self.transport).observe(time.perf_counter() - job.started)
         job.done.set_result((token, state, time.perf_counter() - job.started))
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
@@ -172,6 +177,24 @@ class PrefillWorker(EngineWorker):
                 job.done.set_exception(exc)
 
 
+class _QueuedPromptTokens(metrics.Collector):
+    """pdserve_prefill_queued_prompt_tokens at scrape time: prompt tokens waiting or not yet computed."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def describe(self):  # noqa: ANN201
+        return []
+
+    def collect(self):  # noqa: ANN201
+        sched = self.engine.scheduler
+        queued = sum(s.num_uncached for s in [*list(sched.waiting), *list(sched.running)] if s.is_prefilling)
+        family = metrics.GaugeMetricFamily("pdserve_prefill_queued_prompt_tokens",
+                                           "Prompt tokens waiting to be computed")
+        family.add_metric([], queued)
+        yield family
+
+
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     """One rank: a PrefillWorker batches and chunks prompts; a CP or TP group: a CPLeader drives it."""
 
@@ -188,7 +211,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             self.worker = CPLeader(CPRank(self.engine, make))
         else:
             self.worker = PrefillWorker(self.engine, cfg.kv_transport, make)
-        metrics.KV_TOTAL_BLOCKS.labels("prefill").set(self.engine.kv.num_blocks)
+        metrics.REGISTRY.register(metrics.LoadCollector("prefill", self._load))
+        metrics.REGISTRY.register(_QueuedPromptTokens(self.engine))
+
+    def _load(self) -> list[dict]:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        return [{"rank": 0, "running": len(sched.running), "waiting": len(sched.waiting),
+                 "free_blocks": kv.allocator.num_free, "total_blocks": kv.num_blocks}]
 
     async def GetLoad(self, request, context):  # noqa: N802
         sched = self.engine.scheduler
@@ -199,7 +228,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):  # noqa: N802
         problem = self.credentials.vouched(request.destination)
         if problem:  # KV goes only where a decode instance of this cluster vouched for it
-            metrics.REQUESTS.labels("prefill", "refused").inc()
+            metrics.request_done("prefill", "PERMISSION_DENIED", "unsigned_destination")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
         params = sampling_from_proto(request.sampling_params)
         dest = Destination.from_proto(request.destination)
@@ -211,25 +240,24 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         try:
             done = self.worker.submit(rid, prompt, params, dest)
         except ValueError as exc:
-            metrics.REQUESTS.labels("prefill", "invalid").inc()
+            metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             token, state, seconds = await wait_future(done)
         except ValueError as exc:
-            metrics.REQUESTS.labels("prefill", "invalid").inc()
+            metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferError as exc:
-            metrics.REQUESTS.labels("prefill", "transfer_error").inc()
+            metrics.request_done("prefill", "UNAVAILABLE", "kv_push")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}")
         except asyncio.CancelledError:  # the caller went away or its deadline passed: drop the prompt
             self.worker.cancel(rid, RuntimeError("cancelled"))
             raise
         except Exception as exc:  # noqa: BLE001
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
-        metrics.REQUESTS.labels("prefill", "ok").inc()
+        metrics.request_done("prefill", "OK")
         metrics.TOKENS.labels("prefill", "prompt").inc(len(prompt))
         metrics.PREFILL_SECONDS.observe(seconds)
-        metrics.KV_FREE_BLOCKS.labels("prefill").set(self.engine.kv.allocator.num_free)
         return internal_pb2.PrefillResponse(first_token_id=token, rng_state=state, prefill_seconds=seconds)
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.deploy import Deployment
 from shared.engine.chat import EOS, split_reasoning
 from shared.loader.tiny import ensure_tiny_model
 from shared.rpc.certs import CertFiles, make_cluster_certs
@@ -222,18 +223,41 @@ class Cluster:
         self.stop()
 
 
+def deployment_from_args(args: argparse.Namespace) -> Deployment:
+    """`--config FILE` (the deployment description the Helm chart also reads), else the flags."""
+    if args.config:
+        return Deployment.from_yaml(args.config)
+    return Deployment.from_dict({
+        "engine": {"dtype": args.dtype, "indexerNumerics": args.indexer_numerics, "kvTransport": args.kv_transport},
+        "prefill": {"instances": args.num_prefill, "cp": args.prefill_cp, "tp": args.prefill_tp,
+                    "ep": args.prefill_ep, "layerSharding": args.layer_sharding},
+        "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
+                   "layerSharding": args.layer_sharding},
+        "router": {"port": args.port}, "tls": {"enabled": args.tls}})
+
+
+def cluster_from_deployment(dep: Deployment, model: str, log_dir: Path | None = None) -> Cluster:
+    """A local Cluster running `dep`: same service flags as the chart, but every port picked by the
+    service (one host: fixed KV ports would collide) and metrics on a free port each."""
+    def local(flags: list[str]) -> list[str]:
+        out = list(flags)
+        if "--kv-port" in out:
+            out[out.index("--kv-port") + 1] = "0"
+        return out
+
+    return Cluster(model, dep.prefill.instances, dep.decode.instances, dep.router.port, dep.engine.kv_transport,
+                   dep.engine.dtype, dep.engine.indexer_numerics, tls=dep.tls.enabled, log_dir=log_dir,
+                   extra_prefill=local(dep.flags("prefill")), extra_decode=local(dep.flags("decode")),
+                   extra_router=dep.flags("router"))
+
+
 def cmd_up(args: argparse.Namespace) -> None:
-    model = args.model or str(ensure_tiny_model(DEFAULT_MODEL))
-    cluster = Cluster(model, args.num_prefill, args.num_decode, args.port, args.kv_transport, args.dtype,
-                      args.indexer_numerics, tls=args.tls,
-                      log_dir=Path(args.log_dir) if args.log_dir else None,
-                      extra_prefill=["--cp", str(args.prefill_cp), "--tp", str(args.prefill_tp),
-                                     "--ep", str(args.prefill_ep),
-                                     "--layer-sharding", args.layer_sharding],
-                      extra_decode=["--dp", str(args.decode_dp), "--tp", str(args.decode_tp),
-                                    "--ep", str(args.decode_ep),
-                                    "--layer-sharding", args.layer_sharding])
-    print(f"starting {args.num_prefill} prefill + {args.num_decode} decode + router on {model} ...", flush=True)
+    dep = deployment_from_args(args)
+    model = args.model or (dep.model.path if args.config and Path(dep.model.path).is_dir() else None) \
+        or str(ensure_tiny_model(DEFAULT_MODEL))
+    cluster = cluster_from_deployment(dep, model, Path(args.log_dir) if args.log_dir else None)
+    print(f"starting {dep.prefill.instances} prefill + {dep.decode.instances} decode + router on {model} ...",
+          flush=True)
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
@@ -382,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--decode-tp", type=int, default=1, help="local-TP ranks per decode instance (with dp 1)")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
+    up.add_argument("--config", default=None,
+                    help="deployment description (YAML, the Helm chart's values keys); replaces the shape flags")
     up.add_argument("--tls", action="store_true",
                     help="mutual TLS on every hop (gRPC and KV) with a CA and certificate made for this start")
     up.set_defaults(fn=cmd_up)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import metrics
 from shared.config import ModelConfig, add_tls_arguments
@@ -89,9 +90,25 @@ class Instance:
 class Pool:
     """Instances of one kind; picks the one with the fewest requests in flight (ties: round robin)."""
 
-    def __init__(self, addresses: list[str], stub_cls, credentials: Credentials | None = None):  # noqa: ANN001
-        self.instances = [Instance(a, stub_cls(aio_channel(a, credentials))) for a in addresses]
+    def __init__(self, kind: str, addresses: list[str], stub_cls, credentials: Credentials | None = None):  # noqa: ANN001
+        self.kind = kind
+        metrics.FAILOVERS.labels(kind)  # exported at 0 from the start
+        self.channels = [aio_channel(a, credentials) for a in addresses]
+        self.instances = [Instance(a, stub_cls(ch)) for a, ch in zip(addresses, self.channels)]
         self._rr = itertools.count()
+
+    async def watch_health(self, period: float = 2.0) -> None:
+        """pdserve_router_instance_up for every instance, from its health check every `period` s."""
+        stubs = [health_pb2_grpc.HealthStub(ch) for ch in self.channels]
+        while True:
+            for inst, stub in zip(self.instances, stubs):
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=period)
+                    up = reply.status == health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    up = False
+                metrics.INSTANCE_UP.labels(self.kind, inst.address).set(int(up))
+            await asyncio.sleep(period)
 
     def ranked(self) -> list[Instance]:
         """All instances, fewest in flight first (ties rotate): the first is the pick, the rest
@@ -128,8 +145,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.credentials = Credentials.from_args(cfg.auth_token_file, cfg.insecure, cfg.tls_cert, cfg.tls_key,
                                                  cfg.tls_ca)
         self.metadata = self.credentials.metadata
-        self.prefill = Pool(cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
-        self.decode = Pool(cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)
+        self.prefill = Pool("prefill", cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
+        self.decode = Pool("decode", cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)
+        metrics.IN_FLIGHT.set_function(lambda: self.in_flight)
         self._tokenizers = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self._background: set[asyncio.Task] = set()
         self.in_flight = 0  # Generate calls being served (changed only on the event loop)
@@ -196,7 +214,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Admission first: beyond --max-concurrent-requests a call is refused at once, before any work
         (health checks are never refused: an overloaded router is not a dead one)."""
         if self.in_flight >= self.cfg.max_concurrent_requests:
-            metrics.REQUESTS.labels("router", "overloaded").inc()
+            metrics.request_done("router", "RESOURCE_EXHAUSTED", "overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the router is at its limit of {self.cfg.max_concurrent_requests} requests in flight")
         self.in_flight += 1
@@ -211,13 +229,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             ids, params = await self.validate(request)
         except Invalid as exc:
-            metrics.REQUESTS.labels("router", "invalid").inc()
+            metrics.request_done("router", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = uuid.uuid4().hex  # internal ids are the router's; the client's request_id is only echoed back
         label = request.request_id or rid
         deadline = context.time_remaining()  # None without a deadline
         if deadline is not None and deadline <= 0:
-            metrics.REQUESTS.labels("router", "deadline").inc()
+            metrics.request_done("router", "DEADLINE_EXCEEDED", "deadline")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before it started")
         timeout = min(self.cfg.request_timeout, deadline) if deadline is not None else self.cfg.request_timeout
         sampling, md = request.sampling_params, self.metadata
@@ -234,8 +252,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             try:
                 prefill_req = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
                                                           sampling_params=sampling, destination=reserve.destination)
-                _, first = await self._first_ok(context, self.prefill, lambda inst: inst.stub.Prefill(
+                metrics.QUEUE.observe(time.perf_counter() - t0)
+                pre, first = await self._first_ok(context, self.prefill, lambda inst: inst.stub.Prefill(
                     prefill_req, timeout=timeout, metadata=md), retry_on=(grpc.StatusCode.UNAVAILABLE,))
+                metrics.PAIRS.labels(pre.address, dec.address).inc()
                 stream = dec.stub.Decode(internal_pb2.DecodeRequest(
                     request_id=rid, lease_id=lease_id, prompt_token_ids=ids, sampling_params=sampling,
                     first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout, metadata=md)
@@ -275,12 +295,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                       finish_reason=msg.finish_reason, request_id=rid)
                 if msg.finish_reason:
                     out.usage.prompt_tokens, out.usage.completion_tokens = prompt_tokens, n
-                    metrics.REQUESTS.labels("router", msg.finish_reason).inc()
+                    metrics.request_done("router", "OK", msg.finish_reason)
+                    metrics.E2E.observe(time.perf_counter() - t0)
                 yield out
         except grpc.RpcError as exc:
-            metrics.REQUESTS.labels("router", "error").inc()
+            metrics.request_done("router", _map_code(exc.code()).name, "decode_stream")
             await context.abort(_map_code(exc.code()), f"decode stream failed: {exc.details()}")
-        metrics.TOKENS.labels("router", "output").inc(n)
+        finally:
+            metrics.TOKENS.labels("router", "output").inc(n)
 
     @staticmethod
     async def _first_ok(context, pool: Pool, call, retry_on: tuple) -> tuple[Instance, object]:  # noqa: ANN001
@@ -294,8 +316,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             except grpc.RpcError as exc:
                 if exc.code() in retry_on and i + 1 < len(candidates):
                     log.warning("%s: %s; trying the next instance", inst.address, exc.code().name)
+                    metrics.FAILOVERS.labels(pool.kind).inc()
                     continue
-                metrics.REQUESTS.labels("router", "error").inc()
+                metrics.request_done("router", _map_code(exc.code()).name, f"{pool.kind}_call")
                 await context.abort(_map_code(exc.code()), f"{inst.address}: {exc.details()}")
         raise AssertionError("unreachable: a pool has at least one instance")
 
@@ -345,14 +368,20 @@ async def serve(cfg: RouterConfig) -> tuple[grpc.aio.Server, int, Lifecycle]:
             response_serializer=generation_pb2.GenerateResponse.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Generate": handler}),))
 
-    return await start_server(cfg.host, cfg.port, [register], [SERVICE], servicer.credentials, public=True)
+    server, port, life = await start_server(cfg.host, cfg.port, [register], [SERVICE], servicer.credentials,
+                                            public=True)
+    life.servicer = servicer
+    return server, port, life
 
 
 async def _serve_until_stopped(cfg: RouterConfig) -> None:
     _, port, life = await serve(cfg)
+    servicer = life.servicer
+    watchers = [asyncio.create_task(pool.watch_health()) for pool in (servicer.prefill, servicer.decode)]
     write_port_file(cfg.port_file, port)
     print(f"router listening on {cfg.host}:{port}", flush=True)
     await life.run(cfg.drain_seconds)
+    del watchers
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,23 +1,98 @@
-"""Prometheus metrics shared by every service (one registry per process, served on --metrics-port)."""
+"""Prometheus metrics of every service (one registry per process, served on --metrics-port).
+
+Names are `pdserve_` + base units (`_seconds`, `_bytes`, `_total`); labels are low-cardinality
+(service, pool, instance address, DP rank — never request ids). Histogram buckets span 1 ms to
+5 min, so CPU tests and accelerator latencies both land inside them. Multi-rank decode instances
+export one consistent view from rank 0 (which gathers every rank's load each step) with a `rank`
+label, read at scrape time (never a stale copy). The README's "Metrics" table lists them all.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKENS_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
-REQUESTS = Counter("pdserve_requests_total", "Requests handled", ["service", "outcome"])
-TOKENS = Counter("pdserve_tokens_total", "Tokens processed", ["service", "kind"])
-TTFT = Histogram("pdserve_ttft_seconds", "Time to first token seen by the router", buckets=_LATENCY)
-TPOT = Histogram("pdserve_tpot_seconds", "Time per output token after the first", buckets=_LATENCY)
-PREFILL_SECONDS = Histogram("pdserve_prefill_seconds", "Prefill compute + push per request", buckets=_LATENCY)
-KV_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes pushed to decode", ["transport"])
-KV_FREE_BLOCKS = Gauge("pdserve_kv_free_blocks", "Free KV blocks", ["service"])
-KV_TOTAL_BLOCKS = Gauge("pdserve_kv_total_blocks", "KV blocks in the pool", ["service"])
-ACTIVE_LEASES = Gauge("pdserve_active_leases", "KV reservations not yet claimed")
-RUNNING = Gauge("pdserve_running_requests", "Requests in the engine's running batch", ["service"])
+# --- every service ---------------------------------------------------------------------------------
+REQUESTS = Counter("pdserve_requests_total", "Requests by final gRPC status and reason",
+                   ["service", "status", "reason"])
+TOKENS = Counter("pdserve_tokens_total", "Tokens processed (prompt: prefilled, output: generated)",
+                 ["service", "kind"])
+
+# --- router ------------------------------------------------------------------------------------------
+TTFT = Histogram("pdserve_router_ttft_seconds", "Arrival to first token, seen by the router", buckets=LATENCY)
+TPOT = Histogram("pdserve_router_tpot_seconds", "Time per output token after the first", buckets=LATENCY)
+QUEUE = Histogram("pdserve_router_queue_seconds",
+                  "Arrival until the prefill call starts (validation, tokenizing, KV reservation)", buckets=LATENCY)
+E2E = Histogram("pdserve_router_e2e_seconds", "Arrival to the last token", buckets=LATENCY)
+IN_FLIGHT = Gauge("pdserve_router_in_flight_requests", "Generate calls being served")
+FAILOVERS = Counter("pdserve_router_failovers_total", "Calls retried on another instance", ["pool"])
+INSTANCE_UP = Gauge("pdserve_router_instance_up", "1 when the instance's health check says SERVING",
+                    ["pool", "instance"])
+PAIRS = Counter("pdserve_router_pairs_total", "Requests per chosen (prefill, decode) pair", ["prefill", "decode"])
+
+# --- prefill -----------------------------------------------------------------------------------------
+PREFILL_SECONDS = Histogram("pdserve_prefill_seconds", "Prefill compute + KV push per request", buckets=LATENCY)
+BATCH_TOKENS = Histogram("pdserve_prefill_batch_tokens", "Prompt tokens computed per engine step",
+                         buckets=TOKENS_BUCKETS)
+KV_PUSH_BYTES = Counter("pdserve_kv_push_bytes_total", "KV bytes pushed to decode", ["transport"])
+KV_PUSH_SECONDS = Histogram("pdserve_kv_push_seconds", "Prompt scheduled until its KV push committed",
+                            ["transport"], buckets=LATENCY)
+KV_PUSH_FAILURES = Counter("pdserve_kv_push_failures_total", "KV pushes that failed", ["transport"])
+
+# --- decode ------------------------------------------------------------------------------------------
+STEP_SECONDS = Histogram("pdserve_decode_step_seconds", "One lock-step decode iteration (all ranks)",
+                         buckets=LATENCY)
+EXPIRED_LEASES = Counter("pdserve_decode_expired_leases_total", "Reservations that expired unused")
+
+
+class LoadCollector(Collector):
+    """Scrape-time gauges of an engine's (or every DP rank's) load: `loads()` returns one dict per
+    rank with running, waiting, tokens, free_blocks, total_blocks, active_leases, kv_bytes_received."""
+
+    GAUGES = (("running", "pdserve_running_requests", "Requests in the running batch"),
+              ("waiting", "pdserve_waiting_requests", "Requests queued for the engine"),
+              ("tokens", "pdserve_context_tokens", "Tokens held by running requests and reservations"),
+              ("free_blocks", "pdserve_kv_blocks_free", "Free KV blocks"),
+              ("used_blocks", "pdserve_kv_blocks_used", "KV blocks in use (requests + reservations)"),
+              ("total_blocks", "pdserve_kv_blocks_total", "KV blocks in the pool"),
+              ("active_leases", "pdserve_active_leases", "KV reservations not yet claimed"))
+
+    def __init__(self, service: str, loads: Callable[[], Iterable[dict[str, Any]]]):
+        self.service, self.loads = service, loads
+
+    def describe(self):  # noqa: ANN201 - registration without collecting (the loads may not exist yet)
+        return []
+
+    def collect(self):  # noqa: ANN201
+        loads = list(self.loads())
+        for key, name, doc in self.GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["service", "rank"])
+            for load in loads:
+                value = load["total_blocks"] - load["free_blocks"] if key == "used_blocks" else load.get(key)
+                if value is not None:
+                    family.add_metric([self.service, str(load["rank"])], value)
+            yield family
+        received = CounterMetricFamily("pdserve_kv_received_bytes", "KV bytes received from prefill",
+                                       labels=["service", "rank"])
+        for load in loads:
+            if "kv_bytes_received" in load:
+                received.add_metric([self.service, str(load["rank"])], load["kv_bytes_received"])
+        yield received
+
+
+__all__ = ["REGISTRY", "Collector", "GaugeMetricFamily", "LoadCollector", "request_done", "start_metrics_server"]
+
+
+def request_done(service: str, status: str, reason: str = "") -> None:
+    REQUESTS.labels(service, status, reason).inc()
 
 
 def start_metrics_server(port: int | None, host: str = "127.0.0.1", port_file: str | None = None) -> int | None:

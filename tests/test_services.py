@@ -200,7 +200,8 @@ def test_metrics_endpoint(model_dir):
         generate(c.address, prompt_token_ids=[5, 6, 7], sampling_params=greedy(3))
         port = c.metrics_ports[c.decode_addrs[0]]
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert "pdserve_kv_free_blocks" in body and 'pdserve_tokens_total{kind="output",service="decode"} 3.0' in body
+    assert 'pdserve_kv_blocks_free{rank="0",service="decode"}' in body
+    assert 'pdserve_tokens_total{kind="output",service="decode"} 3.0' in body
 
 
 def test_two_by_two_instances_and_failover(model_dir, local_llm, tmp_path):

@@ -190,6 +190,7 @@ class Lifecycle:
         self.server, self.health, self.names = server, health_servicer, ["", *service_names]
         self.loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
+        self.servicer: object | None = None  # the service's own servicer, for its main
 
     async def set(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -116,6 +116,7 @@ class TcpReceiver(KVReceiver):
         self.port = self._sock.getsockname()[1]
         self.endpoint = f"{advertise_host or host}:{self.port}"
         self._closed = False
+        self.bytes_received = 0  # payload bytes written into leased blocks (a metric)
         self.accept_marks = False  # True when this receiver is Mooncake's control channel
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True).start()
@@ -198,6 +199,7 @@ class TcpReceiver(KVReceiver):
                 return f"write of {count} blocks carries {nbytes} bytes"
             for view in block_runs(rows, layer, lease.blocks[first : first + count]):
                 _recv_exact_into(conn, view)
+            self.bytes_received += nbytes
             ok = True
             return True
         finally:
@@ -286,7 +288,7 @@ class TcpPush(KVPush):
         views = block_runs(rows, layer, src_blocks)
         header = self._header(WRITE, layer, KINDS.index(kind), first, len(src_blocks), sum(len(v) for v in views))
         try:
-            self.bytes_sent += send_views(self._sock, [memoryview(header), *views])
+            self.bytes_sent += send_views(self._sock, [memoryview(header), *views]) - len(header)  # KV bytes
         except OSError as exc:
             raise TransferError(f"KV write to {self.dest.endpoint} failed: {self._refusal() or exc}") from exc
 
