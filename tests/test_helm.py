@@ -24,7 +24,7 @@ CASES = {
                                 "model": {"source": "uri", "uri": {"url": "https://example.com/m.tar"}}},
     "lws-tp2": {"lws": {"enabled": True}, "prefill": {"tp": 2}, "decode": {"tp": 2}},
 }
-CUSTOM = {"PodMonitor", "LeaderWorkerSet"}  # CRDs, not in the core schemas
+CUSTOM = {"PodMonitor", "LeaderWorkerSet"}  # CRDs, not in the core schemas (their pod templates are checked)
 
 
 def _render(values: dict) -> list[dict]:
@@ -63,6 +63,14 @@ def test_rendered_objects_validate_and_args_parse(name):
     for doc in docs:
         if doc["kind"] not in CUSTOM:
             kubernetes_validate.validate(doc, KUBE, strict=True)
+        elif doc["kind"] == "LeaderWorkerSet":  # no CRD schema offline: its pod template is a core one
+            lwt = doc["spec"]["leaderWorkerTemplate"]
+            assert set(lwt) <= {"size", "restartPolicy", "workerTemplate", "leaderTemplate"}
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                          "template": lwt["workerTemplate"]}, KUBE, strict=True)
+        else:  # PodMonitor: the fields the Prometheus operator reads
+            assert set(doc["spec"]) == {"selector", "podMetricsEndpoints"}
+            assert doc["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
     parsers = {"router": router_args, "prefill_service": prefill_args, "decode_service": decode_args}
     instances = {"prefill": 0, "decode": 0}
