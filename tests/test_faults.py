@@ -49,11 +49,21 @@ def _baseline(c: Cluster) -> None:
 
 
 def _works(c: Cluster) -> None:
-    with c.channel(c.address) as ch:
-        msgs = list(generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
-            prompt_token_ids=[5, 6, 7], sampling_params=generation_pb2.SamplingParams(
-                max_tokens=3, temperature=0.0, ignore_eos=True)), timeout=60))
-    assert sum(len(m.token_ids) for m in msgs) == 3
+    """The cluster serves again: a restarted instance is found once the router's reconnect back-off
+    (at most 2 s) has passed, so the first tries may still be refused (a bounded wait)."""
+    def once() -> bool:
+        try:
+            with c.channel(c.address) as ch:
+                msgs = list(generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
+                    prompt_token_ids=[5, 6, 7], sampling_params=generation_pb2.SamplingParams(
+                        max_tokens=3, temperature=0.0, ignore_eos=True)), timeout=60))
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            return False
+        return sum(len(m.token_ids) for m in msgs) == 3
+
+    assert wait_for(once, timeout=30), "the cluster did not serve again"
 
 
 def _fault_mid_stream(c: Cluster, fault) -> tuple[grpc.RpcError, float, int]:  # noqa: ANN001

@@ -331,7 +331,12 @@ def serve_follower_health(host: str, port: int, credentials: Credentials | None 
     server.start()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     write_port_file(port_file, bound)
-    return lambda: servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def down() -> None:  # holds `server`: a collected grpc.Server stops serving
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.stop(grace=1)
+
+    return down
 
 
 def write_port_file(path: str | None, port: int) -> None:

@@ -6,14 +6,16 @@ lease and carries its token; a frame for an unknown or expired lease, or with a 
 refused and the connection closed. A COMMIT frame ends a push and is acknowledged once every
 layer of every cache kind has arrived.
 
-Frame header (network order): magic "PDKV", version, type (1 WRITE, 2 COMMIT, 3 MARK, 4 TOUCH), lease id
+Frame header (network order): magic "PDKV", version, type (1 WRITE, 2 COMMIT, 3 MARK, 4 TOUCH, 5 SYNC), lease id
 (32 ascii), token (16), layer (u16), kind (u8: 0 mla, 1 index), first block (u32), block count (u32),
 payload bytes (u64). A WRITE payload is `count` ≥ 1 whole blocks of that layer and kind; the write
 holds its lease until the last byte landed (a lease released meanwhile frees its blocks only then).
 TOUCH (no payload) keeps a lease alive while its prompt waits in the prefill queue or computes (an
 idle push sends one every KVPush.keepalive_seconds). MARK (no payload) reports blocks written
 one-sidedly by Mooncake and is accepted only by a receiver that serves as Mooncake's control
-channel. A commit holds only when every block of every layer and kind was written. Connections idle
+channel. SYNC (no payload) is answered once every earlier frame of the connection has landed: a CP
+rank that does not commit waits for it before telling the committing rank it is done. A commit
+holds only when every block of every layer and kind was written. Connections idle
 past IDLE_TIMEOUT are closed; at most MAX_CONNECTIONS at a time.
 """
 
@@ -35,7 +37,7 @@ from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, Tran
 # certificate carries (`pdserve certs` adds it): pod addresses change, so certificates cannot list them.
 TLS_SERVER_NAME = "pdserve"
 MAGIC, VERSION = b"PDKV", 1
-WRITE, COMMIT, MARK, TOUCH = 1, 2, 3, 4
+WRITE, COMMIT, MARK, TOUCH, SYNC = 1, 2, 3, 4, 5
 KINDS = ("mla", "index")
 HEADER = struct.Struct("!4sBB32s16sHBIIQ")
 OK, REFUSED = 0, 1
@@ -183,6 +185,10 @@ class TcpReceiver(KVReceiver):
             if ftype == TOUCH:
                 self.leases.touch(self.leases.check(lease_id, token))
                 return True
+            if ftype == SYNC:  # frames of a connection are applied in order: all earlier writes landed
+                self.leases.check(lease_id, token)
+                self._reply(conn, OK, "")
+                return True
             if ftype == MARK and self.accept_marks and nbytes == 0:
                 lease = self.leases.begin_write(lease_id, token, layer, kind, first, count)
                 self.leases.end_write(lease, layer, kind, first, count, ok=True)
@@ -291,6 +297,18 @@ class TcpPush(KVPush):
             self.bytes_sent += send_views(self._sock, [memoryview(header), *views]) - len(header)  # KV bytes
         except OSError as exc:
             raise TransferError(f"KV write to {self.dest.endpoint} failed: {self._refusal() or exc}") from exc
+
+    def _finish_writes(self) -> None:
+        """Another rank commits for this push (CP): make sure every write landed before saying done."""
+        if self._commit_at_end:
+            return  # the commit's own reply is the barrier
+        try:
+            self._sock.sendall(self._header(SYNC))
+            status, message = read_reply(self._sock)
+        except (OSError, ConnectionError) as exc:
+            raise TransferError(f"KV sync with {self.dest.endpoint} failed: {exc}") from exc
+        if status != OK:
+            raise TransferError(f"KV receiver refused the push: {message}")
 
     def _keepalive(self) -> None:
         try:
