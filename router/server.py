@@ -378,10 +378,10 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
     _, port, life = await serve(cfg)
     servicer = life.servicer
     watchers = [asyncio.create_task(pool.watch_health()) for pool in (servicer.prefill, servicer.decode)]
+    servicer._background.update(watchers)  # referenced for the life of the process
     write_port_file(cfg.port_file, port)
     print(f"router listening on {cfg.host}:{port}", flush=True)
     await life.run(cfg.drain_seconds)
-    del watchers
 
 
 def main(argv: list[str] | None = None) -> None:
