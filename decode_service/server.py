@@ -123,6 +123,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             self.coord.close_stream(rid, stream)
             metrics.request_done("decode", exc.code, "admit")
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except asyncio.CancelledError:  # the caller left while admitting: the engine must not run it
+            self.coord.close_stream(rid, stream)
+            self.coord.submit("abort", rank, request_id=rid)
+            raise
         self.coord.lease_rank.pop(request.lease_id, None)  # claimed: the blocks belong to the request now
         reason, ended = None, False
         out = self.coord.me.engine.output_processor(params)  # text made here, off the engine thread
