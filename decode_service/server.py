@@ -23,7 +23,7 @@ from shared import metrics
 from shared.config import ServiceConfig
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Lifecycle, LoopQueue, sampling_from_proto, start_server, wait_future, write_port_file
+from shared.rpc.service import Lifecycle, LoopQueue, sampling_from_proto, start_server, wait_future
 
 log = logging.getLogger("pdserve.decode")
 SERVICE = "pdserve.v1.Decode"
@@ -180,9 +180,8 @@ async def serve(cfg: DecodeConfig, coordinator: Coordinator) -> tuple[grpc.aio.S
 async def _serve_until_stopped(cfg: DecodeConfig, coordinator: Coordinator, me: DecodeRank,
                                followers: list) -> None:
     _, port, life = await serve(cfg, coordinator)
-    write_port_file(cfg.port_file, port)
-    print(f"decode_service listening on {cfg.host}:{port} "
-          f"(dp={cfg.dp} tp={cfg.tp} ep={cfg.ep}, kv {me.receiver.transport})", flush=True)
+    life.announce(port, cfg.port_file, f"decode_service listening on {cfg.host}:{port} "
+                                       f"(dp={cfg.dp} tp={cfg.tp} ep={cfg.ep}, kv {me.receiver.transport})")
 
     def cleanup() -> None:
         coordinator.stop()

@@ -37,7 +37,7 @@ from shared.engine.worker import EngineWorker
 from shared.parallel import ParallelState
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Lifecycle, sampling_from_proto, start_server, wait_future, write_port_file
+from shared.rpc.service import Lifecycle, sampling_from_proto, start_server, wait_future
 from shared.transfer import Destination, KVPush, KVSender, TransferError, make_sender
 from shared.transfer.tcp import STALL_SECONDS
 
@@ -288,8 +288,8 @@ async def serve(cfg: PrefillConfig, servicer: PrefillServicer) -> tuple[grpc.aio
 
 async def _serve_until_stopped(cfg: PrefillConfig, servicer: PrefillServicer, followers: list) -> None:
     _, port, life = await serve(cfg, servicer)
-    write_port_file(cfg.port_file, port)
-    print(f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} tp={cfg.tp} ep={cfg.ep})", flush=True)
+    life.announce(port, cfg.port_file,
+                  f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} tp={cfg.tp} ep={cfg.ep})")
 
     def cleanup() -> None:
         servicer.close()

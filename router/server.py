@@ -29,7 +29,7 @@ from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.sampler import SamplingParams
 from shared.engine.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server, write_port_file
+from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server
 
 log = logging.getLogger("pdserve.router")
 SERVICE = "pdserve.v1.Generation"
@@ -379,8 +379,7 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
     servicer = life.servicer
     watchers = [asyncio.create_task(pool.watch_health()) for pool in (servicer.prefill, servicer.decode)]
     servicer._background.update(watchers)  # referenced for the life of the process
-    write_port_file(cfg.port_file, port)
-    print(f"router listening on {cfg.host}:{port}", flush=True)
+    life.announce(port, cfg.port_file, f"router listening on {cfg.host}:{port}")
     await life.run(cfg.drain_seconds)
 
 

@@ -206,6 +206,11 @@ class Lifecycle:
         timer.daemon = True
         timer.start()
 
+    def announce(self, port: int, port_file: str | None, banner: str) -> None:
+        """Serving: report the bound port (to the launcher's port file) and say so on stdout."""
+        write_port_file(port_file, port)
+        print(banner, flush=True)
+
     async def run(self, drain_seconds: float, cleanup: Callable[[], None] = lambda: None) -> None:
         """Serve until SIGTERM/SIGINT, then stop accepting (NOT_SERVING, new RPCs refused), let in-flight
         RPCs finish for up to `drain_seconds` (then they are cancelled), clean up and exit. A watchdog
