@@ -91,3 +91,26 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == _NPU:
         torch.npu.synchronize(device)
+
+
+_GROUPED_MM_BROKEN: set[tuple[str, torch.dtype]] = set()
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x [M, K] in consecutive groups (group g ends at offsets[g], int32, on the device) times
+    w[g] [K, N]: one grouped matmul with no host read-back (`F.grouped_mm`). Where a device or dtype
+    lacks the kernel, a per-group loop (one read-back of the offsets) gives the same result; rows
+    past the last offset are left undefined either way."""
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_MM_BROKEN:
+        try:
+            return torch.nn.functional.grouped_mm(x, w, offs=offsets)
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_MM_BROKEN.add(key)
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out

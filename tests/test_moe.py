@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shared.loader import load_model
 from tests.helpers import load_reference
@@ -48,3 +49,64 @@ def test_grouped_experts_with_zero_token_experts(ckpt):
         if n == 1:
             assert len(set(ids.flatten().tolist())) < moe.experts.num_experts
         assert torch.allclose(moe(x), _naive_moe(moe, x), atol=1e-5)
+
+
+# Ops that read device data back to the host: an accelerator stalls on each (`.tolist()` is counted
+# separately: it reads memory without dispatching an op).
+_HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.bincount.default",
+               "aten.masked_select.default", "aten._unique2.default", "aten.unique_consecutive.default",
+               "aten.repeat_interleave.Tensor", "aten.item.default"}
+
+
+class _CountHostReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if str(func) in _HOST_READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_step_makes_no_host_read_in_moe(ckpt, monkeypatch):
+    """The decode path's MoE (router, grouped experts) never reads device data back: counted with a
+    dispatch hook and a wrapped Tensor.tolist while the MoE layers of a real engine step run."""
+    from shared.engine import LLM, SamplingParams
+    from shared.model.moe import MoE
+
+    llm = LLM(str(ckpt("v32_sparse")), dtype="float32")
+    engine = llm.engine
+    for i in range(6):
+        engine.add_request([3 + i, 5, 7, 11 + i], SamplingParams(max_tokens=8, ignore_eos=True))
+    while any(s.is_prefilling for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+    counter, calls = _CountHostReads(), []
+    real_tolist = torch.Tensor.tolist
+
+    def counted_tolist(self):  # noqa: ANN001, ANN202
+        if calls and calls[-1] == "in":
+            counter.reads.append("Tensor.tolist")
+        return real_tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+
+    def enter(module, args):  # noqa: ANN001, ANN202
+        calls.append("in")
+        counter.__enter__()
+
+    def leave(module, args, out):  # noqa: ANN001, ANN202
+        counter.__exit__(None, None, None)
+        calls.append("out")
+
+    moes = [m for m in engine.model.modules() if isinstance(m, MoE)]
+    assert moes
+    hooks = [h for m in moes for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        events = engine.step()  # one decode step of 6 requests
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(events) == 6 and calls.count("in") == len(moes)
+    assert counter.reads == [], counter.reads

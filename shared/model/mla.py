@@ -42,6 +42,20 @@ class MLA(nn.Module):
         self.kv_b_proj = linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), dtype)
         self.o_proj = linear(self.n_heads * self.v_dim, cfg.hidden_size, dtype)
         self.indexer = Indexer(cfg, dtype, indexer_numerics) if cfg.has_indexer else None
+        self.w_uk: torch.Tensor | None = None  # [H, nope, c], set by absorb() after loading
+        self.w_uv_t: torch.Tensor | None = None  # [H, c, v]
+
+    def absorb(self) -> None:
+        """Split kv_b_proj once, after loading, into the absorbed per-head matrices (as DeepSeek and
+        vLLM do): W_UK [H, nope, c] takes q_nope into latent space, W_UV^T [H, c, v] takes the latent
+        output to v, both contiguous in the compute dtype. kv_b_proj's weight is then released, so
+        the pair costs no more memory than the weight they replace."""
+        weight = self.kv_b_proj.weight
+        cdt = compute_dtype(weight.dtype, weight.device)
+        w = weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank).to(cdt)
+        self.w_uk = w[:, : self.nope].contiguous()
+        self.w_uv_t = w[:, self.nope :].transpose(1, 2).contiguous()
+        self.kv_b_proj.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, fb: ForwardBatch, mla_pool: torch.Tensor,
                 index_pool: torch.Tensor | None) -> torch.Tensor:
@@ -63,13 +77,15 @@ class MLA(nn.Module):
         if self.indexer is not None:
             selection = self.indexer(x, qr, rope, fb, index_pool)
 
-        cdt = compute_dtype(x.dtype, x.device)  # per-head matmuls: fp32 on CPUs without bf16 arithmetic
-        w_kv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank).to(cdt)
-        q_abs = torch.einsum("nhd,hdc->nhc", q_nope.to(cdt), w_kv_b[:, : self.nope])
-        query = torch.cat([q_abs, q_pe.to(cdt)], -1)  # [N, H, kv_lora_rank + rope]
+        if self.w_uk is None:
+            self.absorb()
+        cdt = self.w_uk.dtype  # per-head matmuls: fp32 on CPUs without bf16 arithmetic
+        query = q_nope.new_empty(n, self.n_heads, self.kv_lora_rank + self.rope_dim, dtype=cdt)
+        torch.bmm(q_nope.to(cdt).transpose(0, 1), self.w_uk, out=query[..., : self.kv_lora_rank].transpose(0, 1))
+        query[..., self.kv_lora_rank :] = q_pe
         o_lat = self._attend(query, fb, mla_pool, selection)  # [N, H, kv_lora_rank]
-        o = torch.einsum("nhc,hvc->nhv", o_lat.to(cdt), w_kv_b[:, self.nope :])
-        return self.o_proj(o.reshape(n, self.n_heads * self.v_dim).to(x.dtype))
+        o = torch.bmm(o_lat.to(cdt).transpose(0, 1), self.w_uv_t)  # [H, N, v]
+        return self.o_proj(o.transpose(0, 1).reshape(n, self.n_heads * self.v_dim).to(x.dtype))
 
     def _attend(self, query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
                 sel: Selection | None) -> torch.Tensor:

@@ -72,7 +72,8 @@ class DeepseekForCausalLM(nn.Module):
         self.requires_grad_(False)
 
     def apply_parallel(self) -> None:
-        """Convert loaded weights to this rank's shards (local TP, layer sharding)."""
+        """After loading: convert weights to this rank's shards (local TP, layer sharding) and precompute
+        the absorbed MLA matrices."""
         from shared.parallel.layer_shard import LayerSharder
         from shared.parallel.tp import VocabParallelEmbedding, shard_linear
 
@@ -87,6 +88,8 @@ class DeepseekForCausalLM(nn.Module):
                                                       p.tp_group)
         if p.config.layer_sharding and p.world > 1:
             self.sharder = LayerSharder(self.model.layers, p.config.layer_sharding, p.rank, p.world, p.world_group)
+        for layer in self.model.layers:
+            layer.self_attn.absorb()
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVCache,

@@ -3,7 +3,7 @@
 Routing (spec §7.2): s = sigmoid(x·Wg) in fp32; selection uses s + e_score_correction_bias, limited
 to the topk_group groups with the best top-2 sums; the weights are the *unbiased* s of the picked
 experts, normalized, × routed_scaling_factor. Experts run grouped: token slots sorted by expert, one
-matmul per active expert, experts with no tokens skipped.
+grouped matmul over the stacked weights with device-side offsets (no host read-back).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.config import ModelConfig
+from shared.device import grouped_mm
 from shared.model.layers import MLP
 
 
@@ -44,7 +45,12 @@ class Gate(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts this rank holds, stacked: gate_up_proj [E_local, 2I, D] (gate first),
-    down_proj [E_local, D, I]; global ids first_expert .. first_expert + E_local - 1."""
+    down_proj [E_local, D, I]; global ids first_expert .. first_expert + E_local - 1.
+
+    Rows run grouped: sorted by expert, then one grouped matmul over the stacked weights with the
+    group offsets kept on the device (`shared.device.grouped_mm`). Nothing is read back to the host (no
+    `.tolist()` / `.item()`, so an accelerator never stalls on the router) and no expert's weights are
+    copied; experts with no rows cost nothing."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, first_expert: int = 0,
                  num_local: int | None = None):
@@ -57,53 +63,28 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype), requires_grad=False)
 
     def run(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]:
-        rows sorted by expert, zero-token experts skipped. When the active experts get similar row
-        counts (decode batches) they run as one padded batched matmul; otherwise one matmul each."""
-        order = local_ids.argsort(stable=True)
-        counts_t = torch.bincount(local_ids, minlength=self.num_local)
-        counts = counts_t.tolist()
-        active = [e for e, c in enumerate(counts) if c]
+        """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]
+        (ids outside 0..E_local-1 mark padding slots: their output is zero)."""
+        valid = (local_ids >= 0) & (local_ids < self.num_local)
+        key = torch.where(valid, local_ids, self.num_local)  # padding sorts last, outside every group
+        order = key.argsort(stable=True)
+        counts = torch.zeros(self.num_local + 1, dtype=torch.long, device=rows.device)
+        counts.index_add_(0, key, torch.ones_like(key))  # bincount would read the max back on accelerators
+        offsets = counts[: self.num_local].cumsum(0).to(torch.int32)
         xs = rows[order]
-        if active and max(counts) * len(active) <= 2 * rows.shape[0]:
-            out = self._run_padded(xs, local_ids[order], counts_t, active, max(counts))
-        else:
-            out = torch.empty_like(xs)
-            start = 0
-            for expert in active:
-                seg = xs[start : start + counts[expert]]
-                gate, up = F.linear(seg, self.gate_up_proj[expert]).split(self.inter, -1)
-                out[start : start + counts[expert]] = F.linear(F.silu(gate) * up, self.down_proj[expert])
-                start += counts[expert]
+        gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offsets).split(self.inter, -1)
+        out = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
+        out = out.masked_fill(~valid[order, None], 0)  # rows past the last group are undefined
         result = torch.empty_like(out)
         result[order] = out
         return result
 
-    def _run_padded(self, xs: torch.Tensor, sorted_ids: torch.Tensor, counts: torch.Tensor, active: list[int],
-                    width: int) -> torch.Tensor:
-        """Sorted rows → [active experts, width, D] (zero padded) → two bmm's → back to sorted rows."""
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.full((self.num_local,), -1, dtype=torch.long, device=xs.device)
-        slot[active] = torch.arange(len(active), device=xs.device)
-        row_slot = slot[sorted_ids]
-        row_pos = torch.arange(xs.shape[0], device=xs.device) - starts[sorted_ids]
-        buf = xs.new_zeros(len(active), width, xs.shape[1])
-        buf[row_slot, row_pos] = xs
-        every = len(active) == self.num_local  # no weight copy when every expert has rows
-        w_gu = self.gate_up_proj if every else self.gate_up_proj[active]
-        w_down = self.down_proj if every else self.down_proj[active]
-        gate, up = torch.bmm(buf, w_gu.transpose(1, 2)).split(self.inter, -1)
-        out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2))
-        return out[row_slot, row_pos]
-
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """All experts local: fp32 weighted sum [N, D]."""
-        k = ids.shape[1]
-        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
-        out = self.run(x[token_of], ids.flatten() - self.first_expert)
-        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        y.index_add_(0, token_of, out.float() * weights.flatten()[:, None])
-        return y
+        """Weighted sum over each row's k picks [N, k] (global ids; weight 0 / foreign ids contribute
+        nothing): fp32 [N, D]."""
+        n, k = ids.shape
+        out = self.run(x.repeat_interleave(k, 0), ids.flatten() - self.first_expert)  # [N·k, D]
+        return (out.view(n, k, x.shape[1]).float() * weights[..., None]).sum(1)
 
 
 class MoE(nn.Module):
@@ -135,26 +116,34 @@ class MoE(nn.Module):
         return self._forward_ep(x, ids, weights)
 
     def _forward_ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each token travels once to every EP rank holding at least one of its experts, with its k
+        ids and weights (picks on other ranks masked); that rank returns one weighted partial sum per
+        token, so dispatch and combine move rows per (token, rank), not per (token, expert)."""
         from shared.parallel.comm import all_to_all_v, exchange_counts
 
-        k = ids.shape[1]
-        flat = ids.flatten()
-        dest = flat // self.per_rank
-        order = dest.argsort(stable=True)
-        token_of = order // k
-        send = torch.bincount(dest, minlength=self.ep)
+        n, k = ids.shape
+        dest_of_pick = ids // self.per_rank  # [N, k]
+        ranks = torch.arange(self.ep, device=x.device)
+        needs = (dest_of_pick[:, None, :] == ranks[None, :, None]).any(-1)  # [N, ep]
+        pair_rank, pair_token = needs.t().nonzero(as_tuple=True)  # (rank, token) pairs, rank-major
+        mine = dest_of_pick[pair_token] == pair_rank[:, None]  # [P, k] picks that live on that rank
+        pair_ids = torch.where(mine, ids[pair_token], -1)
+        pair_w = torch.where(mine, weights[pair_token], 0.0)
+        send = needs.sum(0)
         recv = exchange_counts(send, self.ep_group)
+        # all_to_all_v takes split sizes on the host: the one read-back of the EP path
         send_l, recv_l = send.tolist(), recv.tolist()
-        rows, work_rows = all_to_all_v(x[token_of], send_l, recv_l, self.ep_group, async_op=True)
-        local_ids, work_ids = all_to_all_v((flat[order] % self.per_rank), send_l, recv_l, self.ep_group,
-                                           async_op=True)
+        rows, work_rows = all_to_all_v(x[pair_token], send_l, recv_l, self.ep_group, async_op=True)
+        meta = torch.cat([pair_ids.float(), pair_w], 1)  # ids are small integers: exact in fp32
+        got_meta, work_meta = all_to_all_v(meta, send_l, recv_l, self.ep_group, async_op=True)
         shared = self.shared_experts(x).float() if self.shared_experts is not None else None  # overlaps dispatch
         work_rows.wait()
-        work_ids.wait()
-        out = self.experts.run(rows, local_ids)
-        back, _ = all_to_all_v(out, recv_l, send_l, self.ep_group)  # combine: rows return to their owners
-        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        y.index_add_(0, token_of, back.float() * weights.flatten()[order, None])
+        work_meta.wait()
+        got_ids, got_w = got_meta[:, :k].long(), got_meta[:, k:]
+        partial = self.experts(rows, got_ids, got_w)  # [received, D] fp32, foreign picks masked
+        back, _ = all_to_all_v(partial, recv_l, send_l, self.ep_group)  # combine: partial sums return
+        y = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+        y.index_add_(0, pair_token, back)
         if shared is not None:
             y = y + shared
         return y.to(x.dtype)
