@@ -26,7 +26,7 @@ from shared.loader.tiny import write_checkpoint  # noqa: E402
 
 
 def run_pdserve(path: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> float:
-    llm = LLM(str(path), dtype=dtype, block_size=16, max_prefill_tokens=4096)
+    llm = LLM(str(path), dtype=dtype, block_size=16, max_num_batched_tokens=4096)
     llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))

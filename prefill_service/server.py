@@ -53,7 +53,7 @@ class PrefillConfig(ServiceConfig):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
                             indexer_numerics=self.indexer_numerics,
-                            kv_cache_tokens=self.kv_cache_tokens, max_prefill_tokens=self.max_prefill_tokens)
+                            kv_cache_tokens=self.kv_cache_tokens, max_num_batched_tokens=self.max_prefill_tokens)
 
 
 def follower_main(rank: int, cfg: PrefillConfig) -> None:

@@ -22,8 +22,8 @@ def _tokens(llm, prompts, params=GREEDY):
 
 def test_chunked_prefill_equals_one_shot(sparse_path):
     prompts = random_prompts(4, [37, 21, 50, 9], 512, seed=10)
-    one_shot = _tokens(LLM(sparse_path, block_size=4, max_prefill_tokens=4096), prompts)
-    chunked = _tokens(LLM(sparse_path, block_size=4, max_prefill_tokens=7), prompts)
+    one_shot = _tokens(LLM(sparse_path, block_size=4, max_num_batched_tokens=4096), prompts)
+    chunked = _tokens(LLM(sparse_path, block_size=4, max_num_batched_tokens=7), prompts)
     assert chunked == one_shot
 
 
@@ -116,3 +116,48 @@ def test_validation_of_prompt(sparse_path):
         llm.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate([[5]], SamplingParams(max_tokens=10**6))
+
+
+def test_long_prefill_does_not_stall_decodes(tmp_path):
+    """One token budget per step: while a 2k-token prompt prefills in chunks, every running decode
+    gets a token in every step (same forward), and all outputs equal the requests run alone."""
+    sparse_path = str(write_checkpoint(tmp_path / "ctx4k", "deepseek_v32", tokenizer=False, index_topk=8,
+                                       max_position_embeddings=4096, num_hidden_layers=2))
+    short_prompts = random_prompts(3, [6, 9, 4], 512, seed=20)
+    long_prompt = random_prompts(1, [2048], 512, seed=21)[0]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = LLM(sparse_path, block_size=16, max_num_batched_tokens=256, kv_cache_tokens=8192)
+    engine = llm.engine
+    shorts = [engine.add_request(p, params) for p in short_prompts]
+    while any(not s.output_token_ids for s in shorts):
+        engine.step()
+    long = engine.add_request(long_prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while not long.output_token_ids:
+        chunks = engine.scheduler.schedule()
+        assert sum(c.num_tokens for c in chunks) <= 256
+        events = engine.step_chunks(chunks)
+        steps += 1
+        assert sorted(ev.seq.request_id for ev in events if ev.seq in shorts) == sorted(s.request_id for s in shorts)
+    assert steps >= 2048 // 256  # the prompt went through in chunks, decodes alongside each
+    while engine.has_work:
+        engine.step()
+    alone = LLM(sparse_path, block_size=16)
+    assert [s.output_token_ids for s in shorts] == _tokens(alone, short_prompts, params)
+    assert long.output_token_ids == _tokens(alone, [long_prompt], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                               ignore_eos=True))[0]
+
+
+def test_mixed_step_splits_attention_into_similar_parts():
+    """A mixed step's attention never pads decodes to a chunk's length."""
+    import torch
+
+    from shared.model import ForwardBatch, SeqChunk
+
+    chunks = [SeqChunk([1], 40, list(range(3))) for _ in range(5)] + [SeqChunk(list(range(100)), 0, list(range(7)))]
+    fb = ForwardBatch.build(chunks, 16, torch.device("cpu"))
+    parts = fb.attention_parts()
+    assert [(p.start, p.stop) for p, _ in parts] == [(0, 5), (5, 105)]
+    assert [tuple(b.query_index.shape) for _, b in parts] == [(5, 1), (1, 100)]
+    uniform = ForwardBatch.build(chunks[:5], 16, torch.device("cpu"))
+    assert uniform.attention_parts()[0][1] is uniform

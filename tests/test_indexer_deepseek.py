@@ -75,13 +75,22 @@ def model(tmp_path_factory):
 
 
 def _capture(model, ids):
-    """Run the model; per layer the indexer's inputs (x, qr) and its selection."""
-    seen = []
-    hooks = [layer.self_attn.indexer.register_forward_hook(lambda mod, args, out: seen.append((args[0], args[1], out)))
+    """Run the model; per layer the indexer's inputs (x, qr) and its selection (one attention part)."""
+    seen, inputs = [], []
+    hooks = [layer.self_attn.indexer.register_forward_hook(lambda mod, args, out: inputs.append(args[:2]))
              for layer in model.model.layers]
+    real_select = Indexer.select
+
+    def select(self, *args):  # noqa: ANN001, ANN202
+        sel = real_select(self, *args)
+        seen.append((*inputs[len(seen)], sel))
+        return sel
+
+    Indexer.select = select
     try:
         logits = engine_logits(model, ids)
     finally:
+        Indexer.select = real_select
         for h in hooks:
             h.remove()
     return logits, seen
@@ -110,17 +119,23 @@ def test_logits_with_deepseek_formula_selection(model, monkeypatch):
     ids = random_prompts(1, [PROMPT], model.config.vocab_size, seed=41)[0]
     ours = engine_logits(model, ids)
     original = Indexer.forward
+    formula_picks = []
 
-    def formula(self, x, qr, rope, fb, index_pool):
-        original(self, x, qr, rope, fb, index_pool)  # writes the keys, as the model does
+    def forward(self, x, qr, rope, fb, index_pool):
+        out = original(self, x, qr, rope, fb, index_pool)  # writes the keys, as the model does
         picks = torch.zeros(x.shape[0], TOPK, dtype=torch.long)
         valid = torch.zeros(x.shape[0], TOPK, dtype=torch.bool)
         for s, chosen in enumerate(deepseek_topk(self, x, qr, theta, TOPK)):
             picks[s, : len(chosen)] = torch.tensor(sorted(chosen))
             valid[s, : len(chosen)] = True
-        return Selection(picks, valid)
+        formula_picks.append(Selection(picks, valid))
+        return out
 
-    monkeypatch.setattr(Indexer, "forward", formula)
+    def formula(self, q, w, fb, index_pool):  # one prompt: the step is one attention part
+        return formula_picks.pop()
+
+    monkeypatch.setattr(Indexer, "forward", forward)
+    monkeypatch.setattr(Indexer, "select", formula)
     theirs = engine_logits(model, ids)
     assert_close_logits(ours, theirs, cos_min=0.9999, atol=1e-3)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))

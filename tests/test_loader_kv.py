@@ -49,7 +49,7 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path):
                             hidden_size=192, kv_lora_rank=96, qk_rope_head_dim=32, num_hidden_layers=2,
                             intermediate_size=320, moe_intermediate_size=96, q_lora_rank=160, vocab_size=300)
     model, report = load_model(path, "float32")
-    params = dict(model.named_parameters())
+    params = model.checkpoint_tensors()
     checked = 0
     for fname, names in checkpoint_files(path).items():
         with safe_open(path / fname, "pt") as f:

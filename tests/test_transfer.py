@@ -26,7 +26,7 @@ def _decode_side(layout, transport: str, ttl: float = 30.0):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_received_kv_is_bitwise_local(ckpt, transport):
-    config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4, max_prefill_tokens=9)  # chunked pushes
+    config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4, max_num_batched_tokens=9)  # chunked pushes
     prefill = LLMEngine(config)
     worker = PrefillWorker(prefill, transport)
     kv, leases, receiver = _decode_side(prefill.layout, transport)

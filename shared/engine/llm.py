@@ -34,15 +34,16 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: kv_cache_tokens / block_size
     kv_cache_tokens: int = 65536
     max_num_seqs: int = 256
-    max_prefill_tokens: int = 4096  # chunked prefill budget per step
+    max_num_batched_tokens: int = 4096  # one token budget per step: decodes + prompt chunks
     attention_workspace_mb: int = 256  # attention / indexer working set per tile (independent of context)
     indexer_numerics: str = "deepseek"  # DeepSeek's own (Hadamard + FP8 e4m3, ue8m0); "transformers" to compare with HF
     seed: int = 0
     progress: bool = False
 
     def __post_init__(self) -> None:
-        if min(self.block_size, self.max_prefill_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:
-            raise ValueError("block_size, max_prefill_tokens, max_num_seqs and attention_workspace_mb must be positive")
+        if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:
+            raise ValueError("block_size, max_num_batched_tokens, max_num_seqs and attention_workspace_mb "
+                             "must be positive")
 
 
 @dataclass
@@ -86,7 +87,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
         self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
-                                   config.max_prefill_tokens)
+                                   config.max_num_batched_tokens)
         self._requests: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.default_generator = torch.Generator().manual_seed(config.seed)

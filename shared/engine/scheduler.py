@@ -2,9 +2,10 @@
 
 Every request is a token list (prompt, then generated tokens) with a count of tokens whose KV is
 already cached. A step feeds each scheduled request its next uncached tokens: a prompt chunk during
-prefill, one token during decode. Prefill steps and decode steps alternate while both have work so
-neither starves; a prefill step packs chunks of several prompts up to `max_prefill_tokens`. When a
-decode step runs out of blocks the newest request is preempted (its blocks freed, recomputed later).
+prefill, one token during decode. Every step has one token budget, `max_num_batched_tokens` (as in
+vLLM v1): each running decode gets its token first, then chunks of prompts (running ones first, then
+new ones) fill what is left, all in one forward, so a long prompt never stalls the decodes. When a
+decode runs out of blocks the newest request is preempted (its blocks freed, recomputed later).
 """
 
 from __future__ import annotations
@@ -71,12 +72,11 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_prefill_tokens: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
         self.allocator, self.block_size = allocator, block_size
-        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -100,18 +100,12 @@ class Scheduler:
         return True
 
     def schedule(self) -> list[ScheduledChunk]:
-        decodes = [s for s in self.running if not s.is_prefilling]
-        prefer_decode = self._last_was_prefill and decodes
-        if not prefer_decode:
-            chunks = self._schedule_prefill()
-            if chunks:
-                self._last_was_prefill = True
-                return chunks
-        self._last_was_prefill = False
-        return self._schedule_decode()
+        """The next step: decodes first (oldest first), then prompt chunks, within one token budget."""
+        chunks = self._schedule_decode(self.max_num_batched_tokens)
+        return chunks + self._schedule_prefill(self.max_num_batched_tokens - len(chunks))
 
-    def _schedule_prefill(self) -> list[ScheduledChunk]:
-        budget, chunks = self.max_prefill_tokens, []
+    def _schedule_prefill(self, budget: int) -> list[ScheduledChunk]:
+        chunks = []
         for seq in [s for s in self.running if s.is_prefilling and s.num_uncached > 0]:
             n = min(seq.num_uncached, budget)
             if n <= 0 or not self._ensure_blocks(seq, seq.num_cached + n):
@@ -130,9 +124,11 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _schedule_decode(self) -> list[ScheduledChunk]:
-        chunks = []
+    def _schedule_decode(self, budget: int) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
         for seq in sorted((s for s in self.running if not s.is_prefilling), key=lambda s: s.order):
+            if len(chunks) >= budget:
+                break
             while seq.status is Status.RUNNING and not self._ensure_blocks(seq, seq.num_tokens):
                 self.preempt(max(self.running, key=lambda s: s.order))
             if seq.status is Status.RUNNING:

@@ -57,6 +57,13 @@ class ForwardBatch:
     uniform: bool  # every request has the same number of new tokens: [R, S_max] is a plain view
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     cp: CPGather | None = None
+    parts: list[tuple[slice, ForwardBatch]] | None = None  # mixed steps: see attention_parts()
+
+    def attention_parts(self) -> list[tuple[slice, ForwardBatch]]:
+        """(flat token range, batch) pairs that attention and the indexer run on: the whole step, or
+        for a mixed step (decodes + prompt chunks) runs of requests with similar query counts, so a
+        decode is never padded to a chunk's length (the padded view would be R × S_max)."""
+        return self.parts or [(slice(0, self.num_tokens), self)]
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """Flat per-token tensor [N, ...] → [R, S_max, ...] (a view when uniform)."""
@@ -91,7 +98,7 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int, device: torch.device,
-              workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> ForwardBatch:
+              workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, split: bool = True) -> ForwardBatch:
         if not chunks:
             raise ValueError("a step needs at least one request")
         lens = [len(c.token_ids) for c in chunks]
@@ -129,7 +136,16 @@ class ForwardBatch:
         def dev(x: torch.Tensor) -> torch.Tensor:
             return x.to(device, non_blocking=True)
 
+        parts = None
+        if split and num_seqs * s_max > 2 * len(input_ids):
+            parts, token = [], 0
+            for i0, i1 in _similar_runs(lens):
+                n = sum(lens[i0:i1])
+                parts.append((slice(token, token + n),
+                              cls.build(chunks[i0:i1], block_size, device, workspace_bytes, split=False)))
+                token += n
         return cls(
+            parts=parts,
             input_ids=dev(input_ids),
             positions=dev(positions),
             slot_mapping=dev(slot_mapping),
@@ -146,6 +162,18 @@ class ForwardBatch:
             uniform=min(lens) == s_max,
             workspace_bytes=workspace_bytes,
         )
+
+
+def _similar_runs(lens: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of requests whose padded view wastes at most half: r · max(len) ≤ 2 · Σ len."""
+    runs, start, longest, total = [], 0, 0, 0
+    for i, n in enumerate(lens):
+        if i > start and (i - start + 1) * max(longest, n) > 2 * (total + n):
+            runs.append((start, i))
+            start, longest, total = i, 0, 0
+        longest, total = max(longest, n), total + n
+    runs.append((start, len(lens)))
+    return runs
 
 
 def gather_blocks(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

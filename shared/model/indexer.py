@@ -63,18 +63,25 @@ class Indexer(nn.Module):
         return fake_quant_ue8m0(hadamard_transform(x), min(128, self.head_dim))
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeAngles, fb: ForwardBatch,
-                index_pool: torch.Tensor) -> Selection | None:
+                index_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Write the new tokens' keys; return the step's indexer queries and head weights ([N, H, D],
+        [N, H] fp32) for select(), or None when no request's context exceeds index_topk."""
         n = x.shape[0]
         k = self._quantize(self._rope(self.k_norm(self.wk(x)), rope))
         write_rows(index_pool, fb, k)
         if fb.max_context <= self.topk:
             return None  # every causal key is selected: dense MLA
-
         q = self._quantize(self._rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), rope))
         w = self.weights_proj(x.float()) * self.n_heads**-0.5  # [N, H]
+        return q, w
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, fb: ForwardBatch, index_pool: torch.Tensor) -> Selection | None:
+        """Top-k positions for the queries of one attention part (None: its contexts fit index_topk)."""
+        if fb.max_context <= self.topk:
+            return None
         # DeepSeek scores FP8 q·k with fp32 accumulation and fp32 per-head logits: exact here in fp32
         # (the fake-quantized values are exact in the cache dtype). "transformers" scores in the cache dtype.
-        compute = torch.float32 if self.numerics == "deepseek" else compute_dtype(index_pool.dtype, x.device)
+        compute = torch.float32 if self.numerics == "deepseek" else compute_dtype(index_pool.dtype, q.device)
         picks, valid = indexer_topk(fb.padded(q), fb.padded(w), fb, index_pool, min(self.topk, fb.max_context),
                                     self.scale, compute)
         return Selection(fb.unpadded(picks), fb.unpadded(valid))

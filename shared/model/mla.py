@@ -55,7 +55,15 @@ class MLA(nn.Module):
         w = weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank).to(cdt)
         self.w_uk = w[:, : self.nope].contiguous()
         self.w_uv_t = w[:, self.nope :].transpose(1, 2).contiguous()
+        self.kv_b_dtype = weight.dtype
         self.kv_b_proj.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight as the checkpoint holds it, rebuilt from the absorbed pair."""
+        if self.w_uk is None:
+            return self.kv_b_proj.weight
+        w = torch.cat([self.w_uk, self.w_uv_t.transpose(1, 2)], 1)
+        return w.reshape(-1, self.kv_lora_rank).to(self.kv_b_dtype)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, fb: ForwardBatch, mla_pool: torch.Tensor,
                 index_pool: torch.Tensor | None) -> torch.Tensor:
@@ -73,9 +81,7 @@ class MLA(nn.Module):
         row = torch.cat([self.kv_a_layernorm(c_kv), self.rotate(k_pe, rope)], -1)
         write_rows(mla_pool, fb, row)
 
-        selection = None
-        if self.indexer is not None:
-            selection = self.indexer(x, qr, rope, fb, index_pool)
+        index_query = self.indexer(x, qr, rope, fb, index_pool) if self.indexer is not None else None
 
         if self.w_uk is None:
             self.absorb()
@@ -83,7 +89,12 @@ class MLA(nn.Module):
         query = q_nope.new_empty(n, self.n_heads, self.kv_lora_rank + self.rope_dim, dtype=cdt)
         torch.bmm(q_nope.to(cdt).transpose(0, 1), self.w_uk, out=query[..., : self.kv_lora_rank].transpose(0, 1))
         query[..., self.kv_lora_rank :] = q_pe
-        o_lat = self._attend(query, fb, mla_pool, selection)  # [N, H, kv_lora_rank]
+        o_lat = query.new_empty(n, self.n_heads, self.kv_lora_rank)
+        for tokens, part in fb.attention_parts():
+            selection = None
+            if index_query is not None:
+                selection = self.indexer.select(index_query[0][tokens], index_query[1][tokens], part, index_pool)
+            o_lat[tokens] = self._attend(query[tokens], part, mla_pool, selection)
         o = torch.bmm(o_lat.to(cdt).transpose(0, 1), self.w_uv_t)  # [H, N, v]
         return self.o_proj(o.transpose(0, 1).reshape(n, self.n_heads * self.v_dim).to(x.dtype))
 

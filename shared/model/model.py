@@ -91,6 +91,13 @@ class DeepseekForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.absorb()
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters by checkpoint name as loaded (kv_b_proj rebuilt from its absorbed pair)."""
+        out = dict(self.named_parameters())
+        for layer in self.model.layers:
+            out[f"model.layers.{layer.layer_idx}.self_attn.kv_b_proj.weight"] = layer.self_attn.kv_b_weight()
+        return out
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVCache,
                 layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
