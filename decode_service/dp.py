@@ -80,7 +80,8 @@ class DecodeRank:
         self.applied_cid = -1  # the newest command applied here (load reports say what they include)
         self.engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
                                              indexer_numerics=cfg.indexer_numerics,
-                                             kv_cache_tokens=cfg.kv_cache_tokens, max_num_seqs=cfg.max_num_seqs),
+                                             kv_cache_tokens=cfg.kv_cache_tokens, max_num_seqs=cfg.max_num_seqs,
+                                             enable_prefix_caching=False),  # KV arrives pushed
                                 state)
         kv = self.engine.kv
         self.leases = LeaseTable(kv.allocator, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),

@@ -180,7 +180,7 @@ class CPLeader:
                 if error or token is None:
                     fut.set_exception(TransferError(error or "no rank produced the first token"))
                 else:
-                    fut.set_result((token, rng, time.perf_counter() - t0))
+                    fut.set_result((token, rng, time.perf_counter() - t0, 0))  # no prefix cache under CP
         except Exception as exc:  # noqa: BLE001 - a collective failed or timed out: the group cannot go on
             log.exception("CP leader loop failed")
             if fut is not None and not fut.done():

@@ -67,6 +67,7 @@ class _Job:
     push: KVPush
     done: Future
     started: float
+    prefix_sent: bool = False  # the blocks it got from the prefix cache went out with its first chunk
 
 
 class PrefillWorker(EngineWorker):
@@ -91,7 +92,7 @@ class PrefillWorker(EngineWorker):
         chunks = engine.scheduler.schedule()
         if not chunks:
             return
-        plan = [(self.jobs[c.seq.request_id].push, *self._blocks(c)) for c in chunks]
+        plan = [(self.jobs[c.seq.request_id].push, *self._blocks(c, self.jobs[c.seq.request_id])) for c in chunks]
 
         def layer_done(layer: int) -> None:
             for push, src, first in plan:
@@ -110,9 +111,11 @@ class PrefillWorker(EngineWorker):
             blocks, seq.block_table = seq.block_table, []  # held until the push has read them
             state = bytes(seq.generator.get_state().numpy()) if seq.params.seed is not None else b""
             engine.append_token(seq, tok)  # max_tokens=1: the request is done here
-            job.push.finish_async(functools.partial(self._pushed, job, blocks, tok, state))
+            cached = seq.num_cached_prompt_tokens
+            job.push.finish_async(functools.partial(self._pushed, job, blocks, tok, state, cached))
 
-    def _pushed(self, job: _Job, blocks: list[int], token: int, state: bytes, error: BaseException | None) -> None:
+    def _pushed(self, job: _Job, blocks: list[int], token: int, state: bytes, cached: int,
+                error: BaseException | None) -> None:
         """On the push's thread once it committed (the engine stepped on meanwhile): hand the blocks
         back to the engine thread, answer the caller."""
         self.call(lambda engine: engine.kv.allocator.free(blocks))
@@ -122,11 +125,12 @@ class PrefillWorker(EngineWorker):
             return
         metrics.KV_PUSH_BYTES.labels(self.transport).inc(job.push.bytes_sent)
         metrics.KV_PUSH_SECONDS.labels(self.transport).observe(time.perf_counter() - job.started)
-        job.done.set_result((token, state, time.perf_counter() - job.started))
+        job.done.set_result((token, state, time.perf_counter() - job.started, cached))
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
-        """Queue a prompt whose KV goes to `dest`; the Future yields (first token, rng state, seconds),
-        or fails with ValueError (bad request) or TransferError (bad destination, failed push)."""
+        """Queue a prompt whose KV goes to `dest`; the Future yields (first token, rng state, seconds,
+        prompt tokens served from the prefix cache), or fails with ValueError (bad request) or TransferError
+        (bad destination, failed push)."""
         done: Future = Future()
 
         def add(engine: LLMEngine) -> None:
@@ -161,11 +165,14 @@ class PrefillWorker(EngineWorker):
     def cancel(self, request_id: str, reason: BaseException) -> None:
         self.call(lambda engine: self._fail(request_id, reason))
 
-    def _blocks(self, c: ScheduledChunk) -> tuple[list[int], int]:
-        """Source blocks touched by this chunk and the lease index of the first one."""
+    def _blocks(self, c: ScheduledChunk, job: _Job) -> tuple[list[int], int]:
+        """Source blocks touched by this chunk and the lease index of the first one; a request's first
+        chunk also carries the blocks it found in the prefix cache (computed earlier, every layer)."""
         bs = self.engine.layout.block_size
         start, end = c.seq.num_cached, c.seq.num_cached + c.num_tokens
         first, last = start // bs, -(-end // bs)
+        if not job.prefix_sent:
+            first, job.prefix_sent = 0, True
         return c.seq.block_table[first:last], first
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
@@ -243,7 +250,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            token, state, seconds = await wait_future(done)
+            token, state, seconds, cached = await wait_future(done)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -258,7 +265,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         metrics.request_done("prefill", "OK")
         metrics.TOKENS.labels("prefill", "prompt").inc(len(prompt))
         metrics.PREFILL_SECONDS.observe(seconds)
-        return internal_pb2.PrefillResponse(first_token_id=token, rng_state=state, prefill_seconds=seconds)
+        metrics.TOKENS.labels("prefill", "cached_prompt").inc(cached)
+        return internal_pb2.PrefillResponse(first_token_id=token, rng_state=state, prefill_seconds=seconds,
+                                            cached_prompt_tokens=cached)
 
     def close(self) -> None:
         self.worker.stop()

@@ -320,6 +320,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 print(msg.text if msg.text else "".join(f" {t}" for t in msg.token_ids), end="", flush=True)
                 if msg.finish_reason:
                     print(f"\n[finish={msg.finish_reason} prompt_tokens={msg.usage.prompt_tokens} "
+                          f"cached_prompt_tokens={msg.usage.cached_prompt_tokens} "
                           f"completion_tokens={msg.usage.completion_tokens} "
                           f"ttft={1e3 * ((first or t0) - t0):.1f}ms]")
         except grpc.RpcError as exc:

@@ -261,7 +261,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout, metadata=md)
                 claimed = True
                 try:
-                    async for out in self._relay(stream, context, label, len(ids), t0):
+                    async for out in self._relay(stream, context, label, len(ids), first.cached_prompt_tokens, t0):
                         yield out
                 finally:
                     stream.cancel()  # a no-op when it ended; otherwise the client left: decode lets go
@@ -278,7 +278,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.RpcError:
             pass  # the lease expires on its own
 
-    async def _relay(self, stream, context, rid: str, prompt_tokens: int, t0: float):  # noqa: ANN001, ANN202
+    async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float):  # noqa: ANN001, ANN202
         n, t_first, t_last = 0, None, None
         try:
             async for msg in stream:
@@ -295,6 +295,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                       finish_reason=msg.finish_reason, request_id=rid)
                 if msg.finish_reason:
                     out.usage.prompt_tokens, out.usage.completion_tokens = prompt_tokens, n
+                    out.usage.cached_prompt_tokens = cached
                     metrics.request_done("router", "OK", msg.finish_reason)
                     metrics.E2E.observe(time.perf_counter() - t0)
                 yield out

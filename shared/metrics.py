@@ -23,7 +23,8 @@ TOKENS_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 # --- every service ---------------------------------------------------------------------------------
 REQUESTS = Counter("pdserve_requests_total", "Requests by final gRPC status and reason",
                    ["service", "status", "reason"])
-TOKENS = Counter("pdserve_tokens_total", "Tokens processed (prompt: prefilled, output: generated)",
+TOKENS = Counter("pdserve_tokens_total", "Tokens processed (prompt: prefilled, cached_prompt: of those, served "
+                 "from the prefix cache, output: generated)",
                  ["service", "kind"])
 
 # --- router ------------------------------------------------------------------------------------------

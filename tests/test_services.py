@@ -74,6 +74,18 @@ def test_greedy_equals_in_process_and_reference(cluster, local_llm, model_dir):
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 12)
 
 
+def test_repeated_system_prompt_hits_prefill_prefix_cache(cluster, local_llm):
+    """The prefill instance reuses the cached blocks of a shared prefix (pushed to decode with the
+    rest); usage reports them; tokens equal the in-process engine."""
+    system = random_prompts(1, [41], 512, seed=31)[0]
+    for i, question in enumerate(random_prompts(2, [6, 3], 512, seed=32)):
+        prompt = system + question
+        msgs = generate(cluster.address, prompt_token_ids=prompt, sampling_params=greedy(8))
+        local = local_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+        assert tokens(msgs) == local.token_ids
+        assert msgs[-1].usage.cached_prompt_tokens == (0 if i == 0 else 40)  # 10 full blocks of 4
+
+
 def test_text_prompt_streams_text(cluster, local_llm):
     msgs = generate(cluster.address, prompt="Hello world", sampling_params=greedy(8))
     local = local_llm.generate("Hello world", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]

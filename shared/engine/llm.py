@@ -35,6 +35,7 @@ class EngineConfig:
     kv_cache_tokens: int = 65536
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096  # one token budget per step: decodes + prompt chunks
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompts' common prefixes
     attention_workspace_mb: int = 256  # attention / indexer working set per tile (independent of context)
     indexer_numerics: str = "deepseek"  # DeepSeek's own (Hadamard + FP8 e4m3, ue8m0); "transformers" to compare with HF
     seed: int = 0
@@ -87,7 +88,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
         self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, config.enable_prefix_caching)
         self._requests: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.default_generator = torch.Generator().manual_seed(config.seed)
@@ -178,6 +179,8 @@ class LLMEngine:
         logits = self.model(fb, self.kv, layer_done)
         for c in chunks:
             c.seq.num_cached += c.num_tokens
+            if self.scheduler.prefix_caching:
+                self.scheduler.cache_computed(c.seq)
         return logits
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:

@@ -6,6 +6,10 @@ prefill, one token during decode. Every step has one token budget, `max_num_batc
 vLLM v1): each running decode gets its token first, then chunks of prompts (running ones first, then
 new ones) fill what is left, all in one forward, so a long prompt never stalls the decodes. When a
 decode runs out of blocks the newest request is preempted (its blocks freed, recomputed later).
+
+With prefix caching a request admitted from the queue first claims the cached blocks of its longest
+cached prefix (matched by a chain of block hashes, see BlockAllocator) and computes only the rest;
+every block it completes is registered for later requests.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from shared.engine.sampler import SamplingParams
 from shared.kvcache import BlockAllocator
-from shared.kvcache.pool import blocks_for
+from shared.kvcache.pool import block_hash, blocks_for
 
 
 class Status(enum.Enum):
@@ -43,6 +47,9 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     order: int = field(default_factory=lambda: next(_ids))
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    num_registered: int = 0  # leading blocks of block_table already in the prefix cache
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at admission
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -72,8 +79,10 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_caching: bool = False):
         self.allocator, self.block_size = allocator, block_size
+        self.prefix_caching = prefix_caching
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -114,8 +123,13 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            claimed = self.prefix_caching and not seq.block_table
+            if claimed:
+                self._claim_prefix(seq)
             n = min(seq.num_uncached, budget)
             if not self._ensure_blocks(seq, seq.num_cached + n):
+                if claimed:  # not admitted now: its hits are looked up again next time
+                    self._release_prefix(seq)
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -135,11 +149,43 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, seq.num_uncached))
         return chunks
 
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The prefix-cache keys of the request's first `num_blocks` full blocks (computed once)."""
+        bs, tokens = self.block_size, None
+        while len(seq.block_hashes) < num_blocks:
+            tokens = tokens or seq.all_token_ids
+            i = len(seq.block_hashes)
+            seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else None, tokens[i * bs : (i + 1) * bs]))
+        return seq.block_hashes[:num_blocks]
+
+    def _claim_prefix(self, seq: Sequence) -> None:
+        """Start a queued request on the cached blocks of its longest cached prefix; at least one
+        token is always left to compute (its logits give the next token)."""
+        hits = self.allocator.lookup(self._hashes(seq, (seq.num_tokens - 1) // self.block_size))
+        seq.block_table, seq.num_registered = hits, len(hits)
+        seq.num_cached = len(hits) * self.block_size
+        if not seq.output_token_ids:
+            seq.num_cached_prompt_tokens = seq.num_cached
+
+    def _release_prefix(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table, seq.num_cached, seq.num_registered = [], 0, 0
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        full = seq.num_cached // self.block_size
+        if full <= seq.num_registered:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_registered, full):
+            self.allocator.register(seq.block_table[i], hashes[i])
+        seq.num_registered = full
+
     def preempt(self, seq: Sequence) -> None:
         """Free the request's blocks; it re-enters the queue and recomputes prompt + outputs."""
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
-        seq.block_table, seq.num_cached, seq.status = [], 0, Status.WAITING
+        seq.block_table, seq.num_cached, seq.num_registered, seq.status = [], 0, 0, Status.WAITING
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
+from array import array
+from collections import OrderedDict
 
 import torch
 
@@ -14,36 +17,106 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Free-list allocator of block ids; thread-safe so gRPC handlers can reserve concurrently."""
+    """Reference-counted block ids with a prefix cache; thread-safe so gRPC handlers can reserve
+    concurrently.
+
+    A full block whose KV is computed can be registered under a hash of (parent hash, its tokens).
+    When its last reference goes it stays cached (evictable, least recently used first) instead of
+    returning to the free list, so a later request with the same prefix claims it with `lookup`
+    instead of recomputing it. Allocation takes free blocks first, then evicts cached ones."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can get (free + evictable cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks held by the prefix cache (referenced or not)."""
+        return len(self._hash_of)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
         with self._lock:
-            if n > len(self._free):
-                raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
-            blocks = [self._free.pop() for _ in range(n)]
-            self._used.update(blocks)
+            if n > self.num_free:
+                raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
+            blocks = []
+            for _ in range(n):
+                if self._free:
+                    block = self._free.pop()
+                else:  # evict the least recently used cached block
+                    block, _ = self._evictable.popitem(last=False)
+                    del self._block_of[self._hash_of.pop(block)]
+                self._refs[block] = 1
+                blocks.append(block)
             return blocks
 
     def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; unreferenced cached blocks stay cached (evictable)."""
         with self._lock:
             for b in blocks:
-                if b not in self._used:
+                refs = self._refs.get(b)
+                if refs is None:
                     raise ValueError(f"block {b} freed twice or never allocated")
-                self._used.remove(b)
-                self._free.append(b)
+                if refs > 1:
+                    self._refs[b] = refs - 1
+                    continue
+                del self._refs[b]
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Claim (one reference each) the cached blocks of the longest prefix of `hashes`."""
+        hits = []
+        with self._lock:
+            for h in hashes:
+                block = self._block_of.get(h)
+                if block is None:
+                    break
+                if block in self._evictable:
+                    del self._evictable[block]
+                    self._refs[block] = 1
+                else:
+                    self._refs[block] += 1
+                hits.append(block)
+        return hits
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """Cache a referenced block whose KV is complete (a hash already cached keeps its block)."""
+        with self._lock:
+            if block_hash in self._block_of or block in self._hash_of or block not in self._refs:
+                return
+            self._hash_of[block] = block_hash
+            self._block_of[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (unreferenced cached blocks become free)."""
+        with self._lock:
+            self._free.extend(self._evictable)
+            self._evictable.clear()
+            self._hash_of.clear()
+            self._block_of.clear()
+
+
+def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    """Prefix-cache key of a full block: SHA-256 of the parent block's key and this block's token ids
+    (a collision-resistant hash, so no request can forge another's prefix)."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -1,0 +1,91 @@
+"""Prefix cache: reference-counted blocks keyed by a hash chain, LRU eviction, same tokens as without."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine import LLM, SamplingParams
+from shared.kvcache import BlockAllocator
+from shared.kvcache.pool import block_hash
+from tests.helpers import random_prompts
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sparse_path(ckpt):
+    return str(ckpt("v32_sparse"))
+
+
+def test_allocator_refcounts_and_lru_eviction():
+    a = BlockAllocator(4)
+    h = [block_hash(None, [1, 2]), block_hash(block_hash(None, [1, 2]), [3, 4])]
+    b0, b1 = a.allocate(2)
+    a.register(b0, h[0])
+    a.register(b1, h[1])
+    assert a.lookup(h) == [b0, b1]  # a second reference to each
+    a.free([b0, b1])
+    assert a.num_free == 2  # still referenced once
+    a.free([b0, b1])
+    assert a.num_free == 4 and a.num_cached == 2  # unreferenced, still cached
+    assert a.lookup(h[:1]) == [b0]
+    a.free([b0])
+    with pytest.raises(ValueError):
+        a.free([b0])  # double free is caught with refcounts too
+    assert sorted(a.allocate(2)) == sorted(set(range(4)) - {b0, b1})  # free blocks go before cached ones
+    [evicted] = a.allocate(1)
+    assert evicted == b1  # least recently used cached block first (b0 was looked up after b1)
+    assert a.lookup(h) == [b0]  # the chain breaks at the evicted block
+    assert a.num_cached == 1
+
+
+def test_hash_chain_depends_on_every_earlier_token():
+    assert block_hash(None, [1, 2]) != block_hash(None, [2, 1])
+    assert block_hash(block_hash(None, [1, 2]), [3, 4]) != block_hash(block_hash(None, [1, 5]), [3, 4])
+
+
+def test_cached_prefix_gives_same_tokens_and_shares_blocks(sparse_path):
+    system = random_prompts(1, [37], 512, seed=50)[0]
+    questions = random_prompts(3, [5, 9, 3], 512, seed=51)
+    prompts = [system + q for q in questions]
+    plain = LLM(sparse_path, block_size=4, enable_prefix_caching=False).generate(prompts, GREEDY)
+    llm = LLM(sparse_path, block_size=4, max_num_batched_tokens=16)  # chunked too
+    engine = llm.engine
+    first = llm.generate(prompts[:1], GREEDY)
+    assert first[0].token_ids == plain[0].token_ids
+    seqs = [engine.add_request(p, GREEDY) for p in prompts[1:]]
+    engine.step()
+    # both claimed the 9 full blocks of the system prompt: the same block ids, one reference each
+    assert [s.num_cached_prompt_tokens for s in seqs] == [36, 36]
+    assert seqs[0].block_table[:9] == seqs[1].block_table[:9]
+    while engine.has_work:
+        engine.step()
+    assert [s.output_token_ids for s in seqs] == [o.token_ids for o in plain[1:]]
+    alloc = engine.kv.allocator
+    assert alloc.num_free == engine.kv.num_blocks  # every reference returned; cached blocks are evictable
+    assert alloc.num_cached > 9
+
+
+def test_eviction_under_pressure_recomputes(sparse_path):
+    target = random_prompts(1, [40], 512, seed=52)[0]
+    others = random_prompts(6, [40] * 6, 512, seed=53)
+    llm = LLM(sparse_path, block_size=4, kv_cache_tokens=64)  # 16 blocks: one request at a time fits
+    base = llm.generate([target], GREEDY)[0].token_ids
+    again = llm.engine.add_request(target, GREEDY)
+    while llm.engine.has_work:
+        llm.engine.step()
+    assert again.num_cached_prompt_tokens == 36 and again.output_token_ids == base
+    for p in others:  # each needs 13 of the 16 blocks: the target's cached blocks get evicted
+        llm.generate([p], GREEDY)
+    evicted = llm.engine.add_request(target, GREEDY)
+    while llm.engine.has_work:
+        llm.engine.step()
+    assert evicted.num_cached_prompt_tokens < 36 and evicted.output_token_ids == base
+
+
+def test_preempted_request_resumes_from_its_cached_blocks(sparse_path):
+    prompts = random_prompts(4, [30, 30, 30, 30], 512, seed=54)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = LLM(sparse_path, block_size=4, enable_prefix_caching=False).generate(prompts, params)
+    tight = LLM(sparse_path, block_size=4, kv_cache_tokens=160)  # 40 blocks < 4 × 14: preemption
+    assert [o.token_ids for o in tight.generate(prompts, params)] == [o.token_ids for o in roomy]
