@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench" / "out"
+OUT = Path(os.environ.get("PDSERVE_BENCH_OUT", ROOT / "bench" / "out"))  # tables' plots (smoke tests: a tmp dir)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -35,6 +36,33 @@ def bar_plot(path: Path, title: str, labels: list[str], series: dict[str, list[f
         bars = ax.bar(xs, values, width, label=name)
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def line_plot(path: Path, title: str, xs: list[int], series: dict[str, list[float]], xlabel: str,
+              ylabel: str) -> Path:
+    """One line per system over a sweep (log-scaled x), values labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, values in series.items():
+        if values:
+            ax.plot(xs[: len(values)], values, marker="o", label=name)
+            for x, v in zip(xs, values):
+                ax.annotate(f"{v:.0f}", (x, v), fontsize=7, textcoords="offset points", xytext=(0, 4))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()

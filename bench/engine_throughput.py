@@ -1,9 +1,15 @@
-"""Offline throughput: pdserve's engine vs transformers `generate`, same checkpoint, same prompts.
+"""Offline throughput: pdserve's engine vs vLLM's CPU build and transformers `generate`, same
+checkpoint, same prompts, alternating the systems batch by batch in one run.
 
-    python bench/engine_throughput.py [--prompts 64] [--prompt-len 128] [--new-tokens 128] [--dtype bfloat16]
+    python bench/engine_throughput.py [--batches 1,8,64,256] [--prompt-len 128] [--new-tokens 128]
+                                      [--dtype bfloat16] [--peer vllm] [--peer transformers]
+                                      [--model-type deepseek_v3]
 
-Tiny deepseek_v3 (hidden 256, 4 layers, 8 experts top-2) and the same with the indexer
-(deepseek_v32, index_topk 64); greedy, ignore_eos. Prints a table and saves bench/out/engine_throughput.png.
+The model is the embedded tiny DeepSeek (hidden 256, 4 layers, kv_lora 512, rope 64, 8 experts
+top-2), which vLLM's CPU MLA backend accepts; vLLM does not run the V3.2 indexer, so its rows use
+deepseek_v3 (`--model-type deepseek_v32` measures pdserve's sparse path alone). Greedy, ignore_eos.
+`--peer vllm` installs vLLM into its own venv on first use (bench/peers). Prints a table of tok/s
+and ratios and saves bench/out/engine_throughput.png.
 """
 
 from __future__ import annotations
@@ -13,21 +19,20 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
-import argparse
-import tempfile
-import time
-from pathlib import Path
+import argparse  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.common import OUT, bar_plot, table  # noqa: E402
+from bench.common import OUT, line_plot, table  # noqa: E402
+from bench.peers import VLLM_CONFIG, VllmOffline  # noqa: E402
 from shared.engine import LLM, SamplingParams  # noqa: E402
 from shared.loader.tiny import write_checkpoint  # noqa: E402
 
 
-def run_pdserve(path: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> float:
-    llm = LLM(str(path), dtype=dtype, block_size=16, max_num_batched_tokens=4096)
-    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+def run_pdserve(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     dt = time.perf_counter() - t0
@@ -35,13 +40,9 @@ def run_pdserve(path: Path, prompts: list[list[int]], new_tokens: int, dtype: st
     return len(prompts) * new_tokens / dt
 
 
-def run_transformers(path: Path, prompts: list[list[int]], new_tokens: int, dtype: str) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> float:  # noqa: ANN001
     ids = torch.tensor(prompts)
     with torch.no_grad():
-        model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)  # warm-up
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -50,34 +51,62 @@ def run_transformers(path: Path, prompts: list[list[int]], new_tokens: int, dtyp
     return len(prompts) * new_tokens / dt
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    args = p.parse_args()
+    p.add_argument("--model-type", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32"])
+    p.add_argument("--peer", action="append", choices=["vllm", "transformers"], default=None,
+                   help="systems to compare with in the same run (default: transformers)")
+    args = p.parse_args(argv)
+    peers = args.peer if args.peer is not None else ["transformers"]
+    batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
-    rows, ours, theirs, labels = [], [], [], []
+    results: dict[str, list[float]] = {"pdserve": [], **{peer: [] for peer in peers}}
     with tempfile.TemporaryDirectory() as tmp:
-        for model_type, extra in (("deepseek_v3", {}), ("deepseek_v32", {"index_topk": 64})):
-            path = write_checkpoint(Path(tmp) / model_type, model_type, tokenizer=False, **extra)
-            prompts = torch.randint(2, 1024, (args.prompts, args.prompt_len)).tolist()
-            print(f"[{model_type}] pdserve engine ...", flush=True)
-            a = run_pdserve(path, prompts, args.new_tokens, args.dtype)
-            print(f"[{model_type}]   {a:,.1f} tok/s; transformers generate ...", flush=True)
-            b = run_transformers(path, prompts, args.new_tokens, args.dtype)
-            print(f"[{model_type}]   {b:,.1f} tok/s", flush=True)
-            rows.append([model_type, args.dtype, args.prompts, a, b, f"{a / b:.2f}x"])
-            ours.append(a)
-            theirs.append(b)
-            labels.append(model_type)
+        extra = {"index_topk": 64} if args.model_type == "deepseek_v32" else VLLM_CONFIG
+        path = write_checkpoint(Path(tmp) / args.model_type, args.model_type, tokenizer=False, **extra)
+        llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(batches))
+        run_pdserve(llm, [[5, 6, 7, 8]], 4)  # warm-up
+        vllm = VllmOffline(str(path), args.dtype) if "vllm" in peers else None
+        hf = None
+        if "transformers" in peers:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        try:
+            for batch in batches:
+                prompts = torch.randint(2, 1024, (batch, args.prompt_len)).tolist()
+                print(f"batch {batch}: pdserve ...", end="", flush=True)
+                results["pdserve"].append(run_pdserve(llm, prompts, args.new_tokens))
+                print(f" {results['pdserve'][-1]:,.0f} tok/s", end="", flush=True)
+                if vllm is not None:
+                    results["vllm"].append(vllm.run(prompts, args.new_tokens))
+                    print(f"; vLLM {results['vllm'][-1]:,.0f} tok/s", end="", flush=True)
+                if hf is not None:
+                    results["transformers"].append(run_transformers(hf, prompts, args.new_tokens))
+                    print(f"; transformers {results['transformers'][-1]:,.0f} tok/s", end="", flush=True)
+                print(flush=True)
+        finally:
+            if vllm is not None:
+                vllm.close()
+    headers = ["batch", "pdserve tok/s"]
+    for peer in peers:
+        headers += [f"{peer} tok/s", f"pdserve / {peer}"]
+    rows = []
+    for i, batch in enumerate(batches):
+        row: list[object] = [batch, results["pdserve"][i]]
+        for peer in peers:
+            row += [results[peer][i], f"{results['pdserve'][i] / results[peer][i]:.2f}x"]
+        rows.append(row)
     print()
-    print(table(["model", "dtype", "batch", "pdserve tok/s", "transformers tok/s", "ratio"], rows))
-    png = bar_plot(OUT / "engine_throughput.png",
-                   f"{args.prompts}×{args.prompt_len} prompts → {args.new_tokens} tokens, {args.dtype}, "
-                   f"{torch.get_num_threads()} threads", labels, {"pdserve": ours, "transformers": theirs},
-                   "output tokens/s")
+    print(f"{args.model_type}, {args.dtype}, {args.prompt_len}-token prompts → {args.new_tokens} tokens, "
+          f"{torch.get_num_threads()} threads")
+    print(table(headers, rows))
+    png = line_plot(OUT / "engine_throughput.png", f"{args.model_type} {args.dtype}: {args.prompt_len} → "
+                    f"{args.new_tokens} tokens", batches, results, "batch (prompts)", "output tokens/s")
     print(f"plot: {png}")
 
 

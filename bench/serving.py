@@ -1,10 +1,13 @@
-"""Serving latency: N concurrent streams through the router (1 prefill + 1 decode process) vs the
-same prompts in-process, plus the TTFT overhead of disaggregation on a 1k-token prompt.
+"""Serving: concurrent streams through the router (1 prefill + 1 decode process) vs the same
+prompts in-process, vs vLLM's OpenAI server (`--peer vllm`), plus the TTFT overhead of
+disaggregation on a 1k-token prompt.
 
-    python bench/serving.py [--streams 16] [--prompt-len 128] [--max-tokens 32] [--kv-transport tcp]
+    python bench/serving.py [--streams 16,64,256] [--prompt-len 128] [--max-tokens 128] [--peer vllm]
+                            [--dtype bfloat16] [--kv-transport tcp]
 
-Prints TTFT / TPOT p50 and p90 and output tok/s for both, and the 1k-prompt TTFT overhead next to
-the KV transfer's wire time; saves bench/out/serving.png. All processes share this machine's cores.
+For each concurrency: TTFT p50/p99, TPOT p50 and output tok/s of every system (router and vLLM
+alternate, both warm). With `--peer vllm` both serve the tiny DeepSeek-V3 vLLM's CPU build accepts
+(bench/peers). Saves bench/out/serving.png. All processes share this machine's cores.
 """
 
 from __future__ import annotations
@@ -14,20 +17,23 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
-import argparse
-import statistics
-import threading
-import time
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import OUT, bar_plot, table  # noqa: E402
+from bench.common import OUT, line_plot, table  # noqa: E402
+from bench.peers import VLLM_CONFIG, VllmServer  # noqa: E402
 from router.cli import Cluster  # noqa: E402
 from shared.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from shared.kvcache import KVCache  # noqa: E402
 from shared.kvcache.lease import LeaseTable  # noqa: E402
-from shared.loader.tiny import ensure_tiny_model  # noqa: E402
+from shared.loader.tiny import ensure_tiny_model, write_checkpoint  # noqa: E402
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 from shared.transfer import TcpReceiver, make_sender  # noqa: E402
 from shared.transfer.base import cache_kinds  # noqa: E402
@@ -48,21 +54,34 @@ def stream_once(stub, prompt: list[int], max_tokens: int) -> tuple[float, float,
     return stamps[0] - t0, (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1), len(stamps)
 
 
+async def _router_stream(stub, prompt: list[int], max_tokens: int) -> list[float]:  # noqa: ANN001
+    req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=generation_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    stamps = []
+    async for msg in stub.Generate(req, timeout=1800):
+        stamps.extend([time.perf_counter()] * len(msg.token_ids))
+    return stamps
+
+
+def run_streams(open_stream, prompts: list[list[int]], max_tokens: int) -> dict:  # noqa: ANN001
+    """All prompts at once; per stream TTFT and TPOT from token arrival times."""
+
+    async def go() -> tuple[list[list[float]], float, float]:
+        t0 = time.perf_counter()
+        stamps = await asyncio.gather(*(open_stream(p, max_tokens) for p in prompts))
+        return stamps, t0, time.perf_counter()
+
+    stamps, t0, t1 = asyncio.run(go())
+    return {"ttft": [s[0] - t0 for s in stamps], "tpot": [(s[-1] - s[0]) / max(len(s) - 1, 1) for s in stamps],
+            "tok/s": sum(len(s) for s in stamps) / (t1 - t0)}
+
+
 def run_router(address: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
-    out: list = [None] * len(prompts)
+    async def one(prompt: list[int], n: int) -> list[float]:
+        async with grpc.aio.insecure_channel(address) as ch:
+            return await _router_stream(generation_pb2_grpc.GenerationStub(ch), prompt, n)
 
-    def one(i: int) -> None:
-        out[i] = stream_once(stub, prompts[i], max_tokens)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"ttft": [o[0] for o in out], "tpot": [o[1] for o in out], "tok/s": sum(o[2] for o in out) / wall}
+    return run_streams(one, prompts, max_tokens)
 
 
 def run_in_process(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -128,64 +147,91 @@ def phases(cluster: Cluster, prompt: list[int], repeat: int = 5) -> dict[str, fl
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/tiny-v32")
-    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--model", default="models/tiny-v32", help="without --peer (vLLM needs deepseek_v3)")
+    p.add_argument("--streams", default="16,64,256")
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--long-prompt", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake"])
-    args = p.parse_args()
-    model = str(ensure_tiny_model(args.model))
+    p.add_argument("--peer", action="append", choices=["vllm"], default=[])
+    args = p.parse_args(argv)
+    tmp = tempfile.TemporaryDirectory()
+    if "vllm" in args.peer:
+        model = str(write_checkpoint(Path(tmp.name) / "v3", "deepseek_v3", tokenizer=False, **VLLM_CONFIG))
+    else:
+        model = str(ensure_tiny_model(args.model))
+    levels = [int(x) for x in args.streams.split(",")]
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, 1000, (args.streams, args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(2, 1000, (max(levels), args.prompt_len), generator=g).tolist()
     long_prompt = torch.randint(2, 1000, (args.long_prompt,), generator=g).tolist()
 
     print("in-process engine ...", flush=True)
-    engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16"))  # what the services run
+    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(levels)))
     run_in_process(engine, prompts[:2], 4)  # warm-up
-    local = run_in_process(engine, prompts, args.max_tokens)
     wire = wire_seconds(engine, args.long_prompt)
-
-    print(f"starting router + 1 prefill + 1 decode ({args.kv_transport}) ...", flush=True)
-    with Cluster(model, kv_transport=args.kv_transport) as cluster:
-        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
-        run_router(cluster.address, prompts[:2], 4)  # warm-up
-        print(f"{args.streams} concurrent streams through the router ...", flush=True)
-        remote = run_router(cluster.address, prompts, args.max_tokens)
-        remote_long, local_long = [], []
-        for _ in range(5):  # alternate, so machine noise hits both paths alike
-            remote_long.append(stream_once(stub, long_prompt, 1)[0])
-            local_long.append(run_in_process(engine, [long_prompt], 1)["ttft"][0])
-        breakdown = phases(cluster, long_prompt)
+    results: dict[str, dict[int, dict]] = {"router": {}, "in-process": {}}
+    vllm = None
+    if "vllm" in args.peer:
+        print("starting vLLM's OpenAI server ...", flush=True)
+        vllm = VllmServer(model, args.dtype, log=OUT / "vllm_server.log")
+        results["vLLM server"] = {}
+    print(f"starting router + 1 prefill + 1 decode ({args.kv_transport}, {args.dtype}) ...", flush=True)
+    try:
+        with Cluster(model, kv_transport=args.kv_transport, dtype=args.dtype,
+                     extra_decode=["--max-num-seqs", str(max(levels))]) as cluster:
+            run_router(cluster.address, prompts[:2], 4)  # warm-up
+            if vllm is not None:
+                run_streams(vllm.stream, prompts[:2], 4)
+            for n in levels:
+                print(f"{n} concurrent streams ...", flush=True)
+                results["router"][n] = run_router(cluster.address, prompts[:n], args.max_tokens)
+                if vllm is not None:
+                    results["vLLM server"][n] = run_streams(vllm.stream, prompts[:n], args.max_tokens)
+                results["in-process"][n] = run_in_process(engine, prompts[:n], args.max_tokens)
+            stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
+            remote_long, local_long = [], []
+            for _ in range(5):  # alternate, so machine noise hits both paths alike
+                remote_long.append(stream_once(stub, long_prompt, 1)[0])
+                local_long.append(run_in_process(engine, [long_prompt], 1)["ttft"][0])
+            breakdown = phases(cluster, long_prompt)
+    finally:
+        if vllm is not None:
+            vllm.close()
+        tmp.cleanup()
 
     rows = []
-    for name, r in (("router (disaggregated)", remote), ("in-process engine", local)):
-        rows.append([name, args.streams, f"{pct(r['ttft'], .5) * 1e3:.1f}", f"{pct(r['ttft'], .9) * 1e3:.1f}",
-                     f"{pct(r['tpot'], .5) * 1e3:.1f}", f"{pct(r['tpot'], .9) * 1e3:.1f}", r["tok/s"]])
+    for n in levels:
+        for name, by_level in results.items():
+            r = by_level[n]
+            ratio = ""
+            if vllm is not None and name == "router":
+                ratio = f"{r['tok/s'] / results['vLLM server'][n]['tok/s']:.2f}x"
+            rows.append([n, name, f"{pct(r['ttft'], .5) * 1e3:.0f}", f"{pct(r['ttft'], .99) * 1e3:.0f}",
+                         f"{pct(r['tpot'], .5) * 1e3:.1f}", r["tok/s"], ratio])
     print()
-    print(table(["path", "streams", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "TPOT p90 ms", "tok/s"], rows))
+    print(f"{args.prompt_len}-token prompts → {args.max_tokens} tokens, {args.dtype}")
+    print(table(["streams", "system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "tok/s", "router / vLLM"], rows))
     d_ttft, l_ttft = statistics.median(remote_long), statistics.median(local_long)
     print()
-    print(table(["1k-token prompt", "ms"], [
+    print(table([f"{args.long_prompt}-token prompt", "ms"], [
         ["TTFT disaggregated (median of 5)", f"{d_ttft * 1e3:.1f}"],
         ["TTFT in-process (median of 5)", f"{l_ttft * 1e3:.1f}"],
         ["overhead", f"{(d_ttft - l_ttft) * 1e3:.1f}"],
         ["KV wire time (built-in tcp)", f"{wire * 1e3:.1f}"],
-        ["overhead - wire time (target <= 5 ms)", f"{(d_ttft - l_ttft - wire) * 1e3:.1f}"],
+        ["overhead - wire time", f"{(d_ttft - l_ttft - wire) * 1e3:.1f}"],
     ]))
     print()
     b = breakdown
     machinery = b["reserve"] + b["prefill rpc"] - b["prefill server"] + b["decode first"]
-    print(table(["1k-token prompt, phases by hand (median)", "ms"],
+    print(table([f"{args.long_prompt}-token prompt, phases by hand (median)", "ms"],
                 [[k, f"{v:.1f}"] for k, v in b.items()]
                 + [["machinery = reserve + (prefill rpc - prefill server) + decode first", f"{machinery:.1f}"]]))
-    png = bar_plot(OUT / "serving.png", f"{args.streams} streams, {args.prompt_len}-token prompts, "
-                   f"{args.max_tokens} new tokens", ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"],
-                   {name: [pct(r["ttft"], .5) * 1e3, pct(r["ttft"], .9) * 1e3, pct(r["tpot"], .5) * 1e3,
-                           pct(r["tpot"], .9) * 1e3] for name, r in (("router", remote), ("in-process", local))},
-                   "milliseconds")
+    png = line_plot(OUT / "serving.png", f"{args.prompt_len} → {args.max_tokens} tokens, {args.dtype}", levels,
+                    {name: [by_level[n]["tok/s"] for n in levels] for name, by_level in results.items()},
+                    "concurrent streams", "output tokens/s")
     print(f"plot: {png}")
 
 

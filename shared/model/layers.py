@@ -26,9 +26,21 @@ class RMSNorm(nn.Module):
         return self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
+def matmul_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x in the weight's dtype: weights may be held in the compute dtype (see store_for_compute)."""
+    return x if x.dtype == weight.dtype else x.to(weight.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose output keeps the input's dtype when the weight is held in another one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype)
+
+
 def linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
     """Bias-free linear with uninitialized storage (the loader fills it)."""
-    layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype, device="meta")
+    layer = Linear(in_features, out_features, bias=False, dtype=dtype, device="meta")
     layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
     return layer
 

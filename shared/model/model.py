@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from shared.config import ModelConfig
+from shared.device import compute_dtype
 from shared.kvcache import KVCache
 from shared.model.batch import ForwardBatch
 from shared.model.layers import MLP, RMSNorm, linear
 from shared.model.mla import MLA
-from shared.model.moe import MoE
+from shared.model.moe import Experts, Gate, MoE
 from shared.model.rope import RopeAngles, RotaryTable
 from shared.parallel.state import ParallelState
 
@@ -69,6 +70,7 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, torch.float32)
         self.rotary = RotaryTable(cfg.rope, cfg.qk_rope_head_dim, device or torch.device("cpu"))
         self.sharder = None
+        self.stored_dtypes: dict[str, torch.dtype] = {}  # parameters held in the compute dtype: their own
         self.requires_grad_(False)
 
     def apply_parallel(self) -> None:
@@ -77,6 +79,7 @@ class DeepseekForCausalLM(nn.Module):
         from shared.parallel.layer_shard import LayerSharder
         from shared.parallel.tp import VocabParallelEmbedding, shard_linear
 
+        self.store_for_compute()
         p = self.parallel
         tp = p.config.tp
         if tp > 1:
@@ -91,11 +94,29 @@ class DeepseekForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.absorb()
 
+    def store_for_compute(self) -> None:
+        """On a CPU without bf16 arithmetic (oneDNN emulates it, 4-250× slower) a bf16 model keeps its
+        matmul weights in fp32: exact copies, fp32 accumulation, outputs rounded back to bf16 — the
+        numerics of a bf16 GEMM on an accelerator, at fp32 speed, for twice the weight memory.
+        Elsewhere nothing changes."""
+        weight = self.model.embed_tokens.weight
+        cdt = compute_dtype(self.dtype, weight.device)
+        if cdt == self.dtype:
+            return
+        for prefix, module in self.named_modules():
+            if isinstance(module, (nn.Linear, Experts, Gate)):
+                for name, param in list(module.named_parameters(recurse=False)):
+                    if param.is_floating_point() and param.dtype != cdt:
+                        self.stored_dtypes[f"{prefix}.{name}"] = param.dtype
+                        setattr(module, name, nn.Parameter(param.data.to(cdt), requires_grad=False))
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Parameters by checkpoint name as loaded (kv_b_proj rebuilt from its absorbed pair)."""
-        out = dict(self.named_parameters())
+        out = {name: p.to(self.stored_dtypes.get(name, p.dtype)) for name, p in self.named_parameters()}
         for layer in self.model.layers:
-            out[f"model.layers.{layer.layer_idx}.self_attn.kv_b_proj.weight"] = layer.self_attn.kv_b_weight()
+            name = f"model.layers.{layer.layer_idx}.self_attn.kv_b_proj.weight"
+            w = layer.self_attn.kv_b_weight()
+            out[name] = w.to(self.stored_dtypes.get(name, w.dtype))
         return out
 
     @torch.inference_mode()

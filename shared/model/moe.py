@@ -14,7 +14,7 @@ from torch import nn
 
 from shared.config import ModelConfig
 from shared.device import grouped_mm
-from shared.model.layers import MLP
+from shared.model.layers import MLP, matmul_input
 
 
 class Gate(nn.Module):
@@ -71,12 +71,12 @@ class Experts(nn.Module):
         counts = torch.zeros(self.num_local + 1, dtype=torch.long, device=rows.device)
         counts.index_add_(0, key, torch.ones_like(key))  # bincount would read the max back on accelerators
         offsets = counts[: self.num_local].cumsum(0).to(torch.int32)
-        xs = rows[order]
+        xs = matmul_input(rows[order], self.gate_up_proj)
         gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offsets).split(self.inter, -1)
         out = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
         out = out.masked_fill(~valid[order, None], 0)  # rows past the last group are undefined
-        result = torch.empty_like(out)
-        result[order] = out
+        result = torch.empty_like(out, dtype=rows.dtype)
+        result[order] = out.to(rows.dtype)
         return result
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

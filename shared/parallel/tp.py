@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model.layers import matmul_input
 from shared.parallel.comm import all_reduce_sum
 
 
@@ -33,7 +34,7 @@ class AllToShardedLinear(nn.Module):
         self.tp, self.group, self.gather_output = tp, group, gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype)
         if not self.gather_output:
             return y
         parts = [torch.empty_like(y) for _ in range(self.tp)]
@@ -52,7 +53,7 @@ class ShardedToAllLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] == self.in_features:  # replicated input: take our slice, no communication
             x = x[..., self.lo : self.hi]
-        return all_reduce_sum(F.linear(x, self.weight), self.group)
+        return all_reduce_sum(F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype), self.group)
 
 
 class VocabParallelEmbedding(nn.Module):

