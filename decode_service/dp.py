@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shared import metrics
-from shared.engine import EngineConfig, LLMEngine, SamplingParams
+from shared.engine import LLMEngine, SamplingParams
 from shared.engine.llm import dp_step
 from shared.kvcache import OutOfBlocks
 from shared.kvcache.lease import LeaseError, LeaseTable
@@ -78,11 +78,7 @@ class DecodeRank:
         self.mirror = state.config.tp > 1
         self.admitted = 0
         self.applied_cid = -1  # the newest command applied here (load reports say what they include)
-        self.engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
-                                             indexer_numerics=cfg.indexer_numerics,
-                                             kv_cache_tokens=cfg.kv_cache_tokens, max_num_seqs=cfg.max_num_seqs,
-                                             enable_prefix_caching=False),  # KV arrives pushed
-                                state)
+        self.engine = LLMEngine(cfg.engine_config(enable_prefix_caching=False), state)  # KV arrives pushed
         kv = self.engine.kv
         self.leases = LeaseTable(kv.allocator, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
                                  cfg.lease_seconds)

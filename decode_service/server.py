@@ -20,7 +20,7 @@ import grpc
 
 from decode_service.dp import FATAL, STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
 from shared import metrics
-from shared.config import ServiceConfig
+from shared.config import EngineConfig, ServiceConfig, flag
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import Lifecycle, LoopQueue, sampling_from_proto, start_server, wait_future
@@ -29,11 +29,12 @@ log = logging.getLogger("pdserve.decode")
 SERVICE = "pdserve.v1.Decode"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DecodeConfig(ServiceConfig):
-    kv_port: int = 0
-    lease_seconds: float = 30.0
-    max_num_seqs: int = 256
+    dp: int = flag(1, "attention data-parallel ranks")
+    kv_port: int = flag(0, "TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
+    lease_seconds: float = flag(30.0, "unused reservations expire after this")
+    max_num_seqs: int = flag(EngineConfig.max_num_seqs, "requests decoding at once per rank")
 
 
 def follower_main(rank: int, cfg: DecodeConfig) -> None:
@@ -160,11 +161,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     p = argparse.ArgumentParser(prog="python -m decode_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ServiceConfig.add_arguments(p)
-    p.add_argument("--kv-port", type=int, default=0, help="TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
-    p.add_argument("--lease-seconds", type=float, default=30.0, help="unused reservations expire after this")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--dp", type=int, default=1, help="attention data-parallel ranks")
+    DecodeConfig.add_arguments(p)
     return DecodeConfig.from_args(p.parse_args(argv))
 
 

@@ -30,7 +30,7 @@ import grpc
 from prefill_service.cp import CPLeader, CPRank
 from prefill_service.cp import follower_loop as cp_follower_loop
 from shared import metrics
-from shared.config import ServiceConfig
+from shared.config import ServiceConfig, flag
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.scheduler import ScheduledChunk
 from shared.engine.worker import EngineWorker
@@ -45,15 +45,18 @@ log = logging.getLogger("pdserve.prefill")
 SERVICE = "pdserve.v1.Prefill"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PrefillConfig(ServiceConfig):
-    max_prefill_tokens: int = 4096
-    kv_stall_seconds: float = STALL_SECONDS
+    cp: int = flag(1, "context-parallel ranks")
+    max_prefill_tokens: int = flag(EngineConfig.max_num_batched_tokens, "prompt tokens computed per engine step "
+                                   "(chunked prefill; several prompts batch up to it)")
+    no_prefix_cache: bool = flag(False, "recompute every prompt (no prefix cache)")
+    kv_stall_seconds: float = flag(STALL_SECONDS, "a KV push that makes no progress this long fails (the request "
+                                                  "gets UNAVAILABLE)")
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, dtype=self.dtype, block_size=self.block_size,
-                            indexer_numerics=self.indexer_numerics,
-                            kv_cache_tokens=self.kv_cache_tokens, max_num_batched_tokens=self.max_prefill_tokens)
+    def engine_config(self, **overrides: object) -> EngineConfig:
+        return super().engine_config(max_num_batched_tokens=self.max_prefill_tokens,
+                                     enable_prefix_caching=not self.no_prefix_cache, **overrides)
 
 
 def follower_main(rank: int, cfg: PrefillConfig) -> None:
@@ -279,11 +282,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
 def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p = argparse.ArgumentParser(prog="python -m prefill_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ServiceConfig.add_arguments(p)
-    p.add_argument("--max-prefill-tokens", type=int, default=4096, help="chunked-prefill budget per step")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
-    p.add_argument("--kv-stall-seconds", type=float, default=STALL_SECONDS,
-                   help="a KV push that makes no progress this long fails (the request gets UNAVAILABLE)")
+    PrefillConfig.add_arguments(p)
     return PrefillConfig.from_args(p.parse_args(argv))
 
 

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shared.config import EngineConfig
+from shared.transfer.tcp import STALL_SECONDS
+
 KUBERNETES_ONLY = {"image", "auth", "lws", "masterPort", "monitoring", "podDisruptionBudget", "resources",
                    "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "replicas", "serviceType",
                    "source", "pvc", "hostPath", "uri", "secretName"}
@@ -54,9 +57,9 @@ class PrefillSpec:
     ep: int = 1
     layer_sharding: str = ""
     port: int = 7002
-    max_prefill_tokens: int = 4096
-    kv_cache_tokens: int = 65536
-    kv_stall_seconds: float = 1.5
+    max_prefill_tokens: int = EngineConfig.max_num_batched_tokens
+    kv_cache_tokens: int = EngineConfig.kv_cache_tokens
+    kv_stall_seconds: float = STALL_SECONDS
 
 
 @dataclass
@@ -68,8 +71,8 @@ class DecodeSpec:
     layer_sharding: str = ""
     port: int = 7001
     kv_port: int = 7100
-    max_num_seqs: int = 256
-    kv_cache_tokens: int = 65536
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    kv_cache_tokens: int = EngineConfig.kv_cache_tokens
     lease_seconds: float = 30.0
 
 

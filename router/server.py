@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import metrics
-from shared.config import ModelConfig, add_tls_arguments
+from shared.config import REQUIRED, EndpointConfig, ModelConfig, add_flags, flag, from_flags
 from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.sampler import SamplingParams
 from shared.engine.tokenizer import Tokenizer
@@ -37,24 +37,16 @@ SERVICE = "pdserve.v1.Generation"
 PEER_TIMEOUT = 10.0
 
 
-@dataclass
-class RouterConfig:
-    model: str
-    prefill: list[str]
-    decode: list[str]
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int | None = None
-    request_timeout: float = 600.0
-    max_prompt_bytes: int = 0  # 0: 32 bytes per token of the model's context, at most 8 MiB
-    drain_seconds: float = 5.0
-    auth_token_file: str | None = None
-    insecure: bool = False
-    port_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    max_concurrent_requests: int = 1024
+@dataclass(kw_only=True)
+class RouterConfig(EndpointConfig):
+    model: str = flag(REQUIRED, "checkpoint directory (config.json + tokenizer.json are read)")
+    prefill: list[str] = flag(REQUIRED, "comma-separated prefill instance addresses")
+    decode: list[str] = flag(REQUIRED, "comma-separated decode instance addresses")
+    port: int = flag(50051, "public gRPC port (0 = pick a free one, reported with --port-file)")
+    request_timeout: float = flag(600.0, "longest a Generate call may run, in seconds")
+    max_prompt_bytes: int = flag(0, "largest text prompt / messages accepted (0: 32 bytes per context token, "
+                                    "at most 8 MiB)")
+    max_concurrent_requests: int = flag(1024, "Generate calls in flight beyond this get RESOURCE_EXHAUSTED at once")
 
 
 MAX_REQUEST_ID = 128
@@ -142,8 +134,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.cfg = cfg
         self.model_config = ModelConfig.from_pretrained(cfg.model)
         self.tokenizer = Tokenizer.from_model_dir(cfg.model, self.model_config.bos_token_id)
-        self.credentials = Credentials.from_args(cfg.auth_token_file, cfg.insecure, cfg.tls_cert, cfg.tls_key,
-                                                 cfg.tls_ca)
+        self.credentials = cfg.credentials()
         self.metadata = self.credentials.metadata
         self.prefill = Pool("prefill", cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
         self.decode = Pool("decode", cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)
@@ -334,30 +325,8 @@ def _map_code(code: grpc.StatusCode) -> grpc.StatusCode:
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p = argparse.ArgumentParser(prog="python -m router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json + tokenizer.json are read)")
-    p.add_argument("--prefill", required=True, help="comma-separated prefill instance addresses")
-    p.add_argument("--decode", required=True, help="comma-separated decode instance addresses")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--port-file", default=None, help="write the bound port here once serving (with --port 0)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus /metrics on this port (0: a free one, reported in PORT_FILE.metrics)")
-    p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--drain-seconds", type=float, default=5.0,
-                   help="on SIGTERM: in-flight streams get this long to finish, then the process exits")
-    p.add_argument("--auth-token-file", default=None,
-                   help="file holding the cluster's shared secret (default: $PDSERVE_CLUSTER_TOKEN)")
-    p.add_argument("--insecure", action="store_true", help="call instances that run without the cluster secret")
-    add_tls_arguments(p)
-    p.add_argument("--max-concurrent-requests", type=int, default=1024,
-                   help="Generate calls in flight beyond this get RESOURCE_EXHAUSTED at once")
-    p.add_argument("--max-prompt-bytes", type=int, default=0,
-                   help="largest text prompt / messages accepted (0: 32 bytes per context token, at most 8 MiB)")
-    a = p.parse_args(argv)
-    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    return RouterConfig(a.model, split(a.prefill), split(a.decode), a.host, a.port, a.metrics_port,
-                        a.request_timeout, a.max_prompt_bytes, a.drain_seconds, a.auth_token_file, a.insecure,
-                        a.port_file, a.tls_cert, a.tls_key, a.tls_ca, a.max_concurrent_requests)
+    add_flags(p, RouterConfig)
+    return from_flags(RouterConfig, p.parse_args(argv))
 
 
 async def serve(cfg: RouterConfig) -> tuple[grpc.aio.Server, int, Lifecycle]:

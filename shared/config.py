@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -279,43 +279,119 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-def add_tls_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-cert", default=None, help="PEM certificate of this instance (mutual TLS on every hop)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--tls-ca", default=None, help="PEM certificate of the cluster CA: peers must present one it signed")
-
-
 @dataclass
-class ServiceConfig:
-    """The flags every engine-backed service takes (the deployment renders exactly these)."""
+class EngineConfig:
+    """The engine's knobs; their defaults are the services' flag defaults too (one place)."""
 
     model: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int | None = None
-    kv_transport: str = "tcp"
-    dtype: str = "bfloat16"
-    indexer_numerics: str = "deepseek"
+    dtype: str = "auto"  # the checkpoint's own ("bfloat16" for DeepSeek's releases), or float32 / bfloat16
+    device: str | None = None  # None/"auto": best available
     block_size: int = 16
+    num_kv_blocks: int | None = None  # default: kv_cache_tokens / block_size
     kv_cache_tokens: int = 65536
-    ep: int = 1
-    tp: int = 1
-    cp: int = 1  # prefill instances
-    dp: int = 1  # decode instances
-    layer_sharding: tuple[str, ...] = ()
-    drain_seconds: float = 5.0
-    auth_token_file: str | None = None
-    insecure: bool = False
-    port_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    advertise_host: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096  # one token budget per step: decodes + prompt chunks
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompts' common prefixes
+    attention_workspace_mb: int = 256  # attention / indexer working set per tile (independent of context)
+    indexer_numerics: str = "deepseek"  # DeepSeek's own (Hadamard + FP8 e4m3, ue8m0); "transformers" to compare with HF
+    seed: int = 0
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:
+            raise ValueError("block_size, max_num_batched_tokens, max_num_seqs and attention_workspace_mb "
+                             "must be positive")
+
+
+REQUIRED: Any = MISSING  # flag(REQUIRED, ...): a flag without default
+
+
+def flag(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:  # noqa: A002
+    """A config field that is also a command-line flag: its default and help are written once, here,
+    and `add_flags` turns the dataclass into argparse flags (`--kebab-case` of the field name)."""
+    meta = {"help": help, "choices": choices, "required": default is MISSING}
+    if default is MISSING:
+        return field(metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def add_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per `flag()` field of dataclass `cls`: bool → store_true, tuple/list → comma-separated."""
+    for f in fields(cls):
+        if "help" not in f.metadata or f.name in skip:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        default = f.default if f.default_factory is MISSING else f.default_factory()  # type: ignore[misc]
+        default = None if default is MISSING else default
+        help_ = f.metadata["help"] + ("" if f.metadata["required"] or "%(default)" in f.metadata["help"]
+                                      or default in (None, False, (), []) else " (default: %(default)s)")
+        if kind == "bool":
+            p.add_argument(name, action="store_true", help=help_)
+        elif kind.startswith(("tuple", "list")):
+            p.add_argument(name, default=",".join(default or ()), required=f.metadata["required"], help=help_)
+        else:
+            conv = int if kind.startswith("int") else float if kind.startswith("float") else str
+            p.add_argument(name, type=conv, default=None if f.metadata["required"] else default,
+                           choices=f.metadata["choices"], required=f.metadata["required"], help=help_)
+
+
+def from_flags(cls: type, args: argparse.Namespace) -> Any:
+    """The dataclass from parsed flags (comma-separated values become tuples / lists)."""
+    values = {}
+    for f in fields(cls):
+        if not hasattr(args, f.name):
+            continue
+        value, kind = getattr(args, f.name), str(f.type)
+        if kind.startswith(("tuple", "list")) and isinstance(value, str):
+            items = [x for x in value.split(",") if x]
+            value = tuple(items) if kind.startswith("tuple") else items
+        values[f.name] = value
+    return cls(**values)
+
+
+@dataclass(kw_only=True)
+class EndpointConfig:
+    """What every pdserve process that serves gRPC takes: address, metrics, drain, authentication."""
+
+    host: str = flag("127.0.0.1", "interface to bind")
+    port: int = flag(0, "gRPC port (0 = pick a free one, reported with --port-file)")
+    port_file: str | None = flag(None, "write the bound gRPC port here once serving")
+    metrics_port: int | None = flag(None, "serve Prometheus /metrics on this port (0: a free one, reported in "
+                                          "PORT_FILE.metrics)")
+    drain_seconds: float = flag(5.0, "on SIGTERM: in-flight requests get this long to finish, then the process exits")
+    auth_token_file: str | None = flag(None, "file holding the cluster's shared secret (default: "
+                                             "$PDSERVE_CLUSTER_TOKEN)")
+    insecure: bool = flag(False, "no cluster secret on internal calls (development only)")
+    tls_cert: str | None = flag(None, "PEM certificate of this process (mutual TLS on every hop)")
+    tls_key: str | None = flag(None, "PEM private key of --tls-cert")
+    tls_ca: str | None = flag(None, "PEM certificate of the cluster CA: peers must present one it signed")
 
     def credentials(self):  # noqa: ANN201 - shared.rpc.service.Credentials (imported lazily: no cycle)
         from shared.rpc.service import Credentials
 
         return Credentials.from_args(self.auth_token_file, self.insecure, self.tls_cert, self.tls_key, self.tls_ca)
+
+
+@dataclass(kw_only=True)
+class ServiceConfig(EndpointConfig):
+    """The flags every engine-backed service takes (the deployment renders exactly these)."""
+
+    model: str = flag(REQUIRED, "checkpoint directory (HF layout)")
+    kv_transport: str = flag("tcp", "KV transfer engine", choices=("tcp", "mooncake"))
+    dtype: str = flag("bfloat16", "compute dtype (auto: the checkpoint's own)", choices=("bfloat16", "float32", "auto"))
+    indexer_numerics: str = flag("deepseek", "lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or "
+                                             "transformers'", choices=("deepseek", "transformers"))
+    block_size: int = flag(EngineConfig.block_size, "KV block size in tokens")
+    kv_cache_tokens: int = flag(EngineConfig.kv_cache_tokens, "KV pool size in tokens (per rank)")
+    ep: int = flag(1, "expert-parallel ranks (divides the instance's ranks)")
+    tp: int = flag(1, "local TP ranks for o_proj / lm_head / embedding")
+    cp: int = 1  # prefill instances (their own flag)
+    dp: int = 1  # decode instances (their own flag)
+    layer_sharding: tuple[str, ...] = flag((), "o_proj,q_b_proj: layer i's weight lives on rank i %% K")
+    advertise_host: str | None = flag(None, "address peers reach this instance at (needed with --host 0.0.0.0)")
 
     @property
     def public_host(self) -> str:
@@ -338,36 +414,16 @@ class ServiceConfig:
         return ParallelConfig(world=self.world, cp=self.cp, dp=self.dp, tp=self.tp, ep=self.ep,
                               layer_sharding=self.layer_sharding)
 
-    @staticmethod
-    def add_arguments(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=0, help="gRPC port (0 = pick a free one)")
-        p.add_argument("--port-file", default=None, help="write the bound gRPC port here once serving")
-        p.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus /metrics on this port (0: a free one, reported in PORT_FILE.metrics)")
-        p.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
-        p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
-                       help="compute dtype (auto: the checkpoint's own)")
-        p.add_argument("--indexer-numerics", default="deepseek", choices=["deepseek", "transformers"],
-                       help="lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or transformers'")
-        p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-        p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool size (per rank)")
-        p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the instance's ranks)")
-        p.add_argument("--tp", type=int, default=1, help="local TP ranks for o_proj / lm_head / embedding")
-        p.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: layer i's weight lives on rank i %% K")
-        p.add_argument("--drain-seconds", type=float, default=5.0,
-                       help="on SIGTERM: in-flight requests get this long to finish, then the process exits")
-        p.add_argument("--auth-token-file", default=None,
-                       help="file holding the cluster's shared secret (default: $PDSERVE_CLUSTER_TOKEN)")
-        p.add_argument("--insecure", action="store_true",
-                       help="accept internal calls without the cluster secret (development only)")
-        add_tls_arguments(p)
-        p.add_argument("--advertise-host", default=None,
-                       help="address peers reach this instance at (needed with --host 0.0.0.0)")
+    def engine_config(self, **overrides: Any) -> EngineConfig:
+        """The engine this service runs: its own flags where the names agree, then `overrides`."""
+        names = {f.name for f in fields(EngineConfig)}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in names}
+        return EngineConfig(**{**values, **overrides})
+
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        add_flags(p, cls)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServiceConfig:
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        values["layer_sharding"] = tuple(x for x in (args.layer_sharding or "").split(",") if x)
-        return cls(**values)
+        return from_flags(cls, args)

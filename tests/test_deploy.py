@@ -22,6 +22,20 @@ def test_chart_defaults_are_the_deployment_defaults():
     assert Deployment.from_yaml(VALUES) == Deployment()
 
 
+def test_deployment_defaults_are_the_services_flag_defaults():
+    """A default description renders flags that change nothing: the services' own defaults."""
+    from decode_service.server import parse_args as decode_args
+    from prefill_service.server import parse_args as prefill_args
+    from router.server import parse_args as router_args
+
+    dep = Deployment()
+    for role, parse in (("router", router_args), ("prefill", prefill_args), ("decode", decode_args)):
+        base = ["--model", "m"] + (["--prefill", "p:1", "--decode", "d:1"] if role == "router" else [])
+        plain, rendered = vars(parse(base)), vars(parse(base + dep.flags(role)))
+        differ = {k for k in plain if plain[k] != rendered[k]} - {"host", "port", "advertise_host", "kv_port"}
+        assert not differ, (role, {k: (plain[k], rendered[k]) for k in differ})
+
+
 def test_unknown_keys_and_wrong_types_name_the_key():
     with pytest.raises(ValueError, match="decode.dpp: unknown key"):
         Deployment.from_dict({"decode": {"dpp": 2}})

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.config import EngineConfig
 from shared.device import get_device
 from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.sampler import SamplingParams, sample
@@ -23,28 +24,6 @@ from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
 from shared.model import ForwardBatch, SeqChunk
 from shared.parallel.state import ParallelState
-
-
-@dataclass
-class EngineConfig:
-    model: str
-    dtype: str = "auto"  # the checkpoint's own ("bfloat16" for DeepSeek's releases), or float32 / bfloat16
-    device: str | None = None  # None/"auto": best available
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # default: kv_cache_tokens / block_size
-    kv_cache_tokens: int = 65536
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096  # one token budget per step: decodes + prompt chunks
-    enable_prefix_caching: bool = True  # reuse the KV blocks of prompts' common prefixes
-    attention_workspace_mb: int = 256  # attention / indexer working set per tile (independent of context)
-    indexer_numerics: str = "deepseek"  # DeepSeek's own (Hadamard + FP8 e4m3, ue8m0); "transformers" to compare with HF
-    seed: int = 0
-    progress: bool = False
-
-    def __post_init__(self) -> None:
-        if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:
-            raise ValueError("block_size, max_num_batched_tokens, max_num_seqs and attention_workspace_mb "
-                             "must be positive")
 
 
 @dataclass
