@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake"])
     p.add_argument("--peer", action="append", choices=["vllm"], default=[])
+    p.add_argument("--decode-flag", action="append", default=[],
+                   help="extra decode_service flag, e.g. --decode-flag=--engine-in-process")
     args = p.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
     if "vllm" in args.peer:
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"starting router + 1 prefill + 1 decode ({args.kv_transport}, {args.dtype}) ...", flush=True)
     try:
         with Cluster(model, kv_transport=args.kv_transport, dtype=args.dtype,
-                     extra_decode=["--max-num-seqs", str(max(levels))]) as cluster:
+                     extra_decode=["--max-num-seqs", str(max(levels)), *args.decode_flag]) as cluster:
             run_router(cluster.address, prompts[:2], 4)  # warm-up
             if vllm is not None:
                 run_streams(vllm.stream, prompts[:2], 4)

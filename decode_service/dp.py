@@ -185,8 +185,56 @@ def follower_loop(me: DecodeRank) -> None:
     me.close()
 
 
+class Streams:
+    """Request id → event sink (anything with a thread-safe `put`) of the streams being served."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sinks: dict[str, Any] = {}
+
+    def open(self, request_id: str, q: Any = None) -> Any:
+        """Register the sink of a new stream (a queue.Queue by default) and return it; a request id
+        already streaming is refused (KeyError), and the stream that has it is not touched."""
+        q = queue.Queue() if q is None else q
+        with self._lock:
+            if request_id in self._sinks:
+                raise KeyError(request_id)
+            self._sinks[request_id] = q
+        return q
+
+    def close(self, request_id: str, q: Any = None) -> None:
+        """End a stream (only `q` when given: a refused duplicate never closes the stream it collided with)."""
+        with self._lock:
+            if q is not None and self._sinks.get(request_id) is not q:
+                return
+            q = self._sinks.pop(request_id, None)
+        if q is not None:
+            q.put(None)
+
+    def dispatch(self, events: list[Event]) -> None:
+        """A step's events to their streams, in one hand-over to the serving event loop."""
+        out = []
+        with self._lock:
+            for ev in events:
+                q = self._sinks.get(ev.request_id)
+                if q is not None:
+                    out.append((q, ev))
+                    if ev.finished:
+                        del self._sinks[ev.request_id]
+                        out.append((q, None))
+        LoopQueue.put_all(out)
+
+    def fail_all(self) -> None:
+        """The engine died: every stream ends with UNAVAILABLE."""
+        with self._lock:
+            sinks, self._sinks = list(self._sinks.values()), {}
+        for q in sinks:
+            q.put(FATAL)
+
+
 class Coordinator:
-    """Rank 0: owns the lock-step loop; gRPC handlers submit commands and read event streams."""
+    """Rank 0: owns the lock-step loop; gRPC handlers submit commands and read event streams.
+    Runs in the decode engine-core process (decode_service.core), or in-process."""
 
     def __init__(self, me: DecodeRank, world: int):
         self.me, self.world = me, world
@@ -199,13 +247,19 @@ class Coordinator:
         self.lease_rank: dict[str, int] = {}
         self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (cid, tokens)
         self._place_lock = threading.Lock()
-        self._streams_lock = threading.Lock()
         self._pending: queue.Queue[tuple[Command, Future]] = queue.Queue()
         self._futures: dict[int, Future] = {}
-        self._streams: dict[str, Any] = {}  # request id → event sink
+        self.streams = Streams()
+        self.sink: Callable[[list[Event]], None] = self.streams.dispatch  # where a step's events go
+        # after every loop turn: (loads, lease ids that expired, step seconds or None when idle)
+        self.on_report: Callable[[list[dict[str, Any]], list[str], float | None], None] | None = None
         self._ids = itertools.count()
         self._stop = False
         self.on_fatal: Callable[[str], None] | None = None  # set by the server: NOT_SERVING, then exit
+        engine = me.engine
+        self.max_model_len, self.block_size = engine.max_model_len, engine.layout.block_size
+        self.usable_blocks = engine.usable_blocks
+        self.output_processor = engine.output_processor
         self._thread = threading.Thread(target=self._loop, name="dp-coordinator", daemon=True)
         self._thread.start()
 
@@ -225,10 +279,10 @@ class Coordinator:
         self._pending.put((Command(kind, rank, cid, args), fut))
         return fut
 
-    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> tuple[int, Future]:
-        """Place a reservation on the least loaded DP rank by tokens (running contexts + leases).
-        Reservations not yet visible in a rank's load report are counted too, so a burst of them
-        spreads over the ranks."""
+    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
+        """Place a reservation on the least loaded DP rank by tokens (running contexts + leases);
+        the Future yields (rank, destination). Reservations not yet visible in a rank's load report
+        are counted too, so a burst of them spreads over the ranks."""
         with self._place_lock:
             if self.mirror:
                 rank = 0
@@ -240,27 +294,13 @@ class Coordinator:
                 rank = min(range(self.world), key=load)
             fut = self.submit("reserve", rank, request_id=request_id, num_tokens=tokens, prompt_tokens=prompt_tokens)
             self._unreported[rank].append((fut.cid, tokens))
-        return rank, fut
+        return _then(fut, lambda dest: (rank, dest))
 
     def open_stream(self, request_id: str, q: Any = None) -> Any:
-        """Register the event sink of a new stream (anything with a thread-safe `put`; a new
-        queue.Queue by default) and return it; a request id already streaming is refused (KeyError),
-        and the stream that has it is not touched."""
-        q = queue.Queue() if q is None else q
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise KeyError(request_id)
-            self._streams[request_id] = q
-        return q
+        return self.streams.open(request_id, q)
 
     def close_stream(self, request_id: str, q: Any = None) -> None:
-        """End a stream (only `q` when given: a refused duplicate never closes the stream it collided with)."""
-        with self._streams_lock:
-            if q is not None and self._streams.get(request_id) is not q:
-                return
-            q = self._streams.pop(request_id, None)
-        if q is not None:
-            q.put(None)
+        self.streams.close(request_id, q)
 
     def stop(self) -> None:
         self._stop = True
@@ -287,7 +327,7 @@ class Coordinator:
                     cmds += self._expiry_commands()
                 if idle and not cmds and self.world == 1:
                     self.me.leases.expire()
-                    self._absorb(0, self.me.load())
+                    self._report([self._absorb(0, self.me.load())], None)
                     continue
                 if self.world > 1:
                     dist.broadcast_object_list([cmds], src=0)
@@ -301,21 +341,20 @@ class Coordinator:
                     gathered: list[Any] = [None] * self.world
                     dist.gather_object(reports[0], gathered, dst=0)
                     reports = gathered
+                expired = []
                 for rank, (rank_replies, rank_events, load) in enumerate(reports):
                     if self.mirror and rank:  # mirrors repeat rank 0: their replies and events are dropped
+                        load.pop("expired")
                         self.loads[rank] = load
                         continue
-                    self._absorb(rank, load)
+                    expired.append(self._absorb(rank, load))
                     for cid, reply in rank_replies:
                         self._resolve(cid, reply)
-                    self._dispatch(rank_events)
-                metrics.STEP_SECONDS.observe(time.perf_counter() - t_step)
+                    self.sink(rank_events)
+                self._report(expired, time.perf_counter() - t_step)
         except Exception as exc:  # noqa: BLE001
             log.exception("decode coordinator loop failed")
-            with self._streams_lock:
-                streams, self._streams = list(self._streams.values()), {}
-            for q in streams:
-                q.put(FATAL)
+            self.streams.fail_all()
             for fut in self._futures.values():
                 if not fut.done():
                     fut.set_exception(CommandError("UNAVAILABLE", f"decode engine failed: {exc}"))
@@ -326,15 +365,24 @@ class Coordinator:
                 dist.broadcast_object_list([STOP], src=0)
             self.me.close()
 
-    def _absorb(self, rank: int, load: dict[str, Any]) -> None:
-        """Take a rank's load report; forget the routing of its expired leases."""
+    def _absorb(self, rank: int, load: dict[str, Any]) -> list[str]:
+        """Take a rank's load report; forget the routing of its expired leases (returned)."""
         expired = load.pop("expired")
-        metrics.EXPIRED_LEASES.inc(len(expired))
         for lease_id in expired:
             self.lease_rank.pop(lease_id, None)
         with self._place_lock:
             self._unreported[rank] = [(c, t) for c, t in self._unreported[rank] if c > load["applied_cid"]]
         self.loads[rank] = load
+        return expired
+
+    def _report(self, expired_per_rank: list[list[str]], step_seconds: float | None) -> None:
+        expired = [lease for per_rank in expired_per_rank for lease in per_rank]
+        if self.on_report is not None:
+            self.on_report(self.loads, expired, step_seconds)
+            return
+        metrics.EXPIRED_LEASES.inc(len(expired))
+        if step_seconds is not None:
+            metrics.STEP_SECONDS.observe(step_seconds)
 
     def _expiry_commands(self) -> list[Command]:
         """TP mirror: overdue leases become release commands applied by every rank in order."""
@@ -352,21 +400,24 @@ class Coordinator:
             fut.set_exception(reply)
         else:
             if isinstance(reply, list):  # admit: deliver the first token before the caller streams
-                self._dispatch(reply)
+                self.sink(reply)
             fut.set_result(reply)
 
-    def _dispatch(self, events: list[Event]) -> None:
-        """A step's events to their streams, in one hand-over to the serving event loop."""
-        out = []
-        with self._streams_lock:
-            for ev in events:
-                q = self._streams.get(ev.request_id)
-                if q is not None:
-                    out.append((q, ev))
-                    if ev.finished:
-                        del self._streams[ev.request_id]
-                        out.append((q, None))
-        LoopQueue.put_all(out)
+
+
+def _then(fut: Future, fn: Callable[[Any], Any]) -> Future:
+    """A Future of fn(fut's result) (its exception passes through)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(fn(f.result()))
+
+    fut.add_done_callback(done)
+    return out
 
 
 def params_dict(p: SamplingParams) -> dict[str, Any]:

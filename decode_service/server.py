@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from decode_service.core import CoreClient
 from decode_service.dp import FATAL, STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
 from shared import metrics
 from shared.config import EngineConfig, ServiceConfig, flag
@@ -32,6 +33,8 @@ SERVICE = "pdserve.v1.Decode"
 @dataclass(kw_only=True)
 class DecodeConfig(ServiceConfig):
     dp: int = flag(1, "attention data-parallel ranks")
+    engine_in_process: bool = flag(False, "run the engine loop in the gRPC process (default: its own process, "
+                                          "so handlers and the engine never share a GIL)")
     kv_port: int = flag(0, "TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
     lease_seconds: float = flag(30.0, "unused reservations expire after this")
     max_num_seqs: int = flag(EngineConfig.max_num_seqs, "requests decoding at once per rank")
@@ -47,10 +50,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     """Async handlers: a stream is a coroutine fed by the coordinator thread, not a gRPC thread, so
     concurrency is bounded by the KV pool and `max_num_seqs`, and health/GetLoad stay prompt."""
 
-    def __init__(self, cfg: DecodeConfig, coordinator: Coordinator):
+    def __init__(self, cfg: DecodeConfig, coordinator: Coordinator | CoreClient):
         self.cfg, self.coord = cfg, coordinator
         self.credentials = cfg.credentials()
-        self.max_model_len = coordinator.me.engine.max_model_len
+        self.max_model_len = coordinator.max_model_len
         self._export_gauges()
 
     async def _result(self, fut, context):  # noqa: ANN001, ANN202
@@ -70,15 +73,14 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         if total > self.max_model_len:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"max_tokens: prompt + max_tokens ({total}) exceeds the context {self.max_model_len}")
-        engine = self.coord.me.engine
-        need = -(-total // engine.layout.block_size)
-        if need > engine.usable_blocks:  # can never fit: not a retryable RESOURCE_EXHAUSTED
+        need = -(-total // self.coord.block_size)
+        if need > self.coord.usable_blocks:  # can never fit: not a retryable RESOURCE_EXHAUSTED
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"max_tokens: prompt + max_tokens needs {need} KV blocks, a decode rank has "
-                                f"{engine.usable_blocks}")
-        rank, placed = self.coord.reserve(request.request_id, total, request.num_prompt_tokens)
+                                f"{self.coord.usable_blocks}")
+        placed = self.coord.reserve(request.request_id, total, request.num_prompt_tokens)
         try:
-            dest = await wait_future(placed, 60)
+            rank, dest = await wait_future(placed, 60)
         except CommandError as exc:
             metrics.request_done("decode", exc.code, "reserve")
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
@@ -130,7 +132,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             raise
         self.coord.lease_rank.pop(request.lease_id, None)  # claimed: the blocks belong to the request now
         reason, ended = None, False
-        out = self.coord.me.engine.output_processor(params)  # text made here, off the engine thread
+        out = self.coord.output_processor(params)  # text made here, off the engine process
         try:
             while (ev := await stream.get()) is not None:
                 if ev is FATAL:
@@ -165,7 +167,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     return DecodeConfig.from_args(p.parse_args(argv))
 
 
-async def serve(cfg: DecodeConfig, coordinator: Coordinator) -> tuple[grpc.aio.Server, int, Lifecycle]:
+async def serve(cfg: DecodeConfig, coordinator: Coordinator | CoreClient) -> tuple[grpc.aio.Server, int, Lifecycle]:
     servicer = DecodeServicer(cfg, coordinator)
     server, port, life = await start_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE],
@@ -174,11 +176,12 @@ async def serve(cfg: DecodeConfig, coordinator: Coordinator) -> tuple[grpc.aio.S
     return server, port, life
 
 
-async def _serve_until_stopped(cfg: DecodeConfig, coordinator: Coordinator, me: DecodeRank,
+async def _serve_until_stopped(cfg: DecodeConfig, coordinator: Coordinator | CoreClient, transport: str,
                                followers: list) -> None:
     _, port, life = await serve(cfg, coordinator)
+    where = "in-process engine" if cfg.engine_in_process else "engine core process"
     life.announce(port, cfg.port_file, f"decode_service listening on {cfg.host}:{port} "
-                                       f"(dp={cfg.dp} tp={cfg.tp} ep={cfg.ep}, kv {me.receiver.transport})")
+                                       f"(dp={cfg.dp} tp={cfg.tp} ep={cfg.ep}, kv {transport}, {where})")
 
     def cleanup() -> None:
         coordinator.stop()
@@ -193,10 +196,15 @@ def main(argv: list[str] | None = None) -> None:
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower
         return
-    me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
-    coordinator = Coordinator(me, cfg.world)
+    if cfg.engine_in_process:
+        me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
+        coordinator: Coordinator | CoreClient = Coordinator(me, cfg.world)
+        transport = me.receiver.transport
+    else:
+        coordinator = CoreClient(cfg)
+        transport = coordinator.transport
     metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
-    asyncio.run(_serve_until_stopped(cfg, coordinator, me, followers))
+    asyncio.run(_serve_until_stopped(cfg, coordinator, transport, followers))
 
 
 __all__ = ["STOP", "DecodeConfig", "main"]

@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.deploy import Deployment
 from shared.engine.chat import EOS, split_reasoning
 from shared.loader.tiny import ensure_tiny_model
+from shared.parallel.launch import die_with_parent
 from shared.rpc.certs import CertFiles, make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.rpc.service import TOKEN_ENV, Credentials, channel
@@ -74,17 +75,6 @@ def wait_serving(address: str, timeout: float = 180.0, proc: subprocess.Popen | 
             except grpc.RpcError:
                 time.sleep(0.2)
     raise TimeoutError(f"{address} did not become SERVING within {timeout}s")
-
-
-def _die_with_parent() -> None:
-    """In a service child: get SIGTERM when the launcher dies, even by SIGKILL (Linux), so a killed
-    `pdserve up` or test leaves no orphans holding ports."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass
@@ -145,7 +135,7 @@ class Cluster:
             out = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - lives as long as the process
         env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}  # by environment: not in `ps`
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
         proc.pdserve_command = (name, args)  # type: ignore[attr-defined] - what restart() runs again
         self.procs.append(proc)
         return proc

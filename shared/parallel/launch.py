@@ -27,6 +27,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent() -> None:
+    """In a child process: get SIGTERM when the parent dies, even by SIGKILL (Linux), so a killed
+    service or `pdserve up` leaves no orphans holding ports."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def service_state(config: ParallelConfig, rank: int) -> ParallelState:
     """A service rank's process group; the host's threads are split between the ranks on it."""
     local_ranks = 1 if env_rank_world() else config.world
