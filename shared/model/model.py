@@ -110,6 +110,14 @@ class DeepseekForCausalLM(nn.Module):
                         self.stored_dtypes[f"{prefix}.{name}"] = param.dtype
                         setattr(module, name, nn.Parameter(param.data.to(cdt), requires_grad=False))
 
+    def compile_token_parts(self) -> None:
+        """torch.compile (inductor, dynamic shapes) the parts of each layer that work token by token —
+        norms, dense MLPs and shared experts, the MoE router — so their elementwise ops fuse. Attention
+        (paged, tiled, data-dependent) and the grouped experts stay eager."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP, Gate)):
+                module.forward = torch.compile(module.forward, dynamic=True)
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Parameters by checkpoint name as loaded (kv_b_proj rebuilt from its absorbed pair)."""
         out = {name: p.to(self.stored_dtypes.get(name, p.dtype)) for name, p in self.named_parameters()}
