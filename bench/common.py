@@ -22,39 +22,42 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
 
 
-def bar_plot(path: Path, title: str, labels: list[str], series: dict[str, list[float]], ylabel: str) -> Path:
+def _axes():  # noqa: ANN202 - (pyplot, figure, axes)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
+    return plt, fig, ax
+
+
+def _save(plt, fig, ax, path: Path, title: str, ylabel: str) -> Path:  # noqa: ANN001
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bar_plot(path: Path, title: str, labels: list[str], series: dict[str, list[float]], ylabel: str) -> Path:
+    plt, fig, ax = _axes()
     width = 0.8 / max(len(series), 1)
     for i, (name, values) in enumerate(series.items()):
         xs = [x + i * width for x in range(len(labels))]
         bars = ax.bar(xs, values, width, label=name)
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, title, ylabel)
 
 
 def line_plot(path: Path, title: str, xs: list[int], series: dict[str, list[float]], xlabel: str,
               ylabel: str) -> Path:
     """One line per system over a sweep (log-scaled x), values labelled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    plt, fig, ax = _axes()
     for name, values in series.items():
         if values:
             ax.plot(xs[: len(values)], values, marker="o", label=name)
@@ -63,10 +66,4 @@ def line_plot(path: Path, title: str, xs: list[int], series: dict[str, list[floa
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, title, ylabel)

@@ -152,7 +152,7 @@ class LLMEngine:
                    layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Forward the scheduled chunks (KV written to their blocks); logits of completing chunks."""
         seq_chunks = [
-            SeqChunk(c.seq.all_token_ids[c.seq.num_cached : c.seq.num_cached + c.num_tokens],
+            SeqChunk(c.seq.token_slice(c.seq.num_cached, c.seq.num_cached + c.num_tokens),
                      c.seq.num_cached, c.seq.block_table, need_logits=c.completes)
             for c in chunks
         ]

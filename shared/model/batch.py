@@ -113,10 +113,8 @@ class ForwardBatch:
         # The key axis is padded to whole blocks so the context is gathered block by block.
         n_blocks = -(-t_max // block_size)
 
-        tables = torch.zeros(num_seqs, n_blocks, dtype=torch.long)
-        for i, c in enumerate(chunks):
-            used = c.block_table[:n_blocks]
-            tables[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+        tables = torch.tensor([c.block_table[:n_blocks] + [0] * (n_blocks - len(c.block_table[:n_blocks]))
+                               for c in chunks], dtype=torch.long)  # one tensor for the whole step
         starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.long)
         lens_t = torch.tensor(lens, dtype=torch.long)
         ctx_t = torch.tensor(ctx, dtype=torch.long)

@@ -89,12 +89,13 @@ class MLA(nn.Module):
         query = q_nope.new_empty(n, self.n_heads, self.kv_lora_rank + self.rope_dim, dtype=cdt)
         torch.bmm(q_nope.to(cdt).transpose(0, 1), self.w_uk, out=query[..., : self.kv_lora_rank].transpose(0, 1))
         query[..., self.kv_lora_rank :] = q_pe
-        o_lat = query.new_empty(n, self.n_heads, self.kv_lora_rank)
-        for tokens, part in fb.attention_parts():
+        outputs = []
+        for tokens, part in fb.attention_parts():  # one part unless the step mixes decodes and chunks
             selection = None
             if index_query is not None:
                 selection = self.indexer.select(index_query[0][tokens], index_query[1][tokens], part, index_pool)
-            o_lat[tokens] = self._attend(query[tokens], part, mla_pool, selection)
+            outputs.append(self._attend(query[tokens], part, mla_pool, selection))
+        o_lat = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, kv_lora_rank]
         o = torch.bmm(o_lat.to(cdt).transpose(0, 1), self.w_uv_t)  # [H, N, v]
         return self.o_proj(o.transpose(0, 1).reshape(n, self.n_heads * self.v_dim).to(x.dtype))
 
