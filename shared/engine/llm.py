@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import EngineConfig
-from shared.device import get_device
+from shared.device import compute_dtype, get_device
 from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.sampler import SamplingParams, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
@@ -65,7 +65,11 @@ class LLMEngine:
         if config.compile:
             self.model.compile_token_parts()
         self.tokenizer = Tokenizer.from_model_dir(config.model, self.model_config.bos_token_id)
-        self.layout = KVLayout.from_model_config(self.model_config, config.block_size, self.dtype)
+        # The cache holds what attention multiplies: the model dtype, except on CPUs without bf16
+        # arithmetic, where bf16 rows are held as exact fp32 copies (no [rows, T, 576] upcast per step;
+        # a peer with the other layout is refused at the KV handshake).
+        kv_dtype = compute_dtype(self.dtype, self.device)
+        self.layout = KVLayout.from_model_config(self.model_config, config.block_size, kv_dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
         self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
