@@ -59,10 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-type", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32"])
     p.add_argument("--compile", action="store_true", help="pdserve with torch.compile of the per-token parts")
-    p.add_argument("--peer", action="append", choices=["vllm", "transformers"], default=None,
+    p.add_argument("--peer", action="append", choices=["vllm", "transformers", "none"], default=None,
                    help="systems to compare with in the same run (default: transformers)")
     args = p.parse_args(argv)
-    peers = args.peer if args.peer is not None else ["transformers"]
+    peers = [x for x in args.peer if x != "none"] if args.peer is not None else ["transformers"]
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
     results: dict[str, list[float]] = {"pdserve": [], **{peer: [] for peer in peers}}

@@ -161,3 +161,10 @@ def test_mixed_step_splits_attention_into_similar_parts():
     assert [tuple(b.query_index.shape) for _, b in parts] == [(5, 1), (1, 100)]
     uniform = ForwardBatch.build(chunks[:5], 16, torch.device("cpu"))
     assert uniform.attention_parts()[0][1] is uniform
+
+
+def test_compiled_token_parts_give_the_same_tokens(sparse_path):
+    """EngineConfig.compile (torch.compile of norms, MLPs, router): same greedy tokens as eager."""
+    prompts = random_prompts(2, [9, 14], 512, seed=23)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert _tokens(LLM(sparse_path, compile=True), prompts, params) == _tokens(LLM(sparse_path), prompts, params)
