@@ -318,10 +318,11 @@ def flag(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> 
     return field(default=default, metadata=meta)
 
 
-def add_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per `flag()` field of dataclass `cls`: bool → store_true, tuple/list → comma-separated."""
+def add_flags(p: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:
+    """One flag per `flag()` field of dataclass `cls` (or the fields named in `only`):
+    bool → store_true, tuple/list → comma-separated."""
     for f in fields(cls):
-        if "help" not in f.metadata or f.name in skip:
+        if "help" not in f.metadata or (only is not None and f.name not in only):
             continue
         name = "--" + f.name.replace("_", "-")
         kind = str(f.type)
@@ -374,6 +375,11 @@ class EndpointConfig:
         from shared.rpc.service import Credentials
 
         return Credentials.from_args(self.auth_token_file, self.insecure, self.tls_cert, self.tls_key, self.tls_ca)
+
+
+def add_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """--tls-cert / --tls-key / --tls-ca, as every service takes them (for clients and probes)."""
+    add_flags(p, EndpointConfig, only=("tls_cert", "tls_key", "tls_ca"))
 
 
 @dataclass(kw_only=True)
