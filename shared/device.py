@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -93,20 +94,30 @@ def synchronize(device: torch.device) -> None:
         torch.npu.synchronize(device)
 
 
-_GROUPED_MM_BROKEN: set[tuple[str, torch.dtype]] = set()
+_GROUPED_MM_MISSING: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) whose kernel is missing
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of x [M, K] in consecutive groups (group g ends at offsets[g], int32, on the device) times
-    w[g] [K, N]: one grouped matmul with no host read-back (`F.grouped_mm`). Where a device or dtype
-    lacks the kernel, a per-group loop (one read-back of the offsets) gives the same result; rows
-    past the last offset are left undefined either way."""
+    w[g] [K, N]: one grouped matmul with no host read-back (`F.grouped_mm`). A device or dtype whose
+    torch build lacks that kernel (NPU, CUDA before sm90, ...) gets `grouped_mm_loop` instead, with a
+    warning once; shapes are checked first, so a caller's bug is raised, never hidden by the fall-back.
+    Rows past the last offset are left undefined either way."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1] or offsets.shape != (w.shape[0],):
+        raise ValueError(f"grouped_mm: x {tuple(x.shape)}, w {tuple(w.shape)}, offsets {tuple(offsets.shape)}")
     key = (x.device.type, x.dtype)
-    if key not in _GROUPED_MM_BROKEN:
+    if key not in _GROUPED_MM_MISSING:
         try:
             return torch.nn.functional.grouped_mm(x, w, offs=offsets)
-        except (RuntimeError, NotImplementedError):
-            _GROUPED_MM_BROKEN.add(key)
+        except (RuntimeError, NotImplementedError) as exc:  # the kernel is missing for this device/dtype
+            _GROUPED_MM_MISSING.add(key)
+            warnings.warn(f"F.grouped_mm unavailable for {key} ({exc}); MoE uses a per-expert loop, which "
+                          "reads the group offsets back to the host", RuntimeWarning, stacklevel=2)
+    return grouped_mm_loop(x, w, offsets)
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The same product as grouped_mm, one matmul per non-empty group (reads the offsets back once)."""
     out = x.new_zeros(x.shape[0], w.shape[-1])
     start = 0
     for g, end in enumerate(offsets.tolist()):

@@ -110,3 +110,32 @@ def test_decode_step_makes_no_host_read_in_moe(ckpt, monkeypatch):
             h.remove()
     assert len(events) == 6 and calls.count("in") == len(moes)
     assert counter.reads == [], counter.reads
+
+
+def test_grouped_mm_fallback_loop_matches_the_kernel_and_shapes_are_checked():
+    """The per-expert loop devices without F.grouped_mm get equals the kernel (empty groups, padding
+    rows past the last offset); a shape bug raises instead of silently taking the fall-back."""
+    import pytest
+
+    from shared.device import grouped_mm, grouped_mm_loop
+
+    torch.manual_seed(0)
+    counts = torch.tensor([0, 5, 0, 3, 7])
+    x, w = torch.randn(int(counts.sum()) + 4, 16), torch.randn(5, 16, 8)  # 4 padding rows at the end
+    offsets = counts.cumsum(0).to(torch.int32)
+    n = int(counts.sum())
+    assert torch.allclose(grouped_mm(x, w, offsets)[:n], grouped_mm_loop(x, w, offsets)[:n], atol=1e-5)
+    with pytest.raises(ValueError, match="grouped_mm"):
+        grouped_mm(x, w.transpose(1, 2), offsets)
+
+
+def test_padded_expert_slots_contribute_nothing(ckpt):
+    """EP receivers mask picks held by other ranks (id -1, weight 0): same sum as without them."""
+    model, _ = load_model(ckpt("v32_sparse"), "float32")
+    experts = model.model.layers[1].mlp.experts
+    x = torch.randn(6, model.config.hidden_size)
+    ids = torch.randint(0, experts.num_experts, (6, 2))
+    w = torch.rand(6, 2)
+    padded_ids = torch.cat([ids, torch.full((6, 1), -1)], 1)
+    padded_w = torch.cat([w, torch.zeros(6, 1)], 1)
+    assert torch.allclose(experts(x, padded_ids, padded_w, padded=True), experts(x, ids, w), atol=1e-5)

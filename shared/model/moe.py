@@ -62,11 +62,12 @@ class Experts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype), requires_grad=False)
 
-    def run(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]
-        (ids outside 0..E_local-1 mark padding slots: their output is zero)."""
-        valid = (local_ids >= 0) & (local_ids < self.num_local)
-        key = torch.where(valid, local_ids, self.num_local)  # padding sorts last, outside every group
+    def run(self, rows: torch.Tensor, local_ids: torch.Tensor, padded: bool = False) -> torch.Tensor:
+        """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]. With
+        `padded`, ids outside 0..E_local-1 mark padding slots (EP: picks held by other ranks): their
+        output is zero; without, every id must be local (one rank holds every expert)."""
+        valid = (local_ids >= 0) & (local_ids < self.num_local) if padded else None
+        key = local_ids if valid is None else torch.where(valid, local_ids, self.num_local)  # padding sorts last
         order = key.argsort(stable=True)
         counts = torch.zeros(self.num_local + 1, dtype=torch.long, device=rows.device)
         counts.index_add_(0, key, torch.ones_like(key))  # bincount would read the max back on accelerators
@@ -74,16 +75,17 @@ class Experts(nn.Module):
         xs = matmul_input(rows[order], self.gate_up_proj)
         gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offsets).split(self.inter, -1)
         out = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
-        out = out.masked_fill(~valid[order, None], 0)  # rows past the last group are undefined
+        if valid is not None:
+            out = out.masked_fill(~valid[order, None], 0)  # rows past the last group are undefined
         result = torch.empty_like(out, dtype=rows.dtype)
         result[order] = out.to(rows.dtype)
         return result
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum over each row's k picks [N, k] (global ids; weight 0 / foreign ids contribute
-        nothing): fp32 [N, D]."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, padded: bool = False) -> torch.Tensor:
+        """Weighted sum over each row's k picks [N, k] (global ids; with `padded`, foreign ids and their
+        weight-0 picks contribute nothing): fp32 [N, D]."""
         n, k = ids.shape
-        out = self.run(x.repeat_interleave(k, 0), ids.flatten() - self.first_expert)  # [N·k, D]
+        out = self.run(x.repeat_interleave(k, 0), ids.flatten() - self.first_expert, padded)  # [N·k, D]
         return (out.view(n, k, x.shape[1]).float() * weights[..., None]).sum(1)
 
 
@@ -140,7 +142,7 @@ class MoE(nn.Module):
         work_rows.wait()
         work_meta.wait()
         got_ids, got_w = got_meta[:, :k].long(), got_meta[:, k:]
-        partial = self.experts(rows, got_ids, got_w)  # [received, D] fp32, foreign picks masked
+        partial = self.experts(rows, got_ids, got_w, padded=True)  # [received, D] fp32, foreign picks masked
         back, _ = all_to_all_v(partial, recv_l, send_l, self.ep_group)  # combine: partial sums return
         y = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
         y.index_add_(0, pair_token, back)
