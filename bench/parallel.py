@@ -23,10 +23,10 @@ import torch  # noqa: E402
 
 from bench.common import OUT, bar_plot, table  # noqa: E402
 from shared.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from shared.engine.llm import dp_step  # noqa: E402
 from shared.kvcache import KVCache, KVLayout  # noqa: E402
 from shared.loader import load_model  # noqa: E402
 from shared.loader.tiny import ensure_tiny_model  # noqa: E402
+from shared.model import ForwardBatch, SeqChunk  # noqa: E402
 from shared.parallel import ParallelConfig, ParallelState  # noqa: E402
 from shared.parallel.cp import build_cp_batch  # noqa: E402
 from shared.parallel.launch import run_ranks  # noqa: E402
@@ -47,10 +47,8 @@ def prefill_rank(rank: int, world: int, model_dir: str, prompt: list[int], repea
             torch.distributed.barrier()
         t0 = time.perf_counter()
         if world > 1:
-            fb = build_cp_batch(prompt, table_, rank, world, 16, CPU, state.world_group, scratch)
+            fb = build_cp_batch([SeqChunk(prompt, 0, table_)], rank, world, 16, CPU, state.world_group, scratch)
         else:
-            from shared.model import ForwardBatch, SeqChunk
-
             fb = ForwardBatch.build([SeqChunk(prompt, 0, table_)], 16, CPU)
         model(fb, kv)
         best = min(best, time.perf_counter() - t0)
@@ -66,15 +64,13 @@ def decode_rank(rank: int, world: int, model_dir: str, prompts: list[list[int]],
     for p in mine:
         engine.add_request(p, params)
     while any(s.is_prefilling for s in engine.scheduler.running) or engine.scheduler.waiting:  # prefill first
-        dp_step(engine) if world > 1 else engine.step()
+        engine.step()
     if world > 1:
         torch.distributed.barrier()
     t0, tokens = time.perf_counter(), 0
     while True:
-        if world > 1:
-            events, stepped = dp_step(engine)
-        else:
-            events, stepped = engine.step(), engine.has_work
+        events = engine.step()
+        stepped = engine.stepped
         tokens += len(events)
         if not stepped and not events:
             break

@@ -14,16 +14,14 @@ ranks, and only rank 0's replies and events are used.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import secrets
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -31,7 +29,7 @@ import torch.distributed as dist
 
 from shared import metrics
 from shared.engine import LLMEngine, SamplingParams
-from shared.engine.llm import dp_step
+from shared.engine.core import ALL, Command, CommandError, EngineCore, RankReport, follow
 from shared.kvcache import OutOfBlocks
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.parallel import ParallelState
@@ -40,25 +38,12 @@ from shared.transfer import TcpReceiver
 from shared.transfer.base import cache_kinds
 
 log = logging.getLogger("pdserve.decode")
-STOP = "stop"
 FATAL = object()  # put in every stream when the engine loop dies: the handlers end with UNAVAILABLE
-ALL = -1  # Command.rank for a command every rank applies (TP mirror mode)
-
-
-class CommandError(Exception):
-    """A command failed on its rank; `code` names the gRPC status the front should return."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class Command:
-    kind: str  # reserve | admit | abort | release
-    rank: int
-    cid: int
-    args: dict[str, Any] = field(default_factory=dict)
+# A rank's load report: these integers travel in the fixed per-turn row (expired lease ids do not).
+LOAD_FIELDS = ("rank", "running", "waiting", "free_blocks", "total_blocks", "active_leases", "has_work", "admitted",
+               "tokens", "applied_cid", "kv_bytes_received")
+FINISH_REASONS = (None, "stop", "length", "abort", "error")
+__all__ = ["ALL", "FATAL", "Command", "CommandError", "Coordinator", "DecodeRank", "Event", "Streams", "follower_loop"]
 
 
 @dataclass
@@ -71,12 +56,17 @@ class Event:
 
 
 class DecodeRank:
-    """One rank's engine, KV pool, leases and KV receiver."""
+    """One rank's engine, KV pool, leases and KV receiver (a RankDriver of the engine core)."""
+
+    gathers = True  # rank 0 places reservations by every rank's load
 
     def __init__(self, cfg, rank: int, state: ParallelState):  # noqa: ANN001 - DecodeConfig
         self.rank, self.state = rank, state
         self.mirror = state.config.tp > 1
         self.admitted = 0
+        self.handles: dict[str, int] = {}  # request id → its admit command's id (events travel as ints)
+        self._ended: dict[str, int] = {}  # the handles of the requests the last step finished
+        self.name_of: Callable[[int], str | None] = lambda handle: None  # rank 0: set by the Coordinator
         self.applied_cid = -1  # the newest command applied here (load reports say what they include)
         self.engine = LLMEngine(cfg.engine_config(enable_prefix_caching=False), state)  # KV arrives pushed
         kv = self.engine.kv
@@ -101,15 +91,16 @@ class DecodeRank:
                 return CommandError("RESOURCE_EXHAUSTED", f"decode rank {self.rank} KV pool full: {exc}")
             return self.receiver.destination(lease)
         if cmd.kind == "admit":
-            return self._admit(a)
+            return self._admit(a, cmd.cid)
         if cmd.kind == "abort":
             self.engine.abort(a["request_id"])
+            self.handles.pop(a["request_id"], None)
             return None
         if cmd.kind == "release":
             return self.leases.release(a["lease_id"])
         return CommandError("INTERNAL", f"unknown command {cmd.kind}")
 
-    def _admit(self, a: dict[str, Any]) -> list[Event] | CommandError:
+    def _admit(self, a: dict[str, Any], handle: int) -> list[Event] | CommandError:
         try:
             lease = self.leases.claim(a["lease_id"], require_complete=not (self.mirror and self.rank))
         except LeaseError as exc:
@@ -125,7 +116,10 @@ class DecodeRank:
         self.admitted += 1
         if a.get("rng_state") and seq.params.seed is not None:
             seq.generator.set_state(torch.frombuffer(bytearray(a["rng_state"]), dtype=torch.uint8))
-        return [_event(ev) for ev in self.engine.add_prefilled(seq, a["first_token"])]
+        events = [_event(ev) for ev in self.engine.add_prefilled(seq, a["first_token"])]
+        if not events[-1].finished:
+            self.handles[seq.request_id] = handle
+        return events
 
     def _copy_kv_from_rank0(self, blocks: list[int]) -> None:
         """TP mirror: the prefill pushed into rank 0's blocks; every rank gets the same rows."""
@@ -138,11 +132,16 @@ class DecodeRank:
             pool[:, index] = rows
 
     def step(self) -> list[Event]:
+        events = self._step()
+        self._ended = {ev.request_id: self.handles.pop(ev.request_id) for ev in events
+                       if ev.finished and ev.request_id in self.handles}  # encode() still names them
+        return events
+
+    def _step(self) -> list[Event]:
         if not self.mirror:  # mirrors release expired leases by command, in the same order everywhere
             self.leases.expire()
         if self.state.is_parallel:  # a failure inside the group's collectives cannot be contained
-            events, _ = dp_step(self.engine)
-            return [_event(ev) for ev in events]
+            return [_event(ev) for ev in self.engine.step()]
         try:
             events = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the loop goes on
@@ -152,6 +151,41 @@ class DecodeRank:
                 self.engine.abort(seq.request_id, "error")
             return [Event(seq.request_id, -1, True, "error", f"decode step failed: {exc}") for seq in failed]
         return [_event(ev) for ev in events]
+
+    def encode(self, report: RankReport) -> tuple[torch.Tensor, Any]:
+        """The turn's report as a fixed row (load integers, then up to max_num_seqs events as
+        (handle, token, finish reason)) and, only when there is any, an object part: replies to
+        commands, expired lease ids, or events the row cannot carry (an error, an overflow)."""
+        cap = self.engine.config.max_num_seqs
+        load = dict(report.load)
+        expired = load.pop("expired")
+        events = report.events
+        handles = {**self.handles, **self._ended}
+        plain = len(events) <= cap and all(not ev.error and ev.request_id in handles for ev in events)
+        row = torch.zeros(len(LOAD_FIELDS) + 1 + 3 * cap, dtype=torch.int64)
+        row[: len(LOAD_FIELDS)] = torch.tensor([load[k] for k in LOAD_FIELDS])
+        if plain and events:
+            row[len(LOAD_FIELDS)] = len(events)
+            codes = [(handles[ev.request_id], ev.token_id, FINISH_REASONS.index(ev.finish_reason))
+                     for ev in events]
+            row[len(LOAD_FIELDS) + 1: len(LOAD_FIELDS) + 1 + 3 * len(events)] = torch.tensor(codes).view(-1)
+        extra = None
+        if report.replies or expired or not plain:
+            extra = (report.replies, expired, None if plain else events)
+        return row, extra
+
+    def decode(self, row: torch.Tensor, extra: Any) -> RankReport:
+        """Rank 0: a rank's report back from `encode`."""
+        values = row.tolist()
+        load: dict[str, Any] = dict(zip(LOAD_FIELDS, values[: len(LOAD_FIELDS)]))
+        replies, load["expired"], events = extra if extra is not None else ([], [], None)
+        if events is None:
+            n, base = values[len(LOAD_FIELDS)], len(LOAD_FIELDS) + 1
+            events = []
+            for i in range(n):
+                handle, token, reason = values[base + 3 * i: base + 3 * i + 3]
+                events.append(Event(self.name_of(handle) or "", token, reason != 0, FINISH_REASONS[reason]))
+        return RankReport(replies, events, load)
 
     def load(self) -> dict[str, int]:
         sched, kv = self.engine.scheduler, self.engine.kv
@@ -173,16 +207,8 @@ def _event(ev) -> Event:  # noqa: ANN001 - StepEvent
 
 
 def follower_loop(me: DecodeRank) -> None:
-    """Ranks 1..N-1: apply broadcast commands, step, report to rank 0, until STOP."""
-    while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] == STOP:
-            break
-        replies = [(cmd.cid, me.apply(cmd)) for cmd in box[0] if cmd.rank in (me.rank, ALL)]
-        events = me.step()
-        dist.gather_object((replies, events, me.load()), None, dst=0)
-    me.close()
+    """Ranks 1..N-1: the engine-core loop's follower side, until rank 0 stops the instance."""
+    follow(me, me.state)
 
 
 class Streams:
@@ -232,13 +258,13 @@ class Streams:
             q.put(FATAL)
 
 
-class Coordinator:
-    """Rank 0: owns the lock-step loop; gRPC handlers submit commands and read event streams.
+class Coordinator(EngineCore):
+    """Rank 0's engine core: places reservations, keeps every rank's load, streams the events.
     Runs in the decode engine-core process (decode_service.core), or in-process."""
 
     def __init__(self, me: DecodeRank, world: int):
-        self.me, self.world = me, world
-        self.mirror = me.mirror
+        super().__init__(me, me.state, "dp-coordinator")
+        self.me, self.mirror = me, me.mirror
         self.loads: list[dict[str, Any]] = [me.load()] + [
             {"rank": r, "running": 0, "waiting": 0, "free_blocks": me.engine.kv.num_blocks,
              "total_blocks": me.engine.kv.num_blocks, "active_leases": 0, "has_work": 0, "tokens": 0, "admitted": 0,
@@ -247,36 +273,36 @@ class Coordinator:
         self.lease_rank: dict[str, int] = {}
         self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (cid, tokens)
         self._place_lock = threading.Lock()
-        self._pending: queue.Queue[tuple[Command, Future]] = queue.Queue()
-        self._futures: dict[int, Future] = {}
+        self._admitted: dict[int, str] = {}  # admit command id → request id (events travel as ints)
+        self._admit_cid: dict[str, int] = {}
+        me.name_of = self._admitted.get
         self.streams = Streams()
         self.sink: Callable[[list[Event]], None] = self.streams.dispatch  # where a step's events go
         # after every loop turn: (loads, lease ids that expired, step seconds or None when idle)
         self.on_report: Callable[[list[dict[str, Any]], list[str], float | None], None] | None = None
-        self._ids = itertools.count()
-        self._stop = False
-        self.on_fatal: Callable[[str], None] | None = None  # set by the server: NOT_SERVING, then exit
         engine = me.engine
         self.max_model_len, self.block_size = engine.max_model_len, engine.layout.block_size
         self.usable_blocks = engine.usable_blocks
         self.output_processor = engine.output_processor
-        self._thread = threading.Thread(target=self._loop, name="dp-coordinator", daemon=True)
-        self._thread.start()
+        self.start()
 
     # -- API for gRPC handlers ---------------------------------------------------------------------
-    def submit(self, kind: str, rank: int, **args: Any) -> Future:
-        fut: Future = Future()
-        cid = next(self._ids)
-        fut.cid = cid  # type: ignore[attr-defined] - lets reserve() match load reports to it
+    def submit(self, kind: str, rank: int = 0, **args: Any) -> Future:
         if self.mirror:
             rank = ALL
             if kind == "reserve":  # one lease id and token for every mirror rank
                 args = {**args, "lease_id": uuid.uuid4().hex, "token": secrets.token_bytes(16)}
             elif kind == "admit" and not self.me.leases.is_complete(args["lease_id"]):
+                fut: Future = Future()
                 fut.set_exception(CommandError("FAILED_PRECONDITION",
                                                f"lease {args['lease_id']!r} is unknown, expired or incomplete"))
                 return fut
-        self._pending.put((Command(kind, rank, cid, args), fut))
+        if kind == "abort":  # events of an aborted request may be dropped from here on
+            self._admitted.pop(self._admit_cid.pop(args["request_id"], -1), None)
+        fut = super().submit(kind, rank, **args)
+        if kind == "admit":
+            self._admitted[fut.cid] = args["request_id"]  # type: ignore[attr-defined]
+            self._admit_cid[args["request_id"]] = fut.cid  # type: ignore[attr-defined]
         return fut
 
     def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
@@ -302,68 +328,54 @@ class Coordinator:
     def close_stream(self, request_id: str, q: Any = None) -> None:
         self.streams.close(request_id, q)
 
-    def stop(self) -> None:
-        self._stop = True
-        self._thread.join(10)
+    # -- the engine core's hooks -----------------------------------------------------------------------
+    def busy(self) -> bool:
+        return any(load["has_work"] for load in self.loads)
 
-    # -- loop ----------------------------------------------------------------------------------------
-    def _drain(self, block: bool) -> list[Command]:
-        """Pending commands; when idle, wait briefly for the first one (this is also the tick)."""
-        cmds = []
-        while True:
-            try:
-                cmd, fut = self._pending.get(timeout=0.05) if block and not cmds else self._pending.get_nowait()
-            except queue.Empty:
-                return cmds
-            self._futures[cmd.cid] = fut
-            cmds.append(cmd)
+    def turn_commands(self, cmds: list[Command]) -> list[Command]:
+        """TP mirror: overdue leases become release commands applied by every rank in order."""
+        if not self.mirror:
+            return cmds
+        for lease_id in self.me.leases.overdue():
+            self.lease_rank.pop(lease_id, None)
+            cmds.append(Command("release", ALL, next(self._ids), {"lease_id": lease_id}))
+        return cmds
 
-    def _loop(self) -> None:
-        try:
-            while not self._stop:
-                idle = not any(load["has_work"] for load in self.loads)
-                cmds = self._drain(block=idle)
-                if self.mirror:
-                    cmds += self._expiry_commands()
-                if idle and not cmds and self.world == 1:
-                    self.me.leases.expire()
-                    self._report([self._absorb(0, self.me.load())], None)
-                    continue
-                if self.world > 1:
-                    dist.broadcast_object_list([cmds], src=0)
-                for cmd in cmds:  # rank 0's own replies (an admit's first token) go out before the step
-                    if cmd.rank in (0, ALL):
-                        self._resolve(cmd.cid, self.me.apply(cmd))
-                t_step = time.perf_counter()
-                events = self.me.step()
-                reports = [([], events, self.me.load())]
-                if self.world > 1:
-                    gathered: list[Any] = [None] * self.world
-                    dist.gather_object(reports[0], gathered, dst=0)
-                    reports = gathered
-                expired = []
-                for rank, (rank_replies, rank_events, load) in enumerate(reports):
-                    if self.mirror and rank:  # mirrors repeat rank 0: their replies and events are dropped
-                        load.pop("expired")
-                        self.loads[rank] = load
-                        continue
-                    expired.append(self._absorb(rank, load))
-                    for cid, reply in rank_replies:
-                        self._resolve(cid, reply)
-                    self.sink(rank_events)
-                self._report(expired, time.perf_counter() - t_step)
-        except Exception as exc:  # noqa: BLE001
-            log.exception("decode coordinator loop failed")
-            self.streams.fail_all()
-            for fut in self._futures.values():
-                if not fut.done():
-                    fut.set_exception(CommandError("UNAVAILABLE", f"decode engine failed: {exc}"))
-            if self.on_fatal is not None:
-                self.on_fatal(f"{type(exc).__name__}: {exc}")
-        finally:
-            if self.world > 1:
-                dist.broadcast_object_list([STOP], src=0)
-            self.me.close()
+    def idle(self) -> None:
+        self.me.leases.expire()
+        self._report([self._absorb(0, self.me.load())], None)
+
+    def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
+        expired = []
+        for rank, report in enumerate(reports):
+            if self.mirror and rank:  # mirrors repeat rank 0: their replies and events are dropped
+                report.load.pop("expired")
+                self.loads[rank] = report.load
+                continue
+            expired.append(self._absorb(rank, report.load))
+            for cid, reply in report.replies:
+                self.resolve(cid, reply)
+            self._forget_finished(report.events)
+            self.sink(report.events)
+        self._report(expired, step_seconds)
+
+    def resolve(self, cid: int, reply: Any) -> None:
+        if isinstance(reply, list):  # admit: deliver the first token before the caller streams
+            self._forget_finished(reply)
+            self.sink(reply)
+        elif isinstance(reply, CommandError):
+            self._admit_cid.pop(self._admitted.pop(cid, ""), None)
+        super().resolve(cid, reply)
+
+    def on_failure(self, exc: BaseException) -> None:
+        log.error("decode coordinator loop failed: %s", exc)
+        self.streams.fail_all()
+
+    # -- bookkeeping -----------------------------------------------------------------------------------
+    def _forget_finished(self, events: list[Event]) -> None:
+        for ev in events:
+            if ev.finished:
+                self._admitted.pop(self._admit_cid.pop(ev.request_id, -1), None)
 
     def _absorb(self, rank: int, load: dict[str, Any]) -> list[str]:
         """Take a rank's load report; forget the routing of its expired leases (returned)."""
@@ -383,26 +395,6 @@ class Coordinator:
         metrics.EXPIRED_LEASES.inc(len(expired))
         if step_seconds is not None:
             metrics.STEP_SECONDS.observe(step_seconds)
-
-    def _expiry_commands(self) -> list[Command]:
-        """TP mirror: overdue leases become release commands applied by every rank in order."""
-        out = []
-        for lease_id in self.me.leases.overdue():
-            self.lease_rank.pop(lease_id, None)
-            out.append(Command("release", ALL, next(self._ids), {"lease_id": lease_id}))
-        return out
-
-    def _resolve(self, cid: int, reply: Any) -> None:
-        fut = self._futures.pop(cid, None)
-        if fut is None or fut.done():  # nobody may cancel it, but a dead waiter must not stop the loop
-            return
-        if isinstance(reply, CommandError):
-            fut.set_exception(reply)
-        else:
-            if isinstance(reply, list):  # admit: deliver the first token before the caller streams
-                self.sink(reply)
-            fut.set_result(reply)
-
 
 
 def _then(fut: Future, fn: Callable[[Any], Any]) -> Future:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from decode_service.core import CoreClient
-from decode_service.dp import FATAL, STOP, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
+from decode_service.dp import FATAL, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
 from shared import metrics
 from shared.config import EngineConfig, ServiceConfig, flag
 from shared.parallel.launch import join_ranks, service_state, start_instance
@@ -207,4 +207,4 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(_serve_until_stopped(cfg, coordinator, transport, followers))
 
 
-__all__ = ["STOP", "DecodeConfig", "main"]
+__all__ = ["DecodeConfig", "main"]

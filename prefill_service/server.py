@@ -17,28 +17,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import functools
 import logging
-import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
 
-from prefill_service.cp import CPLeader, CPRank
-from prefill_service.cp import follower_loop as cp_follower_loop
+from prefill_service.rank import PrefillCore, PrefillRank
 from shared import metrics
 from shared.config import ServiceConfig, flag
-from shared.engine import EngineConfig, LLMEngine, SamplingParams
-from shared.engine.scheduler import ScheduledChunk
-from shared.engine.worker import EngineWorker
+from shared.engine import EngineConfig, LLMEngine
+from shared.engine.core import follow
 from shared.parallel import ParallelState
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import Lifecycle, sampling_from_proto, start_server, wait_future
-from shared.transfer import Destination, KVPush, KVSender, TransferError, make_sender
+from shared.transfer import Destination, KVSender, TransferError, make_sender
 from shared.transfer.tcp import STALL_SECONDS
 
 log = logging.getLogger("pdserve.prefill")
@@ -59,132 +53,18 @@ class PrefillConfig(ServiceConfig):
                                      enable_prefix_caching=not self.no_prefix_cache, **overrides)
 
 
+def _sender_factory(cfg: PrefillConfig, engine: LLMEngine) -> Callable[[str], KVSender]:
+    tls = cfg.credentials().ssl_context(server=False)
+    return lambda transport: make_sender(transport, engine.kv, cfg.public_host, tls=tls,
+                                         stall_seconds=cfg.kv_stall_seconds)
+
+
 def follower_main(rank: int, cfg: PrefillConfig) -> None:
-    """Entry point of ranks 1..N-1 of a CP or TP prefill group."""
+    """Entry point of ranks 1..N-1 of a CP or TP prefill group: the same engine loop as rank 0's."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s prefill[{rank}] %(levelname)s %(message)s")
-    cp_follower_loop(CPRank(LLMEngine(cfg.engine_config(), service_state(cfg.parallel(), rank))))
-
-
-@dataclass
-class _Job:
-    push: KVPush
-    done: Future
-    started: float
-    prefix_sent: bool = False  # the blocks it got from the prefix cache went out with its first chunk
-
-
-class PrefillWorker(EngineWorker):
-    """Engine thread whose step pushes each computed layer of each scheduled chunk."""
-
-    def __init__(self, engine: LLMEngine, transport: str, make: Callable[[str], KVSender] | None = None):
-        self.jobs: dict[str, _Job] = {}
-        self.senders: dict[str, KVSender] = {}
-        self.transport = transport
-        for family in (metrics.KV_PUSH_BYTES, metrics.KV_PUSH_SECONDS, metrics.KV_PUSH_FAILURES):
-            family.labels(transport)  # exported from the start (at 0), so dashboards and alerts see them
-        self._make = make or (lambda t: make_sender(t, engine.kv))
-        super().__init__(engine, "prefill-engine")
-
-    def sender(self, transport: str) -> KVSender:
-        if transport not in self.senders:
-            self.senders[transport] = self._make(transport)
-        return self.senders[transport]
-
-    def step(self) -> None:
-        engine = self.engine
-        chunks = engine.scheduler.schedule()
-        if not chunks:
-            return
-        plan = [(self.jobs[c.seq.request_id].push, *self._blocks(c, self.jobs[c.seq.request_id])) for c in chunks]
-
-        def layer_done(layer: int) -> None:
-            for push, src, first in plan:
-                push.send_layer(layer, src, first)
-
-        metrics.BATCH_TOKENS.observe(sum(c.num_tokens for c in chunks))
-        try:
-            logits = engine.run_chunks(chunks, layer_done)
-            tokens = engine.sample(chunks, logits)
-        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
-            for c in chunks:
-                self._fail(c.seq.request_id, exc)
-            return
-        for seq, tok in zip([c.seq for c in chunks if c.completes], tokens):
-            job = self.jobs.pop(seq.request_id)
-            blocks, seq.block_table = seq.block_table, []  # held until the push has read them
-            state = bytes(seq.generator.get_state().numpy()) if seq.params.seed is not None else b""
-            engine.append_token(seq, tok)  # max_tokens=1: the request is done here
-            cached = seq.num_cached_prompt_tokens
-            job.push.finish_async(functools.partial(self._pushed, job, blocks, tok, state, cached))
-
-    def _pushed(self, job: _Job, blocks: list[int], token: int, state: bytes, cached: int,
-                error: BaseException | None) -> None:
-        """On the push's thread once it committed (the engine stepped on meanwhile): hand the blocks
-        back to the engine thread, answer the caller."""
-        self.call(lambda engine: engine.kv.allocator.free(blocks))
-        if error is not None:
-            metrics.KV_PUSH_FAILURES.labels(self.transport).inc()
-            job.done.set_exception(error if isinstance(error, TransferError) else TransferError(str(error)))
-            return
-        metrics.KV_PUSH_BYTES.labels(self.transport).inc(job.push.bytes_sent)
-        metrics.KV_PUSH_SECONDS.labels(self.transport).observe(time.perf_counter() - job.started)
-        job.done.set_result((token, state, time.perf_counter() - job.started, cached))
-
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
-        """Queue a prompt whose KV goes to `dest`; the Future yields (first token, rng state, seconds,
-        prompt tokens served from the prefix cache), or fails with ValueError (bad request) or TransferError
-        (bad destination, failed push)."""
-        done: Future = Future()
-
-        def add(engine: LLMEngine) -> None:
-            if done.done():  # cancelled before the engine got to it
-                return
-            try:
-                seq = engine.make_sequence(prompt, params, request_id)  # validates against the real params
-            except ValueError as exc:
-                done.set_exception(exc)
-                return
-            seq.params = dataclasses.replace(params, max_tokens=1)  # prefill ends at the first token
-            try:
-                push = self.sender(dest.transport).open(dest)
-            except Exception as exc:  # noqa: BLE001
-                engine.abort(request_id)
-                done.set_exception(exc if isinstance(exc, TransferError) else TransferError(str(exc)))
-                return
-            self.jobs[request_id] = _Job(push, done, time.perf_counter())
-            engine.scheduler.add(seq)
-
-        self.call(add)
-        return done
-
-    def on_failure(self, exc: BaseException) -> None:
-        super().on_failure(exc)
-        for rid in list(self.jobs):
-            job = self.jobs.pop(rid)
-            job.push.abort()
-            if not job.done.done():
-                job.done.set_exception(RuntimeError(f"prefill engine failed: {exc}"))
-
-    def cancel(self, request_id: str, reason: BaseException) -> None:
-        self.call(lambda engine: self._fail(request_id, reason))
-
-    def _blocks(self, c: ScheduledChunk, job: _Job) -> tuple[list[int], int]:
-        """Source blocks touched by this chunk and the lease index of the first one; a request's first
-        chunk also carries the blocks it found in the prefix cache (computed earlier, every layer)."""
-        bs = self.engine.layout.block_size
-        start, end = c.seq.num_cached, c.seq.num_cached + c.num_tokens
-        first, last = start // bs, -(-end // bs)
-        if not job.prefix_sent:
-            first, job.prefix_sent = 0, True
-        return c.seq.block_table[first:last], first
-
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        job = self.jobs.pop(request_id, None)
-        self.engine.abort(request_id)
-        if job is not None:
-            job.push.abort()  # does not wait: the push thread lets go by itself
-            if not job.done.done():
-                job.done.set_exception(exc)
+    state = service_state(cfg.parallel(), rank)
+    engine = LLMEngine(cfg.engine_config(), state)
+    follow(PrefillRank(engine, _sender_factory(cfg, engine)), state)
 
 
 class _QueuedPromptTokens(metrics.Collector):
@@ -206,21 +86,13 @@ class _QueuedPromptTokens(metrics.Collector):
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
-    """One rank: a PrefillWorker batches and chunks prompts; a CP or TP group: a CPLeader drives it."""
+    """Thin gRPC shell over the prefill engine core (one loop for every instance shape)."""
 
     def __init__(self, cfg: PrefillConfig, state: ParallelState | None = None):
         self.cfg = cfg
         self.credentials = cfg.credentials()
         self.engine = LLMEngine(cfg.engine_config(), state)
-        tls = self.credentials.ssl_context(server=False)
-
-        def make(transport: str) -> KVSender:
-            return make_sender(transport, self.engine.kv, cfg.public_host, tls=tls, stall_seconds=cfg.kv_stall_seconds)
-
-        if cfg.world > 1:
-            self.worker = CPLeader(CPRank(self.engine, make))
-        else:
-            self.worker = PrefillWorker(self.engine, cfg.kv_transport, make)
+        self.worker = PrefillCore(PrefillRank(self.engine, _sender_factory(cfg, self.engine)), cfg.kv_transport)
         metrics.REGISTRY.register(metrics.LoadCollector("prefill", self._load))
         metrics.REGISTRY.register(_QueuedPromptTokens(self.engine))
 
@@ -248,7 +120,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
         try:
-            done = self.worker.submit(rid, prompt, params, dest)
+            done = self.worker.prefill(rid, prompt, params, dest)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -273,10 +145,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                                             cached_prompt_tokens=cached)
 
     def close(self) -> None:
-        self.worker.stop()
-        senders = self.worker.me.senders if isinstance(self.worker, CPLeader) else self.worker.senders
-        for sender in senders.values():
-            sender.close()
+        self.worker.stop()  # the loop's end closes the rank's pushes and senders
 
 
 def parse_args(argv: list[str] | None = None) -> PrefillConfig:

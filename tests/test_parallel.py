@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from shared.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from shared.engine.llm import dp_step
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
+from shared.model import SeqChunk
 from shared.parallel import ParallelConfig, ParallelState
-from shared.parallel.cp import build_cp_batch, owned_blocks, zigzag_ranges
+from shared.parallel.cp import build_cp_batch, zigzag_ranges
 from tests.dist_utils import run_ranks
 from tests.helpers import concurrent_greedy, engine_logits, random_prompts
 
@@ -37,7 +37,6 @@ def test_zigzag_ranges_balance():
     assert zigzag_ranges(1, 2) == [[(0, 1)], []]
     covered = sorted(t for r in zigzag_ranges(37, 3) for a, b in r for t in range(a, b))
     assert covered == list(range(37))
-    assert sorted(b for r in range(3) for b in owned_blocks(37, r, 3, 4)) == list(range(10))
 
 
 def _cp_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
@@ -48,7 +47,8 @@ def _cp_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
         kv = KVCache(KVLayout.from_model_config(model.config, 4, torch.float32), 32, CPU)
         table = kv.allocator.allocate(kv.blocks_needed(len(prompt)))
         scratch = kv.allocator.allocate(1)[0]
-        fb = build_cp_batch(prompt, table, rank, world, 4, CPU, state.world_group, scratch, all_logits=True)
+        fb = build_cp_batch([SeqChunk(prompt, 0, table)], rank, world, 4, CPU, state.world_group, scratch,
+                            all_logits=True)
         logits = model(fb, kv)
         positions = [t for a, b in zigzag_ranges(len(prompt), world)[rank] for t in range(a, b)]
         out.append((positions, logits[: len(positions)], _kv_rows(model, kv, table, len(prompt))))
@@ -79,6 +79,80 @@ def test_cp_prefill_equals_single(ckpt, cp, name):
                 for kind in ref:  # every rank holds the whole prompt's KV after the gathers
                     assert _close(got[kind], ref[kind]), f"prompt {i} layer {layer} {kind}"
         assert seen == set(range(len(prompt)))
+
+
+def _cp_generate_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
+    engine = LLMEngine(EngineConfig(model=path, block_size=4, max_num_batched_tokens=16, num_kv_blocks=96),
+                       _state(rank, world, cp=world, ep=world if 8 % world == 0 else 1))
+    seqs = [engine.add_request(p, GREEDY, f"r{i}") for i, p in enumerate(prompts[:-1])]
+    batch_sizes = []
+    while engine.has_work:
+        batch_sizes.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        engine.step()
+    late = engine.add_request(prompts[-1], GREEDY, "late")  # shares a cached prefix with prompt 0
+    while engine.has_work:
+        engine.step()
+    free = engine.kv.allocator.num_free
+    return [s.output_token_ids for s in [*seqs, late]], late.num_cached_prompt_tokens, max(batch_sizes), free, \
+        engine.usable_blocks
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_cp_engine_chunks_batches_and_caches_prefixes(ckpt, cp):
+    """The one engine loop under the ContextSplit policy: several prompts per step, chunked to 16
+    tokens, a prefix-cache hit, decode steps after them; same greedy tokens as one rank."""
+    path = str(ckpt("v32_sparse"))
+    prompts = random_prompts(3, [41, 26, 5], 512, seed=67)
+    prompts.append(prompts[0][:32] + [3, 1, 4])
+    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
+    for tokens, cached, batch, free, usable in run_ranks(_cp_generate_rank, cp, path, prompts):
+        assert tokens == want
+        assert cached == 32  # the late prompt reused prompt 0's first 8 blocks
+        assert batch >= 3  # prompts shared steps
+        assert free == usable  # every block back (cached ones are evictable)
+
+
+def _lockstep_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
+    """Decode ranks in lock-step through the engine core's per-turn collectives, counting every
+    pickled-object collective."""
+    import torch.distributed as dist
+
+    from decode_service.dp import DecodeRank
+    from decode_service.server import DecodeConfig
+    from shared.engine.core import RankLink, take_turn
+
+    me = DecodeRank(DecodeConfig(model=path, dtype="float32", block_size=4, kv_cache_tokens=512), rank,
+                    _state(rank, world, dp=world, ep=world))
+    names = {100 * r + i: f"r{r}-{i}" for r in range(world) for i in range(len(prompts[r::world]))}
+    for i, prompt in enumerate(prompts[rank::world]):  # each rank its own requests
+        me.engine.add_request(prompt, GREEDY, f"r{rank}-{i}")
+        me.handles[f"r{rank}-{i}"] = 100 * rank + i  # as an admit command's id would be
+    me.name_of = names.get
+    pickled = []
+    for name in ("broadcast_object_list", "gather_object", "all_gather_object"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda *a, _real=real, _name=name, **k: (pickled.append(_name), _real(*a, **k))[1])
+    link, tokens = RankLink(me.state), {}
+    while True:
+        reports = take_turn(me, link, [])
+        for report in reports or []:
+            for ev in report.events:
+                tokens.setdefault(ev.request_id, []).append(ev.token_id)
+        if not me.engine.stepped:  # no rank had work: the lock-step agreed to stop
+            break
+    me.close()
+    return tokens, pickled
+
+
+def test_dp_lockstep_turns_move_fixed_tensors_only(ckpt):
+    """Steady lock-step turns (no commands, no replies) gather each rank's load and token events as
+    fixed-size tensors: no pickled collective at all, and rank 0 gets every rank's tokens by name."""
+    path = str(ckpt("v32_sparse"))
+    prompts = random_prompts(3, [6, 11, 9], 512, seed=68)
+    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
+    (tokens, pickled0), (none, pickled1) = run_ranks(_lockstep_rank, 2, path, prompts)
+    assert tokens == {"r0-0": want[0], "r1-0": want[1], "r0-1": want[2]}
+    assert none == {} and pickled0 == [] and pickled1 == []
 
 
 # --- expert parallelism ---------------------------------------------------------------------------
@@ -127,8 +201,8 @@ def _dp_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
     steps = dummies = 0
     while True:
         had_work = engine.has_work
-        events, stepped = dp_step(engine)
-        if not stepped:
+        events = engine.step()
+        if not engine.stepped:
             break
         steps += 1
         dummies += not had_work
@@ -236,7 +310,7 @@ def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
     prompts = random_prompts(6, [3, 17, 40, 1, 26, 9], 512, seed=65)
     want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
     with Cluster(path, dtype="float32", log_dir=tmp_path / "logs",
-                 extra_prefill=["--cp", "2", "--ep", "2", "--block-size", "4"],
+                 extra_prefill=["--cp", "2", "--ep", "2", "--block-size", "4", "--max-prefill-tokens", "16"],
                  extra_decode=["--dp", "2", "--ep", "2", "--block-size", "4"]) as cluster:
         got = concurrent_greedy(cluster.address, prompts, 8)
         with cluster.channel(cluster.decode_addrs[0]) as ch:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefill_service.server import PrefillWorker
+from prefill_service.rank import PrefillCore, PrefillRank
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.kvcache import KVCache
 from shared.kvcache.lease import LeaseTable
@@ -28,7 +28,7 @@ def _decode_side(layout, transport: str, ttl: float = 30.0):
 def test_received_kv_is_bitwise_local(ckpt, transport):
     config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4, max_num_batched_tokens=9)  # chunked pushes
     prefill = LLMEngine(config)
-    worker = PrefillWorker(prefill, transport)
+    worker = PrefillCore(PrefillRank(prefill, lambda t: make_sender(t, prefill.kv)), transport)
     kv, leases, receiver = _decode_side(prefill.layout, transport)
     prompts = random_prompts(3, [23, 6, 14], 512, seed=40)
     params = SamplingParams(max_tokens=4, temperature=0)
@@ -36,7 +36,7 @@ def test_received_kv_is_bitwise_local(ckpt, transport):
     for i, prompt in enumerate(prompts):
         lease = leases.reserve(f"r{i}", len(prompt) + 4, prompt_tokens=len(prompt))
         lease_of[i] = lease
-        futures.append(worker.submit(f"r{i}", prompt, params, receiver.destination(lease)))
+        futures.append(worker.prefill(f"r{i}", prompt, params, receiver.destination(lease)))
     firsts = [f.result(timeout=60)[0] for f in futures]
     worker.stop()
 

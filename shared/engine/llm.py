@@ -17,6 +17,7 @@ import torch
 from shared.config import EngineConfig
 from shared.device import compute_dtype, get_device
 from shared.engine.chat import ChatMessage, render_messages
+from shared.engine.policy import policy_for
 from shared.engine.sampler import SamplingParams, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 from shared.engine.tokenizer import OutputProcessor, Tokenizer
@@ -51,11 +52,13 @@ class StepEvent:
 
 class LLMEngine:
     """Model + KV cache + scheduler + sampler; `step()` advances every running request by one step.
-    `parallel` places the model on this rank's share (EP experts, TP shards, layer sharding)."""
+    `parallel` places the model on this rank's share (EP experts, TP shards, layer sharding), and
+    picks the step policy of the instance's shape (shared.engine.policy)."""
 
     def __init__(self, config: EngineConfig, parallel: ParallelState | None = None):
         self.config = config
         self.parallel = parallel or ParallelState.single()
+        self.policy = policy_for(self.parallel)
         self.device = get_device(config.device)
         self.model, self.load_report = load_model(config.model, config.dtype, str(self.device),
                                                   config.indexer_numerics, progress=config.progress,
@@ -79,6 +82,7 @@ class LLMEngine:
         self.default_generator = torch.Generator().manual_seed(config.seed)
         # parallel ranks keep one scratch block for dummy batches (DP idle ranks, empty CP shares)
         self.scratch_blocks: list[int] | None = self.kv.allocator.allocate(1) if self.parallel.is_parallel else None
+        self.stepped = False  # whether the last step() ran a forward (a dummy one included)
 
     @property
     def usable_blocks(self) -> int:
@@ -160,8 +164,7 @@ class LLMEngine:
                      c.seq.num_cached, c.seq.block_table, need_logits=c.completes)
             for c in chunks
         ]
-        fb = ForwardBatch.build(seq_chunks, self.layout.block_size, self.device, self.workspace_bytes)
-        logits = self.model(fb, self.kv, layer_done)
+        logits = self.policy.forward(self, seq_chunks, layer_done)
         for c in chunks:
             c.seq.num_cached += c.num_tokens
             if self.scheduler.prefix_caching:
@@ -173,7 +176,16 @@ class LLMEngine:
         return sample(logits, [s.params for s in done], [s.generator for s in done])
 
     def step(self) -> list[StepEvent]:
-        return self.step_chunks(self.scheduler.schedule())
+        """One step of this rank (every rank of a parallel instance calls it together)."""
+        self.stepped = False
+        chunks = self.scheduler.schedule() if self.has_work else []
+        if not self.policy.wants_step(bool(chunks)):
+            return []
+        self.stepped = True
+        if not chunks:
+            self.dummy_step()
+            return []
+        return self.step_chunks(chunks)
 
     def dummy_step(self) -> None:
         """A one-token forward into a scratch block, for a parallel rank with nothing to do: every
@@ -254,19 +266,3 @@ class LLM:
         msgs = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
         return self.generate(render_messages(msgs, thinking), sampling_params)[0]
 
-
-def dp_step(engine: LLMEngine) -> tuple[list[StepEvent], bool]:
-    """One lock-step of an attention-DP rank: every rank of the group calls this together. A rank
-    with work runs its batch; an idle rank runs a dummy batch while any rank has work (so the EP
-    collectives never hang); returns (events, whether the group stepped)."""
-    import torch.distributed as dist
-
-    chunks = engine.scheduler.schedule() if engine.has_work else []
-    flag = torch.tensor([1 if chunks else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=engine.parallel.world_group)
-    if not int(flag):
-        return [], False
-    if chunks:
-        return engine.step_chunks(chunks), True
-    engine.dummy_step()
-    return [], True

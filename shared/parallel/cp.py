@@ -1,5 +1,7 @@
-"""Context-parallel prefill: a prompt cut into 2·cp chunks, rank r computing chunks r and 2·cp−1−r
-(balanced causal work), KV all-gathered every layer so each rank attends over the whole prefix."""
+"""Context-parallel prefill: each prompt chunk of a step cut into 2·cp pieces, rank r computing
+pieces r and 2·cp−1−r (balanced causal work), KV all-gathered every layer so each rank attends
+over the whole prefix. Chunks start anywhere (chunked prefill, prefix-cache hits): every rank holds
+the whole KV of what came before, so a chunk's pieces attend over it like any cached prefix."""
 
 from __future__ import annotations
 
@@ -17,30 +19,39 @@ def zigzag_ranges(length: int, cp: int) -> list[list[tuple[int, int]]]:
     return [[c for c in (chunks[r], chunks[n - 1 - r]) if c[1] > c[0]] for r in range(cp)]
 
 
-def build_cp_batch(prompt: list[int], block_table: list[int], rank: int, cp: int, block_size: int,
-                   device: torch.device, group, scratch_block: int, all_logits: bool = False,  # noqa: ANN001
-                   ) -> ForwardBatch:
-    """This rank's part of a CP prefill step. A rank with no tokens runs one dummy token in
-    `scratch_block` so it still enters every collective."""
-    ranges = zigzag_ranges(len(prompt), cp)
-    mine = ranges[rank]
-    last = len(prompt)
-    chunks = [SeqChunk(prompt[a:b], a, block_table, need_logits=all_logits or b == last) for a, b in mine]
-    local_rows = sum(b - a for a, b in mine)
-    if not chunks:
-        chunks = [SeqChunk([0], 0, [scratch_block], need_logits=False)]
-    fb = ForwardBatch.build(chunks, block_size, device)
+def last_token_rank(length: int, cp: int) -> int:
+    """The rank that computes a chunk's last token (it holds the chunk's logits)."""
+    return next(r for r, ranges in enumerate(zigzag_ranges(length, cp)) if any(b == length for _, b in ranges))
+
+
+def build_cp_batch(chunks: list[SeqChunk], rank: int, cp: int, block_size: int, device: torch.device,
+                   group, scratch_block: int, all_logits: bool = False,  # noqa: ANN001
+                   workspace_bytes: int | None = None) -> ForwardBatch:
+    """This rank's part of a CP step over `chunks` (each a request's new tokens at start_pos..). Its
+    logits rows are those of the chunks wanting logits whose last token it computed, in chunk order
+    (every row it computed with `all_logits`). A rank with no tokens runs one dummy token in
+    `scratch_block`, so it still enters every collective."""
+    mine: list[SeqChunk] = []
+    sizes = [0] * cp
+    slots: list[list[int]] = [[] for _ in range(cp)]
+    for c in chunks:
+        n = len(c.token_ids)
+        for r, ranges in enumerate(zigzag_ranges(n, cp)):
+            for a, b in ranges:
+                sizes[r] += b - a
+                slots[r].extend(c.block_table[t // block_size] * block_size + t % block_size
+                                for t in range(c.start_pos + a, c.start_pos + b))
+                if r == rank:
+                    mine.append(SeqChunk(c.token_ids[a:b], c.start_pos + a, c.block_table,
+                                         need_logits=all_logits or (c.need_logits and b == n)))
+    local_rows = sizes[rank]
+    if not mine:
+        mine = [SeqChunk([0], 0, [scratch_block], need_logits=False)]
+    extra = {} if workspace_bytes is None else {"workspace_bytes": workspace_bytes}
+    fb = ForwardBatch.build(mine, block_size, device, **extra)
     if all_logits and local_rows:
         fb.logits_index = torch.arange(local_rows, device=device)
-    bs = block_size
-    positions = [t for r in ranges for a, b in r for t in range(a, b)]
-    slots = torch.tensor([block_table[t // bs] * bs + t % bs for t in positions], dtype=torch.long)
-    fb.cp = CPGather(group, [sum(b - a for a, b in r) for r in ranges], slots.to(device), local_rows)
+    flat = torch.tensor([s for per_rank in slots for s in per_rank], dtype=torch.long)
+    fb.cp = CPGather(group, sizes, flat.to(device), local_rows)
     return fb
 
-
-def owned_blocks(length: int, rank: int, cp: int, block_size: int) -> list[int]:
-    """Block indices (into the request's block table) this rank pushes: those whose first token it
-    computed. Every rank holds the whole KV after the gathers, so each block goes out exactly once."""
-    mine = zigzag_ranges(length, cp)[rank]
-    return [b for b in range(-(-length // block_size)) if any(s <= b * block_size < e for s, e in mine)]

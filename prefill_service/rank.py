@@ -1,0 +1,284 @@
+"""What a prefill instance does on each rank, driven by the one engine-core loop (shared.engine.core).
+
+Every shape runs the same scheduler (chunked prefill, several prompts per step, prefix cache) and
+the same step; the step policy says how the ranks share it:
+* one rank (`Solo`): each scheduled chunk's layers are pushed to the decode lease right after the
+  layer is computed (the push thread overlaps the next layer); a finished push commits on its own
+  thread and hands its blocks back to the engine by command;
+* local TP (`Mirror`): every rank schedules and computes the same chunks; rank 0 pushes and answers;
+* context parallel (`ContextSplit`): every rank schedules the same chunks and computes its zigzag
+  pieces of each; the layers all-gather the new KV, so each rank pushes a contiguous share of the
+  chunk's blocks; when a prompt completes, every rank finishes its pushes, the ranks agree on the
+  outcome (one all-reduce) and rank 0 commits and answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shared import metrics
+from shared.engine import LLMEngine, SamplingParams
+from shared.engine.core import ALL, Command, EngineCore, RankReport
+from shared.engine.scheduler import ScheduledChunk, Sequence
+from shared.transfer import Destination, KVPush, KVSender, TransferError
+
+log = logging.getLogger("pdserve.prefill")
+
+Result = tuple[int, bytes, float, int]  # first token, rng state, seconds, prompt tokens from the prefix cache
+
+
+@dataclass
+class _Job:
+    dest: Destination
+    started: float
+    push: KVPush | None = None
+    error: str | None = None  # this rank's push could not open (mirrored ranks fail the request at the end)
+    prefix_sent: bool = False  # the blocks it got from the prefix cache went out with its first chunk
+
+
+class PrefillRank:
+    """One rank's prefill engine and KV pushes (a RankDriver)."""
+
+    gathers = False  # mirrored ranks agree inside the step; rank 0's own outcome is the instance's
+
+    def __init__(self, engine: LLMEngine, make_sender: Callable[[str], KVSender]):
+        self.engine, self.policy = engine, engine.policy
+        self.rank = engine.parallel.rank
+        self.jobs: dict[str, _Job] = {}
+        self.senders: dict[str, KVSender] = {}
+        self._make = make_sender
+        # Rank 0's front: the request's outcome (a Result or an exception), and a way to run a
+        # command on the engine thread from a push thread (freeing blocks after an async push).
+        self.on_done: Callable[[str, Result | BaseException], None] = lambda rid, outcome: None
+        self.later: Callable[[str, dict[str, Any]], None] | None = None
+
+    # -- commands ------------------------------------------------------------------------------
+    def apply(self, cmd: Command) -> Any:
+        a = cmd.args
+        if cmd.kind == "add":
+            self._add(a["request_id"], a["prompt"], a["params"], a["dest"])
+        elif cmd.kind == "abort":
+            self._fail(a["request_id"], a.get("error") or RuntimeError("cancelled"))
+        elif cmd.kind == "free":
+            self.engine.kv.allocator.free(a["blocks"])
+        return None
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> None:
+        engine = self.engine
+        try:
+            seq = engine.make_sequence(prompt, params, request_id)  # validates against the real params
+        except ValueError as exc:
+            self.on_done(request_id, exc)
+            return
+        seq.params = dataclasses.replace(params, max_tokens=1)  # prefill ends at the first token
+        job = _Job(dest, time.perf_counter())
+        if self.policy.answers:  # the rank that answers opens at once: a bad destination fails fast
+            try:
+                job.push = self._open(dest)
+            except Exception as exc:  # noqa: BLE001
+                self.on_done(request_id, exc if isinstance(exc, TransferError) else TransferError(str(exc)))
+                if not self.policy.mirror:
+                    engine.abort(request_id)
+                    return
+                # Mirrored ranks keep identical schedulers: it is scheduled here as everywhere this
+                # turn, and dropped on every rank by the abort command of the next.
+                job.error = f"{type(exc).__name__}: {exc}"
+                if self.later is not None:
+                    self.later("abort", {"request_id": request_id})
+        self.jobs[request_id] = job
+        engine.scheduler.add(seq)
+
+    def _open(self, dest: Destination) -> KVPush:
+        if dest.transport not in self.senders:
+            self.senders[dest.transport] = self._make(dest.transport)
+        return self.senders[dest.transport].open(dest)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        job = self.jobs.pop(request_id, None)
+        self.engine.abort(request_id)
+        if job is not None:
+            if job.push is not None:
+                job.push.abort()  # does not wait: the push thread lets go by itself
+            self.on_done(request_id, exc)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[Any]:
+        engine = self.engine
+        chunks = engine.scheduler.schedule() if engine.has_work else []
+        if not chunks:
+            return []
+        plan = [self._plan(c) for c in chunks]
+
+        def layer_done(layer: int) -> None:
+            for push, src, first in plan:
+                if push is not None and src:
+                    push.send_layer(layer, src, first)
+
+        metrics.BATCH_TOKENS.observe(sum(c.num_tokens for c in chunks))
+        if self.policy.mirror:  # a failure inside the group's collectives cannot be contained
+            tokens = engine.sample(chunks, engine.run_chunks(chunks, layer_done))
+            self._complete_together([c.seq for c in chunks if c.completes], tokens)
+            return []
+        try:
+            tokens = engine.sample(chunks, engine.run_chunks(chunks, layer_done))
+        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+            log.exception("prefill step failed")
+            for c in chunks:
+                self._fail(c.seq.request_id, exc)
+            return []
+        for seq, tok in zip([c.seq for c in chunks if c.completes], tokens):
+            job = self.jobs.pop(seq.request_id)
+            blocks, state, cached = self._finish_seq(seq, tok)
+            job.push.finish_async(functools.partial(self._pushed, seq.request_id, job, blocks, tok, state, cached))
+        return []
+
+    def _plan(self, c: ScheduledChunk) -> tuple[KVPush | None, list[int], int]:
+        """(push, source blocks, lease index of the first) this rank sends for a chunk: the blocks the
+        chunk touches (a request's first chunk also the blocks it found in the prefix cache), or this
+        rank's contiguous share of them."""
+        job = self.jobs[c.seq.request_id]
+        bs = self.engine.layout.block_size
+        start, end = c.seq.num_cached, c.seq.num_cached + c.num_tokens
+        first, last = start // bs, -(-end // bs)
+        if not job.prefix_sent:
+            first, job.prefix_sent = 0, True
+        first, last = self.policy.push_share(first, last)
+        if first >= last:
+            return None, [], 0
+        if job.push is None and job.error is None:
+            try:
+                job.push = self._open(job.dest)
+            except Exception as exc:  # noqa: BLE001 - reported when the ranks agree on the outcome
+                job.error = f"{type(exc).__name__}: {exc}"
+        return job.push, c.seq.block_table[first:last], first
+
+    def _finish_seq(self, seq: Sequence, token: int) -> tuple[list[int], bytes, int]:
+        """Record the first token (max_tokens=1 ends the request); its blocks are the caller's to
+        free once the push has read them."""
+        blocks, seq.block_table = seq.block_table, []
+        state = bytes(seq.generator.get_state().numpy()) if seq.params.seed is not None else b""
+        self.engine.append_token(seq, token)
+        return blocks, state, seq.num_cached_prompt_tokens
+
+    def _pushed(self, request_id: str, job: _Job, blocks: list[int], token: int, state: bytes, cached: int,
+                error: BaseException | None) -> None:
+        """One rank, on the push's thread once it committed (the engine stepped on meanwhile): hand
+        the blocks back to the engine thread, answer the caller."""
+        if self.later is not None:
+            self.later("free", {"blocks": blocks})
+        self._answer(request_id, job, token, state, cached, error)
+
+    def _complete_together(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Mirrored ranks: every rank finishes its pushes of the completed prompts, the ranks agree on
+        the outcome, rank 0 commits and answers; the blocks are freed on every rank in the same order."""
+        if not seqs:
+            return
+        failed = torch.zeros(len(seqs), dtype=torch.int64)
+        jobs = [self.jobs.pop(s.request_id) for s in seqs]
+        for i, job in enumerate(jobs):
+            try:
+                if job.error:
+                    raise TransferError(job.error)
+                if job.push is not None:
+                    job.push.finish(commit=False)
+            except Exception as exc:  # noqa: BLE001 - this rank's part failed: the request fails everywhere
+                log.warning("rank %d: KV push of %s failed: %s", self.rank, seqs[i].request_id, exc)
+                failed[i] = 1
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.engine.parallel.world_group)
+        for seq, tok, job, bad in zip(seqs, tokens, jobs, failed.tolist()):
+            blocks, state, cached = self._finish_seq(seq, tok)
+            self.engine.kv.allocator.free(blocks)
+            error: BaseException | None = TransferError("a rank of the prefill group could not push its KV") \
+                if bad else None
+            if job.push is not None:
+                if self.policy.answers and error is None:
+                    try:
+                        job.push.commit()
+                    except TransferError as exc:
+                        error = exc
+                job.push.close()
+            if self.policy.answers:
+                self._answer(seq.request_id, job, tok, state, cached, error)
+
+    def _answer(self, request_id: str, job: _Job, token: int, state: bytes, cached: int,
+                error: BaseException | None) -> None:
+        transport = job.dest.transport
+        if error is not None:
+            metrics.KV_PUSH_FAILURES.labels(transport).inc()
+            self.on_done(request_id, error if isinstance(error, TransferError) else TransferError(str(error)))
+            return
+        seconds = time.perf_counter() - job.started
+        metrics.KV_PUSH_BYTES.labels(transport).inc(job.push.bytes_sent if job.push else 0)
+        metrics.KV_PUSH_SECONDS.labels(transport).observe(seconds)
+        self.on_done(request_id, (token, state, seconds, cached))
+
+    def load(self) -> dict[str, Any]:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        return {"rank": self.rank, "running": len(sched.running), "waiting": len(sched.waiting),
+                "free_blocks": kv.allocator.num_free, "total_blocks": kv.num_blocks}
+
+    def encode(self, report: RankReport) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError("prefill ranks do not gather reports")
+
+    def decode(self, fixed: torch.Tensor, extra: Any) -> RankReport:
+        raise NotImplementedError("prefill ranks do not gather reports")
+
+    def close(self) -> None:
+        for rid in list(self.jobs):
+            self._fail(rid, TransferError("the prefill instance stopped"))
+        for sender in self.senders.values():
+            sender.close()
+
+
+class PrefillCore(EngineCore):
+    """Rank 0: prompts in, (first token, rng state, seconds, cached tokens) out, for every shape."""
+
+    def __init__(self, rank: PrefillRank, transport: str):
+        super().__init__(rank, rank.engine.parallel, "prefill-engine")
+        self.rank = rank
+        self._results: dict[str, Future] = {}
+        rank.on_done = self._done
+        rank.later = lambda kind, args: self.submit(kind, ALL if rank.policy.mirror else 0, **args)
+        for family in (metrics.KV_PUSH_BYTES, metrics.KV_PUSH_SECONDS, metrics.KV_PUSH_FAILURES):
+            family.labels(transport)  # exported from the start (at 0) for dashboards
+        self.start()
+
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
+        """Queue a prompt whose KV goes to `dest`; the Future yields a Result, or fails with
+        ValueError (bad request) or TransferError (bad destination, failed push). Raises ValueError
+        at once for what can be checked here."""
+        self.rank.engine.validate(prompt, params)
+        if request_id in self._results:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        done: Future = Future()
+        self._results[request_id] = done
+        self.submit("add", ALL if self.rank.policy.mirror else 0, request_id=request_id, prompt=prompt,
+                    params=params, dest=dest)
+        return done
+
+    def cancel(self, request_id: str, reason: BaseException) -> None:
+        """Drop a prompt (the caller went away); its blocks and push are released on every rank."""
+        self.submit("abort", ALL if self.rank.policy.mirror else 0, request_id=request_id, error=reason)
+
+    def _done(self, request_id: str, outcome: Result | BaseException) -> None:
+        fut = self._results.pop(request_id, None)
+        if fut is None or fut.done():
+            return
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)
+
+    def on_failure(self, exc: BaseException) -> None:
+        for rid in list(self._results):
+            self._done(rid, RuntimeError(f"prefill engine failed: {exc}"))

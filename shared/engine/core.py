@@ -1,0 +1,257 @@
+"""The one engine-core loop every instance runs, whatever its shape or service.
+
+Each turn rank 0 drains the commands that serving threads handed over (`submit`), shares them with
+the other ranks of its instance, every rank applies those addressed to it (`Command.rank`, or `ALL`)
+and takes one step, and rank 0 takes the ranks' reports (replies, token events, load). What differs
+between instance shapes is the step policy (shared.engine.policy: Solo, LockStep, Mirror,
+ContextSplit); what differs between services is the `RankDriver` (what a command and a step do:
+prefill pushes KV, decode streams tokens). Subclasses on rank 0 add what the service's front needs
+(futures for prefill results, placement and loads for decode).
+
+The per-turn collectives move fixed-size tensors: the commands' byte count (the pickled commands
+only follow on turns that carry some), and under lock-step a fixed row per rank (load and token
+events); objects are pickled only for turns with replies or rare events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import pickle
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from shared.parallel.state import ParallelState
+
+log = logging.getLogger("pdserve.engine")
+ALL = -1  # Command.rank of a command every rank applies (mirrored instances)
+_STOP = -1  # the command byte count that ends the followers' loops
+IDLE_TICK_SECONDS = 0.05  # an idle rank 0 turns this often (lease expiry; followers' heartbeat)
+
+
+@dataclass
+class Command:
+    kind: str
+    rank: int
+    cid: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+class CommandError(Exception):
+    """A command failed on its rank; `code` names the gRPC status the front should return."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class RankReport:
+    """One rank's turn: replies to its commands (cid, reply), the step's events, its load."""
+
+    replies: list[tuple[int, Any]]
+    events: list[Any]
+    load: dict[str, Any]
+
+
+class RankDriver(Protocol):
+    """A service's work on one rank."""
+
+    gathers: bool  # rank 0 wants every rank's report each turn (else its own stands for the instance)
+
+    def apply(self, cmd: Command) -> Any: ...
+    def step(self) -> list[Any]: ...
+    def load(self) -> dict[str, Any]: ...
+    def encode(self, report: RankReport) -> tuple[torch.Tensor, Any]: ...
+    def decode(self, fixed: torch.Tensor, extra: Any) -> RankReport: ...
+    def close(self) -> None: ...
+
+
+class RankLink:
+    """The per-turn collectives of one instance."""
+
+    def __init__(self, state: ParallelState):
+        self.state, self.rank, self.world = state, state.rank, state.world
+
+    def share(self, cmds: list[Command] | None) -> list[Command] | None:
+        """Rank 0 passes this turn's commands (None: stop); every rank gets them (None: stop)."""
+        if self.world == 1:
+            return cmds
+        payload = b"" if not cmds else pickle.dumps(cmds)
+        size = torch.tensor([_STOP if cmds is None else len(payload)], dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.state.world_group)
+        n = int(size.item())
+        if n == _STOP:
+            return None
+        if n == 0:
+            return []
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0 else torch.empty(
+            n, dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.state.world_group)
+        return cmds if self.rank == 0 else pickle.loads(buf.numpy().tobytes())  # noqa: S301 - rank 0 of this instance
+
+    def collect(self, driver: RankDriver, report: RankReport) -> list[RankReport] | None:
+        """Every rank's report on rank 0 (None elsewhere). Fixed rows are all-gathered, so every
+        rank knows whether any rank has objects to send, and only then are objects gathered."""
+        if self.world == 1:
+            return [report]
+        if not driver.gathers:
+            return [report] if self.rank == 0 else None
+        fixed, extra = driver.encode(report)
+        row = torch.cat([torch.tensor([int(extra is not None)], dtype=torch.int64), fixed])
+        rows = [torch.empty_like(row) for _ in range(self.world)]
+        dist.all_gather(rows, row, group=self.state.world_group)
+        extras: list[Any] = [None] * self.world
+        if any(int(r[0]) for r in rows):
+            dist.gather_object(extra, extras if self.rank == 0 else None, dst=0, group=self.state.world_group)
+        if self.rank:
+            return None
+        return [driver.decode(r[1:], x) for r, x in zip(rows, extras)]
+
+
+def take_turn(driver: RankDriver, link: RankLink, cmds: list[Command],
+              on_reply: Callable[[int, Any], None] | None = None) -> list[RankReport] | None:
+    """Apply this rank's commands, step, report. `on_reply` (rank 0) answers its own replies before
+    the step, so an admitted request's first token goes out before the token the step adds."""
+    replies = []
+    for cmd in cmds:
+        if cmd.rank in (link.rank, ALL):
+            reply = driver.apply(cmd)
+            if on_reply is not None:
+                on_reply(cmd.cid, reply)
+            else:
+                replies.append((cmd.cid, reply))
+    events = driver.step()
+    return link.collect(driver, RankReport(replies, events, driver.load()))
+
+
+def follow(driver: RankDriver, state: ParallelState) -> None:
+    """Ranks 1..N-1: take turns with rank 0 until it stops the instance."""
+    link = RankLink(state)
+    try:
+        while (cmds := link.share([])) is not None:
+            take_turn(driver, link, cmds)
+    finally:
+        driver.close()
+
+
+class EngineCore:
+    """Rank 0's loop on its own thread; serving threads `submit` commands and get Futures."""
+
+    def __init__(self, driver: RankDriver, state: ParallelState, name: str = "engine-core"):
+        self.driver, self.link = driver, RankLink(state)
+        self.world = state.world
+        self._pending: queue.Queue[tuple[Command, Future]] = queue.Queue()
+        self._futures: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self.failed: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None  # set by the service: NOT_SERVING, then exit
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, kind: str, rank: int = 0, **args: Any) -> Future:
+        """Queue a command for rank `rank`; the Future holds its reply (a CommandError fails it)."""
+        fut: Future = Future()
+        cmd = Command(kind, rank, next(self._ids), args)
+        fut.cid = cmd.cid  # type: ignore[attr-defined] - lets callers match load reports to it
+        self._pending.put((cmd, fut))
+        return fut
+
+    def stop(self) -> None:
+        self._stop = True
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    # -- what a service's core refines ---------------------------------------------------------
+    def busy(self) -> bool:
+        """Whether any rank has work (an idle rank 0 waits for commands instead of stepping)."""
+        return self.driver.engine.has_work  # type: ignore[attr-defined]
+
+    def turn_commands(self, cmds: list[Command]) -> list[Command]:
+        """The turn's commands; a core may add its own (e.g. ordered lease expiry under mirroring)."""
+        return cmds
+
+    def idle(self) -> None:
+        """A turn with no work and no commands on a one-rank instance (no step, no collectives)."""
+
+    def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
+        """Rank 0 with every rank's report: replies, then events."""
+        for report in reports:
+            for cid, reply in report.replies:
+                self.resolve(cid, reply)
+
+    def on_failure(self, exc: BaseException) -> None:
+        """The loop died: fail whatever waits on it."""
+
+    # -- loop ----------------------------------------------------------------------------------
+    def resolve(self, cid: int, reply: Any) -> None:
+        fut = self._futures.pop(cid, None)
+        if fut is None or fut.done():  # nobody may cancel it, but a dead waiter must not stop the loop
+            return
+        if isinstance(reply, BaseException):
+            fut.set_exception(reply)
+        else:
+            fut.set_result(reply)
+
+    def _drain(self, block: bool) -> list[Command]:
+        """Pending commands; when idle, wait briefly for the first one (this is also the tick)."""
+        cmds = []
+        while True:
+            try:
+                if block and not cmds:
+                    cmd, fut = self._pending.get(timeout=IDLE_TICK_SECONDS)
+                else:
+                    cmd, fut = self._pending.get_nowait()
+            except queue.Empty:
+                return cmds
+            if not fut.set_running_or_notify_cancel():
+                continue
+            self._futures[cmd.cid] = fut
+            cmds.append(cmd)
+
+    def _loop(self) -> None:
+        stopped_cleanly = False
+        try:
+            while not self._stop:
+                idle = not self.busy()
+                cmds = self.turn_commands(self._drain(block=idle))
+                if idle and not cmds and self.world == 1:
+                    self.idle()
+                    continue
+                self.link.share(cmds)
+                t0 = time.perf_counter()
+                reports = take_turn(self.driver, self.link, cmds, self.resolve)
+                self.after_turn(reports or [], time.perf_counter() - t0)
+            for cmd in self._drain(block=False):  # handed over before stop() (e.g. freeing blocks)
+                if cmd.rank in (0, ALL):
+                    self.resolve(cmd.cid, self.driver.apply(cmd))
+            stopped_cleanly = True
+        except Exception as exc:  # noqa: BLE001 - a collective or the step itself failed: the instance cannot go on
+            log.exception("engine core loop failed")
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self._drain(block=False)  # queued ones fail too
+            for fut in list(self._futures.values()):
+                if not fut.done():
+                    fut.set_exception(CommandError("UNAVAILABLE", f"engine failed: {exc}"))
+            self.on_failure(exc)
+            if self.on_fatal is not None:
+                self.on_fatal(self.failed)
+        finally:
+            if self.world > 1:
+                try:
+                    self.link.share(None)
+                except Exception:  # noqa: BLE001 - the group is already broken
+                    if stopped_cleanly:
+                        log.warning("could not stop the instance's other ranks")
+            self.driver.close()

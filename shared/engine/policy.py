@@ -1,0 +1,125 @@
+"""How the ranks of one instance take a step together: the only thing that differs between instance
+shapes, so one engine loop (shared.engine.core) serves them all.
+
+* `Solo` — one rank.
+* `LockStep` — attention-DP ranks, each with its own requests; while any rank has work every rank
+  steps (an idle one runs a dummy token), so the EP all-to-alls inside the model are always entered
+  by all.
+* `Mirror` — local-TP ranks: every rank applies every command in the same order, so their schedulers,
+  block tables and samplers stay identical; rank 0 alone answers and pushes.
+* `ContextSplit` — CP prefill ranks: mirrored like TP, but each scheduled chunk is cut into zigzag
+  pieces, one pair per rank; the layers all-gather the new KV and the chunk's logits are summed
+  across ranks so every rank samples the same token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from shared.model import ForwardBatch, SeqChunk
+from shared.parallel.cp import build_cp_batch, last_token_rank
+from shared.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from shared.engine.llm import LLMEngine
+
+
+class Solo:
+    """One rank: schedule, forward, sample."""
+
+    mirror = False  # every rank applies every command (identical schedulers on all ranks)
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+
+    @property
+    def answers(self) -> bool:
+        """This rank's events and replies are the instance's (rank 0 under mirroring)."""
+        return True
+
+    def wants_step(self, has_chunks: bool) -> bool:
+        """Whether this rank forwards this turn (LockStep: also when another rank has work)."""
+        return has_chunks
+
+    def batch(self, engine: LLMEngine, chunks: list[SeqChunk]) -> ForwardBatch:
+        return ForwardBatch.build(chunks, engine.layout.block_size, engine.device, engine.workspace_bytes)
+
+    def logits(self, chunks: list[SeqChunk], logits: torch.Tensor) -> torch.Tensor:
+        """The completing chunks' logits, the same on every rank that samples them."""
+        return logits
+
+    def push_share(self, first: int, last: int) -> tuple[int, int]:
+        """The part of a chunk's blocks [first, last) this rank sends to decode (prefill)."""
+        return first, last
+
+    def forward(self, engine: LLMEngine, chunks: list[SeqChunk],
+                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        logits = engine.model(self.batch(engine, chunks), engine.kv, layer_done)
+        return self.logits(chunks, logits)
+
+
+class LockStep(Solo):
+    """Attention-DP: every rank has its own batch; all step while any has work."""
+
+    def wants_step(self, has_chunks: bool) -> bool:
+        flag = torch.tensor([int(has_chunks)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.state.world_group)
+        return bool(flag.item())
+
+
+class Mirror(Solo):
+    """Local TP: identical batches on every rank (the model's TP collectives need the same tokens)."""
+
+    mirror = True
+
+    @property
+    def answers(self) -> bool:
+        return self.state.rank == 0
+
+    def push_share(self, first: int, last: int) -> tuple[int, int]:
+        return (first, last) if self.state.rank == 0 else (first, first)  # the KV is identical everywhere
+
+
+class ContextSplit(Mirror):
+    """CP prefill: every chunk split zigzag over the ranks; each rank pushes a slice of its blocks."""
+
+    def batch(self, engine: LLMEngine, chunks: list[SeqChunk]) -> ForwardBatch:
+        if engine.scratch_blocks is None:
+            engine.scratch_blocks = engine.kv.allocator.allocate(1)
+        return build_cp_batch(chunks, self.state.rank, self.state.config.cp, engine.layout.block_size,
+                              engine.device, self.state.world_group, engine.scratch_blocks[0],
+                              workspace_bytes=engine.workspace_bytes)
+
+    def logits(self, chunks: list[SeqChunk], logits: torch.Tensor) -> torch.Tensor:
+        """Each completing chunk's row lives on the rank of its last token: sum them into every rank."""
+        cp, rank = self.state.config.cp, self.state.rank
+        wanted = [c for c in chunks if c.need_logits]
+        mine = [i for i, c in enumerate(wanted) if last_token_rank(len(c.token_ids), cp) == rank]
+        full = torch.zeros(len(wanted), logits.shape[-1], dtype=torch.float32, device=logits.device)
+        if mine:
+            full[torch.tensor(mine, device=logits.device)] = logits[: len(mine)].float()
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.state.world_group)
+        return full
+
+    def push_share(self, first: int, last: int) -> tuple[int, int]:
+        """Every rank holds the whole KV after the gathers: rank r sends the r-th contiguous slice
+        (rank 0 first, so it always has a push to commit)."""
+        n, cp, r = last - first, self.state.config.cp, self.state.rank
+        a = first + r * (n // cp) + min(r, n % cp)
+        return a, a + n // cp + (1 if r < n % cp else 0)
+
+
+def policy_for(state: ParallelState) -> Solo:
+    """The step policy of this rank's instance shape."""
+    cfg = state.config
+    if cfg.world == 1:
+        return Solo(state)
+    if cfg.cp > 1:
+        return ContextSplit(state)
+    if cfg.tp > 1:
+        return Mirror(state)
+    return LockStep(state)
