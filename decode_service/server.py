@@ -33,8 +33,6 @@ SERVICE = "pdserve.v1.Decode"
 @dataclass(kw_only=True)
 class DecodeConfig(ServiceConfig):
     dp: int = flag(1, "attention data-parallel ranks")
-    engine_in_process: bool = flag(False, "run the engine loop in the gRPC process (default: its own process, "
-                                          "so handlers and the engine never share a GIL)")
     kv_port: int = flag(0, "TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
     lease_seconds: float = flag(30.0, "unused reservations expire after this")
     max_num_seqs: int = flag(EngineConfig.max_num_seqs, "requests decoding at once per rank")

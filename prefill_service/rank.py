@@ -34,7 +34,8 @@ from shared.transfer import Destination, KVPush, KVSender, TransferError
 
 log = logging.getLogger("pdserve.prefill")
 
-Result = tuple[int, bytes, float, int]  # first token, rng state, seconds, prompt tokens from the prefix cache
+# first token, rng state, seconds, prompt tokens from the prefix cache, KV bytes this rank pushed
+Result = tuple[int, bytes, float, int, int]
 
 
 @dataclass
@@ -61,6 +62,7 @@ class PrefillRank:
         # command on the engine thread from a push thread (freeing blocks after an async push).
         self.on_done: Callable[[str, Result | BaseException], None] = lambda rid, outcome: None
         self.later: Callable[[str, dict[str, Any]], None] | None = None
+        self.batch_tokens = 0  # tokens the last step computed (0: no step)
 
     # -- commands ------------------------------------------------------------------------------
     def apply(self, cmd: Command) -> Any:
@@ -115,6 +117,7 @@ class PrefillRank:
     def step(self) -> list[Any]:
         engine = self.engine
         chunks = engine.scheduler.schedule() if engine.has_work else []
+        self.batch_tokens = sum(c.num_tokens for c in chunks)
         if not chunks:
             return []
         plan = [self._plan(c) for c in chunks]
@@ -124,7 +127,6 @@ class PrefillRank:
                 if push is not None and src:
                     push.send_layer(layer, src, first)
 
-        metrics.BATCH_TOKENS.observe(sum(c.num_tokens for c in chunks))
         if self.policy.mirror:  # a failure inside the group's collectives cannot be contained
             tokens = engine.sample(chunks, engine.run_chunks(chunks, layer_done))
             self._complete_together([c.seq for c in chunks if c.completes], tokens)
@@ -212,20 +214,17 @@ class PrefillRank:
 
     def _answer(self, request_id: str, job: _Job, token: int, state: bytes, cached: int,
                 error: BaseException | None) -> None:
-        transport = job.dest.transport
         if error is not None:
-            metrics.KV_PUSH_FAILURES.labels(transport).inc()
             self.on_done(request_id, error if isinstance(error, TransferError) else TransferError(str(error)))
             return
-        seconds = time.perf_counter() - job.started
-        metrics.KV_PUSH_BYTES.labels(transport).inc(job.push.bytes_sent if job.push else 0)
-        metrics.KV_PUSH_SECONDS.labels(transport).observe(seconds)
-        self.on_done(request_id, (token, state, seconds, cached))
+        pushed = job.push.bytes_sent if job.push else 0
+        self.on_done(request_id, (token, state, time.perf_counter() - job.started, cached, pushed))
 
     def load(self) -> dict[str, Any]:
         sched, kv = self.engine.scheduler, self.engine.kv
+        queued = sum(s.num_uncached for s in [*sched.waiting, *sched.running] if s.is_prefilling)
         return {"rank": self.rank, "running": len(sched.running), "waiting": len(sched.waiting),
-                "free_blocks": kv.allocator.num_free, "total_blocks": kv.num_blocks}
+                "free_blocks": kv.allocator.num_free, "total_blocks": kv.num_blocks, "queued_prompt_tokens": queued}
 
     def encode(self, report: RankReport) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError("prefill ranks do not gather reports")
@@ -241,17 +240,31 @@ class PrefillRank:
 
 
 class PrefillCore(EngineCore):
-    """Rank 0: prompts in, (first token, rng state, seconds, cached tokens) out, for every shape."""
+    """Rank 0: prompts in, Results out, for every shape. Runs in the prefill engine-core process
+    (prefill_service.core), or in-process."""
 
-    def __init__(self, rank: PrefillRank, transport: str):
+    def __init__(self, rank: PrefillRank):
         super().__init__(rank, rank.engine.parallel, "prefill-engine")
         self.rank = rank
         self._results: dict[str, Future] = {}
+        self.latest_load = rank.load()
+        # after every turn: (this instance's load, tokens the step computed or 0)
+        self.on_report: Callable[[dict[str, Any], int], None] = self._record
         rank.on_done = self._done
         rank.later = lambda kind, args: self.submit(kind, ALL if rank.policy.mirror else 0, **args)
-        for family in (metrics.KV_PUSH_BYTES, metrics.KV_PUSH_SECONDS, metrics.KV_PUSH_FAILURES):
-            family.labels(transport)  # exported from the start (at 0) for dashboards
         self.start()
+
+    def load(self) -> dict[str, Any]:
+        return self.latest_load
+
+    def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
+        super().after_turn(reports, step_seconds)
+        self.on_report(self.rank.load(), self.rank.batch_tokens)
+
+    def _record(self, load: dict[str, Any], batch_tokens: int) -> None:
+        self.latest_load = load
+        if batch_tokens:
+            metrics.BATCH_TOKENS.observe(batch_tokens)
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
         """Queue a prompt whose KV goes to `dest`; the Future yields a Result, or fails with

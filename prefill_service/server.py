@@ -23,16 +23,16 @@ from dataclasses import dataclass
 
 import grpc
 
+from prefill_service.core import PrefillClient, build_core, sender_factory
 from prefill_service.rank import PrefillCore, PrefillRank
 from shared import metrics
 from shared.config import ServiceConfig, flag
 from shared.engine import EngineConfig, LLMEngine
-from shared.engine.core import follow
-from shared.parallel import ParallelState
+from shared.engine.core import CommandError, follow
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import Lifecycle, sampling_from_proto, start_server, wait_future
-from shared.transfer import Destination, KVSender, TransferError, make_sender
+from shared.transfer import Destination, TransferError
 from shared.transfer.tcp import STALL_SECONDS
 
 log = logging.getLogger("pdserve.prefill")
@@ -53,59 +53,47 @@ class PrefillConfig(ServiceConfig):
                                      enable_prefix_caching=not self.no_prefix_cache, **overrides)
 
 
-def _sender_factory(cfg: PrefillConfig, engine: LLMEngine) -> Callable[[str], KVSender]:
-    tls = cfg.credentials().ssl_context(server=False)
-    return lambda transport: make_sender(transport, engine.kv, cfg.public_host, tls=tls,
-                                         stall_seconds=cfg.kv_stall_seconds)
-
-
 def follower_main(rank: int, cfg: PrefillConfig) -> None:
     """Entry point of ranks 1..N-1 of a CP or TP prefill group: the same engine loop as rank 0's."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s prefill[{rank}] %(levelname)s %(message)s")
     state = service_state(cfg.parallel(), rank)
     engine = LLMEngine(cfg.engine_config(), state)
-    follow(PrefillRank(engine, _sender_factory(cfg, engine)), state)
+    follow(PrefillRank(engine, sender_factory(cfg, engine)), state)
 
 
 class _QueuedPromptTokens(metrics.Collector):
     """pdserve_prefill_queued_prompt_tokens at scrape time: prompt tokens waiting or not yet computed."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, load: Callable[[], dict]):
+        self.load = load
 
     def describe(self):  # noqa: ANN201
         return []
 
     def collect(self):  # noqa: ANN201
-        sched = self.engine.scheduler
-        queued = sum(s.num_uncached for s in [*list(sched.waiting), *list(sched.running)] if s.is_prefilling)
         family = metrics.GaugeMetricFamily("pdserve_prefill_queued_prompt_tokens",
                                            "Prompt tokens waiting to be computed")
-        family.add_metric([], queued)
+        family.add_metric([], self.load()["queued_prompt_tokens"])
         yield family
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
-    """Thin gRPC shell over the prefill engine core (one loop for every instance shape)."""
+    """Thin gRPC shell over the prefill engine core (one loop for every instance shape), which runs
+    in its own process (`PrefillClient`) or, with --engine-in-process, on a thread here."""
 
-    def __init__(self, cfg: PrefillConfig, state: ParallelState | None = None):
+    def __init__(self, cfg: PrefillConfig, worker: PrefillCore | PrefillClient):
         self.cfg = cfg
         self.credentials = cfg.credentials()
-        self.engine = LLMEngine(cfg.engine_config(), state)
-        self.worker = PrefillCore(PrefillRank(self.engine, _sender_factory(cfg, self.engine)), cfg.kv_transport)
-        metrics.REGISTRY.register(metrics.LoadCollector("prefill", self._load))
-        metrics.REGISTRY.register(_QueuedPromptTokens(self.engine))
-
-    def _load(self) -> list[dict]:
-        sched, kv = self.engine.scheduler, self.engine.kv
-        return [{"rank": 0, "running": len(sched.running), "waiting": len(sched.waiting),
-                 "free_blocks": kv.allocator.num_free, "total_blocks": kv.num_blocks}]
+        self.worker = worker
+        for family in (metrics.KV_PUSH_BYTES, metrics.KV_PUSH_SECONDS, metrics.KV_PUSH_FAILURES):
+            family.labels(cfg.kv_transport)  # exported from the start (at 0), so dashboards and alerts see them
+        metrics.REGISTRY.register(metrics.LoadCollector("prefill", lambda: [self.worker.load()]))
+        metrics.REGISTRY.register(_QueuedPromptTokens(self.worker.load))
 
     async def GetLoad(self, request, context):  # noqa: N802
-        sched = self.engine.scheduler
-        return internal_pb2.LoadReport(running=len(sched.running), waiting=len(sched.waiting),
-                                       free_blocks=self.engine.kv.allocator.num_free,
-                                       total_blocks=self.engine.kv.num_blocks)
+        load = self.worker.load()
+        return internal_pb2.LoadReport(running=load["running"], waiting=load["waiting"],
+                                       free_blocks=load["free_blocks"], total_blocks=load["total_blocks"])
 
     async def Prefill(self, request, context):  # noqa: N802
         problem = self.credentials.vouched(request.destination)
@@ -125,13 +113,17 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            token, state, seconds, cached = await wait_future(done)
+            token, state, seconds, cached, pushed = await wait_future(done)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferError as exc:
             metrics.request_done("prefill", "UNAVAILABLE", "kv_push")
+            metrics.KV_PUSH_FAILURES.labels(dest.transport).inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}")
+        except CommandError as exc:  # the engine core died
+            metrics.request_done("prefill", exc.code, "engine")
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         except asyncio.CancelledError:  # the caller went away or its deadline passed: drop the prompt
             self.worker.cancel(rid, RuntimeError("cancelled"))
             raise
@@ -141,11 +133,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         metrics.TOKENS.labels("prefill", "prompt").inc(len(prompt))
         metrics.PREFILL_SECONDS.observe(seconds)
         metrics.TOKENS.labels("prefill", "cached_prompt").inc(cached)
+        metrics.KV_PUSH_BYTES.labels(dest.transport).inc(pushed)
+        metrics.KV_PUSH_SECONDS.labels(dest.transport).observe(seconds)
         return internal_pb2.PrefillResponse(first_token_id=token, rng_state=state, prefill_seconds=seconds,
                                             cached_prompt_tokens=cached)
 
     def close(self) -> None:
-        self.worker.stop()  # the loop's end closes the rank's pushes and senders
+        self.worker.stop()  # the loop's end closes the rank's pushes and senders (in the core process too)
 
 
 def parse_args(argv: list[str] | None = None) -> PrefillConfig:
@@ -166,7 +160,8 @@ async def serve(cfg: PrefillConfig, servicer: PrefillServicer) -> tuple[grpc.aio
 async def _serve_until_stopped(cfg: PrefillConfig, servicer: PrefillServicer, followers: list) -> None:
     _, port, life = await serve(cfg, servicer)
     life.announce(port, cfg.port_file,
-                  f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} tp={cfg.tp} ep={cfg.ep})")
+                  f"prefill_service listening on {cfg.host}:{port} (cp={cfg.cp} tp={cfg.tp} ep={cfg.ep}, "
+                  f"{'in-process engine' if cfg.engine_in_process else 'engine core process'})")
 
     def cleanup() -> None:
         servicer.close()
@@ -181,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower
         return
+    worker = build_core(cfg) if cfg.engine_in_process else PrefillClient(cfg)
     metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
-    servicer = PrefillServicer(cfg, service_state(cfg.parallel(), 0))
+    servicer = PrefillServicer(cfg, worker)
     asyncio.run(_serve_until_stopped(cfg, servicer, followers))

@@ -399,6 +399,8 @@ class ServiceConfig(EndpointConfig):
     dp: int = 1  # decode instances (their own flag)
     layer_sharding: tuple[str, ...] = flag((), "o_proj,q_b_proj: layer i's weight lives on rank i %% K")
     advertise_host: str | None = flag(None, "address peers reach this instance at (needed with --host 0.0.0.0)")
+    engine_in_process: bool = flag(False, "run the engine loop in the gRPC process (default: its own process, "
+                                          "so handlers and the engine never share a GIL)")
 
     @property
     def public_host(self) -> str:

@@ -167,3 +167,46 @@ def _proxy_cases(cluster: Cluster) -> None:
         _works(cluster)
     finally:
         proxy.close()
+
+
+def _engine_core_pid(front_pid: int) -> int:
+    """The engine-core child of a service's front process (not multiprocessing's resource tracker)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == front_pid and b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
+            return int(entry)
+    raise AssertionError(f"no engine-core child of {front_pid}")
+
+
+@pytest.mark.parametrize("service", ["prefill_service", "decode_service"])
+def test_engine_core_process_death_takes_the_instance_down(served_model, tmp_path, service):
+    """The engine loop runs in its own process; if it dies the front reports NOT_SERVING and exits
+    non-zero (70), so the orchestrator restarts the instance instead of it accepting work it cannot do."""
+    import subprocess
+    import sys
+
+    from router.cli import wait_port_file, wait_serving
+
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", service, "--model", str(served_model), "--dtype", "float32",
+                                 "--port", "0", "--port-file", str(tmp_path / "port"), "--insecure"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        port = wait_port_file(tmp_path / "port", 120, proc)
+        wait_serving(f"127.0.0.1:{port}", timeout=60, proc=proc)
+        os.kill(_engine_core_pid(proc.pid), signal.SIGKILL)
+        t0 = time.monotonic()
+        assert proc.wait(30) == 70
+        TIME_TO_ERROR[f"{service} engine core killed → exit"] = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "engine core" in (tmp_path / "log").read_text()

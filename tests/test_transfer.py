@@ -28,7 +28,7 @@ def _decode_side(layout, transport: str, ttl: float = 30.0):
 def test_received_kv_is_bitwise_local(ckpt, transport):
     config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4, max_num_batched_tokens=9)  # chunked pushes
     prefill = LLMEngine(config)
-    worker = PrefillCore(PrefillRank(prefill, lambda t: make_sender(t, prefill.kv)), transport)
+    worker = PrefillCore(PrefillRank(prefill, lambda t: make_sender(t, prefill.kv)))
     kv, leases, receiver = _decode_side(prefill.layout, transport)
     prompts = random_prompts(3, [23, 6, 14], 512, seed=40)
     params = SamplingParams(max_tokens=4, temperature=0)

@@ -52,6 +52,9 @@ class CommandError(Exception):
         super().__init__(message)
         self.code = code
 
+    def __reduce__(self) -> tuple:  # crosses process pipes intact
+        return CommandError, (self.code, str(self))
+
 
 @dataclass
 class RankReport:

@@ -1,0 +1,82 @@
+"""The prefill engine core in its own process (shared.engine.process): rank 0's engine, its loop and
+its KV pushes run there, the gRPC front keeps the handlers. `PrefillClient` offers the servicer what
+it uses of a PrefillCore (prefill, cancel, load); the core reports its load after every turn."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from prefill_service.rank import PrefillCore, PrefillRank
+from shared import metrics
+from shared.engine import LLMEngine, SamplingParams
+from shared.engine.process import CoreConnection, CoreProcess
+from shared.parallel.launch import die_with_parent, service_state
+from shared.transfer import Destination, make_sender
+
+
+def sender_factory(cfg: Any, engine: LLMEngine) -> Callable[[str], Any]:  # noqa: ANN401 - PrefillConfig
+    """How this instance opens KV pushes (TLS and the advertised host from its flags)."""
+    tls = cfg.credentials().ssl_context(server=False)
+    return lambda transport: make_sender(transport, engine.kv, cfg.public_host, tls=tls,
+                                         stall_seconds=cfg.kv_stall_seconds)
+
+
+def build_core(cfg: Any) -> PrefillCore:  # noqa: ANN401 - PrefillConfig
+    """Rank 0's engine and loop."""
+    engine = LLMEngine(cfg.engine_config(), service_state(cfg.parallel(), 0))
+    return PrefillCore(PrefillRank(engine, sender_factory(cfg, engine)))
+
+
+def core_main(cfg: Any, conn: Any) -> None:  # noqa: ANN401 - PrefillConfig, multiprocessing Connection
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill-core %(levelname)s %(message)s")
+    front = CoreConnection(conn)
+    try:
+        core = build_core(cfg)
+    except Exception as exc:  # noqa: BLE001 - reported to the front, which fails its start
+        front.send("failed", f"{type(exc).__name__}: {exc}")
+        return
+    core.on_report = lambda load, batch_tokens: front.send("report", load, batch_tokens)
+    core.on_fatal = lambda reason: front.send("fatal", reason)
+    front.send("ready", {"load": core.load()})
+    try:
+        front.serve({"prefill": core.prefill, "cancel": core.cancel})
+    finally:
+        core.stop()
+
+
+class PrefillClient:
+    """The front's handle on the prefill engine-core process."""
+
+    def __init__(self, cfg: Any, start_timeout: float = 900.0):  # noqa: ANN401 - PrefillConfig
+        self.core = CoreProcess(core_main, cfg, "prefill engine core", self._on_message, start_timeout)
+        self.latest_load: dict[str, Any] = self.core.facts["load"]
+
+    @property
+    def on_fatal(self) -> Callable[[str], None] | None:
+        return self.core.on_fatal
+
+    @on_fatal.setter
+    def on_fatal(self, fn: Callable[[str], None] | None) -> None:
+        self.core.on_fatal = fn
+
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
+        return self.core.call("prefill", request_id, prompt, params, dest)
+
+    def cancel(self, request_id: str, reason: BaseException) -> None:
+        self.core.call("cancel", request_id, reason)
+
+    def load(self) -> dict[str, Any]:
+        return self.latest_load
+
+    def stop(self) -> None:
+        self.core.stop()
+
+    def _on_message(self, msg: tuple) -> None:
+        if msg[0] == "report":
+            _, self.latest_load, batch_tokens = msg
+            if batch_tokens:
+                metrics.BATCH_TOKENS.observe(batch_tokens)
