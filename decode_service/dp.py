@@ -297,13 +297,15 @@ class Coordinator(EngineCore):
                 fut.set_exception(CommandError("FAILED_PRECONDITION",
                                                f"lease {args['lease_id']!r} is unknown, expired or incomplete"))
                 return fut
-        if kind == "abort":  # events of an aborted request may be dropped from here on
-            self._admitted.pop(self._admit_cid.pop(args["request_id"], -1), None)
-        fut = super().submit(kind, rank, **args)
-        if kind == "admit":
-            self._admitted[fut.cid] = args["request_id"]  # type: ignore[attr-defined]
-            self._admit_cid[args["request_id"]] = fut.cid  # type: ignore[attr-defined]
-        return fut
+        return super().submit(kind, rank, **args)
+
+    def queued(self, cmd: Command) -> None:
+        """Name an admit's events before any rank can step it; forget an aborted one's name."""
+        rid = cmd.args.get("request_id")
+        if cmd.kind == "admit":
+            self._admitted[cmd.cid], self._admit_cid[rid] = rid, cmd.cid
+        elif cmd.kind == "abort":  # events of an aborted request may be dropped from here on
+            self._admitted.pop(self._admit_cid.pop(rid, -1), None)
 
     def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
         """Place a reservation on the least loaded DP rank by tokens (running contexts + leases);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,10 +70,13 @@ class _CountHostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_decode_step_makes_no_host_read_in_moe(ckpt, monkeypatch):
-    """The decode path's MoE (router, grouped experts) never reads device data back: counted with a
-    dispatch hook and a wrapped Tensor.tolist while the MoE layers of a real engine step run."""
+@pytest.mark.parametrize("part", ["moe", "model"])
+def test_decode_step_makes_no_host_read(ckpt, monkeypatch, part):
+    """The decode forward never reads device data back — the MoE (router, grouped experts), and the
+    whole model (RoPE included: its table size comes from the batch's host-side context length):
+    counted with a dispatch hook and a wrapped Tensor.tolist while a real engine step runs."""
     from shared.engine import LLM, SamplingParams
+    from shared.model.model import DeepseekForCausalLM
     from shared.model.moe import MoE
 
     llm = LLM(str(ckpt("v32_sparse")), dtype="float32")
@@ -100,7 +104,8 @@ def test_decode_step_makes_no_host_read_in_moe(ckpt, monkeypatch):
         counter.__exit__(None, None, None)
         calls.append("out")
 
-    moes = [m for m in engine.model.modules() if isinstance(m, MoE)]
+    kind = MoE if part == "moe" else DeepseekForCausalLM
+    moes = [m for m in engine.model.modules() if isinstance(m, kind)]
     assert moes
     hooks = [h for m in moes for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     try:

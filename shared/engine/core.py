@@ -168,6 +168,7 @@ class EngineCore:
         fut: Future = Future()
         cmd = Command(kind, rank, next(self._ids), args)
         fut.cid = cmd.cid  # type: ignore[attr-defined] - lets callers match load reports to it
+        self.queued(cmd)
         self._pending.put((cmd, fut))
         return fut
 
@@ -177,6 +178,9 @@ class EngineCore:
             self._thread.join(10)
 
     # -- what a service's core refines ---------------------------------------------------------
+    def queued(self, cmd: Command) -> None:
+        """On the submitting thread, before the loop can see the command (bookkeeping by its id)."""
+
     def busy(self) -> bool:
         """Whether any rank has work (an idle rank 0 waits for commands instead of stepping)."""
         return self.driver.engine.has_work  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ Everything here is computed once per step, not once per layer.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -125,10 +126,14 @@ class ForwardBatch:
         query_index = torch.where(query_valid, offsets[:, None] + s[None, :], torch.zeros(()).long())
         query_pos = torch.where(query_valid, starts[:, None] + s[None, :], torch.zeros(()).long())
 
-        positions = query_pos[query_valid]
-        token_request = torch.repeat_interleave(torch.arange(num_seqs), lens_t)
+        uniform = min(lens) == s_max
+        positions = query_pos.view(-1) if uniform else query_pos[query_valid]
+        rows = torch.arange(num_seqs)
+        token_request = (rows.repeat_interleave(s_max) if uniform
+                         else torch.repeat_interleave(rows, lens_t, output_size=len(positions)))
         slot_mapping = tables[token_request, positions // block_size] * block_size + positions % block_size
-        logits_index = [int(offsets[i]) + lens[i] - 1 for i, c in enumerate(chunks) if c.need_logits]
+        ends = itertools.accumulate(lens)  # host-side: no per-request tensor indexing
+        logits_index = [end - 1 for end, c in zip(ends, chunks) if c.need_logits]
         input_ids = torch.tensor([tok for c in chunks for tok in c.token_ids], dtype=torch.long)
 
         def dev(x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +162,7 @@ class ForwardBatch:
             block_size=block_size,
             max_context=t_max,
             is_decode=s_max == 1,
-            uniform=min(lens) == s_max,
+            uniform=uniform,
             workspace_bytes=workspace_bytes,
         )
 

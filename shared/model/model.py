@@ -134,7 +134,7 @@ class DeepseekForCausalLM(nn.Module):
         [len(fb.logits_index), vocab]. `layer_done(i)` fires after layer i's KV is in the pool
         (the prefill service pushes that layer to decode while the next one computes)."""
         h = self.model.embed_tokens(fb.input_ids)
-        rope = self.rotary.lookup(fb.positions, self.dtype)
+        rope = self.rotary.lookup(fb.positions, self.dtype, fb.max_context)
         sharder = self.sharder
         for layer in self.model.layers:
             i = layer.layer_idx

@@ -60,10 +60,11 @@ class RotaryTable:
         freqs = t[:, None] * self.inv_freq[None, :]
         self.cos, self.sin = freqs.cos() * self.scale, freqs.sin() * self.scale
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
-        """The step's angles for `positions` [N], in `dtype`."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            self._grow(max(int(positions.max()) + 1, 2 * self.cos.shape[0]))
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype, end: int) -> RopeAngles:
+        """The step's angles for `positions` [N] (all below `end`, known on the host from the batch:
+        no read-back of the device tensor), in `dtype`."""
+        if end > self.cos.shape[0]:
+            self._grow(max(end, 2 * self.cos.shape[0]))
         return RopeAngles.of(self.cos[positions].to(dtype), self.sin[positions].to(dtype))
 
 
