@@ -8,13 +8,13 @@ with the step's events and one with the loads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from decode_service.dp import Coordinator, DecodeRank, Streams
 from shared import metrics
-from shared.engine.process import CoreConnection, CoreProcess
+from shared.engine.process import CoreClient as EngineCoreClient
+from shared.engine.process import CoreConnection
 from shared.engine.tokenizer import OutputProcessor, Tokenizer
 from shared.parallel.launch import die_with_parent, service_state
 
@@ -45,13 +45,13 @@ def core_main(cfg: Any, conn: Any) -> None:  # noqa: ANN401 - DecodeConfig, mult
         coord.stop()
 
 
-class CoreClient:
+class CoreClient(EngineCoreClient):
     """The front's handle on the engine-core process: what the gRPC handlers use of a Coordinator."""
 
     def __init__(self, cfg: Any, start_timeout: float = 900.0):  # noqa: ANN401 - DecodeConfig
         self.streams = Streams()
         self.lease_rank: dict[str, int] = {}
-        self.core = CoreProcess(core_main, cfg, "decode engine core", self._on_message, start_timeout)
+        super().__init__(core_main, cfg, "decode engine core", start_timeout)
         self.core.on_lost = lambda reason: self.streams.fail_all()
         facts = self.core.facts
         self.loads = facts["loads"]
@@ -59,14 +59,6 @@ class CoreClient:
         self.usable_blocks, self.transport = facts["usable_blocks"], facts["transport"]
         tokenizer = Tokenizer.from_model_dir(cfg.model, None)
         self.output_processor = lambda params: OutputProcessor(tokenizer, params.stop, params.skip_special_tokens)
-
-    @property
-    def on_fatal(self) -> Callable[[str], None] | None:
-        return self.core.on_fatal
-
-    @on_fatal.setter
-    def on_fatal(self, fn: Callable[[str], None] | None) -> None:
-        self.core.on_fatal = fn
 
     def submit(self, kind: str, rank: int, **args: Any) -> Future:
         return self.core.call("submit", kind, rank, args)
@@ -81,10 +73,7 @@ class CoreClient:
     def close_stream(self, request_id: str, q: Any = None) -> None:
         self.streams.close(request_id, q)
 
-    def stop(self) -> None:
-        self.core.stop()
-
-    def _on_message(self, msg: tuple) -> None:
+    def on_message(self, msg: tuple) -> None:
         if msg[0] == "events":
             self.streams.dispatch(msg[1])
         elif msg[0] == "report":

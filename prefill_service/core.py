@@ -12,7 +12,7 @@ from typing import Any
 from prefill_service.rank import PrefillCore, PrefillRank
 from shared import metrics
 from shared.engine import LLMEngine, SamplingParams
-from shared.engine.process import CoreConnection, CoreProcess
+from shared.engine.process import CoreClient, CoreConnection
 from shared.parallel.launch import die_with_parent, service_state
 from shared.transfer import Destination, make_sender
 
@@ -48,20 +48,12 @@ def core_main(cfg: Any, conn: Any) -> None:  # noqa: ANN401 - PrefillConfig, mul
         core.stop()
 
 
-class PrefillClient:
+class PrefillClient(CoreClient):
     """The front's handle on the prefill engine-core process."""
 
     def __init__(self, cfg: Any, start_timeout: float = 900.0):  # noqa: ANN401 - PrefillConfig
-        self.core = CoreProcess(core_main, cfg, "prefill engine core", self._on_message, start_timeout)
+        super().__init__(core_main, cfg, "prefill engine core", start_timeout)
         self.latest_load: dict[str, Any] = self.core.facts["load"]
-
-    @property
-    def on_fatal(self) -> Callable[[str], None] | None:
-        return self.core.on_fatal
-
-    @on_fatal.setter
-    def on_fatal(self, fn: Callable[[str], None] | None) -> None:
-        self.core.on_fatal = fn
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
         return self.core.call("prefill", request_id, prompt, params, dest)
@@ -72,10 +64,7 @@ class PrefillClient:
     def load(self) -> dict[str, Any]:
         return self.latest_load
 
-    def stop(self) -> None:
-        self.core.stop()
-
-    def _on_message(self, msg: tuple) -> None:
+    def on_message(self, msg: tuple) -> None:
         if msg[0] == "report":
             _, self.latest_load, batch_tokens = msg
             if batch_tokens:

@@ -83,6 +83,12 @@ class PrefillRank:
             self.on_done(request_id, exc)
             return
         seq.params = dataclasses.replace(params, max_tokens=1)  # prefill ends at the first token
+        need = engine.kv.blocks_needed(len(prompt))
+        if len(dest.block_ids) < need:  # the same on every rank: all of them skip it
+            engine.abort(request_id)
+            self.on_done(request_id, TransferError(f"destination lease holds {len(dest.block_ids)} blocks, "
+                                                   f"the prompt needs {need}"))
+            return
         job = _Job(dest, time.perf_counter())
         if self.policy.answers:  # the rank that answers opens at once: a bad destination fails fast
             try:
@@ -120,12 +126,16 @@ class PrefillRank:
         self.batch_tokens = sum(c.num_tokens for c in chunks)
         if not chunks:
             return []
-        plan = [self._plan(c) for c in chunks]
+        plan = [(self.jobs[c.seq.request_id], *self._plan(c)) for c in chunks]
 
         def layer_done(layer: int) -> None:
-            for push, src, first in plan:
-                if push is not None and src:
+            for job, push, src, first in plan:
+                if push is None or not src or job.error:
+                    continue
+                try:
                     push.send_layer(layer, src, first)
+                except Exception as exc:  # noqa: BLE001 - this request fails at its end; the batch goes on
+                    job.error = f"{type(exc).__name__}: {exc}"
 
         if self.policy.mirror:  # a failure inside the group's collectives cannot be contained
             tokens = engine.sample(chunks, engine.run_chunks(chunks, layer_done))
@@ -141,6 +151,11 @@ class PrefillRank:
         for seq, tok in zip([c.seq for c in chunks if c.completes], tokens):
             job = self.jobs.pop(seq.request_id)
             blocks, state, cached = self._finish_seq(seq, tok)
+            if job.error:
+                job.push.abort()
+                engine.kv.allocator.free(blocks)
+                self._answer(seq.request_id, job, tok, state, cached, TransferError(job.error))
+                continue
             job.push.finish_async(functools.partial(self._pushed, seq.request_id, job, blocks, tok, state, cached))
         return []
 

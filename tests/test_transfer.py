@@ -131,3 +131,23 @@ def test_generated_stubs_are_current(tmp_path):
     for rel, text in fresh.items():
         committed = codegen.OUT_DIR / rel
         assert committed.exists() and committed.read_text() == text, f"{rel} is stale: run python -m shared.rpc.codegen"
+
+
+def test_a_bad_destination_fails_only_its_own_request(ckpt):
+    """A lease too small for its prompt fails that prefill with TransferError before any work; a
+    prompt batched with it is pushed and answered as usual, and every block comes back."""
+    config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4)
+    prefill = LLMEngine(config)
+    core = PrefillCore(PrefillRank(prefill, lambda t: make_sender(t, prefill.kv)))
+    kv, leases, receiver = _decode_side(prefill.layout, "tcp")
+    good, bad = random_prompts(2, [14, 23], 512, seed=41)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    small = receiver.destination(leases.reserve("bad", 4, prompt_tokens=4))  # 1 block for a 23-token prompt
+    ok = core.prefill("good", good, params, receiver.destination(leases.reserve("good", 18, prompt_tokens=14)))
+    refused = core.prefill("bad", bad, params, small)
+    with pytest.raises(TransferError, match="lease holds 1 blocks"):
+        refused.result(timeout=60)
+    token, _, _, _, pushed = ok.result(timeout=60)
+    core.stop()
+    assert isinstance(token, int) and pushed > 0
+    assert prefill.kv.allocator.num_free == prefill.kv.num_blocks

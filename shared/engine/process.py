@@ -154,3 +154,26 @@ class CoreProcess:
                 fut.set_exception(CommandError("UNAVAILABLE", f"engine failed: {reason}"))
         if self.on_fatal is not None:
             self.on_fatal(reason)
+
+
+class CoreClient:
+    """Base of a service front's handle on its engine-core process: `on_fatal` (the servers set it)
+    and `stop` reach the process; subclasses add the service's calls and handle its messages."""
+
+    def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,  # noqa: ANN401
+                 start_timeout: float = 900.0):
+        self.core = CoreProcess(entry, cfg, name, self.on_message, start_timeout)
+
+    def on_message(self, msg: tuple) -> None:
+        """A message the core sent on its own (events, load reports)."""
+
+    @property
+    def on_fatal(self) -> Callable[[str], None] | None:
+        return self.core.on_fatal
+
+    @on_fatal.setter
+    def on_fatal(self, fn: Callable[[str], None] | None) -> None:
+        self.core.on_fatal = fn
+
+    def stop(self) -> None:
+        self.core.stop()
