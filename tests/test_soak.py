@@ -39,6 +39,9 @@ def _aio_channel(address: str, creds: Credentials | None = None) -> grpc.aio.Cha
     return aio_channel(address, creds)
 
 
+SLACK = 2  # file descriptors / threads a process may gain over the soak without leaking
+
+
 def _proc_counts(pid: int) -> tuple[int, int]:
     """(open file descriptors, threads) of a process."""
     return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
@@ -133,7 +136,10 @@ def test_soak_with_cancels_deadlines_and_transport_errors(served_model, tmp_path
             assert outcomes.get("OK", 0) > SOAK_REQUESTS // 2 and proxy.dropped > 0
             assert wait_for(lambda: _clean(c), timeout=60), asyncio.run(_loads(c))
             def settled() -> bool:
-                return all(_proc_counts(pid) <= before[addr] for addr, pid in pids.items())
+                # A leak per request would add hundreds over the soak; gRPC's own event-engine thread
+                # pool resizes itself and a client's last connection may linger, so allow 2 of each.
+                return all(all(now <= was + SLACK for now, was in zip(_proc_counts(pid), before[addr]))
+                           for addr, pid in pids.items())
 
             assert wait_for(settled, timeout=60), {a: (before[a], _proc_counts(p)) for a, p in pids.items()}
             assert all(c.process(a).poll() is None for a in pids)  # nothing crashed
