@@ -100,7 +100,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         return internal_pb2.LoadReport(
             running=sum(x["running"] for x in loads), waiting=sum(x["waiting"] for x in loads),
             free_blocks=sum(x["free_blocks"] for x in loads), total_blocks=sum(x["total_blocks"] for x in loads),
-            active_leases=sum(x["active_leases"] for x in loads), ranks=ranks)
+            active_leases=sum(x["active_leases"] for x in loads), ranks=ranks, block_size=self.coord.block_size)
 
     async def Decode(self, request, context):  # noqa: N802
         rank = self.coord.lease_rank.get(request.lease_id)

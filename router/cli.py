@@ -9,6 +9,10 @@
         interactive multi-turn chat.
     pdserve certs --out DIR [--host H ...]
         a cluster CA + node certificate for the services' --tls-cert/--tls-key/--tls-ca.
+    pdserve profile [--model DIR] [--out profile.json]
+        measures the engine's prefill and decode curves in-process and fits the router's PerfModel.
+    pdserve plan --rate R --ttft-p90 MS --tpot-p90 MS [--profile profile.json] [--isl 128] [--osl 128] ...
+        M prefill / N decode instances for the workload (analytic, then simulated with the router's policy).
 """
 
 from __future__ import annotations
@@ -360,6 +364,26 @@ def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> No
             history.append(generation_pb2.ChatMessage(role="assistant", content=answer.replace(EOS, "")))
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    from router.perf import profile_engine
+
+    model = args.model or str(ensure_tiny_model(DEFAULT_MODEL))
+    perf = profile_engine(model, args.dtype)
+    perf.save(args.out)
+    print(f"wrote {args.out}")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from router.perf import PerfModel
+    from router.planner import Dist, Workload, run_plan
+
+    perf = PerfModel.load(args.profile) if args.profile else PerfModel()
+    w = Workload(args.rate, Dist.parse(args.isl), Dist.parse(args.osl), args.ttft_p90 / 1e3, args.tpot_p90 / 1e3,
+                 args.attainment)
+    if run_plan(perf, w, args.max_m, args.max_n, args.dp, args.requests, args.seed, args.plot) is None:
+        sys.exit(1)
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--tls-ca", default=None, help="the router serves TLS: verify it with this CA certificate")
@@ -418,6 +442,26 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--system", default="", help="system prompt")
     _add_sampling_flags(chat, 256)
     chat.set_defaults(fn=cmd_chat)
+    prof = sub.add_parser("profile", help="measure the engine's prefill and decode curves → profile.json")
+    prof.add_argument("--model", default=None, help="checkpoint dir (default: the embedded tiny model)")
+    prof.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"])
+    prof.add_argument("--out", default="profile.json")
+    prof.set_defaults(fn=cmd_profile)
+    plan = sub.add_parser("plan", help="how many prefill (M) and decode (N) instances a workload needs")
+    plan.add_argument("--profile", default=None, help="profile.json from `pdserve profile` (default: built-in)")
+    plan.add_argument("--rate", type=float, required=True, help="requests per second")
+    plan.add_argument("--isl", default="128", help="prompt tokens: N, LO:HI (uniform) or exp:MEAN")
+    plan.add_argument("--osl", default="128", help="output tokens: N, LO:HI (uniform) or exp:MEAN")
+    plan.add_argument("--ttft-p90", type=float, required=True, help="TTFT target (ms) for the attainment share")
+    plan.add_argument("--tpot-p90", type=float, required=True, help="TPOT target (ms)")
+    plan.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both")
+    plan.add_argument("--max-m", type=int, default=8)
+    plan.add_argument("--max-n", type=int, default=16)
+    plan.add_argument("--dp", type=int, default=1, help="attention-DP ranks per decode instance")
+    plan.add_argument("--requests", type=int, default=2000, help="simulated requests per stage-B run")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--plot", default=None, help="PNG of SLA attainment vs request rate")
+    plan.set_defaults(fn=cmd_plan)
     args = p.parse_args(argv)
     args.fn(args)
 

@@ -47,6 +47,9 @@ class RouterSpec:
     max_concurrent_requests: int = 1024
     max_prompt_bytes: int = 0
     request_timeout: float = 600.0
+    policy: str = "sla"
+    ttft_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
 
 
 @dataclass
@@ -114,7 +117,8 @@ class Deployment:
             r = self.router
             return ["--request-timeout", _s(r.request_timeout), "--max-prompt-bytes", _s(r.max_prompt_bytes),
                     "--max-concurrent-requests", _s(r.max_concurrent_requests), "--drain-seconds",
-                    _s(e.drain_seconds)]
+                    _s(e.drain_seconds), "--policy", r.policy, "--ttft-slo-ms", _s(r.ttft_slo_ms),
+                    "--tpot-slo-ms", _s(r.tpot_slo_ms)]
         spec = self.prefill if role == "prefill" else self.decode
         out = ["--kv-transport", e.kv_transport, "--dtype", e.dtype, "--indexer-numerics", e.indexer_numerics,
                "--block-size", _s(e.block_size), "--drain-seconds", _s(e.drain_seconds),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import logging
 import re
 import time
@@ -23,6 +22,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.perf import PerfModel
+from router.policy import POLICIES, DecodeView, PrefillView, RankView, Rejected, Request
 from shared import metrics
 from shared.config import REQUIRED, EndpointConfig, ModelConfig, add_flags, flag, from_flags
 from shared.engine.chat import ChatMessage, render_messages
@@ -47,6 +48,13 @@ class RouterConfig(EndpointConfig):
     max_prompt_bytes: int = flag(0, "largest text prompt / messages accepted (0: 32 bytes per context token, "
                                     "at most 8 MiB)")
     max_concurrent_requests: int = flag(1024, "Generate calls in flight beyond this get RESOURCE_EXHAUSTED at once")
+    policy: str = flag("sla", "how a (prefill, decode) pair is chosen", choices=tuple(POLICIES))
+    ttft_slo_ms: float = flag(0.0, "time-to-first-token target (0: none); a request no pair can serve within "
+                                   "its targets is refused at once with RESOURCE_EXHAUSTED")
+    tpot_slo_ms: float = flag(0.0, "time-per-output-token target (0: none)")
+    profile: str | None = flag(None, "profile.json from `pdserve profile` (default: built-in estimates, "
+                                     "calibrated online either way)")
+    load_interval: float = flag(0.25, "seconds between load reports polled from each instance")
 
 
 MAX_REQUEST_ID = 128
@@ -76,18 +84,22 @@ def _lenient(parse):  # noqa: ANN001, ANN202
 class Instance:
     address: str
     stub: object
+    view: PrefillView | DecodeView
     outstanding: int = 0  # changed only on the event loop: no lock
+    failures: int = 0  # consecutive failed load polls (back-off)
 
 
 class Pool:
-    """Instances of one kind; picks the one with the fewest requests in flight (ties: round robin)."""
+    """Instances of one kind, with the router's view of each (its load reports, plus what was
+    dispatched since the last one); an instance whose calls or load polls fail is taken out of the
+    choice and polled back in with back-off."""
 
     def __init__(self, kind: str, addresses: list[str], stub_cls, credentials: Credentials | None = None):  # noqa: ANN001
         self.kind = kind
         metrics.FAILOVERS.labels(kind)  # exported at 0 from the start
         self.channels = [aio_channel(a, credentials) for a in addresses]
-        self.instances = [Instance(a, stub_cls(ch)) for a, ch in zip(addresses, self.channels)]
-        self._rr = itertools.count()
+        view = PrefillView if kind == "prefill" else DecodeView
+        self.instances = [Instance(a, stub_cls(ch), view(a)) for a, ch in zip(addresses, self.channels)]
 
     async def watch_health(self, period: float = 2.0) -> None:
         """pdserve_router_instance_up for every instance, from its health check every `period` s."""
@@ -102,13 +114,41 @@ class Pool:
                 metrics.INSTANCE_UP.labels(self.kind, inst.address).set(int(up))
             await asyncio.sleep(period)
 
-    def ranked(self) -> list[Instance]:
-        """All instances, fewest in flight first (ties rotate): the first is the pick, the rest
-        are the fail-over order."""
-        start = next(self._rr)
-        n = len(self.instances)
-        rotated = [self.instances[(start + i) % n] for i in range(n)]
-        return sorted(rotated, key=lambda inst: inst.outstanding)
+    async def poll_loads(self, interval: float, metadata: tuple) -> None:
+        """Refresh every instance's view from its GetLoad report every `interval` s; a failing one is
+        out (its view down) and retried after interval · 2^failures (at most 8 s)."""
+        due = [0.0] * len(self.instances)
+        while True:
+            now = time.monotonic()
+            polls = [self._poll(i, inst, interval, metadata, due) for i, inst in enumerate(self.instances)
+                     if now >= due[i]]
+            await asyncio.gather(*polls)
+            await asyncio.sleep(interval)
+
+    async def _poll(self, i: int, inst: Instance, interval: float, metadata: tuple, due: list[float]) -> None:
+        try:
+            report = await inst.stub.GetLoad(internal_pb2.LoadRequest(), timeout=max(1.0, 4 * interval),
+                                             metadata=metadata)
+        except grpc.RpcError:
+            inst.failures += 1
+            inst.view.up = False
+            due[i] = time.monotonic() + min(8.0, interval * 2 ** inst.failures)
+            return
+        inst.failures, inst.view.up = 0, True
+        view = inst.view
+        if isinstance(view, PrefillView):
+            view.queued_tokens = report.queued_prompt_tokens
+        else:
+            ranks = report.ranks or [internal_pb2.RankLoad(running=report.running, free_blocks=report.free_blocks,
+                                                            active_leases=report.active_leases)]
+            view.ranks = [RankView(r.running + r.active_leases, r.tokens) for r in ranks]
+            view.free_blocks = min(r.free_blocks for r in ranks)
+            view.block_size = report.block_size or view.block_size
+
+    def ordered(self, indices: list[int]) -> list[Instance]:
+        """The instances at `indices` (the policy's order, repeats dropped), then the rest as fail-over."""
+        seen = list(dict.fromkeys(indices))
+        return [self.instances[i] for i in seen] + [x for i, x in enumerate(self.instances) if i not in seen]
 
 
 @contextlib.contextmanager
@@ -138,6 +178,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metadata = self.credentials.metadata
         self.prefill = Pool("prefill", cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
         self.decode = Pool("decode", cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)
+        self.perf = PerfModel.load(cfg.profile) if cfg.profile else PerfModel()
+        self.policy = POLICIES[cfg.policy](self.perf)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)
         self._tokenizers = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self._background: set[asyncio.Task] = set()
@@ -175,6 +217,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                              if given else " (all are empty)"))
         if given[0] != "prompt_token_ids" and self.tokenizer is None:
             raise Invalid(f"{given[0]}: this model has no tokenizer; send prompt_token_ids")
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(request.sla, name)
+            if not (value >= 0 and value < float("inf")):
+                raise Invalid(f"sla.{name}: must be a finite number >= 0, got {value}")
         params = sampling_from_proto(request.sampling_params)
         try:
             params.validate()
@@ -231,12 +277,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         timeout = min(self.cfg.request_timeout, deadline) if deadline is not None else self.cfg.request_timeout
         sampling, md = request.sampling_params, self.metadata
 
+        ttft_s = (request.sla.ttft_ms or self.cfg.ttft_slo_ms) / 1e3
+        tpot_s = (request.sla.tpot_ms or self.cfg.tpot_slo_ms) / 1e3
+        try:
+            pairs = self.policy.choose(Request(len(ids), params.max_tokens, ttft_s, tpot_s),
+                                       [x.view for x in self.prefill.instances],
+                                       [x.view for x in self.decode.instances])
+        except Rejected as exc:  # before any work anywhere
+            metrics.request_done("router", "RESOURCE_EXHAUSTED", "sla")
+            context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1e3))),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry after {exc.retry_after_s:.1f} s")
+        best = pairs[0]
         reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
                                                   max_tokens=params.max_tokens)
         full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         grpc.StatusCode.DEADLINE_EXCEEDED)
-        dec, reserve = await self._first_ok(context, self.decode, lambda inst: inst.stub.Reserve(
-            reserve_req, timeout=PEER_TIMEOUT, metadata=md), retry_on=full_or_down)
+        dec, reserve = await self._first_ok(context, self.decode, self.decode.ordered([c.decode for c in pairs]),
+                                            lambda inst: inst.stub.Reserve(reserve_req, timeout=PEER_TIMEOUT,
+                                                                           metadata=md), retry_on=full_or_down)
+        view = dec.view
+        rank = view.ranks[min(reserve.dp_rank, len(view.ranks) - 1)]
+        rank.running, rank.tokens = rank.running + 1, rank.tokens + len(ids) + params.max_tokens  # until its report
         with _in_flight(dec):
             lease_id = reserve.destination.lease_id
             claimed = False
@@ -244,7 +305,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 prefill_req = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
                                                           sampling_params=sampling, destination=reserve.destination)
                 metrics.QUEUE.observe(time.perf_counter() - t0)
-                pre, first = await self._first_ok(context, self.prefill, lambda inst: inst.stub.Prefill(
+                preferred = [c.prefill for c in pairs if c.decode == self.decode.instances.index(dec)]
+                order = self.prefill.ordered(preferred or [c.prefill for c in pairs])
+                order[0].view.queued_tokens += len(ids)  # until its next report
+                pre, first = await self._first_ok(context, self.prefill, order, lambda inst: inst.stub.Prefill(
                     prefill_req, timeout=timeout, metadata=md), retry_on=(grpc.StatusCode.UNAVAILABLE,))
                 metrics.PAIRS.labels(pre.address, dec.address).inc()
                 stream = dec.stub.Decode(internal_pb2.DecodeRequest(
@@ -252,7 +316,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout, metadata=md)
                 claimed = True
                 try:
-                    async for out in self._relay(stream, context, label, len(ids), first.cached_prompt_tokens, t0):
+                    async for out in self._relay(stream, context, label, len(ids), first.cached_prompt_tokens, t0,
+                                                 best):
                         yield out
                 finally:
                     stream.cancel()  # a no-op when it ended; otherwise the client left: decode lets go
@@ -269,7 +334,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.RpcError:
             pass  # the lease expires on its own
 
-    async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float):  # noqa: ANN001, ANN202
+    async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float,  # noqa: ANN001, ANN202
+                     predicted):  # noqa: ANN001 - the policy's Choice: observed latencies calibrate the model
         n, t_first, t_last = 0, None, None
         try:
             async for msg in stream:
@@ -278,6 +344,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if t_first is None:
                         t_first = now
                         metrics.TTFT.observe(now - t0)
+                        self.perf.observe_ttft(predicted.ttft_s, now - t0)
                     elif t_last is not None:
                         metrics.TPOT.observe((now - t_last) / len(msg.token_ids))
                     t_last = now
@@ -285,6 +352,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 out = generation_pb2.GenerateResponse(token_ids=msg.token_ids, text=msg.text,
                                                       finish_reason=msg.finish_reason, request_id=rid)
                 if msg.finish_reason:
+                    if n > 1 and t_first is not None and t_last is not None:
+                        self.perf.observe_tpot(predicted.tpot_s, (t_last - t_first) / (n - 1))
                     out.usage.prompt_tokens, out.usage.completion_tokens = prompt_tokens, n
                     out.usage.cached_prompt_tokens = cached
                     metrics.request_done("router", "OK", msg.finish_reason)
@@ -297,15 +366,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             metrics.TOKENS.labels("router", "output").inc(n)
 
     @staticmethod
-    async def _first_ok(context, pool: Pool, call, retry_on: tuple) -> tuple[Instance, object]:  # noqa: ANN001
-        """await call(instance) on the preferred instance, failing over to the next on `retry_on`
-        codes; aborts the client's RPC with the last error when none succeeds."""
-        candidates = pool.ranked()
+    async def _first_ok(context, pool: Pool, candidates: list[Instance], call,  # noqa: ANN001
+                        retry_on: tuple) -> tuple[Instance, object]:
+        """await call(instance) on each candidate in turn, failing over on `retry_on` codes (an
+        instance that is down leaves the choice until its load poll succeeds again); aborts the
+        client's RPC with the last error when none succeeds."""
         for i, inst in enumerate(candidates):
             try:
                 with _in_flight(inst):
                     return inst, await call(inst)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    inst.view.up = False
                 if exc.code() in retry_on and i + 1 < len(candidates):
                     log.warning("%s: %s; trying the next instance", inst.address, exc.code().name)
                     metrics.FAILOVERS.labels(pool.kind).inc()
@@ -348,6 +420,8 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
     _, port, life = await serve(cfg)
     servicer = life.servicer
     watchers = [asyncio.create_task(pool.watch_health()) for pool in (servicer.prefill, servicer.decode)]
+    watchers += [asyncio.create_task(pool.poll_loads(cfg.load_interval, servicer.metadata))
+                 for pool in (servicer.prefill, servicer.decode)]
     servicer._background.update(watchers)  # referenced for the life of the process
     life.announce(port, cfg.port_file, f"router listening on {cfg.host}:{port}")
     await life.run(cfg.drain_seconds)

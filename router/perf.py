@@ -1,0 +1,150 @@
+"""The performance model the router and the planner share: how long a prefill, a decode step and a
+KV transfer take, fitted offline (`pdserve profile` → profile.json) and calibrated online from the
+TTFT / TPOT the router observes.
+
+    prefill(tokens)            = a + b·tokens + c·tokens²            (attention makes long prompts superlinear)
+    decode_step(batch, ctx)    = a + b·batch + c·ctx_tokens           (per DP rank; the instance steps at
+                                                                       the pace of its busiest rank)
+    transfer(tokens)           = tokens · kv_bytes_per_token / bandwidth
+
+DistServe's simulator and Dynamo's planner use the same shapes (see ../shared/design/router_planner.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+CALIBRATION_LIMITS = (0.25, 4.0)  # observed / predicted factors are clamped: one outlier must not rule
+
+
+@dataclass
+class PerfModel:
+    prefill_base_s: float = 0.01
+    prefill_per_token_s: float = 2e-4
+    prefill_per_token2_s: float = 0.0
+    decode_base_s: float = 0.02
+    decode_per_seq_s: float = 5e-4
+    decode_per_context_token_s: float = 2e-6
+    kv_bytes_per_token: float = 1152.0  # MLA latent + rope (576 bf16) per layer summed, plus indexer keys
+    transfer_bytes_per_s: float = 1e9
+    ttft_factor: float = 1.0  # online calibration: observed / predicted, smoothed
+    tpot_factor: float = 1.0
+    smoothing: float = 0.1
+
+    def prefill_seconds(self, tokens: float) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self.prefill_base_s + self.prefill_per_token_s * tokens + self.prefill_per_token2_s * tokens * tokens
+
+    def prefill_queue_seconds(self, queued_tokens: float) -> float:
+        """Time until an instance has computed `queued_tokens` waiting ahead of a new prompt."""
+        return self.prefill_per_token_s * queued_tokens + (self.prefill_base_s if queued_tokens > 0 else 0.0)
+
+    def decode_step_seconds(self, batch: float, context_tokens: float) -> float:
+        if batch <= 0:
+            return 0.0
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_context_token_s * context_tokens
+
+    def transfer_seconds(self, tokens: float) -> float:
+        return tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
+
+    def ttft(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0) -> float:
+        """Predicted time to first token: the queue ahead, the uncached prompt, the KV transfer."""
+        raw = (self.prefill_queue_seconds(queued_tokens) + self.prefill_seconds(prompt_tokens - cached_tokens)
+               + self.transfer_seconds(prompt_tokens))
+        return raw * self.ttft_factor
+
+    def tpot(self, batch: float, context_tokens: float) -> float:
+        return self.decode_step_seconds(batch, context_tokens) * self.tpot_factor
+
+    # -- online calibration ----------------------------------------------------------------------
+    def observe_ttft(self, predicted: float, observed: float) -> None:
+        self.ttft_factor = self._smooth(self.ttft_factor, predicted / max(self.ttft_factor, 1e-9), observed)
+
+    def observe_tpot(self, predicted: float, observed: float) -> None:
+        self.tpot_factor = self._smooth(self.tpot_factor, predicted / max(self.tpot_factor, 1e-9), observed)
+
+    def _smooth(self, factor: float, raw_predicted: float, observed: float) -> float:
+        if raw_predicted <= 0 or observed <= 0:
+            return factor
+        lo, hi = CALIBRATION_LIMITS
+        target = min(hi, max(lo, observed / raw_predicted))
+        return (1 - self.smoothing) * factor + self.smoothing * target
+
+    # -- profile.json ----------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> PerfModel:
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown profile fields {unknown}")
+        model = cls(**data)
+        for f in fields(cls):
+            if not isinstance(getattr(model, f.name), (int, float)) or getattr(model, f.name) < 0:
+                raise ValueError(f"{path}: {f.name} must be a non-negative number")
+        return model
+
+
+def fit_linear(xs: list[list[float]], ys: list[float]) -> list[float]:
+    """Least-squares coefficients (non-negative, clipped) of y ≈ Σ x_i·c_i (include a 1 column for a base)."""
+    import torch
+
+    x = torch.tensor(xs, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)[:, None]
+    coef = torch.linalg.lstsq(x, y).solution[:, 0]
+    return [max(0.0, float(c)) for c in coef]
+
+
+def profile_engine(model: str, dtype: str = "bfloat16", say=print) -> PerfModel:  # noqa: ANN001
+    """Measure prefill and decode curves of the engine in-process on `model` and fit a PerfModel."""
+    import statistics
+    import time
+
+    from shared.engine import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype)
+    engine = llm.engine
+    limit = engine.max_model_len
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    xs, ys = [], []
+    for length in [n for n in (16, 64, 256, 1024) if n < limit // 2]:
+        times = []
+        for rep in range(3):
+            prompt = [(7 * i + rep) % 200 + 3 for i in range(length)]
+            t0 = time.perf_counter()
+            llm.generate([prompt], one)
+            times.append(time.perf_counter() - t0)
+        xs.append([1.0, length, length * length])
+        ys.append(statistics.median(times))
+        say(f"prefill {length:5d} tokens: {ys[-1] * 1e3:8.1f} ms")
+    pa, pb, pc = fit_linear(xs, ys)
+    xs, ys = [], []
+    steps = 8
+    for batch in (1, 4, 16, 64):
+        for prompt_len in (32, 256):
+            if prompt_len + steps + 2 >= limit:
+                continue
+            params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+            seqs = [engine.add_request([(3 * i + b) % 200 + 3 for i in range(prompt_len)], params)
+                    for b in range(batch)]
+            while any(s.is_prefilling for s in seqs):
+                engine.step()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            seconds = (time.perf_counter() - t0) / steps
+            while engine.has_work:
+                engine.step()
+            xs.append([1.0, batch, batch * (prompt_len + steps)])
+            ys.append(seconds)
+            say(f"decode batch {batch:3d} context {prompt_len:4d}: {seconds * 1e3:8.1f} ms/step")
+    da, db, dc = fit_linear(xs, ys)
+    kv_bytes = engine.layout.bytes_per_token()
+    return PerfModel(prefill_base_s=pa, prefill_per_token_s=pb, prefill_per_token2_s=pc, decode_base_s=da,
+                     decode_per_seq_s=db, decode_per_context_token_s=dc, kv_bytes_per_token=float(kv_bytes))

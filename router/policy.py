@@ -1,0 +1,169 @@
+"""Routing policies: which (prefill, decode) pair serves a request, or an early no.
+
+The router and the planner's simulation (router/planner.py) both call these objects with the same
+views of the instances (what the load reports say, plus what was dispatched since), so what the
+planner predicts is what the router does.
+
+`SlaPolicy` predicts each pair's TTFT (prefill queue + prompt + KV transfer) and TPOT (the decode
+instance's step time once this request and the reservations already placed there have joined its
+least-loaded DP rank, at the pace of its busiest rank) with the shared PerfModel; it keeps the pairs
+that meet the request's targets with margin, takes the cheaper of two random ones (power of two
+choices: a stale report cannot herd every request onto one instance) and lists the rest as the
+fail-over order. If no pair can meet the targets it says no at once, with a retry-after hint, before
+any prefill work. `LeastLoadedPolicy` and `RoundRobinPolicy` ignore the SLA (baselines).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from router.perf import PerfModel
+
+
+@dataclass
+class RankView:
+    running: int = 0  # requests decoding (+ reservations not yet admitted)
+    tokens: int = 0  # their context tokens (reservations counted at prompt + max_tokens)
+
+
+@dataclass
+class PrefillView:
+    address: str
+    queued_tokens: int = 0  # prompt tokens waiting or not yet computed
+    up: bool = True
+
+
+@dataclass
+class DecodeView:
+    address: str
+    ranks: list[RankView] = field(default_factory=lambda: [RankView()])
+    free_blocks: int = 1 << 30
+    block_size: int = 64
+    up: bool = True
+
+    def least_loaded(self) -> int:
+        return min(range(len(self.ranks)), key=lambda r: (self.ranks[r].tokens, self.ranks[r].running, r))
+
+    def step_with(self, perf: PerfModel, rank: int, tokens: int) -> float:
+        """TPOT once a request of `tokens` context joins `rank`: the busiest rank sets the pace."""
+        worst = 0.0
+        for r, view in enumerate(self.ranks):
+            batch, ctx = view.running + (r == rank), view.tokens + (tokens if r == rank else 0)
+            worst = max(worst, perf.tpot(batch, ctx))
+        return worst
+
+
+@dataclass
+class Request:
+    prompt_tokens: int
+    max_tokens: int
+    ttft_s: float  # targets (0: none)
+    tpot_s: float
+    cached_tokens: int = 0
+
+
+@dataclass
+class Choice:
+    prefill: int
+    decode: int
+    ttft_s: float  # predicted
+    tpot_s: float
+    cost: float
+
+
+class Rejected(Exception):
+    """No pair can meet the request's targets now; `retry_after_s` says when one may."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class SlaPolicy:
+    name = "sla"
+
+    def __init__(self, perf: PerfModel, margin: float = 0.9, seed: int | None = None):
+        self.perf, self.margin = perf, margin
+        self.rng = random.Random(seed)
+
+    def predict(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
+        """Every pair that is up and has room, with its predicted TTFT / TPOT and cost (normalised
+        by the targets; lower is better). When every instance of a kind is down, all of that kind
+        are candidates: a call fails fast on a dead one, and one back up is found at once."""
+        context = req.prompt_tokens + req.max_tokens
+        any_prefill, any_decode = any(p.up for p in prefills), any(d.up for d in decodes)
+        out = []
+        for d, dec in enumerate(decodes):
+            blocks = -(-context // dec.block_size)
+            if (any_decode and not dec.up) or blocks > dec.free_blocks:
+                continue
+            tpot = dec.step_with(self.perf, dec.least_loaded(), context)
+            for p, pre in enumerate(prefills):
+                if any_prefill and not pre.up:
+                    continue
+                ttft = self.perf.ttft(pre.queued_tokens, req.prompt_tokens, req.cached_tokens)
+                cost = ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0)
+                out.append(Choice(p, d, ttft, tpot, cost))
+        return out
+
+    def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
+        """Pairs to try, best first (the rest are the fail-over order); raises Rejected when none fits."""
+        pairs = self.predict(req, prefills, decodes)
+        if not pairs:
+            raise Rejected("no decode instance has KV room for this request", 1.0)
+        fits = [c for c in pairs if self._meets(c, req)]
+        if not fits:
+            best = min(pairs, key=lambda c: c.cost)
+            over = max(best.ttft_s - req.ttft_s * self.margin if req.ttft_s else 0.0,
+                       best.tpot_s * req.max_tokens * 0.1 if req.tpot_s and best.tpot_s > req.tpot_s else 0.0)
+            raise Rejected(f"no pair meets the SLA (best predicted TTFT {best.ttft_s * 1e3:.0f} ms, "
+                           f"TPOT {best.tpot_s * 1e3:.1f} ms)", max(0.1, over))
+        fits.sort(key=lambda c: c.cost)
+        if len(fits) > 2:
+            a, b = self.rng.sample(range(len(fits)), 2)
+            first = fits[min(a, b)]  # the cheaper of two random feasible pairs
+            fits.remove(first)
+            fits.insert(0, first)
+        return fits
+
+    def _meets(self, c: Choice, req: Request) -> bool:
+        return ((not req.ttft_s or c.ttft_s <= req.ttft_s * self.margin)
+                and (not req.tpot_s or c.tpot_s <= req.tpot_s * self.margin))
+
+
+class LeastLoadedPolicy(SlaPolicy):
+    """Fewest queued prefill tokens and decode tokens first; never rejects (the old router)."""
+
+    name = "least-loaded"
+
+    def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
+        pairs = self.predict(req, prefills, decodes)
+        if not pairs:
+            raise Rejected("no decode instance has KV room for this request", 1.0)
+
+        def load(c: Choice) -> tuple[int, int]:
+            return prefills[c.prefill].queued_tokens, sum(r.tokens for r in decodes[c.decode].ranks)
+
+        return sorted(pairs, key=load)
+
+
+class RoundRobinPolicy(SlaPolicy):
+    """Pairs in turn, blind to load and SLA (the baseline of bench/sla_router.py)."""
+
+    name = "round-robin"
+
+    def __init__(self, perf: PerfModel, margin: float = 0.9, seed: int | None = None):
+        super().__init__(perf, margin, seed)
+        self._turn = itertools.count()
+
+    def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
+        pairs = self.predict(req, prefills, decodes)
+        if not pairs:
+            raise Rejected("no decode instance has KV room for this request", 1.0)
+        k = next(self._turn) % len(pairs)
+        return pairs[k:] + pairs[:k]
+
+
+POLICIES = {p.name: p for p in (SlaPolicy, LeastLoadedPolicy, RoundRobinPolicy)}

@@ -1,0 +1,101 @@
+"""The M/N planner: stage A (analytic) and stage B (a discrete-event simulation that places every
+request with the router's own policy objects) against a synthetic profile whose answer is known."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.perf import PerfModel
+from router.planner import Dist, Workload, analytic, goodput, plan, simulate
+from router.policy import DecodeView, PrefillView, RankView, Rejected, Request, SlaPolicy
+
+# Prefill takes 100 ms whatever the prompt; a decode step takes 10 ms + 2 ms per running request.
+SYNTHETIC = PerfModel(prefill_base_s=0.1, prefill_per_token_s=0.0, decode_base_s=0.01, decode_per_seq_s=0.002,
+                      decode_per_context_token_s=0.0, transfer_bytes_per_s=1e12)
+
+
+def _workload(rate: float = 15.0, tpot_ms: float = 60.0) -> Workload:
+    return Workload(rate, Dist.parse("64"), Dist.parse("100"), ttft_p90_s=0.5, tpot_p90_s=tpot_ms / 1e3)
+
+
+def test_stage_a_and_the_simulation_agree_with_the_known_answer():
+    """By hand: prefill at 15 req/s × 100 ms is 1.5 Erlang, so one instance is unstable and two meet
+    a 500 ms TTFT p90 (Erlang C: 64% wait, tail decay 10/s → p90 wait 186 ms); decode per instance
+    has B = λ·100·10 ms / (1 − λ·100·2 ms), unstable up to N = 3 (λ·0.2 ≥ 1), and at N = 4 B = 15,
+    step 40 ms, p90 step 50 ms < 60 ms. So M = 2, N = 4."""
+    w = _workload()
+    a = plan(SYNTHETIC, w, max_m=8, max_n=16)
+    assert (a.m, a.n) == (2, 4)
+    assert a.tpot_p50_s == pytest.approx(0.040, rel=1e-6)
+    b = simulate(SYNTHETIC, w, 2, 4, requests=3000, seed=1).prediction
+    assert b.attainment >= w.attainment
+    for m, n in ((1, 4), (2, 3)):  # one fewer of either side and the simulated system misses the SLA
+        assert simulate(SYNTHETIC, w, m, n, requests=3000, seed=1).prediction.attainment < w.attainment
+    assert b.tpot_p50_s == pytest.approx(a.tpot_p50_s, rel=0.1)
+
+    def analytic_ok(rate: float) -> bool:
+        return analytic(SYNTHETIC, _workload(rate), 2, 4).meets(w)
+
+    def simulated_ok(rate: float) -> bool:
+        return simulate(SYNTHETIC, _workload(rate), 2, 4, requests=3000, seed=1).prediction.attainment >= 0.9
+
+    good_a, good_b = goodput(analytic_ok, 40.0), goodput(simulated_ok, 40.0, tolerance=0.02)
+    assert good_b == pytest.approx(good_a, rel=0.1), (good_a, good_b)
+
+
+def test_more_load_never_needs_fewer_instances_and_a_tighter_tpot_needs_more_decode():
+    last = (0, 0)
+    for rate in (2, 5, 10, 15, 20, 30):
+        p = plan(SYNTHETIC, _workload(rate), max_m=16, max_n=32)
+        assert p is not None and p.m >= last[0] and p.n >= last[1]
+        last = (p.m, p.n)
+    loose, tight = plan(SYNTHETIC, _workload(10, 80), 16, 32), plan(SYNTHETIC, _workload(10, 30), 16, 32)
+    assert tight.n > loose.n and tight.m == loose.m
+    assert plan(SYNTHETIC, _workload(10, 5), 16, 32) is None  # below the 10 ms step floor: no N helps
+
+
+def test_the_simulation_is_deterministic_for_a_seed():
+    w = _workload(12)
+    one, two = simulate(SYNTHETIC, w, 2, 3, seed=7), simulate(SYNTHETIC, w, 2, 3, seed=7)
+    assert one.prediction == two.prediction and one.trace == two.trace
+    assert simulate(SYNTHETIC, w, 2, 3, seed=8).trace != one.trace
+
+
+class _Recording(SlaPolicy):
+    """The router's SLA policy, recording what it was asked and what it chose."""
+
+    def __init__(self, perf: PerfModel):
+        super().__init__(perf, seed=0)
+        self.seen: list[tuple[int, int]] = []
+
+    def choose(self, req, prefills, decodes):  # noqa: ANN001, ANN201
+        pairs = super().choose(req, prefills, decodes)
+        self.seen.append((pairs[0].prefill, pairs[0].decode))
+        return pairs
+
+
+def test_the_simulation_places_requests_with_the_injected_policy():
+    policy = _Recording(SYNTHETIC)
+    result = simulate(SYNTHETIC, _workload(12), 2, 3, policy=policy, requests=500, seed=3)
+    assert result.trace == policy.seen  # every placement came from the injected policy
+    assert len(policy.seen) + round(result.prediction.rejected * 500) == 500
+    assert {p for p, _ in policy.seen} == {0, 1} and {d for _, d in policy.seen} == {0, 1, 2}
+
+
+def test_sla_policy_prefers_the_idle_decode_and_refuses_what_no_pair_can_serve():
+    perf = PerfModel(decode_base_s=0.02, decode_per_seq_s=0.001, decode_per_context_token_s=0.0)
+    pre = [PrefillView("p0")]
+    busy, idle = DecodeView("d0", [RankView(running=60, tokens=60 * 300)]), DecodeView("d1")
+    policy = SlaPolicy(perf, seed=0)
+    for _ in range(20):
+        assert policy.choose(Request(100, 100, 1.0, 0.07), pre, [busy, idle])[0].decode == 1
+    with pytest.raises(Rejected) as err:
+        policy.choose(Request(100, 100, 1.0, 0.01), pre, [busy, idle])  # a 10 ms TPOT is below any step here
+    assert err.value.retry_after_s > 0 and "TPOT" in str(err.value)
+    down = DecodeView("d1", up=False)
+    assert [c.decode for c in policy.choose(Request(100, 100, 0, 0), pre, [busy, down])] == [0]
+    assert Dist.parse("exp:50").mean == 50 and math.isclose(Dist.parse("10:20").mean, 15)
+    with pytest.raises(ValueError, match="token distribution"):
+        Dist.parse("ten")
