@@ -101,8 +101,10 @@ def fit_linear(xs: list[list[float]], ys: list[float]) -> list[float]:
     return [max(0.0, float(c)) for c in coef]
 
 
-def profile_engine(model: str, dtype: str = "bfloat16", say=print) -> PerfModel:  # noqa: ANN001
-    """Measure prefill and decode curves of the engine in-process on `model` and fit a PerfModel."""
+def profile_engine(model: str, dtype: str = "bfloat16", say=print, lengths: tuple[int, ...] = (16, 64, 256, 1024),  # noqa: ANN001
+                   batches: tuple[int, ...] = (1, 4, 16, 64), contexts: tuple[int, ...] = (32, 256)) -> PerfModel:
+    """Measure prefill (at `lengths`) and decode (at `batches` × `contexts`) of the engine in-process
+    on `model` and fit a PerfModel."""
     import statistics
     import time
 
@@ -113,7 +115,7 @@ def profile_engine(model: str, dtype: str = "bfloat16", say=print) -> PerfModel:
     limit = engine.max_model_len
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     xs, ys = [], []
-    for length in [n for n in (16, 64, 256, 1024) if n < limit // 2]:
+    for length in [n for n in lengths if n < limit // 2]:
         times = []
         for rep in range(3):
             prompt = [(7 * i + rep) % 200 + 3 for i in range(length)]
@@ -126,8 +128,8 @@ def profile_engine(model: str, dtype: str = "bfloat16", say=print) -> PerfModel:
     pa, pb, pc = fit_linear(xs, ys)
     xs, ys = [], []
     steps = 8
-    for batch in (1, 4, 16, 64):
-        for prompt_len in (32, 256):
+    for batch in batches:
+        for prompt_len in contexts:
             if prompt_len + steps + 2 >= limit:
                 continue
             params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,88 @@
+"""The SLA-aware router on real services: load-aware choice of the decode instance, early refusal
+before any prefill work, and an instance taken out when it dies and taken back after a restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import urllib.request
+
+import grpc
+import pytest
+
+from router.cli import Cluster
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+from tests.helpers import wait_for
+
+
+def _generate(c: Cluster, prompt: list[int], tpot_ms: float = 0.0) -> list[int]:
+    with c.channel(c.address) as ch:
+        req = generation_pb2.GenerateRequest(
+            prompt_token_ids=prompt, sla=generation_pb2.Sla(tpot_ms=tpot_ms),
+            sampling_params=generation_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        return [t for m in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60) for t in m.token_ids]
+
+
+def _admitted(c: Cluster, address: str) -> int:
+    with c.channel(address) as ch:
+        load = internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=10)
+    return sum(r.admitted for r in load.ranks)
+
+
+def _prefill_prompt_tokens(c: Cluster) -> float:
+    port = c.metrics_ports[c.prefill_addrs[0]]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    line = next((x for x in body.splitlines() if x.startswith('pdserve_tokens_total{kind="prompt",service="prefill"}')),
+                None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+@pytest.fixture(scope="module")
+def cluster(served_model, tmp_path_factory):
+    with Cluster(str(served_model), num_decode=2, dtype="float32", log_dir=tmp_path_factory.mktemp("sla-logs"),
+                 extra_prefill=["--metrics-port", "0"], extra_decode=["--lease-seconds", "60"],
+                 extra_router=["--load-interval", "0.2"]) as c:
+        yield c
+
+
+def test_loaded_decode_is_avoided_and_an_unmeetable_tpot_is_refused_before_prefill(cluster):
+    c = cluster
+    busy, idle = c.decode_addrs
+    with c.channel(busy) as ch:  # 20 reservations make `busy` a loaded instance in its load reports
+        stub = internal_pb2_grpc.DecodeStub(ch)
+        leases = [stub.Reserve(internal_pb2.ReserveRequest(request_id=f"load{i}", num_prompt_tokens=200,
+                                                           max_tokens=200), timeout=10) for i in range(20)]
+    try:
+        wait_for(lambda: False, timeout=1.0)  # a few load polls
+        before = (_admitted(c, busy), _admitted(c, idle))
+        for i in range(6):
+            assert len(_generate(c, [5 + i, 6, 7, 8])) == 4
+        assert (_admitted(c, busy), _admitted(c, idle)) == (before[0], before[1] + 6)
+    finally:
+        with c.channel(busy) as ch:
+            for lease in leases:
+                internal_pb2_grpc.DecodeStub(ch).Release(internal_pb2.ReleaseRequest(
+                    lease_id=lease.destination.lease_id), timeout=10)
+
+    prompt_tokens = _prefill_prompt_tokens(c)
+    with pytest.raises(grpc.RpcError) as err:  # 0.001 ms per token: no pair can, so no prefill starts
+        _generate(c, [9, 9, 9], tpot_ms=0.001)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "SLA" in err.value.details()
+    assert dict(err.value.trailing_metadata()).get("retry-after-ms")
+    assert _prefill_prompt_tokens(c) == prompt_tokens
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(c, [9, 9, 9], tpot_ms=float("nan"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sla.tpot_ms" in err.value.details()
+
+
+def test_a_dead_instance_is_taken_out_and_back_in_after_restart(cluster):
+    c = cluster
+    first, second = c.decode_addrs
+    os.kill(c.process(first).pid, signal.SIGKILL)
+    c.process(first).wait(10)
+    for i in range(4):  # every request succeeds on the live instance (fail-over covers the first poll gap)
+        assert len(_generate(c, [20 + i, 3, 4])) == 4
+    c.restart(first)
+    assert wait_for(lambda: (_generate(c, [30, 3, 4]), _admitted(c, first) > 0)[1], timeout=30), \
+        "the restarted instance was not taken back"
+    assert _admitted(c, second) >= 4
