@@ -5,9 +5,10 @@ what was measured.
     python bench/sla_router.py [--decode 2] [--requests 80] [--isl 64] [--osl 32] [--loads 0.5,1,1.5]
                                [--dtype float32]
 
-Capacity and targets come from the engine's own profile (`pdserve profile`, run first, in-process):
-the planner's stage-A goodput for the local (M=1, N) at targets of 4× an idle prefill (TTFT) and 2×
-an idle decode step (TPOT). Prints attainment (of accepted requests, and of all), goodput, rejection
+Capacity and targets come from a profile measured through the served system first (`pdserve profile
+--router`, so processes sharing the cores are in it): the planner's stage-A goodput for the local
+(M=1, N) at targets of 3× an idle TTFT and 2× an idle TPOT; both routers start with that profile.
+Prints attainment (of accepted requests, and of all), goodput, rejection
 rate per policy and rate, then predicted vs measured TTFT / TPOT p90 and attainment; saves
 bench/out/sla_router.png. All processes share this machine's cores.
 """
@@ -28,7 +29,7 @@ import grpc  # noqa: E402
 
 from bench.common import OUT, line_plot, table  # noqa: E402
 from router.cli import Cluster  # noqa: E402
-from router.perf import profile_engine  # noqa: E402
+from router.perf import profile_served  # noqa: E402
 from router.planner import Dist, Workload, analytic, goodput, simulate  # noqa: E402
 from shared.loader.tiny import ensure_tiny_model  # noqa: E402
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
@@ -84,11 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick-profile", action="store_true", help="a coarse profile (smoke runs)")
     args = p.parse_args(argv)
     model = str(ensure_tiny_model("models/tiny-v32"))
-    print("profiling the engine in-process ...", flush=True)
-    coarse = {"lengths": (16, 64), "batches": (1, 4), "contexts": (32, 64)} if args.quick_profile else {}
-    perf = profile_engine(model, args.dtype, say=lambda s: None, **coarse)
-    ttft_target = 4 * perf.prefill_seconds(args.isl) + 0.05
-    tpot_target = 2 * perf.decode_step_seconds(1, args.isl + args.osl)
+    print("profiling the served system ...", flush=True)
+    coarse = {"lengths": (16, 64), "batches": (1, 2), "contexts": (16, 32), "steps": 2} if args.quick_profile else {}
+    with Cluster(model, num_decode=args.decode, dtype=args.dtype) as c:
+        perf = profile_served(c.address, say=lambda s: print("  " + s, flush=True), **coarse)
+    profile = OUT / "sla_router_profile.json"
+    profile.parent.mkdir(parents=True, exist_ok=True)
+    perf.save(profile)
+    ttft_target = 3 * perf.ttft(0, args.isl)
+    tpot_target = 2 * perf.tpot(1, args.isl + args.osl)
     w = Workload(1.0, Dist.parse(str(args.isl)), Dist.parse(str(args.osl)), ttft_target, tpot_target)
 
     def at(rate: float) -> Workload:
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     loads = [float(x) for x in args.loads.split(",")]
     rows, predicted_rows, series = [], [], {"sla": [], "round-robin": []}
     for policy in ("sla", "round-robin"):
-        router_flags = ["--policy", policy, "--ttft-slo-ms", f"{ttft_target * 1e3:.1f}",
+        router_flags = ["--policy", policy, "--profile", str(profile), "--ttft-slo-ms", f"{ttft_target * 1e3:.1f}",
                         "--tpot-slo-ms", f"{tpot_target * 1e3:.1f}", "--load-interval", "0.1"]
         with Cluster(model, num_decode=args.decode, dtype=args.dtype, extra_router=router_flags) as c:
             for i, load in enumerate(loads):

@@ -66,6 +66,7 @@ class PrefillClient(CoreClient):
 
     def on_message(self, msg: tuple) -> None:
         if msg[0] == "report":
-            _, self.latest_load, batch_tokens = msg
+            _, load, batch_tokens = msg
+            self.latest_load = {**self.latest_load, **load}  # the prefix filter comes with some reports only
             if batch_tokens:
                 metrics.BATCH_TOKENS.observe(batch_tokens)

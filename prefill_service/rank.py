@@ -30,12 +30,14 @@ from shared import metrics
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import ALL, Command, EngineCore, RankReport
 from shared.engine.scheduler import ScheduledChunk, Sequence
+from shared.kvcache.pool import PrefixFilter
 from shared.transfer import Destination, KVPush, KVSender, TransferError
 
 log = logging.getLogger("pdserve.prefill")
 
 # first token, rng state, seconds, prompt tokens from the prefix cache, KV bytes this rank pushed
 Result = tuple[int, bytes, float, int, int]
+PREFIX_FILTER_SECONDS = 0.5  # how often the prefix-cache summary for the router is rebuilt
 
 
 @dataclass
@@ -263,6 +265,7 @@ class PrefillCore(EngineCore):
         self.rank = rank
         self._results: dict[str, Future] = {}
         self.latest_load = rank.load()
+        self._filter_built, self._filter_stale = 0.0, False
         # after every turn: (this instance's load, tokens the step computed or 0)
         self.on_report: Callable[[dict[str, Any], int], None] = self._record
         rank.on_done = self._done
@@ -274,10 +277,25 @@ class PrefillCore(EngineCore):
 
     def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
         super().after_turn(reports, step_seconds)
-        self.on_report(self.rank.load(), self.rank.batch_tokens)
+        self._filter_stale = True
+        self.on_report(self._with_filter(self.rank.load()), self.rank.batch_tokens)
+
+    def idle(self) -> None:
+        if self._filter_stale:  # the last turns' cache changes reach the router while idle too
+            load = self._with_filter(self.rank.load())
+            if "prefix_filter" in load:
+                self.on_report(load, 0)
+
+    def _with_filter(self, load: dict[str, Any]) -> dict[str, Any]:
+        """Add the prefix-cache summary the router matches prompts against, at most every 0.5 s."""
+        if time.monotonic() - self._filter_built > PREFIX_FILTER_SECONDS:
+            self._filter_built, self._filter_stale = time.monotonic(), False
+            kv = self.rank.engine.kv
+            load["prefix_filter"] = PrefixFilter.build(kv.allocator.cached_hashes(), kv.num_blocks).bits
+        return load
 
     def _record(self, load: dict[str, Any], batch_tokens: int) -> None:
-        self.latest_load = load
+        self.latest_load = {**self.latest_load, **load}  # the prefix filter comes with some reports only
         if batch_tokens:
             metrics.BATCH_TOKENS.observe(batch_tokens)
 

@@ -95,7 +95,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         return internal_pb2.LoadReport(running=load["running"], waiting=load["waiting"],
                                        free_blocks=load["free_blocks"], total_blocks=load["total_blocks"],
                                        queued_prompt_tokens=load["queued_prompt_tokens"],
-                                       block_size=self.cfg.block_size)
+                                       block_size=self.cfg.block_size, prefix_filter=load.get("prefix_filter", b""))
 
     async def Prefill(self, request, context):  # noqa: N802
         problem = self.credentials.vouched(request.destination)

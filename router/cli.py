@@ -9,8 +9,8 @@
         interactive multi-turn chat.
     pdserve certs --out DIR [--host H ...]
         a cluster CA + node certificate for the services' --tls-cert/--tls-key/--tls-ca.
-    pdserve profile [--model DIR] [--out profile.json]
-        measures the engine's prefill and decode curves in-process and fits the router's PerfModel.
+    pdserve profile [--router ADDR | --model DIR] [--out profile.json]
+        measures prefill and decode curves (through a running router, or in-process) → the router's PerfModel.
     pdserve plan --rate R --ttft-p90 MS --tpot-p90 MS [--profile profile.json] [--isl 128] [--osl 128] ...
         M prefill / N decode instances for the workload (analytic, then simulated with the router's policy).
 """
@@ -365,10 +365,13 @@ def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> No
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
-    from router.perf import profile_engine
+    from router.perf import profile_engine, profile_served
 
-    model = args.model or str(ensure_tiny_model(DEFAULT_MODEL))
-    perf = profile_engine(model, args.dtype)
+    if args.router:
+        args.address = args.router
+        perf = profile_served(args.router, open_channel=lambda _: client_channel(args))
+    else:
+        perf = profile_engine(args.model or str(ensure_tiny_model(DEFAULT_MODEL)), args.dtype)
     perf.save(args.out)
     print(f"wrote {args.out}")
 

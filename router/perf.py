@@ -48,6 +48,7 @@ class PerfModel:
         return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_context_token_s * context_tokens
 
     def transfer_seconds(self, tokens: float) -> float:
+        """(A served profile folds the transfer into its measured TTFT: bandwidth inf.)"""
         return tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
 
     def ttft(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0) -> float:
@@ -150,3 +151,58 @@ def profile_engine(model: str, dtype: str = "bfloat16", say=print, lengths: tupl
     kv_bytes = engine.layout.bytes_per_token()
     return PerfModel(prefill_base_s=pa, prefill_per_token_s=pb, prefill_per_token2_s=pc, decode_base_s=da,
                      decode_per_seq_s=db, decode_per_context_token_s=dc, kv_bytes_per_token=float(kv_bytes))
+
+
+def profile_served(address: str, say=print, lengths: tuple[int, ...] = (16, 64, 256),  # noqa: ANN001
+                   batches: tuple[int, ...] = (1, 4, 16), contexts: tuple[int, ...] = (32, 128),
+                   steps: int = 16, open_channel=None) -> PerfModel:  # noqa: ANN001
+    """Measure through a running router (`pdserve profile --router ADDR`): TTFT of one prompt at a
+    time for the prefill curve (queue-free, so it holds the whole disaggregated path: prefill, KV
+    push, admission), and the TPOT of `batch` concurrent streams for the decode curve. This is what
+    the router will see, processes sharing cores included."""
+    import statistics
+    import threading
+    import time
+
+    import grpc
+
+    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+    def stream(stub, prompt: list[int], n: int) -> list[float]:  # noqa: ANN001
+        req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=generation_pb2.SamplingParams(
+            max_tokens=n, temperature=0.0, ignore_eos=True))
+        t0, stamps = time.perf_counter(), [0.0]
+        for msg in stub.Generate(req, timeout=600):
+            stamps.extend([time.perf_counter() - t0] * len(msg.token_ids))
+        return stamps[1:]
+
+    with (open_channel or grpc.insecure_channel)(address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        stream(stub, [5, 6, 7], 2)  # warm
+        xs, ys = [], []
+        for length in lengths:
+            ttfts = [stream(stub, [(11 * i + rep) % 400 + 3 for i in range(length)], 1)[0] for rep in range(3)]
+            xs.append([1.0, length, length * length])
+            ys.append(statistics.median(ttfts))
+            say(f"TTFT {length:5d} tokens: {ys[-1] * 1e3:8.1f} ms")
+        pa, pb, pc = fit_linear(xs, ys)
+        xs, ys = [], []
+        for batch in batches:
+            for ctx in contexts:
+                out: list[list[float]] = []
+
+                def run(b: int, ctx: int = ctx, out: list = out) -> None:
+                    out.append(stream(stub, [(13 * i + b) % 400 + 3 for i in range(ctx)], steps + 1))
+
+                threads = [threading.Thread(target=run, args=(b,)) for b in range(batch)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                tpot = statistics.median((s[-1] - s[0]) / (len(s) - 1) for s in out if len(s) > 1)
+                xs.append([1.0, batch, batch * (ctx + steps / 2)])
+                ys.append(tpot)
+                say(f"TPOT batch {batch:3d} context {ctx:4d}: {tpot * 1e3:8.1f} ms")
+        da, db, dc = fit_linear(xs, ys)
+    return PerfModel(prefill_base_s=pa, prefill_per_token_s=pb, prefill_per_token2_s=pc, decode_base_s=da,
+                     decode_per_seq_s=db, decode_per_context_token_s=dc, transfer_bytes_per_s=float("inf"))

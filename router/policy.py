@@ -9,8 +9,11 @@ instance's step time once this request and the reservations already placed there
 least-loaded DP rank, at the pace of its busiest rank) with the shared PerfModel; it keeps the pairs
 that meet the request's targets with margin, takes the cheaper of two random ones (power of two
 choices: a stale report cannot herd every request onto one instance) and lists the rest as the
-fail-over order. If no pair can meet the targets it says no at once, with a retry-after hint, before
-any prefill work. `LeastLoadedPolicy` and `RoundRobinPolicy` ignore the SLA (baselines).
+fail-over order; a pair whose prefill instance holds the prompt's prefix in its cache (its load
+report's PrefixFilter) is predicted faster and, when it is the cheapest feasible pair, taken outright
+(cache hit over load balance while the SLA holds, as SGLang's cache-aware router and llm-d do). If no
+pair can meet the targets it says no at once, with a retry-after hint, before any prefill work.
+`LeastLoadedPolicy` and `RoundRobinPolicy` ignore the SLA (baselines).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.perf import PerfModel
 
@@ -33,6 +37,8 @@ class PrefillView:
     address: str
     queued_tokens: int = 0  # prompt tokens waiting or not yet computed
     up: bool = True
+    block_size: int = 64
+    prefix: Any = None  # shared.kvcache.pool.PrefixFilter of its prefix cache (None: unknown)
 
 
 @dataclass
@@ -62,6 +68,7 @@ class Request:
     ttft_s: float  # targets (0: none)
     tpot_s: float
     cached_tokens: int = 0
+    cached_by_prefill: list[int] | None = None  # prompt tokens each prefill instance holds in its prefix cache
 
 
 @dataclass
@@ -71,6 +78,7 @@ class Choice:
     ttft_s: float  # predicted
     tpot_s: float
     cost: float
+    cached_tokens: int = 0
 
 
 class Rejected(Exception):
@@ -103,9 +111,10 @@ class SlaPolicy:
             for p, pre in enumerate(prefills):
                 if any_prefill and not pre.up:
                     continue
-                ttft = self.perf.ttft(pre.queued_tokens, req.prompt_tokens, req.cached_tokens)
+                cached = req.cached_by_prefill[p] if req.cached_by_prefill else req.cached_tokens
+                ttft = self.perf.ttft(pre.queued_tokens, req.prompt_tokens, cached)
                 cost = ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0)
-                out.append(Choice(p, d, ttft, tpot, cost))
+                out.append(Choice(p, d, ttft, tpot, cost, cached))
         return out
 
     def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
@@ -121,7 +130,7 @@ class SlaPolicy:
             raise Rejected(f"no pair meets the SLA (best predicted TTFT {best.ttft_s * 1e3:.0f} ms, "
                            f"TPOT {best.tpot_s * 1e3:.1f} ms)", max(0.1, over))
         fits.sort(key=lambda c: c.cost)
-        if len(fits) > 2:
+        if len(fits) > 2 and not fits[0].cached_tokens:  # a prefix-cache hit within the SLA wins outright
             a, b = self.rng.sample(range(len(fits)), 2)
             first = fits[min(a, b)]  # the cheaper of two random feasible pairs
             fits.remove(first)

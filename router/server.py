@@ -29,6 +29,7 @@ from shared.config import REQUIRED, EndpointConfig, ModelConfig, add_flags, flag
 from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.sampler import SamplingParams
 from shared.engine.tokenizer import Tokenizer
+from shared.kvcache.pool import PrefixFilter, prompt_block_hashes
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server
 
@@ -138,6 +139,9 @@ class Pool:
         view = inst.view
         if isinstance(view, PrefillView):
             view.queued_tokens = report.queued_prompt_tokens
+            view.block_size = report.block_size or view.block_size
+            if report.prefix_filter:
+                view.prefix = PrefixFilter(report.prefix_filter)
         else:
             ranks = report.ranks or [internal_pb2.RankLoad(running=report.running, free_blocks=report.free_blocks,
                                                             active_leases=report.active_leases)]
@@ -280,7 +284,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         ttft_s = (request.sla.ttft_ms or self.cfg.ttft_slo_ms) / 1e3
         tpot_s = (request.sla.tpot_ms or self.cfg.tpot_slo_ms) / 1e3
         try:
-            pairs = self.policy.choose(Request(len(ids), params.max_tokens, ttft_s, tpot_s),
+            pairs = self.policy.choose(Request(len(ids), params.max_tokens, ttft_s, tpot_s,
+                                               cached_by_prefill=self._cached_prefix(ids)),
                                        [x.view for x in self.prefill.instances],
                                        [x.view for x in self.decode.instances])
         except Rejected as exc:  # before any work anywhere
@@ -326,6 +331,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     task = asyncio.ensure_future(self._release(dec, lease_id))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
+
+    def _cached_prefix(self, ids: list[int]) -> list[int]:
+        """Per prefill instance, the prompt tokens its prefix cache holds (by its latest summary;
+        at least one token is always computed, as the scheduler does)."""
+        hashes: dict[int, list[bytes]] = {}
+        out = []
+        for inst in self.prefill.instances:
+            view = inst.view
+            if view.prefix is None:
+                out.append(0)
+                continue
+            bs = view.block_size
+            if bs not in hashes:
+                hashes[bs] = prompt_block_hashes(ids, bs, (len(ids) - 1) // bs)
+            out.append(view.prefix.cached_prefix_blocks(hashes[bs]) * bs)
+        return out
 
     async def _release(self, dec: Instance, lease_id: str) -> None:
         try:

@@ -89,3 +89,19 @@ def test_preempted_request_resumes_from_its_cached_blocks(sparse_path):
     roomy = LLM(sparse_path, block_size=4, enable_prefix_caching=False).generate(prompts, params)
     tight = LLM(sparse_path, block_size=4, kv_cache_tokens=160)  # 40 blocks < 4 × 14: preemption
     assert [o.token_ids for o in tight.generate(prompts, params)] == [o.token_ids for o in roomy]
+
+
+def test_prefix_filter_summarises_the_cache_for_the_router(sparse_path):
+    """A Bloom filter of the cached block keys finds a prompt's cached prefix from the prompt alone
+    (the same chained hashes the scheduler uses), and nothing for an unrelated prompt."""
+    from shared.kvcache.pool import PrefixFilter, prompt_block_hashes
+
+    llm = LLM(sparse_path, block_size=4)
+    prompt = list(range(3, 40))
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    alloc = llm.engine.kv.allocator
+    f = PrefixFilter.build(alloc.cached_hashes(), llm.engine.kv.num_blocks)
+    assert len(f.bits) * 8 >= 10 * llm.engine.kv.num_blocks - 64
+    assert f.cached_prefix_blocks(prompt_block_hashes(prompt + [1, 2], 4)) == len(prompt) // 4
+    assert f.cached_prefix_blocks(prompt_block_hashes(prompt[:9] + [99] * 20, 4)) == 2  # diverges in block 2
+    assert f.cached_prefix_blocks(prompt_block_hashes(list(range(100, 140)), 4)) == 0

@@ -30,16 +30,18 @@ def _admitted(c: Cluster, address: str) -> int:
 
 
 def _prefill_prompt_tokens(c: Cluster) -> float:
-    port = c.metrics_ports[c.prefill_addrs[0]]
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    line = next((x for x in body.splitlines() if x.startswith('pdserve_tokens_total{kind="prompt",service="prefill"}')),
-                None)
-    return float(line.split()[-1]) if line else 0.0
+    total = 0.0
+    for addr in c.prefill_addrs:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_ports[addr]}/metrics", timeout=5).read().decode()
+        key = 'pdserve_tokens_total{kind="prompt",service="prefill"}'
+        total += sum(float(x.split()[-1]) for x in body.splitlines() if x.startswith(key))
+    return total
 
 
 @pytest.fixture(scope="module")
 def cluster(served_model, tmp_path_factory):
-    with Cluster(str(served_model), num_decode=2, dtype="float32", log_dir=tmp_path_factory.mktemp("sla-logs"),
+    with Cluster(str(served_model), num_prefill=2, num_decode=2, dtype="float32",
+                 log_dir=tmp_path_factory.mktemp("sla-logs"),
                  extra_prefill=["--metrics-port", "0"], extra_decode=["--lease-seconds", "60"],
                  extra_router=["--load-interval", "0.2"]) as c:
         yield c
@@ -86,3 +88,24 @@ def test_a_dead_instance_is_taken_out_and_back_in_after_restart(cluster):
     assert wait_for(lambda: (_generate(c, [30, 3, 4]), _admitted(c, first) > 0)[1], timeout=30), \
         "the restarted instance was not taken back"
     assert _admitted(c, second) >= 4
+
+
+def test_repeated_prefixes_go_to_the_prefill_instance_that_caches_them(cluster):
+    """Each prefill instance summarises its prefix cache in its load reports; with two instances a
+    prompt sharing a cached prefix is sent to the one holding it (usage reports the hit every time)."""
+    c = cluster
+    system = [(7 * i) % 400 + 3 for i in range(80)]  # a shared "system prompt" of whole blocks
+    with c.channel(c.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+
+        def cached(suffix: list[int]) -> int:
+            req = generation_pb2.GenerateRequest(prompt_token_ids=system + suffix, sampling_params=generation_pb2.
+                                                 SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            return [m for m in stub.Generate(req, timeout=60)][-1].usage.cached_prompt_tokens
+
+        assert cached([1]) == 0
+        hits = []
+        for i in range(6):
+            wait_for(lambda: False, timeout=1.0)  # the holder's next summary reaches the router
+            hits.append(cached([2 + i, 9]))
+    assert all(h >= 64 for h in hits), hits
