@@ -12,9 +12,10 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,8 +43,9 @@ PEER_TIMEOUT = 10.0
 @dataclass(kw_only=True)
 class RouterConfig(EndpointConfig):
     model: str = flag(REQUIRED, "checkpoint directory (config.json + tokenizer.json are read)")
-    prefill: list[str] = flag(REQUIRED, "comma-separated prefill instance addresses")
-    decode: list[str] = flag(REQUIRED, "comma-separated decode instance addresses")
+    prefill: list[str] = flag(REQUIRED, "comma-separated prefill instance addresses (dns:NAME:PORT: every "
+                                        "address NAME resolves to, e.g. a Kubernetes headless service)")
+    decode: list[str] = flag(REQUIRED, "comma-separated decode instance addresses (dns:NAME:PORT as for --prefill)")
     port: int = flag(50051, "public gRPC port (0 = pick a free one, reported with --port-file)")
     request_timeout: float = flag(600.0, "longest a Generate call may run, in seconds")
     max_prompt_bytes: int = flag(0, "largest text prompt / messages accepted (0: 32 bytes per context token, "
@@ -56,6 +58,7 @@ class RouterConfig(EndpointConfig):
     profile: str | None = flag(None, "profile.json from `pdserve profile` (default: built-in estimates, "
                                      "calibrated online either way)")
     load_interval: float = flag(0.25, "seconds between load reports polled from each instance")
+    discovery_interval: float = flag(5.0, "seconds between DNS resolutions of dns:NAME:PORT instance addresses")
 
 
 MAX_REQUEST_ID = 128
@@ -88,26 +91,65 @@ class Instance:
     view: PrefillView | DecodeView
     outstanding: int = 0  # changed only on the event loop: no lock
     failures: int = 0  # consecutive failed load polls (back-off)
+    due: float = 0.0  # next load poll (monotonic seconds)
 
 
 class Pool:
     """Instances of one kind, with the router's view of each (its load reports, plus what was
     dispatched since the last one); an instance whose calls or load polls fail is taken out of the
-    choice and polled back in with back-off."""
+    choice and polled back in with back-off. An address `dns:NAME:PORT` (a Kubernetes headless
+    service) stands for every address NAME resolves to, re-resolved every `discover` period: pods
+    that appear are added, pods that vanish are dropped."""
 
     def __init__(self, kind: str, addresses: list[str], stub_cls, credentials: Credentials | None = None):  # noqa: ANN001
-        self.kind = kind
+        self.kind, self.stub_cls, self.credentials = kind, stub_cls, credentials
         metrics.FAILOVERS.labels(kind)  # exported at 0 from the start
-        self.channels = [aio_channel(a, credentials) for a in addresses]
-        view = PrefillView if kind == "prefill" else DecodeView
-        self.instances = [Instance(a, stub_cls(ch), view(a)) for a, ch in zip(addresses, self.channels)]
+        self.static = [a for a in addresses if not a.startswith("dns:")]
+        self.names = [a[4:] for a in addresses if a.startswith("dns:")]
+        self.instances: list[Instance] = [self._make(a) for a in self.static]
+        self._retired: list[tuple[float, grpc.aio.Channel]] = []
+
+    def _make(self, address: str) -> Instance:
+        channel = aio_channel(address, self.credentials)
+        view = PrefillView if self.kind == "prefill" else DecodeView
+        inst = Instance(address, self.stub_cls(channel), view(address))
+        inst.channel = channel  # type: ignore[attr-defined]
+        return inst
+
+    async def discover(self, period: float = 5.0,
+                       resolve: Callable[[str, str], Awaitable[list[str]]] | None = None) -> None:
+        """Keep the instances of the dns: names current (static addresses always stay)."""
+        resolve = resolve or _resolve
+        while True:
+            await self.refresh(resolve)
+            await asyncio.sleep(period)
+
+    async def refresh(self, resolve: Callable[[str, str], Awaitable[list[str]]]) -> None:
+        wanted = list(self.static)
+        for name in self.names:
+            host, _, port = name.rpartition(":")
+            try:
+                wanted += [a for a in await resolve(host, port) if a not in wanted]
+            except OSError as exc:  # keep what we have: a DNS hiccup must not empty the pool
+                log.warning("%s: cannot resolve %s: %s", self.kind, host, exc)
+                wanted += [x.address for x in self.instances if x.address not in wanted]
+        current = {x.address: x for x in self.instances}
+        added = [a for a in wanted if a not in current]
+        gone = [x for x in self.instances if x.address not in wanted]
+        if added or gone:
+            log.info("%s instances: +%s -%s", self.kind, added, [x.address for x in gone])
+            self.instances = [current.get(a) or self._make(a) for a in wanted]
+            now = time.monotonic()
+            self._retired += [(now, x.channel) for x in gone]  # type: ignore[attr-defined]
+        while self._retired and time.monotonic() - self._retired[0][0] > 600:  # in-flight streams drain first
+            await self._retired.pop(0)[1].close()
 
     async def watch_health(self, period: float = 2.0) -> None:
         """pdserve_router_instance_up for every instance, from its health check every `period` s."""
-        stubs = [health_pb2_grpc.HealthStub(ch) for ch in self.channels]
         while True:
-            for inst, stub in zip(self.instances, stubs):
+            for inst in list(self.instances):
                 try:
+                    stub = health_pb2_grpc.HealthStub(inst.channel)  # type: ignore[attr-defined]
                     reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=period)
                     up = reply.status == health_pb2.HealthCheckResponse.SERVING
                 except grpc.RpcError:
@@ -118,22 +160,20 @@ class Pool:
     async def poll_loads(self, interval: float, metadata: tuple) -> None:
         """Refresh every instance's view from its GetLoad report every `interval` s; a failing one is
         out (its view down) and retried after interval · 2^failures (at most 8 s)."""
-        due = [0.0] * len(self.instances)
         while True:
             now = time.monotonic()
-            polls = [self._poll(i, inst, interval, metadata, due) for i, inst in enumerate(self.instances)
-                     if now >= due[i]]
-            await asyncio.gather(*polls)
+            await asyncio.gather(*(self._poll(inst, interval, metadata) for inst in list(self.instances)
+                                   if now >= inst.due))
             await asyncio.sleep(interval)
 
-    async def _poll(self, i: int, inst: Instance, interval: float, metadata: tuple, due: list[float]) -> None:
+    async def _poll(self, inst: Instance, interval: float, metadata: tuple) -> None:
         try:
             report = await inst.stub.GetLoad(internal_pb2.LoadRequest(), timeout=max(1.0, 4 * interval),
                                              metadata=metadata)
         except grpc.RpcError:
             inst.failures += 1
             inst.view.up = False
-            due[i] = time.monotonic() + min(8.0, interval * 2 ** inst.failures)
+            inst.due = time.monotonic() + min(8.0, interval * 2 ** inst.failures)
             return
         inst.failures, inst.view.up = 0, True
         view = inst.view
@@ -149,10 +189,12 @@ class Pool:
             view.free_blocks = min(r.free_blocks for r in ranks)
             view.block_size = report.block_size or view.block_size
 
-    def ordered(self, indices: list[int]) -> list[Instance]:
-        """The instances at `indices` (the policy's order, repeats dropped), then the rest as fail-over."""
+    @staticmethod
+    def ordered(instances: list[Instance], indices: list[int]) -> list[Instance]:
+        """`instances` (a snapshot the policy saw) at `indices` in the policy's order, repeats dropped,
+        then the rest as the fail-over order."""
         seen = list(dict.fromkeys(indices))
-        return [self.instances[i] for i in seen] + [x for i, x in enumerate(self.instances) if i not in seen]
+        return [instances[i] for i in seen] + [x for i, x in enumerate(instances) if i not in seen]
 
 
 @contextlib.contextmanager
@@ -283,11 +325,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         ttft_s = (request.sla.ttft_ms or self.cfg.ttft_slo_ms) / 1e3
         tpot_s = (request.sla.tpot_ms or self.cfg.tpot_slo_ms) / 1e3
+        prefills, decodes = list(self.prefill.instances), list(self.decode.instances)  # discovery may change them
+        if not prefills or not decodes:
+            metrics.request_done("router", "UNAVAILABLE", "no_instances")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill or no decode instance is known yet")
         try:
             pairs = self.policy.choose(Request(len(ids), params.max_tokens, ttft_s, tpot_s,
-                                               cached_by_prefill=self._cached_prefix(ids)),
-                                       [x.view for x in self.prefill.instances],
-                                       [x.view for x in self.decode.instances])
+                                               cached_by_prefill=self._cached_prefix(ids, prefills)),
+                                       [x.view for x in prefills], [x.view for x in decodes])
         except Rejected as exc:  # before any work anywhere
             metrics.request_done("router", "RESOURCE_EXHAUSTED", "sla")
             context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1e3))),))
@@ -297,7 +342,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                   max_tokens=params.max_tokens)
         full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         grpc.StatusCode.DEADLINE_EXCEEDED)
-        dec, reserve = await self._first_ok(context, self.decode, self.decode.ordered([c.decode for c in pairs]),
+        dec, reserve = await self._first_ok(context, self.decode, Pool.ordered(decodes, [c.decode for c in pairs]),
                                             lambda inst: inst.stub.Reserve(reserve_req, timeout=PEER_TIMEOUT,
                                                                            metadata=md), retry_on=full_or_down)
         view = dec.view
@@ -310,8 +355,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 prefill_req = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
                                                           sampling_params=sampling, destination=reserve.destination)
                 metrics.QUEUE.observe(time.perf_counter() - t0)
-                preferred = [c.prefill for c in pairs if c.decode == self.decode.instances.index(dec)]
-                order = self.prefill.ordered(preferred or [c.prefill for c in pairs])
+                preferred = [c.prefill for c in pairs if decodes[c.decode] is dec]
+                order = Pool.ordered(prefills, preferred or [c.prefill for c in pairs])
                 order[0].view.queued_tokens += len(ids)  # until its next report
                 pre, first = await self._first_ok(context, self.prefill, order, lambda inst: inst.stub.Prefill(
                     prefill_req, timeout=timeout, metadata=md), retry_on=(grpc.StatusCode.UNAVAILABLE,))
@@ -332,12 +377,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
 
-    def _cached_prefix(self, ids: list[int]) -> list[int]:
+    @staticmethod
+    def _cached_prefix(ids: list[int], prefills: list[Instance]) -> list[int]:
         """Per prefill instance, the prompt tokens its prefix cache holds (by its latest summary;
         at least one token is always computed, as the scheduler does)."""
         hashes: dict[int, list[bytes]] = {}
         out = []
-        for inst in self.prefill.instances:
+        for inst in prefills:
             view = inst.view
             if view.prefix is None:
                 out.append(0)
@@ -408,6 +454,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         raise AssertionError("unreachable: a pool has at least one instance")
 
 
+async def _resolve(host: str, port: str) -> list[str]:
+    """host:port addresses of every IP `host` resolves to (IPv6 bracketed), in a stable order."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    ips = sorted({info[4][0] for info in infos})
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+
+
 def _map_code(code: grpc.StatusCode) -> grpc.StatusCode:
     """Peer failures surface as UNAVAILABLE; the peer's own verdicts pass through."""
     passthrough = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -443,6 +496,8 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
     watchers = [asyncio.create_task(pool.watch_health()) for pool in (servicer.prefill, servicer.decode)]
     watchers += [asyncio.create_task(pool.poll_loads(cfg.load_interval, servicer.metadata))
                  for pool in (servicer.prefill, servicer.decode)]
+    watchers += [asyncio.create_task(pool.discover(cfg.discovery_interval))
+                 for pool in (servicer.prefill, servicer.decode) if pool.names]
     servicer._background.update(watchers)  # referenced for the life of the process
     life.announce(port, cfg.port_file, f"router listening on {cfg.host}:{port}")
     await life.run(cfg.drain_seconds)

@@ -109,3 +109,35 @@ def test_repeated_prefixes_go_to_the_prefill_instance_that_caches_them(cluster):
             wait_for(lambda: False, timeout=1.0)  # the holder's next summary reaches the router
             hits.append(cached([2 + i, 9]))
     assert all(h >= 64 for h in hits), hits
+
+
+def test_dns_names_stand_for_every_address_they_resolve_to():
+    """`dns:NAME:PORT` (a headless service): pods that appear are added, vanished ones dropped, a
+    DNS failure keeps what is known, static addresses always stay; the real resolver works."""
+    import asyncio
+
+    from router.server import Pool, _resolve
+
+    answers = [["10.0.0.1:7000"], ["10.0.0.1:7000", "10.0.0.2:7000"], OSError("no DNS"), ["10.0.0.2:7000"]]
+
+    async def fake(host: str, port: str) -> list[str]:
+        assert (host, port) == ("decode-headless", "7000")
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def run() -> list[list[str]]:
+        pool = Pool("decode", ["127.0.0.1:1", "dns:decode-headless:7000"], internal_pb2_grpc.DecodeStub)
+        seen = [[x.address for x in pool.instances]]
+        for _ in range(4):
+            kept = {x.address: x for x in pool.instances}
+            await pool.refresh(fake)
+            seen.append([x.address for x in pool.instances])
+            assert all(kept[a] is x for a, x in zip(seen[-1], pool.instances) if a in kept)  # views kept
+        return seen
+
+    assert asyncio.run(run()) == [["127.0.0.1:1"], ["127.0.0.1:1", "10.0.0.1:7000"],
+                                  ["127.0.0.1:1", "10.0.0.1:7000", "10.0.0.2:7000"],
+                                  ["127.0.0.1:1", "10.0.0.1:7000", "10.0.0.2:7000"], ["127.0.0.1:1", "10.0.0.2:7000"]]
+    assert "127.0.0.1:7000" in asyncio.run(_resolve("localhost", "7000"))
