@@ -13,10 +13,16 @@ DistServe's simulator and Dynamo's planner use the same shapes (see ../shared/de
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-CALIBRATION_LIMITS = (0.25, 4.0)  # observed / predicted factors are clamped: one outlier must not rule
+CALIBRATION_LIMITS = (0.1, 10.0)  # observed / predicted factors are clamped: one outlier must not rule
+TTFT_BANDS = (0, 1, 256, 1024)  # queued prefill tokens ahead: idle, some, busy, saturated
+TPOT_BANDS = (0, 3, 9, 33)  # decode batch (busiest rank): lower bounds of each band
+
+
+def band(edges: tuple[int, ...], value: float) -> int:
+    return max(i for i, edge in enumerate(edges) if value >= edge)
 
 
 @dataclass
@@ -29,8 +35,11 @@ class PerfModel:
     decode_per_context_token_s: float = 2e-6
     kv_bytes_per_token: float = 1152.0  # MLA latent + rope (576 bf16) per layer summed, plus indexer keys
     transfer_bytes_per_s: float = 1e9
-    ttft_factor: float = 1.0  # online calibration: observed / predicted, smoothed
-    tpot_factor: float = 1.0
+    # Online calibration, observed / predicted, smoothed, per load band: where services share cores
+    # (or a model misses a cost that grows with load) the error depends on load, and one global
+    # factor would inflate the idle predictions by the loaded error.
+    ttft_factors: list[float] = field(default_factory=lambda: [1.0] * len(TTFT_BANDS))
+    tpot_factors: list[float] = field(default_factory=lambda: [1.0] * len(TPOT_BANDS))
     smoothing: float = 0.1
 
     def prefill_seconds(self, tokens: float) -> float:
@@ -51,21 +60,27 @@ class PerfModel:
         """(A served profile folds the transfer into its measured TTFT: bandwidth inf.)"""
         return tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
 
+    def ttft_raw(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0) -> float:
+        """Time to first token by the fitted curves: the queue ahead, the uncached prompt, the transfer."""
+        return (self.prefill_queue_seconds(queued_tokens) + self.prefill_seconds(prompt_tokens - cached_tokens)
+                + self.transfer_seconds(prompt_tokens))
+
     def ttft(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0) -> float:
-        """Predicted time to first token: the queue ahead, the uncached prompt, the KV transfer."""
-        raw = (self.prefill_queue_seconds(queued_tokens) + self.prefill_seconds(prompt_tokens - cached_tokens)
-               + self.transfer_seconds(prompt_tokens))
-        return raw * self.ttft_factor
+        """Predicted time to first token, calibrated for the load band of `queued_tokens`."""
+        factor = self.ttft_factors[band(TTFT_BANDS, queued_tokens)]
+        return self.ttft_raw(queued_tokens, prompt_tokens, cached_tokens) * factor
 
     def tpot(self, batch: float, context_tokens: float) -> float:
-        return self.decode_step_seconds(batch, context_tokens) * self.tpot_factor
+        return self.decode_step_seconds(batch, context_tokens) * self.tpot_factors[band(TPOT_BANDS, batch)]
 
     # -- online calibration ----------------------------------------------------------------------
-    def observe_ttft(self, predicted: float, observed: float) -> None:
-        self.ttft_factor = self._smooth(self.ttft_factor, predicted / max(self.ttft_factor, 1e-9), observed)
+    def observe_ttft(self, queued_tokens: float, raw_predicted: float, observed: float) -> None:
+        b = band(TTFT_BANDS, queued_tokens)
+        self.ttft_factors[b] = self._smooth(self.ttft_factors[b], raw_predicted, observed)
 
-    def observe_tpot(self, predicted: float, observed: float) -> None:
-        self.tpot_factor = self._smooth(self.tpot_factor, predicted / max(self.tpot_factor, 1e-9), observed)
+    def observe_tpot(self, batch: float, raw_predicted: float, observed: float) -> None:
+        b = band(TPOT_BANDS, batch)
+        self.tpot_factors[b] = self._smooth(self.tpot_factors[b], raw_predicted, observed)
 
     def _smooth(self, factor: float, raw_predicted: float, observed: float) -> float:
         if raw_predicted <= 0 or observed <= 0:
@@ -87,8 +102,12 @@ class PerfModel:
             raise ValueError(f"{path}: unknown profile fields {unknown}")
         model = cls(**data)
         for f in fields(cls):
-            if not isinstance(getattr(model, f.name), (int, float)) or getattr(model, f.name) < 0:
-                raise ValueError(f"{path}: {f.name} must be a non-negative number")
+            value = getattr(model, f.name)
+            values = value if isinstance(value, list) else [value]
+            if not all(isinstance(v, (int, float)) and v >= 0 for v in values):
+                raise ValueError(f"{path}: {f.name} must be non-negative numbers")
+        if len(model.ttft_factors) != len(TTFT_BANDS) or len(model.tpot_factors) != len(TPOT_BANDS):
+            raise ValueError(f"{path}: ttft_factors / tpot_factors need {len(TTFT_BANDS)} / {len(TPOT_BANDS)} bands")
         return model
 
 

@@ -146,8 +146,7 @@ def analytic(perf: PerfModel, w: Workload, m: int, n: int, ranks: int = 1) -> Pr
         tpot50 = perf.decode_step_seconds(batch, batch * ctx)
         b90 = batch + Z90 * math.sqrt(batch)
         tpot90 = perf.decode_step_seconds(b90, b90 * ctx)
-    return Prediction(m, n, ttft50 * perf.ttft_factor, ttft90 * perf.ttft_factor, tpot50 * perf.tpot_factor,
-                      tpot90 * perf.tpot_factor)
+    return Prediction(m, n, ttft50, ttft90, tpot50, tpot90)
 
 
 def plan(perf: PerfModel, w: Workload, max_m: int = 8, max_n: int = 16, ranks: int = 1) -> Prediction | None:

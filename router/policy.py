@@ -52,12 +52,15 @@ class DecodeView:
     def least_loaded(self) -> int:
         return min(range(len(self.ranks)), key=lambda r: (self.ranks[r].tokens, self.ranks[r].running, r))
 
-    def step_with(self, perf: PerfModel, rank: int, tokens: int) -> float:
-        """TPOT once a request of `tokens` context joins `rank`: the busiest rank sets the pace."""
-        worst = 0.0
+    def step_with(self, perf: PerfModel, rank: int, tokens: int) -> tuple[float, float, int]:
+        """(TPOT, uncalibrated TPOT, batch) of the busiest rank once a request of `tokens` context
+        joins `rank`: the busiest rank sets a lock-step instance's pace."""
+        worst = (0.0, 0.0, 1)
         for r, view in enumerate(self.ranks):
             batch, ctx = view.running + (r == rank), view.tokens + (tokens if r == rank else 0)
-            worst = max(worst, perf.tpot(batch, ctx))
+            t = perf.tpot(batch, ctx)
+            if t >= worst[0]:
+                worst = (t, perf.decode_step_seconds(batch, ctx), batch)
         return worst
 
 
@@ -79,6 +82,10 @@ class Choice:
     tpot_s: float
     cost: float
     cached_tokens: int = 0
+    queued_tokens: int = 0  # the prefill queue and the decode batch it was predicted at (calibration bands)
+    batch: int = 0
+    ttft_raw_s: float = 0.0  # the uncalibrated curves' predictions (what observations calibrate)
+    tpot_raw_s: float = 0.0
 
 
 class Rejected(Exception):
@@ -107,14 +114,15 @@ class SlaPolicy:
             blocks = -(-context // dec.block_size)
             if (any_decode and not dec.up) or blocks > dec.free_blocks:
                 continue
-            tpot = dec.step_with(self.perf, dec.least_loaded(), context)
+            tpot, tpot_raw, batch = dec.step_with(self.perf, dec.least_loaded(), context)
             for p, pre in enumerate(prefills):
                 if any_prefill and not pre.up:
                     continue
                 cached = req.cached_by_prefill[p] if req.cached_by_prefill else req.cached_tokens
                 ttft = self.perf.ttft(pre.queued_tokens, req.prompt_tokens, cached)
                 cost = ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0)
-                out.append(Choice(p, d, ttft, tpot, cost, cached))
+                raw = self.perf.ttft_raw(pre.queued_tokens, req.prompt_tokens, cached)
+                out.append(Choice(p, d, ttft, tpot, cost, cached, pre.queued_tokens, batch, raw, tpot_raw))
         return out
 
     def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:

@@ -411,7 +411,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if t_first is None:
                         t_first = now
                         metrics.TTFT.observe(now - t0)
-                        self.perf.observe_ttft(predicted.ttft_s, now - t0)
+                        self.perf.observe_ttft(predicted.queued_tokens, predicted.ttft_raw_s, now - t0)
                     elif t_last is not None:
                         metrics.TPOT.observe((now - t_last) / len(msg.token_ids))
                     t_last = now
@@ -420,7 +420,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                       finish_reason=msg.finish_reason, request_id=rid)
                 if msg.finish_reason:
                     if n > 1 and t_first is not None and t_last is not None:
-                        self.perf.observe_tpot(predicted.tpot_s, (t_last - t_first) / (n - 1))
+                        self.perf.observe_tpot(predicted.batch, predicted.tpot_raw_s, (t_last - t_first) / (n - 1))
                     out.usage.prompt_tokens, out.usage.completion_tokens = prompt_tokens, n
                     out.usage.cached_prompt_tokens = cached
                     metrics.request_done("router", "OK", msg.finish_reason)

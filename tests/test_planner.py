@@ -99,3 +99,22 @@ def test_sla_policy_prefers_the_idle_decode_and_refuses_what_no_pair_can_serve()
     assert Dist.parse("exp:50").mean == 50 and math.isclose(Dist.parse("10:20").mean, 15)
     with pytest.raises(ValueError, match="token distribution"):
         Dist.parse("ten")
+
+
+def test_online_calibration_is_per_load_band_and_bounded(tmp_path):
+    """Observed latencies 3× the curves under load raise the loaded band's predictions only, so the
+    idle predictions stay right; a factor is clamped; a profile round-trips through profile.json."""
+    perf = PerfModel(prefill_base_s=0.05, prefill_per_token_s=1e-4)
+    idle, busy = perf.ttft(0, 100), perf.ttft(2000, 100)
+    for _ in range(100):
+        perf.observe_ttft(2000, perf.ttft_raw(2000, 100), 3 * perf.ttft_raw(2000, 100))
+    assert perf.ttft(0, 100) == pytest.approx(idle)
+    assert perf.ttft(2000, 100) == pytest.approx(3 * busy, rel=0.01)
+    for _ in range(200):
+        perf.observe_tpot(1, 0.01, 10.0)  # 1000× off: clamped at 10×
+    assert perf.tpot(1, 0) == pytest.approx(10 * perf.decode_step_seconds(1, 0), rel=0.01)
+    perf.save(tmp_path / "p.json")
+    assert PerfModel.load(tmp_path / "p.json") == perf
+    (tmp_path / "bad.json").write_text('{"decode_base_s": -1}')
+    with pytest.raises(ValueError, match="decode_base_s"):
+        PerfModel.load(tmp_path / "bad.json")
