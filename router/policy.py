@@ -86,6 +86,7 @@ class Choice:
     batch: int = 0
     ttft_raw_s: float = 0.0  # the uncalibrated curves' predictions (what observations calibrate)
     tpot_raw_s: float = 0.0
+    room: bool = True  # the decode's last report has the blocks (a stale report only orders: Reserve decides)
 
 
 class Rejected(Exception):
@@ -111,8 +112,7 @@ class SlaPolicy:
         any_prefill, any_decode = any(p.up for p in prefills), any(d.up for d in decodes)
         out = []
         for d, dec in enumerate(decodes):
-            blocks = -(-context // dec.block_size)
-            if (any_decode and not dec.up) or blocks > dec.free_blocks:
+            if any_decode and not dec.up:
                 continue
             tpot, tpot_raw, batch = dec.step_with(self.perf, dec.least_loaded(), context)
             for p, pre in enumerate(prefills):
@@ -122,14 +122,15 @@ class SlaPolicy:
                 ttft = self.perf.ttft(pre.queued_tokens, req.prompt_tokens, cached)
                 cost = ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0)
                 raw = self.perf.ttft_raw(pre.queued_tokens, req.prompt_tokens, cached)
-                out.append(Choice(p, d, ttft, tpot, cost, cached, pre.queued_tokens, batch, raw, tpot_raw))
+                room = -(-context // dec.block_size) <= dec.free_blocks
+                out.append(Choice(p, d, ttft, tpot, cost, cached, pre.queued_tokens, batch, raw, tpot_raw, room))
         return out
 
     def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
         """Pairs to try, best first (the rest are the fail-over order); raises Rejected when none fits."""
         pairs = self.predict(req, prefills, decodes)
         if not pairs:
-            raise Rejected("no decode instance has KV room for this request", 1.0)
+            raise Rejected("no prefill/decode pair to choose from", 1.0)
         fits = [c for c in pairs if self._meets(c, req)]
         if not fits:
             best = min(pairs, key=lambda c: c.cost)
@@ -137,10 +138,11 @@ class SlaPolicy:
                        best.tpot_s * req.max_tokens * 0.1 if req.tpot_s and best.tpot_s > req.tpot_s else 0.0)
             raise Rejected(f"no pair meets the SLA (best predicted TTFT {best.ttft_s * 1e3:.0f} ms, "
                            f"TPOT {best.tpot_s * 1e3:.1f} ms)", max(0.1, over))
-        fits.sort(key=lambda c: c.cost)
-        if len(fits) > 2 and not fits[0].cached_tokens:  # a prefix-cache hit within the SLA wins outright
-            a, b = self.rng.sample(range(len(fits)), 2)
-            first = fits[min(a, b)]  # the cheaper of two random feasible pairs
+        fits.sort(key=lambda c: (not c.room, c.cost))
+        roomy = sum(c.room for c in fits)
+        if roomy > 2 and not fits[0].cached_tokens:  # a prefix-cache hit within the SLA wins outright
+            a, b = self.rng.sample(range(roomy), 2)
+            first = fits[min(a, b)]  # the cheaper of two random feasible pairs with room
             fits.remove(first)
             fits.insert(0, first)
         return fits
@@ -158,10 +160,10 @@ class LeastLoadedPolicy(SlaPolicy):
     def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
         pairs = self.predict(req, prefills, decodes)
         if not pairs:
-            raise Rejected("no decode instance has KV room for this request", 1.0)
+            raise Rejected("no prefill/decode pair to choose from", 1.0)
 
-        def load(c: Choice) -> tuple[int, int]:
-            return prefills[c.prefill].queued_tokens, sum(r.tokens for r in decodes[c.decode].ranks)
+        def load(c: Choice) -> tuple[bool, int, int]:
+            return not c.room, prefills[c.prefill].queued_tokens, sum(r.tokens for r in decodes[c.decode].ranks)
 
         return sorted(pairs, key=load)
 
@@ -178,7 +180,7 @@ class RoundRobinPolicy(SlaPolicy):
     def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
         pairs = self.predict(req, prefills, decodes)
         if not pairs:
-            raise Rejected("no decode instance has KV room for this request", 1.0)
+            raise Rejected("no prefill/decode pair to choose from", 1.0)
         k = next(self._turn) % len(pairs)
         return pairs[k:] + pairs[:k]
 
