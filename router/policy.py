@@ -7,8 +7,8 @@ planner predicts is what the router does.
 `SlaPolicy` predicts each pair's TTFT (prefill queue + prompt + KV transfer) and TPOT (the decode
 instance's step time once this request and the reservations already placed there have joined its
 least-loaded DP rank, at the pace of its busiest rank) with the shared PerfModel; it keeps the pairs
-that meet the request's targets with margin, takes the cheaper of two random ones (power of two
-choices: a stale report cannot herd every request onto one instance) and lists the rest as the
+that meet the request's targets with margin, takes the cheapest, spreading near-ties (within 10%) by
+power of two choices so a stale report cannot herd every request onto one instance, and lists the rest as the
 fail-over order; a pair whose prefill instance holds the prompt's prefix in its cache (its load
 report's PrefixFilter) is predicted faster and, when it is the cheapest feasible pair, taken outright
 (cache hit over load balance while the SLA holds, as SGLang's cache-aware router and llm-d do). If no
@@ -89,6 +89,9 @@ class Choice:
     room: bool = True  # the decode's last report has the blocks (a stale report only orders: Reserve decides)
 
 
+TIE = 0.1  # pairs within 10% of the cheapest are ties, spread by power of two choices
+
+
 class Rejected(Exception):
     """No pair can meet the request's targets now; `retry_after_s` says when one may."""
 
@@ -139,10 +142,11 @@ class SlaPolicy:
             raise Rejected(f"no pair meets the SLA (best predicted TTFT {best.ttft_s * 1e3:.0f} ms, "
                            f"TPOT {best.tpot_s * 1e3:.1f} ms)", max(0.1, over))
         fits.sort(key=lambda c: (not c.room, c.cost))
-        roomy = sum(c.room for c in fits)
-        if roomy > 2 and not fits[0].cached_tokens:  # a prefix-cache hit within the SLA wins outright
-            a, b = self.rng.sample(range(roomy), 2)
-            first = fits[min(a, b)]  # the cheaper of two random feasible pairs with room
+        best = fits[0]
+        ties = [i for i, c in enumerate(fits) if c.room and c.cost <= best.cost * (1 + TIE)]
+        if len(ties) > 2 and not best.cached_tokens:  # a prefix-cache hit within the SLA wins outright
+            a, b = self.rng.sample(ties, 2)
+            first = fits[min(a, b)]  # near-ties: the cheaper of two random ones, so stale reports do not herd
             fits.remove(first)
             fits.insert(0, first)
         return fits
