@@ -160,13 +160,16 @@ class DecodeRank:
         load = dict(report.load)
         expired = load.pop("expired")
         events = report.events
-        handles = {**self.handles, **self._ended}
-        plain = len(events) <= cap and all(not ev.error and ev.request_id in handles for ev in events)
+
+        def handle(rid: str) -> int | None:
+            return self.handles.get(rid, self._ended.get(rid))
+
+        plain = len(events) <= cap and all(not ev.error and handle(ev.request_id) is not None for ev in events)
         row = torch.zeros(len(LOAD_FIELDS) + 1 + 3 * cap, dtype=torch.int64)
         row[: len(LOAD_FIELDS)] = torch.tensor([load[k] for k in LOAD_FIELDS])
         if plain and events:
             row[len(LOAD_FIELDS)] = len(events)
-            codes = [(handles[ev.request_id], ev.token_id, FINISH_REASONS.index(ev.finish_reason))
+            codes = [(handle(ev.request_id), ev.token_id, FINISH_REASONS.index(ev.finish_reason))
                      for ev in events]
             row[len(LOAD_FIELDS) + 1: len(LOAD_FIELDS) + 1 + 3 * len(events)] = torch.tensor(codes).view(-1)
         extra = None

@@ -243,12 +243,6 @@ class PrefillRank:
         return {"rank": self.rank, "running": len(sched.running), "waiting": len(sched.waiting),
                 "free_blocks": kv.allocator.num_free, "total_blocks": kv.num_blocks, "queued_prompt_tokens": queued}
 
-    def encode(self, report: RankReport) -> tuple[torch.Tensor, Any]:
-        raise NotImplementedError("prefill ranks do not gather reports")
-
-    def decode(self, fixed: torch.Tensor, extra: Any) -> RankReport:
-        raise NotImplementedError("prefill ranks do not gather reports")
-
     def close(self) -> None:
         for rid in list(self.jobs):
             self._fail(rid, TransferError("the prefill instance stopped"))
@@ -269,7 +263,8 @@ class PrefillCore(EngineCore):
         # after every turn: (this instance's load, tokens the step computed or 0)
         self.on_report: Callable[[dict[str, Any], int], None] = self._record
         rank.on_done = self._done
-        rank.later = lambda kind, args: self.submit(kind, ALL if rank.policy.mirror else 0, **args)
+        self._to = ALL if rank.policy.mirror else 0  # mirrored ranks all apply every command
+        rank.later = lambda kind, args: self.submit(kind, self._to, **args)
         self.start()
 
     def load(self) -> dict[str, Any]:
@@ -278,7 +273,7 @@ class PrefillCore(EngineCore):
     def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
         super().after_turn(reports, step_seconds)
         self._filter_stale = True
-        self.on_report(self._with_filter(self.rank.load()), self.rank.batch_tokens)
+        self.on_report(self._with_filter(dict(reports[0].load)), self.rank.batch_tokens)  # rank 0's turn report
 
     def idle(self) -> None:
         if self._filter_stale:  # the last turns' cache changes reach the router while idle too
@@ -308,13 +303,12 @@ class PrefillCore(EngineCore):
             raise ValueError(f"request_id {request_id!r} is already in flight")
         done: Future = Future()
         self._results[request_id] = done
-        self.submit("add", ALL if self.rank.policy.mirror else 0, request_id=request_id, prompt=prompt,
-                    params=params, dest=dest)
+        self.submit("add", self._to, request_id=request_id, prompt=prompt, params=params, dest=dest)
         return done
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
         """Drop a prompt (the caller went away); its blocks and push are released on every rank."""
-        self.submit("abort", ALL if self.rank.policy.mirror else 0, request_id=request_id, error=reason)
+        self.submit("abort", self._to, request_id=request_id, error=reason)
 
     def _done(self, request_id: str, outcome: Result | BaseException) -> None:
         fut = self._results.pop(request_id, None)

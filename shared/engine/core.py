@@ -73,9 +73,15 @@ class RankDriver(Protocol):
     def apply(self, cmd: Command) -> Any: ...
     def step(self) -> list[Any]: ...
     def load(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class GatheringDriver(RankDriver, Protocol):
+    """A driver whose reports travel to rank 0 every turn (`gathers` true): it says how a report
+    becomes a fixed-size row plus rare objects, and back."""
+
     def encode(self, report: RankReport) -> tuple[torch.Tensor, Any]: ...
     def decode(self, fixed: torch.Tensor, extra: Any) -> RankReport: ...
-    def close(self) -> None: ...
 
 
 class RankLink:
@@ -108,7 +114,7 @@ class RankLink:
             return [report]
         if not driver.gathers:
             return [report] if self.rank == 0 else None
-        fixed, extra = driver.encode(report)
+        fixed, extra = driver.encode(report)  # type: ignore[attr-defined] - gathers: a GatheringDriver
         row = torch.cat([torch.tensor([int(extra is not None)], dtype=torch.int64), fixed])
         rows = [torch.empty_like(row) for _ in range(self.world)]
         dist.all_gather(rows, row, group=self.state.world_group)
@@ -117,7 +123,7 @@ class RankLink:
             dist.gather_object(extra, extras if self.rank == 0 else None, dst=0, group=self.state.world_group)
         if self.rank:
             return None
-        return [driver.decode(r[1:], x) for r, x in zip(rows, extras)]
+        return [driver.decode(r[1:], x) for r, x in zip(rows, extras)]  # type: ignore[attr-defined]
 
 
 def take_turn(driver: RankDriver, link: RankLink, cmds: list[Command],

@@ -88,8 +88,7 @@ class ContextSplit(Mirror):
     """CP prefill: every chunk split zigzag over the ranks; each rank pushes a slice of its blocks."""
 
     def batch(self, engine: LLMEngine, chunks: list[SeqChunk]) -> ForwardBatch:
-        if engine.scratch_blocks is None:
-            engine.scratch_blocks = engine.kv.allocator.allocate(1)
+        # a rank with no piece of the step runs a dummy token in the scratch block every parallel engine has
         return build_cp_batch(chunks, self.state.rank, self.state.config.cp, engine.layout.block_size,
                               engine.device, self.state.world_group, engine.scratch_blocks[0],
                               workspace_bytes=engine.workspace_bytes)
