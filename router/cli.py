@@ -13,6 +13,8 @@
         measures prefill and decode curves (through a running router, or in-process) → the router's PerfModel.
     pdserve plan --rate R --ttft-p90 MS --tpot-p90 MS [--profile profile.json] [--isl 128] [--osl 128] ...
         M prefill / N decode instances for the workload (analytic, then simulated with the router's policy).
+    pdserve convert --src DIR --dst DIR --format w8a8 [--ep N] [--max-shard-gb 5]
+        offline W8A8 INT8 conversion of an FP8 / bf16 checkpoint, tensor by tensor (--ep: per-rank expert files).
 """
 
 from __future__ import annotations
@@ -387,6 +389,16 @@ def cmd_plan(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def cmd_convert(args: argparse.Namespace) -> None:
+    from shared.loader.convert import convert_checkpoint
+
+    try:
+        print(convert_checkpoint(args.src, args.dst, args.format, args.ep, args.max_shard_gb, progress=True))
+    except (ValueError, KeyError, OSError) as exc:  # a bad checkpoint or flag: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--tls-ca", default=None, help="the router serves TLS: verify it with this CA certificate")
@@ -465,6 +477,13 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--plot", default=None, help="PNG of SLA attainment vs request rate")
     plan.set_defaults(fn=cmd_plan)
+    conv = sub.add_parser("convert", help="convert a checkpoint offline (W8A8 INT8), tensor by tensor")
+    conv.add_argument("--src", required=True, help="Hugging Face checkpoint dir (FP8 release or bf16/fp32)")
+    conv.add_argument("--dst", required=True, help="output dir (must not hold a checkpoint yet)")
+    conv.add_argument("--format", default="w8a8", choices=["w8a8"], help="target format")
+    conv.add_argument("--ep", type=int, default=1, help="write routed experts to N per-rank files (1: no slicing)")
+    conv.add_argument("--max-shard-gb", type=float, default=5.0, help="size limit of the shared shards")
+    conv.set_defaults(fn=cmd_convert)
     args = p.parse_args(argv)
     args.fn(args)
 

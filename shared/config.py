@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32", "deepseek_v3")
+W8A8_METHOD = "w8a8_int8"  # quantization_config.quant_method of W8A8 checkpoints (shared.quant.int8)
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,12 @@ class Fp8Scheme:
 
     @classmethod
     def from_quantization_config(cls, q: dict[str, Any]) -> Fp8Scheme | None:
-        if not q:
+        if not q or q.get("quant_method") == W8A8_METHOD:
             return None
         method = q.get("quant_method")
         if method != "fp8":
-            raise ValueError(f"quantization_config.quant_method={method!r} is not supported (supported: 'fp8')")
+            raise ValueError(f"quantization_config.quant_method={method!r} is not supported "
+                             f"(supported: 'fp8', {W8A8_METHOD!r})")
         fmt = q.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"quantization_config.fmt={fmt!r} is not supported (supported: 'e4m3')")
@@ -112,6 +114,11 @@ class ModelConfig:
     def fp8(self) -> Fp8Scheme | None:
         """The checkpoint's FP8 block quantization, read from `quantization_config` (None: unquantized)."""
         return Fp8Scheme.from_quantization_config(self.quantization)
+
+    @property
+    def w8a8(self) -> bool:
+        """The checkpoint holds W8A8 INT8 weights (written by `pdserve convert --format w8a8`)."""
+        return self.quantization.get("quant_method") == W8A8_METHOD
 
     @property
     def has_indexer(self) -> bool:
@@ -297,6 +304,11 @@ class EngineConfig:
     seed: int = 0
     progress: bool = False
     compile: bool = False  # torch.compile (inductor) the per-token layer parts (norms, MLPs, router); see README
+    quantization: str = "auto"  # "w8a8": INT8 weights + per-token INT8 activations; "auto": the checkpoint's own
+    kv_cache_dtype: str = "auto"  # "int8": C8 KV cache (int8 latent + scales, bf16 rope; 8-bit indexer keys)
+    offload_layers: str = ""  # "3,5,7" / "2-10" / "all": those layers' weights stay in host memory (async copy-in)
+    offload_buffers: int = 2  # device staging buffers for offloaded layers
+    share_weights_dir: str | None = None  # e.g. /dev/shm/pdserve: co-located processes map one copy of the weights
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:
@@ -391,6 +403,17 @@ class ServiceConfig(EndpointConfig):
     dtype: str = flag("bfloat16", "compute dtype (auto: the checkpoint's own)", choices=("bfloat16", "float32", "auto"))
     indexer_numerics: str = flag("deepseek", "lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or "
                                              "transformers'", choices=("deepseek", "transformers"))
+    quantization: str = flag("auto", "weights: w8a8 quantizes q_b/o_proj, indexer wq_b and the experts to INT8 "
+                                     "while loading (auto: the checkpoint's own)", choices=("auto", "none", "w8a8"))
+    kv_cache_dtype: str = flag("auto", "KV cache: int8 stores the latent as int8 + per-128 scales and the indexer "
+                                       "key as FP8 + one scale (C8); prefill and decode must agree",
+                               choices=("auto", "int8"))
+    offload_layers: str = flag("", "decoder layers whose weights stay in host memory and are copied in, one layer "
+                                   "ahead, while the previous layer computes: 3,5,7 | 2-10 | all")
+    offload_buffers: int = flag(2, "device staging buffers for --offload-layers")
+    share_weights_dir: str | None = flag(None, "map the weights from one file in this directory (e.g. "
+                                               "/dev/shm/pdserve) shared by every co-located process holding the "
+                                               "same slice")
     block_size: int = flag(EngineConfig.block_size, "KV block size in tokens")
     kv_cache_tokens: int = flag(EngineConfig.kv_cache_tokens, "KV pool size in tokens (per rank)")
     ep: int = flag(1, "expert-parallel ranks (divides the instance's ranks)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -94,6 +96,50 @@ def synchronize(device: torch.device) -> None:
         torch.npu.synchronize(device)
 
 
+def accelerator() -> torch.device | None:
+    """The accelerator torch can reach, whatever `PDSERVE_DEVICE` says (tests that need one); None on CPU."""
+    if _npu_available():
+        return torch.device(_NPU)
+    if torch.cuda.is_available():
+        return torch.device(_CUDA)
+    return None
+
+
+def _runtime(device: torch.device) -> Any:  # noqa: ANN401 - torch.cuda or torch.npu, same API
+    return torch.npu if device.type == _NPU else torch.cuda
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host bytes that feed copies to `device`: page-locked for an accelerator, so the copy is an
+    async DMA off a side stream (pageable memory would make it synchronous); plain on CPU."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != _CPU)
+
+
+def copy_stream(device: torch.device) -> Any | None:  # noqa: ANN401
+    """A side stream for host→device copies that overlap compute; None on CPU (copy on a thread instead)."""
+    return None if device.type == _CPU else _runtime(device).Stream(device)
+
+
+def new_event(device: torch.device) -> Any:  # noqa: ANN401
+    """A device event, to order one stream after work queued on another."""
+    return _runtime(device).Event()
+
+
+def current_stream(device: torch.device) -> Any:  # noqa: ANN401
+    """The stream compute is queued on."""
+    return _runtime(device).current_stream(device)
+
+
+def on_stream(stream: Any) -> AbstractContextManager:  # noqa: ANN401
+    """Context that queues work on `stream` (a copy_stream)."""
+    return _runtime(stream.device).stream(stream)
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """Bytes the caching allocator holds in tensors on `device` (0 on CPU: not tracked)."""
+    return 0 if device.type == _CPU else _runtime(device).memory_allocated(device)
+
+
 _GROUPED_MM_MISSING: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) whose kernel is missing
 
 
@@ -125,3 +171,41 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
             out[start:end] = x[start:end] @ w[g]
         start = end
     return out
+
+
+_INT8_PACK_MAX_ROWS = 64  # CPU: the int8-weight kernel wins while rows are few (decode); above, fp32 tiles
+_INT8_TILE_ELEMS = 1 << 24  # fp32 weight tile of the large-batch CPU path: 64 MiB, whatever the weight
+
+
+def int8_matmul(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """W8A8 product (xq · wqᵀ) · sx · sw in fp32 for int8 xq [M, K] with per-row scales sx [M, 1] and int8
+    wq [N, K] with per-channel scales sw [N].
+
+    * CUDA: `torch._int_mm` (int8 × int8 → int32, exact) when its shape rules hold.
+    * Ascend: `torch_npu.npu_quant_matmul` with the per-token scale (not exercised on this CI).
+    * CPU: few rows → `torch._weight_int8pack_mm` on the int8 values held in bf16 (exact: |q| ≤ 127)
+      with fp32 accumulation, its result rounded to bf16 once; many rows → the int8 weight widened to
+      fp32 in bounded row tiles (this CPU's int8 GEMM is slower than its fp32 one), the integer sums
+      rounded to bf16 the same way, so a row's result does not depend on how many rows share the call
+      (a prompt gives the same tokens chunked or whole, batched or alone).
+    """
+    m, k = xq.shape
+    n = wq.shape[0]
+    dev = xq.device.type
+    if dev == _CUDA and m > 16 and k % 8 == 0 and n % 8 == 0:
+        return torch._int_mm(xq, wq.t()).float() * sx * sw
+    if dev == _NPU:  # pragma: no cover - needs Ascend CANN
+        import torch_npu
+
+        return torch_npu.npu_quant_matmul(xq, wq.t(), sw, pertoken_scale=sx.view(-1),
+                                          output_dtype=torch.bfloat16).float()
+    if m <= _INT8_PACK_MAX_ROWS and hasattr(torch, "_weight_int8pack_mm"):
+        ones = torch.ones(n, dtype=torch.bfloat16, device=xq.device)
+        return torch._weight_int8pack_mm(xq.to(torch.bfloat16), wq, ones).float() * sx * sw
+    xf = xq.float()
+    out = xf.new_empty(m, n)
+    step = max(1, _INT8_TILE_ELEMS // max(k, 1))
+    for n0 in range(0, n, step):
+        rows = slice(n0, min(n, n0 + step))
+        out[:, rows] = (xf @ wq[rows].float().t()).to(torch.bfloat16)
+    return out.mul_(sx).mul_(sw)

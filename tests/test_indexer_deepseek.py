@@ -121,8 +121,8 @@ def test_logits_with_deepseek_formula_selection(model, monkeypatch):
     original = Indexer.forward
     formula_picks = []
 
-    def forward(self, x, qr, rope, fb, index_pool):
-        out = original(self, x, qr, rope, fb, index_pool)  # writes the keys, as the model does
+    def forward(self, x, qr, rope, fb, index_pool, codec=None):
+        out = original(self, x, qr, rope, fb, index_pool, codec)  # writes the keys, as the model does
         picks = torch.zeros(x.shape[0], TOPK, dtype=torch.long)
         valid = torch.zeros(x.shape[0], TOPK, dtype=torch.bool)
         for s, chosen in enumerate(deepseek_topk(self, x, qr, theta, TOPK)):
@@ -131,7 +131,7 @@ def test_logits_with_deepseek_formula_selection(model, monkeypatch):
         formula_picks.append(Selection(picks, valid))
         return out
 
-    def formula(self, q, w, fb, index_pool):  # one prompt: the step is one attention part
+    def formula(self, q, w, fb, index_pool, codec=None):  # one prompt: the step is one attention part
         return formula_picks.pop()
 
     monkeypatch.setattr(Indexer, "forward", forward)

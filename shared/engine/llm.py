@@ -24,6 +24,7 @@ from shared.engine.tokenizer import OutputProcessor, Tokenizer
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
 from shared.model import ForwardBatch, SeqChunk
+from shared.model.offload import parse_layers
 from shared.parallel.state import ParallelState
 
 
@@ -62,9 +63,13 @@ class LLMEngine:
         self.device = get_device(config.device)
         self.model, self.load_report = load_model(config.model, config.dtype, str(self.device),
                                                   config.indexer_numerics, progress=config.progress,
-                                                  parallel=self.parallel)
+                                                  parallel=self.parallel, quantization=config.quantization,
+                                                  share_weights_dir=config.share_weights_dir)
         self.model_config = self.model.config
         self.dtype = self.model.dtype
+        if config.offload_layers:
+            self.model.enable_offload(parse_layers(config.offload_layers, self.model_config.num_hidden_layers),
+                                      config.offload_buffers)
         if config.compile:
             self.model.compile_token_parts()
         self.tokenizer = Tokenizer.from_model_dir(config.model, self.model_config.bos_token_id)
@@ -72,7 +77,8 @@ class LLMEngine:
         # arithmetic, where bf16 rows are held as exact fp32 copies (no [rows, T, 576] upcast per step;
         # a peer with the other layout is refused at the KV handshake).
         kv_dtype = compute_dtype(self.dtype, self.device)
-        self.layout = KVLayout.from_model_config(self.model_config, config.block_size, kv_dtype)
+        self.layout = KVLayout.from_model_config(self.model_config, config.block_size, kv_dtype,
+                                                 kv_cache_dtype=config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
         self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,

@@ -6,6 +6,13 @@ Per layer, two pools share one block table:
 * indexer keys: `[num_blocks, block_size, index_head_dim]` — post-LayerNorm, post-RoPE key
   (absent for deepseek_v3).
 The transfer layer moves exactly these rows, so prefill and decode agree on the format by construction.
+
+With `kv_cache_dtype="int8"` (C8) both pools hold bytes, one row per token, packed by a RowCodec:
+* MLA: the 512-d latent as int8 with one fp32 scale per 128 dims (amax / 127), then the 64-d rope key
+  in bf16 (rotary phases need the precision): 512 + 4·4 + 64·2 = 656 bytes instead of 1152 in bf16;
+* indexer key: FP8 e4m3 with one power-of-two fp32 scale per token (DeepSeek's ue8m0 rule, so keys
+  the indexer already quantized that way are stored exactly): 128 + 4 bytes instead of 256.
+Attention decodes the rows it gathers (tile by tile) back to the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +23,81 @@ import torch
 
 from shared.config import ModelConfig
 
+KV_CACHE_DTYPES = ("auto", "int8")
+_GROUP = 128  # latent dims per C8 scale
+_E4M3_MAX = 448.0
+
+
+class PlainRows:
+    """Rows stored as they are, in the pool dtype."""
+
+    def __init__(self, dim: int, dtype: torch.dtype):
+        self.dim, self.width, self.dtype = dim, dim, dtype
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(self.dtype)
+
+    def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return stored.to(dtype)
+
+
+class Int8LatentRows:
+    """C8 MLA row: int8 latent | fp32 scale per 128 latent dims | bf16 rope key, as bytes."""
+
+    dtype = torch.uint8
+
+    def __init__(self, latent: int, rope: int):
+        self.latent, self.rope = latent, rope
+        self.groups = -(-latent // _GROUP)
+        self.dim = latent + rope
+        self.width = latent + 4 * self.groups + 2 * rope
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        latent = rows[:, : self.latent].float()
+        pad = self.groups * _GROUP - self.latent
+        groups = torch.nn.functional.pad(latent, (0, pad)).view(n, self.groups, _GROUP)
+        scale = (groups.abs().amax(-1) / 127.0).clamp(min=1e-12)  # [n, G]
+        q = torch.round(groups / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n, -1)[:, : self.latent]
+        rope = rows[:, self.latent :].to(torch.bfloat16).contiguous()
+        return torch.cat([q.view(torch.uint8), scale.view(torch.uint8), rope.view(torch.uint8)], 1)
+
+    def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        lead = stored.shape[:-1]
+        a, b = self.latent, self.latent + 4 * self.groups
+        q = stored[..., :a].view(torch.int8).to(dtype)
+        scale = stored[..., a:b].contiguous().view(torch.float32).to(dtype)  # [..., G]
+        pad = self.groups * _GROUP - self.latent
+        if pad:
+            q = torch.nn.functional.pad(q, (0, pad))
+        latent = (q.view(*lead, self.groups, _GROUP) * scale[..., None]).view(*lead, -1)[..., : self.latent]
+        rope = stored[..., b:].contiguous().view(torch.bfloat16).to(dtype)
+        return torch.cat([latent, rope], -1)
+
+
+class Fp8KeyRows:
+    """C8 indexer key: FP8 e4m3 values | one fp32 power-of-two scale per token, as bytes."""
+
+    dtype = torch.uint8
+
+    def __init__(self, dim: int):
+        self.dim, self.width = dim, dim + 4
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        x = rows.float()
+        amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / _E4M3_MAX)))
+        q = (x / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+        return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], -1)
+
+    def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        q = stored[..., : self.dim].view(torch.float8_e4m3fn).to(torch.float32)
+        scale = stored[..., self.dim :].contiguous().view(torch.float32)
+        return (q * scale).to(dtype)
+
+
+RowCodec = PlainRows | Int8LatentRows | Fp8KeyRows
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -24,12 +106,17 @@ class KVLayout:
     kv_lora_rank: int
     rope_dim: int
     index_head_dim: int  # 0: no indexer cache (deepseek_v3)
-    dtype: torch.dtype
+    dtype: torch.dtype  # the rows' dtype (attention decodes C8 rows to it)
     index_dtype: torch.dtype
+    kv_cache_dtype: str = "auto"  # "int8": C8 rows (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
-                          index_dtype: torch.dtype | None = None) -> KVLayout:
+                          index_dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto") -> KVLayout:
         return cls(
             num_layers=cfg.num_hidden_layers,
             block_size=block_size,
@@ -38,23 +125,39 @@ class KVLayout:
             index_head_dim=cfg.index_head_dim if cfg.has_indexer else 0,
             dtype=dtype,
             index_dtype=index_dtype or dtype,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     @property
+    def c8(self) -> bool:
+        return self.kv_cache_dtype == "int8"
+
+    @property
     def mla_dim(self) -> int:
+        """Width of an MLA row as attention sees it (latent | rope key)."""
         return self.kv_lora_rank + self.rope_dim
 
     @property
     def has_index(self) -> bool:
         return self.index_head_dim > 0
 
+    def mla_codec(self) -> RowCodec:
+        return Int8LatentRows(self.kv_lora_rank, self.rope_dim) if self.c8 else PlainRows(self.mla_dim, self.dtype)
+
+    def index_codec(self) -> RowCodec:
+        return Fp8KeyRows(self.index_head_dim) if self.c8 else PlainRows(self.index_head_dim, self.index_dtype)
+
     @property
     def mla_bytes_per_token(self) -> int:
-        return self.mla_dim * self.dtype.itemsize
+        codec = self.mla_codec()
+        return codec.width * codec.dtype.itemsize
 
     @property
     def index_bytes_per_token(self) -> int:
-        return self.index_head_dim * self.index_dtype.itemsize
+        if not self.has_index:
+            return 0
+        codec = self.index_codec()
+        return codec.width * codec.dtype.itemsize
 
     def bytes_per_token_per_layer(self) -> int:
         """MLA latent + rope key, plus the indexer key, for one token in one layer."""
@@ -71,4 +174,5 @@ class KVLayout:
             "index_head_dim": self.index_head_dim,
             "dtype": str(self.dtype).removeprefix("torch."),
             "index_dtype": str(self.index_dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.kv_cache_dtype,
         }

@@ -184,9 +184,10 @@ class KVCache:
         self.num_blocks = num_blocks
         self.device = device
         L, bs = layout.num_layers, layout.block_size
-        self.mla = torch.zeros(L, num_blocks, bs, layout.mla_dim, dtype=layout.dtype, device=device)
+        self.mla_codec, self.index_codec = layout.mla_codec(), layout.index_codec()
+        self.mla = torch.zeros(L, num_blocks, bs, self.mla_codec.width, dtype=self.mla_codec.dtype, device=device)
         self.index = (
-            torch.zeros(L, num_blocks, bs, layout.index_head_dim, dtype=layout.index_dtype, device=device)
+            torch.zeros(L, num_blocks, bs, self.index_codec.width, dtype=self.index_codec.dtype, device=device)
             if layout.has_index else None
         )
         self.allocator = BlockAllocator(num_blocks)
@@ -195,11 +196,11 @@ class KVCache:
         return blocks_for(num_tokens, self.layout.block_size)
 
     def read_tokens(self, block_table: list[int], num_tokens: int, layer: int) -> dict[str, torch.Tensor]:
-        """A request's cached rows for one layer in position order (tests, debugging)."""
+        """A request's cached rows for one layer in position order, as stored (tests, debugging)."""
         bs = self.layout.block_size
         slots = torch.tensor([block_table[t // bs] * bs + t % bs for t in range(num_tokens)], dtype=torch.long)
         slots = slots.to(self.device)
-        out = {"mla": self.mla[layer].view(-1, self.layout.mla_dim)[slots]}
+        out = {"mla": self.mla[layer].view(-1, self.mla.shape[-1])[slots]}
         if self.index is not None:
-            out["index"] = self.index[layer].view(-1, self.layout.index_head_dim)[slots]
+            out["index"] = self.index[layer].view(-1, self.index.shape[-1])[slots]
         return out

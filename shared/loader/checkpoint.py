@@ -30,10 +30,12 @@ from shared.model import DeepseekForCausalLM
 from shared.model.moe import Experts
 from shared.parallel.state import ParallelState
 from shared.quant.fp8 import dequant_block_fp8
+from shared.quant.int8 import quantize_weight
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale)?$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FUSED_EXPERTS = (".gate_up_proj", ".down_proj", ".gate_up_proj_scale", ".down_proj_scale")  # [E, ...]: sliced under EP
 
 
 @dataclass
@@ -85,16 +87,21 @@ def iter_tensors(path: Path, files: dict[str, list[str]], rows: Callable[[str], 
                  ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(name, tensor, scale_inv or None), scales paired with their weight even across shards.
     `rows(name)` may return a slice of the first dim to read (others are never read), or None to
-    skip the tensor without reading it."""
+    skip the tensor without reading it. A file with no wanted tensor is never opened (an EP rank of a
+    `pdserve convert --ep` checkpoint reads the shared shards and its own rank file only). W8A8
+    `X.weight_scale` tensors are ordinary tensors here: yielded on their own, scale None."""
     all_names = {n: fname for fname, names in files.items() for n in names}
     for fname, names in files.items():
-        with safe_open(path / fname, "pt") as f:
-            for name in names:
-                if name.endswith("_scale_inv"):  # read with its weight
-                    continue
+        wanted = []
+        for name in names:
+            if not name.endswith("_scale_inv"):  # a scale_inv is read with its weight
                 part = rows(name) if rows is not None else slice(None)
-                if part is None:
-                    continue
+                if part is not None:
+                    wanted.append((name, part))
+        if not wanted:
+            continue
+        with safe_open(path / fname, "pt") as f:
+            for name, part in wanted:
                 whole = part == slice(None)
                 tensor = f.get_tensor(name) if whole else f.get_slice(name)[part]
                 scale = None
@@ -140,7 +147,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
             lo, hi = spans[expert.group(1)]
             return slice(None) if lo <= int(expert.group(2)) < hi else None
         prefix = name.rsplit(".", 1)[0]
-        if prefix in spans and name.endswith((".gate_up_proj", ".down_proj")):
+        if prefix in spans and name.endswith(_FUSED_EXPERTS):
             return slice(*spans[prefix])
         return slice(None)
 
@@ -159,24 +166,20 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
                 report.mtp_tensors[name + "_scale_inv"] = scale
             continue
         weight = _dequant(name, tensor, scale, scheme)
-        expert = _EXPERT.match(name)
-        if expert:
-            prefix, proj = expert.group(1), expert.group(3)
-            e = int(expert.group(2)) - spans[prefix][0]
-            inter = cfg.moe_intermediate_size
-            if proj == "down_proj":
-                target, key = params[f"{prefix}.down_proj"][e], (f"{prefix}.down_proj", e)
-            else:
-                rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-                target, key = params[f"{prefix}.gate_up_proj"][e, rows], (f"{prefix}.gate_up_proj", e, proj)
-        elif name in params:
-            target, key = params[name], name
-        elif name.endswith("rotary_emb.inv_freq"):
+        placed = _place(name, params, spans, cfg)
+        if placed is None:
             continue
-        else:
-            raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+        (target, key), scale_place = placed
         if tuple(target.shape) != tuple(weight.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(weight.shape)} != model {tuple(target.shape)}")
+        if target.dtype == torch.int8 and weight.dtype != torch.int8:  # W8A8 asked for: quantize this tensor now
+            if scale_place is None:
+                raise KeyError(f"{name}: int8 parameter without a scale")
+            weight, weight_scale = quantize_weight(weight)
+            scale_place[0].copy_(weight_scale)
+            filled.add(scale_place[1])
+        elif weight.dtype == torch.int8 and target.dtype != torch.int8:
+            raise ValueError(f"{name}: the checkpoint holds int8 but the model expects {target.dtype}")
         target.copy_(weight.to(target.dtype))
         filled.add(key)
         report.loaded += 1
@@ -191,26 +194,75 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
     return report
 
 
+Place = tuple[torch.Tensor, object]  # (destination view, key recorded as filled)
+
+
+def _place(name: str, params: dict[str, torch.Tensor], spans: dict[str, tuple[int, int]], cfg: ModelConfig,
+           ) -> tuple[Place, Place | None] | None:
+    """Where checkpoint tensor `name` goes, and where its W8A8 scale goes when the destination is int8
+    (None: a tensor the model does not keep, such as rotary inv_freq). Per-expert tensors land in
+    their rows of the stacked expert parameters."""
+    expert = _EXPERT.match(name)
+    if expert:
+        prefix, proj, is_scale = expert.group(1), expert.group(3), expert.group(4) is not None
+        e = int(expert.group(2)) - spans[prefix][0]
+        inter = cfg.moe_intermediate_size
+        stacked = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        rows = {"down_proj": slice(None), "gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}[proj]
+        key = (f"{prefix}.{stacked}", e, proj)
+        scale_name = f"{prefix}.{stacked}_scale"
+        scale = (params[scale_name][e, rows], (scale_name, e, proj)) if scale_name in params else None
+        if is_scale:
+            if scale is None:
+                raise KeyError(f"checkpoint tensor {name!r} is a W8A8 scale but the model is not W8A8")
+            return scale, None
+        return (params[f"{prefix}.{stacked}"][e, rows], key), scale
+    if name in params:
+        scale_name = name + "_scale"
+        return (params[name], name), ((params[scale_name], scale_name) if scale_name in params else None)
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name.endswith("_scale"):
+        raise KeyError(f"checkpoint tensor {name!r} is a W8A8 scale but the model is not W8A8")
+    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+
+
 def _expert_param_filled(name: str, params: dict, filled: set, cfg: ModelConfig) -> bool:
     """Stacked expert params count as loaded when every expert's slices were filled."""
-    if name.endswith("experts.down_proj"):
-        return all((name, e) in filled for e in range(params[name].shape[0]))
-    if name.endswith("experts.gate_up_proj"):
-        return all((name, e, p) in filled for e in range(params[name].shape[0]) for p in ("gate_proj", "up_proj"))
+    for stacked, projs in (("experts.down_proj", ("down_proj",)), ("experts.gate_up_proj", ("gate_proj", "up_proj"))):
+        if name.endswith((stacked, stacked + "_scale")):
+            return all((name, e, p) in filled for e in range(params[name].shape[0]) for p in projs)
     return False
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | None = None,
                indexer_numerics: str = "deepseek", progress: bool = False,
                include_mtp: bool = False, parallel: ParallelState | None = None,
+               quantization: str | None = None, share_weights_dir: str | None = None,
                ) -> tuple[DeepseekForCausalLM, LoadReport]:
     """Build the model from `path/config.json` and fill it from the safetensors next to it
-    (only this rank's experts under expert parallelism), then shard it for TP / layer sharding."""
+    (only this rank's experts under expert parallelism), then shard it for TP / layer sharding.
+    `quantization` "w8a8" quantizes the W8A8 linears while loading (one tensor at a time); None runs
+    the checkpoint's own format (a `pdserve convert`ed checkpoint is W8A8 already).
+    `share_weights_dir` (e.g. /dev/shm/pdserve) maps the weights from one node-wide file that every
+    co-located process holding the same slice shares, instead of a private copy each (shared_weights)."""
     cfg = ModelConfig.from_pretrained(path)
     dev = get_device(device)
     dtype = cfg.default_dtype if dtype == "auto" else dtype
-    model = DeepseekForCausalLM(cfg, parse_dtype(dtype), dev, indexer_numerics, parallel)
+    model = DeepseekForCausalLM(cfg, parse_dtype(dtype), dev, indexer_numerics, parallel, quantization)
     report = load_weights(model, path, include_mtp=include_mtp, progress=progress)
     model = model.to(dev)
     model.apply_parallel()
+    if share_weights_dir is not None:
+        from shared.loader.shared_weights import share_weights, weights_key
+
+        # what shapes this process's tensors: ranks that hold the same slice (DP ranks, a prefill and
+        # a decode instance alike) get the same key and so share one file
+        par, pc = model.parallel, model.parallel.config
+        extra: dict[str, object] = {"quantization": model.quantization, "indexer_numerics": indexer_numerics,
+                                    "tp": pc.tp, "tp_rank": par.tp_rank, "ep": pc.ep, "ep_rank": par.ep_rank,
+                                    "layer_sharding": list(pc.layer_sharding)}
+        if pc.layer_sharding and pc.world > 1:
+            extra.update(world=pc.world, rank=par.rank)
+        share_weights(model, weights_key(path, parse_dtype(dtype), extra), share_weights_dir)
     return model, report

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.device import compute_dtype
+from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, gather_blocks, gather_rows
 
 _MIN_QUERY_TILE = 16
@@ -49,17 +50,23 @@ def plan_tiles(num_requests: int, num_queries: int, context: int, block_size: in
     return Tiles(1, queries, min(keys, context))
 
 
+def _decode(codec: RowCodec | None, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered pool rows → rows in `dtype` (C8 rows are unpacked here, one tile at a time)."""
+    return stored.to(dtype) if codec is None else codec.decode(stored, dtype)
+
+
 def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float,
-                    out_dim: int) -> torch.Tensor:
+                    out_dim: int, codec: RowCodec | None = None) -> torch.Tensor:
     """Causal attention of padded queries [R, S, H, D] over each request's cached rows [T, D]
     (MQA: one row shared by all heads); returns the first `out_dim` dims of p·rows, [R, S, H, out_dim].
-    Matmuls run in `compute_dtype` (fp32 on CPUs without bf16 arithmetic)."""
+    Matmuls run in `compute_dtype` (fp32 on CPUs without bf16 arithmetic); `codec` unpacks stored rows."""
     r_all, s_all, heads, dim = query.shape
     size, t_pad = fb.block_size, fb.padded_context
     cdt = compute_dtype(query.dtype, query.device)
     isz = torch.empty((), dtype=cdt).element_size()
     tiles = plan_tiles(r_all, s_all, t_pad, size, per_pair=heads * (4 + isz),
-                       per_query=heads * out_dim * 4 * 2, per_key=dim * isz, budget=fb.workspace_bytes)
+                       per_query=heads * out_dim * 4 * 2, per_key=dim * isz + pool.shape[-1] * pool.element_size(),
+                       budget=fb.workspace_bytes)
     out = query.new_empty(r_all, s_all, heads, out_dim)
     for r0 in range(0, r_all, tiles.requests):
         rows = slice(r0, min(r_all, r0 + tiles.requests))
@@ -67,16 +74,16 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
             queries = slice(s0, min(s_all, s0 + tiles.queries))
             q = query[rows, queries].to(cdt)
             if tiles.keys >= t_pad:
-                out[rows, queries] = _attend_whole(q, fb, pool, rows, queries, scale, out_dim)
+                out[rows, queries] = _attend_whole(q, fb, pool, rows, queries, scale, out_dim, codec)
             else:
-                out[rows, queries] = _attend_online(q, fb, pool, rows, queries, scale, out_dim, tiles.keys)
+                out[rows, queries] = _attend_online(q, fb, pool, rows, queries, scale, out_dim, tiles.keys, codec)
     return out
 
 
 def _attend_whole(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: slice, queries: slice,
-                  scale: float, out_dim: int) -> torch.Tensor:
+                  scale: float, out_dim: int, codec: RowCodec | None) -> torch.Tensor:
     r, s, heads, dim = q.shape
-    keys = gather_blocks(pool, fb.block_tables[rows]).to(q.dtype)  # [r, T, D]
+    keys = _decode(codec, gather_blocks(pool, fb.block_tables[rows]), q.dtype)  # [r, T, D]
     scores = torch.bmm(q.reshape(r, s * heads, dim), keys.transpose(1, 2)).view(r, s, heads, -1).mul_(scale)
     scores.masked_fill_(~fb.visible(rows, queries, 0, keys.shape[1])[:, :, None, :], float("-inf"))
     probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype).view(r, s * heads, -1)
@@ -84,7 +91,7 @@ def _attend_whole(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: s
 
 
 def _attend_online(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: slice, queries: slice,
-                   scale: float, out_dim: int, key_tile: int) -> torch.Tensor:
+                   scale: float, out_dim: int, key_tile: int, codec: RowCodec | None) -> torch.Tensor:
     """Flash-style: keys stream through in tiles; running max / sum / output in fp32. Tiles start at
     key 0, which every query sees, so the running max is finite after the first tile."""
     r, s, heads, dim = q.shape
@@ -96,7 +103,7 @@ def _attend_online(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: 
     acc = torch.zeros(r, s, heads, out_dim, device=q.device)
     blocks_per_tile = key_tile // size
     for b0 in range(0, -(-last // size), blocks_per_tile):
-        keys = gather_blocks(pool, fb.block_tables[rows, b0 : b0 + blocks_per_tile]).to(q.dtype)  # [r, k, D]
+        keys = _decode(codec, gather_blocks(pool, fb.block_tables[rows, b0 : b0 + blocks_per_tile]), q.dtype)
         t0 = b0 * size
         scores = torch.bmm(flat_q, keys.transpose(1, 2)).view(r, s, heads, -1).float().mul_(scale)
         scores.masked_fill_(~fb.visible(rows, queries, t0, t0 + keys.shape[1])[:, :, None, :], float("-inf"))
@@ -111,7 +118,7 @@ def _attend_online(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: 
 
 
 def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, picks: torch.Tensor,
-                     valid: torch.Tensor, scale: float, out_dim: int) -> torch.Tensor:
+                     valid: torch.Tensor, scale: float, out_dim: int, codec: RowCodec | None = None) -> torch.Tensor:
     """Each flat query [N, H, D] attends only to its selected context positions `picks` [N, k]
     (`valid` marks real picks): their rows are gathered per query tile, so work and memory are
     O(N · k) whatever the context length."""
@@ -119,12 +126,12 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
     k = picks.shape[1]
     cdt = compute_dtype(query.dtype, query.device)
     isz = torch.empty((), dtype=cdt).element_size()
-    per_query = k * dim * isz + heads * k * (4 + isz) + k * 8
+    per_query = k * (dim * isz + pool.shape[-1] * pool.element_size()) + heads * k * (4 + isz) + k * 8
     step = max(1, fb.workspace_bytes // per_query)
     out = query.new_empty(n_all, heads, out_dim)
     for n0 in range(0, n_all, step):
         tile = slice(n0, min(n_all, n0 + step))
-        keys = gather_rows(pool, fb.slots_of(fb.token_request[tile], picks[tile])).to(cdt)  # [n, k, D]
+        keys = _decode(codec, gather_rows(pool, fb.slots_of(fb.token_request[tile], picks[tile])), cdt)  # [n, k, D]
         scores = torch.bmm(query[tile].to(cdt), keys.transpose(1, 2)).mul_(scale)  # [n, H, k]
         scores.masked_fill_(~valid[tile, None, :], float("-inf"))
         probs = scores.softmax(-1, dtype=torch.float32).to(cdt)
@@ -133,7 +140,8 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, k: int,
-                 scale: float, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, compute_dtype: torch.dtype, codec: RowCodec | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lightning-indexer selection for padded queries q [R, S, H, D] with head weights [R, S, H] (fp32):
     I[s, t] = Σ_h w[s, h] · ReLU(q[s, h] · key[t] · scale) over causal keys t ≤ pos(s); returns the
     top-k context positions [R, S, k] and which of them are real (finite score) picks. q·k runs in
@@ -142,7 +150,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool:
     size, t_pad = fb.block_size, fb.padded_context
     csz = torch.tensor([], dtype=compute_dtype).element_size()
     tiles = plan_tiles(r_all, s_all, t_pad, size, per_pair=heads * (4 + csz) + 8,
-                       per_query=2 * k * 12, per_key=dim * (csz + pool.element_size()),
+                       per_query=2 * k * 12, per_key=dim * csz + pool.shape[-1] * pool.element_size(),
                        budget=fb.workspace_bytes)
     picks = torch.empty(r_all, s_all, k, dtype=torch.long, device=q.device)
     valid = torch.empty(r_all, s_all, k, dtype=torch.bool, device=q.device)
@@ -157,7 +165,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool:
             best_val = best_idx = None
             for t0 in range(0, last, tiles.keys):
                 keys = gather_blocks(pool, fb.block_tables[rows, t0 // size : (t0 + tiles.keys) // size])
-                scores = torch.bmm(qt.reshape(r, s * heads, dim), keys.to(compute_dtype).transpose(1, 2))
+                scores = torch.bmm(qt.reshape(r, s * heads, dim), _decode(codec, keys, compute_dtype).transpose(1, 2))
                 scores = torch.relu(scores.float().mul_(scale)).view(r, s, heads, -1)
                 index = torch.einsum("rsh,rsht->rst", wt, scores)
                 index.masked_fill_(~fb.visible(rows, queries, t0, t0 + keys.shape[1]), float("-inf"))

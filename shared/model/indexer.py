@@ -21,6 +21,7 @@ from torch import nn
 
 from shared.config import ModelConfig
 from shared.device import compute_dtype
+from shared.kvcache.layout import RowCodec
 from shared.model.attention import indexer_topk
 from shared.model.batch import ForwardBatch, write_rows
 from shared.model.layers import linear
@@ -39,14 +40,14 @@ class Selection:
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, numerics: str = "deepseek"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, numerics: str = "deepseek", w8a8: bool = False):
         super().__init__()
         if numerics not in NUMERICS:
             raise ValueError(f"indexer_numerics must be one of {NUMERICS}, got {numerics!r}")
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.rope_dim, self.topk = cfg.qk_rope_head_dim, cfg.index_topk
         self.numerics = numerics
-        self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, w8a8)
         self.wk = linear(cfg.hidden_size, self.head_dim, dtype)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)
         self.k_norm.requires_grad_(False)
@@ -63,25 +64,27 @@ class Indexer(nn.Module):
         return fake_quant_ue8m0(hadamard_transform(x), min(128, self.head_dim))
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeAngles, fb: ForwardBatch,
-                index_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+                index_pool: torch.Tensor, codec: RowCodec | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Write the new tokens' keys; return the step's indexer queries and head weights ([N, H, D],
         [N, H] fp32) for select(), or None when no request's context exceeds index_topk."""
         n = x.shape[0]
         k = self._quantize(self._rope(self.k_norm(self.wk(x)), rope))
-        write_rows(index_pool, fb, k)
+        write_rows(index_pool, fb, k if codec is None else codec.encode(k))
         if fb.max_context <= self.topk:
             return None  # every causal key is selected: dense MLA
         q = self._quantize(self._rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), rope))
         w = self.weights_proj(x.float()) * self.n_heads**-0.5  # [N, H]
         return q, w
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, fb: ForwardBatch, index_pool: torch.Tensor) -> Selection | None:
+    def select(self, q: torch.Tensor, w: torch.Tensor, fb: ForwardBatch, index_pool: torch.Tensor,
+               codec: RowCodec | None = None) -> Selection | None:
         """Top-k positions for the queries of one attention part (None: its contexts fit index_topk)."""
         if fb.max_context <= self.topk:
             return None
         # DeepSeek scores FP8 q·k with fp32 accumulation and fp32 per-head logits: exact here in fp32
         # (the fake-quantized values are exact in the cache dtype). "transformers" scores in the cache dtype.
-        compute = torch.float32 if self.numerics == "deepseek" else compute_dtype(index_pool.dtype, q.device)
+        stored = index_pool.dtype if codec is None else q.dtype
+        compute = torch.float32 if self.numerics == "deepseek" else compute_dtype(stored, q.device)
         picks, valid = indexer_topk(fb.padded(q), fb.padded(w), fb, index_pool, min(self.topk, fb.max_context),
-                                    self.scale, compute)
+                                    self.scale, compute, codec)
         return Selection(fb.unpadded(picks), fb.unpadded(valid))

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.quant.int8 import Int8Linear
+
 
 class RMSNorm(nn.Module):
     """y = w · (x / rms(x)), normalized in fp32 and cast back before the weight (as transformers)."""
@@ -38,8 +40,10 @@ class Linear(nn.Linear):
         return F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype)
 
 
-def linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
-    """Bias-free linear with uninitialized storage (the loader fills it)."""
+def linear(in_features: int, out_features: int, dtype: torch.dtype, int8: bool = False) -> nn.Module:
+    """Bias-free linear with uninitialized storage (the loader fills it); `int8`: W8A8 (shared.quant.int8)."""
+    if int8:
+        return Int8Linear(in_features, out_features)
     layer = Linear(in_features, out_features, bias=False, dtype=dtype, device="meta")
     layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
     return layer
@@ -48,11 +52,11 @@ def linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers and the shared expert."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, int8: bool = False):
         super().__init__()
-        self.gate_proj = linear(hidden, inter, dtype)
-        self.up_proj = linear(hidden, inter, dtype)
-        self.down_proj = linear(inter, hidden, dtype)
+        self.gate_proj = linear(hidden, inter, dtype, int8)
+        self.up_proj = linear(hidden, inter, dtype, int8)
+        self.down_proj = linear(inter, hidden, dtype, int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

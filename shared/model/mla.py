@@ -15,6 +15,7 @@ from torch import nn
 
 from shared.config import ModelConfig
 from shared.device import compute_dtype
+from shared.kvcache.layout import RowCodec
 from shared.model.attention import dense_attention, sparse_attention
 from shared.model.batch import ForwardBatch, write_rows
 from shared.model.indexer import Indexer, Selection
@@ -23,7 +24,7 @@ from shared.model.rope import RopeAngles, rope_interleaved, rope_neox
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str = "deepseek"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str = "deepseek", w8a8: bool = False):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -34,14 +35,14 @@ class MLA(nn.Module):
         if self.q_lora_rank:
             self.q_a_proj = linear(cfg.hidden_size, self.q_lora_rank, dtype)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps, dtype)
-            self.q_b_proj = linear(self.q_lora_rank, self.n_heads * qk, dtype)
+            self.q_b_proj = linear(self.q_lora_rank, self.n_heads * qk, dtype, w8a8)
         else:
             self.q_proj = linear(cfg.hidden_size, self.n_heads * qk, dtype)
         self.kv_a_proj_with_mqa = linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), dtype)
-        self.o_proj = linear(self.n_heads * self.v_dim, cfg.hidden_size, dtype)
-        self.indexer = Indexer(cfg, dtype, indexer_numerics) if cfg.has_indexer else None
+        self.o_proj = linear(self.n_heads * self.v_dim, cfg.hidden_size, dtype, w8a8)
+        self.indexer = Indexer(cfg, dtype, indexer_numerics, w8a8) if cfg.has_indexer else None
         self.w_uk: torch.Tensor | None = None  # [H, nope, c], set by absorb() after loading
         self.w_uv_t: torch.Tensor | None = None  # [H, c, v]
 
@@ -66,7 +67,9 @@ class MLA(nn.Module):
         return w.reshape(-1, self.kv_lora_rank).to(self.kv_b_dtype)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, fb: ForwardBatch, mla_pool: torch.Tensor,
-                index_pool: torch.Tensor | None) -> torch.Tensor:
+                index_pool: torch.Tensor | None, codecs: tuple[RowCodec, RowCodec] | None = None) -> torch.Tensor:
+        """`codecs` (MLA rows, indexer keys): how the pools store rows (None: as they are)."""
+        mla_codec, index_codec = codecs or (None, None)
         n = x.shape[0]
         if self.q_lora_rank:
             qr = self.q_a_layernorm(self.q_a_proj(x))
@@ -79,9 +82,9 @@ class MLA(nn.Module):
 
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
         row = torch.cat([self.kv_a_layernorm(c_kv), self.rotate(k_pe, rope)], -1)
-        write_rows(mla_pool, fb, row)
+        write_rows(mla_pool, fb, row if mla_codec is None else mla_codec.encode(row))
 
-        index_query = self.indexer(x, qr, rope, fb, index_pool) if self.indexer is not None else None
+        index_query = self.indexer(x, qr, rope, fb, index_pool, index_codec) if self.indexer is not None else None
 
         if self.w_uk is None:
             self.absorb()
@@ -93,15 +96,16 @@ class MLA(nn.Module):
         for tokens, part in fb.attention_parts():  # one part unless the step mixes decodes and chunks
             selection = None
             if index_query is not None:
-                selection = self.indexer.select(index_query[0][tokens], index_query[1][tokens], part, index_pool)
-            outputs.append(self._attend(query[tokens], part, mla_pool, selection))
+                selection = self.indexer.select(index_query[0][tokens], index_query[1][tokens], part, index_pool,
+                                                index_codec)
+            outputs.append(self._attend(query[tokens], part, mla_pool, selection, mla_codec))
         o_lat = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, kv_lora_rank]
         o = torch.bmm(o_lat.to(cdt).transpose(0, 1), self.w_uv_t)  # [H, N, v]
         return self.o_proj(o.transpose(0, 1).reshape(n, self.n_heads * self.v_dim).to(x.dtype))
 
     def _attend(self, query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
-                sel: Selection | None) -> torch.Tensor:
+                sel: Selection | None, codec: RowCodec | None) -> torch.Tensor:
         c = self.kv_lora_rank
         if sel is not None:  # each query attends to its top-k rows only
-            return sparse_attention(query, fb, pool, sel.picks, sel.valid, self.scale, c)
-        return fb.unpadded(dense_attention(fb.padded(query), fb, pool, self.scale, c))
+            return sparse_attention(query, fb, pool, sel.picks, sel.valid, self.scale, c, codec)
+        return fb.unpadded(dense_attention(fb.padded(query), fb, pool, self.scale, c, codec))

@@ -21,34 +21,49 @@ from shared.model.moe import Experts, Gate, MoE
 from shared.model.rope import RopeAngles, RotaryTable
 from shared.parallel.state import ParallelState
 
+QUANTIZATIONS = ("auto", "none", "w8a8")
+
+
+def quantization_of(cfg: ModelConfig, asked: str | None) -> str:
+    """The weight format the model runs: `asked` ("none" / "w8a8"; None or "auto": the checkpoint's own)."""
+    if asked is not None and asked not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {asked!r}")
+    if cfg.w8a8:
+        if asked == "none":
+            raise ValueError("the checkpoint is W8A8 (int8 weights); it cannot run with quantization 'none'")
+        return "w8a8"
+    return "none" if asked in (None, "auto") else asked
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, indexer_numerics: str,
-                 parallel: ParallelState):
+                 parallel: ParallelState, w8a8: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLA(cfg, dtype, indexer_numerics)
+        self.self_attn = MLA(cfg, dtype, indexer_numerics, w8a8)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, dtype, parallel.config.ep, parallel.ep_rank, parallel.ep_group)
+            self.mlp = MoE(cfg, dtype, parallel.config.ep, parallel.ep_rank, parallel.ep_group, w8a8)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, h: torch.Tensor, rope: RopeAngles, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
         index_pool = kv.index[self.layer_idx] if kv.index is not None else None
-        h = h + self.self_attn(self.input_layernorm(h), rope, fb, kv.mla[self.layer_idx], index_pool)
+        codecs = (kv.mla_codec, kv.index_codec) if kv.layout.c8 else None
+        h = h + self.self_attn(self.input_layernorm(h), rope, fb, kv.mla[self.layer_idx], index_pool, codecs)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str, parallel: ParallelState):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str, parallel: ParallelState,
+                 w8a8: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta")
         self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                                 requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, indexer_numerics, parallel) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, dtype, indexer_numerics, parallel, w8a8) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)  # fp32, as DeepSeek keeps it
 
@@ -60,16 +75,19 @@ class DeepseekForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, indexer_numerics: str = "deepseek",
-                 parallel: ParallelState | None = None):
+                 parallel: ParallelState | None = None, quantization: str | None = None):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.parallel = parallel or ParallelState.single()
-        self.model = Backbone(cfg, dtype, indexer_numerics, self.parallel)
+        # W8A8: asked for (weights quantized while loading) or the checkpoint is already W8A8
+        self.quantization = quantization_of(cfg, quantization)
+        self.model = Backbone(cfg, dtype, indexer_numerics, self.parallel, self.quantization == "w8a8")
         # DeepSeek computes the head in fp32 (fp32 weight, fp32 input): logits of a 129k vocabulary
         # differ by less than bf16's resolution, so a bf16 head would reorder near-ties.
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, torch.float32)
         self.rotary = RotaryTable(cfg.rope, cfg.qk_rope_head_dim, device or torch.device("cpu"))
         self.sharder = None
+        self.offloader = None  # enable_offload(): chosen layers' weights stream from host memory
         self.stored_dtypes: dict[str, torch.dtype] = {}  # parameters held in the compute dtype: their own
         self.requires_grad_(False)
 
@@ -93,6 +111,23 @@ class DeepseekForCausalLM(nn.Module):
             self.sharder = LayerSharder(self.model.layers, p.config.layer_sharding, p.rank, p.world, p.world_group)
         for layer in self.model.layers:
             layer.self_attn.absorb()
+
+    def enable_offload(self, layers: list[int], buffers: int = 2) -> None:
+        """Keep `layers`' weights in host memory; each is copied into one of `buffers` device staging
+        buffers just before it runs, overlapped with the previous layer's compute (shared.model.offload).
+        Call after apply_parallel(): it packs the final (sharded, absorbed) tensors."""
+        from shared.model.offload import LayerOffloader
+
+        if self.offloader is not None:
+            raise RuntimeError("offload is already enabled")
+        if not layers:
+            return
+        if self.sharder is not None:  # both would re-point the same weights around each layer
+            raise ValueError("--offload-layers cannot be combined with layer sharding")
+        for layer in self.model.layers:  # absorb now: a lazy absorb() in forward would replace offloaded tensors
+            if layer.layer_idx in layers and layer.self_attn.w_uk is None:
+                layer.self_attn.absorb()
+        self.offloader = LayerOffloader(self.model.layers, layers, self.model.norm.weight.device, buffers)
 
     def store_for_compute(self) -> None:
         """On a CPU without bf16 arithmetic (oneDNN emulates it, 4-250× slower) a bf16 model keeps its
@@ -135,17 +170,26 @@ class DeepseekForCausalLM(nn.Module):
         (the prefill service pushes that layer to decode while the next one computes)."""
         h = self.model.embed_tokens(fb.input_ids)
         rope = self.rotary.lookup(fb.positions, self.dtype, fb.max_context)
-        sharder = self.sharder
+        sharder, offloader = self.sharder, self.offloader
+        offloaded = offloader.offloaded if offloader is not None else frozenset()
+        if offloader is not None:
+            offloader.begin()  # the first offloaded layer's copy (usually issued at the end of the last step)
         for layer in self.model.layers:
             i = layer.layer_idx
             if sharder is not None:
                 sharder.acquire(i)  # waits for layer i's weights (broadcast issued one layer earlier)
                 sharder.prefetch(i + 1)  # layer i+1's broadcast flies while layer i computes
                 sharder.events.append(("compute_start", i))
+            if i in offloaded:
+                offloader.acquire(i)  # waits for layer i's copy, issues the next offloaded layer's
+                offloader.events.append(("compute_start", i))
             h = layer(h, rope, fb, kv)
             if sharder is not None:
                 sharder.events.append(("compute_end", i))
                 sharder.release(i)
+            if i in offloaded:
+                offloader.events.append(("compute_end", i))
+                offloader.release(i)
             if layer_done is not None:
                 layer_done(i)
         # DeepSeek's final norm: fp32 math with the fp32 weight, rounded to the model dtype, then the fp32 head.

@@ -15,8 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shared.device import int8_matmul
 from shared.model.layers import matmul_input
 from shared.parallel.comm import all_reduce_sum
+from shared.quant.int8 import Int8Linear, quantize_activation
 
 
 def _span(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -43,17 +45,35 @@ class AllToShardedLinear(nn.Module):
 
 
 class ShardedToAllLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group):  # noqa: ANN001
+    """With `weight_scale` (W8A8 int8 weight, per-output-channel scales) each rank quantizes its own input
+    slice per token and the dequantized partial products are summed."""
+
+    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group,  # noqa: ANN001
+                 weight_scale: torch.Tensor | None = None):
         super().__init__()
         self.lo, self.hi = _span(weight.shape[1], tp, rank)
         self.in_features = weight.shape[1]
         self.weight = nn.Parameter(weight[:, self.lo : self.hi].clone(), requires_grad=False)
+        self.weight_scale = None if weight_scale is None else nn.Parameter(weight_scale.clone(), requires_grad=False)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return all_reduce_sum(self._w8a8(x), self.group)
         if x.shape[-1] == self.in_features:  # replicated input: take our slice, no communication
             x = x[..., self.lo : self.hi]
         return all_reduce_sum(F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype), self.group)
+
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """A replicated input is quantized whole (the token scales one rank would use), then sliced: the
+        shards' integer products add up to one rank's."""
+        shape = x.shape
+        xq, sx = quantize_activation(x.reshape(-1, shape[-1]))
+        if shape[-1] == self.in_features:
+            xq = xq[:, self.lo : self.hi].contiguous()
+        y = int8_matmul(xq, sx, self.weight, self.weight_scale)
+        return y.to(x.dtype).view(*shape[:-1], self.weight.shape[0])
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -73,7 +93,10 @@ def shard_linear(linear: nn.Module, style: str, tp: int, rank: int, group,  # no
                  gather_output: bool = False) -> nn.Module:
     """A loaded linear → its TP shard. style: 'all_to_sharded' | 'sharded_to_all'."""
     if style == "all_to_sharded":
+        if isinstance(linear, Int8Linear):
+            raise NotImplementedError("all_to_sharded is for lm_head / embeddings, which W8A8 keeps in bf16")
         return AllToShardedLinear(linear.weight.data, tp, rank, group, gather_output)
     if style == "sharded_to_all":
-        return ShardedToAllLinear(linear.weight.data, tp, rank, group)
+        scale = linear.weight_scale.data if isinstance(linear, Int8Linear) else None
+        return ShardedToAllLinear(linear.weight.data, tp, rank, group, scale)
     raise ValueError(f"unknown shard style {style!r}")
