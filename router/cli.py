@@ -1,6 +1,7 @@
 """`pdserve` command line.
 
     pdserve up [--model DIR] [--num-prefill M] [--num-decode N] [--port 50051] [--kv-transport tcp|mooncake]
+               [--quantization w8a8] [--kv-cache-dtype int8] [--offload-layers 2-10] [--share-weights-dir DIR]
         all-in-one on loopback: router + M prefill + N decode subprocesses; default model is the
         embedded tiny model (generated on first use under ./models/tiny-v32); Ctrl-C stops all.
     pdserve generate "text" | --prompt-token-ids 1 2 3 [--chat [--thinking]] [--address 127.0.0.1:50051] ...
@@ -36,7 +37,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.deploy import Deployment
+from router.deploy import ENGINE_CHOICES, Deployment
 from shared.engine.chat import EOS, split_reasoning
 from shared.loader.tiny import ensure_tiny_model
 from shared.parallel.launch import die_with_parent
@@ -94,6 +95,11 @@ class Cluster:
     kv_transport: str = "tcp"
     dtype: str = "bfloat16"
     indexer_numerics: str = "deepseek"
+    quantization: str = "auto"  # auto | none | w8a8 | …: both prefill and decode
+    kv_cache_dtype: str = "auto"  # auto | int8: both (they must agree)
+    offload_layers: str = ""  # "" (none) | 3,5,7 | 2-10 | all
+    offload_buffers: int = 2  # passed only with offload_layers
+    share_weights_dir: str = ""  # e.g. /dev/shm/pdserve: the co-located services map one copy of the weights
     host: str = "127.0.0.1"
     extra_prefill: list[str] = field(default_factory=list)
     extra_decode: list[str] = field(default_factory=list)
@@ -150,7 +156,12 @@ class Cluster:
         """Every service binds port 0 (the router too unless `port` is set) and reports the port it
         got through a port file, so concurrent clusters never race for ports."""
         common = ["--model", self.model, "--host", self.host]
-        engine = ["--dtype", self.dtype, "--indexer-numerics", self.indexer_numerics]
+        engine = ["--dtype", self.dtype, "--indexer-numerics", self.indexer_numerics,
+                  "--quantization", self.quantization, "--kv-cache-dtype", self.kv_cache_dtype]
+        if self.offload_layers:
+            engine += ["--offload-layers", self.offload_layers, "--offload-buffers", str(self.offload_buffers)]
+        if self.share_weights_dir:
+            engine += ["--share-weights-dir", self.share_weights_dir]
         ports = Path(tempfile.mkdtemp(prefix="pdserve-ports-"))
         if self.tls and self.certs is None:
             self._cert_dir = tempfile.mkdtemp(prefix="pdserve-tls-")
@@ -224,7 +235,10 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     if args.config:
         return Deployment.from_yaml(args.config)
     return Deployment.from_dict({
-        "engine": {"dtype": args.dtype, "indexerNumerics": args.indexer_numerics, "kvTransport": args.kv_transport},
+        "engine": {"dtype": args.dtype, "indexerNumerics": args.indexer_numerics, "kvTransport": args.kv_transport,
+                   "quantization": args.quantization, "kvCacheDtype": args.kv_cache_dtype,
+                   "offloadLayers": args.offload_layers, "offloadBuffers": args.offload_buffers,
+                   "shareWeightsDir": args.share_weights_dir},
         "prefill": {"instances": args.num_prefill, "cp": args.prefill_cp, "tp": args.prefill_tp,
                     "ep": args.prefill_ep, "layerSharding": args.layer_sharding},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
@@ -241,14 +255,20 @@ def cluster_from_deployment(dep: Deployment, model: str, log_dir: Path | None = 
             out[out.index("--kv-port") + 1] = "0"
         return out
 
-    return Cluster(model, dep.prefill.instances, dep.decode.instances, dep.router.port, dep.engine.kv_transport,
-                   dep.engine.dtype, dep.engine.indexer_numerics, tls=dep.tls.enabled, log_dir=log_dir,
+    e = dep.engine
+    return Cluster(model, dep.prefill.instances, dep.decode.instances, dep.router.port, e.kv_transport,
+                   e.dtype, e.indexer_numerics, e.quantization, e.kv_cache_dtype, e.offload_layers.strip(),
+                   e.offload_buffers, e.weights_dir, tls=dep.tls.enabled, log_dir=log_dir,
                    extra_prefill=local(dep.flags("prefill")), extra_decode=local(dep.flags("decode")),
                    extra_router=dep.flags("router"))
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    dep = deployment_from_args(args)
+    try:
+        dep = deployment_from_args(args)
+    except (ValueError, OSError) as exc:  # a bad flag or description: one line naming the key, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     model = args.model or (dep.model.path if args.config and Path(dep.model.path).is_dir() else None) \
         or str(ensure_tiny_model(DEFAULT_MODEL))
     cluster = cluster_from_deployment(dep, model, Path(args.log_dir) if args.log_dir else None)
@@ -429,6 +449,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="compute dtype of prefill and decode (auto: the checkpoint's own)")
     up.add_argument("--indexer-numerics", default="deepseek", choices=["deepseek", "transformers"],
                     help="lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or transformers'")
+    up.add_argument("--quantization", default="auto", choices=ENGINE_CHOICES["quantization"],
+                    help="weights of prefill and decode: w8a8 quantizes to INT8 while loading (auto: the "
+                         "checkpoint's own)")
+    up.add_argument("--kv-cache-dtype", default="auto", choices=ENGINE_CHOICES["kv_cache_dtype"],
+                    help="KV cache of prefill and decode (they must agree): int8 = C8 (int8 latent + scales)")
+    up.add_argument("--offload-layers", default="", metavar="SPEC",
+                    help="decoder layers whose weights stay in host memory, copied in one layer ahead: "
+                         "3,5,7 | 2-10 | all (default: none)")
+    up.add_argument("--offload-buffers", type=int, default=2, help="device staging buffers for --offload-layers")
+    up.add_argument("--share-weights-dir", default="", metavar="DIR",
+                    help="prefill and decode map one copy of the weights from a file in DIR (e.g. /dev/shm/pdserve)")
     up.add_argument("--prefill-cp", type=int, default=1, help="context-parallel ranks per prefill instance")
     up.add_argument("--prefill-tp", type=int, default=1, help="local-TP ranks per prefill instance (with cp 1)")
     up.add_argument("--prefill-ep", type=int, default=1, help="expert-parallel ranks per prefill instance")

@@ -5,7 +5,8 @@ The Helm chart's `values.yaml` uses the same keys, so one file drives both
     pdserve up --config deploy.yaml          # locally: router + M prefill + N decode subprocesses
     helm install pdserve helm/pdserve -f deploy.yaml
 
-Sections: `model.path`, `engine` (dtype, indexer numerics, block size, KV transport, drain),
+Sections: `model.path`, `engine` (dtype, indexer numerics, quantization, KV cache dtype, weight offload,
+shared weights, block size, KV transport, drain),
 `router`, `prefill` (M instances with cp/tp/ep), `decode` (N instances with dp/tp/ep/layer
 sharding), `tls`, `metrics`. Keys only Kubernetes uses (image, resources, nodeSelector, lws, …) are
 accepted and ignored locally; any other key is an error naming it. `flags()` renders exactly the
@@ -19,12 +20,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from shared.config import EngineConfig
+from shared.config import EngineConfig, ServiceConfig
 from shared.transfer.tcp import STALL_SECONDS
 
 KUBERNETES_ONLY = {"image", "auth", "lws", "masterPort", "monitoring", "podDisruptionBudget", "resources",
                    "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "replicas", "serviceType",
                    "source", "pvc", "hostPath", "uri", "secretName"}
+SHARED_WEIGHTS_DIR = "/dev/shm/pdserve"  # engine.shareWeights: the chart mounts a memory emptyDir at /dev/shm
+# the engine keys whose service flag takes a fixed set of values (the services' own choices)
+ENGINE_CHOICES: dict[str, tuple[str, ...]] = {f.name: f.metadata["choices"] for f in fields(ServiceConfig)
+                                              if f.metadata.get("choices")}
+_LAYERS = re.compile(r"\d+(-\d+)?")
 
 
 @dataclass
@@ -39,6 +45,46 @@ class EngineSpec:
     block_size: int = 16
     kv_transport: str = "tcp"
     drain_seconds: float = 5.0
+    quantization: str = "auto"  # auto | none | w8a8 | fp8 (checked against the services' choices)
+    kv_cache_dtype: str = "auto"  # auto | int8 (one setting: prefill and decode must agree)
+    offload_layers: str = ""  # "" (none) | 3,5,7 | 2-10 | all
+    offload_buffers: int = 2  # rendered only with offload_layers
+    share_weights: bool = False  # --share-weights-dir /dev/shm/pdserve (the chart mounts a memory emptyDir)
+    share_weights_dir: str = ""  # another directory (implies sharing); "" = none, or the above with share_weights
+
+    def __post_init__(self) -> None:
+        for name, choices in ENGINE_CHOICES.items():
+            value = getattr(self, name, None)
+            if value is not None and value not in choices:
+                raise ValueError(f"engine.{_camel(name)}: expected one of {', '.join(choices)}, got {value!r}")
+        spec = self.offload_layers.strip()
+        if spec and spec.lower() != "all":
+            for part in spec.split(","):
+                part = part.strip()
+                if not _LAYERS.fullmatch(part):
+                    raise ValueError(f"engine.offloadLayers: {part!r} is not a layer index or range A-B "
+                                     f"(use e.g. '3,5,7', '2-10', 'all')")
+                lo, _, hi = part.partition("-")
+                if hi and int(lo) > int(hi):
+                    raise ValueError(f"engine.offloadLayers: range {part} is empty")
+        if self.offload_buffers < 1:
+            raise ValueError(f"engine.offloadBuffers: need at least 1 staging buffer, got {self.offload_buffers}")
+
+    @property
+    def weights_dir(self) -> str:
+        """The --share-weights-dir the services get ("": none)."""
+        return self.share_weights_dir or (SHARED_WEIGHTS_DIR if self.share_weights else "")
+
+    def flags(self) -> list[str]:
+        """The engine flags prefill and decode both get (the chart's `pdserve.engineArgs`)."""
+        out = ["--kv-transport", self.kv_transport, "--dtype", self.dtype, "--indexer-numerics",
+               self.indexer_numerics, "--quantization", self.quantization, "--kv-cache-dtype", self.kv_cache_dtype,
+               "--block-size", _s(self.block_size), "--drain-seconds", _s(self.drain_seconds)]
+        if self.offload_layers.strip():
+            out += ["--offload-layers", self.offload_layers.strip(), "--offload-buffers", _s(self.offload_buffers)]
+        if self.weights_dir:
+            out += ["--share-weights-dir", self.weights_dir]
+        return out
 
 
 @dataclass
@@ -120,9 +166,7 @@ class Deployment:
                     _s(e.drain_seconds), "--policy", r.policy, "--ttft-slo-ms", _s(r.ttft_slo_ms),
                     "--tpot-slo-ms", _s(r.tpot_slo_ms)]
         spec = self.prefill if role == "prefill" else self.decode
-        out = ["--kv-transport", e.kv_transport, "--dtype", e.dtype, "--indexer-numerics", e.indexer_numerics,
-               "--block-size", _s(e.block_size), "--drain-seconds", _s(e.drain_seconds),
-               "--kv-cache-tokens", _s(spec.kv_cache_tokens), "--tp", _s(spec.tp), "--ep", _s(spec.ep)]
+        out = [*e.flags(), "--kv-cache-tokens", _s(spec.kv_cache_tokens), "--tp", _s(spec.tp), "--ep", _s(spec.ep)]
         if spec.layer_sharding:
             out += ["--layer-sharding", spec.layer_sharding]
         if role == "prefill":
@@ -138,6 +182,11 @@ class Deployment:
 
 def _s(value: object) -> str:
     return str(value)
+
+
+def _camel(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(w.title() for w in rest)
 
 
 def _snake(key: str) -> str:

@@ -304,7 +304,7 @@ class EngineConfig:
     seed: int = 0
     progress: bool = False
     compile: bool = False  # torch.compile (inductor) the per-token layer parts (norms, MLPs, router); see README
-    quantization: str = "auto"  # "w8a8": INT8 weights + per-token INT8 activations; "auto": the checkpoint's own
+    quantization: str = "auto"  # "w8a8": INT8 weights + per-token INT8 activations; "fp8": FP8 kept; "auto": own
     kv_cache_dtype: str = "auto"  # "int8": C8 KV cache (int8 latent + scales, bf16 rope; 8-bit indexer keys)
     offload_layers: str = ""  # "3,5,7" / "2-10" / "all": those layers' weights stay in host memory (async copy-in)
     offload_buffers: int = 2  # device staging buffers for offloaded layers
@@ -404,7 +404,9 @@ class ServiceConfig(EndpointConfig):
     indexer_numerics: str = flag("deepseek", "lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or "
                                              "transformers'", choices=("deepseek", "transformers"))
     quantization: str = flag("auto", "weights: w8a8 quantizes q_b/o_proj, indexer wq_b and the experts to INT8 "
-                                     "while loading (auto: the checkpoint's own)", choices=("auto", "none", "w8a8"))
+                                     "while loading; fp8 keeps an FP8 checkpoint's weights FP8 (1 byte/param, "
+                                     "dequantized per block on the fly); auto: the checkpoint's own (FP8 "
+                                     "dequantized)", choices=("auto", "none", "w8a8", "fp8"))
     kv_cache_dtype: str = flag("auto", "KV cache: int8 stores the latent as int8 + per-128 scales and the indexer "
                                        "key as FP8 + one scale (C8); prefill and decode must agree",
                                choices=("auto", "int8"))

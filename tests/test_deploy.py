@@ -16,6 +16,8 @@ SHAPE = {"engine": {"kvTransport": "tcp", "blockSize": 4, "dtype": "float32"},
          "decode": {"instances": 2, "dp": 2, "ep": 2, "maxNumSeqs": 64, "leaseSeconds": 20.0, "kvCacheTokens": 4096,
                     "layerSharding": "o_proj"},
          "router": {"maxConcurrentRequests": 64}}
+ENGINE = {"quantization": "w8a8", "kvCacheDtype": "int8", "offloadLayers": "2-10,12", "offloadBuffers": 3,
+          "shareWeights": True}
 
 
 def test_chart_defaults_are_the_deployment_defaults():
@@ -44,7 +46,63 @@ def test_unknown_keys_and_wrong_types_name_the_key():
     assert Deployment.from_dict({"image": {"tag": "x"}, "decode": {"resources": {}}}) == Deployment()  # k8s-only
 
 
-def test_chart_and_up_render_the_same_service_flags():
+def _flag(flags: list[str], name: str) -> str | None:
+    return flags[flags.index(name) + 1] if name in flags else None
+
+
+def test_engine_quantization_offload_and_shared_weights_render_into_both_services():
+    dep = Deployment.from_dict({"engine": ENGINE})
+    for role in ("prefill", "decode"):
+        flags = dep.flags(role)
+        assert _flag(flags, "--quantization") == "w8a8" and _flag(flags, "--kv-cache-dtype") == "int8", role
+        assert _flag(flags, "--offload-layers") == "2-10,12" and _flag(flags, "--offload-buffers") == "3", role
+        assert _flag(flags, "--share-weights-dir") == "/dev/shm/pdserve", role
+    assert "--quantization" not in dep.flags("router")
+    explicit = Deployment.from_dict({"engine": {"shareWeightsDir": "/tmp/w"}})  # a directory implies sharing
+    assert _flag(explicit.flags("decode"), "--share-weights-dir") == "/tmp/w"
+
+
+def test_engine_defaults_render_no_offload_and_no_shared_weights():
+    for role in ("prefill", "decode"):
+        flags = Deployment().flags(role)
+        assert _flag(flags, "--quantization") == "auto" and _flag(flags, "--kv-cache-dtype") == "auto"
+        assert not {"--offload-layers", "--offload-buffers", "--share-weights-dir"} & set(flags)
+    # offloadBuffers alone changes nothing: it is rendered only with offloadLayers
+    assert "--offload-buffers" not in Deployment.from_dict({"engine": {"offloadBuffers": 4}}).flags("decode")
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ({"quantization": "fp4"}, "engine.quantization: expected one of auto, none, w8a8"),
+    ({"kvCacheDtype": "fp8"}, "engine.kvCacheDtype: expected one of auto, int8, got 'fp8'"),
+    ({"dtype": "half"}, "engine.dtype: expected one of"),
+    ({"offloadLayers": "3-x"}, "engine.offloadLayers: '3-x' is not a layer index or range"),
+    ({"offloadLayers": "10-2"}, "engine.offloadLayers: range 10-2 is empty"),
+    ({"offloadLayers": 5}, "engine.offloadLayers: expected str"),
+    ({"offloadBuffers": 0}, "engine.offloadBuffers: need at least 1 staging buffer"),
+    ({"offloadBuffers": "2"}, "engine.offloadBuffers: expected int"),
+    ({"shareWeights": "yes"}, "engine.shareWeights: expected bool"),
+    ({"shareWeightsDirectory": "/x"}, "engine.shareWeightsDirectory: unknown key"),
+])
+def test_invalid_engine_values_name_the_key(engine, message):
+    with pytest.raises(ValueError, match=message):
+        Deployment.from_dict({"engine": engine})
+
+
+def test_up_passes_engine_values_to_prefill_and_decode():
+    """`pdserve up` (flags or --config): both services of the local cluster get the same engine flags."""
+    from router.cli import cluster_from_deployment
+
+    c = cluster_from_deployment(Deployment.from_dict({"engine": ENGINE}), "m")
+    assert (c.quantization, c.kv_cache_dtype, c.offload_layers, c.offload_buffers, c.share_weights_dir) == (
+        "w8a8", "int8", "2-10,12", 3, "/dev/shm/pdserve")
+    for extra in (c.extra_prefill, c.extra_decode):
+        assert _flag(extra, "--quantization") == "w8a8" and _flag(extra, "--kv-cache-dtype") == "int8"
+        assert _flag(extra, "--offload-layers") == "2-10,12" and _flag(extra, "--share-weights-dir")
+
+
+@pytest.mark.parametrize("shape", [SHAPE, {**SHAPE, "engine": {**SHAPE["engine"], **ENGINE}}],
+                         ids=["shape", "w8a8-c8-offload-shared"])
+def test_chart_and_up_render_the_same_service_flags(shape):
     """For one description, the flags `pdserve up --config` passes and the flags the chart renders
     parse to the same service configs (host, ports and credential files aside)."""
     helm = pytest.importorskip("helm_python")
@@ -52,8 +110,8 @@ def test_chart_and_up_render_the_same_service_flags():
     from prefill_service.server import parse_args as prefill_args
     from router.server import parse_args as router_args
 
-    dep = Deployment.from_dict(SHAPE)
-    rendered = helm.Chart.load(ROOT / "helm" / "pdserve").render(SHAPE, name="d", namespace="n")
+    dep = Deployment.from_dict(shape)
+    rendered = helm.Chart.load(ROOT / "helm" / "pdserve").render(shape, name="d", namespace="n")
     docs = [d for p, t in rendered.items() if not p.endswith(".txt") for d in yaml.safe_load_all(t) if d]
     per_host = {"host", "advertise_host", "port", "metrics_port", "port_file", "model", "prefill", "decode",
                 "auth_token_file", "insecure", "tls_cert", "tls_key", "tls_ca"}

@@ -23,6 +23,9 @@ CASES = {
                                 "engine": {"kvTransport": "mooncake"}, "auth": {"existingSecret": "my-token"},
                                 "model": {"source": "uri", "uri": {"url": "https://example.com/m.tar"}}},
     "lws-tp2": {"lws": {"enabled": True}, "prefill": {"tp": 2}, "decode": {"tp": 2}},
+    "w8a8-c8-offload-shared": {"engine": {"quantization": "w8a8", "kvCacheDtype": "int8", "offloadLayers": "2-10",
+                                          "offloadBuffers": 3, "shareWeights": True},
+                               "decode": {"dp": 2}},
 }
 CUSTOM = {"PodMonitor", "LeaderWorkerSet"}  # CRDs, not in the core schemas (their pod templates are checked)
 
@@ -118,3 +121,100 @@ def test_probe_command_is_the_package_module(served_model, tmp_path):
                                capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "SERVING" in ok.stdout
     assert plain.returncode == 1  # no certificate: the decode port refuses the handshake
+
+
+def _engine_pods(docs: list[dict]) -> dict[str, list[dict]]:
+    """role → the pod specs of its instances (StatefulSet or LeaderWorkerSet)."""
+    pods: dict[str, list[dict]] = {"prefill": [], "decode": []}
+    for doc in docs:
+        if doc["kind"] == "StatefulSet":
+            spec = doc["spec"]["template"]["spec"]
+        elif doc["kind"] == "LeaderWorkerSet":
+            spec = doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+        else:
+            continue
+        (container,) = spec["containers"]
+        pods[container["command"][-1].removesuffix("_service")].append(spec)
+    return pods
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.mark.parametrize("lws", [False, True])
+def test_engine_quantization_offload_and_shared_weights_render_into_both_services(lws):
+    """engine.quantization / kvCacheDtype / offloadLayers / offloadBuffers / shareWeights reach prefill and
+    decode alike (one KV cache dtype for both: they must agree), and shareWeights mounts a memory emptyDir
+    at /dev/shm for --share-weights-dir /dev/shm/pdserve."""
+    from decode_service.server import parse_args as decode_args
+    from prefill_service.server import parse_args as prefill_args
+
+    values = {"engine": {"quantization": "w8a8", "kvCacheDtype": "int8", "offloadLayers": "3,5,7",
+                         "offloadBuffers": 3, "shareWeights": True},
+              "prefill": {"instances": 2}, "decode": {"instances": 2, "dp": 2}, "lws": {"enabled": lws}}
+    pods = _engine_pods(_render(values))
+    assert len(pods["prefill"]) == 2 and len(pods["decode"]) == 2
+    parsers = {"prefill": prefill_args, "decode": decode_args}
+    kv_dtypes = set()
+    for role, specs in pods.items():
+        for spec in specs:
+            (container,) = spec["containers"]
+            args = _args(container)
+            assert _flag(args, "--quantization") == "w8a8"
+            assert _flag(args, "--kv-cache-dtype") == "int8"
+            assert _flag(args, "--offload-layers") == "3,5,7" and _flag(args, "--offload-buffers") == "3"
+            assert _flag(args, "--share-weights-dir") == "/dev/shm/pdserve"
+            cfg = parsers[role](args)
+            assert (cfg.quantization, cfg.offload_layers, cfg.offload_buffers) == ("w8a8", "3,5,7", 3)
+            assert cfg.share_weights_dir == "/dev/shm/pdserve"
+            kv_dtypes.add(cfg.kv_cache_dtype)
+            assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+            assert {"name": "shm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
+    assert kv_dtypes == {"int8"}  # prefill and decode agree
+
+    router = next(d for d in _render(values) if d["kind"] == "Deployment")
+    assert all(v["name"] != "shm" for v in router["spec"]["template"]["spec"]["volumes"])  # engines only
+
+
+def test_engine_defaults_render_no_offload_and_no_shared_weights():
+    for role, specs in _engine_pods(_render({})).items():
+        for spec in specs:
+            (container,) = spec["containers"]
+            args = _args(container)
+            assert _flag(args, "--quantization") == "auto" and _flag(args, "--kv-cache-dtype") == "auto", role
+            assert not {"--offload-layers", "--offload-buffers", "--share-weights-dir"} & set(args), role
+            assert all(v["name"] != "shm" for v in spec["volumes"]), role
+
+
+def test_share_weights_dir_overrides_the_shm_default():
+    values = {"engine": {"shareWeightsDir": "/var/lib/pdserve/weights"}}
+    for specs in _engine_pods(_render(values)).values():
+        for spec in specs:
+            (container,) = spec["containers"]
+            assert _flag(_args(container), "--share-weights-dir") == "/var/lib/pdserve/weights"
+            assert all(v["name"] != "shm" for v in spec["volumes"])  # a directory of the user's own
+
+
+def test_chart_choices_are_the_services_choices():
+    """Every value the services accept renders; the chart's lists are the flags' choices (no drift)."""
+    from router.deploy import ENGINE_CHOICES
+
+    for key, name in (("quantization", "quantization"), ("kvCacheDtype", "kv_cache_dtype")):
+        for value in ENGINE_CHOICES[name]:
+            pods = _engine_pods(_render({"engine": {key: value}}))
+            flag = "--" + name.replace("_", "-")
+            assert {_flag(_args(s["containers"][0]), flag) for specs in pods.values() for s in specs} == {value}
+        with pytest.raises(helm.HelmRenderError, match=rf"engine.{key}: expected one of "
+                                                        rf"{', '.join(ENGINE_CHOICES[name])}, got \"bogus\""):
+            _render({"engine": {key: "bogus"}})
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ({"offloadLayers": "3-x"}, r"engine.offloadLayers: \"3-x\" is not a layer list"),
+    ({"offloadLayers": "all", "offloadBuffers": 0}, "engine.offloadBuffers: expected a positive integer, got 0"),
+    ({"offloadLayers": "1", "offloadBuffers": 1.5}, "engine.offloadBuffers: expected a positive integer, got 1.5"),
+])
+def test_invalid_engine_values_fail_naming_the_key(engine, message):
+    with pytest.raises(helm.HelmRenderError, match=message):
+        _render({"engine": engine})

@@ -29,7 +29,7 @@ from shared.device import get_device, parse_dtype
 from shared.model import DeepseekForCausalLM
 from shared.model.moe import Experts
 from shared.parallel.state import ParallelState
-from shared.quant.fp8 import dequant_block_fp8
+from shared.quant.fp8 import decode_scales, dequant_block_fp8, quant_block_fp8
 from shared.quant.int8 import quantize_weight
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale)?$")
@@ -165,11 +165,16 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
             if scale is not None:
                 report.mtp_tensors[name + "_scale_inv"] = scale
             continue
-        weight = _dequant(name, tensor, scale, scheme)
         placed = _place(name, params, spans, cfg)
         if placed is None:
             continue
         (target, key), scale_place = placed
+        if target.dtype == torch.float8_e4m3fn:  # FP8 kept as FP8: stored bytes and block scales as they are
+            _load_fp8(name, tensor, scale, scheme or Fp8Scheme(), target, scale_place)
+            filled.update((key, scale_place[1]))
+            report.loaded += 1
+            continue
+        weight = _dequant(name, tensor, scale, scheme)
         if tuple(target.shape) != tuple(weight.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(weight.shape)} != model {tuple(target.shape)}")
         if target.dtype == torch.int8 and weight.dtype != torch.int8:  # W8A8 asked for: quantize this tensor now
@@ -210,16 +215,22 @@ def _place(name: str, params: dict[str, torch.Tensor], spans: dict[str, tuple[in
         stacked = "down_proj" if proj == "down_proj" else "gate_up_proj"
         rows = {"down_proj": slice(None), "gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}[proj]
         key = (f"{prefix}.{stacked}", e, proj)
-        scale_name = f"{prefix}.{stacked}_scale"
-        scale = (params[scale_name][e, rows], (scale_name, e, proj)) if scale_name in params else None
+        scale = None
+        if f"{prefix}.{stacked}_scale" in params:  # W8A8: one scale per output channel
+            scale_name = f"{prefix}.{stacked}_scale"
+            scale = (params[scale_name][e, rows], (scale_name, e, proj))
+        elif f"{prefix}.{stacked}_scale_inv" in params:  # FP8 kept: one scale per row-block
+            scale_name, br = f"{prefix}.{stacked}_scale_inv", cfg.fp8.block[0] if cfg.fp8 else 128
+            blocks = slice(None) if rows == slice(None) else slice(rows.start // br, rows.stop // br)
+            scale = (params[scale_name][e, blocks], (scale_name, e, proj))
         if is_scale:
-            if scale is None:
+            if scale is None or not scale[1][0].endswith("_scale"):
                 raise KeyError(f"checkpoint tensor {name!r} is a W8A8 scale but the model is not W8A8")
             return scale, None
         return (params[f"{prefix}.{stacked}"][e, rows], key), scale
     if name in params:
-        scale_name = name + "_scale"
-        return (params[name], name), ((params[scale_name], scale_name) if scale_name in params else None)
+        scale_name = next((name + s for s in ("_scale", "_scale_inv") if name + s in params), None)
+        return (params[name], name), ((params[scale_name], scale_name) if scale_name else None)
     if name.endswith("rotary_emb.inv_freq"):
         return None
     if name.endswith("_scale"):
@@ -227,10 +238,31 @@ def _place(name: str, params: dict[str, torch.Tensor], spans: dict[str, tuple[in
     raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
 
 
+def _load_fp8(name: str, tensor: torch.Tensor, scale: torch.Tensor | None, scheme: Fp8Scheme,
+              target: torch.Tensor, scale_place: Place | None) -> None:
+    """Fill an FP8 parameter and its block scales: an FP8 checkpoint tensor is copied as stored (scales
+    decoded to fp32 multipliers), a bf16/fp32 one is block-quantized here."""
+    if scale_place is None:
+        raise KeyError(f"{name}: FP8 parameter without block scales")
+    if tensor.dtype in _FP8:
+        if scale is None:
+            raise ValueError(f"{name} is FP8 but has no weight_scale_inv")
+        q, s = tensor.to(torch.float8_e4m3fn), decode_scales(scale, scheme.scale_fmt)
+    elif tensor.dim() == 2:
+        q, s = quant_block_fp8(tensor, scheme.block[0])
+    else:
+        raise ValueError(f"{name}: only 2-D weights can be quantized to FP8 while loading")
+    for what, got, want in (("shape", q, target), ("scale shape", s, scale_place[0])):
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(f"{name}: checkpoint {what} {tuple(got.shape)} != model {tuple(want.shape)}")
+    target.copy_(q)
+    scale_place[0].copy_(s)
+
+
 def _expert_param_filled(name: str, params: dict, filled: set, cfg: ModelConfig) -> bool:
     """Stacked expert params count as loaded when every expert's slices were filled."""
     for stacked, projs in (("experts.down_proj", ("down_proj",)), ("experts.gate_up_proj", ("gate_proj", "up_proj"))):
-        if name.endswith((stacked, stacked + "_scale")):
+        if name.endswith((stacked, stacked + "_scale", stacked + "_scale_inv")):
             return all((name, e, p) in filled for e in range(params[name].shape[0]) for p in projs)
     return False
 

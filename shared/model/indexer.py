@@ -24,7 +24,7 @@ from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
 from shared.model.attention import indexer_topk
 from shared.model.batch import ForwardBatch, write_rows
-from shared.model.layers import linear
+from shared.model.layers import LinearFormats, linear
 from shared.model.rope import RopeAngles, rope_neox
 from shared.quant.fp8 import fake_quant_ue8m0, hadamard_transform
 
@@ -40,15 +40,17 @@ class Selection:
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, numerics: str = "deepseek", w8a8: bool = False):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, numerics: str = "deepseek",
+                 fmts: LinearFormats | None = None):
         super().__init__()
         if numerics not in NUMERICS:
             raise ValueError(f"indexer_numerics must be one of {NUMERICS}, got {numerics!r}")
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.rope_dim, self.topk = cfg.qk_rope_head_dim, cfg.index_topk
         self.numerics = numerics
-        self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, w8a8)
-        self.wk = linear(cfg.hidden_size, self.head_dim, dtype)
+        fmts = fmts or LinearFormats()
+        self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, fmts.target)
+        self.wk = linear(cfg.hidden_size, self.head_dim, dtype, fmts.other)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)
         self.k_norm.requires_grad_(False)
         self.weights_proj = linear(cfg.hidden_size, self.n_heads, torch.float32)  # fp32 (spec [UPD] 2)

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.quant.fp8 import Fp8Linear
 from shared.quant.int8 import Int8Linear
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a linear holds its weight: "int8" (W8A8, shared.quant.int8) or "fp8" (e4m3 + block scales, kept as
+    DeepSeek stores it, dequantized per block on the fly in `compute`)."""
+
+    kind: str
+    block: tuple[int, int] = (128, 128)
+    compute: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class LinearFormats:
+    """The formats of a layer's linears: `target` for the ones W8A8 quantizes (q_b/o_proj, indexer wq_b,
+    experts), `other` for the rest (kv projections, q_a, indexer wk, dense MLPs). None: the model dtype."""
+
+    target: WeightFormat | None = None
+    other: WeightFormat | None = None
 
 
 class RMSNorm(nn.Module):
@@ -40,10 +62,12 @@ class Linear(nn.Linear):
         return F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype)
 
 
-def linear(in_features: int, out_features: int, dtype: torch.dtype, int8: bool = False) -> nn.Module:
-    """Bias-free linear with uninitialized storage (the loader fills it); `int8`: W8A8 (shared.quant.int8)."""
-    if int8:
+def linear(in_features: int, out_features: int, dtype: torch.dtype, fmt: WeightFormat | None = None) -> nn.Module:
+    """Bias-free linear with uninitialized storage (the loader fills it), in `fmt` (None: `dtype`)."""
+    if fmt is not None and fmt.kind == "int8":
         return Int8Linear(in_features, out_features)
+    if fmt is not None and fmt.kind == "fp8":
+        return Fp8Linear(in_features, out_features, fmt.block, fmt.compute)
     layer = Linear(in_features, out_features, bias=False, dtype=dtype, device="meta")
     layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
     return layer
@@ -52,11 +76,11 @@ def linear(in_features: int, out_features: int, dtype: torch.dtype, int8: bool =
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers and the shared expert."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, int8: bool = False):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fmt: WeightFormat | None = None):
         super().__init__()
-        self.gate_proj = linear(hidden, inter, dtype, int8)
-        self.up_proj = linear(hidden, inter, dtype, int8)
-        self.down_proj = linear(inter, hidden, dtype, int8)
+        self.gate_proj = linear(hidden, inter, dtype, fmt)
+        self.up_proj = linear(hidden, inter, dtype, fmt)
+        self.down_proj = linear(inter, hidden, dtype, fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

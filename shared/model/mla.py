@@ -19,13 +19,16 @@ from shared.kvcache.layout import RowCodec
 from shared.model.attention import dense_attention, sparse_attention
 from shared.model.batch import ForwardBatch, write_rows
 from shared.model.indexer import Indexer, Selection
-from shared.model.layers import RMSNorm, linear
+from shared.model.layers import LinearFormats, RMSNorm, linear
 from shared.model.rope import RopeAngles, rope_interleaved, rope_neox
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str = "deepseek", w8a8: bool = False):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str = "deepseek",
+                 fmts: LinearFormats | None = None):
         super().__init__()
+        fmts = fmts or LinearFormats()
+        target, other = fmts.target, fmts.other
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = cfg.kv_lora_rank, cfg.q_lora_rank
@@ -33,16 +36,17 @@ class MLA(nn.Module):
         self.rotate = rope_interleaved if cfg.rope_interleave else rope_neox
         qk = self.nope + self.rope_dim
         if self.q_lora_rank:
-            self.q_a_proj = linear(cfg.hidden_size, self.q_lora_rank, dtype)
+            self.q_a_proj = linear(cfg.hidden_size, self.q_lora_rank, dtype, other)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps, dtype)
-            self.q_b_proj = linear(self.q_lora_rank, self.n_heads * qk, dtype, w8a8)
+            self.q_b_proj = linear(self.q_lora_rank, self.n_heads * qk, dtype, target)
         else:
-            self.q_proj = linear(cfg.hidden_size, self.n_heads * qk, dtype)
-        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, dtype)
+            self.q_proj = linear(cfg.hidden_size, self.n_heads * qk, dtype, other)
+        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, dtype, other)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, dtype)
+        # absorbed after loading into per-head matrices in the compute dtype (absorb): never kept as FP8/int8
         self.kv_b_proj = linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), dtype)
-        self.o_proj = linear(self.n_heads * self.v_dim, cfg.hidden_size, dtype, w8a8)
-        self.indexer = Indexer(cfg, dtype, indexer_numerics, w8a8) if cfg.has_indexer else None
+        self.o_proj = linear(self.n_heads * self.v_dim, cfg.hidden_size, dtype, target)
+        self.indexer = Indexer(cfg, dtype, indexer_numerics, fmts) if cfg.has_indexer else None
         self.w_uk: torch.Tensor | None = None  # [H, nope, c], set by absorb() after loading
         self.w_uv_t: torch.Tensor | None = None  # [H, c, v]
 

@@ -15,38 +15,50 @@ from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.kvcache import KVCache
 from shared.model.batch import ForwardBatch
-from shared.model.layers import MLP, RMSNorm, linear
+from shared.model.layers import MLP, LinearFormats, RMSNorm, WeightFormat, linear
 from shared.model.mla import MLA
 from shared.model.moe import Experts, Gate, MoE
 from shared.model.rope import RopeAngles, RotaryTable
 from shared.parallel.state import ParallelState
 
-QUANTIZATIONS = ("auto", "none", "w8a8")
+QUANTIZATIONS = ("auto", "none", "w8a8", "fp8")
 
 
 def quantization_of(cfg: ModelConfig, asked: str | None) -> str:
-    """The weight format the model runs: `asked` ("none" / "w8a8"; None or "auto": the checkpoint's own)."""
+    """The weight format the model runs: `asked` ("none": the model dtype; "w8a8"; "fp8": FP8 weights kept
+    as FP8; None or "auto": the checkpoint's own — none for bf16 and FP8 releases, which are dequantized)."""
     if asked is not None and asked not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {asked!r}")
     if cfg.w8a8:
-        if asked == "none":
-            raise ValueError("the checkpoint is W8A8 (int8 weights); it cannot run with quantization 'none'")
+        if asked not in (None, "auto", "w8a8"):
+            raise ValueError(f"the checkpoint is W8A8 (int8 weights); it cannot run with quantization {asked!r}")
         return "w8a8"
     return "none" if asked in (None, "auto") else asked
 
 
+def linear_formats(cfg: ModelConfig, quantization: str, dtype: torch.dtype, device: torch.device) -> LinearFormats:
+    """W8A8: int8 for the target linears only; FP8: every linear DeepSeek ships in FP8 stays FP8."""
+    if quantization == "w8a8":
+        return LinearFormats(target=WeightFormat("int8"))
+    if quantization == "fp8":
+        scheme = cfg.fp8
+        fmt = WeightFormat("fp8", scheme.block if scheme else (128, 128), compute_dtype(dtype, device))
+        return LinearFormats(target=fmt, other=fmt)
+    return LinearFormats()
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, indexer_numerics: str,
-                 parallel: ParallelState, w8a8: bool = False):
+                 parallel: ParallelState, fmts: LinearFormats | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLA(cfg, dtype, indexer_numerics, w8a8)
+        self.self_attn = MLA(cfg, dtype, indexer_numerics, fmts)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, dtype, parallel.config.ep, parallel.ep_rank, parallel.ep_group, w8a8)
-        else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.mlp = MoE(cfg, dtype, parallel.config.ep, parallel.ep_rank, parallel.ep_group, fmts)
+        else:  # dense MLPs: bf16 under W8A8 (the practice), FP8 when FP8 is kept
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fmts.other if fmts else None)
 
     def forward(self, h: torch.Tensor, rope: RopeAngles, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
         index_pool = kv.index[self.layer_idx] if kv.index is not None else None
@@ -57,13 +69,13 @@ class DecoderLayer(nn.Module):
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str, parallel: ParallelState,
-                 w8a8: bool = False):
+                 fmts: LinearFormats | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta")
         self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                                 requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, indexer_numerics, parallel, w8a8) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, dtype, indexer_numerics, parallel, fmts) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)  # fp32, as DeepSeek keeps it
 
@@ -81,7 +93,8 @@ class DeepseekForCausalLM(nn.Module):
         self.parallel = parallel or ParallelState.single()
         # W8A8: asked for (weights quantized while loading) or the checkpoint is already W8A8
         self.quantization = quantization_of(cfg, quantization)
-        self.model = Backbone(cfg, dtype, indexer_numerics, self.parallel, self.quantization == "w8a8")
+        fmts = linear_formats(cfg, self.quantization, dtype, device or torch.device("cpu"))
+        self.model = Backbone(cfg, dtype, indexer_numerics, self.parallel, fmts)
         # DeepSeek computes the head in fp32 (fp32 weight, fp32 input): logits of a 129k vocabulary
         # differ by less than bf16's resolution, so a bf16 head would reorder near-ties.
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, torch.float32)
@@ -141,7 +154,7 @@ class DeepseekForCausalLM(nn.Module):
         for prefix, module in self.named_modules():
             if isinstance(module, (nn.Linear, Experts, Gate)):
                 for name, param in list(module.named_parameters(recurse=False)):
-                    if param.is_floating_point() and param.dtype != cdt:
+                    if param.dtype in (torch.bfloat16, torch.float16) and param.dtype != cdt:  # not FP8/int8
                         self.stored_dtypes[f"{prefix}.{name}"] = param.dtype
                         setattr(module, name, nn.Parameter(param.data.to(cdt), requires_grad=False))
 

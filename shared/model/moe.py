@@ -14,7 +14,8 @@ from torch import nn
 
 from shared.config import ModelConfig
 from shared.device import grouped_mm
-from shared.model.layers import MLP, matmul_input
+from shared.model.layers import MLP, LinearFormats, WeightFormat, matmul_input
+from shared.quant.fp8 import grouped_fp8
 from shared.quant.int8 import grouped_w8a8
 
 
@@ -54,19 +55,29 @@ class Experts(nn.Module):
     copied; experts with no rows cost nothing."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, first_expert: int = 0,
-                 num_local: int | None = None, int8: bool = False):
+                 num_local: int | None = None, fmt: WeightFormat | None = None):
         super().__init__()
         self.num_experts, self.inter = num_experts, inter
         self.first_expert = first_expert
         self.num_local = num_experts if num_local is None else num_local
-        self.int8 = int8
-        wdt = torch.int8 if int8 else dtype
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=wdt),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=wdt), requires_grad=False)
-        if int8:  # W8A8: per-expert, per-output-channel scales (shared.quant.int8)
-            self.gate_up_proj_scale = nn.Parameter(torch.ones(self.num_local, 2 * inter), requires_grad=False)
-            self.down_proj_scale = nn.Parameter(torch.ones(self.num_local, hidden), requires_grad=False)
+        self.fmt = fmt
+        kind = fmt.kind if fmt is not None else None
+        wdt = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kind, dtype)
+        e = self.num_local
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, hidden, dtype=wdt), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, inter, dtype=wdt), requires_grad=False)
+        if kind == "int8":  # W8A8: per-expert, per-output-channel scales (shared.quant.int8)
+            self.gate_up_proj_scale = nn.Parameter(torch.ones(e, 2 * inter), requires_grad=False)
+            self.down_proj_scale = nn.Parameter(torch.ones(e, hidden), requires_grad=False)
+        elif kind == "fp8":  # block scales; gate and up stack by whole row-blocks
+            br, bc = fmt.block
+            if inter % br:
+                raise ValueError(f"FP8 experts need moe_intermediate_size ({inter}) to be a multiple of the "
+                                 f"weight block ({br})")
+            self.gate_up_proj_scale_inv = nn.Parameter(torch.ones(e, 2 * inter // br, -(-hidden // bc)),
+                                                       requires_grad=False)
+            self.down_proj_scale_inv = nn.Parameter(torch.ones(e, -(-hidden // br), -(-inter // bc)),
+                                                    requires_grad=False)
 
     def run(self, rows: torch.Tensor, local_ids: torch.Tensor, padded: bool = False) -> torch.Tensor:
         """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]. With
@@ -78,10 +89,16 @@ class Experts(nn.Module):
         counts = torch.zeros(self.num_local + 1, dtype=torch.long, device=rows.device)
         counts.index_add_(0, key, torch.ones_like(key))  # bincount would read the max back on accelerators
         offsets = counts[: self.num_local].cumsum(0).to(torch.int32)
-        if self.int8:
+        kind = self.fmt.kind if self.fmt is not None else None
+        if kind == "int8":
             gate_up = grouped_w8a8(rows[order], self.gate_up_proj, self.gate_up_proj_scale, offsets)
             gate, up = gate_up.split(self.inter, -1)
             out = grouped_w8a8(F.silu(gate) * up, self.down_proj, self.down_proj_scale, offsets)
+        elif kind == "fp8":
+            block, cdt = self.fmt.block, self.fmt.compute
+            gate_up = grouped_fp8(rows[order], self.gate_up_proj, self.gate_up_proj_scale_inv, offsets, block, cdt)
+            gate, up = gate_up.split(self.inter, -1)
+            out = grouped_fp8(F.silu(gate) * up, self.down_proj, self.down_proj_scale_inv, offsets, block, cdt)
         else:
             xs = matmul_input(rows[order], self.gate_up_proj)
             gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offsets).split(self.inter, -1)
@@ -106,17 +123,18 @@ class MoE(nn.Module):
     uneven splits); the shared expert computes while the dispatch is in flight."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ep: int = 1, ep_rank: int = 0, ep_group=None,  # noqa: ANN001
-                 w8a8: bool = False):
+                 fmts: LinearFormats | None = None):
         super().__init__()
         if cfg.n_routed_experts % ep:
             raise ValueError(f"{cfg.n_routed_experts} experts do not split over ep={ep}")
         per_rank = cfg.n_routed_experts // ep
+        fmt = (fmts or LinearFormats()).target
         self.ep, self.ep_group, self.per_rank = ep, ep_group, per_rank
         self.gate = Gate(cfg, dtype)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype,
-                               first_expert=ep_rank * per_rank, num_local=per_rank, int8=w8a8)
+                               first_expert=ep_rank * per_rank, num_local=per_rank, fmt=fmt)
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, w8a8)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, fmt)
             if cfg.n_shared_experts else None
         )
 

@@ -96,3 +96,55 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Sylvester Hadamard on the last dim (DeepSeek's rotate_activation), bf16 in/out."""
     h = _hadamard(x.shape[-1], x.device)
     return (x.float() @ h.T).to(x.dtype)
+
+
+_TILE_ELEMS = 1 << 24  # weight elements dequantized at once (64 MiB in fp32), whatever the layer's size
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               compute: torch.dtype) -> torch.Tensor:
+    """y = x · Wᵀ for an FP8 weight kept as stored: whole row-blocks of W are dequantized to `compute`
+    a bounded tile at a time (never the whole weight), each tile multiplied as soon as it exists."""
+    rows, cols = weight.shape
+    br = block[0]
+    step = max(br, _TILE_ELEMS // max(cols, 1) // br * br)
+    xc = x.to(compute)
+    out = xc.new_empty(*x.shape[:-1], rows)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        tile = dequant_block_fp8(weight[r0:r1], scale_inv[r0 // br : -(-r1 // br)], block, dtype=compute)
+        out[..., r0:r1] = xc @ tile.t()
+    return out
+
+
+class Fp8Linear(torch.nn.Module):
+    """A bias-free linear whose weight stays FP8 e4m3 in memory (1 byte per parameter plus one fp32
+    scale per block), dequantized per block on the fly (`fp8_linear`), as DeepSeek's release stores it."""
+
+    def __init__(self, in_features: int, out_features: int, block: tuple[int, int], compute: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.block, self.compute = in_features, out_features, block, compute
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                         requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(
+            torch.ones(-(-out_features // block[0]), -(-in_features // block[1])), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.compute).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
+
+
+def grouped_fp8(rows: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, offsets: torch.Tensor,
+                block: tuple[int, int], compute: torch.dtype) -> torch.Tensor:
+    """Grouped matmul over FP8 expert weights [E, N, K] (scales [E, ⌈N/br⌉, ⌈K/bc⌉]): each non-empty
+    group's expert is dequantized (tile-bounded) only when it has rows; the offsets are read back once.
+    Returns fp32 [M, N]; rows past the last offset stay zero."""
+    out = rows.new_zeros(rows.shape[0], weight.shape[1], dtype=torch.float32)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = fp8_linear(rows[start:end], weight[g], scale_inv[g], block, compute).float()
+        start = end
+    return out

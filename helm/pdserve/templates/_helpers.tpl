@@ -47,11 +47,51 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - {{ .Values.engine.dtype }}
 - --indexer-numerics
 - {{ .Values.engine.indexerNumerics }}
+- --quantization
+- {{ include "pdserve.choice" (list "engine.quantization" .Values.engine.quantization (list "auto" "none" "w8a8" "fp8")) | quote }}
+- --kv-cache-dtype
+- {{ include "pdserve.choice" (list "engine.kvCacheDtype" .Values.engine.kvCacheDtype (list "auto" "int8")) | quote }}
 - --block-size
 - {{ .Values.engine.blockSize | quote }}
 - --drain-seconds
 - {{ .Values.engine.drainSeconds | quote }}
+{{- with .Values.engine.offloadLayers | toString | trim }}
+{{- if not (regexMatch "^(?i:all)$|^[0-9]+(-[0-9]+)?( *, *[0-9]+(-[0-9]+)?)*$" .) }}
+{{- fail (printf "engine.offloadLayers: %q is not a layer list (use e.g. '3,5,7', '2-10', 'all')" .) }}
+{{- end }}
+- --offload-layers
+- {{ . | quote }}
+- --offload-buffers
+- {{ include "pdserve.positive" (list "engine.offloadBuffers" $.Values.engine.offloadBuffers) | quote }}
+{{- end }}
+{{- with include "pdserve.shareWeightsDir" . }}
+- --share-weights-dir
+- {{ . | quote }}
+{{- end }}
 {{- include "pdserve.tlsArgs" . }}
+{{- end -}}
+
+{{/* A value from a fixed set, else a failed render naming the key: (list "key" value (list choices...)). */}}
+{{- define "pdserve.choice" -}}
+{{- $key := index . 0 }}{{- $value := index . 1 | toString }}{{- $choices := index . 2 }}
+{{- if not (has $value $choices) }}
+{{- fail (printf "%s: expected one of %s, got %q" $key (join ", " $choices) $value) }}
+{{- end }}
+{{- $value }}
+{{- end -}}
+
+{{- define "pdserve.positive" -}}
+{{- $key := index . 0 }}{{- $value := index . 1 }}
+{{- if or (lt (int $value) 1) (ne (int $value | toString) (toString $value)) }}
+{{- fail (printf "%s: expected a positive integer, got %v" $key $value) }}
+{{- end }}
+{{- $value | int }}
+{{- end -}}
+
+{{/* --share-weights-dir of the engine services ("": none). engine.shareWeights maps the weights from
+     /dev/shm/pdserve, on the memory emptyDir the rank pods then mount at /dev/shm. */}}
+{{- define "pdserve.shareWeightsDir" -}}
+{{- .Values.engine.shareWeightsDir | default (ternary "/dev/shm/pdserve" "" (.Values.engine.shareWeights | default false)) -}}
 {{- end -}}
 
 {{- define "pdserve.env" -}}

@@ -79,6 +79,10 @@ spec:
       {{- include "pdserve.probes" (dict "root" $root "port" $spec.port) | nindent 6 }}
       volumeMounts:
         {{- include "pdserve.mounts" $root | nindent 8 }}
+        {{- if $root.Values.engine.shareWeights }}
+        - name: shm
+          mountPath: /dev/shm
+        {{- end }}
       {{- with $spec.resources }}
       resources:
         {{- toYaml . | nindent 8 }}
@@ -86,5 +90,10 @@ spec:
   terminationGracePeriodSeconds: {{ add (int $root.Values.engine.drainSeconds) 15 }}
   volumes:
     {{- include "pdserve.volumes" $root | nindent 4 }}
+    {{- if $root.Values.engine.shareWeights }}
+    - name: shm  # engine.shareWeights: tmpfs shared by the pod's processes (counts toward its memory)
+      emptyDir:
+        medium: Memory
+    {{- end }}
   {{- include "pdserve.scheduling" $spec | nindent 2 }}
 {{- end -}}
