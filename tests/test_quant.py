@@ -251,3 +251,31 @@ def test_fp8_and_int8_linears_stay_bounded_at_real_dimensions(monkeypatch):
     y = device.int8_matmul(xq, torch.ones(100, 1), torch.ones(out_f, in_f, dtype=torch.int8), torch.ones(out_f))
     assert y.shape == (100, out_f) and max(widened) <= max(1 << 24, xq.numel())
     print(f"largest FP8 tile {max(tiles):,} / W8A8 fp32 tile {max(widened):,} elements of {out_f * in_f:,}")
+
+
+def _c8_cp_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
+    from shared.engine import EngineConfig, LLMEngine
+    from shared.parallel import ParallelConfig, ParallelState
+
+    state = ParallelState.initialize(ParallelConfig(world=world, cp=world, ep=world), rank, torch.device("cpu"))
+    engine = LLMEngine(EngineConfig(model=path, block_size=4, max_num_batched_tokens=16, num_kv_blocks=96,
+                                    kv_cache_dtype="int8", quantization="w8a8"), state)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(p, params, f"r{i}") for i, p in enumerate(prompts)]
+    while engine.has_work:
+        engine.step()
+    return [s.output_token_ids for s in seqs]
+
+
+def test_c8_and_w8a8_under_context_parallel_prefill(ckpt):
+    """CP ranks all-gather each layer's new rows already packed (C8 bytes), so every rank's cache holds the
+    same bytes a single rank writes: same greedy tokens."""
+    from tests.dist_utils import run_ranks
+
+    path = str(ckpt("v32_sparse"))
+    prompts = random_prompts(3, [37, 22, 5], 512, seed=68)
+    single = LLM(path, block_size=4, max_num_batched_tokens=16, kv_cache_dtype="int8", quantization="w8a8")
+    want = [o.token_ids for o in single.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                          ignore_eos=True))]
+    for tokens in run_ranks(_c8_cp_rank, 2, path, prompts):
+        assert tokens == want
