@@ -24,9 +24,12 @@ def _decode_side(layout, transport: str, ttl: float = 30.0):
     return kv, leases, receiver
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_received_kv_is_bitwise_local(ckpt, transport):
-    config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4, max_num_batched_tokens=9)  # chunked pushes
+def test_received_kv_is_bitwise_local(ckpt, transport, kv_cache_dtype):
+    """Also for the C8 cache: packed rows (int8 latent + scales + bf16 rope; FP8 keys + scale) move as bytes."""
+    config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4, max_num_batched_tokens=9,  # chunked pushes
+                          kv_cache_dtype=kv_cache_dtype)
     prefill = LLMEngine(config)
     worker = PrefillCore(PrefillRank(prefill, lambda t: make_sender(t, prefill.kv)))
     kv, leases, receiver = _decode_side(prefill.layout, transport)
@@ -56,6 +59,7 @@ def test_received_kv_is_bitwise_local(ckpt, transport):
                 assert torch.equal(got[kind], want[kind]), (i, layer, kind)
     assert all(isinstance(t, int) for t in firsts)
     assert prefill.kv.allocator.num_free == prefill.kv.num_blocks  # prefill freed everything
+    assert kv.mla.dtype == (torch.uint8 if kv_cache_dtype == "int8" else local.layout.dtype)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
