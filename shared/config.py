@@ -139,7 +139,8 @@ class ModelConfig:
         return scale
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.mlp_layer_types[layer] == "sparse"
+        """The MTP layers past num_hidden_layers are MoE blocks, as DeepSeek ships them."""
+        return layer >= len(self.mlp_layer_types) or self.mlp_layer_types[layer] == "sparse"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -309,11 +310,17 @@ class EngineConfig:
     offload_layers: str = ""  # "3,5,7" / "2-10" / "all": those layers' weights stay in host memory (async copy-in)
     offload_buffers: int = 2  # device staging buffers for offloaded layers
     share_weights_dir: str | None = None  # e.g. /dev/shm/pdserve: co-located processes map one copy of the weights
+    speculative: str | None = None  # "mtp": the checkpoint's MTP layer drafts, the model verifies (in-process)
+    num_speculative_tokens: int = 1  # drafts per step (1..3)
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:
             raise ValueError("block_size, max_num_batched_tokens, max_num_seqs and attention_workspace_mb "
                              "must be positive")
+        if self.speculative not in (None, "mtp"):
+            raise ValueError(f"speculative must be 'mtp' or unset, got {self.speculative!r}")
+        if self.speculative and not 1 <= self.num_speculative_tokens <= 3:
+            raise ValueError(f"num_speculative_tokens must be 1..3, got {self.num_speculative_tokens}")
 
 
 REQUIRED: Any = MISSING  # flag(REQUIRED, ...): a flag without default

@@ -20,6 +20,7 @@ from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.policy import policy_for
 from shared.engine.sampler import SamplingParams, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
+from shared.engine.speculative import MtpSpeculator
 from shared.engine.tokenizer import OutputProcessor, Tokenizer
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
@@ -61,10 +62,13 @@ class LLMEngine:
         self.parallel = parallel or ParallelState.single()
         self.policy = policy_for(self.parallel)
         self.device = get_device(config.device)
+        mtp = config.speculative == "mtp"
+        if mtp and self.parallel.is_parallel:
+            raise ValueError("speculative mtp runs on a single-rank engine (not yet with DP/EP/TP/CP ranks)")
         self.model, self.load_report = load_model(config.model, config.dtype, str(self.device),
                                                   config.indexer_numerics, progress=config.progress,
                                                   parallel=self.parallel, quantization=config.quantization,
-                                                  share_weights_dir=config.share_weights_dir)
+                                                  share_weights_dir=config.share_weights_dir, mtp=mtp)
         self.model_config = self.model.config
         self.dtype = self.model.dtype
         if config.offload_layers:
@@ -78,11 +82,13 @@ class LLMEngine:
         # a peer with the other layout is refused at the KV handshake).
         kv_dtype = compute_dtype(self.dtype, self.device)
         self.layout = KVLayout.from_model_config(self.model_config, config.block_size, kv_dtype,
-                                                 kv_cache_dtype=config.kv_cache_dtype)
+                                                 kv_cache_dtype=config.kv_cache_dtype, extra_layers=int(mtp))
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
+        # MTP rows at a block's edge depend on the next block's first token: no prefix sharing under MTP
         self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_prefix_caching)
+                                   config.max_num_batched_tokens, config.enable_prefix_caching and not mtp)
+        self.speculator = MtpSpeculator(self, config.num_speculative_tokens) if mtp else None
         self._requests: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.default_generator = torch.Generator().manual_seed(config.seed)
@@ -191,6 +197,8 @@ class LLMEngine:
         if not chunks:
             self.dummy_step()
             return []
+        if self.speculator is not None:
+            return self.speculator.step(chunks)
         return self.step_chunks(chunks)
 
     def dummy_step(self) -> None:

@@ -75,6 +75,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return out.tolist()
 
 
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row's sampling draws from [M, V] fp32 (temperature, then top-k, then top-p on
+    the top-k renormalized distribution, as `sample`), dense: speculative verification compares the
+    target's and the draft's probabilities of the same tokens. Greedy rows are one-hot on the argmax."""
+    logits = _sanitize(logits.float())
+    m, vocab = logits.shape
+    out = torch.zeros_like(logits)
+    for i, p in enumerate(params):
+        if p.greedy:
+            out[i, logits[i].argmax()] = 1.0
+            continue
+        x = logits[i] / p.temperature
+        vals, ids = x.sort(descending=True)
+        if 0 < p.top_k < vocab:
+            vals[p.top_k :] = float("-inf")
+        probs = vals.softmax(-1)
+        if p.top_p < 1:
+            before = probs.cumsum(-1) - probs
+            probs = probs * (before < p.top_p)
+            probs = probs / probs.sum()
+        out[i, ids] = probs
+    return out
+
+
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                  ) -> torch.Tensor:
     m, vocab = logits.shape

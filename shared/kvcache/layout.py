@@ -116,9 +116,11 @@ class KVLayout:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
-                          index_dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto") -> KVLayout:
+                          index_dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto",
+                          extra_layers: int = 0) -> KVLayout:
+        """`extra_layers`: pools past the model's layers (the MTP drafter's, at index num_hidden_layers)."""
         return cls(
-            num_layers=cfg.num_hidden_layers,
+            num_layers=cfg.num_hidden_layers + extra_layers,
             block_size=block_size,
             kv_lora_rank=cfg.kv_lora_rank,
             rope_dim=cfg.qk_rope_head_dim,

@@ -28,11 +28,13 @@ from shared.config import Fp8Scheme, ModelConfig
 from shared.device import get_device, parse_dtype
 from shared.model import DeepseekForCausalLM
 from shared.model.moe import Experts
+from shared.model.mtp import MTPLayer
 from shared.parallel.state import ParallelState
 from shared.quant.fp8 import decode_scales, dequant_block_fp8, quant_block_fp8
 from shared.quant.int8 import quantize_weight
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale)?$")
+_EXPERT = re.compile(r"^((?:model\.layers\.\d+|mtp\.block)\.mlp\.experts)\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj)\.weight(_scale)?$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FUSED_EXPERTS = (".gate_up_proj", ".down_proj", ".gate_up_proj_scale", ".down_proj_scale")  # [E, ...]: sliced under EP
@@ -138,10 +140,20 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
         layer = _LAYER.match(name)
         return layer is not None and int(layer.group(1)) >= cfg.num_hidden_layers
 
+    def model_name(name: str) -> str | None:
+        """An MTP checkpoint name → its place in the model's MTP drafter (None: not loaded)."""
+        if model.mtp is None or not is_mtp(name):
+            return name
+        return MTPLayer.param_name(name.split(".", 3)[3])
+
     def rows(name: str) -> slice | None:
         """What to read: the MTP layer only when asked; under expert parallelism only this rank's experts."""
         if is_mtp(name):
-            return slice(None) if include_mtp else None
+            if model.mtp is None:
+                return slice(None) if include_mtp else None
+            name = model_name(name)
+            if name is None:
+                return None
         expert = _EXPERT.match(name)
         if expert:
             lo, hi = spans[expert.group(1)]
@@ -157,10 +169,12 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
     report, filled, t0 = LoadReport(), set(), time.monotonic()
 
     report.skipped_mtp = sum(1 for names in files.values() for n in names
-                             if is_mtp(n) and not n.endswith("_scale_inv") and not include_mtp)
+                             if is_mtp(n) and not n.endswith("_scale_inv") and rows(n) is None)
     for name, tensor, scale in iter_tensors(path, files, rows):
         bar.step()
-        if is_mtp(name):  # kept as stored: FP8 stays FP8 with its scale beside it
+        if is_mtp(name) and model.mtp is not None:  # into the MTP drafter
+            name = model_name(name)
+        elif is_mtp(name):  # kept as stored: FP8 stays FP8 with its scale beside it
             report.mtp_tensors[name] = tensor
             if scale is not None:
                 report.mtp_tensors[name + "_scale_inv"] = scale
@@ -270,7 +284,7 @@ def _expert_param_filled(name: str, params: dict, filled: set, cfg: ModelConfig)
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | None = None,
                indexer_numerics: str = "deepseek", progress: bool = False,
                include_mtp: bool = False, parallel: ParallelState | None = None,
-               quantization: str | None = None, share_weights_dir: str | None = None,
+               quantization: str | None = None, share_weights_dir: str | None = None, mtp: bool = False,
                ) -> tuple[DeepseekForCausalLM, LoadReport]:
     """Build the model from `path/config.json` and fill it from the safetensors next to it
     (only this rank's experts under expert parallelism), then shard it for TP / layer sharding.
@@ -281,7 +295,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     cfg = ModelConfig.from_pretrained(path)
     dev = get_device(device)
     dtype = cfg.default_dtype if dtype == "auto" else dtype
-    model = DeepseekForCausalLM(cfg, parse_dtype(dtype), dev, indexer_numerics, parallel, quantization)
+    model = DeepseekForCausalLM(cfg, parse_dtype(dtype), dev, indexer_numerics, parallel, quantization, mtp)
     report = load_weights(model, path, include_mtp=include_mtp, progress=progress)
     model = model.to(dev)
     model.apply_parallel()

@@ -83,6 +83,26 @@ def random_state_dict(cfg: dict[str, Any], seed: int = 0, std: float = 0.02) -> 
     return out
 
 
+def random_mtp_layer(cfg: dict[str, Any], main: dict[str, torch.Tensor], seed: int, std: float = 0.02,
+                     ) -> dict[str, torch.Tensor]:
+    """A random MTP layer in DeepSeek's layout at index num_hidden_layers: a full decoder block plus enorm,
+    hnorm, eh_proj, shared_head.norm and copies of the embedding and head (see shared.model.mtp)."""
+    n, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    deeper_cfg = {**cfg, "num_hidden_layers": n + 1, "mlp_layer_types": [*cfg["mlp_layer_types"], "sparse"]}
+    deeper = random_state_dict(deeper_cfg, seed + 1, std)
+    prefix = f"model.layers.{n}."
+    out = {k: v for k, v in deeper.items() if k.startswith(prefix)}
+    gen = torch.Generator().manual_seed(seed + 2)
+    out.update({
+        prefix + "enorm.weight": torch.ones(hidden), prefix + "hnorm.weight": torch.ones(hidden),
+        prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen) * std,
+        prefix + "shared_head.norm.weight": torch.ones(hidden),
+        prefix + "embed_tokens.weight": main["model.embed_tokens.weight"].clone(),
+        prefix + "shared_head.head.weight": main["lm_head.weight"].clone(),
+    })
+    return out
+
+
 def to_fp8(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Block-quantize the linears DeepSeek ships in FP8; returns (tensors, quantized names)."""
     out, quantized = {}, []
@@ -97,11 +117,15 @@ def to_fp8(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], l
 
 
 def write_checkpoint(out_dir: str | Path, model_type: str = "deepseek_v32", seed: int = 0, fp8: bool = False,
-                     shards: int = 1, tokenizer: bool = True, **overrides: Any) -> Path:
+                     shards: int = 1, tokenizer: bool = True, mtp: bool = False, std: float = 0.02,
+                     **overrides: Any) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = make_config(model_type, **overrides)
-    tensors = random_state_dict(cfg, seed)
+    tensors = random_state_dict(cfg, seed, std)
+    if mtp:  # one multi-token-prediction layer, as DeepSeek ships it
+        tensors.update(random_mtp_layer(cfg, tensors, seed, std))
+        cfg["num_nextn_predict_layers"] = 1
     if fp8:
         tensors, _ = to_fp8(tensors)
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -23,6 +23,7 @@ class SeqChunk:
     start_pos: int
     block_table: list[int]
     need_logits: bool = True
+    num_logits: int = 1  # with need_logits: the last this many tokens' logits (speculative verification)
 
 
 @dataclass
@@ -133,7 +134,7 @@ class ForwardBatch:
                          else torch.repeat_interleave(rows, lens_t, output_size=len(positions)))
         slot_mapping = tables[token_request, positions // block_size] * block_size + positions % block_size
         ends = itertools.accumulate(lens)  # host-side: no per-request tensor indexing
-        logits_index = [end - 1 for end, c in zip(ends, chunks) if c.need_logits]
+        logits_index = [i for end, c in zip(ends, chunks) if c.need_logits for i in range(end - c.num_logits, end)]
         input_ids = torch.tensor([tok for c in chunks for tok in c.token_ids], dtype=torch.long)
 
         def dev(x: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, indexer_numerics: str = "deepseek",
-                 parallel: ParallelState | None = None, quantization: str | None = None):
+                 parallel: ParallelState | None = None, quantization: str | None = None, mtp: bool = False):
         super().__init__()
         self.config, self.dtype = cfg, dtype
         self.parallel = parallel or ParallelState.single()
@@ -99,6 +99,14 @@ class DeepseekForCausalLM(nn.Module):
         # differ by less than bf16's resolution, so a bf16 head would reorder near-ties.
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, torch.float32)
         self.rotary = RotaryTable(cfg.rope, cfg.qk_rope_head_dim, device or torch.device("cpu"))
+        # the MTP drafter (speculative decoding), its KV in one more pool layer (index num_hidden_layers)
+        self.mtp = None
+        if mtp:
+            if cfg.num_nextn_predict_layers < 1:
+                raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
+            from shared.model.mtp import MTPLayer
+
+            self.mtp = MTPLayer(cfg, dtype, indexer_numerics, self.parallel, fmts)
         self.sharder = None
         self.offloader = None  # enable_offload(): chosen layers' weights stream from host memory
         self.stored_dtypes: dict[str, torch.dtype] = {}  # parameters held in the compute dtype: their own
@@ -124,6 +132,8 @@ class DeepseekForCausalLM(nn.Module):
             self.sharder = LayerSharder(self.model.layers, p.config.layer_sharding, p.rank, p.world, p.world_group)
         for layer in self.model.layers:
             layer.self_attn.absorb()
+        if self.mtp is not None:
+            self.mtp.block.self_attn.absorb()
 
     def enable_offload(self, layers: list[int], buffers: int = 2) -> None:
         """Keep `layers`' weights in host memory; each is copied into one of `buffers` device staging
@@ -176,11 +186,12 @@ class DeepseekForCausalLM(nn.Module):
         return out
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, kv: KVCache,
-                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, kv: KVCache, layer_done: Callable[[int], None] | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one step; writes every layer's KV for the new tokens; returns fp32 logits
         [len(fb.logits_index), vocab]. `layer_done(i)` fires after layer i's KV is in the pool
-        (the prefill service pushes that layer to decode while the next one computes)."""
+        (the prefill service pushes that layer to decode while the next one computes). With
+        `return_hidden`, also every token's post-final-norm hidden state [N, H] (what MTP drafts from)."""
         h = self.model.embed_tokens(fb.input_ids)
         rope = self.rotary.lookup(fb.positions, self.dtype, fb.max_context)
         sharder, offloader = self.sharder, self.offloader
@@ -206,5 +217,18 @@ class DeepseekForCausalLM(nn.Module):
             if layer_done is not None:
                 layer_done(i)
         # DeepSeek's final norm: fp32 math with the fp32 weight, rounded to the model dtype, then the fp32 head.
+        if return_hidden:
+            normed = self.model.norm.fp32(h).to(self.dtype)
+            return self.lm_head(normed[fb.logits_index].float()), normed
         h = self.model.norm.fp32(h[fb.logits_index]).to(self.dtype).float()
         return self.lm_head(h)
+
+    @torch.inference_mode()
+    def forward_mtp(self, fb: ForwardBatch, kv: KVCache, hidden_prev: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP step: fb's tokens are t_{j+1} at positions j, `hidden_prev` [N, H] the states h_j (or the
+        previous draft's g_j); writes the MTP layer's KV; returns (fp32 logits at fb.logits_index — each
+        predicts t_{j+2} — and every token's g_j [N, H])."""
+        rope = self.rotary.lookup(fb.positions, self.dtype, fb.max_context)
+        g = self.mtp(self.model.embed_tokens(fb.input_ids), hidden_prev, rope, fb, kv, self.dtype)
+        return self.lm_head(g[fb.logits_index].float()), g

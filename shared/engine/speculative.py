@@ -1,0 +1,214 @@
+"""MTP speculative decoding: the model's own multi-token-prediction layer drafts K tokens, the main
+model verifies them (and the token before them) in one forward over the paged cache.
+
+Per step, for the scheduled requests:
+1. Main forward: prompt chunks as scheduled; each decoding request's last token followed by its K
+   drafts at positions m .. m+K, with logits at every one of them (and every token's post-norm state).
+2. Verification, per request: greedy accepts drafts while they equal the target's argmax, then takes
+   the target's token (the output is bitwise the non-speculative greedy output); sampled requests use
+   the standard rejection rule (accept d with probability min(1, p(d)/q(d)), else draw from
+   norm(max(p − q, 0)); all accepted: a bonus draw from the last p), so the output distribution is the
+   target's. KV past the accepted positions is left in place and counted out (`num_cached`): the next
+   step overwrites it.
+3. MTP catch-up: the MTP layer consumes every position the main forward just made final, j =
+   start .. num_cached − 1, with (t_{j+1}, h_j), writing its own cache layer; the last position's output
+   is the first draft for the next step, and K − 1 chained single-token steps (g_j for h_j) add the rest.
+
+The prefix cache is off under MTP: an MTP row at a block's last position depends on the next block's
+first token, so a cached block's MTP rows are not reusable by a request that continues differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.sampler import SamplingParams, probabilities, sample
+from shared.engine.scheduler import ScheduledChunk, Sequence
+from shared.model import ForwardBatch, SeqChunk
+
+MAX_SPECULATIVE_TOKENS = 3
+
+
+@dataclass
+class SpecStats:
+    """Drafted / accepted counts, per draft position (position i: the i-th draft of a step)."""
+
+    drafted: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
+    accepted: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
+
+    def acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per verification (tokens per step = this + 1)."""
+        return sum(self.accepted) / self.drafted[0] if self.drafted[0] else 0.0
+
+
+@dataclass
+class _Draft:
+    tokens: list[int]
+    probs: list[torch.Tensor]  # q per draft [V] (sampled requests only)
+
+
+class MtpSpeculator:
+    def __init__(self, engine, num_tokens: int):  # noqa: ANN001 - shared.engine.llm.LLMEngine
+        if not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, got {num_tokens}")
+        self.engine, self.k = engine, num_tokens
+        self.drafts: dict[str, _Draft] = {}
+        self.stats = SpecStats()
+
+    # -- one step --------------------------------------------------------------------------------------
+    def step(self, chunks: list[ScheduledChunk]) -> list:
+        engine = self.engine
+        for seq in list(self.drafts):
+            if seq not in engine._requests:  # finished or aborted since it drafted
+                del self.drafts[seq]
+        seq_chunks, drafts = [], []
+        for c in chunks:
+            seq, start = c.seq, c.seq.num_cached
+            draft = self.drafts.pop(seq.request_id, None) if c.completes and seq.output_token_ids else None
+            if draft is not None and not engine.scheduler._ensure_blocks(seq, start + c.num_tokens + len(draft.tokens)):
+                draft = None  # no room for the drafts' KV: verify none this step
+            tokens = seq.token_slice(start, start + c.num_tokens) + (draft.tokens if draft else [])
+            seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
+                                       num_logits=1 + len(draft.tokens) if draft else 1))
+            drafts.append(draft)
+        fb = ForwardBatch.build(seq_chunks, engine.layout.block_size, engine.device, engine.workspace_bytes)
+        logits, hidden = engine.model(fb, engine.kv, return_hidden=True)
+
+        events, catch_up, row, offset = [], [], 0, 0
+        for c, sc, draft in zip(chunks, seq_chunks, drafts, strict=True):
+            seq, start = c.seq, c.seq.num_cached
+            if not c.completes:
+                seq.num_cached += c.num_tokens
+                catch_up.append((seq, start, offset))
+            else:
+                n_logits = sc.num_logits
+                accepted, last = self._verify(seq, logits[row : row + n_logits], draft)
+                row += n_logits
+                seq.num_cached = start + c.num_tokens + len(accepted)
+                for tok in [*accepted, last]:
+                    events.extend(engine.append_token(seq, tok))
+                    if events[-1].finished:
+                        break
+                if not events[-1].finished:
+                    catch_up.append((seq, start, offset))
+            offset += len(sc.token_ids)
+        if catch_up:
+            self._draft(catch_up, hidden)
+        return events
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, draft: _Draft | None) -> tuple[list[int], int]:
+        """(accepted drafts, the token after them) from the target's logits at positions m .. m+K."""
+        params = seq.params
+        if draft is None:
+            return [], sample(logits, [params], [seq.generator])[0]
+        k = len(draft.tokens)
+        for i in range(k):
+            self.stats.drafted[i] += 1
+        if params.greedy:
+            target = logits.argmax(-1).tolist()
+            n = 0
+            while n < k and draft.tokens[n] == target[n]:
+                n += 1
+            self._count(n)
+            return draft.tokens[:n], target[n]
+        p = probabilities(logits, [params] * (k + 1))
+        for i, (tok, q) in enumerate(zip(draft.tokens, draft.probs, strict=True)):
+            u = float(torch.rand((), generator=seq.generator))
+            if u * float(q[tok]) < float(p[i, tok]):  # accept with probability min(1, p/q)
+                continue
+            self._count(i)
+            residual = (p[i] - q).clamp_(min=0)
+            if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
+                residual = p[i]
+            return draft.tokens[:i], _draw_one(residual, seq.generator)
+        self._count(k)
+        return draft.tokens, _draw_one(p[k], seq.generator)
+
+    def _count(self, n: int) -> None:
+        for i in range(n):
+            self.stats.accepted[i] += 1
+
+    # -- drafting --------------------------------------------------------------------------------------
+    def _draft(self, catch_up: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
+        """MTP over each request's newly final positions start .. num_cached − 1; drafts for the ones
+        that decode next."""
+        engine = self.engine
+        chunks, rows, drafting = [], [], []
+        for seq, start, offset in catch_up:
+            end = seq.num_cached
+            decodes = seq.num_uncached == 1 and bool(seq.output_token_ids)
+            chunks.append(SeqChunk(seq.token_slice(start + 1, end + 1), start, seq.block_table, need_logits=decodes))
+            rows.append(torch.arange(offset, offset + end - start))
+            if decodes:
+                drafting.append(seq)
+        fb = ForwardBatch.build(chunks, engine.layout.block_size, engine.device, engine.workspace_bytes)
+        logits, g = engine.model.forward_mtp(fb, engine.kv, hidden[torch.cat(rows).to(hidden.device)])
+        if not drafting:
+            return
+        ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
+        last_g = g[ends[[i for i, c in enumerate(chunks) if c.need_logits]].to(g.device)]
+        budgets = [self._budget(seq) for seq in drafting]
+        state = {seq.request_id: _Draft([], []) for seq in drafting}
+        active = list(range(len(drafting)))
+        for k in range(max(budgets, default=0)):
+            active = [i for i in active if budgets[i] > k]
+            if not active:
+                break
+            if k > 0:  # chained: position num_cached + k − 1, input the previous draft, h = its g
+                batch, keep = [], []
+                for i in active:
+                    seq = drafting[i]
+                    pos = seq.num_cached + k - 1
+                    if not engine.scheduler._ensure_blocks(seq, pos + 1):
+                        budgets[i] = k  # no room: stop drafting this request
+                        continue
+                    batch.append(SeqChunk([state[seq.request_id].tokens[-1]], pos, seq.block_table))
+                    keep.append(i)
+                if not keep:
+                    break
+                fb = ForwardBatch.build(batch, engine.layout.block_size, engine.device, engine.workspace_bytes)
+                logits, g_new = engine.model.forward_mtp(fb, engine.kv, last_g[keep])
+                last_g = last_g.clone()
+                last_g[keep] = g_new
+                active = keep
+                rows_of = {i: j for j, i in enumerate(keep)}
+            else:
+                rows_of = {i: i for i in active}
+            params = [drafting[i].params for i in active]
+            picked = logits[[rows_of[i] for i in active]]
+            sampled = [i for i in active if not drafting[i].params.greedy]
+            probs = probabilities(picked, params) if sampled else None
+            tokens = picked.argmax(-1).tolist()
+            for j, i in enumerate(active):
+                seq, d = drafting[i], state[drafting[i].request_id]
+                if seq.params.greedy:
+                    d.tokens.append(tokens[j])
+                else:
+                    d.probs.append(probs[j])
+                    d.tokens.append(_draw_one(probs[j], seq.generator))
+        self.drafts.update({rid: d for rid, d in state.items() if d.tokens})
+
+    def _budget(self, seq: Sequence) -> int:
+        """Drafts worth making: never past max_tokens or the model's context."""
+        left = min(seq.params.max_tokens - len(seq.output_token_ids), self.engine.max_model_len - seq.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+
+def _draw_one(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    cdf = weights.float().cumsum(-1)
+    u = torch.rand((), generator=generator) * cdf[-1]
+    return int(torch.searchsorted(cdf, u.view(1), right=True).clamp_(max=weights.shape[-1] - 1))
+
+
+def stats_table(stats: SpecStats, k: int) -> str:
+    rates = ", ".join(f"{r:.2f}" for r in stats.acceptance()[:k])
+    return f"drafted {stats.drafted[:k]}, accepted {stats.accepted[:k]}, acceptance per position [{rates}]"
+
+
+__all__ = ["MAX_SPECULATIVE_TOKENS", "MtpSpeculator", "SamplingParams", "SpecStats", "stats_table"]

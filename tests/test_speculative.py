@@ -1,0 +1,123 @@
+"""MTP speculative decoding: greedy output is bitwise the non-speculative output, sampled output keeps its
+distribution, drafts are counted, and nothing leaks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shared.engine import LLM, SamplingParams
+from shared.engine.speculative import MtpSpeculator
+from shared.loader.tiny import write_checkpoint
+from tests.helpers import random_prompts
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """A tiny V3.2 checkpoint with a (random) MTP layer in DeepSeek's layout; sparse attention past 8."""
+    return write_checkpoint(tmp_path_factory.mktemp("mtp"), "deepseek_v32", tokenizer=False, mtp=True,
+                            index_topk=8, vocab_size=512, hidden_size=64, q_lora_rank=32, kv_lora_rank=64,
+                            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32,
+                            intermediate_size=128, num_hidden_layers=3, index_head_dim=32, index_n_heads=4)
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _run(path, prompts, params, **kw):
+    llm = LLM(str(path), dtype="float32", block_size=4, **kw)
+    outs = [o.token_ids for o in llm.generate(prompts, params)]
+    kv = llm.engine.kv
+    assert kv.allocator.num_free == kv.num_blocks  # every block back, rejected drafts' included
+    return outs, llm.engine
+
+
+def _oracle(want: dict[tuple[int, ...], list[int]], flip_every: int):
+    """Replace the MTP drafts by the true greedy continuation, every `flip_every`-th one wrong: drafts are
+    then accepted 0..K at a time, so verification, KV roll-back and the MTP catch-up over several
+    positions all run (a random MTP layer is never right)."""
+    real = MtpSpeculator._draft
+    counter = iter(range(1 << 30))
+
+    def draft(self, catch_up, hidden):  # noqa: ANN001
+        real(self, catch_up, hidden)
+        for seq, _, _ in catch_up:
+            d = self.drafts.get(seq.request_id)
+            if d is None:
+                continue
+            done = seq.output_token_ids
+            truth = want[tuple(seq.prompt_token_ids)][len(done) : len(done) + len(d.tokens)]
+            d.tokens = [t if next(counter) % flip_every else (t + 1) % 512 for t in truth]
+    return draft
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_with_mtp_equals_without(mtp_model, k, monkeypatch):
+    prompts = random_prompts(5, [5, 17, 30, 9, 3], 512, seed=1)  # different lengths: continuous batching
+    want, _ = _run(mtp_model, prompts, GREEDY)
+    got, engine = _run(mtp_model, prompts, GREEDY, speculative="mtp", num_speculative_tokens=k)
+    assert got == want
+    assert engine.speculator.stats.drafted[k - 1] > 0
+    monkeypatch.setattr(MtpSpeculator, "_draft", _oracle({tuple(p): w for p, w in zip(prompts, want)}, 4))
+    got, engine = _run(mtp_model, prompts, GREEDY, speculative="mtp", num_speculative_tokens=k)
+    stats = engine.speculator.stats
+    print(f"K={k} oracle drafts (every 4th wrong): drafted {stats.drafted[:k]}, accepted {stats.accepted[:k]}")
+    assert got == want
+    assert stats.accepted[0] > 0 and (k == 1 or stats.accepted[k - 1] > 0)  # several drafts accepted at once
+
+
+def _chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Wilson–Hilferty: the chi-square quantile at one-sided normal z (3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_mtp_keeps_the_output_distribution(tmp_path):
+    """Many seeds, temperature 1, K = 2 on a model whose distributions are peaked and whose MTP layer
+    disagrees with it (so drafts are both accepted and rejected): the tokens after the first follow the
+    same distribution with and without speculation (two-sample chi-square, p > 0.001)."""
+    path = write_checkpoint(tmp_path / "peaked", "deepseek_v32", tokenizer=False, mtp=True, std=0.5, seed=3,
+                            index_topk=8, vocab_size=32, hidden_size=64, q_lora_rank=32, kv_lora_rank=64,
+                            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32,
+                            intermediate_size=128, num_hidden_layers=2, index_head_dim=32, index_n_heads=4)
+    n = 1200
+    prompts = [[3, 1, 4, 1, 5]] * n
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+
+    def tokens(**kw) -> tuple[list[list[int]], object]:
+        llm = LLM(str(path), dtype="float32", block_size=4, max_num_seqs=256, **kw)
+        return [o.token_ids for o in llm.generate(prompts, params)], llm.engine
+
+    plain, _ = tokens()
+    spec, engine = tokens(speculative="mtp", num_speculative_tokens=2)
+    stats = engine.speculator.stats
+    print(f"sampled K=2: drafted {stats.drafted[:2]}, accepted {stats.accepted[:2]} ({stats.acceptance()[:2]})")
+    assert 0 < stats.accepted[0] < stats.drafted[0]  # both branches of the rejection rule ran
+    for pos in (1, 2, 3):
+        a = torch.bincount(torch.tensor([t[pos] for t in plain]), minlength=32).double()
+        b = torch.bincount(torch.tensor([t[pos] for t in spec]), minlength=32).double()
+        keep = (a + b) >= 10  # bins with enough mass; the rest pooled
+        a = torch.cat([a[keep], a[~keep].sum(0, keepdim=True)])
+        b = torch.cat([b[keep], b[~keep].sum(0, keepdim=True)])
+        rows = torch.stack([a, b])
+        expected = rows.sum(1, keepdim=True) * rows.sum(0, keepdim=True) / rows.sum()
+        mask = expected.sum(0) > 0
+        chi2 = float(((rows - expected)[:, mask] ** 2 / expected[:, mask]).sum())
+        df = int(mask.sum()) - 1
+        crit = _chi_square_critical(df)
+        print(f"token {pos}: chi-square {chi2:.1f} over {df} df (critical {crit:.1f} at p = 0.001); "
+              f"top token share {a.max() / n:.2f}")
+        assert chi2 < crit
+        assert a.max() / n > 3 / 32  # far from uniform over the 32 tokens: a wrong rule would show
+
+
+def test_mtp_needs_an_mtp_layer(tmp_path):
+    path = write_checkpoint(tmp_path / "nomtp", "deepseek_v32", tokenizer=False, vocab_size=64, hidden_size=64,
+                            q_lora_rank=32, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                            v_head_dim=16, moe_intermediate_size=32, intermediate_size=128, num_hidden_layers=2,
+                            index_head_dim=32, index_n_heads=4)
+    with pytest.raises(ValueError, match="no MTP layer"):
+        LLM(str(path), dtype="float32", speculative="mtp")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(str(path), dtype="float32", speculative="mtp", num_speculative_tokens=4)
