@@ -12,14 +12,18 @@ from shared.engine import LLM, SamplingParams
 from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows
 from shared.loader.checkpoint import load_model
+from shared.loader.tiny import ensure_tiny_model
 from shared.model.attention import dense_attention, sparse_attention
 from shared.model.batch import ForwardBatch, SeqChunk, write_rows
 from shared.quant.fp8 import fake_quant_ue8m0
 from shared.quant.int8 import Int8Linear, is_w8a8_target, quantize_activation
-from tests.conftest import ROOT
 from tests.helpers import concurrent_greedy, engine_logits, random_prompts
 
-TINY = ROOT / "models" / "tiny-v32"  # the embedded demo model (hidden 256, 4 layers, 8 experts)
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The embedded tiny model (hidden 256, 4 layers, 8 experts, kv_lora 512), generated as `make demo` does."""
+    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-v32")
 
 
 @pytest.mark.parametrize("rows", [4, 100])  # the CPU's two W8A8 paths: int8-weight kernel, fp32 tiles
@@ -66,9 +70,9 @@ def _layer_outputs(model, ids: list[int]) -> list[torch.Tensor]:
     return [*outs, logits]
 
 
-def test_w8a8_model_tracks_bf16_layer_by_layer():
-    bf16, _ = load_model(TINY, dtype="bfloat16", device="cpu")
-    w8a8, _ = load_model(TINY, dtype="bfloat16", device="cpu", quantization="w8a8")
+def test_w8a8_model_tracks_bf16_layer_by_layer(tiny):
+    bf16, _ = load_model(tiny, dtype="bfloat16", device="cpu")
+    w8a8, _ = load_model(tiny, dtype="bfloat16", device="cpu", quantization="w8a8")
     attn = w8a8.model.layers[1].self_attn
     assert attn.o_proj.weight.dtype == attn.q_b_proj.weight.dtype == attn.indexer.wq_b.weight.dtype == torch.int8
     assert w8a8.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.int8
@@ -81,14 +85,14 @@ def test_w8a8_model_tracks_bf16_layer_by_layer():
     assert min(cosines) >= 0.99
 
 
-def test_w8a8_greedy_match_rate():
+def test_w8a8_greedy_match_rate(tiny):
     """32 prompts × 20 greedy tokens, W8A8 vs bf16. Two rates are printed: free-running (each model continues
     its own output, so one early flip changes the rest) and per step (W8A8's greedy pick at each position of
     bf16's output). On this random-weight model free-running agreement cascades even between fp32 and bf16
     (0.94), so the per-step rate is the one asserted."""
     prompts = random_prompts(32, [8, 16, 32], 1024, seed=3)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    llms = {q: LLM(str(TINY), dtype="bfloat16", quantization=q) for q in ("none", "w8a8")}
+    llms = {q: LLM(str(tiny), dtype="bfloat16", quantization=q) for q in ("none", "w8a8")}
     runs = {q: [o.token_ids for o in llm.generate(prompts, params)] for q, llm in llms.items()}
     pairs = [(a, b) for x, y in zip(runs["none"], runs["w8a8"], strict=True) for a, b in zip(x, y, strict=True)]
     free_running = sum(a == b for a, b in pairs) / len(pairs)
@@ -123,8 +127,8 @@ def test_c8_indexer_keys_are_stored_exactly_under_deepseek_numerics():
 
 
 @pytest.mark.parametrize("sparse", [False, True])
-def test_c8_attention_matches_the_bf16_cache(sparse):
-    cfg = ModelConfig.from_pretrained(TINY)
+def test_c8_attention_matches_the_bf16_cache(tiny, sparse):
+    cfg = ModelConfig.from_pretrained(tiny)
     g = torch.Generator().manual_seed(1)
     n, heads, bs = 80, 16, 16
     rows = torch.randn(n, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g).to(torch.bfloat16)
@@ -150,10 +154,10 @@ def test_c8_attention_matches_the_bf16_cache(sparse):
     assert isinstance(kv.mla_codec, Int8LatentRows) and kv.mla.dtype == torch.uint8
 
 
-def test_c8_engine_greedy_is_close_to_the_bf16_cache():
+def test_c8_engine_greedy_is_close_to_the_bf16_cache(tiny):
     prompts = random_prompts(8, [5, 17, 40, 90], 1024, seed=1)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    runs = {d: [o.token_ids for o in LLM(str(TINY), dtype="bfloat16", kv_cache_dtype=d).generate(prompts, params)]
+    runs = {d: [o.token_ids for o in LLM(str(tiny), dtype="bfloat16", kv_cache_dtype=d).generate(prompts, params)]
             for d in ("auto", "int8")}
     pairs = [(a, b) for x, y in zip(runs["auto"], runs["int8"], strict=True) for a, b in zip(x, y, strict=True)]
     rate = sum(a == b for a, b in pairs) / len(pairs)
@@ -161,14 +165,14 @@ def test_c8_engine_greedy_is_close_to_the_bf16_cache():
     assert rate >= 0.8
 
 
-def test_w8a8_and_c8_served_disaggregated_equal_in_process(tmp_path):
+def test_w8a8_and_c8_served_disaggregated_equal_in_process(tiny, tmp_path):
     """Prefill pushes C8 rows (int8 latent + scales, FP8 indexer keys) to decode; both run W8A8."""
     flags = ["--quantization", "w8a8", "--kv-cache-dtype", "int8", "--block-size", "4"]
     prompts = random_prompts(4, [6, 30, 70], 1024, seed=7)
-    local = LLM(str(TINY), dtype="bfloat16", block_size=4, quantization="w8a8", kv_cache_dtype="int8")
+    local = LLM(str(tiny), dtype="bfloat16", block_size=4, quantization="w8a8", kv_cache_dtype="int8")
     want = [o.token_ids for o in local.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
                                                                          ignore_eos=True))]
-    with Cluster(str(TINY), dtype="bfloat16", log_dir=tmp_path / "logs", extra_decode=flags,
+    with Cluster(str(tiny), dtype="bfloat16", log_dir=tmp_path / "logs", extra_decode=flags,
                  extra_prefill=[*flags, "--max-prefill-tokens", "16"]) as cluster:
         got = concurrent_greedy(cluster.address, prompts, max_tokens=10)
     assert got == want
