@@ -144,7 +144,10 @@ class PrefillRank:
             self._complete_together([c.seq for c in chunks if c.completes], tokens)
             return []
         try:
-            tokens = engine.sample(chunks, engine.run_chunks(chunks, layer_done))
+            if engine.speculator is not None:
+                tokens = self._step_with_mtp(chunks, layer_done)
+            else:
+                tokens = engine.sample(chunks, engine.run_chunks(chunks, layer_done))
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
             log.exception("prefill step failed")
             for c in chunks:
@@ -160,6 +163,24 @@ class PrefillRank:
                 continue
             job.push.finish_async(functools.partial(self._pushed, seq.request_id, job, blocks, tok, state, cached))
         return []
+
+    def _step_with_mtp(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None]) -> list[int]:
+        """Decode drafts with MTP: the MTP layer's cache over the prompt is computed here (each position
+        j from its h_j and t_{j+1}, the last one's t_{j+1} being the first token) and pushed as one more
+        layer, so decode's MTP attends to the whole prompt. Decode's first step runs without drafts; its
+        hidden state starts the chain (no hidden state travels)."""
+        engine = self.engine
+        starts = [c.seq.num_cached for c in chunks]
+        logits, hidden = engine.run_chunks(chunks, layer_done, return_hidden=True)
+        tokens = engine.sample(chunks, logits)
+        firsts = iter(tokens)
+        entries, offset = [], 0
+        for c, start in zip(chunks, starts, strict=True):
+            entries.append((c.seq, start, offset, next(firsts) if c.completes else None))
+            offset += c.num_tokens
+        engine.speculator.catch_up(entries, hidden, draft=False)
+        layer_done(engine.model_config.num_hidden_layers)  # the MTP layer's rows for these blocks
+        return tokens
 
     def _plan(self, c: ScheduledChunk) -> tuple[KVPush | None, list[int], int]:
         """(push, source blocks, lease index of the first) this rank sends for a chunk: the blocks the

@@ -317,6 +317,7 @@ class EngineConfig:
         if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:
             raise ValueError("block_size, max_num_batched_tokens, max_num_seqs and attention_workspace_mb "
                              "must be positive")
+        self.speculative = self.speculative or None  # "" (the flag's "off") is unset
         if self.speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be 'mtp' or unset, got {self.speculative!r}")
         if self.speculative and not 1 <= self.num_speculative_tokens <= 3:
@@ -420,6 +421,10 @@ class ServiceConfig(EndpointConfig):
     offload_layers: str = flag("", "decoder layers whose weights stay in host memory and are copied in, one layer "
                                    "ahead, while the previous layer computes: 3,5,7 | 2-10 | all")
     offload_buffers: int = flag(2, "device staging buffers for --offload-layers")
+    speculative: str = flag("", "mtp: the checkpoint's MTP layer drafts, the model verifies (greedy output unchanged, "
+                                "sampling distribution unchanged); set on prefill and decode alike (prefill "
+                                "computes the MTP layer's cache over the prompt)", choices=("", "mtp"))
+    num_speculative_tokens: int = flag(1, "drafts per decode step with --speculative mtp (1..3)")
     share_weights_dir: str | None = flag(None, "map the weights from one file in this directory (e.g. "
                                                "/dev/shm/pdserve) shared by every co-located process holding the "
                                                "same slice")

@@ -38,12 +38,12 @@ def _oracle(want: dict[tuple[int, ...], list[int]], flip_every: int):
     """Replace the MTP drafts by the true greedy continuation, every `flip_every`-th one wrong: drafts are
     then accepted 0..K at a time, so verification, KV roll-back and the MTP catch-up over several
     positions all run (a random MTP layer is never right)."""
-    real = MtpSpeculator._draft
+    real = MtpSpeculator.catch_up
     counter = iter(range(1 << 30))
 
-    def draft(self, catch_up, hidden):  # noqa: ANN001
-        real(self, catch_up, hidden)
-        for seq, _, _ in catch_up:
+    def draft(self, catch_up, hidden, draft=True):  # noqa: ANN001
+        real(self, catch_up, hidden, draft)
+        for seq, *_ in catch_up:
             d = self.drafts.get(seq.request_id)
             if d is None:
                 continue
@@ -60,7 +60,7 @@ def test_greedy_with_mtp_equals_without(mtp_model, k, monkeypatch):
     got, engine = _run(mtp_model, prompts, GREEDY, speculative="mtp", num_speculative_tokens=k)
     assert got == want
     assert engine.speculator.stats.drafted[k - 1] > 0
-    monkeypatch.setattr(MtpSpeculator, "_draft", _oracle({tuple(p): w for p, w in zip(prompts, want)}, 4))
+    monkeypatch.setattr(MtpSpeculator, "catch_up", _oracle({tuple(p): w for p, w in zip(prompts, want)}, 4))
     got, engine = _run(mtp_model, prompts, GREEDY, speculative="mtp", num_speculative_tokens=k)
     stats = engine.speculator.stats
     print(f"K={k} oracle drafts (every 4th wrong): drafted {stats.drafted[:k]}, accepted {stats.accepted[:k]}")
@@ -121,3 +121,22 @@ def test_mtp_needs_an_mtp_layer(tmp_path):
         LLM(str(path), dtype="float32", speculative="mtp")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(str(path), dtype="float32", speculative="mtp", num_speculative_tokens=4)
+
+
+def test_mtp_served_disaggregated_equals_in_process_greedy(mtp_model, tmp_path):
+    """Prefill computes the MTP layer's cache over the prompt and pushes it as one more layer; decode's
+    first step runs without drafts and its hidden state starts the chain: the streamed greedy tokens are
+    the non-speculative ones."""
+    from router.cli import Cluster
+    from tests.helpers import concurrent_greedy
+
+    prompts = random_prompts(4, [5, 23, 11, 40], 512, seed=2)
+    # transformers' indexer numerics: DeepSeek's FP8 scores tie exactly, and which tied key top-k keeps
+    # depends on how a step's keys are tiled, which depends on how concurrent prompts batch
+    want, _ = _run(mtp_model, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                   indexer_numerics="transformers")
+    flags = ["--speculative", "mtp", "--num-speculative-tokens", "2", "--block-size", "4"]
+    with Cluster(str(mtp_model), dtype="float32", indexer_numerics="transformers", log_dir=tmp_path / "logs",
+                 extra_decode=flags,
+                 extra_prefill=[*flags, "--max-prefill-tokens", "16"]) as cluster:
+        assert concurrent_greedy(cluster.address, prompts, max_tokens=10) == want

@@ -168,15 +168,16 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def run_chunks(self, chunks: list[ScheduledChunk],
-                   layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Forward the scheduled chunks (KV written to their blocks); logits of completing chunks."""
+    def run_chunks(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None] | None = None,
+                   return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Forward the scheduled chunks (KV written to their blocks); logits of completing chunks (and,
+        with `return_hidden`, every token's post-norm hidden state, for the MTP drafter)."""
         seq_chunks = [
             SeqChunk(c.seq.token_slice(c.seq.num_cached, c.seq.num_cached + c.num_tokens),
                      c.seq.num_cached, c.seq.block_table, need_logits=c.completes)
             for c in chunks
         ]
-        logits = self.policy.forward(self, seq_chunks, layer_done)
+        logits = self.policy.forward(self, seq_chunks, layer_done, return_hidden)
         for c in chunks:
             c.seq.num_cached += c.num_tokens
             if self.scheduler.prefix_caching:

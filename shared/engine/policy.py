@@ -56,10 +56,13 @@ class Solo:
         """The part of a chunk's blocks [first, last) this rank sends to decode (prefill)."""
         return first, last
 
-    def forward(self, engine: LLMEngine, chunks: list[SeqChunk],
-                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        logits = engine.model(self.batch(engine, chunks), engine.kv, layer_done)
-        return self.logits(chunks, logits)
+    def forward(self, engine: LLMEngine, chunks: list[SeqChunk], layer_done: Callable[[int], None] | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the chunks that want them; with `return_hidden` also every token's post-norm state."""
+        out = engine.model(self.batch(engine, chunks), engine.kv, layer_done, return_hidden)
+        if return_hidden:
+            return self.logits(chunks, out[0]), out[1]
+        return self.logits(chunks, out)
 
 
 class LockStep(Solo):

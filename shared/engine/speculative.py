@@ -80,12 +80,12 @@ class MtpSpeculator:
         fb = ForwardBatch.build(seq_chunks, engine.layout.block_size, engine.device, engine.workspace_bytes)
         logits, hidden = engine.model(fb, engine.kv, return_hidden=True)
 
-        events, catch_up, row, offset = [], [], 0, 0
+        events, final, row, offset = [], [], 0, 0
         for c, sc, draft in zip(chunks, seq_chunks, drafts, strict=True):
             seq, start = c.seq, c.seq.num_cached
             if not c.completes:
                 seq.num_cached += c.num_tokens
-                catch_up.append((seq, start, offset))
+                final.append((seq, start, offset, None))
             else:
                 n_logits = sc.num_logits
                 accepted, last = self._verify(seq, logits[row : row + n_logits], draft)
@@ -96,10 +96,10 @@ class MtpSpeculator:
                     if events[-1].finished:
                         break
                 if not events[-1].finished:
-                    catch_up.append((seq, start, offset))
+                    final.append((seq, start, offset, None))
             offset += len(sc.token_ids)
-        if catch_up:
-            self._draft(catch_up, hidden)
+        if final:
+            self.catch_up(final, hidden)
         return events
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, draft: _Draft | None) -> tuple[list[int], int]:
@@ -135,15 +135,19 @@ class MtpSpeculator:
             self.stats.accepted[i] += 1
 
     # -- drafting --------------------------------------------------------------------------------------
-    def _draft(self, catch_up: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
-        """MTP over each request's newly final positions start .. num_cached − 1; drafts for the ones
-        that decode next."""
+    def catch_up(self, entries: list[tuple[Sequence, int, int, int | None]], hidden: torch.Tensor,
+                 draft: bool = True) -> None:
+        """MTP over each request's newly final positions start .. num_cached − 1 (entries: the request,
+        start, the flat offset of its rows in `hidden`, and its next token when not yet appended: a
+        prefill instance's first token); with `draft`, drafts for the requests that decode next."""
         engine = self.engine
         chunks, rows, drafting = [], [], []
-        for seq, start, offset in catch_up:
+        for seq, start, offset, next_token in entries:
             end = seq.num_cached
-            decodes = seq.num_uncached == 1 and bool(seq.output_token_ids)
-            chunks.append(SeqChunk(seq.token_slice(start + 1, end + 1), start, seq.block_table, need_logits=decodes))
+            decodes = draft and seq.num_uncached == 1 and bool(seq.output_token_ids)
+            ids = seq.token_slice(start + 1, end + 1) if next_token is None else \
+                seq.token_slice(start + 1, end) + [next_token]
+            chunks.append(SeqChunk(ids, start, seq.block_table, need_logits=decodes))
             rows.append(torch.arange(offset, offset + end - start))
             if decodes:
                 drafting.append(seq)
