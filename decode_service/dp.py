@@ -30,6 +30,7 @@ import torch.distributed as dist
 from shared import metrics
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import ALL, Command, CommandError, EngineCore, RankReport, follow
+from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
 from shared.kvcache import OutOfBlocks
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.parallel import ParallelState
@@ -40,8 +41,9 @@ from shared.transfer.base import cache_kinds
 log = logging.getLogger("pdserve.decode")
 FATAL = object()  # put in every stream when the engine loop dies: the handlers end with UNAVAILABLE
 # A rank's load report: these integers travel in the fixed per-turn row (expired lease ids do not).
+SPEC_FIELDS = tuple(f"spec_{kind}_{i}" for kind in ("drafted", "accepted") for i in range(MAX_SPECULATIVE_TOKENS))
 LOAD_FIELDS = ("rank", "running", "waiting", "free_blocks", "total_blocks", "active_leases", "has_work", "admitted",
-               "tokens", "applied_cid", "kv_bytes_received")
+               "tokens", "applied_cid", "kv_bytes_received", *SPEC_FIELDS)
 FINISH_REASONS = (None, "stop", "length", "abort", "error")
 __all__ = ["ALL", "FATAL", "Command", "CommandError", "Coordinator", "DecodeRank", "Event", "Streams", "follower_loop"]
 
@@ -197,7 +199,14 @@ class DecodeRank:
                 "free_blocks": kv.allocator.num_free, "total_blocks": self.engine.usable_blocks,
                 "active_leases": len(self.leases), "has_work": int(self.engine.has_work), "admitted": self.admitted,
                 "tokens": sum(s.num_tokens for s in sched.running) + reserved, "applied_cid": self.applied_cid,
-                "expired": self.leases.drain_expired(), "kv_bytes_received": self.tcp.bytes_received}
+                "expired": self.leases.drain_expired(), "kv_bytes_received": self.tcp.bytes_received,
+                **self._spec_counts()}
+
+    def _spec_counts(self) -> dict[str, int]:
+        """MTP drafted / accepted totals per draft position (zeros without speculative decoding)."""
+        spec = self.engine.speculator
+        counts = (spec.stats.drafted + spec.stats.accepted) if spec is not None else [0] * len(SPEC_FIELDS)
+        return dict(zip(SPEC_FIELDS, counts, strict=True))
 
     def close(self) -> None:
         self.receiver.close()

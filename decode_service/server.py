@@ -96,7 +96,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     async def GetLoad(self, request, context):  # noqa: N802
         loads = self.coord.loads
         internal_only = ("has_work", "expired", "applied_cid", "kv_bytes_received")
-        ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items() if k not in internal_only}) for x in loads]
+        ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items()
+                                          if k not in internal_only and not k.startswith("spec_")}) for x in loads]
         return internal_pb2.LoadReport(
             running=sum(x["running"] for x in loads), waiting=sum(x["waiting"] for x in loads),
             free_blocks=sum(x["free_blocks"] for x in loads), total_blocks=sum(x["total_blocks"] for x in loads),

@@ -87,6 +87,15 @@ class LoadCollector(Collector):
             if "kv_bytes_received" in load:
                 received.add_metric([self.service, str(load["rank"])], load["kv_bytes_received"])
         yield received
+        for kind, doc in (("drafted", "MTP draft tokens proposed"), ("accepted", "MTP draft tokens accepted")):
+            family = CounterMetricFamily(f"pdserve_spec_{kind}_tokens", f"{doc}, by draft position (acceptance "
+                                         "rate per position: accepted / drafted)",
+                                         labels=["service", "rank", "position"])
+            for load in loads:
+                for key, value in load.items():
+                    if key.startswith(f"spec_{kind}_"):
+                        family.add_metric([self.service, str(load["rank"]), key.rsplit("_", 1)[1]], value)
+            yield family
 
 
 __all__ = ["REGISTRY", "Collector", "GaugeMetricFamily", "LoadCollector", "request_done", "start_metrics_server"]

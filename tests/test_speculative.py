@@ -140,3 +140,28 @@ def test_mtp_served_disaggregated_equals_in_process_greedy(mtp_model, tmp_path):
                  extra_decode=flags,
                  extra_prefill=[*flags, "--max-prefill-tokens", "16"]) as cluster:
         assert concurrent_greedy(cluster.address, prompts, max_tokens=10) == want
+
+
+def test_decode_metrics_count_drafts_per_position(mtp_model, tmp_path):
+    """The decode service's /metrics: pdserve_spec_{drafted,accepted}_tokens_total by draft position."""
+    import urllib.request
+
+    from router.cli import Cluster
+    from tests.helpers import concurrent_greedy, wait_for
+
+    flags = ["--speculative", "mtp", "--num-speculative-tokens", "2", "--block-size", "4"]
+    with Cluster(str(mtp_model), dtype="float32", log_dir=tmp_path / "logs", extra_prefill=flags,
+                 extra_decode=[*flags, "--metrics-port", "0"]) as cluster:
+        concurrent_greedy(cluster.address, random_prompts(2, [7, 12], 512, seed=4), max_tokens=8)
+        url = f"http://127.0.0.1:{cluster.metrics_ports[cluster.decode_addrs[0]]}/metrics"
+        lines: list[str] = []
+
+        def drafted_both_positions() -> bool:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            lines[:] = [line for line in text.splitlines() if line.startswith("pdserve_spec_")]
+            return all(any(f'position="{i}"' in line and "drafted" in line and not line.endswith(" 0.0")
+                           for line in lines) for i in (0, 1))
+
+        assert wait_for(drafted_both_positions, 10)  # loads refresh every turn; the scrape reads the latest
+    print("\n".join(lines))
+    assert any('position="2"' in line and line.endswith(" 0.0") for line in lines)  # K = 2: no third draft
