@@ -139,3 +139,22 @@ def test_logits_with_deepseek_formula_selection(model, monkeypatch):
     theirs = engine_logits(model, ids)
     assert_close_logits(ours, theirs, cos_min=0.9999, atol=1e-3)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_tied_fp8_scores_pick_the_same_keys_however_the_step_is_tiled(tmp_path):
+    """DeepSeek's FP8 indexer scores tie exactly; ties go to the earliest positions, so the tokens do not
+    depend on block size, chunking or batch composition (they did: this prompt's first token changed)."""
+    from shared.engine import LLM, SamplingParams
+    from shared.loader.tiny import write_checkpoint
+    from tests.helpers import random_prompts
+
+    path = write_checkpoint(tmp_path / "ties", "deepseek_v32", tokenizer=False, index_topk=8, vocab_size=512,
+                            hidden_size=64, q_lora_rank=32, kv_lora_rank=64, qk_rope_head_dim=16,
+                            qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, intermediate_size=128,
+                            num_hidden_layers=3, index_head_dim=32, index_n_heads=4)
+    prompt = random_prompts(4, [5, 23, 11, 40], 512, seed=2)[3]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = [LLM(str(path), dtype="float32", **kw).generate([prompt], params)[0].token_ids
+            for kw in (dict(block_size=4), dict(block_size=16), dict(block_size=4, max_num_batched_tokens=16),
+                       dict(block_size=4, attention_workspace_mb=1))]
+    assert all(r == runs[0] for r in runs), runs

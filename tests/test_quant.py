@@ -169,14 +169,10 @@ def test_w8a8_and_c8_served_disaggregated_equal_in_process(tiny, tmp_path):
     """Prefill pushes C8 rows (int8 latent + scales, FP8 indexer keys) to decode; both run W8A8."""
     flags = ["--quantization", "w8a8", "--kv-cache-dtype", "int8", "--block-size", "4"]
     prompts = random_prompts(4, [6, 30, 70], 1024, seed=7)
-    # transformers' indexer numerics: DeepSeek's FP8 indexer scores can tie exactly, and the tied key top-k
-    # keeps depends on how concurrent prompts batch into tiles
-    local = LLM(str(tiny), dtype="bfloat16", block_size=4, quantization="w8a8", kv_cache_dtype="int8",
-                indexer_numerics="transformers")
+    local = LLM(str(tiny), dtype="bfloat16", block_size=4, quantization="w8a8", kv_cache_dtype="int8")
     want = [o.token_ids for o in local.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
                                                                          ignore_eos=True))]
-    with Cluster(str(tiny), dtype="bfloat16", indexer_numerics="transformers", log_dir=tmp_path / "logs",
-                 extra_decode=flags,
+    with Cluster(str(tiny), dtype="bfloat16", log_dir=tmp_path / "logs", extra_decode=flags,
                  extra_prefill=[*flags, "--max-prefill-tokens", "16"]) as cluster:
         got = concurrent_greedy(cluster.address, prompts, max_tokens=10)
     assert got == want

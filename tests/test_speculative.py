@@ -131,13 +131,9 @@ def test_mtp_served_disaggregated_equals_in_process_greedy(mtp_model, tmp_path):
     from tests.helpers import concurrent_greedy
 
     prompts = random_prompts(4, [5, 23, 11, 40], 512, seed=2)
-    # transformers' indexer numerics: DeepSeek's FP8 scores tie exactly, and which tied key top-k keeps
-    # depends on how a step's keys are tiled, which depends on how concurrent prompts batch
-    want, _ = _run(mtp_model, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-                   indexer_numerics="transformers")
+    want, _ = _run(mtp_model, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     flags = ["--speculative", "mtp", "--num-speculative-tokens", "2", "--block-size", "4"]
-    with Cluster(str(mtp_model), dtype="float32", indexer_numerics="transformers", log_dir=tmp_path / "logs",
-                 extra_decode=flags,
+    with Cluster(str(mtp_model), dtype="float32", log_dir=tmp_path / "logs", extra_decode=flags,
                  extra_prefill=[*flags, "--max-prefill-tokens", "16"]) as cluster:
         assert concurrent_greedy(cluster.address, prompts, max_tokens=10) == want
 

@@ -172,10 +172,20 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool:
                 positions = torch.arange(t0, t0 + keys.shape[1], device=q.device).expand(r, s, -1)
                 if best_val is not None:  # running merge: the top-k of (best so far ∪ this tile)
                     index, positions = torch.cat([best_val, index], -1), torch.cat([best_idx, positions], -1)
-                best_val, top = index.topk(min(k, index.shape[-1]), dim=-1)
-                best_idx = positions.gather(-1, top)
+                best_val, best_idx = _topk_ties_to_earliest(index, positions, min(k, index.shape[-1]))
             n = best_val.shape[-1]
             picks[rows, queries, :n], valid[rows, queries, :n] = best_idx, torch.isfinite(best_val)
             if n < k:  # fewer keys than k in the whole range: the rest are padding
                 picks[rows, queries, n:], valid[rows, queries, n:] = 0, False
     return picks, valid
+
+
+def _topk_ties_to_earliest(values: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k by value where equal values go to the earliest positions. DeepSeek's FP8 indexer scores tie
+    exactly (often at 0 after the ReLU); plain topk breaks ties by where a candidate sits in the tile, so
+    the picks, and the tokens, would depend on how a step's keys were tiled (chunking, batch
+    composition). Candidates are put in position order, then stably sorted by value."""
+    order = positions.argsort(-1)
+    values, positions = values.gather(-1, order), positions.gather(-1, order)
+    best, perm = values.sort(dim=-1, descending=True, stable=True)
+    return best[..., :k], positions.gather(-1, perm[..., :k])
