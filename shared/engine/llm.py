@@ -89,6 +89,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching and not mtp)
         self.speculator = MtpSpeculator(self, config.num_speculative_tokens) if mtp else None
+        if mtp:  # a decode's drafts count against the step's token budget
+            self.scheduler.decode_width = 1 + config.num_speculative_tokens
         self._requests: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.default_generator = torch.Generator().manual_seed(config.seed)

@@ -95,6 +95,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.decode_width = 1  # tokens a decode takes from the budget (1 + drafts under speculative decoding)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -108,7 +109,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+    def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow the request's block table to hold `num_tokens` (False: the pool cannot)."""
         need = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
@@ -120,13 +122,13 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """The next step: decodes first (oldest first), then prompt chunks, within one token budget."""
         chunks = self._schedule_decode(self.max_num_batched_tokens)
-        return chunks + self._schedule_prefill(self.max_num_batched_tokens - len(chunks))
+        return chunks + self._schedule_prefill(self.max_num_batched_tokens - self.decode_width * len(chunks))
 
     def _schedule_prefill(self, budget: int) -> list[ScheduledChunk]:
         chunks = []
         for seq in [s for s in self.running if s.is_prefilling and s.num_uncached > 0]:
             n = min(seq.num_uncached, budget)
-            if n <= 0 or not self._ensure_blocks(seq, seq.num_cached + n):
+            if n <= 0 or not self.ensure_blocks(seq, seq.num_cached + n):
                 break
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
@@ -136,7 +138,7 @@ class Scheduler:
             if claimed:
                 self._claim_prefix(seq)
             n = min(seq.num_uncached, budget)
-            if not self._ensure_blocks(seq, seq.num_cached + n):
+            if not self.ensure_blocks(seq, seq.num_cached + n):
                 if claimed:  # not admitted now: its hits are looked up again next time
                     self._release_prefix(seq)
                 break
@@ -150,9 +152,9 @@ class Scheduler:
     def _schedule_decode(self, budget: int) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
         for seq in sorted((s for s in self.running if not s.is_prefilling), key=lambda s: s.order):
-            if len(chunks) >= budget:
+            if (len(chunks) + 1) * self.decode_width > budget and chunks:
                 break
-            while seq.status is Status.RUNNING and not self._ensure_blocks(seq, seq.num_tokens):
+            while seq.status is Status.RUNNING and not self.ensure_blocks(seq, seq.num_tokens):
                 self.preempt(max(self.running, key=lambda s: s.order))
             if seq.status is Status.RUNNING:
                 chunks.append(ScheduledChunk(seq, seq.num_uncached))

@@ -71,7 +71,7 @@ class MtpSpeculator:
         for c in chunks:
             seq, start = c.seq, c.seq.num_cached
             draft = self.drafts.pop(seq.request_id, None) if c.completes and seq.output_token_ids else None
-            if draft is not None and not engine.scheduler._ensure_blocks(seq, start + c.num_tokens + len(draft.tokens)):
+            if draft is not None and not engine.scheduler.ensure_blocks(seq, start + c.num_tokens + len(draft.tokens)):
                 draft = None  # no room for the drafts' KV: verify none this step
             tokens = seq.token_slice(start, start + c.num_tokens) + (draft.tokens if draft else [])
             seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
@@ -169,7 +169,7 @@ class MtpSpeculator:
                 for i in active:
                     seq = drafting[i]
                     pos = seq.num_cached + k - 1
-                    if not engine.scheduler._ensure_blocks(seq, pos + 1):
+                    if not engine.scheduler.ensure_blocks(seq, pos + 1):
                         budgets[i] = k  # no room: stop drafting this request
                         continue
                     batch.append(SeqChunk([state[seq.request_id].tokens[-1]], pos, seq.block_table))
