@@ -19,6 +19,7 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python
 
 import argparse  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -64,7 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--random-mtp", action="store_true",
+                   help="a tiny random checkpoint with an MTP layer instead of --model (drafts are never right)")
     args = p.parse_args(argv)
+    if args.random_mtp:
+        import tempfile
+
+        from shared.loader.tiny import write_checkpoint
+
+        args.model = str(write_checkpoint(Path(tempfile.mkdtemp()) / "tiny-mtp", tokenizer=False, mtp=True))
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.k.split(",")]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True, seed=None)

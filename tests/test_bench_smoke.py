@@ -18,6 +18,9 @@ TINY_ARGS = {
     "parallel": ["--prompt-len", "64", "--decode-requests", "2", "--decode-tokens", "2", "--repeat", "1"],
     "transfer": ["--tokens", "64", "--repeat", "1"],
     "real_shapes": ["--contexts", "64", "--chunk", "64", "--decode-batch", "1"],
+    "quant": ["--batches", "1,2", "--prompt-len", "8", "--new-tokens", "2", "--repeat", "1"],
+    "speculative": ["--random-mtp", "--batches", "1", "--k", "1,2", "--prompt-len", "8", "--new-tokens", "4",
+                    "--dtype", "float32"],
     "sla_router": ["--decode", "1", "--requests", "3", "--isl", "8", "--osl", "2", "--loads", "1", "--quick-profile"],
 }
 
