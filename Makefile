@@ -5,9 +5,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+# The demo model's training corpus: Debian's bible-kjv-text (the King James Bible, public domain).
+CORPUS_DIR := .cache/corpus
+CORPUS := $(CORPUS_DIR)/bible-kjv-text/usr/lib/bible.data
+DEMO_MODEL := models/demo-v32
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 
-.PHONY: demo test install lint bench proto clean system-deps
+.PHONY: demo test install lint bench proto clean system-deps corpus demo-model
 
 # System packages: RDMA verbs + rdmacm for Mooncake, prometheus (+ promtool) for the metrics test,
 # openssl for `pdserve certs` / `pdserve up --tls`. Skipped when present or not root.
@@ -36,11 +40,29 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# apt-get download + dpkg -x need no root (an empty apt list needs `apt-get update`, done when root);
+# shared/loader/train_demo.py reads $(CORPUS) (compressed verses) by default.
+corpus: $(CORPUS)
+
+$(CORPUS):
+	mkdir -p $(CORPUS_DIR)
+	cd $(CORPUS_DIR) && rm -f bible-kjv-text_*.deb && { apt-get download -qq bible-kjv-text=4.38 \
+	  || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get download -qq bible-kjv-text=4.38; } \
+	  || apt-get download -qq bible-kjv-text; }
+	rm -rf $(CORPUS_DIR)/bible-kjv-text
+	dpkg -x $(CORPUS_DIR)/bible-kjv-text_*.deb $(CORPUS_DIR)/bible-kjv-text
+	dpkg -e $(CORPUS_DIR)/bible-kjv-text_*.deb $(CORPUS_DIR)/bible-kjv-text/DEBIAN
+
+# Retrain the demo model (a few minutes on 2 cores; deterministic).
+demo-model: $(STAMP) corpus
+	$(PY) -m shared.loader.train_demo --out $(DEMO_MODEL)
+
 test: $(STAMP)
+	@$(MAKE) --no-print-directory corpus || echo "warning: could not fetch the corpus (tests/test_train_demo.py needs it)"
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m router.demo
+	$(PY) -m router.demo --model $(DEMO_MODEL) --max-tokens 64
 
 bench: $(STAMP)
 	$(PY) bench/engine_throughput.py
@@ -49,4 +71,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) models bench/out .pytest_cache
+	rm -rf $(VENV) models/tiny-v32 bench/out .pytest_cache

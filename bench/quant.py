@@ -47,7 +47,7 @@ from shared.device import compute_dtype  # noqa: E402
 from shared.engine import LLM, SamplingParams  # noqa: E402
 from shared.kvcache import KVLayout  # noqa: E402
 from shared.loader.synthetic import REAL_671B  # noqa: E402
-from shared.loader.tiny import _FP8_SKIP, write_checkpoint  # noqa: E402
+from shared.loader.tiny import _FP8_SKIP, ensure_tiny_model, write_checkpoint  # noqa: E402
 from shared.model import DeepseekForCausalLM  # noqa: E402
 from shared.quant.int8 import is_w8a8_target  # noqa: E402
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                                     moe_intermediate_size=h // 2, intermediate_size=2 * h)
             model_name = f"generated tiny V3.2, hidden {h} (moe_inter {h // 2}, inter {2 * h}, 4 layers, 8 experts)"
         else:
-            path = ROOT / "models" / "tiny-v32"
+            path = ensure_tiny_model(ROOT / "models" / "tiny-v32")
             model_name = "models/tiny-v32 (hidden 256, moe_inter 128, inter 512, 4 layers, 8 experts)"
         tokens = max(batches) * (args.prompt_len + args.new_tokens) + 256
         engines = {name: LLM(str(path), dtype="bfloat16", quantization=quant, kv_cache_dtype=kvd,

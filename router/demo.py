@@ -1,8 +1,8 @@
-"""`make demo`: the main job end to end on the embedded tiny model.
+"""`make demo`: the main job end to end on the trained demo model (models/demo-v32, KJV English).
 
-Generates the tiny model if missing, starts `pdserve up` (router + 1 prefill + 1 decode as real
-processes on loopback), sends a few concurrent text `Generate` calls, prints each streamed text with
-its TTFT and TPOT, and stops everything.
+Starts `pdserve up` (router + 1 prefill + 1 decode as real processes on loopback), sends a few
+concurrent text `Generate` calls, prints each streamed text with its TTFT and TPOT, and stops
+everything. A `--model` directory that does not exist gets the random tiny model generated in it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from pathlib import Path
 
 import grpc
 
@@ -18,7 +19,7 @@ from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import ensure_tiny_model
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-PROMPTS = ["Hello world.", "The capital of France is", "Once upon a time", "Explain how a transformer works."]
+PROMPTS = ["And it came to pass", "In the beginning", "The LORD is my shepherd", "And Jesus said unto them,"]
 
 
 def run_one(stub, prompt: str, max_tokens: int, results: dict) -> None:  # noqa: ANN001
@@ -42,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake"])
     args = p.parse_args(argv)
-    model = str(ensure_tiny_model(args.model))
+    path = Path(args.model)
+    trained = (path / "train_log.json").exists()
+    model = str(path if (path / "config.json").exists() else ensure_tiny_model(path))
     print(f"starting router + 1 prefill + 1 decode on {model} (kv transport: {args.kv_transport}) ...", flush=True)
     with Cluster(model, kv_transport=args.kv_transport) as cluster:
         print(f"router at {cluster.address}; sending {len(PROMPTS)} concurrent Generate calls\n", flush=True)
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     local = LLM(model, dtype="bfloat16").generate(PROMPTS, params)  # the services' dtype
     same = all(out.token_ids == results[p][3] for p, out in zip(PROMPTS, local))
     print(f"disaggregated tokens == in-process tokens: {same}")
-    print("(the tiny model has random weights, so its text is noise)")
+    if not trained:
+        print("(the tiny model has random weights, so its text is noise; make demo uses models/demo-v32)")
     if not same:
         raise SystemExit(1)
 

@@ -161,3 +161,21 @@ def test_decode_metrics_count_drafts_per_position(mtp_model, tmp_path):
         assert wait_for(drafted_both_positions, 10)  # loads refresh every turn; the scrape reads the latest
     print("\n".join(lines))
     assert any('position="2"' in line and line.endswith(" 0.0") for line in lines)  # K = 2: no third draft
+
+
+def test_mtp_acceptance_on_the_trained_demo_model():
+    """The committed demo model (KJV) with its trained MTP layer: greedy output unchanged, acceptance above a
+    floor (the MTP layer agrees with the model's greedy next-next token ~72% of the time on validation)."""
+    from tests.conftest import ROOT
+
+    path = str(ROOT / "models" / "demo-v32")
+    prompts = ["And it came to pass", "The LORD is my shepherd", "In the beginning God", "And Jesus said unto them,"]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(path, dtype="float32").generate(prompts, params)]
+    for k in (1, 3):
+        llm = LLM(path, dtype="float32", speculative="mtp", num_speculative_tokens=k)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        stats = llm.engine.speculator.stats
+        print(f"demo model K={k}: acceptance per position {[round(a, 3) for a in stats.acceptance()[:k]]}, "
+              f"tokens per step {stats.mean_accepted + 1:.2f}")
+        assert stats.acceptance()[0] >= 0.5
