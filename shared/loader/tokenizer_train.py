@@ -11,9 +11,10 @@ from shared.engine.chat import BOS, EOS, SPECIAL_TOKENS
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
 
 
-def train_tokenizer(vocab_size: int, out_file: Path) -> Tokenizer:
+def train_tokenizer(vocab_size: int, out_file: Path, texts: list[str] | None = None) -> Tokenizer:
     """Byte-level BPE; BOS = id 0, EOS = id 1 as in DeepSeek's vocabulary, then DeepSeek's chat special
-    tokens (<｜User｜>, <｜Assistant｜>, <think>, </think>). Deterministic."""
+    tokens (<｜User｜>, <｜Assistant｜>, <think>, </think>). Trained on `texts` (one line each), or on the
+    small text in the repo. Deterministic."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -22,6 +23,9 @@ def train_tokenizer(vocab_size: int, out_file: Path) -> Tokenizer:
         special_tokens=[BOS, EOS, *(t for t in SPECIAL_TOKENS if t not in (BOS, EOS))],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train([str(CORPUS)], trainer)
+    if texts is None:
+        tok.train([str(CORPUS)], trainer)
+    else:
+        tok.train_from_iterator([t + "\n" for t in texts], trainer, length=len(texts))
     tok.save(str(out_file))
     return tok

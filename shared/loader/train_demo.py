@@ -142,21 +142,9 @@ def read_corpus(path: str | Path) -> Corpus:
 def train_tokenizer(verses: list[str], vocab_size: int, out_file: Path) -> Any:  # noqa: ANN401 - tokenizers.Tokenizer
     """Byte-level BPE on the training verses, with the special tokens of shared.loader.tokenizer_train
     (BOS id 0, EOS id 1, then DeepSeek's chat tokens). Deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from shared.loader.tokenizer_train import train_tokenizer as train_bpe
 
-    from shared.engine.chat import BOS, EOS, SPECIAL_TOKENS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, show_progress=False,
-        special_tokens=[BOS, EOS, *(t for t in SPECIAL_TOKENS if t not in (BOS, EOS))],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([v + "\n" for v in verses], trainer, length=len(verses))
-    tok.save(str(out_file))
-    return tok
+    return train_bpe(vocab_size, out_file, verses)
 
 
 @dataclass
