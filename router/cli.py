@@ -3,7 +3,7 @@
     pdserve up [--model DIR] [--num-prefill M] [--num-decode N] [--port 50051] [--kv-transport tcp|mooncake]
                [--quantization w8a8] [--kv-cache-dtype int8] [--offload-layers 2-10] [--share-weights-dir DIR]
         all-in-one on loopback: router + M prefill + N decode subprocesses; default model is the
-        embedded tiny model (generated on first use under ./models/tiny-v32); Ctrl-C stops all.
+        demo model (models/demo-v32; the random tiny model where it is absent); Ctrl-C stops all.
     pdserve generate "text" | --prompt-token-ids 1 2 3 [--chat [--thinking]] [--address 127.0.0.1:50051] ...
         streams one request to the terminal (--chat: the text as a user message, chat-encoded).
     pdserve chat [--system TEXT] [--thinking] [--address 127.0.0.1:50051]
@@ -45,7 +45,13 @@ from shared.rpc.certs import CertFiles, make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.rpc.service import TOKEN_ENV, Credentials, channel
 
-DEFAULT_MODEL = "models/tiny-v32"
+DEFAULT_MODEL = "models/demo-v32"  # the trained demo model (KJV English), committed
+TINY_MODEL = "models/tiny-v32"  # random weights, generated on first use where the demo model is absent
+
+
+def default_model() -> str:
+    """The demo model when present (a checkout has it), else the embedded tiny model (generated)."""
+    return DEFAULT_MODEL if (Path(DEFAULT_MODEL) / "config.json").exists() else str(ensure_tiny_model(TINY_MODEL))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -270,8 +276,12 @@ def cmd_up(args: argparse.Namespace) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     model = args.model or (dep.model.path if args.config and Path(dep.model.path).is_dir() else None) \
-        or str(ensure_tiny_model(DEFAULT_MODEL))
+        or default_model()
     cluster = cluster_from_deployment(dep, model, Path(args.log_dir) if args.log_dir else None)
+    if args.speculative:  # prefill computes the MTP layer's cache, decode drafts: both need the flag
+        spec = ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+        cluster.extra_prefill += spec
+        cluster.extra_decode += spec
     print(f"starting {dep.prefill.instances} prefill + {dep.decode.instances} decode + router on {model} ...",
           flush=True)
     def interrupt(*_: object) -> None:
@@ -393,7 +403,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
         args.address = args.router
         perf = profile_served(args.router, open_channel=lambda _: client_channel(args))
     else:
-        perf = profile_engine(args.model or str(ensure_tiny_model(DEFAULT_MODEL)), args.dtype)
+        perf = profile_engine(args.model or default_model(), args.dtype)
     perf.save(args.out)
     print(f"wrote {args.out}")
 
@@ -439,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="run router + prefill + decode on loopback")
-    up.add_argument("--model", default=None, help=f"checkpoint dir (default: embedded tiny model in {DEFAULT_MODEL})")
+    up.add_argument("--model", default=None, help=f"checkpoint dir (default: the demo model {DEFAULT_MODEL})")
     up.add_argument("--num-prefill", type=int, default=1)
     up.add_argument("--num-decode", type=int, default=1)
     up.add_argument("--port", type=int, default=50051, help="router port")
@@ -460,6 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--offload-buffers", type=int, default=2, help="device staging buffers for --offload-layers")
     up.add_argument("--share-weights-dir", default="", metavar="DIR",
                     help="prefill and decode map one copy of the weights from a file in DIR (e.g. /dev/shm/pdserve)")
+    up.add_argument("--speculative", default="", choices=["", "mtp"],
+                    help="mtp: the checkpoint's MTP layer drafts, decode verifies (prefill and decode both)")
+    up.add_argument("--num-speculative-tokens", type=int, default=1, help="drafts per step with --speculative (1..3)")
     up.add_argument("--prefill-cp", type=int, default=1, help="context-parallel ranks per prefill instance")
     up.add_argument("--prefill-tp", type=int, default=1, help="local-TP ranks per prefill instance (with cp 1)")
     up.add_argument("--prefill-ep", type=int, default=1, help="expert-parallel ranks per prefill instance")
@@ -489,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     _add_sampling_flags(chat, 256)
     chat.set_defaults(fn=cmd_chat)
     prof = sub.add_parser("profile", help="measure the engine's prefill and decode curves → profile.json")
-    prof.add_argument("--model", default=None, help="checkpoint dir (default: the embedded tiny model)")
+    prof.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
     prof.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"])
     prof.add_argument("--out", default="profile.json")
     prof.set_defaults(fn=cmd_profile)
