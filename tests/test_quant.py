@@ -85,14 +85,26 @@ def test_w8a8_model_tracks_bf16_layer_by_layer(tiny):
     assert min(cosines) >= 0.99
 
 
-def test_w8a8_greedy_match_rate(tiny):
-    """32 prompts × 20 greedy tokens, W8A8 vs bf16. Two rates are printed: free-running (each model continues
-    its own output, so one early flip changes the rest) and per step (W8A8's greedy pick at each position of
-    bf16's output). On this random-weight model free-running agreement cascades even between fp32 and bf16
-    (0.94), so the per-step rate is the one asserted."""
-    prompts = random_prompts(32, [8, 16, 32], 1024, seed=3)
+KJV = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
+       "darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God "
+       "said, Let there be light: and there was light. The LORD is my shepherd; I shall not want. He maketh me to "
+       "lie down in green pastures: he leadeth me beside the still waters. In the beginning was the Word, and the "
+       "Word was with God, and the Word was God. And the light shineth in darkness; and the darkness "
+       "comprehended it not.")
+
+
+def test_w8a8_greedy_match_rate():
+    """32 prompts × 20 greedy tokens on the trained demo model, W8A8 vs bf16, free-running (each model
+    continues its own output, so one early flip changes the rest); also per step (W8A8's pick at each
+    position of bf16's output). A random-weight model has near-flat logits, where free-running agreement
+    cascades even between fp32 and bf16 (0.94 on the embedded tiny model; W8A8 0.79 there)."""
+    from tests.conftest import ROOT
+
+    demo = str(ROOT / "models" / "demo-v32")
+    llms = {q: LLM(demo, dtype="bfloat16", quantization=q) for q in ("none", "w8a8")}
+    ids = llms["none"].engine.tokenizer.encode(KJV)
+    prompts = [ids[i : i + 12] for i in range(0, 3 * 32, 3)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    llms = {q: LLM(str(tiny), dtype="bfloat16", quantization=q) for q in ("none", "w8a8")}
     runs = {q: [o.token_ids for o in llm.generate(prompts, params)] for q, llm in llms.items()}
     pairs = [(a, b) for x, y in zip(runs["none"], runs["w8a8"], strict=True) for a, b in zip(x, y, strict=True)]
     free_running = sum(a == b for a, b in pairs) / len(pairs)
@@ -101,9 +113,9 @@ def test_w8a8_greedy_match_rate(tiny):
         logits = engine_logits(llms["w8a8"].engine.model, prompt + out)
         agree += sum(int(t) == b for t, b in zip(logits[len(prompt) - 1 : -1].argmax(-1), out, strict=True))
     per_step = agree / len(pairs)
-    print(f"W8A8 vs bf16 greedy match over 32 prompts x 20 tokens: per step {per_step:.3f}, "
-          f"free-running {free_running:.3f}")
-    assert len(pairs) == 32 * 20 and per_step >= 0.8
+    print(f"W8A8 vs bf16 greedy match, demo model, 32 prompts x 20 tokens: free-running {free_running:.3f}, "
+          f"per step {per_step:.3f}")
+    assert len(pairs) == 32 * 20 and free_running >= 0.8 and per_step >= 0.8
 
 
 def test_c8_layout_bytes_at_the_real_671b_dimensions():
