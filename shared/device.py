@@ -177,6 +177,12 @@ _INT8_PACK_MAX_ROWS = 64  # CPU: the int8-weight kernel wins while rows are few 
 _INT8_TILE_ELEMS = 1 << 24  # fp32 weight tile of the large-batch CPU path: 64 MiB, whatever the weight
 
 
+@functools.lru_cache(maxsize=64)
+def _ones_bf16(n: int, device: torch.device) -> torch.Tensor:
+    """Unit scales for the int8-weight kernel (the real scales are applied in fp32): made once per width."""
+    return torch.ones(n, dtype=torch.bfloat16, device=device)
+
+
 def int8_matmul(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
     """W8A8 product (xq · wqᵀ) · sx · sw in fp32 for int8 xq [M, K] with per-row scales sx [M, 1] and int8
     wq [N, K] with per-channel scales sw [N].
@@ -200,8 +206,7 @@ def int8_matmul(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.
         return torch_npu.npu_quant_matmul(xq, wq.t(), sw, pertoken_scale=sx.view(-1),
                                           output_dtype=torch.bfloat16).float()
     if m <= _INT8_PACK_MAX_ROWS and hasattr(torch, "_weight_int8pack_mm"):
-        ones = torch.ones(n, dtype=torch.bfloat16, device=xq.device)
-        return torch._weight_int8pack_mm(xq.to(torch.bfloat16), wq, ones).float() * sx * sw
+        return torch._weight_int8pack_mm(xq.to(torch.bfloat16), wq, _ones_bf16(n, xq.device)).float() * sx * sw
     xf = xq.float()
     out = xf.new_empty(m, n)
     step = max(1, _INT8_TILE_ELEMS // max(k, 1))

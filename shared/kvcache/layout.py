@@ -25,7 +25,6 @@ from shared.config import ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "int8")
 _GROUP = 128  # latent dims per C8 scale
-_E4M3_MAX = 448.0
 
 
 class PlainRows:
@@ -84,11 +83,10 @@ class Fp8KeyRows:
         self.dim, self.width = dim, dim + 4
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
-        x = rows.float()
-        amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-4)
-        scale = torch.exp2(torch.ceil(torch.log2(amax / _E4M3_MAX)))
-        q = (x / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
-        return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], -1)
+        from shared.quant.fp8 import act_quant_ue8m0  # DeepSeek's rule, one block per row
+
+        q, scale = act_quant_ue8m0(rows, self.dim)  # scale [N, 1]
+        return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], -1)
 
     def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         q = stored[..., : self.dim].view(torch.float8_e4m3fn).to(torch.float32)

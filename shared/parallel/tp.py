@@ -94,7 +94,7 @@ def shard_linear(linear: nn.Module, style: str, tp: int, rank: int, group,  # no
     """A loaded linear → its TP shard. style: 'all_to_sharded' | 'sharded_to_all'."""
     if style == "all_to_sharded":
         if isinstance(linear, Int8Linear):
-            raise NotImplementedError("all_to_sharded is for lm_head / embeddings, which W8A8 keeps in bf16")
+            raise ValueError("all_to_sharded shards lm_head / embeddings, which W8A8 never quantizes")
         return AllToShardedLinear(linear.weight.data, tp, rank, group, gather_output)
     if style == "sharded_to_all":
         scale = linear.weight_scale.data if isinstance(linear, Int8Linear) else None
