@@ -278,6 +278,9 @@ def cmd_up(args: argparse.Namespace) -> None:
     model = args.model or (dep.model.path if args.config and Path(dep.model.path).is_dir() else None) \
         or default_model()
     cluster = cluster_from_deployment(dep, model, Path(args.log_dir) if args.log_dir else None)
+    if args.speculative and not 1 <= args.num_speculative_tokens <= 3:
+        print(f"error: --num-speculative-tokens must be 1..3, got {args.num_speculative_tokens}", file=sys.stderr)
+        sys.exit(2)
     if args.speculative:  # prefill computes the MTP layer's cache, decode drafts: both need the flag
         spec = ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
         cluster.extra_prefill += spec
