@@ -155,10 +155,10 @@ class DecodeRank:
         return [_event(ev) for ev in events]
 
     def encode(self, report: RankReport) -> tuple[torch.Tensor, Any]:
-        """The turn's report as a fixed row (load integers, then up to max_num_seqs events as
+        """The turn's report as a fixed row (load integers, then up to `event_capacity` events as
         (handle, token, finish reason)) and, only when there is any, an object part: replies to
         commands, expired lease ids, or events the row cannot carry (an error, an overflow)."""
-        cap = self.engine.config.max_num_seqs
+        cap = self.event_capacity
         load = dict(report.load)
         expired = load.pop("expired")
         events = report.events
@@ -178,6 +178,11 @@ class DecodeRank:
         if report.replies or expired or not plain:
             extra = (report.replies, expired, None if plain else events)
         return row, extra
+
+    @property
+    def event_capacity(self) -> int:
+        """Token events one step can make: a token per running request, K + 1 under MTP."""
+        return self.engine.config.max_num_seqs * self.engine.scheduler.decode_width
 
     def decode(self, row: torch.Tensor, extra: Any) -> RankReport:
         """Rank 0: a rank's report back from `encode`."""

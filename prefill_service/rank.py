@@ -140,14 +140,10 @@ class PrefillRank:
                     job.error = f"{type(exc).__name__}: {exc}"
 
         if self.policy.mirror:  # a failure inside the group's collectives cannot be contained
-            tokens = engine.sample(chunks, engine.run_chunks(chunks, layer_done))
-            self._complete_together([c.seq for c in chunks if c.completes], tokens)
+            self._complete_together([c.seq for c in chunks if c.completes], self._forward(chunks, layer_done))
             return []
         try:
-            if engine.speculator is not None:
-                tokens = self._step_with_mtp(chunks, layer_done)
-            else:
-                tokens = engine.sample(chunks, engine.run_chunks(chunks, layer_done))
+            tokens = self._forward(chunks, layer_done)
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
             log.exception("prefill step failed")
             for c in chunks:
@@ -163,6 +159,12 @@ class PrefillRank:
                 continue
             job.push.finish_async(functools.partial(self._pushed, seq.request_id, job, blocks, tok, state, cached))
         return []
+
+    def _forward(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None]) -> list[int]:
+        """The step's forward (KV pushed layer by layer); the completing chunks' first tokens."""
+        if self.engine.speculator is not None:
+            return self._step_with_mtp(chunks, layer_done)
+        return self.engine.sample(chunks, self.engine.run_chunks(chunks, layer_done))
 
     def _step_with_mtp(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None]) -> list[int]:
         """Decode drafts with MTP: the MTP layer's cache over the prompt is computed here (each position

@@ -244,7 +244,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         "engine": {"dtype": args.dtype, "indexerNumerics": args.indexer_numerics, "kvTransport": args.kv_transport,
                    "quantization": args.quantization, "kvCacheDtype": args.kv_cache_dtype,
                    "offloadLayers": args.offload_layers, "offloadBuffers": args.offload_buffers,
-                   "shareWeightsDir": args.share_weights_dir},
+                   "shareWeightsDir": args.share_weights_dir, "speculative": args.speculative,
+                   "numSpeculativeTokens": args.num_speculative_tokens},
         "prefill": {"instances": args.num_prefill, "cp": args.prefill_cp, "tp": args.prefill_tp,
                     "ep": args.prefill_ep, "layerSharding": args.layer_sharding},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
@@ -278,13 +279,6 @@ def cmd_up(args: argparse.Namespace) -> None:
     model = args.model or (dep.model.path if args.config and Path(dep.model.path).is_dir() else None) \
         or default_model()
     cluster = cluster_from_deployment(dep, model, Path(args.log_dir) if args.log_dir else None)
-    if args.speculative and not 1 <= args.num_speculative_tokens <= 3:
-        print(f"error: --num-speculative-tokens must be 1..3, got {args.num_speculative_tokens}", file=sys.stderr)
-        sys.exit(2)
-    if args.speculative:  # prefill computes the MTP layer's cache, decode drafts: both need the flag
-        spec = ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
-        cluster.extra_prefill += spec
-        cluster.extra_decode += spec
     print(f"starting {dep.prefill.instances} prefill + {dep.decode.instances} decode + router on {model} ...",
           flush=True)
     def interrupt(*_: object) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import EngineConfig, ServiceConfig
+from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
 from shared.transfer.tcp import STALL_SECONDS
 
 KUBERNETES_ONLY = {"image", "auth", "lws", "masterPort", "monitoring", "podDisruptionBudget", "resources",
@@ -51,6 +52,8 @@ class EngineSpec:
     offload_buffers: int = 2  # rendered only with offload_layers
     share_weights: bool = False  # --share-weights-dir /dev/shm/pdserve (the chart mounts a memory emptyDir)
     share_weights_dir: str = ""  # another directory (implies sharing); "" = none, or the above with share_weights
+    speculative: str = ""  # "" | mtp: the checkpoint's MTP layer drafts (prefill computes its cache, decode drafts)
+    num_speculative_tokens: int = 1  # drafts per decode step with speculative mtp (1..3)
 
     def __post_init__(self) -> None:
         for name, choices in ENGINE_CHOICES.items():
@@ -67,6 +70,9 @@ class EngineSpec:
                 lo, _, hi = part.partition("-")
                 if hi and int(lo) > int(hi):
                     raise ValueError(f"engine.offloadLayers: range {part} is empty")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"engine.numSpeculativeTokens: expected 1..{MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
         if self.offload_buffers < 1:
             raise ValueError(f"engine.offloadBuffers: need at least 1 staging buffer, got {self.offload_buffers}")
 
@@ -84,6 +90,8 @@ class EngineSpec:
             out += ["--offload-layers", self.offload_layers.strip(), "--offload-buffers", _s(self.offload_buffers)]
         if self.weights_dir:
             out += ["--share-weights-dir", self.weights_dir]
+        if self.speculative:  # both services: prefill computes the MTP layer's cache, decode drafts
+            out += ["--speculative", self.speculative, "--num-speculative-tokens", _s(self.num_speculative_tokens)]
         return out
 
 

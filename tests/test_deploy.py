@@ -17,7 +17,7 @@ SHAPE = {"engine": {"kvTransport": "tcp", "blockSize": 4, "dtype": "float32"},
                     "layerSharding": "o_proj"},
          "router": {"maxConcurrentRequests": 64}}
 ENGINE = {"quantization": "w8a8", "kvCacheDtype": "int8", "offloadLayers": "2-10,12", "offloadBuffers": 3,
-          "shareWeights": True}
+          "shareWeights": True, "speculative": "mtp", "numSpeculativeTokens": 2}
 
 
 def test_chart_defaults_are_the_deployment_defaults():
@@ -57,7 +57,9 @@ def test_engine_quantization_offload_and_shared_weights_render_into_both_service
         assert _flag(flags, "--quantization") == "w8a8" and _flag(flags, "--kv-cache-dtype") == "int8", role
         assert _flag(flags, "--offload-layers") == "2-10,12" and _flag(flags, "--offload-buffers") == "3", role
         assert _flag(flags, "--share-weights-dir") == "/dev/shm/pdserve", role
+        assert _flag(flags, "--speculative") == "mtp" and _flag(flags, "--num-speculative-tokens") == "2", role
     assert "--quantization" not in dep.flags("router")
+    assert "--speculative" not in Deployment().flags("decode")
     explicit = Deployment.from_dict({"engine": {"shareWeightsDir": "/tmp/w"}})  # a directory implies sharing
     assert _flag(explicit.flags("decode"), "--share-weights-dir") == "/tmp/w"
 
@@ -82,6 +84,8 @@ def test_engine_defaults_render_no_offload_and_no_shared_weights():
     ({"offloadBuffers": "2"}, "engine.offloadBuffers: expected int"),
     ({"shareWeights": "yes"}, "engine.shareWeights: expected bool"),
     ({"shareWeightsDirectory": "/x"}, "engine.shareWeightsDirectory: unknown key"),
+    ({"speculative": "eagle"}, "engine.speculative: expected one of , mtp, got 'eagle'"),
+    ({"speculative": "mtp", "numSpeculativeTokens": 4}, "engine.numSpeculativeTokens: expected 1..3, got 4"),
 ])
 def test_invalid_engine_values_name_the_key(engine, message):
     with pytest.raises(ValueError, match=message):
@@ -98,6 +102,7 @@ def test_up_passes_engine_values_to_prefill_and_decode():
     for extra in (c.extra_prefill, c.extra_decode):
         assert _flag(extra, "--quantization") == "w8a8" and _flag(extra, "--kv-cache-dtype") == "int8"
         assert _flag(extra, "--offload-layers") == "2-10,12" and _flag(extra, "--share-weights-dir")
+        assert _flag(extra, "--speculative") == "mtp" and _flag(extra, "--num-speculative-tokens") == "2"
 
 
 @pytest.mark.parametrize("shape", [SHAPE, {**SHAPE, "engine": {**SHAPE["engine"], **ENGINE}}],

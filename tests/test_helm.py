@@ -210,10 +210,27 @@ def test_chart_choices_are_the_services_choices():
             _render({"engine": {key: "bogus"}})
 
 
+def test_speculative_renders_into_both_services():
+    """engine.speculative: mtp with numSpeculativeTokens reaches prefill (the MTP layer's cache) and decode."""
+    from decode_service.server import parse_args as decode_args
+    from prefill_service.server import parse_args as prefill_args
+
+    parsers = {"prefill": prefill_args, "decode": decode_args}
+    for role, specs in _engine_pods(_render({"engine": {"speculative": "mtp", "numSpeculativeTokens": 3}})).items():
+        for spec in specs:
+            cfg = parsers[role](_args(spec["containers"][0]))
+            assert (cfg.speculative, cfg.num_speculative_tokens) == ("mtp", 3), role
+    for specs in _engine_pods(_render({})).values():
+        assert all("--speculative" not in _args(s["containers"][0]) for s in specs)
+
+
 @pytest.mark.parametrize(("engine", "message"), [
     ({"offloadLayers": "3-x"}, r"engine.offloadLayers: \"3-x\" is not a layer list"),
     ({"offloadLayers": "all", "offloadBuffers": 0}, "engine.offloadBuffers: expected a positive integer, got 0"),
     ({"offloadLayers": "1", "offloadBuffers": 1.5}, "engine.offloadBuffers: expected a positive integer, got 1.5"),
+    ({"speculative": "eagle"}, r"engine.speculative: expected one of mtp, got \"eagle\""),
+    ({"speculative": "mtp", "numSpeculativeTokens": 4}, "engine.numSpeculativeTokens: expected 1..3, got 4"),
+    ({"speculative": "mtp", "numSpeculativeTokens": 1.5}, "engine.numSpeculativeTokens: expected 1..3, got 1.5"),
 ])
 def test_invalid_engine_values_fail_naming_the_key(engine, message):
     with pytest.raises(helm.HelmRenderError, match=message):

@@ -179,3 +179,83 @@ def test_mtp_acceptance_on_the_trained_demo_model():
         print(f"demo model K={k}: acceptance per position {[round(a, 3) for a in stats.acceptance()[:k]]}, "
               f"tokens per step {stats.mean_accepted + 1:.2f}")
         assert stats.acceptance()[0] >= 0.5
+
+
+# --- MTP on parallel instances ----------------------------------------------------------------------
+
+def _parallel_mtp_rank(rank: int, world: int, path: str, shape: dict, prompts: list[list[int]], want: dict, k: int):
+    """One rank of a DP+EP (each rank its own prompts) or TP (every rank all prompts) engine drafting with
+    oracle drafts, so requests accept differently; counts the MTP forwards this rank runs."""
+    from shared.engine import EngineConfig, LLMEngine
+    from shared.parallel import ParallelConfig, ParallelState
+
+    state = ParallelState.initialize(ParallelConfig(world=world, **shape), rank, torch.device("cpu"))
+    MtpSpeculator.catch_up = _oracle(want, 3)
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, speculative="mtp",
+                                    num_speculative_tokens=k), state)
+    real, mtp_forwards = engine.model.forward_mtp, []
+
+    def counted(*a, **kw):  # noqa: ANN002, ANN003
+        mtp_forwards.append(1)
+        return real(*a, **kw)
+
+    engine.model.forward_mtp = counted
+    mine = prompts if shape.get("tp") else prompts[rank::world][: 1 + 2 * (1 - rank)]  # rank 1: fewer, idles
+    for p in mine:
+        engine.add_request(p, GREEDY, f"r{prompts.index(p)}")
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while True:
+        events = engine.step()
+        if not engine.stepped:
+            break
+        steps += 1
+        for ev in events:
+            tokens.setdefault(ev.seq.request_id, []).append(ev.token_id)
+    stats = engine.speculator.stats
+    return tokens, steps, len(mtp_forwards), engine.kv.allocator.num_free == engine.usable_blocks, \
+        (stats.drafted[:k], stats.accepted[:k])
+
+
+@pytest.mark.parametrize("shape", [{"dp": 2, "ep": 2}, {"tp": 2}], ids=["dp2-ep2", "tp2"])
+def test_mtp_on_parallel_ranks_equals_single_rank_greedy(mtp_model, shape):
+    """Attention DP + EP: each rank drafts and accepts for its own requests, an idle rank runs dummy main and
+    MTP forwards, and every rank runs the same number of MTP forwards (the MTP block's EP all-to-alls pair
+    up). Local TP: the mirrored ranks draft identically. Greedy tokens are the single-rank ones, every
+    block comes back."""
+    from tests.dist_utils import run_ranks
+
+    k = 2
+    prompts = random_prompts(6, [5, 17, 30, 9, 3, 12], 512, seed=7)
+    want, _ = _run(mtp_model, prompts, GREEDY)
+    oracle = {tuple(p): w for p, w in zip(prompts, want)}
+    results = run_ranks(_parallel_mtp_rank, 2, str(mtp_model), shape, prompts, oracle, k)
+    for rank, (tokens, steps, forwards, all_free, (drafted, accepted)) in enumerate(results):
+        print(f"{shape} rank {rank}: {len(tokens)} requests, {steps} steps, {forwards} MTP forwards, "
+              f"drafted {drafted}, accepted {accepted}")
+        assert all_free
+        for rid, got in tokens.items():
+            assert got == want[int(rid[1:])], rid
+    (t0, s0, f0, _, (_, acc0)), (t1, s1, f1, _, _) = results
+    assert s0 == s1 and f0 == f1
+    assert acc0[0] > 0 and acc0[1] > 0  # several drafts accepted at once: KV roll-back under parallel ranks
+    if "dp" in shape:
+        assert f0 == s0 * k  # lock-step: K MTP forwards per step on every rank, dummies included
+        assert len(t1) < len(t0) and len(t0) + len(t1) == 3 + 1  # rank 1 idled while rank 0 decoded
+    else:
+        assert t0 == t1 and len(t0) == len(prompts)
+
+
+def test_mtp_served_cp_prefill_to_dp_ep_decode(mtp_model, tmp_path):
+    """A CP=2 prefill computes the MTP layer's cache zigzag-split like the main layers and pushes it; a
+    DP=2 / EP=2 decode drafts with MTP in lock-step: streamed greedy tokens are the non-speculative ones."""
+    from router.cli import Cluster
+    from tests.helpers import concurrent_greedy
+
+    prompts = random_prompts(5, [5, 23, 11, 40, 2], 512, seed=8)
+    want, _ = _run(mtp_model, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    spec = ["--speculative", "mtp", "--num-speculative-tokens", "2", "--block-size", "4"]
+    with Cluster(str(mtp_model), dtype="float32", log_dir=tmp_path / "logs",
+                 extra_prefill=[*spec, "--cp", "2", "--max-prefill-tokens", "16"],
+                 extra_decode=[*spec, "--dp", "2", "--ep", "2"]) as cluster:
+        assert concurrent_greedy(cluster.address, prompts, max_tokens=10) == want

@@ -63,8 +63,6 @@ class LLMEngine:
         self.policy = policy_for(self.parallel)
         self.device = get_device(config.device)
         mtp = config.speculative == "mtp"
-        if mtp and self.parallel.is_parallel:
-            raise ValueError("speculative mtp runs on a single-rank engine (not yet with DP/EP/TP/CP ranks)")
         self.model, self.load_report = load_model(config.model, config.dtype, str(self.device),
                                                   config.indexer_numerics, progress=config.progress,
                                                   parallel=self.parallel, quantization=config.quantization,
@@ -207,11 +205,16 @@ class LLMEngine:
     def dummy_step(self) -> None:
         """A one-token forward into a scratch block, for a parallel rank with nothing to do: every
         rank must enter the same collectives (EP all-to-all, layer-sharding broadcasts) each step."""
+        self.model(self.dummy_batch(), self.kv)
+        if self.speculator is not None:  # and the MTP forwards a drafting rank runs
+            self.speculator.dummy(self.speculator.k)
+
+    def dummy_batch(self) -> ForwardBatch:
+        """One token at position 0 of the scratch block, logits of none."""
         if self.scratch_blocks is None:
             self.scratch_blocks = self.kv.allocator.allocate(1)
-        fb = ForwardBatch.build([SeqChunk([0], 0, self.scratch_blocks, need_logits=False)], self.layout.block_size,
-                                self.device)
-        self.model(fb, self.kv)
+        return ForwardBatch.build([SeqChunk([0], 0, self.scratch_blocks, need_logits=False)], self.layout.block_size,
+                                  self.device)
 
     def step_chunks(self, chunks: list[ScheduledChunk]) -> list[StepEvent]:
         if not chunks:

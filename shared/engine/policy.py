@@ -32,6 +32,7 @@ class Solo:
     """One rank: schedule, forward, sample."""
 
     mirror = False  # every rank applies every command (identical schedulers on all ranks)
+    lockstep = False  # ranks step different batches: each must still run as many forwards as the others
 
     def __init__(self, state: ParallelState):
         self.state = state
@@ -56,6 +57,10 @@ class Solo:
         """The part of a chunk's blocks [first, last) this rank sends to decode (prefill)."""
         return first, last
 
+    def hidden_rows(self, hidden: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+        """The MTP layer's inputs h_j: `rows` (indexes into the step's flat tokens) of the step's hidden states."""
+        return hidden[torch.cat(rows).to(hidden.device)]
+
     def forward(self, engine: LLMEngine, chunks: list[SeqChunk], layer_done: Callable[[int], None] | None = None,
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits of the chunks that want them; with `return_hidden` also every token's post-norm state."""
@@ -67,6 +72,8 @@ class Solo:
 
 class LockStep(Solo):
     """Attention-DP: every rank has its own batch; all step while any has work."""
+
+    lockstep = True
 
     def wants_step(self, has_chunks: bool) -> bool:
         flag = torch.tensor([int(has_chunks)])
@@ -106,6 +113,12 @@ class ContextSplit(Mirror):
             full[torch.tensor(mine, device=logits.device)] = logits[: len(mine)].float()
         dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.state.world_group)
         return full
+
+    def hidden_rows(self, hidden: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+        """A CP rank holds only its zigzag pieces' states, and the MTP batch over chunks of the same starts
+        and lengths splits into the same pieces in the same order: the rows are all of them, as they are.
+        (A prefill's MTP catch-up covers every chunk of the step, which this relies on.)"""
+        return hidden
 
     def push_share(self, first: int, last: int) -> tuple[int, int]:
         """Every rank holds the whole KV after the gathers: rank r sends the r-th contiguous slice

@@ -26,7 +26,7 @@ import torch
 
 from shared.engine.sampler import SamplingParams, probabilities, sample
 from shared.engine.scheduler import ScheduledChunk, Sequence
-from shared.model import ForwardBatch, SeqChunk
+from shared.model import SeqChunk
 
 MAX_SPECULATIVE_TOKENS = 3
 
@@ -77,8 +77,7 @@ class MtpSpeculator:
             seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
                                        num_logits=1 + len(draft.tokens) if draft else 1))
             drafts.append(draft)
-        fb = ForwardBatch.build(seq_chunks, engine.layout.block_size, engine.device, engine.workspace_bytes)
-        logits, hidden = engine.model(fb, engine.kv, return_hidden=True)
+        logits, hidden = engine.policy.forward(engine, seq_chunks, return_hidden=True)
 
         events, final, row, offset = [], [], 0, 0
         for c, sc, draft in zip(chunks, seq_chunks, drafts, strict=True):
@@ -98,8 +97,7 @@ class MtpSpeculator:
                 if not events[-1].finished:
                     final.append((seq, start, offset, None))
             offset += len(sc.token_ids)
-        if final:
-            self.catch_up(final, hidden)
+        self.catch_up(final, hidden)
         return events
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, draft: _Draft | None) -> tuple[list[int], int]:
@@ -139,8 +137,17 @@ class MtpSpeculator:
                  draft: bool = True) -> None:
         """MTP over each request's newly final positions start .. num_cached − 1 (entries: the request,
         start, the flat offset of its rows in `hidden`, and its next token when not yet appended: a
-        prefill instance's first token); with `draft`, drafts for the requests that decode next."""
-        engine = self.engine
+        prefill instance's first token); with `draft`, drafts for the requests that decode next.
+
+        Under lock-step (attention DP, EP inside the MTP block) every rank runs exactly 1 + (K − 1) MTP
+        forwards per drafting step, dummy ones where it has nothing to draft, so the ranks' collectives
+        pair up whatever each one's requests accept or finish."""
+        engine, policy = self.engine, self.engine.policy
+        chain = self.k - 1 if draft else 0  # chained single-token forwards after the catch-up forward
+        if not entries:
+            if policy.lockstep:
+                self.dummy(1 + chain)
+            return
         chunks, rows, drafting = [], [], []
         for seq, start, offset, next_token in entries:
             end = seq.num_cached
@@ -151,19 +158,15 @@ class MtpSpeculator:
             rows.append(torch.arange(offset, offset + end - start))
             if decodes:
                 drafting.append(seq)
-        fb = ForwardBatch.build(chunks, engine.layout.block_size, engine.device, engine.workspace_bytes)
-        logits, g = engine.model.forward_mtp(fb, engine.kv, hidden[torch.cat(rows).to(hidden.device)])
-        if not drafting:
-            return
+        logits, g = engine.model.forward_mtp(policy.batch(engine, chunks), engine.kv, policy.hidden_rows(hidden, rows))
         ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-        last_g = g[ends[[i for i, c in enumerate(chunks) if c.need_logits]].to(g.device)]
+        last_g = g[ends[[i for i, c in enumerate(chunks) if c.need_logits]].to(g.device)] if drafting else None
         budgets = [self._budget(seq) for seq in drafting]
         state = {seq.request_id: _Draft([], []) for seq in drafting}
         active = list(range(len(drafting)))
-        for k in range(max(budgets, default=0)):
+        forwards = chain if policy.lockstep else min(chain, max(budgets, default=0) - 1)
+        for k in range(forwards + 1):  # k = 0 drafts from the catch-up forward's logits
             active = [i for i in active if budgets[i] > k]
-            if not active:
-                break
             if k > 0:  # chained: position num_cached + k − 1, input the previous draft, h = its g
                 batch, keep = [], []
                 for i in active:
@@ -174,29 +177,44 @@ class MtpSpeculator:
                         continue
                     batch.append(SeqChunk([state[seq.request_id].tokens[-1]], pos, seq.block_table))
                     keep.append(i)
+                active = keep
                 if not keep:
-                    break
-                fb = ForwardBatch.build(batch, engine.layout.block_size, engine.device, engine.workspace_bytes)
-                logits, g_new = engine.model.forward_mtp(fb, engine.kv, last_g[keep])
+                    if not policy.lockstep:
+                        break
+                    self.dummy(1)
+                    continue
+                logits, g_new = engine.model.forward_mtp(policy.batch(engine, batch), engine.kv, last_g[keep])
                 last_g = last_g.clone()
                 last_g[keep] = g_new
-                active = keep
                 rows_of = {i: j for j, i in enumerate(keep)}
             else:
                 rows_of = {i: i for i in active}
-            params = [drafting[i].params for i in active]
-            picked = logits[[rows_of[i] for i in active]]
-            sampled = [i for i in active if not drafting[i].params.greedy]
-            probs = probabilities(picked, params) if sampled else None
-            tokens = picked.argmax(-1).tolist()
-            for j, i in enumerate(active):
-                seq, d = drafting[i], state[drafting[i].request_id]
-                if seq.params.greedy:
-                    d.tokens.append(tokens[j])
-                else:
-                    d.probs.append(probs[j])
-                    d.tokens.append(_draw_one(probs[j], seq.generator))
+            if active:
+                self._draw(drafting, active, logits[[rows_of[i] for i in active]], state)
         self.drafts.update({rid: d for rid, d in state.items() if d.tokens})
+
+    def _draw(self, drafting: list[Sequence], active: list[int], logits: torch.Tensor,
+              state: dict[str, _Draft]) -> None:
+        """Each active request's next draft from its MTP logits: argmax, or a draw kept with its q."""
+        params = [drafting[i].params for i in active]
+        probs = probabilities(logits, params) if any(not p.greedy for p in params) else None
+        tokens = logits.argmax(-1).tolist()
+        for j, i in enumerate(active):
+            seq, d = drafting[i], state[drafting[i].request_id]
+            if seq.params.greedy:
+                d.tokens.append(tokens[j])
+            else:
+                d.probs.append(probs[j])
+                d.tokens.append(_draw_one(probs[j], seq.generator))
+
+    def dummy(self, forwards: int) -> None:
+        """MTP forwards of one token in the scratch block: a lock-step rank with nothing to draft still
+        enters the MTP block's collectives (EP all-to-all) as often as the ranks that draft."""
+        engine = self.engine
+        for _ in range(forwards):
+            fb = engine.dummy_batch()
+            engine.model.forward_mtp(fb, engine.kv, torch.zeros(1, engine.model_config.hidden_size,
+                                                                dtype=engine.dtype, device=engine.device))
 
     def _budget(self, seq: Sequence) -> int:
         """Drafts worth making: never past max_tokens or the model's context."""

@@ -68,7 +68,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --share-weights-dir
 - {{ . | quote }}
 {{- end }}
+{{- with .Values.engine.speculative }}
+- --speculative
+- {{ include "pdserve.choice" (list "engine.speculative" . (list "mtp")) | quote }}
+- --num-speculative-tokens
+- {{ include "pdserve.speculativeTokens" $.Values.engine.numSpeculativeTokens | quote }}
+{{- end }}
 {{- include "pdserve.tlsArgs" . }}
+{{- end -}}
+
+{{/* engine.numSpeculativeTokens: 1..3 drafts per step, else a failed render naming the key. */}}
+{{- define "pdserve.speculativeTokens" -}}
+{{- if or (lt (int .) 1) (gt (int .) 3) (ne (int . | toString) (toString .)) }}
+{{- fail (printf "engine.numSpeculativeTokens: expected 1..3, got %v" .) }}
+{{- end }}
+{{- . | int }}
 {{- end -}}
 
 {{/* A value from a fixed set, else a failed render naming the key: (list "key" value (list choices...)). */}}
