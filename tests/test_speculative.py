@@ -259,3 +259,24 @@ def test_mtp_served_cp_prefill_to_dp_ep_decode(mtp_model, tmp_path):
                  extra_prefill=[*spec, "--cp", "2", "--max-prefill-tokens", "16"],
                  extra_decode=[*spec, "--dp", "2", "--ep", "2"]) as cluster:
         assert concurrent_greedy(cluster.address, prompts, max_tokens=10) == want
+
+
+def test_mtp_with_prefix_cache_equals_without(mtp_model, monkeypatch):
+    """Requests that reuse a cached prefix (main and MTP rows) draft and verify on it: greedy tokens are the
+    plain ones (the MTP row at a cached block's edge may come from another continuation: drafts only)."""
+    prefix = random_prompts(1, [22], 512, seed=9)[0]
+    prompts = [prefix + t for t in random_prompts(3, [3, 7, 1], 512, seed=10)]
+    want = [o.token_ids for o in LLM(str(mtp_model), dtype="float32", block_size=4,
+                                     enable_prefix_caching=False).generate(prompts, GREEDY)]
+    monkeypatch.setattr(MtpSpeculator, "catch_up", _oracle({tuple(p): w for p, w in zip(prompts, want)}, 3))
+    llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=2)
+    got = [o.token_ids for o in llm.generate(prompts[:1], GREEDY)]  # computes and caches the prefix
+    seqs: list = []
+    add = llm.engine.add_request
+    monkeypatch.setattr(llm.engine, "add_request", lambda *a, **kw: seqs.append(add(*a, **kw)) or seqs[-1])
+    got += [o.token_ids for o in llm.generate(prompts[1:], GREEDY)]
+    assert got == want
+    assert [s.num_cached_prompt_tokens for s in seqs] == [20, 20]  # five full blocks of the prefix reused
+    assert llm.engine.speculator.stats.accepted[1] > 0
+    kv = llm.engine.kv
+    assert kv.allocator.num_free == kv.num_blocks

@@ -83,9 +83,8 @@ class LLMEngine:
                                                  kv_cache_dtype=config.kv_cache_dtype, extra_layers=int(mtp))
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
-        # MTP rows at a block's edge depend on the next block's first token: no prefix sharing under MTP
         self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_prefix_caching and not mtp)
+                                   config.max_num_batched_tokens, config.enable_prefix_caching)
         self.speculator = MtpSpeculator(self, config.num_speculative_tokens) if mtp else None
         if mtp:  # a decode's drafts count against the step's token budget
             self.scheduler.decode_width = 1 + config.num_speculative_tokens

@@ -14,8 +14,12 @@ Per step, for the scheduled requests:
    start .. num_cached − 1, with (t_{j+1}, h_j), writing its own cache layer; the last position's output
    is the first draft for the next step, and K − 1 chained single-token steps (g_j for h_j) add the rest.
 
-The prefix cache is off under MTP: an MTP row at a block's last position depends on the next block's
-first token, so a cached block's MTP rows are not reusable by a request that continues differently.
+With the prefix cache, a request reuses cached blocks' MTP rows with their main rows. The MTP row at a
+cached block's last position was made with the next token of the request that computed it, which may
+differ from this request's: that can only change drafts, never the output (verification decides), so
+the prefix cache stays on under MTP (the same trade vLLM makes). Blocks are registered once their
+positions are final and their MTP rows written, and no MTP or draft write ever lands in a shared block
+(every write is at or past the request's first uncached position).
 """
 
 from __future__ import annotations
@@ -98,6 +102,9 @@ class MtpSpeculator:
                     final.append((seq, start, offset, None))
             offset += len(sc.token_ids)
         self.catch_up(final, hidden)
+        if engine.scheduler.prefix_caching:
+            for seq, *_ in final:
+                engine.scheduler.cache_computed(seq)
         return events
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, draft: _Draft | None) -> tuple[list[int], int]:
