@@ -8,6 +8,14 @@ TTFT / TPOT the router observes.
     transfer(tokens)           = tokens · kv_bytes_per_token / bandwidth
 
 DistServe's simulator and Dynamo's planner use the same shapes (see ../shared/design/router_planner.md).
+
+Where instances share cores (one host running prefill and decode, as a laptop or CI does), an engine
+that computes slows the others, and not symmetrically (measured here: a busy decode stretches a prefill
+far more than a busy prefill stretches a decode step). A prefill takes `1 + prefill_interference ·
+(other busy engines)` times its curve, a decode step `1 + decode_interference · (other busy engines)`.
+Both are 0 on dedicated hardware (the default); `pdserve profile --router` measures them. Without it the model can only
+learn load-dependent error from calibration, and calibration learned under a burst keeps an idle system
+refusing everything (it observes nothing while it refuses).
 """
 
 from __future__ import annotations
@@ -35,12 +43,38 @@ class PerfModel:
     decode_per_context_token_s: float = 2e-6
     kv_bytes_per_token: float = 1152.0  # MLA latent + rope (576 bf16) per layer summed, plus indexer keys
     transfer_bytes_per_s: float = 1e9
+    # slowdown per other busy engine on the same cores, of a prefill and of a decode step (0: dedicated hardware)
+    prefill_interference: float = 0.0
+    decode_interference: float = 0.0
     # Online calibration, observed / predicted, smoothed, per load band: where services share cores
     # (or a model misses a cost that grows with load) the error depends on load, and one global
     # factor would inflate the idle predictions by the loaded error.
     ttft_factors: list[float] = field(default_factory=lambda: [1.0] * len(TTFT_BANDS))
     tpot_factors: list[float] = field(default_factory=lambda: [1.0] * len(TPOT_BANDS))
     smoothing: float = 0.1
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the instances share cores (either interference term set)."""
+        return bool(self.prefill_interference or self.decode_interference)
+
+    def prefill_slowdown(self, others_busy: float) -> float:
+        """How much longer a prefill takes while `others_busy` other engines compute on the same cores."""
+        return 1.0 + self.prefill_interference * max(0.0, others_busy)
+
+    def decode_slowdown(self, others_busy: float) -> float:
+        return 1.0 + self.decode_interference * max(0.0, others_busy)
+
+    def scaled(self, prefill: float, decode: float) -> PerfModel:
+        """This model with prefill and decode times stretched by the given factors (and no interference
+        of its own): the planner's stage A applies its expected slowdowns this way."""
+        out = PerfModel(**{f.name: getattr(self, f.name) for f in fields(self)})
+        out.prefill_interference = out.decode_interference = 0.0
+        out.prefill_base_s, out.prefill_per_token_s, out.prefill_per_token2_s = (
+            x * prefill for x in (self.prefill_base_s, self.prefill_per_token_s, self.prefill_per_token2_s))
+        out.decode_base_s, out.decode_per_seq_s, out.decode_per_context_token_s = (
+            x * decode for x in (self.decode_base_s, self.decode_per_seq_s, self.decode_per_context_token_s))
+        return out
 
     def prefill_seconds(self, tokens: float) -> float:
         if tokens <= 0:
@@ -60,18 +94,24 @@ class PerfModel:
         """(A served profile folds the transfer into its measured TTFT: bandwidth inf.)"""
         return tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
 
-    def ttft_raw(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0) -> float:
-        """Time to first token by the fitted curves: the queue ahead, the uncached prompt, the transfer."""
-        return (self.prefill_queue_seconds(queued_tokens) + self.prefill_seconds(prompt_tokens - cached_tokens)
-                + self.transfer_seconds(prompt_tokens))
+    def ttft_raw(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0,
+                 others_busy: float = 0.0) -> float:
+        """Time to first token by the fitted curves: the queue ahead and the uncached prompt (slowed by
+        the other busy engines sharing the cores), the transfer."""
+        compute = self.prefill_queue_seconds(queued_tokens) + self.prefill_seconds(prompt_tokens - cached_tokens)
+        return compute * self.prefill_slowdown(others_busy) + self.transfer_seconds(prompt_tokens)
 
-    def ttft(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0) -> float:
+    def ttft(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0,
+             others_busy: float = 0.0) -> float:
         """Predicted time to first token, calibrated for the load band of `queued_tokens`."""
         factor = self.ttft_factors[band(TTFT_BANDS, queued_tokens)]
-        return self.ttft_raw(queued_tokens, prompt_tokens, cached_tokens) * factor
+        return self.ttft_raw(queued_tokens, prompt_tokens, cached_tokens, others_busy) * factor
 
-    def tpot(self, batch: float, context_tokens: float) -> float:
-        return self.decode_step_seconds(batch, context_tokens) * self.tpot_factors[band(TPOT_BANDS, batch)]
+    def tpot_raw(self, batch: float, context_tokens: float, others_busy: float = 0.0) -> float:
+        return self.decode_step_seconds(batch, context_tokens) * self.decode_slowdown(others_busy)
+
+    def tpot(self, batch: float, context_tokens: float, others_busy: float = 0.0) -> float:
+        return self.tpot_raw(batch, context_tokens, others_busy) * self.tpot_factors[band(TPOT_BANDS, batch)]
 
     # -- online calibration ----------------------------------------------------------------------
     def observe_ttft(self, queued_tokens: float, raw_predicted: float, observed: float) -> None:
@@ -223,5 +263,53 @@ def profile_served(address: str, say=print, lengths: tuple[int, ...] = (16, 64, 
                 ys.append(tpot)
                 say(f"TPOT batch {batch:3d} context {ctx:4d}: {tpot * 1e3:8.1f} ms")
         da, db, dc = fit_linear(xs, ys)
+        prefill_i, decode_i = measure_interference(stub, stream, steps, say)
     return PerfModel(prefill_base_s=pa, prefill_per_token_s=pb, prefill_per_token2_s=pc, decode_base_s=da,
-                     decode_per_seq_s=db, decode_per_context_token_s=dc, transfer_bytes_per_s=float("inf"))
+                     decode_per_seq_s=db, decode_per_context_token_s=dc, transfer_bytes_per_s=float("inf"),
+                     prefill_interference=prefill_i, decode_interference=decode_i)
+
+
+def measure_interference(stub, stream, steps: int, say=print, prompt_tokens: int = 64) -> tuple[float, float]:  # noqa: ANN001
+    """(prefill, decode) interference through the served path: the TTFT of a prompt while one stream keeps
+    a decode stepping, and the TPOT of a stream while prompts keep the prefill computing, each against the
+    same alone (medians of 3). Near 0 where instances do not share cores."""
+    import statistics
+    import threading
+    import time
+
+    def prompt(seed: int, n: int) -> list[int]:  # distinct prompts: no prefix-cache hits
+        return [(29 * i + 7919 * seed) % 400 + 3 for i in range(n)]
+
+    def tpot(seed: int) -> float:
+        s = stream(stub, prompt(seed, 64), 2 * steps + 1)
+        return (s[-1] - s[0]) / (len(s) - 1)
+
+    def ttft(seed: int) -> float:
+        return stream(stub, prompt(seed, prompt_tokens), 1)[0]
+
+    def beside(background, measure, seed: int) -> float:  # noqa: ANN001
+        done = threading.Event()
+
+        def loop() -> None:
+            k = 0
+            while not done.is_set():
+                background(1000 * seed + k)
+                k += 1
+
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        time.sleep(0.2)  # the background work is under way
+        value = measure(10 + seed)
+        done.set()
+        t.join()
+        return value
+
+    alone_ttft = statistics.median(ttft(100 + s) for s in range(3))
+    busy_ttft = statistics.median(beside(tpot, ttft, 200 + s) for s in range(3))
+    alone_tpot = statistics.median(tpot(300 + s) for s in range(3))
+    busy_tpot = statistics.median(beside(lambda k: stream(stub, prompt(k, 256), 1), tpot, 400 + s) for s in range(3))
+    prefill_i, decode_i = max(0.0, busy_ttft / alone_ttft - 1), max(0.0, busy_tpot / alone_tpot - 1)
+    say(f"interference: TTFT {alone_ttft * 1e3:.1f} ms alone, {busy_ttft * 1e3:.1f} ms beside a busy decode "
+        f"→ {prefill_i:.2f}; TPOT {alone_tpot * 1e3:.1f} ms alone, {busy_tpot * 1e3:.1f} ms beside a busy "
+        f"prefill → {decode_i:.2f}")
+    return prefill_i, decode_i

@@ -115,6 +115,27 @@ def _erlang_c(servers: int, load: float) -> float:
 
 
 def analytic(perf: PerfModel, w: Workload, m: int, n: int, ranks: int = 1) -> Prediction:
+    """Stage A. With interference (instances sharing cores, PerfModel.colocated) prefill and decode are stretched by
+    the engines expected busy beside them: each prefill busy with probability ρ_p = λ·S/m, each decode
+    with 1 − e^(−L), L = λ/n·OSL·TPOT its requests in flight (Little), iterated to a fixed point."""
+    if not perf.colocated:
+        return _analytic(perf, w, m, n, ranks)
+    stretch_p = stretch_d = 1.0
+    for _ in range(30):
+        pred = _analytic(perf.scaled(stretch_p, stretch_d), w, m, n, ranks)
+        if math.isinf(pred.ttft_p90_s) or math.isinf(pred.tpot_p90_s):
+            return pred
+        busy_p = min(1.0, w.rate * perf.prefill_seconds(w.isl.mean) * stretch_p / m)
+        busy_d = 1 - math.exp(-w.rate / n * w.osl.mean * pred.tpot_p50_s)
+        new_p = perf.prefill_slowdown(n * busy_d + (m - 1) * busy_p)
+        new_d = perf.decode_slowdown(m * busy_p + (n - 1) * busy_d)
+        if abs(new_p - stretch_p) < 1e-4 and abs(new_d - stretch_d) < 1e-4:
+            break
+        stretch_p, stretch_d = new_p, new_d
+    return pred
+
+
+def _analytic(perf: PerfModel, w: Workload, m: int, n: int, ranks: int = 1) -> Prediction:
     inf = math.inf
     # prefill: M/G/m, service S = prefill(isl)
     s_mean = perf.prefill_seconds(w.isl.mean)
@@ -151,7 +172,11 @@ def analytic(perf: PerfModel, w: Workload, m: int, n: int, ranks: int = 1) -> Pr
 
 def plan(perf: PerfModel, w: Workload, max_m: int = 8, max_n: int = 16, ranks: int = 1) -> Prediction | None:
     """Stage A: the fewest prefill instances meeting the TTFT target and the fewest decode instances
-    meeting the TPOT target (the two sides do not interfere once disaggregated), or None."""
+    meeting the TPOT target (the two sides do not interfere once disaggregated), or None. With
+    interference (shared cores) the sides do interfere: the smallest M + N that meets both."""
+    if perf.colocated:
+        pairs = sorted(((m, n) for m in range(1, max_m + 1) for n in range(1, max_n + 1)), key=lambda mn: (sum(mn), mn))
+        return next((p for m, n in pairs if (p := analytic(perf, w, m, n, ranks)).meets(w)), None)
     m = next((m for m in range(1, max_m + 1) if analytic(perf, w, m, 1, ranks).ttft_p90_s <= w.ttft_p90_s), None)
     n = next((n for n in range(1, max_n + 1) if analytic(perf, w, 1, n, ranks).tpot_p90_s <= w.tpot_p90_s), None)
     if m is None or n is None:
@@ -224,9 +249,14 @@ def simulate(perf: PerfModel, w: Workload, m: int, n: int, policy: SlaPolicy | N
                for i, d in enumerate(decodes)]
         return pre, dec
 
+    def busy_engines() -> int:
+        """Engines computing now (on shared cores each slows the others: PerfModel's interference terms)."""
+        return sum(1 for q in prefill_queue if q) + sum(1 for d in decodes if d.stepping)
+
     def start_prefill(p: int, now: float) -> None:
         req = prefill_queue[p][0]
-        heapq.heappush(events, (now + perf.prefill_seconds(req.isl), next(counter), "prefilled", (p, req)))
+        seconds = perf.prefill_seconds(req.isl) * perf.prefill_slowdown(busy_engines() - 1)
+        heapq.heappush(events, (now + seconds, next(counter), "prefilled", (p, req)))
 
     def step(d: int, now: float) -> None:
         dec = decodes[d]
@@ -235,7 +265,7 @@ def simulate(perf: PerfModel, w: Workload, m: int, n: int, policy: SlaPolicy | N
             dec.stepping = False
             return
         dec.stepping = True
-        seconds = max(perf.decode_step_seconds(b, c) for b, c in busy)  # lock-step: the busiest rank
+        seconds = max(perf.tpot_raw(b, c, busy_engines() - 1) for b, c in busy)  # lock-step: the busiest rank
         heapq.heappush(events, (now + seconds, next(counter), "step", d))
 
     while events:

@@ -52,15 +52,20 @@ class DecodeView:
     def least_loaded(self) -> int:
         return min(range(len(self.ranks)), key=lambda r: (self.ranks[r].tokens, self.ranks[r].running, r))
 
-    def step_with(self, perf: PerfModel, rank: int, tokens: int) -> tuple[float, float, int]:
+    @property
+    def busy(self) -> bool:
+        return self.up and any(r.running for r in self.ranks)
+
+    def step_with(self, perf: PerfModel, rank: int, tokens: int, others_busy: int = 0) -> tuple[float, float, int]:
         """(TPOT, uncalibrated TPOT, batch) of the busiest rank once a request of `tokens` context
-        joins `rank`: the busiest rank sets a lock-step instance's pace."""
+        joins `rank`: the busiest rank sets a lock-step instance's pace. `others_busy`: other engines
+        computing on the same cores (PerfModel's interference terms)."""
         worst = (0.0, 0.0, 1)
         for r, view in enumerate(self.ranks):
             batch, ctx = view.running + (r == rank), view.tokens + (tokens if r == rank else 0)
-            t = perf.tpot(batch, ctx)
+            t = perf.tpot(batch, ctx, others_busy)
             if t >= worst[0]:
-                worst = (t, perf.decode_step_seconds(batch, ctx), batch)
+                worst = (t, perf.tpot_raw(batch, ctx, others_busy), batch)
         return worst
 
 
@@ -113,18 +118,23 @@ class SlaPolicy:
         are candidates: a call fails fast on a dead one, and one back up is found at once."""
         context = req.prompt_tokens + req.max_tokens
         any_prefill, any_decode = any(p.up for p in prefills), any(d.up for d in decodes)
+        # engines computing now: on shared cores each slows the others (0 effect on dedicated hardware)
+        busy_prefills = sum(1 for p in prefills if p.up and p.queued_tokens > 0)
+        busy_decodes = sum(1 for d in decodes if d.busy)
         out = []
         for d, dec in enumerate(decodes):
             if any_decode and not dec.up:
                 continue
-            tpot, tpot_raw, batch = dec.step_with(self.perf, dec.least_loaded(), context)
+            others = busy_prefills + busy_decodes - dec.busy
+            tpot, tpot_raw, batch = dec.step_with(self.perf, dec.least_loaded(), context, others)
             for p, pre in enumerate(prefills):
                 if any_prefill and not pre.up:
                     continue
                 cached = req.cached_by_prefill[p] if req.cached_by_prefill else req.cached_tokens
-                ttft = self.perf.ttft(pre.queued_tokens, req.prompt_tokens, cached)
+                others = busy_decodes + busy_prefills - (pre.up and pre.queued_tokens > 0)
+                ttft = self.perf.ttft(pre.queued_tokens, req.prompt_tokens, cached, others)
                 cost = ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0)
-                raw = self.perf.ttft_raw(pre.queued_tokens, req.prompt_tokens, cached)
+                raw = self.perf.ttft_raw(pre.queued_tokens, req.prompt_tokens, cached, others)
                 room = -(-context // dec.block_size) <= dec.free_blocks
                 out.append(Choice(p, d, ttft, tpot, cost, cached, pre.queued_tokens, batch, raw, tpot_raw, room))
         return out

@@ -118,3 +118,34 @@ def test_online_calibration_is_per_load_band_and_bounded(tmp_path):
     (tmp_path / "bad.json").write_text('{"decode_base_s": -1}')
     with pytest.raises(ValueError, match="decode_base_s"):
         PerfModel.load(tmp_path / "bad.json")
+
+
+def test_colocated_instances_slow_each_other_in_the_policy_stage_a_and_the_des():
+    """Interference terms (instances sharing cores): a pair's predicted TTFT grows with the decodes busy
+    beside its prefill and its TPOT with the prefills busy beside it; stage A and the DES predict slower
+    service than on dedicated hardware, agree within 25% on TTFT, and find less capacity."""
+    dedicated = PerfModel(prefill_base_s=0.02, prefill_per_token_s=2e-4, decode_base_s=0.015,
+                          decode_per_seq_s=5e-4, decode_per_context_token_s=0.0, transfer_bytes_per_s=math.inf)
+    shared = PerfModel(**{**vars(dedicated), "prefill_interference": 1.5, "decode_interference": 0.3})
+    busy = DecodeView("d0", [RankView(running=4, tokens=400)])
+    policy = SlaPolicy(shared, seed=0)
+    req = Request(64, 32, 0, 0)
+    (alone,) = policy.predict(req, [PrefillView("p0")], [DecodeView("d1")])
+    beside_busy = next(c for c in policy.predict(req, [PrefillView("p0", queued_tokens=64)], [busy, DecodeView("d1")])
+                       if c.decode == 1)
+    assert alone.ttft_s == pytest.approx(dedicated.ttft(0, 64))
+    assert beside_busy.ttft_s == pytest.approx(dedicated.ttft(64, 64) * 2.5)  # one busy decode beside the prefill
+    assert beside_busy.tpot_s == pytest.approx(dedicated.tpot(1, 96) * 1.6)  # busy prefill and decode beside it
+    w = _workload(6)
+    a_dedicated, a_shared = analytic(dedicated, w, 1, 2), analytic(shared, w, 1, 2)
+    b_shared = simulate(shared, w, 1, 2, policy=SlaPolicy(PerfModel(), seed=0), requests=1500, seed=1).prediction
+    b_dedicated = simulate(dedicated, w, 1, 2, policy=SlaPolicy(PerfModel(), seed=0), requests=1500, seed=1).prediction
+    assert a_shared.ttft_p50_s > 1.2 * a_dedicated.ttft_p50_s and a_shared.tpot_p50_s > a_dedicated.tpot_p50_s
+    assert b_shared.ttft_p50_s > 1.2 * b_dedicated.ttft_p50_s and b_shared.tpot_p50_s > b_dedicated.tpot_p50_s
+    assert a_shared.ttft_p50_s == pytest.approx(b_shared.ttft_p50_s, rel=0.25)
+    target = Workload(1.0, w.isl, w.osl, 0.2, 0.05)
+
+    def capacity(perf: PerfModel) -> float:
+        return goodput(lambda r: analytic(perf, Workload(r, w.isl, w.osl, 0.2, 0.05), 1, 2).meets(target), 100.0)
+
+    assert capacity(shared) < capacity(dedicated)
