@@ -55,8 +55,9 @@ class PrefillClient(CoreClient):
         super().__init__(core_main, cfg, "prefill engine core", start_timeout)
         self.latest_load: dict[str, Any] = self.core.facts["load"]
 
-    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
-        return self.core.call("prefill", request_id, prompt, params, dest)
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
+                priority: int = 0) -> Future:
+        return self.core.call("prefill", request_id, prompt, params, dest, priority)
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
         self.core.call("cancel", request_id, reason)

@@ -70,17 +70,18 @@ class PrefillRank:
     def apply(self, cmd: Command) -> Any:
         a = cmd.args
         if cmd.kind == "add":
-            self._add(a["request_id"], a["prompt"], a["params"], a["dest"])
+            self._add(a["request_id"], a["prompt"], a["params"], a["dest"], a.get("priority", 0))
         elif cmd.kind == "abort":
             self._fail(a["request_id"], a.get("error") or RuntimeError("cancelled"))
         elif cmd.kind == "free":
             self.engine.kv.allocator.free(a["blocks"])
         return None
 
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> None:
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
+             priority: int = 0) -> None:
         engine = self.engine
         try:
-            seq = engine.make_sequence(prompt, params, request_id)  # validates against the real params
+            seq = engine.make_sequence(prompt, params, request_id, priority)  # validates against the real params
         except ValueError as exc:
             self.on_done(request_id, exc)
             return
@@ -317,16 +318,18 @@ class PrefillCore(EngineCore):
         if batch_tokens:
             metrics.BATCH_TOKENS.observe(batch_tokens)
 
-    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination) -> Future:
-        """Queue a prompt whose KV goes to `dest`; the Future yields a Result, or fails with
-        ValueError (bad request) or TransferError (bad destination, failed push). Raises ValueError
-        at once for what can be checked here."""
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
+                priority: int = 0) -> Future:
+        """Queue a prompt whose KV goes to `dest` (ahead of less urgent ones: lower `priority` first); the
+        Future yields a Result, or fails with ValueError (bad request) or TransferError (bad destination,
+        failed push). Raises ValueError at once for what can be checked here."""
         self.rank.engine.validate(prompt, params)
         if request_id in self._results:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         done: Future = Future()
         self._results[request_id] = done
-        self.submit("add", self._to, request_id=request_id, prompt=prompt, params=params, dest=dest)
+        self.submit("add", self._to, request_id=request_id, prompt=prompt, params=params, dest=dest,
+                    priority=priority)
         return done
 
     def cancel(self, request_id: str, reason: BaseException) -> None:

@@ -110,7 +110,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
         try:
-            done = self.worker.prefill(rid, prompt, params, dest)
+            done = self.worker.prefill(rid, prompt, params, dest, request.priority)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

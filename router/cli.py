@@ -312,11 +312,13 @@ def sampling_args(args: argparse.Namespace) -> generation_pb2.SamplingParams:
 
 
 def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+    common = {"sampling_params": sampling_args(args), "priority": args.priority,
+              "sla": generation_pb2.Sla(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms)}
     if args.chat:  # the prompt as one user turn, rendered with the model's chat encoding by the router
         return generation_pb2.GenerateRequest(messages=[generation_pb2.ChatMessage(role="user", content=args.prompt)],
-                                              thinking=args.thinking, sampling_params=sampling_args(args))
+                                              thinking=args.thinking, **common)
     return generation_pb2.GenerateRequest(prompt=args.prompt or "", prompt_token_ids=args.prompt_token_ids or [],
-                                          sampling_params=sampling_args(args))
+                                          **common)
 
 
 def client_channel(args: argparse.Namespace) -> grpc.Channel:
@@ -493,6 +495,11 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat encoding)")
     _add_sampling_flags(gen, 32)
     gen.add_argument("--show-ids", action="store_true")
+    gen.add_argument("--priority", type=int, default=0,
+                     help="lower is more urgent: < 0 may use its whole SLA targets, > 0 is refused first under load; "
+                          "the prefill queue serves lower first")
+    gen.add_argument("--ttft-ms", type=float, default=0.0, help="this request's TTFT target (0: the router's)")
+    gen.add_argument("--tpot-ms", type=float, default=0.0, help="this request's TPOT target (0: the router's)")
     gen.set_defaults(fn=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat with the router (DeepSeek-V3.2 chat encoding)")
     chat.add_argument("--system", default="", help="system prompt")

@@ -77,6 +77,7 @@ class Request:
     tpot_s: float
     cached_tokens: int = 0
     cached_by_prefill: list[int] | None = None  # prompt tokens each prefill instance holds in its prefix cache
+    priority: int = 0  # lower is more urgent (GenerateRequest.priority): see SlaPolicy.margin_for
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Choice:
 
 
 TIE = 0.1  # pairs within 10% of the cheapest are ties, spread by power of two choices
+BACKGROUND_HEADROOM = 0.7  # a background request (priority > 0) may use 70% of the normal margin
 
 
 class Rejected(Exception):
@@ -147,7 +149,7 @@ class SlaPolicy:
         fits = [c for c in pairs if self._meets(c, req)]
         if not fits:
             best = min(pairs, key=lambda c: c.cost)
-            over = max(best.ttft_s - req.ttft_s * self.margin if req.ttft_s else 0.0,
+            over = max(best.ttft_s - req.ttft_s * self.margin_for(req.priority) if req.ttft_s else 0.0,
                        best.tpot_s * req.max_tokens * 0.1 if req.tpot_s and best.tpot_s > req.tpot_s else 0.0)
             raise Rejected(f"no pair meets the SLA (best predicted TTFT {best.ttft_s * 1e3:.0f} ms, "
                            f"TPOT {best.tpot_s * 1e3:.1f} ms)", max(0.1, over))
@@ -161,9 +163,18 @@ class SlaPolicy:
             fits.insert(0, first)
         return fits
 
+    def margin_for(self, priority: int) -> float:
+        """The share of a target a prediction may use: urgent requests (priority < 0) the whole target,
+        normal ones `margin`, background ones (> 0) less, so under load they are refused first and
+        leave headroom for the others."""
+        if priority < 0:
+            return 1.0
+        return self.margin * (BACKGROUND_HEADROOM if priority > 0 else 1.0)
+
     def _meets(self, c: Choice, req: Request) -> bool:
-        return ((not req.ttft_s or c.ttft_s <= req.ttft_s * self.margin)
-                and (not req.tpot_s or c.tpot_s <= req.tpot_s * self.margin))
+        margin = self.margin_for(req.priority)
+        return ((not req.ttft_s or c.ttft_s <= req.ttft_s * margin)
+                and (not req.tpot_s or c.tpot_s <= req.tpot_s * margin))
 
 
 class LeastLoadedPolicy(SlaPolicy):

@@ -331,7 +331,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill or no decode instance is known yet")
         try:
             pairs = self.policy.choose(Request(len(ids), params.max_tokens, ttft_s, tpot_s,
-                                               cached_by_prefill=self._cached_prefix(ids, prefills)),
+                                               cached_by_prefill=self._cached_prefix(ids, prefills),
+                                               priority=request.priority),
                                        [x.view for x in prefills], [x.view for x in decodes])
         except Rejected as exc:  # before any work anywhere
             metrics.request_done("router", "RESOURCE_EXHAUSTED", "sla")
@@ -353,7 +354,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             claimed = False
             try:
                 prefill_req = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
-                                                          sampling_params=sampling, destination=reserve.destination)
+                                                          sampling_params=sampling, destination=reserve.destination,
+                                                          priority=request.priority)
                 metrics.QUEUE.observe(time.perf_counter() - t0)
                 preferred = [c.prefill for c in pairs if decodes[c.decode] is dec]
                 order = Pool.ordered(prefills, preferred or [c.prefill for c in pairs])

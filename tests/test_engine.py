@@ -168,3 +168,22 @@ def test_compiled_token_parts_give_the_same_tokens(sparse_path):
     prompts = random_prompts(2, [9, 14], 512, seed=23)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert _tokens(LLM(sparse_path, compile=True), prompts, params) == _tokens(LLM(sparse_path), prompts, params)
+
+
+def test_priority_orders_the_queue_then_first_come_first_served(sparse_path):
+    """Lower priority values are scheduled first (vLLM's convention), equal ones in arrival order; one
+    request at a time (max_num_seqs=1) makes the order visible. Tokens do not depend on it."""
+    llm = LLM(sparse_path, block_size=4, max_num_seqs=1)
+    prompts = random_prompts(5, [6, 9, 4, 7, 5], 512, seed=70)
+    priorities = [1, 0, -1, 0, 1]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i, (p, prio) in enumerate(zip(prompts, priorities)):
+        llm.engine.add_request(p, params, f"r{i}", priority=prio)
+    first_seen: list[str] = []
+    while llm.engine.has_work:
+        for ev in llm.engine.step():
+            if ev.seq.request_id not in first_seen:
+                first_seen.append(ev.seq.request_id)
+    assert first_seen == ["r2", "r1", "r3", "r0", "r4"]
+    assert _tokens(LLM(sparse_path, block_size=4), prompts, params) == \
+        [o.token_ids for o in llm.generate(prompts, params, priority=priorities)]

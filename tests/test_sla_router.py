@@ -141,3 +141,56 @@ def test_dns_names_stand_for_every_address_they_resolve_to():
                                   ["127.0.0.1:1", "10.0.0.1:7000", "10.0.0.2:7000"],
                                   ["127.0.0.1:1", "10.0.0.1:7000", "10.0.0.2:7000"], ["127.0.0.1:1", "10.0.0.2:7000"]]
     assert "127.0.0.1:7000" in asyncio.run(_resolve("localhost", "7000"))
+
+
+def test_priority_classes_share_the_targets_differently():
+    """An urgent request (priority < 0) may use its whole target, a normal one 90%, a background one
+    (> 0) 63%: under the same prediction the background request is refused first."""
+    from router.perf import PerfModel
+    from router.policy import DecodeView, PrefillView, Rejected, Request, SlaPolicy
+
+    perf = PerfModel(decode_base_s=0.02, decode_per_seq_s=0.0, decode_per_context_token_s=0.0)
+    policy, pre, dec = SlaPolicy(perf, seed=0), [PrefillView("p")], [DecodeView("d")]
+    for tpot_ms, admitted in ((21.0, {-1}), (25.0, {-1, 0}), (33.0, {-1, 0, 2})):  # the step is 20 ms
+        for priority in (-1, 0, 2):
+            req = Request(16, 8, 0.0, tpot_ms / 1e3, priority=priority)
+            if priority in admitted:
+                assert policy.choose(req, pre, dec)[0].decode == 0
+            else:
+                with pytest.raises(Rejected):
+                    policy.choose(req, pre, dec)
+
+
+def test_an_urgent_request_overtakes_queued_background_prompts(served_model, tmp_path):
+    """GenerateRequest.priority reaches the prefill queue: behind eight long background prompts (priority
+    5) on one prefill instance, an urgent prompt (priority -1) sent last gets its first token before most."""
+    import threading
+    import time
+
+    from tests.helpers import random_prompts
+
+    prompts = random_prompts(9, [160] * 9, 512, seed=71)
+    done: dict[int, float] = {}
+    with Cluster(str(served_model), dtype="float32", log_dir=tmp_path / "logs",
+                 extra_prefill=["--max-prefill-tokens", "8"]) as c:
+        def send(i: int, priority: int) -> None:
+            with c.channel(c.address) as ch:
+                req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[i], priority=priority,
+                                                     sampling_params=generation_pb2.SamplingParams(max_tokens=1))
+                list(generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=120))
+            done[i] = time.perf_counter()
+
+        def waiting() -> int:
+            with c.channel(c.prefill_addrs[0]) as ch:
+                return internal_pb2_grpc.PrefillStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=10).waiting
+
+        background = [threading.Thread(target=send, args=(i, 5)) for i in range(8)]
+        for t in background:
+            t.start()
+        assert wait_for(lambda: waiting() >= 5, 30)  # queued behind the one prefilling (20 steps of 8 tokens each)
+        send(8, -1)
+        for t in background:
+            t.join()
+    later = sum(1 for i in range(8) if done[i] > done[8])
+    print(f"background prompts finished after the urgent one: {later} of 8")
+    assert later >= 5

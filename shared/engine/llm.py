@@ -130,13 +130,13 @@ class LLMEngine:
             raise ValueError(f"max_tokens: request needs {need} KV blocks, the pool has {self.kv.num_blocks}")
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str | None = None) -> Sequence:
+                      request_id: str | None = None, priority: int = 0) -> Sequence:
         self.validate(prompt_token_ids, params)
         rid = request_id or f"req-{next(self._counter)}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in flight")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self.default_generator
-        seq = Sequence(rid, list(prompt_token_ids), params, generator=gen)
+        seq = Sequence(rid, list(prompt_token_ids), params, generator=gen, priority=priority)
         self._requests[rid] = seq
         return seq
 
@@ -145,8 +145,10 @@ class LLMEngine:
         return OutputProcessor(self.tokenizer, params.stop, params.skip_special_tokens)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Sequence:
-        seq = self.make_sequence(prompt_token_ids, params, request_id)
+                    request_id: str | None = None, priority: int = 0) -> Sequence:
+        """Queue a request; a lower `priority` is scheduled first (waiting queue, prompt chunks,
+        preemption last), as vLLM's priority scheduling."""
+        seq = self.make_sequence(prompt_token_ids, params, request_id, priority)
         self.scheduler.add(seq)
         return seq
 
@@ -256,15 +258,16 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: list[list[int]] | list[str] | str,
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         seqs, outputs = [], {}
-        for prompt, p in zip(prompts, params_list):
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            seq = self.engine.add_request(ids, p)
+            seq = self.engine.add_request(ids, p, priority=priority[i] if priority else 0)
             seqs.append(seq)
             outputs[seq.request_id] = self.engine.output_processor(p)
         while self.engine.has_work:

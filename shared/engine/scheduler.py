@@ -50,6 +50,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     num_registered: int = 0  # leading blocks of block_table already in the prefix cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    priority: int = 0  # lower is served first (vLLM's convention); equal priorities first come, first served
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -98,7 +99,11 @@ class Scheduler:
         self.decode_width = 1  # tokens a decode takes from the budget (1 + drafts under speculative decoding)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue a request behind every waiting one of the same or a more urgent (lower) priority."""
+        if not self.waiting or self.waiting[-1].priority <= seq.priority:
+            self.waiting.append(seq)
+            return
+        self.waiting.insert(next(i for i, w in enumerate(self.waiting) if w.priority > seq.priority), seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A request whose KV is already in the pool (pushed by a prefill instance): decode next."""
@@ -126,7 +131,7 @@ class Scheduler:
 
     def _schedule_prefill(self, budget: int) -> list[ScheduledChunk]:
         chunks = []
-        for seq in [s for s in self.running if s.is_prefilling and s.num_uncached > 0]:
+        for seq in sorted((s for s in self.running if s.is_prefilling and s.num_uncached > 0), key=_urgency):
             n = min(seq.num_uncached, budget)
             if n <= 0 or not self.ensure_blocks(seq, seq.num_cached + n):
                 break
@@ -155,7 +160,7 @@ class Scheduler:
             if (len(chunks) + 1) * self.decode_width > budget and chunks:
                 break
             while seq.status is Status.RUNNING and not self.ensure_blocks(seq, seq.num_tokens):
-                self.preempt(max(self.running, key=lambda s: s.order))
+                self.preempt(max(self.running, key=_urgency))  # the least urgent, newest first
             if seq.status is Status.RUNNING:
                 chunks.append(ScheduledChunk(seq, seq.num_uncached))
         return chunks
@@ -211,3 +216,8 @@ class Scheduler:
             self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.status, seq.finish_reason = Status.FINISHED, reason
+
+
+def _urgency(seq: Sequence) -> tuple[int, int]:
+    """Sort key: more urgent (lower priority value), then older, first."""
+    return seq.priority, seq.order
