@@ -104,6 +104,7 @@ class RouterSpec:
     policy: str = "sla"
     ttft_slo_ms: float = 0.0
     tpot_slo_ms: float = 0.0
+    admission_wait_ms: float = 0.0
 
 
 @dataclass
@@ -172,7 +173,7 @@ class Deployment:
             return ["--request-timeout", _s(r.request_timeout), "--max-prompt-bytes", _s(r.max_prompt_bytes),
                     "--max-concurrent-requests", _s(r.max_concurrent_requests), "--drain-seconds",
                     _s(e.drain_seconds), "--policy", r.policy, "--ttft-slo-ms", _s(r.ttft_slo_ms),
-                    "--tpot-slo-ms", _s(r.tpot_slo_ms)]
+                    "--tpot-slo-ms", _s(r.tpot_slo_ms), "--admission-wait-ms", _s(r.admission_wait_ms)]
         spec = self.prefill if role == "prefill" else self.decode
         out = [*e.flags(), "--kv-cache-tokens", _s(spec.kv_cache_tokens), "--tp", _s(spec.tp), "--ep", _s(spec.ep)]
         if spec.layer_sharding:

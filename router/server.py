@@ -55,6 +55,9 @@ class RouterConfig(EndpointConfig):
     ttft_slo_ms: float = flag(0.0, "time-to-first-token target (0: none); a request no pair can serve within "
                                    "its targets is refused at once with RESOURCE_EXHAUSTED")
     tpot_slo_ms: float = flag(0.0, "time-per-output-token target (0: none)")
+    admission_wait_ms: float = flag(0.0, "instead of refusing at once, hold a request no pair can serve yet for up "
+                                         "to this long, re-choosing as load reports arrive, while it can still "
+                                         "make its TTFT target (0: refuse at once)")
     profile: str | None = flag(None, "profile.json from `pdserve profile` (default: built-in estimates, "
                                      "calibrated online either way)")
     load_interval: float = flag(0.25, "seconds between load reports polled from each instance")
@@ -330,10 +333,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             metrics.request_done("router", "UNAVAILABLE", "no_instances")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill or no decode instance is known yet")
         try:
-            pairs = self.policy.choose(Request(len(ids), params.max_tokens, ttft_s, tpot_s,
-                                               cached_by_prefill=self._cached_prefix(ids, prefills),
-                                               priority=request.priority),
-                                       [x.view for x in prefills], [x.view for x in decodes])
+            pairs = await self._admit(ids, params.max_tokens, ttft_s, tpot_s, request.priority, prefills, decodes, t0)
         except Rejected as exc:  # before any work anywhere
             metrics.request_done("router", "RESOURCE_EXHAUSTED", "sla")
             context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1e3))),))
@@ -433,6 +433,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(_map_code(exc.code()), f"decode stream failed: {exc.details()}")
         finally:
             metrics.TOKENS.labels("router", "output").inc(n)
+
+    async def _admit(self, ids: list[int], max_tokens: int, ttft_s: float, tpot_s: float, priority: int,
+                     prefills: list, decodes: list, t0: float) -> list:
+        """The policy's pairs for this request. With --admission-wait-ms a request no pair can serve yet is
+        held and chosen again after each load poll, its TTFT target shrinking by the time it has waited,
+        until a pair fits or waiting longer could not make the target (then Rejected, as at once)."""
+        cached = self._cached_prefix(ids, prefills)
+        wait_until = t0 + self.cfg.admission_wait_ms / 1e3
+        while True:
+            waited = time.perf_counter() - t0
+            ttft_left = max(ttft_s - waited, 1e-6) if ttft_s else 0.0
+            try:
+                return self.policy.choose(Request(len(ids), max_tokens, ttft_left, tpot_s, cached_by_prefill=cached,
+                                                  priority=priority),
+                                          [x.view for x in prefills], [x.view for x in decodes])
+            except Rejected:
+                pause = self.cfg.load_interval
+                if time.perf_counter() + pause > wait_until or (ttft_s and waited + pause >= ttft_s):
+                    raise
+                await asyncio.sleep(pause)
 
     @staticmethod
     async def _first_ok(context, pool: Pool, candidates: list[Instance], call,  # noqa: ANN001

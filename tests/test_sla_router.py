@@ -194,3 +194,42 @@ def test_an_urgent_request_overtakes_queued_background_prompts(served_model, tmp
     later = sum(1 for i in range(8) if done[i] > done[8])
     print(f"background prompts finished after the urgent one: {later} of 8")
     assert later >= 5
+
+
+def test_admission_wait_holds_a_request_until_a_pair_fits_or_its_ttft_cannot_be_made(served_model, tmp_path):
+    """--admission-wait-ms: while 30 reservations load the only decode past the TPOT target, a request is
+    held (not refused) and served once they are released; one whose TTFT target waiting cannot make is
+    refused as soon as that is so."""
+    import threading
+    import time
+
+    flags = ["--tpot-slo-ms", "40", "--admission-wait-ms", "8000", "--load-interval", "0.1"]
+    with Cluster(str(served_model), dtype="float32", log_dir=tmp_path / "logs", extra_router=flags) as c:
+        assert len(_generate(c, [5, 6, 7])) == 4  # idle: admitted at once
+        with c.channel(c.decode_addrs[0]) as ch:
+            stub = internal_pb2_grpc.DecodeStub(ch)
+            leases = [stub.Reserve(internal_pb2.ReserveRequest(request_id=f"load{i}", num_prompt_tokens=200,
+                                                               max_tokens=200), timeout=10) for i in range(30)]
+            time.sleep(0.5)  # a few load polls
+            result: dict[str, object] = {}
+
+            def held() -> None:
+                t0 = time.perf_counter()
+                result["tokens"], result["seconds"] = _generate(c, [8, 9, 10]), time.perf_counter() - t0
+
+            t = threading.Thread(target=held)
+            t.start()
+            with c.channel(c.address) as gen:  # a TTFT of 250 ms cannot be made by waiting for 1.5 s
+                req = generation_pb2.GenerateRequest(prompt_token_ids=[11, 12], sla=generation_pb2.Sla(ttft_ms=250),
+                                                     sampling_params=generation_pb2.SamplingParams(max_tokens=2))
+                t0 = time.perf_counter()
+                with pytest.raises(grpc.RpcError) as err:
+                    list(generation_pb2_grpc.GenerationStub(gen).Generate(req, timeout=30))
+                refused_after = time.perf_counter() - t0
+            time.sleep(1.5 - refused_after)
+            assert t.is_alive()  # still held
+            for lease in leases:
+                stub.Release(internal_pb2.ReleaseRequest(lease_id=lease.destination.lease_id), timeout=10)
+            t.join(30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and refused_after < 0.5
+    assert len(result["tokens"]) == 4 and result["seconds"] >= 1.4
