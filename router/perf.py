@@ -122,6 +122,14 @@ class PerfModel:
         b = band(TPOT_BANDS, batch)
         self.tpot_factors[b] = self._smooth(self.tpot_factors[b], raw_predicted, observed)
 
+    def relax(self) -> None:
+        """Move every calibration factor a step back toward 1: called when a request is refused only
+        because of calibration (the uncalibrated curves say a pair fits). A refused request is never
+        observed, so without this, factors learned in a burst would keep an idle system refusing."""
+        step = self.smoothing / 2
+        self.ttft_factors = [f + (1 - f) * step for f in self.ttft_factors]
+        self.tpot_factors = [f + (1 - f) * step for f in self.tpot_factors]
+
     def _smooth(self, factor: float, raw_predicted: float, observed: float) -> float:
         if raw_predicted <= 0 or observed <= 0:
             return factor
@@ -272,7 +280,7 @@ def profile_served(address: str, say=print, lengths: tuple[int, ...] = (16, 64, 
 def measure_interference(stub, stream, steps: int, say=print, prompt_tokens: int = 64) -> tuple[float, float]:  # noqa: ANN001
     """(prefill, decode) interference through the served path: the TTFT of a prompt while one stream keeps
     a decode stepping, and the TPOT of a stream while prompts keep the prefill computing, each against the
-    same alone (medians of 3). Near 0 where instances do not share cores."""
+    same alone (medians of 5). Near 0 where instances do not share cores."""
     import statistics
     import threading
     import time
@@ -281,33 +289,33 @@ def measure_interference(stub, stream, steps: int, say=print, prompt_tokens: int
         return [(29 * i + 7919 * seed) % 400 + 3 for i in range(n)]
 
     def tpot(seed: int) -> float:
-        s = stream(stub, prompt(seed, 64), 2 * steps + 1)
+        s = stream(stub, prompt(seed, 64), steps + 1)
         return (s[-1] - s[0]) / (len(s) - 1)
 
     def ttft(seed: int) -> float:
         return stream(stub, prompt(seed, prompt_tokens), 1)[0]
 
     def beside(background, measure, seed: int) -> float:  # noqa: ANN001
-        done = threading.Event()
-
-        def loop() -> None:
-            k = 0
-            while not done.is_set():
-                background(1000 * seed + k)
-                k += 1
-
-        t = threading.Thread(target=loop, daemon=True)
+        """`measure` while `background` runs in a thread, once the background work is under way."""
+        t = threading.Thread(target=background, args=(1000 * seed,), daemon=True)
         t.start()
-        time.sleep(0.2)  # the background work is under way
+        time.sleep(0.3)
         value = measure(10 + seed)
-        done.set()
         t.join()
         return value
 
-    alone_ttft = statistics.median(ttft(100 + s) for s in range(3))
-    busy_ttft = statistics.median(beside(tpot, ttft, 200 + s) for s in range(3))
-    alone_tpot = statistics.median(tpot(300 + s) for s in range(3))
-    busy_tpot = statistics.median(beside(lambda k: stream(stub, prompt(k, 256), 1), tpot, 400 + s) for s in range(3))
+    def long_decode(seed: int) -> None:  # one decode stepping for ~2 s (no prefill in the window)
+        stream(stub, prompt(seed, 16), 100)
+
+    def prompts(seed: int) -> None:  # the prefill computing distinct prompts back to back for ~1 s
+        for k in range(6):
+            stream(stub, prompt(seed + k, 256), 1)
+
+    samples = 5
+    alone_ttft = statistics.median(ttft(100 + s) for s in range(samples))
+    busy_ttft = statistics.median(beside(long_decode, ttft, 200 + s) for s in range(samples))
+    alone_tpot = statistics.median(tpot(300 + s) for s in range(samples))
+    busy_tpot = statistics.median(beside(prompts, tpot, 400 + s) for s in range(samples))
     prefill_i, decode_i = max(0.0, busy_ttft / alone_ttft - 1), max(0.0, busy_tpot / alone_tpot - 1)
     say(f"interference: TTFT {alone_ttft * 1e3:.1f} ms alone, {busy_ttft * 1e3:.1f} ms beside a busy decode "
         f"→ {prefill_i:.2f}; TPOT {alone_tpot * 1e3:.1f} ms alone, {busy_tpot * 1e3:.1f} ms beside a busy "

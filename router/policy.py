@@ -148,6 +148,8 @@ class SlaPolicy:
             raise Rejected("no prefill/decode pair to choose from", 1.0)
         fits = [c for c in pairs if self._meets(c, req)]
         if not fits:
+            if any(self._meets(c, req, raw=True) for c in pairs):  # refused by calibration alone: let it ease
+                self.perf.relax()
             best = min(pairs, key=lambda c: c.cost)
             over = max(best.ttft_s - req.ttft_s * self.margin_for(req.priority) if req.ttft_s else 0.0,
                        best.tpot_s * req.max_tokens * 0.1 if req.tpot_s and best.tpot_s > req.tpot_s else 0.0)
@@ -171,10 +173,11 @@ class SlaPolicy:
             return 1.0
         return self.margin * (BACKGROUND_HEADROOM if priority > 0 else 1.0)
 
-    def _meets(self, c: Choice, req: Request) -> bool:
+    def _meets(self, c: Choice, req: Request, raw: bool = False) -> bool:
+        """Whether the pair's predictions (the uncalibrated curves' with `raw`) fit the targets with margin."""
         margin = self.margin_for(req.priority)
-        return ((not req.ttft_s or c.ttft_s <= req.ttft_s * margin)
-                and (not req.tpot_s or c.tpot_s <= req.tpot_s * margin))
+        ttft, tpot = (c.ttft_raw_s, c.tpot_raw_s) if raw else (c.ttft_s, c.tpot_s)
+        return (not req.ttft_s or ttft <= req.ttft_s * margin) and (not req.tpot_s or tpot <= req.tpot_s * margin)
 
 
 class LeastLoadedPolicy(SlaPolicy):

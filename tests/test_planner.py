@@ -149,3 +149,27 @@ def test_colocated_instances_slow_each_other_in_the_policy_stage_a_and_the_des()
         return goodput(lambda r: analytic(perf, Workload(r, w.isl, w.osl, 0.2, 0.05), 1, 2).meets(target), 100.0)
 
     assert capacity(shared) < capacity(dedicated)
+
+
+def test_refusals_caused_only_by_calibration_ease_it_back():
+    """Factors learned in a burst (3× slower) make an idle system refuse what its curves say fits; each
+    such refusal moves the factors toward 1 until requests are admitted again (and observed). A refusal
+    the curves themselves justify changes nothing."""
+    perf = PerfModel(decode_base_s=0.02, decode_per_seq_s=0.0, decode_per_context_token_s=0.0)
+    for _ in range(100):
+        perf.observe_tpot(1, 0.02, 0.06)
+    policy, pre, dec = SlaPolicy(perf, seed=0), [PrefillView("p")], [DecodeView("d")]
+    req = Request(16, 8, 0.0, 0.03)  # the curve's 20 ms fits 30 ms × 0.9; calibrated ~60 ms does not
+    refusals = 0
+    while True:
+        try:
+            policy.choose(req, pre, dec)
+            break
+        except Rejected:
+            refusals += 1
+            assert refusals < 200
+    assert 5 < refusals < 200 and perf.tpot(1, 0) <= 0.027
+    before = list(perf.tpot_factors)
+    with pytest.raises(Rejected):
+        policy.choose(Request(16, 8, 0.0, 0.015), pre, dec)  # below the curve itself
+    assert perf.tpot_factors == before
