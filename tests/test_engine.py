@@ -187,3 +187,30 @@ def test_priority_orders_the_queue_then_first_come_first_served(sparse_path):
     assert first_seen == ["r2", "r1", "r3", "r0", "r4"]
     assert _tokens(LLM(sparse_path, block_size=4), prompts, params) == \
         [o.token_ids for o in llm.generate(prompts, params, priority=priorities)]
+
+
+def test_preemption_takes_the_least_urgent_request_first(sparse_path):
+    """When the pool runs out, the running request preempted is the least urgent one even when it is the
+    oldest (without priorities the newest goes); tokens are unchanged."""
+    prompts = random_prompts(4, [20, 25, 30, 22], 512, seed=72)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = _tokens(LLM(sparse_path, block_size=4), prompts, params)
+    engine = LLM(sparse_path, block_size=4, num_kv_blocks=24).engine
+    sched = engine.scheduler
+    victims: list[tuple[int, int]] = []  # (victim's priority, least urgent running priority)
+    real = sched.preempt
+
+    def preempt(seq):  # noqa: ANN001, ANN202
+        victims.append((seq.priority, max(s.priority for s in sched.running)))
+        return real(seq)
+
+    sched.preempt = preempt
+    seqs = [engine.add_request(prompts[0], params, "r0", priority=1)]  # the background request starts first
+    engine.step()
+    seqs += [engine.add_request(p, params, f"r{i}", priority=prio)
+             for i, (p, prio) in enumerate(zip(prompts[1:], [0, 0, -1]), 1)]
+    while engine.has_work:
+        engine.step()
+    assert [s.output_token_ids for s in seqs] == want
+    print("preemptions (victim, least urgent running):", victims)
+    assert victims and victims[0][0] == 1 and all(v == worst for v, worst in victims)

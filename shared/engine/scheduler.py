@@ -156,7 +156,7 @@ class Scheduler:
 
     def _schedule_decode(self, budget: int) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
-        for seq in sorted((s for s in self.running if not s.is_prefilling), key=lambda s: s.order):
+        for seq in sorted((s for s in self.running if not s.is_prefilling), key=_urgency):
             if (len(chunks) + 1) * self.decode_width > budget and chunks:
                 break
             while seq.status is Status.RUNNING and not self.ensure_blocks(seq, seq.num_tokens):
@@ -202,7 +202,9 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table, seq.num_cached, seq.num_registered, seq.status = [], 0, 0, Status.WAITING
-        self.waiting.appendleft(seq)
+        # first among the waiting requests of its priority (it had started), behind more urgent ones
+        self.waiting.insert(next((i for i, w in enumerate(self.waiting) if w.priority >= seq.priority),
+                                 len(self.waiting)), seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its blocks (finish, abort, cancel: all end here)."""
