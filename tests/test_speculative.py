@@ -123,7 +123,8 @@ def test_mtp_needs_an_mtp_layer(tmp_path):
         LLM(str(path), dtype="float32", speculative="mtp", num_speculative_tokens=4)
 
 
-def test_mtp_served_disaggregated_equals_in_process_greedy(mtp_model, tmp_path):
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_served_disaggregated_equals_in_process_greedy(mtp_model, tmp_path, k):
     """Prefill computes the MTP layer's cache over the prompt and pushes it as one more layer; decode's
     first step runs without drafts and its hidden state starts the chain: the streamed greedy tokens are
     the non-speculative ones."""
@@ -132,7 +133,7 @@ def test_mtp_served_disaggregated_equals_in_process_greedy(mtp_model, tmp_path):
 
     prompts = random_prompts(4, [5, 23, 11, 40], 512, seed=2)
     want, _ = _run(mtp_model, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    flags = ["--speculative", "mtp", "--num-speculative-tokens", "2", "--block-size", "4"]
+    flags = ["--speculative", "mtp", "--num-speculative-tokens", str(k), "--block-size", "4"]
     with Cluster(str(mtp_model), dtype="float32", log_dir=tmp_path / "logs", extra_decode=flags,
                  extra_prefill=[*flags, "--max-prefill-tokens", "16"]) as cluster:
         assert concurrent_greedy(cluster.address, prompts, max_tokens=10) == want
