@@ -40,22 +40,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.loader.tiny import TINY
+
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS_DIR = ROOT / ".cache" / "corpus"
 DEFAULT_CORPUS = CORPUS_DIR / "bible-kjv-text" / "usr" / "lib" / "bible.data"
 DEFAULT_OUT = ROOT / "models" / "demo-v32"
 MAKE_HINT = "run `make corpus` (apt-get download bible-kjv-text + dpkg -x into .cache/corpus/)"
 
-# The architecture: make_config(**DEMO) is the config.json (the tiny model's layout, other sizes).
+# The architecture: make_config(**DEMO) is the config.json: the embedded tiny model's layout with the sizes
+# a trained model wants (a 4k BPE vocabulary, a smaller latent, YaRN ×8 over 128 positions) and one MTP layer.
 DEMO: dict[str, Any] = {
-    "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 96,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-    "q_lora_rank": 128, "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 64,
-    "index_topk": 64, "index_head_dim": 64, "index_n_heads": 8,
-    "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1,
-    "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02,
+    **TINY,
+    "vocab_size": 4096, "moe_intermediate_size": 96, "q_lora_rank": 128, "kv_lora_rank": 128,
+    "qk_rope_head_dim": 32, "v_head_dim": 64, "index_head_dim": 64, "index_n_heads": 8,
+    "max_position_embeddings": 1024, "initializer_range": 0.02,
     "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                         "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
                         "mscale": 1.0, "mscale_all_dim": 1.0},
