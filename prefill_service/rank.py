@@ -187,12 +187,18 @@ class PrefillRank:
 
     def _plan(self, c: ScheduledChunk) -> tuple[KVPush | None, list[int], int]:
         """(push, source blocks, lease index of the first) this rank sends for a chunk: the blocks the
-        chunk touches (a request's first chunk also the blocks it found in the prefix cache), or this
-        rank's contiguous share of them."""
+        chunk fills (a request's first chunk also the blocks it found in the prefix cache), or this
+        rank's contiguous share of them.
+
+        A block travels once, when all its rows are final: a chunk that ends inside a block leaves it
+        to the chunk that fills it (the prompt's last chunk sends its partial last block). Sending it
+        twice would be a race under CP, where consecutive chunks may give the block to different
+        ranks: their connections do not order their writes, so the early copy (rows not yet
+        computed) could land after the full one."""
         job = self.jobs[c.seq.request_id]
         bs = self.engine.layout.block_size
         start, end = c.seq.num_cached, c.seq.num_cached + c.num_tokens
-        first, last = start // bs, -(-end // bs)
+        first, last = start // bs, (-(-end // bs) if c.completes else end // bs)
         if not job.prefix_sent:
             first, job.prefix_sent = 0, True
         first, last = self.policy.push_share(first, last)

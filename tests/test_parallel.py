@@ -97,6 +97,88 @@ def _cp_generate_rank(rank: int, world: int, path: str, prompts: list[list[int]]
         engine.usable_blocks
 
 
+def _cp_push_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
+    """A CP prefill group's pushes, each block's rows copied when the push is queued: the earliest a
+    transport may read them, and under CP the ranks' writes land in any order."""
+    from prefill_service.rank import PrefillRank
+    from shared.engine.core import Command
+    from shared.transfer import Destination, KVPush, KVSender
+    from shared.transfer.base import cache_kinds, pool_of
+
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, max_num_batched_tokens=10,
+                                    speculative="mtp"), _state(rank, world, cp=world))
+    kv, sent = engine.kv, []
+
+    class Recording(KVPush):
+        def send_layer(self, layer: int, src_blocks: list[int], first: int) -> None:
+            for i, block in enumerate(src_blocks):
+                rows = {kind: pool_of(kv, kind)[layer, block].clone() for kind in cache_kinds(kv.layout)}
+                sent.append((self.dest.lease_id, layer, first + i, rows))
+            super().send_layer(layer, src_blocks, first)
+
+        def _connect(self) -> None: ...
+        def _write(self, layer: int, kind: str, src_blocks: list[int], first: int) -> None: ...
+        def _commit(self) -> None: ...
+
+    class Sender(KVSender):
+        def open(self, dest: Destination) -> KVPush:
+            return Recording(kv, dest)
+
+    prefill, done = PrefillRank(engine, lambda transport: Sender()), {}
+    prefill.on_done = done.__setitem__
+    for i, prompt in enumerate(prompts):
+        dest = Destination("tcp", "decode:1", f"r{i}", bytes(16), list(range(kv.blocks_needed(len(prompt)))),
+                           kv.layout.describe())
+        prefill.apply(Command("add", 0, i, {"request_id": f"r{i}", "prompt": prompt, "params": GREEDY, "dest": dest}))
+    while engine.has_work:  # the ranks schedule alike: they step together
+        prefill.step()
+    return sent, sorted(done) if rank == 0 else None
+
+
+def _prompt_rows(path: str, prompts: list[list[int]], **engine_kw) -> dict[tuple[int, ...], list[dict]]:
+    """Each prompt's cached rows per layer (the MTP layer's included), computed on one rank and read
+    as its request finishes."""
+    llm = LLM(path, dtype="float32", block_size=4, **engine_kw)
+    engine, rows = llm.engine, {}
+    finish = engine.scheduler.finish
+
+    def record(seq, reason: str) -> None:  # noqa: ANN001
+        if seq.block_table:
+            n = len(seq.prompt_token_ids)
+            rows[tuple(seq.prompt_token_ids)] = [engine.kv.read_tokens(seq.block_table, n, layer)
+                                                 for layer in range(engine.layout.num_layers)]
+        finish(seq, reason)
+
+    engine.scheduler.finish = record
+    llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # MTP rows: all of the prompt
+    return rows
+
+
+def test_cp_prefill_pushes_each_block_once_when_final(tmp_path):
+    """Chunks of 10 tokens end inside 4-token blocks, and consecutive chunks give such a block to
+    different CP ranks. Each (layer, block) of every prompt — the MTP layer's too — is pushed exactly
+    once, by one rank, with its final rows: an early copy of a half-computed block from one rank could
+    otherwise land after the full copy from the other (their connections do not order their writes)."""
+    from shared.loader.tiny import write_checkpoint
+
+    path = str(write_checkpoint(tmp_path / "mtp", "deepseek_v32", tokenizer=False, mtp=True, index_topk=8,
+                                vocab_size=512, num_hidden_layers=2))
+    prompts = random_prompts(3, [23, 6, 37], 512, seed=41)
+    want = _prompt_rows(path, prompts, speculative="mtp")
+    results = run_ranks(_cp_push_rank, 2, path, prompts)
+    assert results[0][1] == ["r0", "r1", "r2"]  # every prompt answered
+    pushes = [p for sent, _ in results for p in sent]
+    for i, prompt in enumerate(prompts):
+        n, rows = len(prompt), want[tuple(prompt)]
+        mine = [(layer, block, got) for lease, layer, block, got in pushes if lease == f"r{i}"]
+        keys = sorted((layer, block) for layer, block, _ in mine)
+        assert keys == [(layer, b) for layer in range(len(rows)) for b in range(-(-n // 4))], f"prompt {i}"
+        for layer, block, got in mine:
+            real = min(4, n - 4 * block)  # the prompt's rows in this block (the last one may be partial)
+            for kind, ref in rows[layer].items():
+                assert _close(got[kind][:real], ref[4 * block : 4 * block + real]), (i, layer, block, kind)
+
+
 @pytest.mark.parametrize("cp", [2, 3])
 def test_cp_engine_chunks_batches_and_caches_prefixes(ckpt, cp):
     """The one engine loop under the ContextSplit policy: several prompts per step, chunked to 16
