@@ -93,6 +93,7 @@ class Choice:
     ttft_raw_s: float = 0.0  # the uncalibrated curves' predictions (what observations calibrate)
     tpot_raw_s: float = 0.0
     room: bool = True  # the decode's last report has the blocks (a stale report only orders: Reserve decides)
+    busy_beside: int = 0  # engines computing beside its prefill (the TTFT calibration band)
 
 
 TIE = 0.1  # pairs within 10% of the cheapest are ties, spread by power of two choices
@@ -138,7 +139,8 @@ class SlaPolicy:
                 cost = ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0)
                 raw = self.perf.ttft_raw(pre.queued_tokens, req.prompt_tokens, cached, others)
                 room = -(-context // dec.block_size) <= dec.free_blocks
-                out.append(Choice(p, d, ttft, tpot, cost, cached, pre.queued_tokens, batch, raw, tpot_raw, room))
+                out.append(Choice(p, d, ttft, tpot, cost, cached, pre.queued_tokens, batch, raw, tpot_raw, room,
+                                  others))
         return out
 
     def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
@@ -148,8 +150,8 @@ class SlaPolicy:
             raise Rejected("no prefill/decode pair to choose from", 1.0)
         fits = [c for c in pairs if self._meets(c, req)]
         if not fits:
-            if any(self._meets(c, req, raw=True) for c in pairs):  # refused by calibration alone: let it ease
-                self.perf.relax()
+            if any(self._meets(c, req, raw=True) and c.queued_tokens == 0 and c.batch <= 1 for c in pairs):
+                self.perf.relax()  # an idle pair refused by calibration alone: let it ease (a loaded one is observed)
             best = min(pairs, key=lambda c: c.cost)
             over = max(best.ttft_s - req.ttft_s * self.margin_for(req.priority) if req.ttft_s else 0.0,
                        best.tpot_s * req.max_tokens * 0.1 if req.tpot_s and best.tpot_s > req.tpot_s else 0.0)

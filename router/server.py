@@ -339,6 +339,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1e3))),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry after {exc.retry_after_s:.1f} s")
         best = pairs[0]
+        # Count the request on its chosen pair at once, until their next reports: admissions made while
+        # its Reserve is in flight must see it, or a burst lands on views that all still say idle.
+        chosen_pre, chosen_dec = prefills[best.prefill].view, decodes[best.decode].view
+        chosen_rank = chosen_dec.ranks[chosen_dec.least_loaded()]
+        chosen_pre.queued_tokens += len(ids)
+        chosen_rank.running += 1
+        chosen_rank.tokens += len(ids) + params.max_tokens
         reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
                                                   max_tokens=params.max_tokens)
         full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -348,7 +355,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                                            metadata=md), retry_on=full_or_down)
         view = dec.view
         rank = view.ranks[min(reserve.dp_rank, len(view.ranks) - 1)]
-        rank.running, rank.tokens = rank.running + 1, rank.tokens + len(ids) + params.max_tokens  # until its report
+        if rank is not chosen_rank:  # another instance or DP rank took it
+            rank.running, rank.tokens = rank.running + 1, rank.tokens + len(ids) + params.max_tokens
         with _in_flight(dec):
             lease_id = reserve.destination.lease_id
             claimed = False
@@ -359,7 +367,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 metrics.QUEUE.observe(time.perf_counter() - t0)
                 preferred = [c.prefill for c in pairs if decodes[c.decode] is dec]
                 order = Pool.ordered(prefills, preferred or [c.prefill for c in pairs])
-                order[0].view.queued_tokens += len(ids)  # until its next report
+                if order[0].view is not chosen_pre:
+                    order[0].view.queued_tokens += len(ids)  # until its next report
                 pre, first = await self._first_ok(context, self.prefill, order, lambda inst: inst.stub.Prefill(
                     prefill_req, timeout=timeout, metadata=md), retry_on=(grpc.StatusCode.UNAVAILABLE,))
                 metrics.PAIRS.labels(pre.address, dec.address).inc()
@@ -413,7 +422,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if t_first is None:
                         t_first = now
                         metrics.TTFT.observe(now - t0)
-                        self.perf.observe_ttft(predicted.queued_tokens, predicted.ttft_raw_s, now - t0)
+                        self.perf.observe_ttft(predicted.queued_tokens, predicted.ttft_raw_s, now - t0,
+                                               predicted.busy_beside)
                     elif t_last is not None:
                         metrics.TPOT.observe((now - t_last) / len(msg.token_ids))
                     t_last = now

@@ -3,7 +3,9 @@ request with the router's own policy objects) against a synthetic profile whose 
 
 from __future__ import annotations
 
+import json
 import math
+import random
 
 import pytest
 
@@ -103,21 +105,47 @@ def test_sla_policy_prefers_the_idle_decode_and_refuses_what_no_pair_can_serve()
 
 def test_online_calibration_is_per_load_band_and_bounded(tmp_path):
     """Observed latencies 3× the curves under load raise the loaded band's predictions only, so the
-    idle predictions stay right; a factor is clamped; a profile round-trips through profile.json."""
+    idle predictions stay right: load is the queue ahead, and for TTFT also the engines busy beside the
+    prefill (on shared cores an empty queue next to busy decodes is slow); a factor is clamped; a
+    profile round-trips through profile.json."""
     perf = PerfModel(prefill_base_s=0.05, prefill_per_token_s=1e-4)
-    idle, busy = perf.ttft(0, 100), perf.ttft(2000, 100)
+    idle, busy, beside = perf.ttft(0, 100), perf.ttft(2000, 100), perf.ttft(0, 100, others_busy=2)
     for _ in range(100):
         perf.observe_ttft(2000, perf.ttft_raw(2000, 100), 3 * perf.ttft_raw(2000, 100))
+        perf.observe_ttft(0, perf.ttft_raw(0, 100, others_busy=3), 2 * perf.ttft_raw(0, 100, others_busy=3), 3)
     assert perf.ttft(0, 100) == pytest.approx(idle)
-    assert perf.ttft(2000, 100) == pytest.approx(3 * busy, rel=0.01)
+    assert 3 * busy <= perf.ttft(2000, 100) <= 3.3 * busy  # settled at the ratio (its every quantile)
+    assert 2 * beside <= perf.ttft(0, 100, others_busy=2) <= 2.2 * beside  # 2+ busy engines: one band
     for _ in range(200):
         perf.observe_tpot(1, 0.01, 10.0)  # 1000× off: clamped at 10×
     assert perf.tpot(1, 0) == pytest.approx(10 * perf.decode_step_seconds(1, 0), rel=0.01)
     perf.save(tmp_path / "p.json")
     assert PerfModel.load(tmp_path / "p.json") == perf
+    old = json.loads((tmp_path / "p.json").read_text())
+    old["ttft_factors"] = [1.0, 2.0, 3.0, 4.0]  # a profile from before the busy bands: one factor per queue band
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    upgraded = PerfModel.load(tmp_path / "old.json")
+    assert upgraded.ttft(300, 100, others_busy=1) == pytest.approx(3 * perf.ttft_raw(300, 100, 0, 1))
     (tmp_path / "bad.json").write_text('{"decode_base_s": -1}')
     with pytest.raises(ValueError, match="decode_base_s"):
         PerfModel.load(tmp_path / "bad.json")
+
+
+def test_calibration_tracks_the_attainment_quantile_of_the_error():
+    """Observed / predicted spread over 1..3×: the calibrated prediction settles where 90% of the
+    observations lie below it (a mean-calibrated one would leave half of them above), and 50% with
+    calibration_quantile 0.5."""
+    rng = random.Random(5)
+    for quantile in (0.9, 0.5):
+        perf = PerfModel(decode_base_s=0.02, decode_per_seq_s=0.0, decode_per_context_token_s=0.0,
+                         calibration_quantile=quantile)
+        ratios = [1 + 2 * rng.random() for _ in range(4000)]
+        covered = []
+        for i, ratio in enumerate(ratios):
+            if i >= 2000:  # after settling: how many observations the calibrated prediction covers
+                covered.append(0.02 * ratio <= perf.tpot(1, 0))
+            perf.observe_tpot(1, 0.02, 0.02 * ratio)
+        assert sum(covered) / len(covered) == pytest.approx(quantile, abs=0.05)
 
 
 def test_colocated_instances_slow_each_other_in_the_policy_stage_a_and_the_des():
