@@ -109,6 +109,11 @@ def _runtime(device: torch.device) -> Any:  # noqa: ANN401 - torch.cuda or torch
     return torch.npu if device.type == _NPU else torch.cuda
 
 
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether the tensor lives in host memory (sockets and numpy can use it in place)."""
+    return tensor.device.type == _CPU
+
+
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """Host bytes that feed copies to `device`: page-locked for an accelerator, so the copy is an
     async DMA off a side stream (pageable memory would make it synchronous); plain on CPU."""

@@ -6,18 +6,20 @@ import pytest
 import torch
 
 from prefill_service.rank import PrefillCore, PrefillRank
+from shared.device import get_device
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.kvcache import KVCache
 from shared.kvcache.lease import LeaseTable
 from shared.rpc import codegen
 from shared.transfer import TcpReceiver, TransferError, make_sender
+from shared.transfer import tcp as tcp_transport
 from shared.transfer.base import cache_kinds
 from shared.transfer.mooncake import MooncakeReceiver
 from tests.helpers import TRANSPORTS, random_prompts
 
 
 def _decode_side(layout, transport: str, ttl: float = 30.0):
-    kv = KVCache(layout, 64, torch.device("cpu"))
+    kv = KVCache(layout, 64, get_device())  # the CPU here; the accelerator with PDSERVE_DEVICE=cuda (README)
     leases = LeaseTable(kv.allocator, layout.block_size, layout.num_layers, cache_kinds(layout), ttl)
     tcp = TcpReceiver(kv, leases)
     receiver = MooncakeReceiver(kv, tcp) if transport == "mooncake" else tcp
@@ -28,6 +30,19 @@ def _decode_side(layout, transport: str, ttl: float = 30.0):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_received_kv_is_bitwise_local(ckpt, transport, kv_cache_dtype):
     """Also for the C8 cache: packed rows (int8 latent + scales + bf16 rope; FP8 keys + scale) move as bytes."""
+    _check_received_kv(ckpt, transport, kv_cache_dtype)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_received_kv_is_bitwise_local_through_host_staging(ckpt, kv_cache_dtype, monkeypatch):
+    """An accelerator's pool (GPU, NPU) cannot be a socket buffer: TCP sends a host copy of its blocks and
+    receives into a host buffer copied into the blocks. Forced here on CPU pools, the same bytes land (run
+    on a GPU with PDSERVE_DEVICE=cuda, the other tests take this path for real)."""
+    monkeypatch.setattr(tcp_transport, "on_host", lambda tensor: False)
+    _check_received_kv(ckpt, "tcp", kv_cache_dtype)
+
+
+def _check_received_kv(ckpt, transport: str, kv_cache_dtype: str) -> None:  # noqa: ANN001
     config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4, max_num_batched_tokens=9,  # chunked pushes
                           kv_cache_dtype=kv_cache_dtype)
     prefill = LLMEngine(config)
@@ -56,7 +71,7 @@ def test_received_kv_is_bitwise_local(ckpt, transport, kv_cache_dtype):
             want = local.kv.read_tokens(seq.block_table, len(prompt), layer)
             assert set(got) == {"mla", "index"}
             for kind in got:
-                assert torch.equal(got[kind], want[kind]), (i, layer, kind)
+                assert torch.equal(got[kind].cpu(), want[kind].cpu()), (i, layer, kind)
     assert all(isinstance(t, int) for t in firsts)
     assert prefill.kv.allocator.num_free == prefill.kv.num_blocks  # prefill freed everything
     assert kv.mla.dtype == (torch.uint8 if kv_cache_dtype == "int8" else local.layout.dtype)

@@ -1,7 +1,8 @@
 """Built-in TCP transport (the embedded default).
 
 Framed writes go straight from the source pool's block memory (scatter-gather `sendmsg`) into the
-destination pool's block memory (`recv_into`): no pickling, no staging copies. Each frame names a
+destination pool's block memory (`recv_into`): no pickling, no staging copies for host pools (an
+accelerator's pool goes through one host copy on each side: `PoolBytes`). Each frame names a
 lease and carries its token; a frame for an unknown or expired lease, or with a bad token, is
 refused and the connection closed. A COMMIT frame ends a push and is acknowledged once every
 layer of every cache kind has arrived.
@@ -25,10 +26,12 @@ import socket
 import ssl
 import struct
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from shared.device import on_host
 from shared.kvcache import KVCache
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
@@ -47,10 +50,39 @@ MAX_CONNECTIONS = 256
 STALL_SECONDS = 1.5  # a push with no progress this long fails (send blocked, or no reply to a commit)
 
 
-def byte_rows(kv: KVCache, kind: str) -> np.ndarray:
-    """The pool of one kind as writable bytes [layers, blocks, block_bytes], sharing memory."""
-    pool = pool_of(kv, kind)
-    return pool.view(torch.uint8).numpy().reshape(pool.shape[0], pool.shape[1], -1)
+class PoolBytes:
+    """One cache kind's pool as wire bytes. A host pool is sent from and received into in place
+    (scatter-gather views of its blocks, no copy); an accelerator's pool (GPU, NPU) goes through host
+    memory: a sender gathers the blocks into one host copy, a receiver lands the payload in a host
+    buffer and copies it into the blocks (on the copying thread's stream, ordered with compute)."""
+
+    def __init__(self, kv: KVCache, kind: str):
+        self.pool = pool_of(kv, kind)
+        self.rows = self.pool.view(torch.uint8).numpy().reshape(*self.pool.shape[:2], -1) if on_host(self.pool) \
+            else None
+        self.block_bytes = block_bytes(kv.layout, kind)
+
+    def views(self, layer: int, blocks: list[int]) -> list[memoryview]:
+        """The blocks' bytes, to send."""
+        if self.rows is not None:
+            return block_runs(self.rows, layer, blocks)
+        staged = self.pool[layer, torch.tensor(blocks, device=self.pool.device)].cpu()
+        return [memoryview(staged.view(torch.uint8).numpy().reshape(-1))]
+
+    def receive(self, recv_into: Callable[[memoryview], None], layer: int, blocks: list[int]) -> None:
+        """Fill the blocks with the next len(blocks) · block_bytes bytes that `recv_into` reads."""
+        if self.rows is not None:
+            for view in block_runs(self.rows, layer, blocks):
+                recv_into(view)
+            return
+        buf = torch.empty(len(blocks) * self.block_bytes, dtype=torch.uint8)
+        recv_into(memoryview(buf.numpy()))
+        rows = buf.view(self.pool.dtype).view(len(blocks), *self.pool.shape[2:])
+        self.pool[layer, torch.tensor(blocks, device=self.pool.device)] = rows.to(self.pool.device)
+
+
+def pool_bytes(kv: KVCache) -> dict[str, PoolBytes]:
+    return {kind: PoolBytes(kv, kind) for kind in KINDS if pool_of_or_none(kv, kind) is not None}
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -113,7 +145,7 @@ class TcpReceiver(KVReceiver):
     def __init__(self, kv: KVCache, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
                  advertise_host: str | None = None, tls: ssl.SSLContext | None = None):
         self.kv, self.leases, self.tls = kv, leases, tls
-        self._rows = {kind: byte_rows(kv, kind) for kind in KINDS if pool_of_or_none(kv, kind) is not None}
+        self._pools = pool_bytes(kv)
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
         self.port = self._sock.getsockname()[1]
         self.endpoint = f"{advertise_host or host}:{self.port}"
@@ -200,11 +232,10 @@ class TcpReceiver(KVReceiver):
             return str(exc)
         ok = False
         try:
-            rows = self._rows.get(kind)
-            if rows is None or nbytes != count * block_bytes(self.kv.layout, kind):
+            pool = self._pools.get(kind)
+            if pool is None or nbytes != count * pool.block_bytes:
                 return f"write of {count} blocks carries {nbytes} bytes"
-            for view in block_runs(rows, layer, lease.blocks[first : first + count]):
-                _recv_exact_into(conn, view)
+            pool.receive(lambda view: _recv_exact_into(conn, view), layer, lease.blocks[first : first + count])
             self.bytes_received += nbytes
             ok = True
             return True
@@ -259,10 +290,10 @@ def connect(endpoint: str, tls: ssl.SSLContext | None, timeout: float) -> socket
 
 
 class TcpPush(KVPush):
-    def __init__(self, kv: KVCache, dest: Destination, rows: dict[str, np.ndarray],
+    def __init__(self, kv: KVCache, dest: Destination, pools: dict[str, PoolBytes],
                  tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS,
                  slot: threading.Semaphore | None = None):
-        self._rows, self._tls, self._stall = rows, tls, stall_seconds
+        self._pools, self._tls, self._stall = pools, tls, stall_seconds
         self._slot, self._holds_slot = slot, False
         self._sock: socket.socket | None = None
         self._lease = dest.lease_id.encode("ascii")
@@ -290,8 +321,7 @@ class TcpPush(KVPush):
         return HEADER.pack(MAGIC, VERSION, ftype, self._lease, self.dest.token, layer, kind, first, count, nbytes)
 
     def _write(self, layer: int, kind: str, src_blocks: list[int], first: int) -> None:
-        rows = self._rows[kind]
-        views = block_runs(rows, layer, src_blocks)
+        views = self._pools[kind].views(layer, src_blocks)
         header = self._header(WRITE, layer, KINDS.index(kind), first, len(src_blocks), sum(len(v) for v in views))
         try:
             self.bytes_sent += send_views(self._sock, [memoryview(header), *views]) - len(header)  # KV bytes
@@ -352,7 +382,7 @@ class TcpSender(KVSender):
     def __init__(self, kv: KVCache, tls: ssl.SSLContext | None = None, stall_seconds: float = STALL_SECONDS,
                  connections_per_receiver: int = 32):
         self.kv, self.tls, self.stall_seconds = kv, tls, stall_seconds
-        self._rows = {kind: byte_rows(kv, kind) for kind in KINDS if pool_of_or_none(kv, kind) is not None}
+        self._pools = pool_bytes(kv)
         self._per_receiver = connections_per_receiver
         self._slots: dict[str, threading.Semaphore] = {}
         self._lock = threading.Lock()
@@ -360,7 +390,7 @@ class TcpSender(KVSender):
     def open(self, dest: Destination) -> KVPush:
         with self._lock:
             slot = self._slots.setdefault(dest.endpoint, threading.Semaphore(self._per_receiver))
-        return TcpPush(self.kv, dest, self._rows, self.tls, self.stall_seconds, slot)
+        return TcpPush(self.kv, dest, self._pools, self.tls, self.stall_seconds, slot)
 
 
 def mark_over_tcp(endpoint: str, lease_id: str, token: bytes, marks: list[tuple[int, str, int, int]],
