@@ -31,6 +31,11 @@ class RankView:
     running: int = 0  # requests decoding (+ reservations not yet admitted)
     tokens: int = 0  # their context tokens (reservations counted at prompt + max_tokens)
 
+    def count(self, context_tokens: int) -> None:
+        """A request placed here, counted until the rank's next load report."""
+        self.running += 1
+        self.tokens += context_tokens
+
 
 @dataclass
 class PrefillView:

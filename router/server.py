@@ -344,8 +344,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         chosen_pre, chosen_dec = prefills[best.prefill].view, decodes[best.decode].view
         chosen_rank = chosen_dec.ranks[chosen_dec.least_loaded()]
         chosen_pre.queued_tokens += len(ids)
-        chosen_rank.running += 1
-        chosen_rank.tokens += len(ids) + params.max_tokens
+        chosen_rank.count(len(ids) + params.max_tokens)
         reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
                                                   max_tokens=params.max_tokens)
         full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -356,7 +355,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         view = dec.view
         rank = view.ranks[min(reserve.dp_rank, len(view.ranks) - 1)]
         if rank is not chosen_rank:  # another instance or DP rank took it
-            rank.running, rank.tokens = rank.running + 1, rank.tokens + len(ids) + params.max_tokens
+            rank.count(len(ids) + params.max_tokens)
         with _in_flight(dec):
             lease_id = reserve.destination.lease_id
             claimed = False
