@@ -1,0 +1,132 @@
+"""The fused CPU paged-MQA kernel (shared.model.paged_mqa) against the portable gather + bmm path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.model import attention, paged_mqa
+from shared.model.batch import ForwardBatch, SeqChunk
+
+BLOCK = 16
+
+
+@pytest.fixture
+def portable(monkeypatch):
+    """portable(True) forces the portable path, portable(False) the built kernel."""
+    lib = paged_mqa.library()
+    assert lib is not None, "the kernel must build here (a C compiler is part of the install)"
+
+    def force(on: bool) -> None:
+        monkeypatch.setattr(paged_mqa, "_library", None if on else lib)
+        monkeypatch.setattr(paged_mqa, "_tried", True)
+
+    return force
+
+
+def _batch(contexts: list[int], queries: int, gen: torch.Generator) -> tuple[ForwardBatch, int]:
+    """Requests with the given contexts (after this step), `queries` new tokens each, blocks scattered."""
+    need = [-(-c // BLOCK) for c in contexts]
+    num_blocks = sum(need) + 3
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    chunks, used = [], 0
+    for c, n in zip(contexts, need):
+        chunks.append(SeqChunk([1] * queries, c - queries, order[used : used + n]))
+        used += n
+    return ForwardBatch.build(chunks, BLOCK, torch.device("cpu")), num_blocks
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "queries"), [(4, 1), (6, 1), (16, 3)])
+def test_dense_decode_matches_the_portable_path(portable, pool_dtype, heads, queries):
+    """Decode (and few-query verification) steps over scattered blocks: the fused kernel gives the
+    portable path's output to fp32 rounding, for heads that are not a whole register block too, and
+    causal masking within a multi-query step holds."""
+    gen = torch.Generator().manual_seed(heads * 10 + queries)
+    fb, num_blocks = _batch([max(c, queries) for c in (1, 37, 130, 16, 64)], queries, gen)
+    pool = torch.randn(num_blocks, BLOCK, 576, generator=gen).to(pool_dtype)
+    query = torch.randn(fb.query_index.shape[0], queries, heads, 576, generator=gen)
+    calls = []
+    real = paged_mqa.paged_mqa
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    portable(True)
+    want = attention.dense_attention(query, fb, pool, 0.07, 512)
+    portable(False)
+    paged_mqa.paged_mqa = counting
+    try:
+        got = attention.dense_attention(query, fb, pool, 0.07, 512)
+    finally:
+        paged_mqa.paged_mqa = real
+    assert calls, "the decode step did not take the fused kernel"
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_sparse_picks_with_a_mask_match_the_portable_path(portable):
+    """Indexer picks (a slot list per query, invalid picks masked anywhere in the list)."""
+    gen = torch.Generator().manual_seed(3)
+    fb, num_blocks = _batch([40, 90, 75], 1, gen)
+    pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
+    n, k = fb.num_tokens, 24
+    picks = torch.stack([torch.randperm(int(c), generator=gen)[:k] for c in fb.context_lens])
+    valid = torch.rand(n, k, generator=gen) > 0.3
+    valid[:, 0] = True
+    query = torch.randn(n, 4, 576, generator=gen)
+    portable(True)
+    want = attention.sparse_attention(query, fb, pool, picks, valid, 0.1, 512)
+    portable(False)
+    got = attention.sparse_attention(query, fb, pool, picks, valid, 0.1, 512)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
+    """Where a gathered row is reused enough (many queries per request, or many heads), the batched
+    matmul path runs: the kernel is never called."""
+    monkeypatch.setattr(paged_mqa, "paged_mqa", lambda *a, **k: pytest.fail("fused kernel used"))
+    gen = torch.Generator().manual_seed(4)
+    fb, num_blocks = _batch([40, 60], paged_mqa.MAX_QUERIES_PER_REQUEST + 1, gen)
+    pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
+    attention.dense_attention(torch.randn(2, fb.query_index.shape[1], 4, 576), fb, pool, 0.1, 512)
+    fb, num_blocks = _batch([40, 60], 1, gen)
+    pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
+    attention.dense_attention(torch.randn(2, 1, paged_mqa.MAX_HEADS + 1, 576), fb, pool, 0.1, 512)
+
+
+def test_positions_and_slots_are_checked_before_the_c_code():
+    """The C kernel trusts its indices: a context past the table, a missing table row or a slot
+    outside the pool is refused in Python."""
+    pool = torch.randn(4, BLOCK, 576)
+    tables = torch.tensor([[1, 2]])
+    q = torch.randn(1, 4, 576)
+    ok = paged_mqa.paged_mqa(q, pool, tables, BLOCK, torch.tensor([0]), torch.tensor([20]), 0.1, 512)
+    assert ok.shape == (1, 4, 512) and torch.isfinite(ok).all()
+    with pytest.raises(ValueError, match="context runs past"):
+        paged_mqa.paged_mqa(q, pool, tables, BLOCK, torch.tensor([0]), torch.tensor([33]), 0.1, 512)
+    with pytest.raises(ValueError, match="missing table row"):
+        paged_mqa.paged_mqa(q, pool, tables, BLOCK, torch.tensor([1]), torch.tensor([3]), 0.1, 512)
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_mqa.paged_mqa(q, pool, torch.tensor([[1, 4]]), BLOCK, torch.tensor([0]), torch.tensor([3]), 0.1, 512)
+
+
+def test_disabled_kernel_falls_back(monkeypatch):
+    """PDSERVE_CPU_KERNELS=0 (or no compiler) leaves the portable path: library() is None."""
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
+    monkeypatch.setattr(paged_mqa, "_tried", False)
+    monkeypatch.setattr(paged_mqa, "_library", None)
+    assert paged_mqa.library() is None
+    assert not paged_mqa.usable(torch.zeros(1, 4, 576), torch.zeros(2, BLOCK, 576), 512)
+
+
+def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    """A fresh cache dir gets one shared object; a second build reuses it (no compiler run)."""
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    lib = paged_mqa._build()
+    assert lib is not None
+    built = list(tmp_path.glob("paged_mqa-*.so"))
+    assert len(built) == 1
+    monkeypatch.setattr(paged_mqa.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt"))
+    assert paged_mqa._build() is not None
