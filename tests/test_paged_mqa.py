@@ -96,9 +96,9 @@ def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
     attention.dense_attention(torch.randn(2, 1, paged_mqa.MAX_HEADS + 1, 576), fb, pool, 0.1, 512)
 
 
-def test_positions_and_slots_are_checked_before_the_c_code():
-    """The C kernel trusts its indices: a context past the table, a missing table row or a slot
-    outside the pool is refused in Python."""
+def test_positions_and_slots_are_checked():
+    """A context past the table, a missing table row or a slot outside the pool is refused (the
+    kernel checks each index before it reads)."""
     pool = torch.randn(4, BLOCK, 576)
     tables = torch.tensor([[1, 2]])
     q = torch.randn(1, 4, 576)
@@ -109,7 +109,9 @@ def test_positions_and_slots_are_checked_before_the_c_code():
     with pytest.raises(ValueError, match="missing table row"):
         paged_mqa.paged_mqa(q, pool, tables, BLOCK, torch.tensor([1]), torch.tensor([3]), 0.1, 512)
     with pytest.raises(ValueError, match="outside the pool"):
-        paged_mqa.paged_mqa(q, pool, torch.tensor([[1, 4]]), BLOCK, torch.tensor([0]), torch.tensor([3]), 0.1, 512)
+        paged_mqa.paged_mqa(q, pool, torch.tensor([[1, 4]]), BLOCK, torch.tensor([0]), torch.tensor([20]), 0.1, 512)
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_mqa.paged_mqa(q, pool, torch.tensor([[-1, 2]]), BLOCK, torch.tensor([0]), torch.tensor([3]), 0.1, 512)
 
 
 def test_disabled_kernel_falls_back(monkeypatch):

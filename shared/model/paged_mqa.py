@@ -46,7 +46,13 @@ _SOURCE = r"""
 #define TILE 32  /* rows whose scores stay in cache between the softmax and p.V */
 #define HB 4     /* heads per register block */
 #define CW 16    /* output dims per register block */
-#define DW 8     /* query dims per register block */
+#define DW 8     /* query dims per register block: one 8-float vector */
+
+/* GCC/Clang vector extensions: AVX2 registers on x86, NEON pairs on Arm (built with -march=native) */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+#define LOAD(p) ((v8) * (const v8u *)(p))
+#define STORE(p, v) (*(v8u *)(p) = (v))
 
 /* Rows of a tile as fp32: fp32 pools are read in place, bf16 pools widened into `buf`. */
 static const float *row_of(const void *pool, int bf16, int64_t slot, int64_t stride, int64_t dim, float *buf) {
@@ -61,13 +67,16 @@ static const float *row_of(const void *pool, int bf16, int64_t slot, int64_t str
 /* out[i, h, :out_dim] = softmax_t(scale * q[i, h] . row_t) @ row_t[:out_dim] over the context positions
    t < counts[i] of table row slot_row[i]: row_t is pool slot tables[slot_row[i], t / bs] * bs + t % bs
    (a block table; a list of slots with bs = 1); mask [rows, mask_width], if given, drops positions.
-   dim % DW == 0 and out_dim % CW == 0 (the caller checks). */
-void paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
-               const void *pool, int32_t pool_bf16, int64_t row_stride,
-               const int64_t *tables, int64_t table_width, int64_t bs, int64_t mask_width,
-               const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
-               float scale, int64_t out_dim, float *out, int32_t threads) {
+   dim % DW == 0 and out_dim % CW == 0 (the caller checks). Every index is checked against the table
+   (table_rows x table_width, mask_width) and the pool (num_slots rows): a query naming anything
+   outside them gets no output and the call returns 1 (0: all good). */
+int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
+                  const void *pool, int32_t pool_bf16, int64_t row_stride, int64_t num_slots,
+                  const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs, int64_t mask_width,
+                  const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
+                  float scale, int64_t out_dim, float *out, int32_t threads) {
     const int64_t hp = (heads + HB - 1) / HB * HB;  /* heads padded to whole blocks (zero queries) */
+    int32_t bad = 0;
     #pragma omp parallel num_threads(threads)
     {
         float *qp = calloc(hp * dim, sizeof(float));
@@ -79,6 +88,12 @@ void paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
         const float *rows[TILE];
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
+            int64_t limit = table_width * bs < (mask ? mask_width : INT64_MAX) ? table_width * bs : mask_width;
+            if (slot_row[i] < 0 || slot_row[i] >= table_rows || counts[i] < 0 || counts[i] > limit) {
+                #pragma omp atomic write
+                bad = 1;
+                continue;
+            }
             memcpy(qp, q + i * heads * dim, sizeof(float) * heads * dim);
             const int64_t *trow = tables + slot_row[i] * table_width;
             const uint8_t *mrow = mask ? mask + slot_row[i] * mask_width : NULL;
@@ -90,8 +105,13 @@ void paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                 for (int64_t j = 0; j < end; j++) {
                     int64_t t = t0 + j;
                     if (mrow && !mrow[t]) continue;
-                    rows[used] = row_of(pool, pool_bf16, trow[t / bs] * bs + t % bs, row_stride, dim,
-                                        buf ? buf + used * dim : NULL);
+                    int64_t slot = trow[t / bs] * bs + t % bs;
+                    if (trow[t / bs] < 0 || slot >= num_slots) {
+                        #pragma omp atomic write
+                        bad = 1;
+                        continue;
+                    }
+                    rows[used] = row_of(pool, pool_bf16, slot, row_stride, dim, buf ? buf + used * dim : NULL);
                     used++;
                 }
                 if (!used) continue;
@@ -99,16 +119,15 @@ void paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                     /* scores of HB heads against the tile's rows: each row chunk loaded once for HB heads */
                     for (int j = 0; j < used; j++) {
                         const float *r = rows[j];
-                        float part[HB][DW];
-                        memset(part, 0, sizeof(part));
-                        for (int64_t d0 = 0; d0 < dim; d0 += DW)
-                            for (int hh = 0; hh < HB; hh++)
-                                for (int dd = 0; dd < DW; dd++)
-                                    part[hh][dd] += qp[(h0 + hh) * dim + d0 + dd] * r[d0 + dd];
+                        v8 part[HB] = {0};
+                        for (int64_t d0 = 0; d0 < dim; d0 += DW) {
+                            v8 rv = LOAD(r + d0);
+                            for (int hh = 0; hh < HB; hh++) part[hh] += LOAD(qp + (h0 + hh) * dim + d0) * rv;
+                        }
                         for (int hh = 0; hh < HB; hh++) {
-                            float s = 0.f;
-                            for (int dd = 0; dd < DW; dd++) s += part[hh][dd];
-                            score[(h0 + hh) * TILE + j] = s * scale;
+                            float sc = 0.f;
+                            for (int dd = 0; dd < DW; dd++) sc += part[hh][dd];
+                            score[(h0 + hh) * TILE + j] = sc * scale;
                         }
                     }
                     /* online softmax: rescale what was accumulated if the running max grew */
@@ -128,18 +147,23 @@ void paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                     }
                     /* acc[h, c] += sum_j p[h, j] row_j[c], HB x CW accumulators held in registers */
                     for (int64_t c0 = 0; c0 < out_dim; c0 += CW) {
-                        float a[HB][CW];
-                        for (int hh = 0; hh < HB; hh++)
-                            for (int cc = 0; cc < CW; cc++) a[hh][cc] = acc[(h0 + hh) * out_dim + c0 + cc];
+                        v8 a[HB][2];
+                        for (int hh = 0; hh < HB; hh++) {
+                            a[hh][0] = LOAD(acc + (h0 + hh) * out_dim + c0);
+                            a[hh][1] = LOAD(acc + (h0 + hh) * out_dim + c0 + 8);
+                        }
                         for (int j = 0; j < used; j++) {
-                            const float *r = rows[j] + c0;
+                            v8 r0 = LOAD(rows[j] + c0), r1 = LOAD(rows[j] + c0 + 8);
                             for (int hh = 0; hh < HB; hh++) {
                                 float p = score[(h0 + hh) * TILE + j];
-                                for (int cc = 0; cc < CW; cc++) a[hh][cc] += p * r[cc];
+                                a[hh][0] += p * r0;
+                                a[hh][1] += p * r1;
                             }
                         }
-                        for (int hh = 0; hh < HB; hh++)
-                            for (int cc = 0; cc < CW; cc++) acc[(h0 + hh) * out_dim + c0 + cc] = a[hh][cc];
+                        for (int hh = 0; hh < HB; hh++) {
+                            STORE(acc + (h0 + hh) * out_dim + c0, a[hh][0]);
+                            STORE(acc + (h0 + hh) * out_dim + c0 + 8, a[hh][1]);
+                        }
                     }
                 }
             }
@@ -151,10 +175,11 @@ void paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
         }
         free(qp); free(acc); free(mx); free(sum); free(score); free(buf);
     }
+    return bad;
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -195,9 +220,9 @@ def _build() -> ctypes.CDLL | None:
             os.replace(built, target)  # atomic: processes building at once each publish a whole file
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_mqa.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, ptr, i64, i64, i64, ptr, ptr, ptr,
-                              ctypes.c_float, i64, ptr, ctypes.c_int32]
-    lib.paged_mqa.restype = None
+    lib.paged_mqa.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr,
+                              ptr, ctypes.c_float, i64, ptr, ctypes.c_int32]
+    lib.paged_mqa.restype = ctypes.c_int32
     return lib
 
 
@@ -228,21 +253,15 @@ def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, blo
     context positions t < counts[i] of table row slot_row[i], whose rows sit at pool slot
     tables[r, t // block_size] * block_size + t % block_size (a block table; block_size 1 for a list of
     slots), skipping positions where `mask` [rows, ≥ counts] is False. Returns [N, H, out_dim] fp32 =
-    softmax(scale · q·rowᵀ) · row[:out_dim]. Call only where usable(). Positions and slots are checked
-    here: the C code trusts them."""
+    softmax(scale · q·rowᵀ) · row[:out_dim]. Call only where usable(). The kernel checks every position
+    and slot it reads against the table and the pool (ValueError if any is outside)."""
     n, heads, dim = query.shape
     flat = pool.view(-1, pool.shape[-1])
     rows, width = tables.shape
     if (flat.shape[1] < dim or out_dim > dim or dim % 8 or out_dim % 16 or slot_row.shape != (n,)
-            or counts.shape != (n,)):
+            or counts.shape != (n,) or (mask is not None and mask.shape[0] != rows)):
         raise ValueError(f"paged_mqa: queries {tuple(query.shape)}, rows of {flat.shape[1]} dims, output {out_dim}, "
                          f"slot_row {tuple(slot_row.shape)}, counts {tuple(counts.shape)}")
-    limit = width * block_size if mask is None else min(width * block_size, mask.shape[1])
-    if n and (int(counts.max()) > limit or int(counts.min()) < 0 or int(slot_row.min()) < 0
-              or int(slot_row.max()) >= rows):
-        raise ValueError("paged_mqa: a query's context runs past its table, or names a missing table row")
-    if tables.numel() and (int(tables.min()) < 0 or (int(tables.max()) + 1) * block_size > flat.shape[0]):
-        raise ValueError("paged_mqa: a table names a slot outside the pool")
     query = query.contiguous()
     tables = tables.to(torch.int64).contiguous()
     slot_row = slot_row.to(torch.int64).contiguous()
@@ -250,9 +269,12 @@ def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, blo
     if mask is not None:
         mask = mask.to(torch.uint8).contiguous()
     out = torch.empty(n, heads, out_dim, dtype=torch.float32)
-    library().paged_mqa(query.data_ptr(), n, heads, dim, flat.data_ptr(), int(pool.dtype == torch.bfloat16),
-                        flat.stride(0), tables.data_ptr(), width, block_size,
-                        0 if mask is None else mask.shape[1], slot_row.data_ptr(), counts.data_ptr(),
-                        None if mask is None else mask.data_ptr(), scale, out_dim, out.data_ptr(),
-                        torch.get_num_threads())
+    bad = library().paged_mqa(query.data_ptr(), n, heads, dim, flat.data_ptr(), int(pool.dtype == torch.bfloat16),
+                              flat.stride(0), flat.shape[0], tables.data_ptr(), rows, width, block_size,
+                              0 if mask is None else mask.shape[1], slot_row.data_ptr(), counts.data_ptr(),
+                              None if mask is None else mask.data_ptr(), scale, out_dim, out.data_ptr(),
+                              torch.get_num_threads())
+    if bad:
+        raise ValueError("paged_mqa: a query's context runs past its table, names a missing table row, or a "
+                         "table names a slot outside the pool")
     return out
