@@ -14,13 +14,15 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 .PHONY: demo test install lint bench proto clean system-deps corpus demo-model
 
 # System packages: RDMA verbs + rdmacm for Mooncake, prometheus (+ promtool) for the metrics test,
-# openssl for `pdserve certs` / `pdserve up --tls`. Skipped when present or not root.
+# openssl for `pdserve certs` / `pdserve up --tls`, a C compiler for the CPU attention kernel
+# (shared/model/paged_mqa.py). Skipped when present or not root.
 system-deps:
 	@missing=""; \
 	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
 	ldconfig -p | grep -q librdmacm.so.1 || missing="$$missing librdmacm1"; \
 	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
 	command -v openssl >/dev/null || missing="$$missing openssl"; \
+	command -v cc >/dev/null || missing="$$missing gcc libc6-dev"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \

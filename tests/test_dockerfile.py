@@ -34,6 +34,10 @@ def test_dockerfile_copies_what_exists_and_installs_the_package():
     runs = " ".join(" ".join(args) for op, args in steps if op == "RUN")
     assert "torch==2.13.0" in runs and "libibverbs1" in runs and "librdmacm1" in runs
     assert runs.index("torch==2.13.0") < runs.index('pip install .[')  # the CPU torch first
+    # the CPU attention kernel is compiled on the node, as the service user, into a writable cache
+    assert "gcc" in runs and "libc6-dev" in runs
+    envs = " ".join(" ".join(args) for op, args in steps if op == "ENV")
+    assert "PDSERVE_KERNEL_CACHE=/tmp/" in envs
 
 
 def test_chart_commands_are_modules_of_the_image():

@@ -132,3 +132,12 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     assert len(built) == 1
     monkeypatch.setattr(paged_mqa.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt"))
     assert paged_mqa._build() is not None
+
+
+def test_an_unwritable_cache_falls_back_with_a_warning(monkeypatch, tmp_path):
+    """A service user without a home (the image runs as nobody) must still start: no kernel, a warning."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(blocker / "kernels"))
+    with pytest.warns(RuntimeWarning, match="PDSERVE_KERNEL_CACHE"):
+        assert paged_mqa._build() is None

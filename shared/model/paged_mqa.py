@@ -199,26 +199,30 @@ def _cpu_signature() -> str:
 
 
 def _build() -> ctypes.CDLL | None:
+    """Compile (or reuse) the kernel for this CPU; None, with a warning, where that is not possible."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         warnings.warn("no C compiler: CPU attention uses the portable (slower) path", RuntimeWarning, stacklevel=3)
         return None
     key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_mqa-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src = Path(tmp) / "paged_mqa.c"
-            src.write_text(_SOURCE)
-            built = Path(tmp) / "paged_mqa.so"
-            result = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                warnings.warn(f"building the CPU attention kernel failed; using the portable path:\n{result.stderr}",
-                              RuntimeWarning, stacklevel=3)
-                return None
-            os.replace(built, target)  # atomic: processes building at once each publish a whole file
-    lib = ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                src = Path(tmp) / "paged_mqa.c"
+                src.write_text(_SOURCE)
+                built = Path(tmp) / "paged_mqa.so"
+                result = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(built), "-lm"],
+                                        capture_output=True, text=True, timeout=120)
+                if result.returncode != 0:
+                    raise OSError(result.stderr.strip() or f"{compiler} exited {result.returncode}")
+                os.replace(built, target)  # atomic: processes building at once each publish a whole file
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        warnings.warn(f"building the CPU attention kernel in {target.parent} failed ({exc}); using the portable "
+                      "path (set PDSERVE_KERNEL_CACHE to a writable directory)", RuntimeWarning, stacklevel=3)
+        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_mqa.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr,
                               ptr, ctypes.c_float, i64, ptr, ctypes.c_int32]
