@@ -17,7 +17,7 @@ import torch
 
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
-from shared.model import paged_mqa
+from shared.model import cpu_kernels
 from shared.model.batch import ForwardBatch, gather_blocks, gather_rows
 
 _MIN_QUERY_TILE = 16
@@ -64,11 +64,11 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
     r_all, s_all, heads, dim = query.shape
     size, t_pad = fb.block_size, fb.padded_context
     cdt = compute_dtype(query.dtype, query.device)
-    if codec is None and s_all <= paged_mqa.MAX_QUERIES_PER_REQUEST and heads <= paged_mqa.MAX_HEADS:
+    if codec is None and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST and heads <= cpu_kernels.MAX_HEADS:
         flat = query.reshape(r_all * s_all, heads, dim).to(cdt)
-        if paged_mqa.usable(flat, pool, out_dim):  # few queries per row read: fused, rows read in place
+        if cpu_kernels.attention_usable(flat, pool, out_dim):  # few queries per row read: fused, rows read in place
             requests = torch.arange(r_all, device=query.device).repeat_interleave(s_all)
-            out = paged_mqa.paged_mqa(flat, pool, fb.block_tables, size, requests, (fb.query_pos + 1).view(-1),
+            out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, size, requests, (fb.query_pos + 1).view(-1),
                                       scale, out_dim)
             return out.view(r_all, s_all, heads, out_dim).to(query.dtype)
     isz = torch.empty((), dtype=cdt).element_size()
@@ -133,11 +133,11 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
     n_all, heads, dim = query.shape
     k = picks.shape[1]
     cdt = compute_dtype(query.dtype, query.device)
-    if codec is None and heads <= paged_mqa.MAX_HEADS and paged_mqa.usable(query.to(cdt), pool, out_dim):
+    if codec is None and heads <= cpu_kernels.MAX_HEADS and cpu_kernels.attention_usable(query.to(cdt), pool, out_dim):
         slots = fb.slots_of(fb.token_request, picks)  # [N, k]: a one-row "block table" per query
         rows = torch.arange(n_all, device=query.device)
         counts = torch.full((n_all,), k, dtype=torch.long, device=query.device)
-        return paged_mqa.paged_mqa(query.to(cdt), pool, slots, 1, rows, counts, scale, out_dim,
+        return cpu_kernels.paged_mqa(query.to(cdt), pool, slots, 1, rows, counts, scale, out_dim,
                                    mask=valid).to(query.dtype)
     isz = torch.empty((), dtype=cdt).element_size()
     per_query = k * (dim * isz + pool.shape[-1] * pool.element_size()) + heads * k * (4 + isz) + k * 8

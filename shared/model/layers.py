@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model import cpu_kernels
 from shared.quant.fp8 import Fp8Linear
 from shared.quant.int8 import Int8Linear
 
@@ -40,6 +41,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_kernels.rms_norm(x, self.weight, self.eps)  # one call instead of 8 ops on CPUs
+        if fused is not None:
+            return fused
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

@@ -14,6 +14,7 @@ from torch import nn
 
 from shared.config import ModelConfig
 from shared.device import grouped_mm
+from shared.model import cpu_kernels
 from shared.model.layers import MLP, LinearFormats, WeightFormat, matmul_input
 from shared.quant.fp8 import grouped_fp8
 from shared.quant.int8 import grouped_w8a8
@@ -139,6 +140,16 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts
+        shared_weights = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared else ()
+        if self.ep == 1 and self.experts.fmt is None and cpu_kernels.moe_usable(
+                x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, *shared_weights):
+            # decode on a CPU: router, routed and shared experts in one call (shared.model.cpu_kernels)
+            g = self.gate
+            y, _ = cpu_kernels.moe_routed(x, g.weight, g.e_score_correction_bias, g.n_group, g.topk_group, g.top_k,
+                                          g.norm_topk_prob, g.scaling, self.experts.gate_up_proj,
+                                          self.experts.down_proj, shared_weights or None)
+            return y.to(x.dtype)
         ids, weights = self.gate(x)
         if self.ep == 1:
             y = self.experts(x, ids, weights)

@@ -1,11 +1,11 @@
-"""The fused CPU paged-MQA kernel (shared.model.paged_mqa) against the portable gather + bmm path."""
+"""The CPU kernels (shared.model.cpu_kernels): fused paged MQA attention against the portable gather + bmm path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shared.model import attention, paged_mqa
+from shared.model import attention, cpu_kernels
 from shared.model.batch import ForwardBatch, SeqChunk
 
 BLOCK = 16
@@ -14,12 +14,12 @@ BLOCK = 16
 @pytest.fixture
 def portable(monkeypatch):
     """portable(True) forces the portable path, portable(False) the built kernel."""
-    lib = paged_mqa.library()
+    lib = cpu_kernels.library()
     assert lib is not None, "the kernel must build here (a C compiler is part of the install)"
 
     def force(on: bool) -> None:
-        monkeypatch.setattr(paged_mqa, "_library", None if on else lib)
-        monkeypatch.setattr(paged_mqa, "_tried", True)
+        monkeypatch.setattr(cpu_kernels, "_library", None if on else lib)
+        monkeypatch.setattr(cpu_kernels, "_tried", True)
 
     return force
 
@@ -47,7 +47,7 @@ def test_dense_decode_matches_the_portable_path(portable, pool_dtype, heads, que
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen).to(pool_dtype)
     query = torch.randn(fb.query_index.shape[0], queries, heads, 576, generator=gen)
     calls = []
-    real = paged_mqa.paged_mqa
+    real = cpu_kernels.paged_mqa
 
     def counting(*args, **kwargs):  # noqa: ANN002, ANN003
         calls.append(1)
@@ -56,11 +56,11 @@ def test_dense_decode_matches_the_portable_path(portable, pool_dtype, heads, que
     portable(True)
     want = attention.dense_attention(query, fb, pool, 0.07, 512)
     portable(False)
-    paged_mqa.paged_mqa = counting
+    cpu_kernels.paged_mqa = counting
     try:
         got = attention.dense_attention(query, fb, pool, 0.07, 512)
     finally:
-        paged_mqa.paged_mqa = real
+        cpu_kernels.paged_mqa = real
     assert calls, "the decode step did not take the fused kernel"
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-5
@@ -86,14 +86,14 @@ def test_sparse_picks_with_a_mask_match_the_portable_path(portable):
 def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
     """Where a gathered row is reused enough (many queries per request, or many heads), the batched
     matmul path runs: the kernel is never called."""
-    monkeypatch.setattr(paged_mqa, "paged_mqa", lambda *a, **k: pytest.fail("fused kernel used"))
+    monkeypatch.setattr(cpu_kernels, "paged_mqa", lambda *a, **k: pytest.fail("fused kernel used"))
     gen = torch.Generator().manual_seed(4)
-    fb, num_blocks = _batch([40, 60], paged_mqa.MAX_QUERIES_PER_REQUEST + 1, gen)
+    fb, num_blocks = _batch([40, 60], cpu_kernels.MAX_QUERIES_PER_REQUEST + 1, gen)
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
     attention.dense_attention(torch.randn(2, fb.query_index.shape[1], 4, 576), fb, pool, 0.1, 512)
     fb, num_blocks = _batch([40, 60], 1, gen)
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
-    attention.dense_attention(torch.randn(2, 1, paged_mqa.MAX_HEADS + 1, 576), fb, pool, 0.1, 512)
+    attention.dense_attention(torch.randn(2, 1, cpu_kernels.MAX_HEADS + 1, 576), fb, pool, 0.1, 512)
 
 
 def test_positions_and_slots_are_checked():
@@ -102,36 +102,36 @@ def test_positions_and_slots_are_checked():
     pool = torch.randn(4, BLOCK, 576)
     tables = torch.tensor([[1, 2]])
     q = torch.randn(1, 4, 576)
-    ok = paged_mqa.paged_mqa(q, pool, tables, BLOCK, torch.tensor([0]), torch.tensor([20]), 0.1, 512)
+    ok = cpu_kernels.paged_mqa(q, pool, tables, BLOCK, torch.tensor([0]), torch.tensor([20]), 0.1, 512)
     assert ok.shape == (1, 4, 512) and torch.isfinite(ok).all()
     with pytest.raises(ValueError, match="context runs past"):
-        paged_mqa.paged_mqa(q, pool, tables, BLOCK, torch.tensor([0]), torch.tensor([33]), 0.1, 512)
+        cpu_kernels.paged_mqa(q, pool, tables, BLOCK, torch.tensor([0]), torch.tensor([33]), 0.1, 512)
     with pytest.raises(ValueError, match="missing table row"):
-        paged_mqa.paged_mqa(q, pool, tables, BLOCK, torch.tensor([1]), torch.tensor([3]), 0.1, 512)
+        cpu_kernels.paged_mqa(q, pool, tables, BLOCK, torch.tensor([1]), torch.tensor([3]), 0.1, 512)
     with pytest.raises(ValueError, match="outside the pool"):
-        paged_mqa.paged_mqa(q, pool, torch.tensor([[1, 4]]), BLOCK, torch.tensor([0]), torch.tensor([20]), 0.1, 512)
+        cpu_kernels.paged_mqa(q, pool, torch.tensor([[1, 4]]), BLOCK, torch.tensor([0]), torch.tensor([20]), 0.1, 512)
     with pytest.raises(ValueError, match="outside the pool"):
-        paged_mqa.paged_mqa(q, pool, torch.tensor([[-1, 2]]), BLOCK, torch.tensor([0]), torch.tensor([3]), 0.1, 512)
+        cpu_kernels.paged_mqa(q, pool, torch.tensor([[-1, 2]]), BLOCK, torch.tensor([0]), torch.tensor([3]), 0.1, 512)
 
 
 def test_disabled_kernel_falls_back(monkeypatch):
     """PDSERVE_CPU_KERNELS=0 (or no compiler) leaves the portable path: library() is None."""
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
-    monkeypatch.setattr(paged_mqa, "_tried", False)
-    monkeypatch.setattr(paged_mqa, "_library", None)
-    assert paged_mqa.library() is None
-    assert not paged_mqa.usable(torch.zeros(1, 4, 576), torch.zeros(2, BLOCK, 576), 512)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    assert cpu_kernels.library() is None
+    assert not cpu_kernels.attention_usable(torch.zeros(1, 4, 576), torch.zeros(2, BLOCK, 576), 512)
 
 
 def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     """A fresh cache dir gets one shared object; a second build reuses it (no compiler run)."""
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    lib = paged_mqa._build()
+    lib = cpu_kernels._build()
     assert lib is not None
-    built = list(tmp_path.glob("paged_mqa-*.so"))
+    built = list(tmp_path.glob("cpu_kernels-*.so"))
     assert len(built) == 1
-    monkeypatch.setattr(paged_mqa.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt"))
-    assert paged_mqa._build() is not None
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt"))
+    assert cpu_kernels._build() is not None
 
 
 def test_an_unwritable_cache_falls_back_with_a_warning(monkeypatch, tmp_path):
@@ -140,4 +140,69 @@ def test_an_unwritable_cache_falls_back_with_a_warning(monkeypatch, tmp_path):
     blocker.write_text("")
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(blocker / "kernels"))
     with pytest.warns(RuntimeWarning, match="PDSERVE_KERNEL_CACHE"):
-        assert paged_mqa._build() is None
+        assert cpu_kernels._build() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("groups", [(2, 1, 2, 8), (1, 1, 2, 8), (4, 2, 4, 16)])  # n_group, topk_group, top_k, E
+def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
+    """The fused router + routed experts (+ the shared expert in torch) picks the same experts as
+    moe.Gate and gives moe.MoE's portable output: equal in bf16 at decode sizes, to fp32 rounding in
+    fp32; steps above MAX_MOE_ROWS keep the grouped matmuls."""
+    from shared.config import ModelConfig
+    from shared.loader.tiny import make_config
+    from shared.model.moe import MoE
+
+    n_group, topk_group, top_k, experts = groups
+    cfg = ModelConfig.from_dict(make_config("deepseek_v3", n_group=n_group, topk_group=topk_group,
+                                            num_experts_per_tok=top_k, n_routed_experts=experts))
+    moe = MoE(cfg, torch.float32)
+    gen = torch.Generator().manual_seed(experts + top_k)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    calls = []
+    real = cpu_kernels.moe_routed
+    with torch.inference_mode():
+        for rows in (1, 8, cpu_kernels.MAX_MOE_ROWS, cpu_kernels.MAX_MOE_ROWS + 1):
+            x = torch.randn(rows, cfg.hidden_size, generator=gen).to(dtype)
+            portable(True)
+            want = moe(x)
+            want_ids, _ = moe.gate(x)
+            portable(False)
+            calls.clear()
+            cpu_kernels.moe_routed = lambda *a, **k: calls.append(1) or real(*a, **k)
+            try:
+                got = moe(x)
+            finally:
+                cpu_kernels.moe_routed = real
+            assert bool(calls) == (rows <= cpu_kernels.MAX_MOE_ROWS)
+            if calls:
+                _, ids = real(x, moe.gate.weight, moe.gate.e_score_correction_bias, n_group, topk_group, top_k,
+                              True, moe.gate.scaling, moe.experts.gate_up_proj, moe.experts.down_proj)
+                assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= (1e-5 if dtype == torch.float32 else 2 ** -7) * want.float().abs().max().item(), err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rms_norm_matches_torch(portable, dtype):
+    """RMSNorm in one call: the portable ops' result (bf16: bit for bit on nearly every element, a
+    rounding step at most; fp32: to rounding), for one row and for many."""
+    from shared.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(9)
+    for rows, dim in ((1, 256), (40, 7168)):
+        norm = RMSNorm(dim, 1e-6, dtype)
+        norm.weight.data.copy_(torch.randn(dim, generator=gen))
+        x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+        portable(True)
+        want = norm(x)
+        portable(False)
+        got = norm(x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        diff = (got.float() - want.float()).abs()
+        if dtype == torch.bfloat16:
+            assert (diff == 0).float().mean() > 0.999
+            assert (diff <= want.float().abs() * 2 ** -7).all()
+        else:
+            assert diff.max() < 1e-5

@@ -1,0 +1,549 @@
+"""Fused paged MQA attention for host (CPU) pools: a small C kernel built on first use.
+
+The portable path (shared.model.attention) gathers each request's rows out of the paged pool into a
+[R, T, 576] copy and runs two batched matmuls over it. With few query heads per row (MLA decode on
+a small model, or a TP/DP shard) that copy is most of the step: at batch 256 × 256 context it moves
+151 MB per layer, and CPU gathers run at a fraction of memory speed. This kernel reads every row
+once, straight from the pool through the block table / pick list, and keeps the scores of a tile
+of rows in cache for both the softmax and the p·V product (online softmax, fp32 throughout).
+
+It is built with the system C compiler (`cc -O3 -march=native -fopenmp`, under a second) into
+`~/.cache/pdserve/kernels` (`PDSERVE_KERNEL_CACHE` moves it) and called through ctypes, which drops
+the GIL while it runs. Without a compiler, with `PDSERVE_CPU_KERNELS=0`, or for pools that are not
+in host memory, callers get None and keep the portable path. Results agree with it to fp32
+rounding (not bit for bit: the sums run in another order); prefill chunks and decode steps each
+take one path consistently (shared.model.attention decides by queries per request and heads).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from shared.device import on_host
+
+# Fused when a step has at most this many queries per request (decode, MTP verification) and this
+# many heads: beyond them a batched matmul over the gathered rows reuses each row enough to win.
+MAX_QUERIES_PER_REQUEST = 8
+MAX_HEADS = 32
+# The fused MoE takes steps of at most this many tokens (decode): beyond, grouped matmuls win.
+MAX_MOE_ROWS = 64
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 32  /* rows whose scores stay in cache between the softmax and p.V */
+#define HB 4     /* heads per register block */
+#define CW 16    /* output dims per register block */
+#define DW 8     /* query dims per register block: one 8-float vector */
+
+/* GCC/Clang vector extensions: AVX2 registers on x86, NEON pairs on Arm (built with -march=native) */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+#define LOAD(p) ((v8) * (const v8u *)(p))
+#define STORE(p, v) (*(v8u *)(p) = (v))
+
+/* Rows of a tile as fp32: fp32 pools are read in place, bf16 pools widened into `buf`. */
+static const float *row_of(const void *pool, int bf16, int64_t slot, int64_t stride, int64_t dim, float *buf) {
+    if (!bf16) return (const float *)pool + slot * stride;
+    const uint16_t *src = (const uint16_t *)pool + slot * stride;
+    uint32_t *dst = (uint32_t *)buf;
+    #pragma omp simd
+    for (int64_t d = 0; d < dim; d++) dst[d] = (uint32_t)src[d] << 16;
+    return buf;
+}
+
+/* out[i, h, :out_dim] = softmax_t(scale * q[i, h] . row_t) @ row_t[:out_dim] over the context positions
+   t < counts[i] of table row slot_row[i]: row_t is pool slot tables[slot_row[i], t / bs] * bs + t % bs
+   (a block table; a list of slots with bs = 1); mask [rows, mask_width], if given, drops positions.
+   dim % DW == 0 and out_dim % CW == 0 (the caller checks). Every index is checked against the table
+   (table_rows x table_width, mask_width) and the pool (num_slots rows): a query naming anything
+   outside them gets no output and the call returns 1 (0: all good). */
+int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
+                  const void *pool, int32_t pool_bf16, int64_t row_stride, int64_t num_slots,
+                  const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs, int64_t mask_width,
+                  const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
+                  float scale, int64_t out_dim, float *out, int32_t threads) {
+    const int64_t hp = (heads + HB - 1) / HB * HB;  /* heads padded to whole blocks (zero queries) */
+    int32_t bad = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *qp = calloc(hp * dim, sizeof(float));
+        float *acc = malloc(sizeof(float) * hp * out_dim);
+        float *mx = malloc(sizeof(float) * hp);
+        float *sum = malloc(sizeof(float) * hp);
+        float *score = malloc(sizeof(float) * hp * TILE);
+        float *buf = pool_bf16 ? malloc(sizeof(float) * TILE * dim) : NULL;
+        const float *rows[TILE];
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; i++) {
+            int64_t limit = table_width * bs < (mask ? mask_width : INT64_MAX) ? table_width * bs : mask_width;
+            if (slot_row[i] < 0 || slot_row[i] >= table_rows || counts[i] < 0 || counts[i] > limit) {
+                #pragma omp atomic write
+                bad = 1;
+                continue;
+            }
+            memcpy(qp, q + i * heads * dim, sizeof(float) * heads * dim);
+            const int64_t *trow = tables + slot_row[i] * table_width;
+            const uint8_t *mrow = mask ? mask + slot_row[i] * mask_width : NULL;
+            for (int64_t h = 0; h < hp; h++) { mx[h] = -INFINITY; sum[h] = 0.f; }
+            memset(acc, 0, sizeof(float) * hp * out_dim);
+            for (int64_t t0 = 0; t0 < counts[i]; t0 += TILE) {
+                int64_t end = counts[i] - t0 < TILE ? counts[i] - t0 : TILE;
+                int used = 0;
+                for (int64_t j = 0; j < end; j++) {
+                    int64_t t = t0 + j;
+                    if (mrow && !mrow[t]) continue;
+                    int64_t slot = trow[t / bs] * bs + t % bs;
+                    if (trow[t / bs] < 0 || slot >= num_slots) {
+                        #pragma omp atomic write
+                        bad = 1;
+                        continue;
+                    }
+                    rows[used] = row_of(pool, pool_bf16, slot, row_stride, dim, buf ? buf + used * dim : NULL);
+                    used++;
+                }
+                if (!used) continue;
+                for (int64_t h0 = 0; h0 < hp; h0 += HB) {
+                    /* scores of HB heads against the tile's rows: each row chunk loaded once for HB heads */
+                    for (int j = 0; j < used; j++) {
+                        const float *r = rows[j];
+                        v8 part[HB] = {0};
+                        for (int64_t d0 = 0; d0 < dim; d0 += DW) {
+                            v8 rv = LOAD(r + d0);
+                            for (int hh = 0; hh < HB; hh++) part[hh] += LOAD(qp + (h0 + hh) * dim + d0) * rv;
+                        }
+                        for (int hh = 0; hh < HB; hh++) {
+                            float sc = 0.f;
+                            for (int dd = 0; dd < DW; dd++) sc += part[hh][dd];
+                            score[(h0 + hh) * TILE + j] = sc * scale;
+                        }
+                    }
+                    /* online softmax: rescale what was accumulated if the running max grew */
+                    for (int hh = 0; hh < HB; hh++) {
+                        int64_t h = h0 + hh;
+                        float *sh = score + h * TILE, tile_max = -INFINITY;
+                        for (int j = 0; j < used; j++) tile_max = sh[j] > tile_max ? sh[j] : tile_max;
+                        float new_max = tile_max > mx[h] ? tile_max : mx[h];
+                        float alpha = expf(mx[h] - new_max);  /* 0 on the first tile */
+                        if (alpha != 1.f) {
+                            float *ah = acc + h * out_dim;
+                            for (int64_t c = 0; c < out_dim; c++) ah[c] *= alpha;
+                        }
+                        sum[h] *= alpha;
+                        mx[h] = new_max;
+                        for (int j = 0; j < used; j++) { sh[j] = expf(sh[j] - new_max); sum[h] += sh[j]; }
+                    }
+                    /* acc[h, c] += sum_j p[h, j] row_j[c], HB x CW accumulators held in registers */
+                    for (int64_t c0 = 0; c0 < out_dim; c0 += CW) {
+                        v8 a[HB][2];
+                        for (int hh = 0; hh < HB; hh++) {
+                            a[hh][0] = LOAD(acc + (h0 + hh) * out_dim + c0);
+                            a[hh][1] = LOAD(acc + (h0 + hh) * out_dim + c0 + 8);
+                        }
+                        for (int j = 0; j < used; j++) {
+                            v8 r0 = LOAD(rows[j] + c0), r1 = LOAD(rows[j] + c0 + 8);
+                            for (int hh = 0; hh < HB; hh++) {
+                                float p = score[(h0 + hh) * TILE + j];
+                                a[hh][0] += p * r0;
+                                a[hh][1] += p * r1;
+                            }
+                        }
+                        for (int hh = 0; hh < HB; hh++) {
+                            STORE(acc + (h0 + hh) * out_dim + c0, a[hh][0]);
+                            STORE(acc + (h0 + hh) * out_dim + c0 + 8, a[hh][1]);
+                        }
+                    }
+                }
+            }
+            float *oi = out + i * heads * out_dim;
+            for (int64_t h = 0; h < heads; h++) {
+                float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
+                for (int64_t c = 0; c < out_dim; c++) oi[h * out_dim + c] = acc[h * out_dim + c] * inv;
+            }
+        }
+        free(qp); free(acc); free(mx); free(sum); free(score); free(buf);
+    }
+    return bad;
+}
+
+/* ---- MoE: routing + routed experts for a few rows ---- */
+
+static float dot(const float *a, const float *b, int64_t n) {
+    v8 acc = {0};
+    int64_t d = 0;
+    for (; d + DW <= n; d += DW) acc += LOAD(a + d) * LOAD(b + d);
+    float s = 0.f;
+    for (int k = 0; k < DW; k++) s += acc[k];
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+static float round_bf16(float f) {  /* round to nearest even at bf16 precision, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) u = 0x7fc00000u;
+    else u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* DeepSeek's router for one row (spec 7.2): s = sigmoid(x.Wg); choose by s + bias within the
+   topk_group groups of best top-2 sums; weights are the unbiased s of the picks, normalized, x scaling.
+   Ties go to the lower index. */
+static void route(const float *x, int64_t dim, const float *gate_w, const float *bias, int64_t experts,
+                  int64_t n_group, int64_t topk_group, int64_t top_k, int norm, float scaling,
+                  float *score, float *biased, int64_t *ids, float *wts) {
+    for (int64_t e = 0; e < experts; e++) {
+        score[e] = 1.f / (1.f + expf(-dot(x, gate_w + e * dim, dim)));
+        biased[e] = score[e] + bias[e];
+    }
+    if (n_group > 1) {
+        int64_t per = experts / n_group;
+        float group_score[n_group];
+        int keep[n_group];
+        for (int64_t g = 0; g < n_group; g++) {
+            float a = -INFINITY, b = -INFINITY;  /* best two of the group */
+            for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                if (biased[e] > a) { b = a; a = biased[e]; } else if (biased[e] > b) b = biased[e];
+            }
+            group_score[g] = a + b;
+            keep[g] = 0;
+        }
+        for (int64_t r = 0; r < topk_group; r++) {
+            int64_t best = -1;
+            for (int64_t g = 0; g < n_group; g++)
+                if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+            keep[best] = 1;
+        }
+        for (int64_t e = 0; e < experts; e++) if (!keep[e / per]) biased[e] = -INFINITY;
+    }
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < experts; e++) {
+            int taken = 0;
+            for (int64_t m = 0; m < j; m++) taken |= ids[m] == e;
+            if (!taken && (best < 0 || biased[e] > biased[best])) best = e;
+        }
+        ids[j] = best;
+        wts[j] = score[best];
+        total += wts[j];
+    }
+    for (int64_t j = 0; j < top_k; j++) wts[j] = (norm ? wts[j] / (total + 1e-20f) : wts[j]) * scaling;
+}
+
+/* out[q, r] = W[e, r, :] . in[q, :] for the picks q of expert e (rows of W in blocks of RB): each
+   weight row is read once for all the picks that use it. */
+#define RB 16
+static void expert_gemm(const float *w, int64_t rows, int64_t cols, const int64_t *order, const int64_t *start,
+                        const int64_t *active, int64_t num_active, const float *in, int64_t in_ld,
+                        float *out, int64_t out_ld, int threads) {
+    int64_t blocks = (rows + RB - 1) / RB;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_active * blocks; t++) {
+        int64_t e = active[t / blocks], r0 = (t % blocks) * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
+        for (int64_t r = r0; r < r1; r++) {
+            const float *wr = w + (e * rows + r) * cols;
+            for (int64_t k = start[e]; k < start[e + 1]; k++)
+                out[order[k] * out_ld + r] = dot(wr, in + order[k] * in_ld, cols);
+        }
+    }
+}
+
+/* The shared expert, as layers.MLP computes it in a bf16 model when round_out (every linear's output and
+   every elementwise result rounded to bf16): adds round(down . (round(silu(round(gate . x))) * round(up . x)))
+   to y. gate/up [I, D], down [D, I]. */
+static void shared_expert(const float *x, int64_t n, int64_t dim, const float *gate, const float *up,
+                          const float *down, int64_t inter, int round_out, float *y, int threads) {
+    float *g = malloc(sizeof(float) * n * inter), *u = malloc(sizeof(float) * n * inter);
+    float *o = malloc(sizeof(float) * n * dim);
+    int64_t *order = malloc(sizeof(int64_t) * n), start[2] = {0, n}, active[1] = {0};
+    for (int64_t i = 0; i < n; i++) order[i] = i;
+    expert_gemm(gate, inter, dim, order, start, active, 1, x, dim, g, inter, threads);
+    expert_gemm(up, inter, dim, order, start, active, 1, x, dim, u, inter, threads);
+    for (int64_t k = 0; k < n * inter; k++) {
+        float gv = round_out ? round_bf16(g[k]) : g[k], uv = round_out ? round_bf16(u[k]) : u[k];
+        float s = gv / (1.f + expf(-gv));
+        g[k] = round_out ? round_bf16(round_bf16(s) * uv) : s * uv;
+    }
+    expert_gemm(down, dim, inter, order, start, active, 1, g, inter, o, dim, threads);
+    for (int64_t k = 0; k < n * dim; k++) y[k] += round_out ? round_bf16(o[k]) : o[k];
+    free(g); free(u); free(o); free(order);
+}
+
+/* y[i] = sum_j w_ij * round?(down_e . (silu(gate_e . x_i) * (up_e . x_i))) over the top_k experts e the
+   router picks for row i (fp32; round_out rounds each expert's output to bf16 first, as a bf16 model's
+   experts do), plus the shared expert when shared_gate is given. gate_up [E, 2I, D] (gate rows first),
+   down [E, D, I]. ids_out [n, top_k] gets the picks. */
+int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, const float *bias,
+                   int64_t experts, int64_t n_group, int64_t topk_group, int64_t top_k, int32_t norm,
+                   float scaling, const float *gate_up, const float *down, int64_t inter, int32_t round_out,
+                   const float *shared_gate, const float *shared_up, const float *shared_down, int64_t shared_inter,
+                   float *y, int64_t *ids_out, int32_t threads) {
+    int64_t picks = n * top_k;
+    float *wts = malloc(sizeof(float) * picks);
+    float *gu = malloc(sizeof(float) * picks * 2 * inter);
+    float *act = malloc(sizeof(float) * picks * inter);
+    float *o = malloc(sizeof(float) * picks * dim);
+    int64_t *order = malloc(sizeof(int64_t) * picks), *start = calloc(experts + 1, sizeof(int64_t));
+    int64_t *active = malloc(sizeof(int64_t) * experts), num_active = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *score = malloc(sizeof(float) * experts), *biased = malloc(sizeof(float) * experts);
+        #pragma omp for
+        for (int64_t i = 0; i < n; i++)
+            route(x + i * dim, dim, gate_w, bias, experts, n_group, topk_group, top_k, norm, scaling,
+                  score, biased, ids_out + i * top_k, wts + i * top_k);
+        free(score); free(biased);
+    }
+    for (int64_t p = 0; p < picks; p++) start[ids_out[p] + 1]++;  /* picks grouped by expert */
+    for (int64_t e = 0; e < experts; e++) {
+        if (start[e + 1]) active[num_active++] = e;
+        start[e + 1] += start[e];
+    }
+    int64_t *fill = malloc(sizeof(int64_t) * experts);
+    memcpy(fill, start, sizeof(int64_t) * experts);
+    for (int64_t p = 0; p < picks; p++) order[fill[ids_out[p]]++] = p;
+    free(fill);
+    /* the gemms address inputs by pick: row p of x is x[p / top_k] */
+    float *xp = malloc(sizeof(float) * picks * dim);
+    for (int64_t p = 0; p < picks; p++) memcpy(xp + p * dim, x + (p / top_k) * dim, sizeof(float) * dim);
+    expert_gemm(gate_up, 2 * inter, dim, order, start, active, num_active, xp, dim, gu, 2 * inter, threads);
+    for (int64_t p = 0; p < picks; p++)
+        for (int64_t c = 0; c < inter; c++) {
+            float g = gu[p * 2 * inter + c];
+            act[p * inter + c] = g / (1.f + expf(-g)) * gu[p * 2 * inter + inter + c];
+        }
+    expert_gemm(down, dim, inter, order, start, active, num_active, act, inter, o, dim, threads);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < dim; d++) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < top_k; j++) {
+                float v = o[(i * top_k + j) * dim + d];
+                acc += (round_out ? round_bf16(v) : v) * wts[i * top_k + j];
+            }
+            y[i * dim + d] = acc;
+        }
+    if (shared_gate) shared_expert(x, n, dim, shared_gate, shared_up, shared_down, shared_inter, round_out, y, threads);
+    free(wts); free(gu); free(act); free(o); free(order); free(start); free(active); free(xp);
+    return 0;
+}
+
+/* ---- RMSNorm: y = w * (x / rms(x)), the normalized x rounded to x's dtype before the weight ---- */
+
+static inline float widen(const void *p, int bf16, int64_t k) {
+    if (!bf16) return ((const float *)p)[k];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[k] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t narrow(float f) {  /* fp32 -> bf16 bits, round to nearest even (as torch) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* x, w and y all bf16 (bf16 != 0) or all fp32; rows of `dim` values. */
+void rms_norm(const void *x, const void *w, void *y, int64_t n, int64_t dim, float eps, int32_t bf16,
+              int32_t threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n * dim >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        float ss = 0.f;
+        for (int64_t d = 0; d < dim; d++) { float v = widen(x, bf16, i * dim + d); ss += v * v; }
+        float r = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) {
+            float v = widen(x, bf16, i * dim + d) * r;
+            if (bf16) {
+                uint32_t u = (uint32_t)narrow(v) << 16;
+                memcpy(&v, &u, 4);
+                ((uint16_t *)y)[i * dim + d] = narrow(widen(w, 1, d) * v);
+            } else {
+                ((float *)y)[i * dim + d] = ((const float *)w)[d] * v;
+            }
+        }
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiled for: a cached build is reused only on the same kind of CPU."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def _build() -> ctypes.CDLL | None:
+    """Compile (or reuse) the kernel for this CPU; None, with a warning, where that is not possible."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("no C compiler: CPU attention uses the portable (slower) path", RuntimeWarning, stacklevel=3)
+        return None
+    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                src = Path(tmp) / "cpu_kernels.c"
+                src.write_text(_SOURCE)
+                built = Path(tmp) / "cpu_kernels.so"
+                result = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(built), "-lm"],
+                                        capture_output=True, text=True, timeout=120)
+                if result.returncode != 0:
+                    raise OSError(result.stderr.strip() or f"{compiler} exited {result.returncode}")
+                os.replace(built, target)  # atomic: processes building at once each publish a whole file
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        warnings.warn(f"building the CPU attention kernel in {target.parent} failed ({exc}); using the portable "
+                      "path (set PDSERVE_KERNEL_CACHE to a writable directory)", RuntimeWarning, stacklevel=3)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.paged_mqa.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr,
+                              ptr, ctypes.c_float, i64, ptr, ctypes.c_int32]
+    lib.paged_mqa.restype = ctypes.c_int32
+    f32, i32 = ctypes.c_float, ctypes.c_int32
+    lib.moe_routed.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i64, i32,
+                               ptr, ptr, ptr, i64, ptr, ptr, i32]
+    lib.moe_routed.restype = ctypes.c_int32
+    lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32, i32]
+    lib.rms_norm.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot or should not run (built once per process)."""
+    global _library, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                if os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0":
+                    _library = _build()
+                _tried = True
+    return _library
+
+
+def attention_usable(query: torch.Tensor, pool: torch.Tensor, out_dim: int) -> bool:
+    """Whether the fused kernel can take this step: host tensors, fp32 queries, fp32/bf16 rows, query
+    dims a multiple of 8 and output dims of 16 (its register blocks; MLA's 576 / 512 are)."""
+    return (not torch.compiler.is_compiling() and on_host(pool) and on_host(query)
+            and query.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16)
+            and query.shape[-1] % 8 == 0 and out_dim % 16 == 0 and library() is not None)
+
+
+def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, block_size: int,
+              slot_row: torch.Tensor, counts: torch.Tensor, scale: float, out_dim: int,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """query [N, H, D] fp32 over pool rows [..., D] (fp32 or bf16, flat slots): query i attends to the
+    context positions t < counts[i] of table row slot_row[i], whose rows sit at pool slot
+    tables[r, t // block_size] * block_size + t % block_size (a block table; block_size 1 for a list of
+    slots), skipping positions where `mask` [rows, ≥ counts] is False. Returns [N, H, out_dim] fp32 =
+    softmax(scale · q·rowᵀ) · row[:out_dim]. Call only where attention_usable(). The kernel checks every
+    position and slot it reads against the table and the pool (ValueError if any is outside)."""
+    n, heads, dim = query.shape
+    flat = pool.view(-1, pool.shape[-1])
+    rows, width = tables.shape
+    if (flat.shape[1] < dim or out_dim > dim or dim % 8 or out_dim % 16 or slot_row.shape != (n,)
+            or counts.shape != (n,) or (mask is not None and mask.shape[0] != rows)):
+        raise ValueError(f"paged_mqa: queries {tuple(query.shape)}, rows of {flat.shape[1]} dims, output {out_dim}, "
+                         f"slot_row {tuple(slot_row.shape)}, counts {tuple(counts.shape)}")
+    query = query.contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    slot_row = slot_row.to(torch.int64).contiguous()
+    counts = counts.to(torch.int64).contiguous()
+    if mask is not None:
+        mask = mask.to(torch.uint8).contiguous()
+    out = torch.empty(n, heads, out_dim, dtype=torch.float32)
+    bad = library().paged_mqa(query.data_ptr(), n, heads, dim, flat.data_ptr(), int(pool.dtype == torch.bfloat16),
+                              flat.stride(0), flat.shape[0], tables.data_ptr(), rows, width, block_size,
+                              0 if mask is None else mask.shape[1], slot_row.data_ptr(), counts.data_ptr(),
+                              None if mask is None else mask.data_ptr(), scale, out_dim, out.data_ptr(),
+                              torch.get_num_threads())
+    if bad:
+        raise ValueError("paged_mqa: a query's context runs past its table, names a missing table row, or a "
+                         "table names a slot outside the pool")
+    return out
+
+
+def moe_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the fused MoE can take this step: few host rows in bf16/fp32 and contiguous fp32 weights."""
+    return (not torch.compiler.is_compiling() and x.shape[0] <= MAX_MOE_ROWS and on_host(x)
+            and x.dtype in (torch.bfloat16, torch.float32)
+            and all(on_host(w) and w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+            and library() is not None)
+
+
+def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
+               top_k: int, norm_topk_prob: bool, scaling: float, gate_up: torch.Tensor, down: torch.Tensor,
+               shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's MoE for rows x [N, D] in one call: the router (sigmoid, bias, group-limited top-k,
+    normalized unbiased weights × scaling), the picked experts gate_up [E, 2I, D] / down [E, D, I] (each
+    expert's output rounded to x's dtype before the weighted sum, as moe.Experts does) and, given as
+    (gate [Is, D], up [Is, D], down [D, Is]), the shared expert with layers.MLP's roundings. Returns
+    (fp32 [N, D], picked expert ids [N, top_k]). Call only where moe_usable() holds for x and every weight."""
+    n, dim = x.shape
+    experts, two_inter, _ = gate_up.shape
+    shared_inter = shared[0].shape[0] if shared is not None else 0
+    if (gate_weight.shape != (experts, dim) or bias.shape != (experts,) or down.shape != (experts, dim, two_inter // 2)
+            or not 0 < top_k <= experts
+            or (n_group > 1 and (experts % n_group or experts // n_group < 2 or not 0 < topk_group <= n_group))
+            or (shared is not None and [tuple(w.shape) for w in shared]
+                != [(shared_inter, dim), (shared_inter, dim), (dim, shared_inter)])):
+        raise ValueError(f"moe_routed: x {tuple(x.shape)}, gate {tuple(gate_weight.shape)}, gate_up "
+                         f"{tuple(gate_up.shape)}, down {tuple(down.shape)}, top_k {top_k}, "
+                         f"groups {n_group}/{topk_group}, shared {[tuple(w.shape) for w in shared or ()]}")
+    rows = x.float().contiguous()
+    bias = bias.float().contiguous()
+    y = torch.empty(n, dim, dtype=torch.float32)
+    ids = torch.empty(n, top_k, dtype=torch.int64)
+    sg, su, sd = (w.data_ptr() for w in shared) if shared is not None else (None, None, None)
+    library().moe_routed(rows.data_ptr(), n, dim, gate_weight.data_ptr(), bias.data_ptr(), experts, n_group,
+                         topk_group, top_k, int(norm_topk_prob), scaling, gate_up.data_ptr(), down.data_ptr(),
+                         two_inter // 2, int(x.dtype == torch.bfloat16), sg, su, sd, shared_inter, y.data_ptr(),
+                         ids.data_ptr(), torch.get_num_threads())
+    return y, ids
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """layers.RMSNorm's forward in one call for host tensors, x and weight both bf16 or both fp32 (the
+    sum of squares runs in another order than torch's: equal to fp32 rounding); None where it does not
+    apply (the caller runs the torch ops)."""
+    lib = library()
+    if (lib is None or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32)
+            or not on_host(x) or not on_host(weight) or x.shape[-1] != weight.shape[0]
+            or not weight.is_contiguous() or torch.compiler.is_compiling()):
+        return None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+                 x.dtype == torch.bfloat16, torch.get_num_threads())
+    return y
