@@ -206,3 +206,25 @@ def test_fused_rms_norm_matches_torch(portable, dtype):
             assert (diff <= want.float().abs() * 2 ** -7).all()
         else:
             assert diff.max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["interleaved", "neox"])
+def test_fused_rope_is_bitwise_torch(portable, dtype, layout):
+    """RoPE in one call gives torch's bits (bf16: each product and the sum rounded), for a strided
+    [N, H, d] slice (MLA's q_pe, the indexer's rope part), a flat [N, d] and into an fp32 buffer."""
+    from shared.model.rope import RopeAngles, rope_interleaved, rope_neox
+
+    rotate = rope_interleaved if layout == "interleaved" else rope_neox
+    gen = torch.Generator().manual_seed(11)
+    angles = torch.rand(7, 32, generator=gen) * 6
+    rope = RopeAngles.of(angles.cos().to(dtype), angles.sin().to(dtype))
+    q = torch.randn(7, 4, 96, generator=gen).to(dtype)[..., 32:]  # strided, last dim contiguous
+    k = torch.randn(7, 64, generator=gen).to(dtype)
+    portable(True)
+    want_q, want_k = rotate(q, rope), rotate(k, rope)
+    portable(False)
+    assert torch.equal(rotate(q, rope), want_q) and torch.equal(rotate(k, rope), want_k)
+    buf = torch.zeros(7, 4, 128)
+    rotate(q, rope, out=buf[..., 64:])
+    assert torch.equal(buf[..., 64:], want_q.float()) and not buf[..., :64].any()

@@ -380,9 +380,40 @@ void rms_norm(const void *x, const void *w, void *y, int64_t n, int64_t dim, flo
         }
     }
 }
+
+/* ---- RoPE: y = x * cos + swap(x) * sin (rope.RopeAngles' widened tables, sign folded into sin) ---- */
+
+/* Rows [n, heads, d] of x (strides xs_row, xs_head; the last dim contiguous) into y (ys_row, ys_head; bf16
+   or fp32 storage). interleaved: swap(x) exchanges pairs (2i, 2i+1), else the halves (NeoX). cos/sin [n, d]
+   in x's dtype. In bf16 each product and the sum is rounded, as torch's bf16 ops do; fp32 is not fused
+   into FMAs, so both match torch bit for bit. */
+__attribute__((optimize("fp-contract=off")))
+void rope(const void *x, int64_t xs_row, int64_t xs_head, void *y, int64_t ys_row, int64_t ys_head, int32_t y_bf16,
+          int64_t n, int64_t heads, int64_t d, const void *cos, const void *sin, int32_t interleaved, int32_t bf16) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t k = 0; k < d; k++) {
+                int64_t other = interleaved ? (k ^ 1) : (k < half ? k + half : k - half);
+                int64_t at = i * xs_row + h * xs_head;
+                float xv = widen(x, bf16, at + k), sv = widen(x, bf16, at + other);
+                float c = widen(cos, bf16, i * d + k), s = widen(sin, bf16, i * d + k);
+                float r;
+                if (bf16) r = round_bf16(round_bf16(xv * c) + round_bf16(sv * s));
+                else {
+                    float a = xv * c, b = sv * s;
+                    r = a + b;
+                }
+                if (y_bf16) ((uint16_t *)y)[i * ys_row + h * ys_head + k] = narrow(r);
+                else ((float *)y)[i * ys_row + h * ys_head + k] = r;
+            }
+}
 """
 
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# -march=native for the CPU the service runs on; 256-bit vectors even where GCC's tuning prefers 128 (AMD
+# Zen); FMA contraction everywhere except where a function opts out to keep torch's rounding.
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
+          "-std=c11"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -436,6 +467,8 @@ def _build() -> ctypes.CDLL | None:
     lib.moe_routed.restype = ctypes.c_int32
     lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32, i32]
     lib.rms_norm.restype = None
+    lib.rope.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i32, i32]
+    lib.rope.restype = None
     return lib
 
 
@@ -547,3 +580,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     lib.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
                  x.dtype == torch.bfloat16, torch.get_num_threads())
     return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+         out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """rope.rope_interleaved / rope_neox in one call: x [N, d] or [N, H, d] (last dim contiguous, any row and
+    head strides), cos/sin [N, d] in x's dtype; the result (bit for bit torch's) goes to `out` (same shape,
+    x's dtype or fp32 holding the rounded values; a new tensor when None). None where it does not apply."""
+    lib = library()
+    if (lib is None or x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype
+            or sin.dtype != x.dtype or x.dim() not in (2, 3) or x.stride(-1) != 1 or not on_host(x)
+            or torch.compiler.is_compiling()):
+        return None
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype)
+    if out.shape != x.shape or out.stride(-1) != 1 or out.dtype not in (x.dtype, torch.float32):
+        return None
+    n, d = x.shape[0], x.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.shape != (n, d) or sin.shape != (n, d):
+        return None
+    xs_head, ys_head = (x.stride(1), out.stride(1)) if x.dim() == 3 else (d, d)
+    lib.rope(x.data_ptr(), x.stride(0), xs_head, out.data_ptr(), out.stride(0), ys_head, out.dtype == torch.bfloat16,
+             n, heads, d, cos.data_ptr(), sin.data_ptr(), interleaved, x.dtype == torch.bfloat16)
+    return out

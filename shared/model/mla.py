@@ -82,7 +82,6 @@ class MLA(nn.Module):
             qr, q = None, self.q_proj(x)
         q = q.view(n, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
-        q_pe = self.rotate(q_pe, rope)
 
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
         row = torch.cat([self.kv_a_layernorm(c_kv), self.rotate(k_pe, rope)], -1)
@@ -95,7 +94,7 @@ class MLA(nn.Module):
         cdt = self.w_uk.dtype  # per-head matmuls: fp32 on CPUs without bf16 arithmetic
         query = q_nope.new_empty(n, self.n_heads, self.kv_lora_rank + self.rope_dim, dtype=cdt)
         torch.bmm(q_nope.to(cdt).transpose(0, 1), self.w_uk, out=query[..., : self.kv_lora_rank].transpose(0, 1))
-        query[..., self.kv_lora_rank :] = q_pe
+        self.rotate(q_pe, rope, out=query[..., self.kv_lora_rank :])  # rotated in the model dtype, stored in cdt
         outputs = []
         for tokens, part in fb.attention_parts():  # one part unless the step mixes decodes and chunks
             selection = None
