@@ -228,3 +228,33 @@ def test_fused_rope_is_bitwise_torch(portable, dtype, layout):
     buf = torch.zeros(7, 4, 128)
     rotate(q, rope, out=buf[..., 64:])
     assert torch.equal(buf[..., 64:], want_q.float()) and not buf[..., :64].any()
+
+
+def test_fused_linear_and_head_matmul_match_torch(portable):
+    """Decode-sized linears (≤ MAX_LINEAR_ROWS rows) and MLA's per-head absorbed matmuls in one call
+    each: torch's result to a bf16 rounding step (fp32 sums in another order), strided views included."""
+    from shared.model.layers import Linear
+
+    gen = torch.Generator().manual_seed(12)
+    lin = Linear(256, 96, bias=False)
+    lin.weight.data.copy_(torch.randn(96, 256, generator=gen) * 0.05)
+    for rows in (1, cpu_kernels.MAX_LINEAR_ROWS):
+        x = torch.randn(rows, 256, generator=gen).bfloat16()
+        portable(True)
+        want = lin(x)
+        portable(False)
+        got = lin(x)
+        assert got.dtype == torch.bfloat16 and (got.float() - want.float()).abs().max() <= 2 ** -7 * want.abs().max()
+    assert cpu_kernels.linear(torch.zeros(cpu_kernels.MAX_LINEAR_ROWS + 1, 256), lin.weight) is None
+
+    q = torch.randn(5, 4, 96, generator=gen).bfloat16()[..., :32]  # q_nope: a strided split of q
+    w_uk = torch.randn(4, 32, 512, generator=gen)
+    query = torch.zeros(5, 4, 576)
+    assert cpu_kernels.head_matmul(q, w_uk, query[..., :512])
+    want = torch.bmm(q.float().transpose(0, 1), w_uk).transpose(0, 1)
+    assert (query[..., :512] - want).abs().max() < 1e-4 and not query[..., 512:].any()
+    o_lat, w_uv = torch.randn(5, 4, 512, generator=gen), torch.randn(4, 512, 32, generator=gen)
+    o = torch.empty(5, 4 * 32, dtype=torch.bfloat16)
+    assert cpu_kernels.head_matmul(o_lat, w_uv, o.view(5, 4, 32))
+    want = torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(5, 128).bfloat16()
+    assert (o.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()

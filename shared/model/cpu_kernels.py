@@ -36,8 +36,10 @@ from shared.device import on_host
 # many heads: beyond them a batched matmul over the gathered rows reuses each row enough to win.
 MAX_QUERIES_PER_REQUEST = 8
 MAX_HEADS = 32
-# The fused MoE takes steps of at most this many tokens (decode): beyond, grouped matmuls win.
+# The fused MoE and per-head matmuls take steps of at most this many tokens (decode): beyond, grouped
+# and batched matmuls win. Plain linears switch earlier: a GEMM library is as fast from ~16 rows.
 MAX_MOE_ROWS = 64
+MAX_LINEAR_ROWS = 8
 
 _SOURCE = r"""
 #include <math.h>
@@ -408,6 +410,54 @@ void rope(const void *x, int64_t xs_row, int64_t xs_head, void *y, int64_t ys_ro
                 else ((float *)y)[i * ys_row + h * ys_head + k] = r;
             }
 }
+
+/* ---- Small matmuls of decode steps ---- */
+
+/* y[i] = w . x[i] for a few rows: w [m, k] fp32, x [n, k] (bf16 or fp32), y [n, m] rounded to x's dtype
+   (as layers.Linear: fp32 products, the output in the input's dtype). Each weight row is read once. */
+void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t n, int64_t k, int64_t m,
+                 int32_t threads) {
+    float *xf = malloc(sizeof(float) * n * k);
+    for (int64_t e = 0; e < n * k; e++) xf[e] = widen(x, x_bf16, e);
+    int64_t blocks = (m + RB - 1) / RB;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t r = b * RB; r < (b + 1) * RB && r < m; r++)
+            for (int64_t i = 0; i < n; i++) {
+                float v = dot(w + r * k, xf + i * k, k);
+                if (x_bf16) ((uint16_t *)y)[i * m + r] = narrow(v);
+                else ((float *)y)[i * m + r] = v;
+            }
+    free(xf);
+}
+
+/* y[i, h, :] = x[i, h, :] @ w[h] per head: x [n, heads, k] (strides xs_row, xs_head; bf16 or fp32),
+   w [heads, k, m] fp32, y [n, heads, m] (strides ys_row, ys_head; fp32, or bf16 rounded once at the end).
+   MLA's absorbed matmuls (q_nope . W_UK, o_lat . W_UV^T) for a few rows. */
+void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head, const float *w,
+                 void *y, int32_t y_bf16, int64_t ys_row, int64_t ys_head, int64_t n, int64_t heads,
+                 int64_t k, int64_t m, int32_t threads) {
+    #pragma omp parallel num_threads(threads) if (n * heads * k * m >= 262144)
+    {
+        float *acc = malloc(sizeof(float) * m);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < n * heads; t++) {
+            int64_t i = t / heads, h = t % heads;
+            for (int64_t c = 0; c < m; c++) acc[c] = 0.f;
+            for (int64_t j = 0; j < k; j++) {
+                float xv = widen(x, x_bf16, i * xs_row + h * xs_head + j);
+                const float *wr = w + (h * k + j) * m;
+                #pragma omp simd
+                for (int64_t c = 0; c < m; c++) acc[c] += xv * wr[c];
+            }
+            for (int64_t c = 0; c < m; c++) {
+                if (y_bf16) ((uint16_t *)y)[i * ys_row + h * ys_head + c] = narrow(acc[c]);
+                else ((float *)y)[i * ys_row + h * ys_head + c] = acc[c];
+            }
+        }
+        free(acc);
+    }
+}
 """
 
 # -march=native for the CPU the service runs on; 256-bit vectors even where GCC's tuning prefers 128 (AMD
@@ -469,6 +519,10 @@ def _build() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rope.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i32, i32]
     lib.rope.restype = None
+    lib.linear_rows.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
+    lib.linear_rows.restype = None
+    lib.head_matmul.argtypes = [ptr, i32, i64, i64, ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i32]
+    lib.head_matmul.restype = None
     return lib
 
 
@@ -605,3 +659,38 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     lib.rope(x.data_ptr(), x.stride(0), xs_head, out.data_ptr(), out.stride(0), ys_head, out.dtype == torch.bfloat16,
              n, heads, d, cos.data_ptr(), sin.data_ptr(), interleaved, x.dtype == torch.bfloat16)
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """layers.Linear's forward for a few host rows x [N, K] (bf16/fp32) and an fp32 weight [M, K]: one call,
+    the output in x's dtype. None where it does not apply."""
+    lib = library()
+    if (lib is None or x.dim() != 2 or x.shape[0] > MAX_LINEAR_ROWS or weight.dtype != torch.float32
+            or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] != weight.shape[1]
+            or not weight.is_contiguous() or not on_host(x) or not on_host(weight)
+            or torch.compiler.is_compiling()):
+        return None
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    lib.linear_rows(x.data_ptr(), x.dtype == torch.bfloat16, weight.data_ptr(), y.data_ptr(), x.shape[0],
+                    x.shape[1], weight.shape[0], torch.get_num_threads())
+    return y
+
+
+def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """out[i, h] = x[i, h] @ weight[h] for x [N, H, K] (bf16/fp32, last dim contiguous), weight [H, K, M]
+    fp32, out [N, H, M] (fp32, or bf16 rounded once; last dim contiguous): MLA's absorbed matmuls for
+    decode-sized steps. False (nothing written) where it does not apply."""
+    lib = library()
+    if (lib is None or x.dim() != 3 or x.shape[0] > MAX_MOE_ROWS or x.shape[1] > MAX_HEADS
+            or weight.dtype != torch.float32 or not weight.is_contiguous()
+            or x.dtype not in (torch.bfloat16, torch.float32) or out.dtype not in (torch.bfloat16, torch.float32)
+            or x.stride(-1) != 1 or out.stride(-1) != 1
+            or weight.shape[:2] != x.shape[1:] or out.shape != (*x.shape[:2], weight.shape[2])
+            or not on_host(x) or not on_host(out) or torch.compiler.is_compiling()):
+        return False
+    n, heads, k = x.shape
+    lib.head_matmul(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), x.stride(1), weight.data_ptr(),
+                    out.data_ptr(), out.dtype == torch.bfloat16, out.stride(0), out.stride(1), n, heads, k,
+                    weight.shape[2], torch.get_num_threads())
+    return True

@@ -16,6 +16,7 @@ from torch import nn
 from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
+from shared.model import cpu_kernels
 from shared.model.attention import dense_attention, sparse_attention
 from shared.model.batch import ForwardBatch, write_rows
 from shared.model.indexer import Indexer, Selection
@@ -93,7 +94,8 @@ class MLA(nn.Module):
             self.absorb()
         cdt = self.w_uk.dtype  # per-head matmuls: fp32 on CPUs without bf16 arithmetic
         query = q_nope.new_empty(n, self.n_heads, self.kv_lora_rank + self.rope_dim, dtype=cdt)
-        torch.bmm(q_nope.to(cdt).transpose(0, 1), self.w_uk, out=query[..., : self.kv_lora_rank].transpose(0, 1))
+        if not cpu_kernels.head_matmul(q_nope, self.w_uk, query[..., : self.kv_lora_rank]):  # decode on CPUs
+            torch.bmm(q_nope.to(cdt).transpose(0, 1), self.w_uk, out=query[..., : self.kv_lora_rank].transpose(0, 1))
         self.rotate(q_pe, rope, out=query[..., self.kv_lora_rank :])  # rotated in the model dtype, stored in cdt
         outputs = []
         for tokens, part in fb.attention_parts():  # one part unless the step mixes decodes and chunks
@@ -103,8 +105,11 @@ class MLA(nn.Module):
                                                 index_codec)
             outputs.append(self._attend(query[tokens], part, mla_pool, selection, mla_codec))
         o_lat = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, kv_lora_rank]
-        o = torch.bmm(o_lat.to(cdt).transpose(0, 1), self.w_uv_t)  # [H, N, v]
-        return self.o_proj(o.transpose(0, 1).reshape(n, self.n_heads * self.v_dim).to(x.dtype))
+        o = o_lat.new_empty(n, self.n_heads * self.v_dim, dtype=x.dtype)
+        if not cpu_kernels.head_matmul(o_lat, self.w_uv_t, o.view(n, self.n_heads, self.v_dim)):
+            o = torch.bmm(o_lat.to(cdt).transpose(0, 1), self.w_uv_t)  # [H, N, v]
+            o = o.transpose(0, 1).reshape(n, self.n_heads * self.v_dim).to(x.dtype)
+        return self.o_proj(o)
 
     def _attend(self, query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
                 sel: Selection | None, codec: RowCodec | None) -> torch.Tensor:
