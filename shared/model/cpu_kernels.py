@@ -40,6 +40,7 @@ MAX_HEADS = 32
 # and batched matmuls win. Plain linears switch earlier: a GEMM library is as fast from ~16 rows.
 MAX_MOE_ROWS = 64
 MAX_LINEAR_ROWS = 8
+_BF16_FLAG = {torch.bfloat16: 1, torch.float32: 0}  # the storage types the kernels take, as their bf16 flag
 
 _SOURCE = r"""
 #include <math.h>
@@ -439,22 +440,33 @@ void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head,
                  int64_t k, int64_t m, int32_t threads) {
     #pragma omp parallel num_threads(threads) if (n * heads * k * m >= 262144)
     {
-        float *acc = malloc(sizeof(float) * m);
+        float *xr = malloc(sizeof(float) * k), *acc = malloc(sizeof(float) * m);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < n * heads; t++) {
             int64_t i = t / heads, h = t % heads;
-            for (int64_t c = 0; c < m; c++) acc[c] = 0.f;
-            for (int64_t j = 0; j < k; j++) {
-                float xv = widen(x, x_bf16, i * xs_row + h * xs_head + j);
-                const float *wr = w + (h * k + j) * m;
-                #pragma omp simd
-                for (int64_t c = 0; c < m; c++) acc[c] += xv * wr[c];
+            for (int64_t j = 0; j < k; j++) xr[j] = widen(x, x_bf16, i * xs_row + h * xs_head + j);
+            const float *wh = w + h * k * m;
+            int64_t c0 = 0;
+            for (; c0 + 2 * DW <= m; c0 += 2 * DW) {  /* 16 outputs in two registers, w streamed once */
+                v8 a0 = {0}, a1 = {0};
+                for (int64_t j = 0; j < k; j++) {
+                    a0 += xr[j] * LOAD(wh + j * m + c0);
+                    a1 += xr[j] * LOAD(wh + j * m + c0 + DW);
+                }
+                STORE(acc + c0, a0);
+                STORE(acc + c0 + DW, a1);
+            }
+            for (; c0 < m; c0++) {
+                float a = 0.f;
+                for (int64_t j = 0; j < k; j++) a += xr[j] * wh[j * m + c0];
+                acc[c0] = a;
             }
             for (int64_t c = 0; c < m; c++) {
                 if (y_bf16) ((uint16_t *)y)[i * ys_row + h * ys_head + c] = narrow(acc[c]);
                 else ((float *)y)[i * ys_row + h * ys_head + c] = acc[c];
             }
         }
+        free(xr);
         free(acc);
     }
 }
@@ -624,15 +636,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """layers.RMSNorm's forward in one call for host tensors, x and weight both bf16 or both fp32 (the
     sum of squares runs in another order than torch's: equal to fp32 rounding); None where it does not
     apply (the caller runs the torch ops)."""
-    lib = library()
-    if (lib is None or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32)
-            or not on_host(x) or not on_host(weight) or x.shape[-1] != weight.shape[0]
-            or not weight.is_contiguous() or torch.compiler.is_compiling()):
+    lib, bf16 = library(), _BF16_FLAG.get(x.dtype)
+    if (lib is None or bf16 is None or x.dtype != weight.dtype or x.shape[-1] != weight.shape[0]
+            or not weight.is_contiguous() or not on_host(x) or not on_host(weight) or torch.compiler.is_compiling()):
         return None
     x = x.contiguous()
     y = torch.empty_like(x)
-    lib.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
-                 x.dtype == torch.bfloat16, torch.get_num_threads())
+    dim = weight.shape[0]
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps, bf16,
+                 torch.get_num_threads())
     return y
 
 
@@ -664,16 +676,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """layers.Linear's forward for a few host rows x [N, K] (bf16/fp32) and an fp32 weight [M, K]: one call,
     the output in x's dtype. None where it does not apply."""
-    lib = library()
-    if (lib is None or x.dim() != 2 or x.shape[0] > MAX_LINEAR_ROWS or weight.dtype != torch.float32
-            or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] != weight.shape[1]
-            or not weight.is_contiguous() or not on_host(x) or not on_host(weight)
+    lib, bf16 = library(), _BF16_FLAG.get(x.dtype)
+    if lib is None or bf16 is None or weight.dtype != torch.float32 or x.dim() != 2:
+        return None
+    (n, k), (m, wk) = x.shape, weight.shape
+    if (n > MAX_LINEAR_ROWS or k != wk or not weight.is_contiguous() or not on_host(x) or not on_host(weight)
             or torch.compiler.is_compiling()):
         return None
     x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    lib.linear_rows(x.data_ptr(), x.dtype == torch.bfloat16, weight.data_ptr(), y.data_ptr(), x.shape[0],
-                    x.shape[1], weight.shape[0], torch.get_num_threads())
+    y = torch.empty(n, m, dtype=x.dtype)
+    lib.linear_rows(x.data_ptr(), bf16, weight.data_ptr(), y.data_ptr(), n, k, m, torch.get_num_threads())
     return y
 
 
@@ -681,16 +693,14 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> boo
     """out[i, h] = x[i, h] @ weight[h] for x [N, H, K] (bf16/fp32, last dim contiguous), weight [H, K, M]
     fp32, out [N, H, M] (fp32, or bf16 rounded once; last dim contiguous): MLA's absorbed matmuls for
     decode-sized steps. False (nothing written) where it does not apply."""
-    lib = library()
-    if (lib is None or x.dim() != 3 or x.shape[0] > MAX_MOE_ROWS or x.shape[1] > MAX_HEADS
-            or weight.dtype != torch.float32 or not weight.is_contiguous()
-            or x.dtype not in (torch.bfloat16, torch.float32) or out.dtype not in (torch.bfloat16, torch.float32)
-            or x.stride(-1) != 1 or out.stride(-1) != 1
-            or weight.shape[:2] != x.shape[1:] or out.shape != (*x.shape[:2], weight.shape[2])
-            or not on_host(x) or not on_host(out) or torch.compiler.is_compiling()):
+    lib, x_bf16, out_bf16 = library(), _BF16_FLAG.get(x.dtype), _BF16_FLAG.get(out.dtype)
+    if lib is None or x_bf16 is None or out_bf16 is None or weight.dtype != torch.float32 or x.dim() != 3:
         return False
-    n, heads, k = x.shape
-    lib.head_matmul(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), x.stride(1), weight.data_ptr(),
-                    out.data_ptr(), out.dtype == torch.bfloat16, out.stride(0), out.stride(1), n, heads, k,
-                    weight.shape[2], torch.get_num_threads())
+    (n, heads, k), (_, _, m) = x.shape, weight.shape
+    if (n > MAX_MOE_ROWS or heads > MAX_HEADS or weight.shape != (heads, k, m) or out.shape != (n, heads, m)
+            or x.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous() or not on_host(x)
+            or not on_host(out) or torch.compiler.is_compiling()):
+        return False
+    lib.head_matmul(x.data_ptr(), x_bf16, x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(), out_bf16,
+                    out.stride(0), out.stride(1), n, heads, k, m, torch.get_num_threads())
     return True
