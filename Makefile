@@ -14,8 +14,8 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 .PHONY: demo test install lint bench proto clean system-deps corpus demo-model
 
 # System packages: RDMA verbs + rdmacm for Mooncake, prometheus (+ promtool) for the metrics test,
-# openssl for `pdserve certs` / `pdserve up --tls`, a C compiler for the CPU attention kernel
-# (shared/model/paged_mqa.py). Skipped when present or not root.
+# openssl for `pdserve certs` / `pdserve up --tls`, a C compiler for the CPU kernels
+# (shared/model/cpu_kernels.py). Skipped when present or not root.
 system-deps:
 	@missing=""; \
 	ldconfig -p | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
