@@ -46,7 +46,21 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
+
+/* Scratch is small (KBs to a few MB); running out of it is fatal and said so, never a NULL dereference. */
+static void *xmalloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) { fputs("pdserve cpu_kernels: out of memory\n", stderr); abort(); }
+    return p;
+}
+
+static void *xcalloc(size_t count, size_t size) {
+    void *p = calloc(count ? count : 1, size);
+    if (!p) { fputs("pdserve cpu_kernels: out of memory\n", stderr); abort(); }
+    return p;
+}
 
 #define TILE 32  /* rows whose scores stay in cache between the softmax and p.V */
 #define HB 4     /* heads per register block */
@@ -84,12 +98,12 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
     int32_t bad = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *qp = calloc(hp * dim, sizeof(float));
-        float *acc = malloc(sizeof(float) * hp * out_dim);
-        float *mx = malloc(sizeof(float) * hp);
-        float *sum = malloc(sizeof(float) * hp);
-        float *score = malloc(sizeof(float) * hp * TILE);
-        float *buf = pool_bf16 ? malloc(sizeof(float) * TILE * dim) : NULL;
+        float *qp = xcalloc(hp * dim, sizeof(float));
+        float *acc = xmalloc(sizeof(float) * hp * out_dim);
+        float *mx = xmalloc(sizeof(float) * hp);
+        float *sum = xmalloc(sizeof(float) * hp);
+        float *score = xmalloc(sizeof(float) * hp * TILE);
+        float *buf = pool_bf16 ? xmalloc(sizeof(float) * TILE * dim) : NULL;
         const float *rows[TILE];
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
@@ -272,9 +286,9 @@ static void expert_gemm(const float *w, int64_t rows, int64_t cols, const int64_
    to y. gate/up [I, D], down [D, I]. */
 static void shared_expert(const float *x, int64_t n, int64_t dim, const float *gate, const float *up,
                           const float *down, int64_t inter, int round_out, float *y, int threads) {
-    float *g = malloc(sizeof(float) * n * inter), *u = malloc(sizeof(float) * n * inter);
-    float *o = malloc(sizeof(float) * n * dim);
-    int64_t *order = malloc(sizeof(int64_t) * n), start[2] = {0, n}, active[1] = {0};
+    float *g = xmalloc(sizeof(float) * n * inter), *u = xmalloc(sizeof(float) * n * inter);
+    float *o = xmalloc(sizeof(float) * n * dim);
+    int64_t *order = xmalloc(sizeof(int64_t) * n), start[2] = {0, n}, active[1] = {0};
     for (int64_t i = 0; i < n; i++) order[i] = i;
     expert_gemm(gate, inter, dim, order, start, active, 1, x, dim, g, inter, threads);
     expert_gemm(up, inter, dim, order, start, active, 1, x, dim, u, inter, threads);
@@ -298,15 +312,15 @@ int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, 
                    const float *shared_gate, const float *shared_up, const float *shared_down, int64_t shared_inter,
                    float *y, int64_t *ids_out, int32_t threads) {
     int64_t picks = n * top_k;
-    float *wts = malloc(sizeof(float) * picks);
-    float *gu = malloc(sizeof(float) * picks * 2 * inter);
-    float *act = malloc(sizeof(float) * picks * inter);
-    float *o = malloc(sizeof(float) * picks * dim);
-    int64_t *order = malloc(sizeof(int64_t) * picks), *start = calloc(experts + 1, sizeof(int64_t));
-    int64_t *active = malloc(sizeof(int64_t) * experts), num_active = 0;
+    float *wts = xmalloc(sizeof(float) * picks);
+    float *gu = xmalloc(sizeof(float) * picks * 2 * inter);
+    float *act = xmalloc(sizeof(float) * picks * inter);
+    float *o = xmalloc(sizeof(float) * picks * dim);
+    int64_t *order = xmalloc(sizeof(int64_t) * picks), *start = xcalloc(experts + 1, sizeof(int64_t));
+    int64_t *active = xmalloc(sizeof(int64_t) * experts), num_active = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *score = malloc(sizeof(float) * experts), *biased = malloc(sizeof(float) * experts);
+        float *score = xmalloc(sizeof(float) * experts), *biased = xmalloc(sizeof(float) * experts);
         #pragma omp for
         for (int64_t i = 0; i < n; i++)
             route(x + i * dim, dim, gate_w, bias, experts, n_group, topk_group, top_k, norm, scaling,
@@ -318,12 +332,12 @@ int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, 
         if (start[e + 1]) active[num_active++] = e;
         start[e + 1] += start[e];
     }
-    int64_t *fill = malloc(sizeof(int64_t) * experts);
+    int64_t *fill = xmalloc(sizeof(int64_t) * experts);
     memcpy(fill, start, sizeof(int64_t) * experts);
     for (int64_t p = 0; p < picks; p++) order[fill[ids_out[p]]++] = p;
     free(fill);
     /* the gemms address inputs by pick: row p of x is x[p / top_k] */
-    float *xp = malloc(sizeof(float) * picks * dim);
+    float *xp = xmalloc(sizeof(float) * picks * dim);
     for (int64_t p = 0; p < picks; p++) memcpy(xp + p * dim, x + (p / top_k) * dim, sizeof(float) * dim);
     expert_gemm(gate_up, 2 * inter, dim, order, start, active, num_active, xp, dim, gu, 2 * inter, threads);
     for (int64_t p = 0; p < picks; p++)
@@ -418,7 +432,7 @@ void rope(const void *x, int64_t xs_row, int64_t xs_head, void *y, int64_t ys_ro
    (as layers.Linear: fp32 products, the output in the input's dtype). Each weight row is read once. */
 void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t n, int64_t k, int64_t m,
                  int32_t threads) {
-    float *xf = malloc(sizeof(float) * n * k);
+    float *xf = xmalloc(sizeof(float) * n * k);
     for (int64_t e = 0; e < n * k; e++) xf[e] = widen(x, x_bf16, e);
     int64_t blocks = (m + RB - 1) / RB;
     #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
@@ -440,7 +454,7 @@ void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head,
                  int64_t k, int64_t m, int32_t threads) {
     #pragma omp parallel num_threads(threads) if (n * heads * k * m >= 262144)
     {
-        float *xr = malloc(sizeof(float) * k), *acc = malloc(sizeof(float) * m);
+        float *xr = xmalloc(sizeof(float) * k), *acc = xmalloc(sizeof(float) * m);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < n * heads; t++) {
             int64_t i = t / heads, h = t % heads;
