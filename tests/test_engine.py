@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
+from shared.model.batch import SeqChunk
 from tests.helpers import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -214,3 +216,26 @@ def test_preemption_takes_the_least_urgent_request_first(sparse_path):
     assert [s.output_token_ids for s in seqs] == want
     print("preemptions (victim, least urgent running):", victims)
     assert victims and victims[0][0] == 1 and all(v == worst for v, worst in victims)
+
+
+def test_decode_step_indices_equal_the_general_ones():
+    """A decode step's batch tensors come from host lists (fewer ops); they equal what the general
+    builder makes of the same step, on random block tables, positions and block sizes."""
+    import random
+
+    from shared.model import batch
+
+    rng = random.Random(0)
+    for _ in range(100):
+        bs = rng.choice([1, 4, 16])
+        chunks = []
+        for _ in range(rng.randint(1, 12)):
+            start = rng.randint(0, 90)
+            table = rng.sample(range(500), start // bs + 1 + rng.randint(0, 2))
+            chunks.append(SeqChunk([rng.randint(0, 99)], start, table))
+        n_blocks = max(len(c.block_table) for c in chunks)
+        tables = torch.tensor([c.block_table + [0] * (n_blocks - len(c.block_table)) for c in chunks])
+        fast = batch._decode_indices(chunks, [1] * len(chunks), tables, bs)
+        general = batch._chunk_indices(chunks, [1] * len(chunks), tables, bs)
+        for a, b in zip(fast, general):
+            assert a.dtype == b.dtype and torch.equal(a, b)

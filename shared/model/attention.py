@@ -67,9 +67,8 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
     if codec is None and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST and heads <= cpu_kernels.MAX_HEADS:
         flat = query.reshape(r_all * s_all, heads, dim).to(cdt)
         if cpu_kernels.attention_usable(flat, pool, out_dim):  # few queries per row read: fused, rows read in place
-            requests = torch.arange(r_all, device=query.device).repeat_interleave(s_all)
-            out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, size, requests, (fb.query_pos + 1).view(-1),
-                                      scale, out_dim)
+            requests, counts = fb.query_rows
+            out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, size, requests, counts, scale, out_dim)
             return out.view(r_all, s_all, heads, out_dim).to(query.dtype)
     isz = torch.empty((), dtype=cdt).element_size()
     tiles = plan_tiles(r_all, s_all, t_pad, size, per_pair=heads * (4 + isz),

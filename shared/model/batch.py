@@ -9,6 +9,7 @@ Everything here is computed once per step, not once per layer.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -79,6 +80,13 @@ class ForwardBatch:
             return x.reshape(-1, *x.shape[2:])
         return x[self.query_valid]
 
+    @functools.cached_property
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per padded query (flat [R·S_max]): its request row, and how many context positions it sees
+        (position + 1): the fused CPU attention's inputs, made once per step for every layer."""
+        r, s = self.query_pos.shape
+        return (torch.arange(r, device=self.query_pos.device).repeat_interleave(s), (self.query_pos + 1).view(-1))
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
@@ -117,22 +125,11 @@ class ForwardBatch:
 
         tables = torch.tensor([c.block_table[:n_blocks] + [0] * (n_blocks - len(c.block_table[:n_blocks]))
                                for c in chunks], dtype=torch.long)  # one tensor for the whole step
-        starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.long)
-        lens_t = torch.tensor(lens, dtype=torch.long)
         ctx_t = torch.tensor(ctx, dtype=torch.long)
-
-        s = torch.arange(s_max)
-        query_valid = s[None, :] < lens_t[:, None]
-        offsets = torch.cumsum(lens_t, 0) - lens_t
-        query_index = torch.where(query_valid, offsets[:, None] + s[None, :], torch.zeros(()).long())
-        query_pos = torch.where(query_valid, starts[:, None] + s[None, :], torch.zeros(()).long())
-
         uniform = min(lens) == s_max
-        positions = query_pos.view(-1) if uniform else query_pos[query_valid]
-        rows = torch.arange(num_seqs)
-        token_request = (rows.repeat_interleave(s_max) if uniform
-                         else torch.repeat_interleave(rows, lens_t, output_size=len(positions)))
-        slot_mapping = tables[token_request, positions // block_size] * block_size + positions % block_size
+        indices = _decode_indices if s_max == 1 else _chunk_indices  # the same tensors; decode's in fewer ops
+        positions, slot_mapping, token_request, query_index, query_valid, query_pos = indices(chunks, lens, tables,
+                                                                                             block_size)
         ends = itertools.accumulate(lens)  # host-side: no per-request tensor indexing
         logits_index = [i for end, c in zip(ends, chunks) if c.need_logits for i in range(end - c.num_logits, end)]
         input_ids = torch.tensor([tok for c in chunks for tok in c.token_ids], dtype=torch.long)
@@ -166,6 +163,39 @@ class ForwardBatch:
             uniform=uniform,
             workspace_bytes=workspace_bytes,
         )
+
+
+StepIndices = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _chunk_indices(chunks: list[SeqChunk], lens: list[int], tables: torch.Tensor, block_size: int) -> StepIndices:
+    """(positions, slot_mapping, token_request, query_index, query_valid, query_pos) of any step."""
+    num_seqs, s_max = len(chunks), max(lens)
+    starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.long)
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    s = torch.arange(s_max)
+    query_valid = s[None, :] < lens_t[:, None]
+    offsets = torch.cumsum(lens_t, 0) - lens_t
+    query_index = torch.where(query_valid, offsets[:, None] + s[None, :], torch.zeros(()).long())
+    query_pos = torch.where(query_valid, starts[:, None] + s[None, :], torch.zeros(()).long())
+    uniform = min(lens) == s_max
+    positions = query_pos.view(-1) if uniform else query_pos[query_valid]
+    rows = torch.arange(num_seqs)
+    token_request = (rows.repeat_interleave(s_max) if uniform
+                     else torch.repeat_interleave(rows, lens_t, output_size=len(positions)))
+    slot_mapping = tables[token_request, positions // block_size] * block_size + positions % block_size
+    return positions, slot_mapping, token_request, query_index, query_valid, query_pos
+
+
+def _decode_indices(chunks: list[SeqChunk], lens: list[int], tables: torch.Tensor, block_size: int) -> StepIndices:
+    """The same for a step of one token per request, from host lists: a decode step is overhead-bound."""
+    starts = [c.start_pos for c in chunks]
+    positions = torch.tensor(starts, dtype=torch.long)
+    rows = torch.arange(len(chunks))
+    slot_mapping = torch.tensor([c.block_table[p // block_size] * block_size + p % block_size
+                                 for c, p in zip(chunks, starts)], dtype=torch.long)
+    return (positions, slot_mapping, rows, rows.view(-1, 1), torch.ones(len(chunks), 1, dtype=torch.bool),
+            positions.view(-1, 1))
 
 
 def _similar_runs(lens: list[int]) -> list[tuple[int, int]]:
