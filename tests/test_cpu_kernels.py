@@ -258,3 +258,43 @@ def test_fused_linear_and_head_matmul_match_torch(portable):
     assert cpu_kernels.head_matmul(o_lat, w_uv, o.view(5, 4, 32))
     want = torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(5, 128).bfloat16()
     assert (o.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
+def test_fused_mla_cache_row_write(portable, dtype, pool_dtype):
+    """[RMSNorm(c_kv) | RoPE(k_pe)] written straight at each token's slot: the same bits as the norm
+    and rope kernels followed by the cat + scatter, and the portable torch ops' result to a rounding step;
+    a slot outside the pool is refused."""
+    from shared.model.batch import write_rows
+    from shared.model.layers import RMSNorm
+    from shared.model.rope import RopeAngles, rope_interleaved
+
+    gen = torch.Generator().manual_seed(13)
+    n, c, r = 6, 512, 64
+    kv = torch.randn(n, c + r, generator=gen).to(dtype)
+    norm = RMSNorm(c, 1e-6, dtype)
+    norm.weight.data.copy_(torch.rand(c, generator=gen) + 0.5)
+    angles = torch.rand(n, r // 2, generator=gen) * 6
+    rope = RopeAngles.of(angles.cos().to(dtype), angles.sin().to(dtype))
+    slots = torch.tensor([3, 17, 0, 40, 41, 9])
+    fb = type("Step", (), {"slot_mapping": slots, "cp": None})()
+
+    def unfused() -> torch.Tensor:
+        pool = torch.zeros(4, 16, c + r, dtype=pool_dtype)
+        row = torch.cat([norm(kv[:, :c]), rope_interleaved(kv[:, c:], rope)], -1)
+        write_rows(pool, fb, row)
+        return pool
+
+    portable(True)
+    torch_ops = unfused()
+    portable(False)
+    kernels = unfused()
+    fused = torch.zeros(4, 16, c + r, dtype=pool_dtype)
+    assert cpu_kernels.mla_kv_write(kv, norm.weight, 1e-6, rope.inter_cos, rope.inter_sin, True, fused, slots)
+    assert torch.equal(fused, kernels)
+    step = 2 ** -7 if torch.bfloat16 in (dtype, pool_dtype) else 1e-5
+    assert ((fused.float() - torch_ops.float()).abs() <= step * torch_ops.float().abs() + 1e-6).all()
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        cpu_kernels.mla_kv_write(kv, norm.weight, 1e-6, rope.inter_cos, rope.inter_sin, True, fused,
+                                 torch.tensor([3, 17, 0, 64, 41, 9]))

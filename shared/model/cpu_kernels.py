@@ -377,53 +377,75 @@ static inline uint16_t narrow(float f) {  /* fp32 -> bf16 bits, round to nearest
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+static inline void put(void *y, int y_bf16, int64_t k, float v) {  /* store as bf16 bits or as fp32 */
+    if (y_bf16) ((uint16_t *)y)[k] = narrow(v);
+    else ((float *)y)[k] = v;
+}
+
+/* One row: y[yoff + d] = w[d] * round(x[xoff + d] / rms(x)) in x's arithmetic (bf16: the normalized value
+   and the product rounded to bf16), stored bf16 or fp32. */
+static void norm_row(const void *x, int64_t xoff, int bf16, const void *w, int64_t dim, float eps,
+                     void *y, int64_t yoff, int y_bf16) {
+    float ss = 0.f;
+    for (int64_t d = 0; d < dim; d++) { float v = widen(x, bf16, xoff + d); ss += v * v; }
+    float r = 1.f / sqrtf(ss / (float)dim + eps);
+    for (int64_t d = 0; d < dim; d++) {
+        float v = widen(x, bf16, xoff + d) * r;
+        put(y, y_bf16, yoff + d, bf16 ? round_bf16(widen(w, 1, d) * round_bf16(v)) : ((const float *)w)[d] * v);
+    }
+}
+
 /* x, w and y all bf16 (bf16 != 0) or all fp32; rows of `dim` values. */
 void rms_norm(const void *x, const void *w, void *y, int64_t n, int64_t dim, float eps, int32_t bf16,
               int32_t threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (n * dim >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        float ss = 0.f;
-        for (int64_t d = 0; d < dim; d++) { float v = widen(x, bf16, i * dim + d); ss += v * v; }
-        float r = 1.f / sqrtf(ss / (float)dim + eps);
-        for (int64_t d = 0; d < dim; d++) {
-            float v = widen(x, bf16, i * dim + d) * r;
-            if (bf16) {
-                uint32_t u = (uint32_t)narrow(v) << 16;
-                memcpy(&v, &u, 4);
-                ((uint16_t *)y)[i * dim + d] = narrow(widen(w, 1, d) * v);
-            } else {
-                ((float *)y)[i * dim + d] = ((const float *)w)[d] * v;
-            }
-        }
-    }
+    for (int64_t i = 0; i < n; i++) norm_row(x, i * dim, bf16, w, dim, eps, y, i * dim, bf16);
 }
 
 /* ---- RoPE: y = x * cos + swap(x) * sin (rope.RopeAngles' widened tables, sign folded into sin) ---- */
 
-/* Rows [n, heads, d] of x (strides xs_row, xs_head; the last dim contiguous) into y (ys_row, ys_head; bf16
-   or fp32 storage). interleaved: swap(x) exchanges pairs (2i, 2i+1), else the halves (NeoX). cos/sin [n, d]
-   in x's dtype. In bf16 each product and the sum is rounded, as torch's bf16 ops do; fp32 is not fused
-   into FMAs, so both match torch bit for bit. */
+/* One rotary vector of d values at x[xoff..] with cos/sin[coff..]; interleaved: swap(x) exchanges pairs
+   (2i, 2i+1), else the halves (NeoX). In bf16 each product and the sum is rounded, as torch's bf16 ops
+   do; fp32 is not fused into FMAs, so both match torch bit for bit. */
 __attribute__((optimize("fp-contract=off")))
+static void rope_row(const void *x, int64_t xoff, int bf16, const void *cos, const void *sin, int64_t coff,
+                     int64_t d, int interleaved, void *y, int64_t yoff, int y_bf16) {
+    int64_t half = d / 2;
+    for (int64_t k = 0; k < d; k++) {
+        int64_t other = interleaved ? (k ^ 1) : (k < half ? k + half : k - half);
+        float xv = widen(x, bf16, xoff + k), sv = widen(x, bf16, xoff + other);
+        float c = widen(cos, bf16, coff + k), s = widen(sin, bf16, coff + k);
+        float a = xv * c, b = sv * s;
+        put(y, y_bf16, yoff + k, bf16 ? round_bf16(round_bf16(a) + round_bf16(b)) : a + b);
+    }
+}
+
+/* Rows [n, heads, d] of x (strides xs_row, xs_head; the last dim contiguous) into y (ys_row, ys_head; bf16
+   or fp32 storage), cos/sin [n, d] in x's dtype. */
 void rope(const void *x, int64_t xs_row, int64_t xs_head, void *y, int64_t ys_row, int64_t ys_head, int32_t y_bf16,
           int64_t n, int64_t heads, int64_t d, const void *cos, const void *sin, int32_t interleaved, int32_t bf16) {
-    int64_t half = d / 2;
     for (int64_t i = 0; i < n; i++)
         for (int64_t h = 0; h < heads; h++)
-            for (int64_t k = 0; k < d; k++) {
-                int64_t other = interleaved ? (k ^ 1) : (k < half ? k + half : k - half);
-                int64_t at = i * xs_row + h * xs_head;
-                float xv = widen(x, bf16, at + k), sv = widen(x, bf16, at + other);
-                float c = widen(cos, bf16, i * d + k), s = widen(sin, bf16, i * d + k);
-                float r;
-                if (bf16) r = round_bf16(round_bf16(xv * c) + round_bf16(sv * s));
-                else {
-                    float a = xv * c, b = sv * s;
-                    r = a + b;
-                }
-                if (y_bf16) ((uint16_t *)y)[i * ys_row + h * ys_head + k] = narrow(r);
-                else ((float *)y)[i * ys_row + h * ys_head + k] = r;
-            }
+            rope_row(x, i * xs_row + h * xs_head, bf16, cos, sin, i * d, d, interleaved, y, i * ys_row + h * ys_head,
+                     y_bf16);
+}
+
+/* ---- MLA's cache row: [kv_norm(c_kv) | rope(k_pe)] of each new token, stored straight at its slot ---- */
+
+/* kv [n, c + r] (x's dtype: bf16 or fp32, contiguous): the kv_a projection of the step's tokens; the row
+   of token i goes to pool slot slots[i] (rows of c + r values, bf16 or fp32 storage). Returns 1 if a slot
+   is outside the pool (that token is not written), else 0. */
+int32_t mla_kv_write(const void *kv, int32_t bf16, int64_t n, int64_t c, int64_t r, const void *norm_w, float eps,
+                     const void *cos, const void *sin, int32_t interleaved, void *pool, int32_t pool_bf16,
+                     int64_t num_slots, const int64_t *slots) {
+    int32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= num_slots) { bad = 1; continue; }
+        int64_t src = i * (c + r), dst = slots[i] * (c + r);
+        norm_row(kv, src, bf16, norm_w, c, eps, pool, dst, pool_bf16);
+        rope_row(kv, src + c, bf16, cos, sin, i * r, r, interleaved, pool, dst + c, pool_bf16);
+    }
+    return bad;
 }
 
 /* ---- Small matmuls of decode steps ---- */
@@ -545,6 +567,8 @@ def _build() -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rope.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i32, i32]
     lib.rope.restype = None
+    lib.mla_kv_write.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i32, i64, ptr]
+    lib.mla_kv_write.restype = ctypes.c_int32
     lib.linear_rows.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
     lib.linear_rows.restype = None
     lib.head_matmul.argtypes = [ptr, i32, i64, i64, ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i32]
@@ -717,4 +741,29 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> boo
         return False
     lib.head_matmul(x.data_ptr(), x_bf16, x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(), out_bf16,
                     out.stride(0), out.stride(1), n, heads, k, m, torch.get_num_threads())
+    return True
+
+
+def mla_kv_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool, pool: torch.Tensor, slots: torch.Tensor) -> bool:
+    """MLA's new cache rows in one call: row i = [RMSNorm(kv[i, :c]) | RoPE(kv[i, c:])] (the same bits as
+    rms_norm and rope here), written at pool slot slots[i]. kv [N, c + r] and norm_weight in the model
+    dtype (bf16/fp32), cos/sin [N, r], pool [blocks, block_size, c + r] (bf16/fp32). False (nothing
+    written) where it does not apply."""
+    lib, bf16, pool_bf16 = library(), _BF16_FLAG.get(kv.dtype), _BF16_FLAG.get(pool.dtype)
+    if lib is None or bf16 is None or pool_bf16 is None or kv.dim() != 2 or not kv.is_contiguous():
+        return False
+    (n, width), c = kv.shape, norm_weight.shape[0]
+    if (norm_weight.dtype != kv.dtype or cos.dtype != kv.dtype or sin.dtype != kv.dtype
+            or cos.shape != (n, width - c) or sin.shape != (n, width - c) or pool.shape[-1] != width
+            or slots.shape != (n,) or slots.dtype != torch.int64 or not pool.is_contiguous()
+            or not norm_weight.is_contiguous() or not on_host(kv) or not on_host(pool)
+            or torch.compiler.is_compiling()):
+        return False
+    cos, sin = cos.contiguous(), sin.contiguous()
+    bad = lib.mla_kv_write(kv.data_ptr(), bf16, n, c, width - c, norm_weight.data_ptr(), eps, cos.data_ptr(),
+                           sin.data_ptr(), interleaved, pool.data_ptr(), pool_bf16, pool.numel() // width,
+                           slots.contiguous().data_ptr())
+    if bad:
+        raise ValueError("mla_kv_write: a slot is outside the KV pool")
     return True

@@ -84,9 +84,14 @@ class MLA(nn.Module):
         q = q.view(n, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
 
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        row = torch.cat([self.kv_a_layernorm(c_kv), self.rotate(k_pe, rope)], -1)
-        write_rows(mla_pool, fb, row if mla_codec is None else mla_codec.encode(row))
+        kv = self.kv_a_proj_with_mqa(x)
+        inter, norm = self.rotate is rope_interleaved, self.kv_a_layernorm
+        cos, sin = (rope.inter_cos, rope.inter_sin) if inter else (rope.neox_cos, rope.neox_sin)
+        if mla_codec is not None or fb.cp is not None or not cpu_kernels.mla_kv_write(
+                kv, norm.weight, norm.eps, cos, sin, inter, mla_pool, fb.slot_mapping):  # CPUs: one call
+            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], -1)
+            row = torch.cat([norm(c_kv), self.rotate(k_pe, rope)], -1)
+            write_rows(mla_pool, fb, row if mla_codec is None else mla_codec.encode(row))
 
         index_query = self.indexer(x, qr, rope, fb, index_pool, index_codec) if self.indexer is not None else None
 
