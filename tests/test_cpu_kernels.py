@@ -31,7 +31,7 @@ def _batch(contexts: list[int], queries: int, gen: torch.Generator) -> tuple[For
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     chunks, used = [], 0
     for c, n in zip(contexts, need):
-        chunks.append(SeqChunk([1] * queries, c - queries, order[used : used + n]))
+        chunks.append(SeqChunk([1] * queries, c - queries, order[used : used + n], generated=True))
         used += n
     return ForwardBatch.build(chunks, BLOCK, torch.device("cpu")), num_blocks
 
@@ -84,8 +84,8 @@ def test_sparse_picks_with_a_mask_match_the_portable_path(portable):
 
 
 def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
-    """Where a gathered row is reused enough (many queries per request, or many heads), the batched
-    matmul path runs: the kernel is never called."""
+    """Where a gathered row is reused enough (many queries per request, or many heads), and for prompt
+    chunks, the batched matmul path runs: the kernel is never called."""
     monkeypatch.setattr(cpu_kernels, "paged_mqa", lambda *a, **k: pytest.fail("fused kernel used"))
     gen = torch.Generator().manual_seed(4)
     fb, num_blocks = _batch([40, 60], cpu_kernels.MAX_QUERIES_PER_REQUEST + 1, gen)
@@ -94,6 +94,8 @@ def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
     fb, num_blocks = _batch([40, 60], 1, gen)
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
     attention.dense_attention(torch.randn(2, 1, cpu_kernels.MAX_HEADS + 1, 576), fb, pool, 0.1, 512)
+    fb.generated = 0  # the same one-query step, as prompt tokens
+    attention.dense_attention(torch.randn(2, 1, 4, 576), fb, pool, 0.1, 512)
 
 
 def test_positions_and_slots_are_checked():
@@ -146,9 +148,10 @@ def test_an_unwritable_cache_falls_back_with_a_warning(monkeypatch, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("groups", [(2, 1, 2, 8), (1, 1, 2, 8), (4, 2, 4, 16)])  # n_group, topk_group, top_k, E
 def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
-    """The fused router + routed experts (+ the shared expert in torch) picks the same experts as
-    moe.Gate and gives moe.MoE's portable output: equal in bf16 at decode sizes, to fp32 rounding in
-    fp32; steps above MAX_MOE_ROWS keep the grouped matmuls."""
+    """The fused router + routed + shared experts picks moe.Gate's experts and gives moe.MoE's portable
+    output (bf16: within a rounding step; fp32: to rounding) for the generated rows of a step, any
+    number of them (chunked past MOE_CHUNK_ROWS), while the step's prompt rows keep the portable path;
+    outside a step (no generated rows) nothing is fused."""
     from shared.config import ModelConfig
     from shared.loader.tiny import make_config
     from shared.model.moe import MoE
@@ -160,26 +163,34 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
     gen = torch.Generator().manual_seed(experts + top_k)
     for p in moe.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    calls = []
     real = cpu_kernels.moe_routed
+    fused_rows: list[int] = []
+
+    def counting(x: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        fused_rows.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
     with torch.inference_mode():
-        for rows in (1, 8, cpu_kernels.MAX_MOE_ROWS, cpu_kernels.MAX_MOE_ROWS + 1):
+        for rows, generated in ((1, 1), (8, 8), (cpu_kernels.MOE_CHUNK_ROWS + 5, cpu_kernels.MOE_CHUNK_ROWS + 5),
+                                (10, 4), (6, 0)):
             x = torch.randn(rows, cfg.hidden_size, generator=gen).to(dtype)
             portable(True)
-            want = moe(x)
+            want, prompt_rows = moe(x), moe(x[generated:])
             want_ids, _ = moe.gate(x)
             portable(False)
-            calls.clear()
-            cpu_kernels.moe_routed = lambda *a, **k: calls.append(1) or real(*a, **k)
+            fused_rows.clear()
+            cpu_kernels.moe_routed = counting
             try:
-                got = moe(x)
+                with cpu_kernels.step_rows(rows, generated):
+                    got = moe(x)
             finally:
                 cpu_kernels.moe_routed = real
-            assert bool(calls) == (rows <= cpu_kernels.MAX_MOE_ROWS)
-            if calls:
-                _, ids = real(x, moe.gate.weight, moe.gate.e_score_correction_bias, n_group, topk_group, top_k,
-                              True, moe.gate.scaling, moe.experts.gate_up_proj, moe.experts.down_proj)
-                assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+            assert fused_rows == ([generated] if generated else [])
+            if generated:
+                _, ids = real(x[:generated], moe.gate.weight, moe.gate.e_score_correction_bias, n_group, topk_group,
+                              top_k, True, moe.gate.scaling, moe.experts.gate_up_proj, moe.experts.down_proj)
+                assert torch.equal(ids.sort(-1).values, want_ids[:generated].sort(-1).values)
+            assert torch.equal(got[generated:], prompt_rows)  # prompt rows: the portable path itself
             err = (got.float() - want.float()).abs().max().item()
             assert err <= (1e-5 if dtype == torch.float32 else 2 ** -7) * want.float().abs().max().item(), err
 
@@ -231,21 +242,24 @@ def test_fused_rope_is_bitwise_torch(portable, dtype, layout):
 
 
 def test_fused_linear_and_head_matmul_match_torch(portable):
-    """Decode-sized linears (≤ MAX_LINEAR_ROWS rows) and MLA's per-head absorbed matmuls in one call
-    each: torch's result to a bf16 rounding step (fp32 sums in another order), strided views included."""
+    """The generated rows of a step's linears, and MLA's per-head absorbed matmuls, in one call each:
+    torch's result to a bf16 rounding step (fp32 sums in another order), strided views included; the
+    step's prompt rows are the portable path's own."""
     from shared.model.layers import Linear
 
     gen = torch.Generator().manual_seed(12)
     lin = Linear(256, 96, bias=False)
     lin.weight.data.copy_(torch.randn(96, 256, generator=gen) * 0.05)
-    for rows in (1, cpu_kernels.MAX_LINEAR_ROWS):
+    for rows, generated in ((1, 1), (40, 40), (12, 5)):
         x = torch.randn(rows, 256, generator=gen).bfloat16()
         portable(True)
         want = lin(x)
         portable(False)
-        got = lin(x)
+        with cpu_kernels.step_rows(rows, generated):
+            got = lin(x)
         assert got.dtype == torch.bfloat16 and (got.float() - want.float()).abs().max() <= 2 ** -7 * want.abs().max()
-    assert cpu_kernels.linear(torch.zeros(cpu_kernels.MAX_LINEAR_ROWS + 1, 256), lin.weight) is None
+        assert torch.equal(got[generated:], want[generated:])
+    assert torch.equal(lin(x), want)  # outside a step: no generated rows, the portable path
 
     q = torch.randn(5, 4, 96, generator=gen).bfloat16()[..., :32]  # q_nope: a strided split of q
     w_uk = torch.randn(4, 32, 512, generator=gen)
@@ -298,3 +312,33 @@ def test_fused_mla_cache_row_write(portable, dtype, pool_dtype):
     with pytest.raises(ValueError, match="outside the KV pool"):
         cpu_kernels.mla_kv_write(kv, norm.weight, 1e-6, rope.inter_cos, rope.inter_sin, True, fused,
                                  torch.tensor([3, 17, 0, 64, 41, 9]))
+
+
+def test_decode_rows_are_batch_invariant(tmp_path):
+    """A generated token's logits are the same bits whether it is decoded alone or beside 69 other
+    requests (linears past a GEMM library's small sizes, MoE past one kernel chunk): every kernel on
+    generated rows computes each row on its own. (Prompt rows keep the portable path, whose grouped
+    expert matmuls may round differently with the step's composition, as before.)"""
+    from shared.kvcache import KVCache, KVLayout
+    from shared.loader.checkpoint import load_model
+    from shared.loader.tiny import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "m", "deepseek_v3", tokenizer=False, num_hidden_layers=3)
+    model, _ = load_model(path, "bfloat16", "cpu")
+    bs = 4
+    kv = KVCache(KVLayout.from_model_config(model.config, bs, torch.float32), 1024, torch.device("cpu"))
+    prompts = [[(7 * i + j) % 1000 + 2 for j in range(9 + i % 5)] for i in range(70)]
+    tables = [kv.allocator.allocate(kv.blocks_needed(len(p) + 1)) for p in prompts]
+
+    def prefill(ids: list[int]) -> None:
+        model(ForwardBatch.build([SeqChunk(prompts[i], 0, tables[i]) for i in ids], bs, torch.device("cpu")), kv)
+
+    def decode(ids: list[int]) -> torch.Tensor:
+        chunks = [SeqChunk([5], len(prompts[i]), tables[i], generated=True) for i in ids]
+        return model(ForwardBatch.build(chunks, bs, torch.device("cpu")), kv)
+
+    prefill(list(range(70)))
+    alone = decode([0])[0]
+    batched = decode(list(range(70)))[0]  # rewrites request 0's new row with the same bits
+    assert torch.equal(alone, batched)
+    assert torch.equal(decode([0, 69])[0], alone)

@@ -175,7 +175,8 @@ class LLMEngine:
         with `return_hidden`, every token's post-norm hidden state, for the MTP drafter)."""
         seq_chunks = [
             SeqChunk(c.seq.token_slice(c.seq.num_cached, c.seq.num_cached + c.num_tokens),
-                     c.seq.num_cached, c.seq.block_table, need_logits=c.completes)
+                     c.seq.num_cached, c.seq.block_table, need_logits=c.completes,
+                     generated=c.seq.num_cached >= len(c.seq.prompt_token_ids))
             for c in chunks
         ]
         logits = self.policy.forward(self, seq_chunks, layer_done, return_hidden)

@@ -79,7 +79,8 @@ class MtpSpeculator:
                 draft = None  # no room for the drafts' KV: verify none this step
             tokens = seq.token_slice(start, start + c.num_tokens) + (draft.tokens if draft else [])
             seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
-                                       num_logits=1 + len(draft.tokens) if draft else 1))
+                                       num_logits=1 + len(draft.tokens) if draft else 1,
+                                       generated=start >= len(seq.prompt_token_ids)))
             drafts.append(draft)
         logits, hidden = engine.policy.forward(engine, seq_chunks, return_hidden=True)
 
@@ -161,7 +162,8 @@ class MtpSpeculator:
             decodes = draft and seq.num_uncached == 1 and bool(seq.output_token_ids)
             ids = seq.token_slice(start + 1, end + 1) if next_token is None else \
                 seq.token_slice(start + 1, end) + [next_token]
-            chunks.append(SeqChunk(ids, start, seq.block_table, need_logits=decodes))
+            chunks.append(SeqChunk(ids, start, seq.block_table, need_logits=decodes,
+                                   generated=start >= len(seq.prompt_token_ids)))
             rows.append(torch.arange(offset, offset + end - start))
             if decodes:
                 drafting.append(seq)
@@ -182,7 +184,7 @@ class MtpSpeculator:
                     if not engine.scheduler.ensure_blocks(seq, pos + 1):
                         budgets[i] = k  # no room: stop drafting this request
                         continue
-                    batch.append(SeqChunk([state[seq.request_id].tokens[-1]], pos, seq.block_table))
+                    batch.append(SeqChunk([state[seq.request_id].tokens[-1]], pos, seq.block_table, generated=True))
                     keep.append(i)
                 active = keep
                 if not keep:

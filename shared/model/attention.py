@@ -64,9 +64,10 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
     r_all, s_all, heads, dim = query.shape
     size, t_pad = fb.block_size, fb.padded_context
     cdt = compute_dtype(query.dtype, query.device)
-    if codec is None and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST and heads <= cpu_kernels.MAX_HEADS:
+    if (codec is None and fb.generated == fb.num_tokens and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST
+            and heads <= cpu_kernels.MAX_HEADS):  # decode / verification: each row read once, in place
         flat = query.reshape(r_all * s_all, heads, dim).to(cdt)
-        if cpu_kernels.attention_usable(flat, pool, out_dim):  # few queries per row read: fused, rows read in place
+        if cpu_kernels.attention_usable(flat, pool, out_dim):
             requests, counts = fb.query_rows
             out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, size, requests, counts, scale, out_dim)
             return out.view(r_all, s_all, heads, out_dim).to(query.dtype)

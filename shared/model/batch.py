@@ -25,6 +25,7 @@ class SeqChunk:
     block_table: list[int]
     need_logits: bool = True
     num_logits: int = 1  # with need_logits: the last this many tokens' logits (speculative verification)
+    generated: bool = False  # every token is past the prompt (decode, verification, drafts): see ForwardBatch
 
 
 @dataclass
@@ -61,6 +62,10 @@ class ForwardBatch:
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
     cp: CPGather | None = None
     parts: list[tuple[slice, ForwardBatch]] | None = None  # mixed steps: see attention_parts()
+    # Leading flat tokens that belong to generated chunks (decodes come first in a step). Only those
+    # take the CPU kernels whose results could differ from the portable path's (shared.model.cpu_kernels):
+    # a prompt token is computed alike however it is chunked, and a generated token however it is batched.
+    generated: int = 0
 
     def attention_parts(self) -> list[tuple[slice, ForwardBatch]]:
         """(flat token range, batch) pairs that attention and the indexer run on: the whole step, or
@@ -137,10 +142,11 @@ class ForwardBatch:
         def dev(x: torch.Tensor) -> torch.Tensor:
             return x.to(device, non_blocking=True)
 
+        generated = sum(itertools.takewhile(bool, (n if c.generated else 0 for c, n in zip(chunks, lens))))
         parts = None
-        if split and num_seqs * s_max > 2 * len(input_ids):
+        if split and (num_seqs * s_max > 2 * len(input_ids) or 0 < generated < len(input_ids)):
             parts, token = [], 0
-            for i0, i1 in _similar_runs(lens):
+            for i0, i1 in _similar_runs(lens, [c.generated for c in chunks]):
                 n = sum(lens[i0:i1])
                 parts.append((slice(token, token + n),
                               cls.build(chunks[i0:i1], block_size, device, workspace_bytes, split=False)))
@@ -162,6 +168,7 @@ class ForwardBatch:
             is_decode=s_max == 1,
             uniform=uniform,
             workspace_bytes=workspace_bytes,
+            generated=generated,
         )
 
 
@@ -198,11 +205,12 @@ def _decode_indices(chunks: list[SeqChunk], lens: list[int], tables: torch.Tenso
             positions.view(-1, 1))
 
 
-def _similar_runs(lens: list[int]) -> list[tuple[int, int]]:
-    """Consecutive runs of requests whose padded view wastes at most half: r · max(len) ≤ 2 · Σ len."""
+def _similar_runs(lens: list[int], generated: list[bool]) -> list[tuple[int, int]]:
+    """Consecutive runs of requests whose padded view wastes at most half, r · max(len) ≤ 2 · Σ len, and
+    that are all generated or all prompt chunks."""
     runs, start, longest, total = [], 0, 0, 0
     for i, n in enumerate(lens):
-        if i > start and (i - start + 1) * max(longest, n) > 2 * (total + n):
+        if i > start and ((i - start + 1) * max(longest, n) > 2 * (total + n) or generated[i] != generated[start]):
             runs.append((start, i))
             start, longest, total = i, 0, 0
         longest, total = max(longest, n), total + n

@@ -17,6 +17,8 @@ take one path consistently (shared.model.attention decides by queries per reques
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import hashlib
 import os
@@ -26,21 +28,42 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from shared.device import on_host
 
-# Fused when a step has at most this many queries per request (decode, MTP verification) and this
-# many heads: beyond them a batched matmul over the gathered rows reuses each row enough to win.
+# Attention is fused for requests with at most this many queries (decode, MTP verification) and models
+# with at most this many heads: beyond, a batched matmul over the gathered rows reuses each row enough.
 MAX_QUERIES_PER_REQUEST = 8
 MAX_HEADS = 32
-# The fused MoE and per-head matmuls take steps of at most this many tokens (decode): beyond, grouped
-# and batched matmuls win. Plain linears switch earlier: a GEMM library is as fast from ~16 rows.
-MAX_MOE_ROWS = 64
-MAX_LINEAR_ROWS = 8
+MOE_CHUNK_ROWS = 64  # the fused MoE runs this many tokens per call: its scratch stays bounded
 _BF16_FLAG = {torch.bfloat16: 1, torch.float32: 0}  # the storage types the kernels take, as their bf16 flag
+
+# Which rows of the running forward are generated tokens: (tokens in the step, leading generated ones).
+# The kernels whose sums run in another order than the portable path's (linears, absorbed matmuls, the
+# MoE, dense attention) take exactly those rows, whatever the batch: so a prompt token is computed the
+# same however it is chunked or split over CP ranks, and a generated token however it is batched.
+_STEP: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("pdserve_kernel_step", default=(0, 0))
+
+
+@contextlib.contextmanager
+def step_rows(num_tokens: int, generated: int) -> Iterator[None]:
+    """Within it, generated_rows() answers for a forward over `num_tokens` tokens whose first
+    `generated` are generated ones (ForwardBatch.generated)."""
+    token = _STEP.set((num_tokens, generated))
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def generated_rows(x: torch.Tensor) -> int:
+    """How many leading rows of x (one row per token of the running step, else none) are generated tokens."""
+    num_tokens, generated = _STEP.get()
+    return generated if x.shape[0] == num_tokens else 0
 
 _SOURCE = r"""
 #include <math.h>
@@ -631,8 +654,8 @@ def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, blo
 
 
 def moe_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether the fused MoE can take this step: few host rows in bf16/fp32 and contiguous fp32 weights."""
-    return (not torch.compiler.is_compiling() and x.shape[0] <= MAX_MOE_ROWS and on_host(x)
+    """Whether the fused MoE can take these rows: host rows in bf16/fp32 and contiguous fp32 weights."""
+    return (not torch.compiler.is_compiling() and on_host(x)
             and x.dtype in (torch.bfloat16, torch.float32)
             and all(on_host(w) and w.dtype == torch.float32 and w.is_contiguous() for w in weights)
             and library() is not None)
@@ -663,10 +686,12 @@ def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n
     y = torch.empty(n, dim, dtype=torch.float32)
     ids = torch.empty(n, top_k, dtype=torch.int64)
     sg, su, sd = (w.data_ptr() for w in shared) if shared is not None else (None, None, None)
-    library().moe_routed(rows.data_ptr(), n, dim, gate_weight.data_ptr(), bias.data_ptr(), experts, n_group,
-                         topk_group, top_k, int(norm_topk_prob), scaling, gate_up.data_ptr(), down.data_ptr(),
-                         two_inter // 2, int(x.dtype == torch.bfloat16), sg, su, sd, shared_inter, y.data_ptr(),
-                         ids.data_ptr(), torch.get_num_threads())
+    for r0 in range(0, n, MOE_CHUNK_ROWS):  # rows are independent: chunks only bound the scratch
+        m = min(MOE_CHUNK_ROWS, n - r0)
+        library().moe_routed(rows[r0].data_ptr(), m, dim, gate_weight.data_ptr(), bias.data_ptr(), experts, n_group,
+                             topk_group, top_k, int(norm_topk_prob), scaling, gate_up.data_ptr(), down.data_ptr(),
+                             two_inter // 2, int(x.dtype == torch.bfloat16), sg, su, sd, shared_inter,
+                             y[r0].data_ptr(), ids[r0].data_ptr(), torch.get_num_threads())
     return y, ids
 
 
@@ -712,13 +737,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """layers.Linear's forward for a few host rows x [N, K] (bf16/fp32) and an fp32 weight [M, K]: one call,
-    the output in x's dtype. None where it does not apply."""
+    """layers.Linear's forward for host rows x [N, K] (bf16/fp32) and an fp32 weight [M, K] in one call (a
+    weight row read once for all rows: for decode rows), the output in x's dtype. None where it does not
+    apply."""
     lib, bf16 = library(), _BF16_FLAG.get(x.dtype)
     if lib is None or bf16 is None or weight.dtype != torch.float32 or x.dim() != 2:
         return None
     (n, k), (m, wk) = x.shape, weight.shape
-    if (n > MAX_LINEAR_ROWS or k != wk or not weight.is_contiguous() or not on_host(x) or not on_host(weight)
+    if (k != wk or not weight.is_contiguous() or not on_host(x) or not on_host(weight)
             or torch.compiler.is_compiling()):
         return None
     x = x.contiguous()
@@ -730,12 +756,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
     """out[i, h] = x[i, h] @ weight[h] for x [N, H, K] (bf16/fp32, last dim contiguous), weight [H, K, M]
     fp32, out [N, H, M] (fp32, or bf16 rounded once; last dim contiguous): MLA's absorbed matmuls for
-    decode-sized steps. False (nothing written) where it does not apply."""
+    decode rows. False (nothing written) where it does not apply."""
     lib, x_bf16, out_bf16 = library(), _BF16_FLAG.get(x.dtype), _BF16_FLAG.get(out.dtype)
     if lib is None or x_bf16 is None or out_bf16 is None or weight.dtype != torch.float32 or x.dim() != 3:
         return False
     (n, heads, k), (_, _, m) = x.shape, weight.shape
-    if (n > MAX_MOE_ROWS or heads > MAX_HEADS or weight.shape != (heads, k, m) or out.shape != (n, heads, m)
+    if (heads > MAX_HEADS or weight.shape != (heads, k, m) or out.shape != (n, heads, m)
             or x.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous() or not on_host(x)
             or not on_host(out) or torch.compiler.is_compiling()):
         return False

@@ -99,8 +99,11 @@ class MLA(nn.Module):
             self.absorb()
         cdt = self.w_uk.dtype  # per-head matmuls: fp32 on CPUs without bf16 arithmetic
         query = q_nope.new_empty(n, self.n_heads, self.kv_lora_rank + self.rope_dim, dtype=cdt)
-        if not cpu_kernels.head_matmul(q_nope, self.w_uk, query[..., : self.kv_lora_rank]):  # decode on CPUs
-            torch.bmm(q_nope.to(cdt).transpose(0, 1), self.w_uk, out=query[..., : self.kv_lora_rank].transpose(0, 1))
+        latent = query[..., : self.kv_lora_rank]
+        g = cpu_kernels.generated_rows(q_nope)  # decode rows on CPUs: one kernel call
+        g = g if g and cpu_kernels.head_matmul(q_nope[:g], self.w_uk, latent[:g]) else 0
+        if g < n:
+            torch.bmm(q_nope[g:].to(cdt).transpose(0, 1), self.w_uk, out=latent[g:].transpose(0, 1))
         self.rotate(q_pe, rope, out=query[..., self.kv_lora_rank :])  # rotated in the model dtype, stored in cdt
         outputs = []
         for tokens, part in fb.attention_parts():  # one part unless the step mixes decodes and chunks
@@ -111,9 +114,10 @@ class MLA(nn.Module):
             outputs.append(self._attend(query[tokens], part, mla_pool, selection, mla_codec))
         o_lat = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, kv_lora_rank]
         o = o_lat.new_empty(n, self.n_heads * self.v_dim, dtype=x.dtype)
-        if not cpu_kernels.head_matmul(o_lat, self.w_uv_t, o.view(n, self.n_heads, self.v_dim)):
-            o = torch.bmm(o_lat.to(cdt).transpose(0, 1), self.w_uv_t)  # [H, N, v]
-            o = o.transpose(0, 1).reshape(n, self.n_heads * self.v_dim).to(x.dtype)
+        g = g if g and cpu_kernels.head_matmul(o_lat[:g], self.w_uv_t, o[:g].view(g, self.n_heads, self.v_dim)) else 0
+        if g < n:
+            rest = torch.bmm(o_lat[g:].to(cdt).transpose(0, 1), self.w_uv_t)  # [H, N - g, v]
+            o[g:] = rest.transpose(0, 1).reshape(n - g, self.n_heads * self.v_dim)
         return self.o_proj(o)
 
     def _attend(self, query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,

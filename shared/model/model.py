@@ -14,6 +14,7 @@ from torch import nn
 from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.kvcache import KVCache
+from shared.model import cpu_kernels
 from shared.model.batch import ForwardBatch
 from shared.model.layers import MLP, LinearFormats, RMSNorm, WeightFormat, linear
 from shared.model.mla import MLA
@@ -192,6 +193,11 @@ class DeepseekForCausalLM(nn.Module):
         [len(fb.logits_index), vocab]. `layer_done(i)` fires after layer i's KV is in the pool
         (the prefill service pushes that layer to decode while the next one computes). With
         `return_hidden`, also every token's post-final-norm hidden state [N, H] (what MTP drafts from)."""
+        with cpu_kernels.step_rows(fb.num_tokens, fb.generated):  # which rows the CPU kernels take
+            return self._forward(fb, kv, layer_done, return_hidden)
+
+    def _forward(self, fb: ForwardBatch, kv: KVCache, layer_done: Callable[[int], None] | None,
+                 return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.model.embed_tokens(fb.input_ids)
         rope = self.rotary.lookup(fb.positions, self.dtype, fb.max_context)
         sharder, offloader = self.sharder, self.offloader
@@ -230,5 +236,6 @@ class DeepseekForCausalLM(nn.Module):
         previous draft's g_j); writes the MTP layer's KV; returns (fp32 logits at fb.logits_index — each
         predicts t_{j+2} — and every token's g_j [N, H])."""
         rope = self.rotary.lookup(fb.positions, self.dtype, fb.max_context)
-        g = self.mtp(self.model.embed_tokens(fb.input_ids), hidden_prev, rope, fb, kv, self.dtype)
-        return self.lm_head(g[fb.logits_index].float()), g
+        with cpu_kernels.step_rows(fb.num_tokens, fb.generated):
+            g = self.mtp(self.model.embed_tokens(fb.input_ids), hidden_prev, rope, fb, kv, self.dtype)
+            return self.lm_head(g[fb.logits_index].float()), g

@@ -140,16 +140,21 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = cpu_kernels.generated_rows(x)
         shared = self.shared_experts
         shared_weights = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared else ()
-        if self.ep == 1 and self.experts.fmt is None and cpu_kernels.moe_usable(
+        if rows and self.ep == 1 and self.experts.fmt is None and cpu_kernels.moe_usable(
                 x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, *shared_weights):
-            # decode on a CPU: router, routed and shared experts in one call (shared.model.cpu_kernels)
+            # decode rows on a CPU: router, routed and shared experts in one call (shared.model.cpu_kernels)
             g = self.gate
-            y, _ = cpu_kernels.moe_routed(x, g.weight, g.e_score_correction_bias, g.n_group, g.topk_group, g.top_k,
-                                          g.norm_topk_prob, g.scaling, self.experts.gate_up_proj,
+            y, _ = cpu_kernels.moe_routed(x[:rows], g.weight, g.e_score_correction_bias, g.n_group, g.topk_group,
+                                          g.top_k, g.norm_topk_prob, g.scaling, self.experts.gate_up_proj,
                                           self.experts.down_proj, shared_weights or None)
-            return y.to(x.dtype)
+            y = y.to(x.dtype)
+            return y if rows == x.shape[0] else torch.cat([y, self._portable(x[rows:])])
+        return self._portable(x)
+
+    def _portable(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
         if self.ep == 1:
             y = self.experts(x, ids, weights)

@@ -43,7 +43,7 @@ def build_cp_batch(chunks: list[SeqChunk], rank: int, cp: int, block_size: int, 
                                 for t in range(c.start_pos + a, c.start_pos + b))
                 if r == rank:
                     mine.append(SeqChunk(c.token_ids[a:b], c.start_pos + a, c.block_table,
-                                         need_logits=all_logits or (c.need_logits and b == n)))
+                                         need_logits=all_logits or (c.need_logits and b == n), generated=c.generated))
     local_rows = sizes[rank]
     if not mine:
         mine = [SeqChunk([0], 0, [scratch_block], need_logits=False)]
