@@ -482,12 +482,28 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
     int64_t blocks = (m + RB - 1) / RB;
     #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
     for (int64_t b = 0; b < blocks; b++)
-        for (int64_t r = b * RB; r < (b + 1) * RB && r < m; r++)
-            for (int64_t i = 0; i < n; i++) {
-                float v = dot(w + r * k, xf + i * k, k);
-                if (x_bf16) ((uint16_t *)y)[i * m + r] = narrow(v);
-                else ((float *)y)[i * m + r] = v;
+        for (int64_t r = b * RB; r < (b + 1) * RB && r < m; r++) {
+            const float *wr = w + r * k;
+            int64_t i = 0;
+            for (; i + 4 <= n && k % DW == 0; i += 4) {  /* four rows per pass: each weight chunk loaded once */
+                const float *x0 = xf + i * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t d = 0; d < k; d += DW) {
+                    v8 wv = LOAD(wr + d);
+                    a0 += LOAD(x0 + d) * wv;
+                    a1 += LOAD(x1 + d) * wv;
+                    a2 += LOAD(x2 + d) * wv;
+                    a3 += LOAD(x3 + d) * wv;
+                }
+                v8 *acc[4] = {&a0, &a1, &a2, &a3};
+                for (int q = 0; q < 4; q++) {
+                    float v = 0.f;
+                    for (int e = 0; e < DW; e++) v += (*acc[q])[e];
+                    put(y, x_bf16, (i + q) * m + r, v);
+                }
             }
+            for (; i < n; i++) put(y, x_bf16, i * m + r, dot(wr, xf + i * k, k));
+        }
     free(xf);
 }
 
