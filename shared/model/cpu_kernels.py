@@ -1,18 +1,21 @@
-"""Fused paged MQA attention for host (CPU) pools: a small C kernel built on first use.
+"""CPU kernels for the decode path: small C functions built on first use, called through ctypes.
 
-The portable path (shared.model.attention) gathers each request's rows out of the paged pool into a
-[R, T, 576] copy and runs two batched matmuls over it. With few query heads per row (MLA decode on
-a small model, or a TP/DP shard) that copy is most of the step: at batch 256 × 256 context it moves
-151 MB per layer, and CPU gathers run at a fraction of memory speed. This kernel reads every row
-once, straight from the pool through the block table / pick list, and keeps the scores of a tile
-of rows in cache for both the softmax and the p·V product (online softmax, fp32 throughout).
+On a CPU a decode step is bound by per-op overhead (a few µs per torch op on 2 cores; ~700 ops a step
+on the tiny model) and, at large batches, by gathering cached rows: the portable attention copies each
+request's rows out of the paged pool into [R, T, 576] (151 MB per layer at batch 256 × 256 context)
+and runs two batched matmuls over the copy. The kernels here:
+* paged_mqa: attention of decode / verification queries and of indexer picks that reads every row
+  once, straight from the pool through the block table or pick list (online softmax, fp32);
+* moe_routed: DeepSeek's router, the picked experts and the shared expert in one call;
+* linear / head_matmul: decode rows of the linears and of MLA's absorbed per-head matmuls;
+* rms_norm, rope, mla_kv_write: RMSNorm, RoPE and the cache-row write (norm + rope stored at the slot).
 
-It is built with the system C compiler (`cc -O3 -march=native -fopenmp`, under a second) into
-`~/.cache/pdserve/kernels` (`PDSERVE_KERNEL_CACHE` moves it) and called through ctypes, which drops
-the GIL while it runs. Without a compiler, with `PDSERVE_CPU_KERNELS=0`, or for pools that are not
-in host memory, callers get None and keep the portable path. Results agree with it to fp32
-rounding (not bit for bit: the sums run in another order); prefill chunks and decode steps each
-take one path consistently (shared.model.attention decides by queries per request and heads).
+Which rows take which: see _STEP below. They are built with the system C compiler (`cc -O3
+-march=native -fopenmp`, about a second) into `~/.cache/pdserve/kernels` (`PDSERVE_KERNEL_CACHE`
+moves it) and called through ctypes, which drops the GIL while they run. Without a compiler, with
+`PDSERVE_CPU_KERNELS=0`, under torch.compile, or for tensors not in host memory, every function says
+so (None / False) and the caller keeps its portable torch path. Results agree with it to fp32
+rounding (RoPE and the row write bit for bit; sums elsewhere run in another order).
 """
 
 from __future__ import annotations
