@@ -125,6 +125,54 @@ def _attend_online(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: 
     return acc / run_sum[..., None]
 
 
+def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
+                       w_uk: torch.Tensor, w_uv_t: torch.Tensor, scale: float,
+                       codec: RowCodec | None = None) -> torch.Tensor | None:
+    """Causal MLA attention of prompt rows in its MHA form, as vLLM and SGLang prefill dense MLA: each
+    cached latent row is expanded once per head into a key [k_nope | k_pe] and a value (c_kv · W_UK^T,
+    c_kv · W_UV), and queries [q_nope | q_pe] score against those. Per query-key pair that is
+    H·(nope + rope + v) multiply-adds instead of the absorbed H·(2·kv_lora + rope), so it wins once
+    each row is seen by many queries (a prompt chunk), not for decodes. q_nope [N, H, nope] and the
+    rotated q_pe [N, H, rope] are flat; returns [N, H, v] in the weights' dtype, or None where the
+    absorbed form is cheaper or a request's expanded context does not fit `fb.workspace_bytes` (the
+    caller then attends in absorbed form, which tiles keys)."""
+    r_all, s_all = fb.query_index.shape
+    heads, nope, c = w_uk.shape
+    rope, v_dim, t_pad = q_pe.shape[-1], w_uv_t.shape[-1], fb.padded_context
+    qk = nope + rope
+    # Per request of S queries over T keys: absorbed S·T·(2c + rope), expanded T·(c·(nope + v) + S·(qk + v))
+    # (per head, each side's W_UK / W_UV matmuls included): expanded only pays with enough queries per
+    # request (34 at the tiny test dims, 171 at DeepSeek's), never for decodes.
+    if fb.num_tokens * (2 * c + rope - qk - v_dim) <= r_all * c * (nope + v_dim):
+        return None
+    cdt = w_uk.dtype
+    isz = torch.empty((), dtype=cdt).element_size()
+    per_key = pool.shape[-1] * pool.element_size() + (c + rope + heads * (qk + nope + 2 * v_dim)) * isz
+    tiles = plan_tiles(r_all, s_all, t_pad, fb.block_size, per_pair=heads * (4 + 4),
+                       per_query=heads * (qk * isz + v_dim * 4), per_key=per_key, budget=fb.workspace_bytes)
+    if tiles.keys < t_pad:
+        return None
+    query = fb.padded(torch.cat([q_nope.to(cdt), q_pe.to(cdt)], -1))  # [R, S, H, qk]
+    out = query.new_empty(r_all, s_all, heads, v_dim)
+    w_k = w_uk.view(heads * nope, c).t()  # [c, H·nope]: a view, no copy of the weights
+    for r0 in range(0, r_all, tiles.requests):
+        rows = slice(r0, min(r_all, r0 + tiles.requests))
+        latent = _decode(codec, gather_blocks(pool, fb.block_tables[rows]), cdt)  # [r, T, c + rope]
+        r, t = latent.shape[:2]
+        c_kv = latent[..., :c].reshape(r * t, c)
+        keys = latent.new_empty(r, heads, t, qk)
+        keys[..., :nope] = (c_kv @ w_k).view(r, t, heads, nope).transpose(1, 2)
+        keys[..., nope:] = latent[:, None, :, c:]  # k_pe: one per row, shared by the heads
+        values = torch.stack([c_kv @ w_uv_t[h] for h in range(heads)], 1).view(r, t, heads, v_dim).transpose(1, 2)
+        for s0 in range(0, s_all, tiles.queries):
+            queries = slice(s0, min(s_all, s0 + tiles.queries))
+            scores = torch.matmul(query[rows, queries].transpose(1, 2), keys.transpose(2, 3)).mul_(scale)
+            scores.masked_fill_(~fb.visible(rows, queries, 0, t)[:, None], float("-inf"))  # [r, H, s, T]
+            probs = scores.softmax(-1, dtype=torch.float32).to(cdt)
+            out[rows, queries] = torch.matmul(probs, values).transpose(1, 2)
+    return fb.unpadded(out)
+
+
 def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, picks: torch.Tensor,
                      valid: torch.Tensor, scale: float, out_dim: int, codec: RowCodec | None = None) -> torch.Tensor:
     """Each flat query [N, H, D] attends only to its selected context positions `picks` [N, k]

@@ -17,7 +17,7 @@ from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
 from shared.model import cpu_kernels
-from shared.model.attention import dense_attention, sparse_attention
+from shared.model.attention import dense_attention, expanded_attention, sparse_attention
 from shared.model.batch import ForwardBatch, write_rows
 from shared.model.indexer import Indexer, Selection
 from shared.model.layers import LinearFormats, RMSNorm, linear
@@ -98,27 +98,45 @@ class MLA(nn.Module):
         if self.w_uk is None:
             self.absorb()
         cdt = self.w_uk.dtype  # per-head matmuls: fp32 on CPUs without bf16 arithmetic
-        query = q_nope.new_empty(n, self.n_heads, self.kv_lora_rank + self.rope_dim, dtype=cdt)
-        latent = query[..., : self.kv_lora_rank]
-        g = cpu_kernels.generated_rows(q_nope)  # decode rows on CPUs: one kernel call
-        g = g if g and cpu_kernels.head_matmul(q_nope[:g], self.w_uk, latent[:g]) else 0
-        if g < n:
-            torch.bmm(q_nope[g:].to(cdt).transpose(0, 1), self.w_uk, out=latent[g:].transpose(0, 1))
-        self.rotate(q_pe, rope, out=query[..., self.kv_lora_rank :])  # rotated in the model dtype, stored in cdt
-        outputs = []
+        q_rot = q_pe.new_empty(n, self.n_heads, self.rope_dim, dtype=cdt)
+        self.rotate(q_pe, rope, out=q_rot)  # rotated in the model dtype, stored in cdt
+        o = x.new_empty(n, self.n_heads * self.v_dim)
+        absorbed = []
         for tokens, part in fb.attention_parts():  # one part unless the step mixes decodes and chunks
             selection = None
             if index_query is not None:
                 selection = self.indexer.select(index_query[0][tokens], index_query[1][tokens], part, index_pool,
                                                 index_codec)
-            outputs.append(self._attend(query[tokens], part, mla_pool, selection, mla_codec))
-        o_lat = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [N, H, kv_lora_rank]
-        o = o_lat.new_empty(n, self.n_heads * self.v_dim, dtype=x.dtype)
-        g = g if g and cpu_kernels.head_matmul(o_lat[:g], self.w_uv_t, o[:g].view(g, self.n_heads, self.v_dim)) else 0
-        if g < n:
-            rest = torch.bmm(o_lat[g:].to(cdt).transpose(0, 1), self.w_uv_t)  # [H, N - g, v]
-            o[g:] = rest.transpose(0, 1).reshape(n - g, self.n_heads * self.v_dim)
+            out = None
+            if selection is None and part.generated == 0:  # prompt rows, dense: expanded (MHA) form
+                out = expanded_attention(q_nope[tokens], q_rot[tokens], part, mla_pool, self.w_uk, self.w_uv_t,
+                                         self.scale, mla_codec)
+            if out is None:
+                absorbed.append((tokens, part, selection))
+            else:
+                o[tokens] = out.reshape(-1, self.n_heads * self.v_dim)
+        if absorbed:
+            self._attend_absorbed(q_nope, q_rot, absorbed, mla_pool, mla_codec, o)
         return self.o_proj(o)
+
+    def _attend_absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor,
+                         parts: list[tuple[slice, ForwardBatch, Selection | None]], pool: torch.Tensor,
+                         codec: RowCodec | None, o: torch.Tensor) -> None:
+        """Absorbed attention of the tokens of `parts` (decodes; sparse or long-context prompt rows):
+        q_nope goes into latent space through W_UK, the latent output back through W_UV, into o.
+        Generated rows take the CPU kernels (a part is all generated or all prompt)."""
+        c, cdt, heads = self.kv_lora_rank, self.w_uk.dtype, self.n_heads
+        g = cpu_kernels.generated_rows(q_nope)
+        for tokens, part, selection in parts:
+            rows, kernel = tokens.stop - tokens.start, tokens.stop <= g
+            query = q_nope.new_empty(rows, heads, c + self.rope_dim, dtype=cdt)
+            if not (kernel and cpu_kernels.head_matmul(q_nope[tokens], self.w_uk, query[..., :c])):
+                torch.bmm(q_nope[tokens].to(cdt).transpose(0, 1), self.w_uk, out=query[..., :c].transpose(0, 1))
+            query[..., c:] = q_rot[tokens]
+            o_lat = self._attend(query, part, pool, selection, codec)  # [rows, H, c]
+            out = o[tokens].view(rows, heads, self.v_dim)
+            if not (kernel and cpu_kernels.head_matmul(o_lat, self.w_uv_t, out)):
+                out.copy_(torch.bmm(o_lat.to(cdt).transpose(0, 1), self.w_uv_t).transpose(0, 1))
 
     def _attend(self, query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
                 sel: Selection | None, codec: RowCodec | None) -> torch.Tensor:

@@ -1,0 +1,102 @@
+"""MLA prompt attention in expanded (MHA) form against the absorbed form it replaces for prompt chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.kvcache.layout import Int8LatentRows
+from shared.model import attention
+from shared.model.batch import ForwardBatch, SeqChunk
+
+BLOCK = 16
+LATENT, ROPE = 512, 64
+
+
+def _setup(heads: int, nope: int, v_dim: int, chunks: list[tuple[int, int]], seed: int, pool_dtype=torch.float32):
+    """Requests (context before this step, new tokens) with scattered blocks; random rows, weights, queries."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(start + n) // BLOCK) for start, n in chunks]
+    num_blocks = sum(need) + 2
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    seqs, used = [], 0
+    for (start, n), blocks in zip(chunks, need):
+        seqs.append(SeqChunk([1] * n, start, order[used : used + blocks]))
+        used += blocks
+    fb = ForwardBatch.build(seqs, BLOCK, torch.device("cpu"), split=False)
+    pool = torch.randn(num_blocks, BLOCK, LATENT + ROPE, generator=gen).to(pool_dtype)
+    w_uk = torch.randn(heads, nope, LATENT, generator=gen) / LATENT**0.5
+    w_uv_t = torch.randn(heads, LATENT, v_dim, generator=gen) / LATENT**0.5
+    q_nope = torch.randn(fb.num_tokens, heads, nope, generator=gen)
+    q_pe = torch.randn(fb.num_tokens, heads, ROPE, generator=gen)
+    return fb, pool, w_uk, w_uv_t, q_nope, q_pe
+
+
+def _absorbed(fb, pool, w_uk, w_uv_t, q_nope, q_pe, scale, codec=None) -> torch.Tensor:
+    latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, c]
+    query = torch.cat([latent, q_pe], -1)
+    o_lat = fb.unpadded(attention.dense_attention(fb.padded(query), fb, pool, scale, LATENT, codec))
+    return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [N, H, v]
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_expanded_equals_absorbed_with_cached_context(pool_dtype):
+    """Prompt chunks of different lengths, some after cached context (chunked prefill, prefix-cache
+    hits), over scattered blocks: the MHA form gives the absorbed form's output to fp32 rounding."""
+    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(4, 32, 32, [(0, 70), (45, 50), (130, 64)], 1, pool_dtype)
+    got = attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.11)
+    assert got is not None and got.shape == (fb.num_tokens, 4, 32)
+    want = _absorbed(fb, pool, w_uk, w_uv_t, q_nope, q_pe, 0.11)
+    assert (got - want).abs().max().item() < 2e-5
+
+
+def test_expanded_over_c8_rows_and_small_workspaces():
+    """C8 rows are unpacked like the absorbed path does; a workspace that holds one request's expanded
+    context at a time (request and query tiles) changes nothing."""
+    codec = Int8LatentRows(LATENT, ROPE)
+    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(4, 32, 32, [(0, 60), (16, 48), (0, 80)], 2)
+    pool = codec.encode(pool.view(-1, LATENT + ROPE)).view(pool.shape[0], BLOCK, -1)
+    want = _absorbed(fb, pool, w_uk, w_uv_t, q_nope, q_pe, 0.1, codec)
+    whole = attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.1, codec)
+    assert (whole - want).abs().max().item() < 2e-5
+    fb.workspace_bytes = 2_500_000
+    tiled = attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.1, codec)
+    assert (tiled - want).abs().max().item() < 2e-5
+
+
+def test_expanded_declines_decodes_and_contexts_past_the_workspace():
+    """Few queries per request (decodes, verification) stay absorbed: expansion would cost more than it
+    saves; so does a request whose expanded context does not fit the workspace (the absorbed path
+    streams key tiles instead)."""
+    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(4, 32, 32, [(100, 1), (40, 1), (7, 1)], 3)
+    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.1) is None
+    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(4, 32, 32, [(0, 33), (0, 34)], 3)
+    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.1) is None  # 33.5 < 34 per request
+    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(4, 32, 32, [(0, 200)], 4)
+    fb.workspace_bytes = 200 * 4 * (96 + 32 + 64) * 4  # less than the expanded keys and values alone
+    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.1) is None
+
+
+def test_expanded_at_real_head_dims():
+    """DeepSeek's per-layer dims (128 heads, nope 128, v 128): a 256-token prompt (more than the 171
+    queries per request where expansion starts to pay) takes the MHA form within the default 256 MiB
+    workspace and matches the absorbed form; 128 tokens stay absorbed, and so does a 2k-token prompt
+    (its expanded keys alone would be 600 MB: the absorbed path tiles them)."""
+    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(128, 128, 128, [(0, 256)], 5)
+    plans = []
+    real = attention.plan_tiles
+    try:
+        attention.plan_tiles = lambda *a, **k: plans.append((k, real(*a, **k))) or plans[-1][1]
+        got = attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.07)
+    finally:
+        attention.plan_tiles = real
+    assert got is not None
+    cost, tiles = plans[0]
+    assert tiles.keys == 256 and tiles.requests * (tiles.queries * tiles.keys * cost["per_pair"] + tiles.queries
+                                                   * cost["per_query"] + tiles.keys * cost["per_key"]) <= 256 << 20
+    want = _absorbed(fb, pool, w_uk, w_uv_t, q_nope, q_pe, 0.07)
+    assert (got - want).abs().max().item() < 1e-4
+    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(128, 128, 128, [(0, 128)], 6)
+    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.07) is None
+    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(128, 128, 128, [(0, 2048)], 7)
+    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.07) is None
