@@ -6,7 +6,9 @@ query tiles × key tiles — whose working set fits `fb.workspace_bytes`:
 * small steps are one tile: a single batched matmul, the fastest form on CPU;
 * long contexts stream the keys through in tiles, with an online softmax (dense attention) or a
   running top-k merge (indexer), so memory no longer depends on the context length;
-* sparse attention gathers each query's selected rows only: work O(S·k), not O(S·T).
+* sparse attention gathers each query's selected rows only: work O(S·k), not O(S·T);
+* dense prompt chunks may expand the latent rows into per-head keys and values (MHA form), only
+  where whole contexts fit the workspace; otherwise they take the absorbed, key-tiled path.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ Queries are absorbed into latent space, q_abs[h] = q_nope[h] · W_UK[h], so a sc
 product of [q_abs | q_pe] with the cached row; the output o_lat = p · c_kv goes back through W_UV.
 The same code runs prefill and decode: while the context fits index_topk (or without an indexer)
 a causal dense attention over the request's cached rows, beyond it each query gathers only its
-top-k rows. Both are tiled to a bounded working set (shared.model.attention).
+top-k rows. Both are tiled to a bounded working set (shared.model.attention). Dense prompt chunks
+with enough queries per request attend in the expanded (MHA) form instead, where that is cheaper
+(shared.model.attention.expanded_attention); the cache is the same either way.
 """
 
 from __future__ import annotations
