@@ -9,8 +9,8 @@ ARG EXTRAS=mooncake
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
 
-# RDMA verbs + rdmacm for Mooncake; openssl for `pdserve certs`; a C compiler for the CPU attention
-# kernel, built on first use for the node's own CPU (-march=native) into PDSERVE_KERNEL_CACHE.
+# RDMA verbs + rdmacm for Mooncake; openssl for `pdserve certs`; a C compiler for the CPU
+# kernels, built on first use for the node's own CPU (-march=native) into PDSERVE_KERNEL_CACHE.
 RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 librdmacm1 openssl gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 ENV PDSERVE_KERNEL_CACHE=/tmp/pdserve-kernels

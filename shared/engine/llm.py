@@ -176,7 +176,7 @@ class LLMEngine:
         seq_chunks = [
             SeqChunk(c.seq.token_slice(c.seq.num_cached, c.seq.num_cached + c.num_tokens),
                      c.seq.num_cached, c.seq.block_table, need_logits=c.completes,
-                     generated=c.seq.num_cached >= len(c.seq.prompt_token_ids))
+                     generated=c.seq.generated_from(c.seq.num_cached))
             for c in chunks
         ]
         logits = self.policy.forward(self, seq_chunks, layer_done, return_hidden)

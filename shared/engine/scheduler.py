@@ -73,6 +73,11 @@ class Sequence:
     def num_uncached(self) -> int:
         return self.num_tokens - self.num_cached
 
+    def generated_from(self, start: int) -> bool:
+        """Whether tokens from position `start` on are all past the prompt (what a step marks as
+        SeqChunk.generated: the rows the CPU kernels take)."""
+        return start >= len(self.prompt_token_ids)
+
     @property
     def is_prefilling(self) -> bool:
         return self.num_uncached > 1 or not self.output_token_ids

@@ -80,7 +80,7 @@ class MtpSpeculator:
             tokens = seq.token_slice(start, start + c.num_tokens) + (draft.tokens if draft else [])
             seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
                                        num_logits=1 + len(draft.tokens) if draft else 1,
-                                       generated=start >= len(seq.prompt_token_ids)))
+                                       generated=seq.generated_from(start)))
             drafts.append(draft)
         logits, hidden = engine.policy.forward(engine, seq_chunks, return_hidden=True)
 
@@ -163,7 +163,7 @@ class MtpSpeculator:
             ids = seq.token_slice(start + 1, end + 1) if next_token is None else \
                 seq.token_slice(start + 1, end) + [next_token]
             chunks.append(SeqChunk(ids, start, seq.block_table, need_logits=decodes,
-                                   generated=start >= len(seq.prompt_token_ids)))
+                                   generated=seq.generated_from(start)))
             rows.append(torch.arange(offset, offset + end - start))
             if decodes:
                 drafting.append(seq)

@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -67,6 +67,22 @@ def generated_rows(x: torch.Tensor) -> int:
     """How many leading rows of x (one row per token of the running step, else none) are generated tokens."""
     num_tokens, generated = _STEP.get()
     return generated if x.shape[0] == num_tokens else 0
+
+
+def on_generated_rows(x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor | None],
+                      portable: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """kernel(rows) for the step's generated rows of x and portable(rows) for the rest; portable(x) for
+    all of it where there are none or the kernel does not apply (returns None)."""
+    g = generated_rows(x)
+    y = kernel(x[:g]) if g else None
+    if y is None:
+        return portable(x)
+    return y if g == x.shape[0] else torch.cat([y, portable(x[g:])])
+
+
+def _runnable(*tensors: torch.Tensor) -> bool:
+    """The kernels are built and may run on these tensors: host memory, outside torch.compile tracing."""
+    return library() is not None and not torch.compiler.is_compiling() and all(on_host(t) for t in tensors)
 
 _SOURCE = r"""
 #include <math.h>
@@ -576,7 +592,8 @@ def _build() -> ctypes.CDLL | None:
     """Compile (or reuse) the kernel for this CPU; None, with a warning, where that is not possible."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        warnings.warn("no C compiler: CPU attention uses the portable (slower) path", RuntimeWarning, stacklevel=3)
+        warnings.warn("no C compiler: the CPU kernels are off; the portable (slower) path runs", RuntimeWarning,
+                      stacklevel=3)
         return None
     key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
@@ -594,7 +611,7 @@ def _build() -> ctypes.CDLL | None:
                 os.replace(built, target)  # atomic: processes building at once each publish a whole file
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        warnings.warn(f"building the CPU attention kernel in {target.parent} failed ({exc}); using the portable "
+        warnings.warn(f"building the CPU kernels in {target.parent} failed ({exc}); using the portable "
                       "path (set PDSERVE_KERNEL_CACHE to a writable directory)", RuntimeWarning, stacklevel=3)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -619,7 +636,7 @@ def _build() -> ctypes.CDLL | None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The built kernel, or None where it cannot or should not run (built once per process)."""
+    """The built kernels, or None where they cannot or should not run (built once per process)."""
     global _library, _tried
     if not _tried:
         with _lock:
@@ -633,9 +650,8 @@ def library() -> ctypes.CDLL | None:
 def attention_usable(query: torch.Tensor, pool: torch.Tensor, out_dim: int) -> bool:
     """Whether the fused kernel can take this step: host tensors, fp32 queries, fp32/bf16 rows, query
     dims a multiple of 8 and output dims of 16 (its register blocks; MLA's 576 / 512 are)."""
-    return (not torch.compiler.is_compiling() and on_host(pool) and on_host(query)
-            and query.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16)
-            and query.shape[-1] % 8 == 0 and out_dim % 16 == 0 and library() is not None)
+    return (query.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16)
+            and query.shape[-1] % 8 == 0 and out_dim % 16 == 0 and _runnable(query, pool))
 
 
 def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, block_size: int,
@@ -674,10 +690,8 @@ def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, blo
 
 def moe_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether the fused MoE can take these rows: host rows in bf16/fp32 and contiguous fp32 weights."""
-    return (not torch.compiler.is_compiling() and on_host(x)
-            and x.dtype in (torch.bfloat16, torch.float32)
-            and all(on_host(w) and w.dtype == torch.float32 and w.is_contiguous() for w in weights)
-            and library() is not None)
+    return (x.dtype in (torch.bfloat16, torch.float32)
+            and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights) and _runnable(x, *weights))
 
 
 def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
@@ -718,15 +732,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """layers.RMSNorm's forward in one call for host tensors, x and weight both bf16 or both fp32 (the
     sum of squares runs in another order than torch's: equal to fp32 rounding); None where it does not
     apply (the caller runs the torch ops)."""
-    lib, bf16 = library(), _BF16_FLAG.get(x.dtype)
-    if (lib is None or bf16 is None or x.dtype != weight.dtype or x.shape[-1] != weight.shape[0]
-            or not weight.is_contiguous() or not on_host(x) or not on_host(weight) or torch.compiler.is_compiling()):
+    bf16 = _BF16_FLAG.get(x.dtype)
+    if (bf16 is None or x.dtype != weight.dtype or x.shape[-1] != weight.shape[0] or not weight.is_contiguous()
+            or not _runnable(x, weight)):
         return None
     x = x.contiguous()
     y = torch.empty_like(x)
     dim = weight.shape[0]
-    lib.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps, bf16,
-                 torch.get_num_threads())
+    library().rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps, bf16,
+                       torch.get_num_threads())
     return y
 
 
@@ -735,14 +749,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     """rope.rope_interleaved / rope_neox in one call: x [N, d] or [N, H, d] (last dim contiguous, any row and
     head strides), cos/sin [N, d] in x's dtype; the result (bit for bit torch's) goes to `out` (same shape,
     x's dtype or fp32 holding the rounded values; a new tensor when None). None where it does not apply."""
-    lib = library()
-    if (lib is None or x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype
-            or sin.dtype != x.dtype or x.dim() not in (2, 3) or x.stride(-1) != 1 or not on_host(x)
-            or torch.compiler.is_compiling()):
+    if (x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype or sin.dtype != x.dtype
+            or x.dim() not in (2, 3) or x.stride(-1) != 1 or not _runnable(x, cos, sin)):
         return None
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)
-    if out.shape != x.shape or out.stride(-1) != 1 or out.dtype not in (x.dtype, torch.float32):
+    if (out.shape != x.shape or out.stride(-1) != 1 or out.dtype not in (x.dtype, torch.float32)
+            or not on_host(out)):
         return None
     n, d = x.shape[0], x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -750,8 +763,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     if cos.shape != (n, d) or sin.shape != (n, d):
         return None
     xs_head, ys_head = (x.stride(1), out.stride(1)) if x.dim() == 3 else (d, d)
-    lib.rope(x.data_ptr(), x.stride(0), xs_head, out.data_ptr(), out.stride(0), ys_head, out.dtype == torch.bfloat16,
-             n, heads, d, cos.data_ptr(), sin.data_ptr(), interleaved, x.dtype == torch.bfloat16)
+    library().rope(x.data_ptr(), x.stride(0), xs_head, out.data_ptr(), out.stride(0), ys_head,
+                   out.dtype == torch.bfloat16, n, heads, d, cos.data_ptr(), sin.data_ptr(), interleaved,
+                   x.dtype == torch.bfloat16)
     return out
 
 
@@ -759,16 +773,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """layers.Linear's forward for host rows x [N, K] (bf16/fp32) and an fp32 weight [M, K] in one call (a
     weight row read once for all rows: for decode rows), the output in x's dtype. None where it does not
     apply."""
-    lib, bf16 = library(), _BF16_FLAG.get(x.dtype)
-    if lib is None or bf16 is None or weight.dtype != torch.float32 or x.dim() != 2:
+    bf16 = _BF16_FLAG.get(x.dtype)
+    if bf16 is None or weight.dtype != torch.float32 or x.dim() != 2:
         return None
     (n, k), (m, wk) = x.shape, weight.shape
-    if (k != wk or not weight.is_contiguous() or not on_host(x) or not on_host(weight)
-            or torch.compiler.is_compiling()):
+    if k != wk or not weight.is_contiguous() or not _runnable(x, weight):
         return None
     x = x.contiguous()
     y = torch.empty(n, m, dtype=x.dtype)
-    lib.linear_rows(x.data_ptr(), bf16, weight.data_ptr(), y.data_ptr(), n, k, m, torch.get_num_threads())
+    library().linear_rows(x.data_ptr(), bf16, weight.data_ptr(), y.data_ptr(), n, k, m, torch.get_num_threads())
     return y
 
 
@@ -776,16 +789,15 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> boo
     """out[i, h] = x[i, h] @ weight[h] for x [N, H, K] (bf16/fp32, last dim contiguous), weight [H, K, M]
     fp32, out [N, H, M] (fp32, or bf16 rounded once; last dim contiguous): MLA's absorbed matmuls for
     decode rows. False (nothing written) where it does not apply."""
-    lib, x_bf16, out_bf16 = library(), _BF16_FLAG.get(x.dtype), _BF16_FLAG.get(out.dtype)
-    if lib is None or x_bf16 is None or out_bf16 is None or weight.dtype != torch.float32 or x.dim() != 3:
+    x_bf16, out_bf16 = _BF16_FLAG.get(x.dtype), _BF16_FLAG.get(out.dtype)
+    if x_bf16 is None or out_bf16 is None or weight.dtype != torch.float32 or x.dim() != 3:
         return False
     (n, heads, k), (_, _, m) = x.shape, weight.shape
     if (heads > MAX_HEADS or weight.shape != (heads, k, m) or out.shape != (n, heads, m)
-            or x.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous() or not on_host(x)
-            or not on_host(out) or torch.compiler.is_compiling()):
+            or x.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous() or not _runnable(x, weight, out)):
         return False
-    lib.head_matmul(x.data_ptr(), x_bf16, x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(), out_bf16,
-                    out.stride(0), out.stride(1), n, heads, k, m, torch.get_num_threads())
+    library().head_matmul(x.data_ptr(), x_bf16, x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(),
+                          out_bf16, out.stride(0), out.stride(1), n, heads, k, m, torch.get_num_threads())
     return True
 
 
@@ -795,18 +807,17 @@ def mla_kv_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
     rms_norm and rope here), written at pool slot slots[i]. kv [N, c + r] and norm_weight in the model
     dtype (bf16/fp32), cos/sin [N, r], pool [blocks, block_size, c + r] (bf16/fp32). False (nothing
     written) where it does not apply."""
-    lib, bf16, pool_bf16 = library(), _BF16_FLAG.get(kv.dtype), _BF16_FLAG.get(pool.dtype)
-    if lib is None or bf16 is None or pool_bf16 is None or kv.dim() != 2 or not kv.is_contiguous():
+    bf16, pool_bf16 = _BF16_FLAG.get(kv.dtype), _BF16_FLAG.get(pool.dtype)
+    if bf16 is None or pool_bf16 is None or kv.dim() != 2 or not kv.is_contiguous():
         return False
     (n, width), c = kv.shape, norm_weight.shape[0]
     if (norm_weight.dtype != kv.dtype or cos.dtype != kv.dtype or sin.dtype != kv.dtype
             or cos.shape != (n, width - c) or sin.shape != (n, width - c) or pool.shape[-1] != width
             or slots.shape != (n,) or slots.dtype != torch.int64 or not pool.is_contiguous()
-            or not norm_weight.is_contiguous() or not on_host(kv) or not on_host(pool)
-            or torch.compiler.is_compiling()):
+            or not norm_weight.is_contiguous() or not _runnable(kv, pool)):
         return False
     cos, sin = cos.contiguous(), sin.contiguous()
-    bad = lib.mla_kv_write(kv.data_ptr(), bf16, n, c, width - c, norm_weight.data_ptr(), eps, cos.data_ptr(),
+    bad = library().mla_kv_write(kv.data_ptr(), bf16, n, c, width - c, norm_weight.data_ptr(), eps, cos.data_ptr(),
                            sin.data_ptr(), interleaved, pool.data_ptr(), pool_bf16, pool.numel() // width,
                            slots.contiguous().data_ptr())
     if bad:

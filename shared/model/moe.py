@@ -140,19 +140,21 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = cpu_kernels.generated_rows(x)
+        return cpu_kernels.on_generated_rows(x, self._fused, self._portable)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Decode rows on a CPU: router, routed and shared experts in one call (shared.model.cpu_kernels);
+        None where the kernel does not apply (EP, quantized experts, accelerator tensors)."""
         shared = self.shared_experts
         shared_weights = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared else ()
-        if rows and self.ep == 1 and self.experts.fmt is None and cpu_kernels.moe_usable(
+        if self.ep != 1 or self.experts.fmt is not None or not cpu_kernels.moe_usable(
                 x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, *shared_weights):
-            # decode rows on a CPU: router, routed and shared experts in one call (shared.model.cpu_kernels)
-            g = self.gate
-            y, _ = cpu_kernels.moe_routed(x[:rows], g.weight, g.e_score_correction_bias, g.n_group, g.topk_group,
-                                          g.top_k, g.norm_topk_prob, g.scaling, self.experts.gate_up_proj,
-                                          self.experts.down_proj, shared_weights or None)
-            y = y.to(x.dtype)
-            return y if rows == x.shape[0] else torch.cat([y, self._portable(x[rows:])])
-        return self._portable(x)
+            return None
+        g = self.gate
+        y, _ = cpu_kernels.moe_routed(x, g.weight, g.e_score_correction_bias, g.n_group, g.topk_group, g.top_k,
+                                      g.norm_topk_prob, g.scaling, self.experts.gate_up_proj, self.experts.down_proj,
+                                      shared_weights or None)
+        return y.to(x.dtype)
 
     def _portable(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
