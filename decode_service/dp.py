@@ -220,7 +220,11 @@ class DecodeRank:
 
 
 def _event(ev) -> Event:  # noqa: ANN001 - StepEvent
-    return Event(ev.seq.request_id, ev.token_id, ev.finished, ev.seq.finish_reason)
+    """A step event as the decode front sees it. The finish reason rides only on the request's last
+    event: an MTP step that accepted drafts emits several tokens of one request after the request
+    finished, and the row encoding reads a non-empty reason as "finished" (so an earlier event
+    carrying it would end the stream and lose the accepted tail)."""
+    return Event(ev.seq.request_id, ev.token_id, ev.finished, ev.seq.finish_reason if ev.finished else None)
 
 
 def follower_loop(me: DecodeRank) -> None:

@@ -314,11 +314,34 @@ def test_fused_mla_cache_row_write(portable, dtype, pool_dtype):
                                  torch.tensor([3, 17, 0, 64, 41, 9]))
 
 
-def test_decode_rows_are_batch_invariant(tmp_path):
+def _cpu_runs(arch: str) -> bool:
+    """This machine can run code built with -march=arch (x86 only: the ISA levels below)."""
+    import platform
+
+    if arch == "native":
+        return True
+    if platform.machine() != "x86_64":
+        return False
+    flags = next(line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")).split()
+    return {"haswell": {"avx2", "fma", "bmi2"}, "x86-64-v2": {"sse4_2", "popcnt"}}[arch] <= set(flags)
+
+
+# native: this CPU (AVX-512 on a Zen 4 CI machine); haswell: AVX2 + FMA, the fleet's common x86 kind (where
+# the GCC-contracted build once rounded a row differently in a four-row pass); x86-64-v2: SSE only, no FMA
+# unit (fmaf in software): the spelled-out FMAs make a row's bits the same on each.
+@pytest.mark.parametrize("arch", ["native", "haswell", "x86-64-v2"])
+def test_decode_rows_are_batch_invariant(tmp_path, arch, monkeypatch):
     """A generated token's logits are the same bits whether it is decoded alone or beside 69 other
     requests (linears past a GEMM library's small sizes, MoE past one kernel chunk): every kernel on
-    generated rows computes each row on its own. (Prompt rows keep the portable path, whose grouped
-    expert matmuls may round differently with the step's composition, as before.)"""
+    generated rows computes each row on its own, with the same operations whatever rows sit beside it,
+    for every ISA the kernels build for. (Prompt rows keep the portable path, whose grouped expert
+    matmuls may round differently with the step's composition, as before.)"""
+    if not _cpu_runs(arch):
+        pytest.skip(f"this CPU cannot run -march={arch} code")
+    monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    assert cpu_kernels.library() is not None
     from shared.kvcache import KVCache, KVLayout
     from shared.loader.checkpoint import load_model
     from shared.loader.tiny import write_checkpoint

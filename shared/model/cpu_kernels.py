@@ -115,6 +115,18 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));
 #define LOAD(p) ((v8) * (const v8u *)(p))
 #define STORE(p, v) (*(v8u *)(p) = (v))
 
+/* Fused multiply-adds are written out, never left to the compiler (built with -ffp-contract=off): whether
+   GCC contracts `acc += a * b` depends on the loop around it and the target, so one row computed by two
+   code paths (alone, or in a four-row pass beside other requests) could round differently. Spelled out,
+   a row's bits are the source's on every compiler and ISA. fmaf is exact by C99; GCC turns a lane loop
+   of them into one vfmadd where the CPU has FMA. */
+static inline v8 vfma(v8 a, v8 b, v8 c) {  /* a * b + c, rounded once per lane */
+    v8 r;
+    for (int e = 0; e < DW; e++) r[e] = fmaf(a[e], b[e], c[e]);
+    return r;
+}
+static inline v8 splat(float f) { v8 r = {f, f, f, f, f, f, f, f}; return r; }
+
 /* Rows of a tile as fp32: fp32 pools are read in place, bf16 pools widened into `buf`. */
 static const float *row_of(const void *pool, int bf16, int64_t slot, int64_t stride, int64_t dim, float *buf) {
     if (!bf16) return (const float *)pool + slot * stride;
@@ -183,7 +195,7 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                         v8 part[HB] = {0};
                         for (int64_t d0 = 0; d0 < dim; d0 += DW) {
                             v8 rv = LOAD(r + d0);
-                            for (int hh = 0; hh < HB; hh++) part[hh] += LOAD(qp + (h0 + hh) * dim + d0) * rv;
+                            for (int hh = 0; hh < HB; hh++) part[hh] = vfma(LOAD(qp + (h0 + hh) * dim + d0), rv, part[hh]);
                         }
                         for (int hh = 0; hh < HB; hh++) {
                             float sc = 0.f;
@@ -216,9 +228,9 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                         for (int j = 0; j < used; j++) {
                             v8 r0 = LOAD(rows[j] + c0), r1 = LOAD(rows[j] + c0 + 8);
                             for (int hh = 0; hh < HB; hh++) {
-                                float p = score[(h0 + hh) * TILE + j];
-                                a[hh][0] += p * r0;
-                                a[hh][1] += p * r1;
+                                v8 p = splat(score[(h0 + hh) * TILE + j]);
+                                a[hh][0] = vfma(p, r0, a[hh][0]);
+                                a[hh][1] = vfma(p, r1, a[hh][1]);
                             }
                         }
                         for (int hh = 0; hh < HB; hh++) {
@@ -244,10 +256,10 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
 static float dot(const float *a, const float *b, int64_t n) {
     v8 acc = {0};
     int64_t d = 0;
-    for (; d + DW <= n; d += DW) acc += LOAD(a + d) * LOAD(b + d);
+    for (; d + DW <= n; d += DW) acc = vfma(LOAD(a + d), LOAD(b + d), acc);
     float s = 0.f;
     for (int k = 0; k < DW; k++) s += acc[k];
-    for (; d < n; d++) s += a[d] * b[d];
+    for (; d < n; d++) s = fmaf(a[d], b[d], s);
     return s;
 }
 
@@ -448,8 +460,7 @@ void rms_norm(const void *x, const void *w, void *y, int64_t n, int64_t dim, flo
 
 /* One rotary vector of d values at x[xoff..] with cos/sin[coff..]; interleaved: swap(x) exchanges pairs
    (2i, 2i+1), else the halves (NeoX). In bf16 each product and the sum is rounded, as torch's bf16 ops
-   do; fp32 is not fused into FMAs, so both match torch bit for bit. */
-__attribute__((optimize("fp-contract=off")))
+   do; fp32 products are not fused (no fmaf here), so both match torch bit for bit. */
 static void rope_row(const void *x, int64_t xoff, int bf16, const void *cos, const void *sin, int64_t coff,
                      int64_t d, int interleaved, void *y, int64_t yoff, int y_bf16) {
     int64_t half = d / 2;
@@ -509,10 +520,10 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
                 v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                 for (int64_t d = 0; d < k; d += DW) {
                     v8 wv = LOAD(wr + d);
-                    a0 += LOAD(x0 + d) * wv;
-                    a1 += LOAD(x1 + d) * wv;
-                    a2 += LOAD(x2 + d) * wv;
-                    a3 += LOAD(x3 + d) * wv;
+                    a0 = vfma(LOAD(x0 + d), wv, a0);  /* the same op per row as dot(): a row's bits */
+                    a1 = vfma(LOAD(x1 + d), wv, a1);  /* do not depend on the rows beside it */
+                    a2 = vfma(LOAD(x2 + d), wv, a2);
+                    a3 = vfma(LOAD(x3 + d), wv, a3);
                 }
                 v8 *acc[4] = {&a0, &a1, &a2, &a3};
                 for (int q = 0; q < 4; q++) {
@@ -544,15 +555,15 @@ void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head,
             for (; c0 + 2 * DW <= m; c0 += 2 * DW) {  /* 16 outputs in two registers, w streamed once */
                 v8 a0 = {0}, a1 = {0};
                 for (int64_t j = 0; j < k; j++) {
-                    a0 += xr[j] * LOAD(wh + j * m + c0);
-                    a1 += xr[j] * LOAD(wh + j * m + c0 + DW);
+                    a0 = vfma(splat(xr[j]), LOAD(wh + j * m + c0), a0);
+                    a1 = vfma(splat(xr[j]), LOAD(wh + j * m + c0 + DW), a1);
                 }
                 STORE(acc + c0, a0);
                 STORE(acc + c0 + DW, a1);
             }
             for (; c0 < m; c0++) {
                 float a = 0.f;
-                for (int64_t j = 0; j < k; j++) a += xr[j] * wh[j * m + c0];
+                for (int64_t j = 0; j < k; j++) a = fmaf(xr[j], wh[j * m + c0], a);
                 acc[c0] = a;
             }
             for (int64_t c = 0; c < m; c++) {
@@ -567,9 +578,9 @@ void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head,
 """
 
 # -march=native for the CPU the service runs on; 256-bit vectors even where GCC's tuning prefers 128 (AMD
-# Zen); FMA contraction everywhere except where a function opts out to keep torch's rounding.
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
-          "-std=c11"]
+# Zen); no FMA contraction: the fused multiply-adds are spelled out (vfma, fmaf), so a row's arithmetic is
+# the source's on every compiler and ISA, whichever code path computes it.
+_FLAGS = ["-O3", "-mprefer-vector-width=256", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -577,6 +588,12 @@ _tried = False
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
+
+
+def _march() -> str:
+    """The ISA the kernels are built for: this CPU's (native), or `PDSERVE_KERNEL_ARCH` (e.g. haswell,
+    x86-64-v3: one build for a mixed fleet; the tests build for several to check invariance on each)."""
+    return f"-march={os.environ.get('PDSERVE_KERNEL_ARCH', 'native')}"
 
 
 def _cpu_signature() -> str:
@@ -595,7 +612,7 @@ def _build() -> ctypes.CDLL | None:
         warnings.warn("no C compiler: the CPU kernels are off; the portable (slower) path runs", RuntimeWarning,
                       stacklevel=3)
         return None
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([_SOURCE, _march(), *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     try:
         if not target.exists():
@@ -604,7 +621,7 @@ def _build() -> ctypes.CDLL | None:
                 src = Path(tmp) / "cpu_kernels.c"
                 src.write_text(_SOURCE)
                 built = Path(tmp) / "cpu_kernels.so"
-                result = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(built), "-lm"],
+                result = subprocess.run([compiler, _march(), *_FLAGS, str(src), "-o", str(built), "-lm"],
                                         capture_output=True, text=True, timeout=120)
                 if result.returncode != 0:
                     raise OSError(result.stderr.strip() or f"{compiler} exited {result.returncode}")
