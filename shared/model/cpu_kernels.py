@@ -195,7 +195,8 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                         v8 part[HB] = {0};
                         for (int64_t d0 = 0; d0 < dim; d0 += DW) {
                             v8 rv = LOAD(r + d0);
-                            for (int hh = 0; hh < HB; hh++) part[hh] = vfma(LOAD(qp + (h0 + hh) * dim + d0), rv, part[hh]);
+                            for (int hh = 0; hh < HB; hh++)
+                                part[hh] = vfma(LOAD(qp + (h0 + hh) * dim + d0), rv, part[hh]);
                         }
                         for (int hh = 0; hh < HB; hh++) {
                             float sc = 0.f;
