@@ -443,7 +443,8 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The `pdserve` command line (tests parse `pdserve up ...` with it, as a user types it)."""
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -532,7 +533,18 @@ def main(argv: list[str] | None = None) -> None:
     conv.add_argument("--ep", type=int, default=1, help="write routed experts to N per-rank files (1: no slicing)")
     conv.add_argument("--max-shard-gb", type=float, default=5.0, help="size limit of the shared shards")
     conv.set_defaults(fn=cmd_convert)
-    args = p.parse_args(argv)
+    return p
+
+
+def up_cluster(argv: list[str], log_dir: Path | None = None) -> Cluster:
+    """The Cluster `pdserve up ARGV` starts (not started yet)."""
+    args = parser().parse_args(["up", *argv])
+    dep = deployment_from_args(args)
+    return cluster_from_deployment(dep, args.model or default_model(), log_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     args.fn(args)
 
 

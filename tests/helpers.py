@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,41 @@ def concurrent_greedy(address: str, prompts: list[list[int]], max_tokens: int, t
         for t in threads:
             t.join(timeout)
     return [got.get(i) for i in range(len(prompts))]
+
+
+@dataclass
+class Completion:
+    """One served request's whole answer, as the client saw it."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def concurrent_generate(address: str, requests: list, timeout: float = 180) -> list[Completion | None]:
+    """Send every GenerateRequest to the router at once (one thread each); each stream's tokens, text and
+    finish reason (None for a stream that failed or did not finish)."""
+    import threading
+
+    import grpc
+
+    from shared.rpc.pdserve.v1 import generation_pb2_grpc
+
+    got: dict[int, Completion] = {}
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        def run(i: int) -> None:
+            out = Completion([], "", "")
+            for m in stub.Generate(requests[i], timeout=timeout):
+                out.token_ids += m.token_ids
+                out.text += m.text
+                out.finish_reason = m.finish_reason or out.finish_reason
+            got[i] = out
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    return [got.get(i) for i in range(len(requests))]
