@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from prefill_service.rank import PrefillCore, PrefillRank
 from shared.device import get_device
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
-from shared.kvcache import KVCache
+from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.lease import LeaseTable
 from shared.rpc import codegen
 from shared.transfer import TcpReceiver, TransferError, make_sender
@@ -42,9 +44,58 @@ def test_received_kv_is_bitwise_local_through_host_staging(ckpt, kv_cache_dtype,
     _check_received_kv(ckpt, "tcp", kv_cache_dtype)
 
 
-def _check_received_kv(ckpt, transport: str, kv_cache_dtype: str) -> None:  # noqa: ANN001
-    config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4, max_num_batched_tokens=9,  # chunked pushes
-                          kv_cache_dtype=kv_cache_dtype)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_mtp_layer_draft_state_arrives_with_its_own_index_keys(tmp_path, transport):
+    """DeepSeek-V3.2's MTP layer has its own lightning indexer: decode's draft state for a pushed prompt is
+    that layer's MLA latent rows and its own index-key rows (decode drafts from them; it never recomputes
+    the prompt). After the handoff the main layers are bitwise the local computation, and the MTP layer's
+    rows (the last one made with the first sampled token) are what one engine computes when it generates
+    the same prompts itself, on prompts longer than the indexer's top-k (so the MTP indexer's picks read
+    those keys). They are not another layer's rows: a transport that mixed up layers or cache kinds, or
+    dropped the extra layer, fails here."""
+    from shared.engine import LLM
+    from shared.loader.tiny import write_checkpoint
+
+    path = str(write_checkpoint(tmp_path / "mtp", "deepseek_v32", tokenizer=False, mtp=True, index_topk=8,
+                                vocab_size=512, num_hidden_layers=2))
+    received = _check_received_kv(None, transport, "auto", model=path, speculative="mtp")
+    mtp_layer = received.layout.num_layers - 1  # the MTP layer's cache follows the main layers'
+    assert mtp_layer == 2
+    llm = LLM(path, block_size=4, speculative="mtp")
+    engine, want, finish = llm.engine, {}, llm.engine.scheduler.finish
+
+    def record(seq, reason: str) -> None:  # noqa: ANN001 - each prompt's MTP rows as its request finishes
+        want[tuple(seq.prompt_token_ids)] = engine.kv.read_tokens(seq.block_table, len(seq.prompt_token_ids),
+                                                                  mtp_layer)
+        finish(seq, reason)
+
+    engine.scheduler.finish = record
+    llm.generate(received.prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    for prompt, rows in zip(received.prompts, received.rows):
+        assert len(prompt) > 8 or prompt is received.prompts[1]  # past the indexer's top-8 (one short prompt)
+        for kind in ("mla", "index"):
+            got, ref = rows[mtp_layer][kind], want[tuple(prompt)][kind]
+            assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), kind
+            assert not any(torch.equal(got, rows[layer][kind]) for layer in range(mtp_layer))
+
+
+@dataclass
+class Received:
+    """What decode holds after the handoff: per prompt, per layer, {cache kind: rows}."""
+
+    layout: KVLayout
+    prompts: list[list[int]]
+    rows: list[list[dict[str, torch.Tensor]]]
+
+
+def _check_received_kv(ckpt, transport: str, kv_cache_dtype: str, model: str | None = None,  # noqa: ANN001
+                       speculative: str = "") -> Received:
+    """Prefill pushes over `transport` into leases of a decode pool: every main layer's rows (both cache
+    kinds) land bitwise as the same schedule computes them locally; returns what landed (the MTP layer's
+    too, under `speculative`)."""
+    config = EngineConfig(model=model or str(ckpt("v32_sparse")), block_size=4,
+                          max_num_batched_tokens=9,  # chunked pushes
+                          kv_cache_dtype=kv_cache_dtype, speculative=speculative)
     prefill = LLMEngine(config)
     worker = PrefillCore(PrefillRank(prefill, lambda t: make_sender(t, prefill.kv)))
     kv, leases, receiver = _decode_side(prefill.layout, transport)
@@ -64,10 +115,13 @@ def _check_received_kv(ckpt, transport: str, kv_cache_dtype: str) -> None:  # no
     while any(s.num_cached < len(s.prompt_token_ids) for s in seqs):
         chunks = local.scheduler.schedule()
         local.sample(chunks, local.run_chunks(chunks))
+    received = Received(kv.layout, prompts, [])
     for i, (seq, prompt) in enumerate(zip(seqs, prompts)):
         lease = leases.claim(lease_of[i].lease_id)  # complete: every layer of both caches arrived
-        for layer in range(local.layout.num_layers):
-            got = kv.read_tokens(lease.blocks, len(prompt), layer)
+        received.rows.append([kv.read_tokens(lease.blocks, len(prompt), layer)
+                              for layer in range(kv.layout.num_layers)])
+        for layer in range(local.model.config.num_hidden_layers):  # the main layers (run_chunks computes)
+            got = received.rows[-1][layer]
             want = local.kv.read_tokens(seq.block_table, len(prompt), layer)
             assert set(got) == {"mla", "index"}
             for kind in got:
@@ -75,6 +129,7 @@ def _check_received_kv(ckpt, transport: str, kv_cache_dtype: str) -> None:  # no
     assert all(isinstance(t, int) for t in firsts)
     assert prefill.kv.allocator.num_free == prefill.kv.num_blocks  # prefill freed everything
     assert kv.mla.dtype == (torch.uint8 if kv_cache_dtype == "int8" else local.layout.dtype)
+    return received
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
