@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,7 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str
+    cached_prompt_tokens: int = field(default=0, compare=False)  # usage: prompt tokens from the prefix cache
 
 
 def concurrent_generate(address: str, requests: list, timeout: float = 180) -> list[Completion | None]:
@@ -163,6 +164,7 @@ def concurrent_generate(address: str, requests: list, timeout: float = 180) -> l
                 out.token_ids += m.token_ids
                 out.text += m.text
                 out.finish_reason = m.finish_reason or out.finish_reason
+                out.cached_prompt_tokens = m.usage.cached_prompt_tokens or out.cached_prompt_tokens
             got[i] = out
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]

@@ -137,3 +137,27 @@ def test_mtp_served_equals_plain_greedy(cases, shape, k, tmp_path):
         assert g == w, (c.params, g, w)
     assert {w.finish_reason for w in want} == {"length", "stop"}
     assert acceptance[0] > 0.5  # drafts were accepted: the tails under test existed
+
+
+def test_mtp_with_the_prefill_prefix_cache_served(tmp_path):
+    """The prefill instance's prefix cache under MTP: prompts that share a cached prefix reuse its main and
+    MTP-layer blocks (usage.cached_prompt_tokens), push them with the rest, and decode's drafts and
+    verification on them give the plain greedy answer."""
+    prefix = PROMPTS[0] + " " + PROMPTS[2]  # 66 tokens: four full 16-token blocks to reuse
+    prompts = [prefix] + [f"{prefix} {tail}" for tail in ("And God said,", "Thus saith the LORD,", "Behold,")]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(DEMO, dtype="bfloat16", enable_prefix_caching=False).generate(prompts, greedy)
+    cases = [Case(p, greedy, Completion(o.token_ids, o.text, o.finish_reason)) for p, o in zip(prompts, plain)]
+    from router.cli import up_cluster
+
+    cluster = up_cluster(["--model", DEMO, "--port", "0", "--speculative", "mtp", "--num-speculative-tokens", "2",
+                          "--decode-dp", "2", "--decode-ep", "2"], tmp_path / "logs")
+    with cluster:
+        requests = [generation_pb2.GenerateRequest(prompt=c.prompt, sampling_params=_sampling_proto(c.params))
+                    for c in cases]
+        first = concurrent_generate(cluster.address, requests[:1])  # computes and caches the prefix
+        rest = concurrent_generate(cluster.address, requests[1:])
+    got = first + rest
+    print("cached prompt tokens:", [g.cached_prompt_tokens for g in got])
+    assert got == [c.want for c in cases]
+    assert got[0].cached_prompt_tokens == 0 and all(g.cached_prompt_tokens >= 64 for g in rest)
