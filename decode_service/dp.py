@@ -80,7 +80,8 @@ class DecodeRank:
         if cfg.kv_transport == "mooncake":
             from shared.transfer.mooncake import MooncakeReceiver
 
-            self.receiver = MooncakeReceiver(kv, self.tcp, cfg.public_host)
+            self.receiver = MooncakeReceiver(kv, self.tcp, cfg.public_host, cfg.mooncake_protocol,
+                                             cfg.mooncake_devices)
 
     def apply(self, cmd: Command) -> Any:
         self.applied_cid = max(self.applied_cid, cmd.cid)

@@ -20,8 +20,8 @@ from shared.transfer import Destination, make_sender
 def sender_factory(cfg: Any, engine: LLMEngine) -> Callable[[str], Any]:  # noqa: ANN401 - PrefillConfig
     """How this instance opens KV pushes (TLS and the advertised host from its flags)."""
     tls = cfg.credentials().ssl_context(server=False)
-    return lambda transport: make_sender(transport, engine.kv, cfg.public_host, tls=tls,
-                                         stall_seconds=cfg.kv_stall_seconds)
+    return lambda transport: make_sender(transport, engine.kv, cfg.public_host, cfg.mooncake_protocol, tls,
+                                         cfg.kv_stall_seconds, cfg.mooncake_devices)
 
 
 def build_core(cfg: Any) -> PrefillCore:  # noqa: ANN401 - PrefillConfig

@@ -242,6 +242,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         return Deployment.from_yaml(args.config)
     return Deployment.from_dict({
         "engine": {"dtype": args.dtype, "indexerNumerics": args.indexer_numerics, "kvTransport": args.kv_transport,
+                   "mooncake": {"protocol": args.mooncake_protocol, "devices": args.mooncake_devices},
                    "quantization": args.quantization, "kvCacheDtype": args.kv_cache_dtype,
                    "offloadLayers": args.offload_layers, "offloadBuffers": args.offload_buffers,
                    "shareWeightsDir": args.share_weights_dir, "speculative": args.speculative,
@@ -454,6 +455,10 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--num-decode", type=int, default=1)
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
+    up.add_argument("--mooncake-protocol", choices=ENGINE_CHOICES["mooncake_protocol"], default="tcp",
+                    help="with --kv-transport mooncake: rdma over the NICs of --mooncake-devices, or tcp")
+    up.add_argument("--mooncake-devices", default="auto",
+                    help="RDMA NICs for --mooncake-protocol rdma: mlx5_0,mlx5_1 or auto (every active one)")
     up.add_argument("--log-dir", default=None, help="write each service's log here")
     up.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
                     help="compute dtype of prefill and decode (auto: the checkpoint's own)")

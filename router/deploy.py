@@ -6,7 +6,7 @@ The Helm chart's `values.yaml` uses the same keys, so one file drives both
     helm install pdserve helm/pdserve -f deploy.yaml
 
 Sections: `model.path`, `engine` (dtype, indexer numerics, quantization, KV cache dtype, weight offload,
-shared weights, block size, KV transport, drain),
+shared weights, block size, KV transport and `mooncake.protocol/devices`, drain),
 `router`, `prefill` (M instances with cp/tp/ep), `decode` (N instances with dp/tp/ep/layer
 sharding), `tls`, `metrics`. Keys only Kubernetes uses (image, resources, nodeSelector, lws, …) are
 accepted and ignored locally; any other key is an error naming it. `flags()` renders exactly the
@@ -26,7 +26,7 @@ from shared.transfer.tcp import STALL_SECONDS
 
 KUBERNETES_ONLY = {"image", "auth", "lws", "masterPort", "monitoring", "podDisruptionBudget", "resources",
                    "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "replicas", "serviceType",
-                   "source", "pvc", "hostPath", "uri", "secretName"}
+                   "source", "pvc", "hostPath", "uri", "secretName", "rdmaResource", "hostNetwork"}
 SHARED_WEIGHTS_DIR = "/dev/shm/pdserve"  # engine.shareWeights: the chart mounts a memory emptyDir at /dev/shm
 # the engine keys whose service flag takes a fixed set of values (the services' own choices)
 ENGINE_CHOICES: dict[str, tuple[str, ...]] = {f.name: f.metadata["choices"] for f in fields(ServiceConfig)
@@ -40,11 +40,21 @@ class ModelSpec:
 
 
 @dataclass
+class MooncakeSpec:
+    """engine.mooncake: how the Mooncake transport moves KV (with kvTransport: mooncake). The chart also
+    reads rdmaResource (the device-plugin resource each engine pod requests with rdma) and hostNetwork."""
+
+    protocol: str = "tcp"  # tcp | rdma (the services refuse to start without an RDMA NIC)
+    devices: str = "auto"  # NIC names (mlx5_0,mlx5_1) or auto: every RDMA device with an active port
+
+
+@dataclass
 class EngineSpec:
     dtype: str = "bfloat16"
     indexer_numerics: str = "deepseek"
     block_size: int = 16
     kv_transport: str = "tcp"
+    mooncake: MooncakeSpec = field(default_factory=MooncakeSpec)
     drain_seconds: float = 5.0
     quantization: str = "auto"  # auto | none | w8a8 | fp8 (checked against the services' choices)
     kv_cache_dtype: str = "auto"  # auto | int8 (one setting: prefill and decode must agree)
@@ -73,6 +83,11 @@ class EngineSpec:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"engine.numSpeculativeTokens: expected 1..{MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
+        if self.mooncake.protocol not in ENGINE_CHOICES["mooncake_protocol"]:
+            raise ValueError(f"engine.mooncake.protocol: expected one of "
+                             f"{', '.join(ENGINE_CHOICES['mooncake_protocol'])}, got {self.mooncake.protocol!r}")
+        if self.mooncake.protocol == "rdma" and self.kv_transport != "mooncake":
+            raise ValueError("engine.mooncake.protocol: rdma needs engine.kvTransport: mooncake")
         if self.offload_buffers < 1:
             raise ValueError(f"engine.offloadBuffers: need at least 1 staging buffer, got {self.offload_buffers}")
 
@@ -86,6 +101,8 @@ class EngineSpec:
         out = ["--kv-transport", self.kv_transport, "--dtype", self.dtype, "--indexer-numerics",
                self.indexer_numerics, "--quantization", self.quantization, "--kv-cache-dtype", self.kv_cache_dtype,
                "--block-size", _s(self.block_size), "--drain-seconds", _s(self.drain_seconds)]
+        if self.kv_transport == "mooncake":
+            out += ["--mooncake-protocol", self.mooncake.protocol, "--mooncake-devices", self.mooncake.devices]
         if self.offload_layers.strip():
             out += ["--offload-layers", self.offload_layers.strip(), "--offload-buffers", _s(self.offload_buffers)]
         if self.weights_dir:

@@ -408,6 +408,11 @@ class ServiceConfig(EndpointConfig):
 
     model: str = flag(REQUIRED, "checkpoint directory (HF layout)")
     kv_transport: str = flag("tcp", "KV transfer engine", choices=("tcp", "mooncake"))
+    mooncake_protocol: str = flag("tcp", "with --kv-transport mooncake: rdma (one-sided writes over RDMA NICs; "
+                                         "the service refuses to start without one) or tcp",
+                                  choices=("tcp", "rdma"))
+    mooncake_devices: str = flag("auto", "RDMA NICs for --mooncake-protocol rdma: names (mlx5_0,mlx5_1) or auto "
+                                         "(every device under /sys/class/infiniband with an active port)")
     dtype: str = flag("bfloat16", "compute dtype (auto: the checkpoint's own)", choices=("bfloat16", "float32", "auto"))
     indexer_numerics: str = flag("deepseek", "lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or "
                                              "transformers'", choices=("deepseek", "transformers"))

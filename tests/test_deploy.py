@@ -46,6 +46,20 @@ def test_unknown_keys_and_wrong_types_name_the_key():
     assert Deployment.from_dict({"image": {"tag": "x"}, "decode": {"resources": {}}}) == Deployment()  # k8s-only
 
 
+def test_mooncake_protocol_and_devices_render_into_both_services():
+    """engine.mooncake.protocol/devices reach prefill and decode with the Mooncake transport (the chart-only
+    keys rdmaResource / hostNetwork are accepted); rdma over the tcp transport is refused naming the key."""
+    dep = Deployment.from_dict({"engine": RDMA})
+    for role in ("prefill", "decode"):
+        flags = dep.flags(role)
+        assert _flag(flags, "--mooncake-protocol") == "rdma" and _flag(flags, "--mooncake-devices") == "mlx5_0,mlx5_1"
+    assert "--mooncake-protocol" not in Deployment().flags("decode")  # tcp transport: nothing to say
+    with pytest.raises(ValueError, match="engine.mooncake.protocol: rdma needs engine.kvTransport: mooncake"):
+        Deployment.from_dict({"engine": {"mooncake": {"protocol": "rdma"}}})
+    with pytest.raises(ValueError, match="engine.mooncake.protocol: expected one of tcp, rdma, got 'ib'"):
+        Deployment.from_dict({"engine": {"kvTransport": "mooncake", "mooncake": {"protocol": "ib"}}})
+
+
 def _flag(flags: list[str], name: str) -> str | None:
     return flags[flags.index(name) + 1] if name in flags else None
 
@@ -105,8 +119,13 @@ def test_up_passes_engine_values_to_prefill_and_decode():
         assert _flag(extra, "--speculative") == "mtp" and _flag(extra, "--num-speculative-tokens") == "2"
 
 
-@pytest.mark.parametrize("shape", [SHAPE, {**SHAPE, "engine": {**SHAPE["engine"], **ENGINE}}],
-                         ids=["shape", "w8a8-c8-offload-shared"])
+RDMA = {"kvTransport": "mooncake", "mooncake": {"protocol": "rdma", "devices": "mlx5_0,mlx5_1",
+                                                 "rdmaResource": "rdma/hca", "hostNetwork": True}}
+
+
+@pytest.mark.parametrize("shape", [SHAPE, {**SHAPE, "engine": {**SHAPE["engine"], **ENGINE}},
+                                   {**SHAPE, "engine": {**SHAPE["engine"], **RDMA}}],
+                         ids=["shape", "w8a8-c8-offload-shared", "mooncake-rdma"])
 def test_chart_and_up_render_the_same_service_flags(shape):
     """For one description, the flags `pdserve up --config` passes and the flags the chart renders
     parse to the same service configs (host, ports and credential files aside)."""

@@ -23,6 +23,9 @@ CASES = {
                                 "engine": {"kvTransport": "mooncake"}, "auth": {"existingSecret": "my-token"},
                                 "model": {"source": "uri", "uri": {"url": "https://example.com/m.tar"}}},
     "lws-tp2": {"lws": {"enabled": True}, "prefill": {"tp": 2}, "decode": {"tp": 2}},
+    "mooncake-rdma-hostnet": {"engine": {"kvTransport": "mooncake",
+                                         "mooncake": {"protocol": "rdma", "hostNetwork": True}},
+                              "decode": {"dp": 2, "resources": {"limits": {"nvidia.com/gpu": 8}}}},
     "w8a8-c8-offload-shared": {"engine": {"quantization": "w8a8", "kvCacheDtype": "int8", "offloadLayers": "2-10",
                                           "offloadBuffers": 3, "shareWeights": True},
                                "decode": {"dp": 2}},
@@ -233,5 +236,43 @@ def test_speculative_renders_into_both_services():
     ({"speculative": "mtp", "numSpeculativeTokens": 1.5}, "engine.numSpeculativeTokens: expected 1..3, got 1.5"),
 ])
 def test_invalid_engine_values_fail_naming_the_key(engine, message):
+    with pytest.raises(helm.HelmRenderError, match=message):
+        _render({"engine": engine})
+
+
+def test_mooncake_rdma_pods_request_the_device_and_may_lock_memory():
+    """engine.mooncake.protocol rdma: every prefill/decode rank pod requests the documented RDMA resource
+    (beside its own limits), gets IPC_LOCK as root (memory registration pins the pool) and, when asked, the
+    host network; its services get --mooncake-protocol rdma --mooncake-devices. The router pod gets none of
+    it, and neither does any pod under the default tcp transport."""
+    from decode_service.server import parse_args as decode_args
+
+    rdma = {"kvTransport": "mooncake", "mooncake": {"protocol": "rdma", "devices": "mlx5_0", "hostNetwork": True}}
+    pods = _engine_pods(_render({"engine": rdma, "decode": {"resources": {"limits": {"nvidia.com/gpu": 8}}}}))
+    for role, specs in pods.items():
+        for spec in specs:
+            (c,) = spec["containers"]
+            assert c["resources"]["limits"]["rdma/hca_shared_devices_a"] == 1, role
+            assert c["securityContext"] == {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
+            assert spec["hostNetwork"] and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+            assert _flag(_args(c), "--mooncake-protocol") == "rdma"
+            assert _flag(_args(c), "--mooncake-devices") == "mlx5_0"
+    assert pods["decode"][0]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert decode_args(_args(pods["decode"][0]["containers"][0])).mooncake_protocol == "rdma"
+    router = next(d for d in _render({"engine": rdma}) if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert "hostNetwork" not in router and "securityContext" not in router["containers"][0]
+    for specs in _engine_pods(_render({})).values():
+        for spec in specs:
+            assert "hostNetwork" not in spec and "securityContext" not in spec["containers"][0]
+            assert "--mooncake-protocol" not in _args(spec["containers"][0])
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ({"mooncake": {"protocol": "rdma"}}, "engine.mooncake.protocol: rdma needs engine.kvTransport: mooncake"),
+    ({"kvTransport": "mooncake", "mooncake": {"protocol": "ib"}},
+     r"engine.mooncake.protocol: expected one of tcp, rdma, got \"ib\""),
+    ({"kvTransport": "nixl"}, r"engine.kvTransport: expected one of tcp, mooncake, got \"nixl\""),
+])
+def test_invalid_transport_values_fail_naming_the_key(engine, message):
     with pytest.raises(helm.HelmRenderError, match=message):
         _render({"engine": engine})

@@ -225,3 +225,53 @@ def test_a_bad_destination_fails_only_its_own_request(ckpt):
     core.stop()
     assert isinstance(token, int) and pushed > 0
     assert prefill.kv.allocator.num_free == prefill.kv.num_blocks
+
+
+def _fake_sysfs(root, devices: dict[str, str]):  # noqa: ANN001, ANN202
+    """A /sys/class/infiniband look-alike: device → its port 1 state."""
+    for name, state in devices.items():
+        port = root / name / "ports" / "1"
+        port.mkdir(parents=True)
+        (port / "state").write_text(f"{state}\n")
+    return root
+
+
+def test_rdma_devices_are_resolved_or_refused_naming_the_flag(tmp_path):
+    """--mooncake-protocol rdma: auto takes the devices with an active port, named devices must exist, and
+    no device means an error that names the flag and what was found (never a silent fall back to tcp)."""
+    from shared.transfer.rdma import mooncake_device_names
+
+    sysfs = _fake_sysfs(tmp_path / "ib", {"mlx5_0": "4: ACTIVE", "mlx5_1": "1: DOWN", "mlx5_2": "4: ACTIVE"})
+    assert mooncake_device_names("mooncake", "rdma", "auto", sysfs) == "mlx5_0,mlx5_2"
+    assert mooncake_device_names("mooncake", "rdma", "mlx5_1", sysfs) == "mlx5_1"
+    assert mooncake_device_names("mooncake", "tcp", "auto", sysfs) == ""
+    with pytest.raises(ValueError, match=r"--mooncake-devices: mlx5_9 not found under .* \(found: mlx5_0 \(active\), "
+                                         r"mlx5_1 \(no active port\), mlx5_2 \(active\)\)"):
+        mooncake_device_names("mooncake", "rdma", "mlx5_0,mlx5_9", sysfs)
+    down = _fake_sysfs(tmp_path / "down", {"mlx5_0": "1: DOWN"})
+    with pytest.raises(ValueError, match=r"--mooncake-protocol rdma: no RDMA device with an active port .* "
+                                         r"\(found: mlx5_0 \(no active port\)\)"):
+        mooncake_device_names("mooncake", "rdma", "auto", down)
+    with pytest.raises(ValueError, match="found: none"):
+        mooncake_device_names("mooncake", "rdma", "auto", tmp_path / "absent")
+    with pytest.raises(ValueError, match="--mooncake-protocol rdma needs --kv-transport mooncake"):
+        mooncake_device_names("tcp", "rdma", "auto", sysfs)
+
+
+@pytest.mark.parametrize("service", ["prefill_service", "decode_service"])
+def test_a_service_asked_for_rdma_without_a_device_exits_at_start(service):
+    """Started for real on this machine (no RDMA NIC): the process exits at once, before loading the model,
+    with one line naming the flag and what it found."""
+    import subprocess
+    import sys
+
+    from shared.transfer.rdma import SYSFS, rdma_devices
+
+    if rdma_devices(SYSFS):
+        pytest.skip("this machine has RDMA devices")
+    proc = subprocess.run([sys.executable, "-m", service, "--model", "/nonexistent", "--insecure", "--kv-transport",
+                           "mooncake", "--mooncake-protocol", "rdma"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --mooncake-protocol rdma: no RDMA device with an active port under /sys/class/infiniband "
+        "(found: none); use --mooncake-protocol tcp, or give the pod the RDMA device")

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from shared.device import get_device
 from shared.parallel.state import ParallelConfig, ParallelState, env_rank_world
+from shared.transfer.rdma import mooncake_device_names
 
 # A collective that waits longer than this fails and the instance exits (the orchestrator restarts it):
 # ranks that diverged on an error never hang. Idle leaders send heartbeats well inside it.
@@ -67,9 +68,14 @@ def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> 
 
 
 def start_instance(cfg: Any, follower: Callable[[int, Any], None]) -> list | None:
-    """A service's start: validate its parallel shape (cfg.parallel()), start its ranks. Returns the
-    spawned followers on rank 0; a torchrun-started follower runs `follower` here and gets None."""
+    """A service's start: validate its parallel shape (cfg.parallel()) and its KV transport (the RDMA NICs
+    Mooncake is to use must be there: exit naming the flag, never a silent fallback), start its ranks.
+    Returns the spawned followers on rank 0; a torchrun-started follower runs `follower` here and gets None."""
     cfg.parallel()  # raises before anything is spawned
+    try:
+        cfg.mooncake_devices = mooncake_device_names(cfg.kv_transport, cfg.mooncake_protocol, cfg.mooncake_devices)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     rank, followers = launch_ranks(cfg.world, follower, cfg)
     if rank != 0:  # a torchrun-style follower (its own pod): probes need a health endpoint here
         from shared.rpc.service import serve_follower_health

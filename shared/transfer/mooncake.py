@@ -1,4 +1,5 @@
-"""Mooncake Transfer Engine transport: one-sided writes (RDMA on clusters, `tcp` protocol in tests).
+"""Mooncake Transfer Engine transport: one-sided writes (`--mooncake-protocol rdma` over the NICs of
+`--mooncake-devices` on clusters, checked at start by shared.transfer.rdma; `tcp` here and in tests).
 
 Both sides run a Mooncake TransferEngine in P2PHANDSHAKE mode (no metadata server). The prefill side
 registers its whole pools (sources: only read). The decode side registers, per lease, only the
@@ -31,6 +32,7 @@ from shared.transfer.base import (
     cache_kinds,
     pool_of,
 )
+from shared.transfer.rdma import mooncake_device_names
 from shared.transfer.tcp import STALL_SECONDS, TcpReceiver, mark_over_tcp, touch_over_tcp
 
 
@@ -50,9 +52,10 @@ class _Engine:
             from mooncake.engine import TransferEngine
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"Mooncake transfer engine unavailable: {exc}") from exc
+        device_name = mooncake_device_names("mooncake", protocol, device_name)  # "auto" → the NICs found
         self.engine = TransferEngine()
         if self.engine.initialize(host, "P2PHANDSHAKE", protocol, device_name) != 0:
-            raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {protocol}) failed")
+            raise TransferError(f"Mooncake initialize({host}, P2PHANDSHAKE, {protocol}, {device_name!r}) failed")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
         self.kv = kv
         self.pools = [kv.mla] + ([kv.index] if kv.index is not None else []) if register_pools else []

@@ -42,7 +42,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --metrics-port
 - {{ .Values.metrics.port | quote }}
 - --kv-transport
-- {{ .Values.engine.kvTransport }}
+- {{ include "pdserve.choice" (list "engine.kvTransport" .Values.engine.kvTransport (list "tcp" "mooncake")) | quote }}
+{{- if eq .Values.engine.kvTransport "mooncake" }}
+- --mooncake-protocol
+- {{ include "pdserve.choice" (list "engine.mooncake.protocol" .Values.engine.mooncake.protocol (list "tcp" "rdma")) | quote }}
+- --mooncake-devices
+- {{ .Values.engine.mooncake.devices | quote }}
+{{- else if eq (toString .Values.engine.mooncake.protocol) "rdma" }}
+{{- fail "engine.mooncake.protocol: rdma needs engine.kvTransport: mooncake" }}
+{{- end }}
 - --dtype
 - {{ .Values.engine.dtype }}
 - --indexer-numerics
@@ -208,4 +216,10 @@ affinity:
 topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+
+{{/* engine.mooncake.protocol rdma: the pod requests the RDMA device and may lock (register) memory. */}}
+{{- define "pdserve.rdma" -}}
+{{- and (eq .Values.engine.kvTransport "mooncake") (eq (toString .Values.engine.mooncake.protocol) "rdma") -}}
 {{- end -}}

@@ -83,10 +83,26 @@ spec:
         - name: shm
           mountPath: /dev/shm
         {{- end }}
-      {{- with $spec.resources }}
+      {{- $rdma := eq (include "pdserve.rdma" $root) "true" }}
+      {{- $resources := deepCopy ($spec.resources | default dict) }}
+      {{- if and $rdma $root.Values.engine.mooncake.rdmaResource }}
+      {{- $limits := merge (dict $root.Values.engine.mooncake.rdmaResource 1) ($resources.limits | default dict) }}
+      {{- $_ := set $resources "limits" $limits }}
+      {{- end }}
+      {{- with $resources }}
       resources:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      {{- if $rdma }}
+      securityContext:  # RDMA memory registration pins the KV pool: CAP_IPC_LOCK, effective only for root
+        runAsUser: 0
+        capabilities:
+          add: ["IPC_LOCK"]
+      {{- end }}
+  {{- if and $rdma $root.Values.engine.mooncake.hostNetwork }}
+  hostNetwork: true
+  dnsPolicy: ClusterFirstWithHostNet
+  {{- end }}
   terminationGracePeriodSeconds: {{ add (int $root.Values.engine.drainSeconds) 15 }}
   volumes:
     {{- include "pdserve.volumes" $root | nindent 4 }}
