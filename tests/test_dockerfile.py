@@ -36,6 +36,10 @@ def test_dockerfile_copies_what_exists_and_installs_the_package():
     assert runs.index("torch==2.13.0") < runs.index('pip install .[')  # the CPU torch first
     # the CPU attention kernel is compiled on the node, as the service user, into a writable cache
     assert "gcc" in runs and "libc6-dev" in runs
+    # the Mooncake wheel is a build argument (one per accelerator), the CPU one by default
+    args = dict(a.partition("=")[::2] for op, a_list in steps if op == "ARG" for a in a_list)
+    assert args["MOONCAKE_WHEEL"] == "mooncake-transfer-engine-non-cuda"
+    assert 'pip install "${MOONCAKE_WHEEL}"' in runs or "pip install ${MOONCAKE_WHEEL}" in runs
     envs = " ".join(" ".join(args) for op, args in steps if op == "ENV")
     assert "PDSERVE_KERNEL_CACHE=/tmp/" in envs
 
