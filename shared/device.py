@@ -88,6 +88,17 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def check_weight_sharing(share_weights_dir: str | None, device: torch.device) -> None:
+    """--share-weights-dir maps one host-memory file into every co-located process: it shares weights that
+    live in host memory, i.e. on CPU instances. On an accelerator the weights live in device memory,
+    which a file mapping cannot share (that would take IPC memory handles), so it is refused instead of
+    silently doing nothing."""
+    if share_weights_dir and device.type != "cpu":
+        raise ValueError(f"--share-weights-dir shares host memory between co-located processes; on {device.type} "
+                         "the weights live in device memory, which it cannot share: leave it off there (each "
+                         "accelerator instance holds its own copy)")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work (no-op on CPU); used by benchmarks for honest timings."""
     if device.type == _CUDA:

@@ -303,3 +303,19 @@ def test_parallel_slices_keyed(ckpt, tmp_path):
 def test_rejects_path_like_keys(tmp_path, key):
     with pytest.raises(ValueError, match="plain file name"):
         share_weights(_Odd(), key, tmp_path)
+
+
+def test_accelerators_refuse_weight_sharing_naming_the_flag(ckpt, tmp_path):
+    """On a GPU (or NPU: the same rule, any device but the CPU) the weights live in device memory, which the
+    host-file mapping cannot share: the library refuses before loading, and a service started with the flag
+    exits at start naming it (never a silent no-op). Checked without the accelerator: the device is what
+    PDSERVE_DEVICE / device= names."""
+    device = "cuda"
+    with pytest.raises(ValueError, match=f"--share-weights-dir shares host memory .* on {device} the weights live"):
+        load_model(ckpt("v32_sparse"), "float32", device, share_weights_dir=str(tmp_path / "shm"))
+    env = {**os.environ, "PDSERVE_DEVICE": device}
+    proc = subprocess.run([sys.executable, "-m", "decode_service", "--model", str(ckpt("v32_sparse")), "--insecure",
+                           "--share-weights-dir", str(tmp_path / "shm")], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 1 and "error: --share-weights-dir shares host memory" in proc.stderr
+    assert not (tmp_path / "shm").exists()

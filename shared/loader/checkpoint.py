@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from shared.config import Fp8Scheme, ModelConfig
-from shared.device import get_device, parse_dtype
+from shared.device import check_weight_sharing, get_device, parse_dtype
 from shared.model import DeepseekForCausalLM
 from shared.model.moe import Experts
 from shared.model.mtp import MTPLayer
@@ -294,6 +294,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     co-located process holding the same slice shares, instead of a private copy each (shared_weights)."""
     cfg = ModelConfig.from_pretrained(path)
     dev = get_device(device)
+    check_weight_sharing(share_weights_dir, dev)
     dtype = cfg.default_dtype if dtype == "auto" else dtype
     model = DeepseekForCausalLM(cfg, parse_dtype(dtype), dev, indexer_numerics, parallel, quantization, mtp)
     report = load_weights(model, path, include_mtp=include_mtp, progress=progress)

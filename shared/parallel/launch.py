@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from shared.device import get_device
+from shared.device import check_weight_sharing, get_device
 from shared.parallel.state import ParallelConfig, ParallelState, env_rank_world
 from shared.transfer.rdma import mooncake_device_names
 
@@ -68,12 +68,14 @@ def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> 
 
 
 def start_instance(cfg: Any, follower: Callable[[int, Any], None]) -> list | None:
-    """A service's start: validate its parallel shape (cfg.parallel()) and its KV transport (the RDMA NICs
-    Mooncake is to use must be there: exit naming the flag, never a silent fallback), start its ranks.
+    """A service's start: validate its parallel shape (cfg.parallel()), its KV transport (the RDMA NICs
+    Mooncake is to use must be there) and weight sharing (host memory only): exit naming the flag, never
+    a silent fallback or no-op. Then start its ranks.
     Returns the spawned followers on rank 0; a torchrun-started follower runs `follower` here and gets None."""
     cfg.parallel()  # raises before anything is spawned
     try:
         cfg.mooncake_devices = mooncake_device_names(cfg.kv_transport, cfg.mooncake_protocol, cfg.mooncake_devices)
+        check_weight_sharing(cfg.share_weights_dir, get_device())
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     rank, followers = launch_ranks(cfg.world, follower, cfg)
