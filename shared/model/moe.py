@@ -8,6 +8,8 @@ grouped matmul over the stacked weights with device-side offsets (no host read-b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -131,6 +133,9 @@ class MoE(nn.Module):
         per_rank = cfg.n_routed_experts // ep
         fmt = (fmts or LinearFormats()).target
         self.ep, self.ep_group, self.per_rank = ep, ep_group, per_rank
+        # called with the EP path's step events in order (dispatch_start/issued, shared_start/end,
+        # dispatch_wait/done): the overlap of the shared expert with the dispatch is proven by their order
+        self.trace: Callable[[str], None] | None = None
         self.gate = Gate(cfg, dtype)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype,
                                first_expert=ep_rank * per_rank, num_local=per_rank, fmt=fmt)
@@ -183,12 +188,19 @@ class MoE(nn.Module):
         recv = exchange_counts(send, self.ep_group)
         # all_to_all_v takes split sizes on the host: the one read-back of the EP path
         send_l, recv_l = send.tolist(), recv.tolist()
+        trace = self.trace or _untraced
+        trace("dispatch_start")
         rows, work_rows = all_to_all_v(x[pair_token], send_l, recv_l, self.ep_group, async_op=True)
         meta = torch.cat([pair_ids.float(), pair_w], 1)  # ids are small integers: exact in fp32
         got_meta, work_meta = all_to_all_v(meta, send_l, recv_l, self.ep_group, async_op=True)
+        trace("dispatch_issued")
+        trace("shared_start")
         shared = self.shared_experts(x).float() if self.shared_experts is not None else None  # overlaps dispatch
+        trace("shared_end")
+        trace("dispatch_wait")
         work_rows.wait()
         work_meta.wait()
+        trace("dispatch_done")
         got_ids, got_w = got_meta[:, :k].long(), got_meta[:, k:]
         partial = self.experts(rows, got_ids, got_w, padded=True)  # [received, D] fp32, foreign picks masked
         back, _ = all_to_all_v(partial, recv_l, send_l, self.ep_group)  # combine: partial sums return
@@ -197,3 +209,7 @@ class MoE(nn.Module):
         if shared is not None:
             y = y + shared
         return y.to(x.dtype)
+
+
+def _untraced(event: str) -> None:
+    """MoE.trace when nobody listens."""
