@@ -104,11 +104,15 @@ class DecodeRank:
         return CommandError("INTERNAL", f"unknown command {cmd.kind}")
 
     def _admit(self, a: dict[str, Any], handle: int) -> list[Event] | CommandError:
+        """Start decoding a request in its lease's blocks: pushed KV (the prefill's first token given),
+        or, with `local`, a prompt this engine prefills itself (selective disaggregation: queued like
+        any prompt, chunked within the step's token budget beside the running decodes)."""
+        local = bool(a.get("local"))
         try:
-            lease = self.leases.claim(a["lease_id"], require_complete=not (self.mirror and self.rank))
+            lease = self.leases.claim(a["lease_id"], require_complete=not (local or (self.mirror and self.rank)))
         except LeaseError as exc:
             return CommandError("FAILED_PRECONDITION", str(exc))
-        if self.mirror:
+        if self.mirror and not local:
             self._copy_kv_from_rank0(lease.blocks)
         try:
             seq = self.engine.make_sequence(a["prompt"], SamplingParams(**a["params"]), a["request_id"])
@@ -117,6 +121,10 @@ class DecodeRank:
             return CommandError("INVALID_ARGUMENT", str(exc))
         seq.block_table = list(lease.blocks)
         self.admitted += 1
+        if local:
+            self.engine.scheduler.add(seq)  # its blocks are the lease's: the scheduler only adds if it grows
+            self.handles[seq.request_id] = handle
+            return []
         if a.get("rng_state") and seq.params.seed is not None:
             seq.generator.set_state(torch.frombuffer(bytearray(a["rng_state"]), dtype=torch.uint8))
         events = [_event(ev) for ev in self.engine.add_prefilled(seq, a["first_token"])]
@@ -204,7 +212,8 @@ class DecodeRank:
         return {"rank": self.rank, "running": len(sched.running), "waiting": len(sched.waiting),
                 "free_blocks": kv.allocator.num_free, "total_blocks": self.engine.usable_blocks,
                 "active_leases": len(self.leases), "has_work": int(self.engine.has_work), "admitted": self.admitted,
-                "tokens": sum(s.num_tokens for s in sched.running) + reserved, "applied_cid": self.applied_cid,
+                "tokens": sum(s.num_tokens for s in [*sched.running, *sched.waiting]) + reserved,
+                "applied_cid": self.applied_cid,
                 "expired": self.leases.drain_expired(), "kv_bytes_received": self.tcp.bytes_received,
                 **self._spec_counts()}
 
@@ -314,7 +323,7 @@ class Coordinator(EngineCore):
             rank = ALL
             if kind == "reserve":  # one lease id and token for every mirror rank
                 args = {**args, "lease_id": uuid.uuid4().hex, "token": secrets.token_bytes(16)}
-            elif kind == "admit" and not self.me.leases.is_complete(args["lease_id"]):
+            elif kind == "admit" and not args.get("local") and not self.me.leases.is_complete(args["lease_id"]):
                 fut: Future = Future()
                 fut.set_exception(CommandError("FAILED_PRECONDITION",
                                                f"lease {args['lease_id']!r} is unknown, expired or incomplete"))

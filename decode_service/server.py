@@ -118,7 +118,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already streaming here")
         admit = self.coord.submit("admit", rank, request_id=rid, lease_id=request.lease_id,
                                   prompt=list(request.prompt_token_ids), params=params_dict(params),
-                                  first_token=request.first_token_id, rng_state=bytes(request.rng_state))
+                                  first_token=request.first_token_id, rng_state=bytes(request.rng_state),
+                                  local=request.local_prefill)
         try:
             await wait_future(admit, 60)
         except CommandError as exc:
@@ -130,6 +131,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             self.coord.submit("abort", rank, request_id=rid)
             raise
         self.coord.lease_rank.pop(request.lease_id, None)  # claimed: the blocks belong to the request now
+        if request.local_prefill:  # selective disaggregation: this engine prefills the prompt
+            metrics.TOKENS.labels("decode", "local_prompt").inc(len(request.prompt_token_ids))
         reason, ended = None, False
         out = self.coord.output_processor(params)  # text made here, off the engine process
         try:

@@ -251,7 +251,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                     "ep": args.prefill_ep, "layerSharding": args.layer_sharding},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
                    "layerSharding": args.layer_sharding},
-        "router": {"port": args.port}, "tls": {"enabled": args.tls}})
+        "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens}, "tls": {"enabled": args.tls}})
 
 
 def cluster_from_deployment(dep: Deployment, model: str, log_dir: Path | None = None) -> Cluster:
@@ -485,6 +485,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-tp", type=int, default=1, help="local-TP ranks per decode instance (with dp 1)")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
+    up.add_argument("--local-prefill-tokens", type=int, default=0,
+                    help="selective disaggregation: prompts of at most N tokens may prefill on the decode instance "
+                         "when that is predicted to give the first token sooner (0: off)")
     up.add_argument("--config", default=None,
                     help="deployment description (YAML, the Helm chart's values keys); replaces the shape flags")
     up.add_argument("--tls", action="store_true",

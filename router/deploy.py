@@ -122,6 +122,12 @@ class RouterSpec:
     ttft_slo_ms: float = 0.0
     tpot_slo_ms: float = 0.0
     admission_wait_ms: float = 0.0
+    local_prefill_tokens: int = 0  # selective disaggregation: prompts up to this many tokens may prefill on decode
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"router.localPrefillTokens: expected a whole number >= 0, "
+                             f"got {self.local_prefill_tokens}")
 
 
 @dataclass
@@ -190,7 +196,8 @@ class Deployment:
             return ["--request-timeout", _s(r.request_timeout), "--max-prompt-bytes", _s(r.max_prompt_bytes),
                     "--max-concurrent-requests", _s(r.max_concurrent_requests), "--drain-seconds",
                     _s(e.drain_seconds), "--policy", r.policy, "--ttft-slo-ms", _s(r.ttft_slo_ms),
-                    "--tpot-slo-ms", _s(r.tpot_slo_ms), "--admission-wait-ms", _s(r.admission_wait_ms)]
+                    "--tpot-slo-ms", _s(r.tpot_slo_ms), "--admission-wait-ms", _s(r.admission_wait_ms),
+                    "--local-prefill-tokens", _s(r.local_prefill_tokens)]
         spec = self.prefill if role == "prefill" else self.decode
         out = [*e.flags(), "--kv-cache-tokens", _s(spec.kv_cache_tokens), "--tp", _s(spec.tp), "--ep", _s(spec.ep)]
         if spec.layer_sharding:

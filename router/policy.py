@@ -61,6 +61,10 @@ class DecodeView:
     def busy(self) -> bool:
         return self.up and any(r.running for r in self.ranks)
 
+    def pace(self, perf: PerfModel) -> RankView:
+        """The rank whose step is longest: it sets a lock-step instance's step time."""
+        return max(self.ranks, key=lambda r: perf.decode_step_seconds(r.running, r.tokens))
+
     def step_with(self, perf: PerfModel, rank: int, tokens: int, others_busy: int = 0) -> tuple[float, float, int]:
         """(TPOT, uncalibrated TPOT, batch) of the busiest rank once a request of `tokens` context
         joins `rank`: the busiest rank sets a lock-step instance's pace. `others_busy`: other engines
@@ -83,6 +87,7 @@ class Request:
     cached_tokens: int = 0
     cached_by_prefill: list[int] | None = None  # prompt tokens each prefill instance holds in its prefix cache
     priority: int = 0  # lower is more urgent (GenerateRequest.priority): see SlaPolicy.margin_for
+    local_prefill: bool = False  # the decode instance may prefill it itself (prompt <= --local-prefill-tokens)
 
 
 @dataclass
@@ -99,6 +104,7 @@ class Choice:
     tpot_raw_s: float = 0.0
     room: bool = True  # the decode's last report has the blocks (a stale report only orders: Reserve decides)
     busy_beside: int = 0  # engines computing beside its prefill (the TTFT calibration band)
+    local: bool = False  # the decode instance prefills the prompt itself (prefill is -1: no prefill instance)
 
 
 TIE = 0.1  # pairs within 10% of the cheapest are ties, spread by power of two choices
@@ -148,12 +154,41 @@ class SlaPolicy:
                                   others))
         return out
 
+    def predict_local(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
+        """Every decode instance that is up, prefilling the prompt itself: TTFT is the step in progress plus
+        one step carrying the prompt beside its decodes (no queue, RPC or transfer); TPOT as for a pair."""
+        context = req.prompt_tokens + req.max_tokens
+        busy_prefills = sum(1 for p in prefills if p.up and p.queued_tokens > 0)
+        busy_decodes = sum(1 for d in decodes if d.busy)
+        out = []
+        for d, dec in enumerate(decodes):
+            if not dec.up:
+                continue
+            others = busy_prefills + busy_decodes - dec.busy
+            tpot, tpot_raw, batch = dec.step_with(self.perf, dec.least_loaded(), context, others)
+            pace = dec.pace(self.perf)
+            ttft = self.perf.local_ttft(pace.running, pace.tokens, req.prompt_tokens, others)
+            raw = self.perf.local_ttft_raw(pace.running, pace.tokens, req.prompt_tokens, others)
+            room = -(-context // dec.block_size) <= dec.free_blocks
+            out.append(Choice(-1, d, ttft, tpot, ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0),
+                              batch=batch, ttft_raw_s=raw, tpot_raw_s=tpot_raw, room=room, busy_beside=others,
+                              local=True))
+        return out
+
     def choose(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
-        """Pairs to try, best first (the rest are the fail-over order); raises Rejected when none fits."""
+        """Pairs to try, best first (the rest are the fail-over order); raises Rejected when none fits.
+        Selective disaggregation: a request the decode instance may prefill itself goes there (decode
+        instances to try, best first, all local) when that is predicted to give the first token sooner
+        than the best pair within the targets."""
         pairs = self.predict(req, prefills, decodes)
         if not pairs:
             raise Rejected("no prefill/decode pair to choose from", 1.0)
         fits = [c for c in pairs if self._meets(c, req)]
+        if req.local_prefill:
+            local = sorted((c for c in self.predict_local(req, prefills, decodes) if c.room and self._meets(c, req)),
+                           key=lambda c: c.cost)
+            if local and (not fits or local[0].ttft_s < min(c.ttft_s for c in fits)):
+                return local
         if not fits:
             if any(self._meets(c, req, raw=True) and c.queued_tokens == 0 and c.batch <= 1 for c in pairs):
                 self.perf.relax()  # an idle pair refused by calibration alone: let it ease (a loaded one is observed)

@@ -55,6 +55,11 @@ class RouterConfig(EndpointConfig):
     ttft_slo_ms: float = flag(0.0, "time-to-first-token target (0: none); a request no pair can serve within "
                                    "its targets is refused at once with RESOURCE_EXHAUSTED")
     tpot_slo_ms: float = flag(0.0, "time-per-output-token target (0: none)")
+    local_prefill_tokens: int = flag(0, "selective disaggregation: a prompt of at most this many tokens is "
+                                        "prefilled on the decode instance itself (chunked within its token "
+                                        "budget, beside its running decodes) when the SLA model predicts its "
+                                        "first token sooner there than through a prefill instance (sla policy; "
+                                        "0: every prompt goes to a prefill instance)")
     admission_wait_ms: float = flag(0.0, "instead of refusing at once, hold a request no pair can serve yet for up "
                                          "to this long, re-choosing as load reports arrive, while it can still "
                                          "make its TTFT target (0: refuse at once)")
@@ -341,9 +346,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         best = pairs[0]
         # Count the request on its chosen pair at once, until their next reports: admissions made while
         # its Reserve is in flight must see it, or a burst lands on views that all still say idle.
-        chosen_pre, chosen_dec = prefills[best.prefill].view, decodes[best.decode].view
+        chosen_pre, chosen_dec = None if best.local else prefills[best.prefill].view, decodes[best.decode].view
         chosen_rank = chosen_dec.ranks[chosen_dec.least_loaded()]
-        chosen_pre.queued_tokens += len(ids)
+        if chosen_pre is not None:
+            chosen_pre.queued_tokens += len(ids)
         chosen_rank.count(len(ids) + params.max_tokens)
         reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
                                                   max_tokens=params.max_tokens)
@@ -360,24 +366,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             lease_id = reserve.destination.lease_id
             claimed = False
             try:
-                prefill_req = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
-                                                          sampling_params=sampling, destination=reserve.destination,
-                                                          priority=request.priority)
                 metrics.QUEUE.observe(time.perf_counter() - t0)
-                preferred = [c.prefill for c in pairs if decodes[c.decode] is dec]
-                order = Pool.ordered(prefills, preferred or [c.prefill for c in pairs])
-                if order[0].view is not chosen_pre:
-                    order[0].view.queued_tokens += len(ids)  # until its next report
-                pre, first = await self._first_ok(context, self.prefill, order, lambda inst: inst.stub.Prefill(
-                    prefill_req, timeout=timeout, metadata=md), retry_on=(grpc.StatusCode.UNAVAILABLE,))
-                metrics.PAIRS.labels(pre.address, dec.address).inc()
-                stream = dec.stub.Decode(internal_pb2.DecodeRequest(
-                    request_id=rid, lease_id=lease_id, prompt_token_ids=ids, sampling_params=sampling,
-                    first_token_id=first.first_token_id, rng_state=first.rng_state), timeout=timeout, metadata=md)
+                decode_req = internal_pb2.DecodeRequest(request_id=rid, lease_id=lease_id, prompt_token_ids=ids,
+                                                        sampling_params=sampling, local_prefill=best.local)
+                if not best.local:  # the prompt goes to a prefill instance, which pushes its KV into the lease
+                    prefill_req = internal_pb2.PrefillRequest(
+                        request_id=rid, prompt_token_ids=ids, sampling_params=sampling,
+                        destination=reserve.destination, priority=request.priority)
+                    preferred = [c.prefill for c in pairs if decodes[c.decode] is dec]
+                    order = Pool.ordered(prefills, preferred or [c.prefill for c in pairs])
+                    if order[0].view is not chosen_pre:
+                        order[0].view.queued_tokens += len(ids)  # until its next report
+                    pre, first = await self._first_ok(context, self.prefill, order, lambda inst: inst.stub.Prefill(
+                        prefill_req, timeout=timeout, metadata=md), retry_on=(grpc.StatusCode.UNAVAILABLE,))
+                    metrics.PAIRS.labels(pre.address, dec.address).inc()
+                    decode_req.first_token_id, decode_req.rng_state = first.first_token_id, first.rng_state
+                metrics.PREFILL_PATHS.labels("local" if best.local else "disaggregated").inc()
+                stream = dec.stub.Decode(decode_req, timeout=timeout, metadata=md)
                 claimed = True
+                cached = 0 if best.local else first.cached_prompt_tokens
                 try:
-                    async for out in self._relay(stream, context, label, len(ids), first.cached_prompt_tokens, t0,
-                                                 best):
+                    async for out in self._relay(stream, context, label, len(ids), cached, t0, best):
                         yield out
                 finally:
                     stream.cancel()  # a no-op when it ended; otherwise the client left: decode lets go
@@ -421,8 +430,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if t_first is None:
                         t_first = now
                         metrics.TTFT.observe(now - t0)
-                        self.perf.observe_ttft(predicted.queued_tokens, predicted.ttft_raw_s, now - t0,
-                                               predicted.busy_beside)
+                        if predicted.local:
+                            self.perf.observe_local_ttft(predicted.ttft_raw_s, now - t0)
+                        else:
+                            self.perf.observe_ttft(predicted.queued_tokens, predicted.ttft_raw_s, now - t0,
+                                                   predicted.busy_beside)
                     elif t_last is not None:
                         metrics.TPOT.observe((now - t_last) / len(msg.token_ids))
                     t_last = now
@@ -454,8 +466,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             waited = time.perf_counter() - t0
             ttft_left = max(ttft_s - waited, 1e-6) if ttft_s else 0.0
             try:
+                local = len(ids) <= self.cfg.local_prefill_tokens
                 return self.policy.choose(Request(len(ids), max_tokens, ttft_left, tpot_s, cached_by_prefill=cached,
-                                                  priority=priority),
+                                                  priority=priority, local_prefill=local),
                                           [x.view for x in prefills], [x.view for x in decodes])
             except Rejected:
                 pause = self.cfg.load_interval

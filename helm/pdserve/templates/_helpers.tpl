@@ -223,3 +223,12 @@ topologySpreadConstraints:
 {{- define "pdserve.rdma" -}}
 {{- and (eq .Values.engine.kvTransport "mooncake") (eq (toString .Values.engine.mooncake.protocol) "rdma") -}}
 {{- end -}}
+
+{{/* A whole number >= 0, else a failed render naming the key: (list "key" value). */}}
+{{- define "pdserve.nonNegative" -}}
+{{- $key := index . 0 }}{{- $value := index . 1 }}
+{{- if or (lt (int $value) 0) (ne (int $value | toString) (toString $value)) }}
+{{- fail (printf "%s: expected a whole number >= 0, got %v" $key $value) }}
+{{- end }}
+{{- $value | int }}
+{{- end -}}
