@@ -37,7 +37,7 @@ PROMPTS = [
 MAX_TOKENS = 40  # prompts of 24-34 tokens + 40: past the indexer's top-64, so main and MTP attention go sparse
 
 SHAPES = {  # name → the `pdserve up` flags of the shape
-    "1-rank": [],
+    "1-rank": ["--local-prefill-tokens", "28"],  # the shorter prompts may prefill on decode (selective)
     "dp2-ep2": ["--decode-dp", "2", "--decode-ep", "2"],
     "tp2": ["--decode-tp", "2"],
     "cp2-to-dp2-ep2": ["--prefill-cp", "2", "--decode-dp", "2", "--decode-ep", "2"],
@@ -109,16 +109,21 @@ def _acceptance(url: str, k: int) -> list[float]:
 
 
 def _serve(argv: list[str], cases: list[Case], log_dir, k: int = 0) -> tuple[list[Completion | None], list[float]]:
-    """Every case at once through `pdserve up ARGV`; with `k`, the decode instance's acceptance too."""
+    """Every case at once through `pdserve up ARGV`; with `k`, the decode instance's acceptance too. Prints
+    where the prompts were prefilled (the router's pdserve_router_prefill_path_total)."""
     from router.cli import up_cluster
 
     cluster = up_cluster(["--model", DEMO, "--port", "0", *argv], log_dir)
     cluster.extra_decode.extend(["--metrics-port", "0"])
+    cluster.extra_router.extend(["--metrics-port", "0"])
     with cluster:
         requests = [generation_pb2.GenerateRequest(prompt=c.prompt, sampling_params=_sampling_proto(c.params))
                     for c in cases]
         got = concurrent_generate(cluster.address, requests)
         url = f"http://127.0.0.1:{cluster.metrics_ports[cluster.decode_addrs[0]]}/metrics"
+        router = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports[cluster.address]}/metrics",
+                                        timeout=5).read().decode()
+        print("prefill paths:", dict(re.findall(r'pdserve_router_prefill_path_total\{path="(\w+)"\} (\S+)', router)))
         return got, (_acceptance(url, k) if k else [])
 
 
