@@ -119,6 +119,12 @@ class DecodeRank:
         except ValueError as exc:
             self.engine.kv.allocator.free(lease.blocks)
             return CommandError("INVALID_ARGUMENT", str(exc))
+        if local and self.engine.kv.blocks_needed(seq.num_tokens + seq.params.max_tokens) > len(lease.blocks):
+            self.engine.abort(seq.request_id)
+            self.engine.kv.allocator.free(lease.blocks)
+            return CommandError("INVALID_ARGUMENT", f"prompt_token_ids: {seq.num_tokens} tokens + max_tokens "
+                                                    f"{seq.params.max_tokens} do not fit the lease's "
+                                                    f"{len(lease.blocks)} blocks")
         seq.block_table = list(lease.blocks)
         self.admitted += 1
         if local:

@@ -221,7 +221,9 @@ def int8_matmul(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.
 
         return torch_npu.npu_quant_matmul(xq, wq.t(), sw, pertoken_scale=sx.view(-1),
                                           output_dtype=torch.bfloat16).float()
-    if m <= _INT8_PACK_MAX_ROWS and hasattr(torch, "_weight_int8pack_mm"):
+    # torch 2.13's AVX-512 _weight_int8pack_mm reads past a row whose length is not a multiple of 16 once it
+    # packs 4+ rows (a segfault on Zen 4 with K = 200): such shapes take the tile path below.
+    if m <= _INT8_PACK_MAX_ROWS and k % 16 == 0 and hasattr(torch, "_weight_int8pack_mm"):
         return torch._weight_int8pack_mm(xq.to(torch.bfloat16), wq, _ones_bf16(n, xq.device)).float() * sx * sw
     xf = xq.float()
     out = xf.new_empty(m, n)

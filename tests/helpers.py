@@ -112,27 +112,12 @@ def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor, cos_min: float = 
 def concurrent_greedy(address: str, prompts: list[list[int]], max_tokens: int, timeout: float = 180) -> list:
     """Send every prompt to the router at once (one thread each); the streamed greedy tokens per
     prompt, in order (None for a stream that did not finish)."""
-    import threading
+    from shared.rpc.pdserve.v1 import generation_pb2
 
-    import grpc
-
-    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
-
-    got: dict[int, list[int]] = {}
     sp = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    with grpc.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-
-        def run(i: int) -> None:
-            req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[i], sampling_params=sp)
-            got[i] = [t for m in stub.Generate(req, timeout=timeout) for t in m.token_ids]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout)
-    return [got.get(i) for i in range(len(prompts))]
+    outs = concurrent_generate(address, [generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=sp)
+                                         for p in prompts], timeout)
+    return [o.token_ids if o is not None else None for o in outs]
 
 
 @dataclass

@@ -26,11 +26,13 @@ def tiny(tmp_path_factory):
     return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-v32")
 
 
-@pytest.mark.parametrize("rows", [4, 100])  # the CPU's two W8A8 paths: int8-weight kernel, fp32 tiles
-def test_w8a8_linear_error_is_within_the_int8_bound(rows):
+# the CPU's two W8A8 paths: int8-weight kernel (few rows), fp32 tiles (many rows, or a row length the
+# kernel cannot take: torch's AVX-512 kernel crashed on 4+ rows of 200)
+@pytest.mark.parametrize(("rows", "k"), [(4, 208), (100, 208), (4, 200)])
+def test_w8a8_linear_error_is_within_the_int8_bound(rows, k):
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 200, generator=g) * 0.05
-    x = torch.randn(rows, 200, generator=g)
+    w = torch.randn(96, k, generator=g) * 0.05
+    x = torch.randn(rows, k, generator=g)
     x[0, 3] = 40.0  # an outlier channel: per-token scales keep the other tokens' precision
     layer = Int8Linear.from_float(w)
     y, ref = layer(x), x @ w.T
@@ -38,7 +40,7 @@ def test_w8a8_linear_error_is_within_the_int8_bound(rows):
     # bf16 rounding of the integer sum (2⁻⁸ relative) on the few-rows path.
     _, sx = quantize_activation(x)
     sw = layer.weight_scale
-    bound = (x.abs() + sx / 2) @ (sw[:, None] / 2).expand(-1, 200).T + (sx / 2) * w.abs().sum(1)
+    bound = (x.abs() + sx / 2) @ (sw[:, None] / 2).expand(-1, k).T + (sx / 2) * w.abs().sum(1)
     bound = bound + ref.abs() * 2**-8 + 1e-6
     err = (y - ref).abs()
     print(f"W8A8 linear ({rows} rows): max error {err.max():.2e}, relative {(err.norm() / ref.norm()):.4f}, "
@@ -167,14 +169,22 @@ def test_c8_attention_matches_the_bf16_cache(tiny, sparse):
 
 
 def test_c8_engine_greedy_is_close_to_the_bf16_cache(tiny):
+    """Per step, not free-running: the C8 engine's next token after every prefix of the bf16 engine's greedy
+    answer. (Free-running agreement cascades from the first near-tie on this random model's flat logits:
+    0.78 on one CPU, above 0.8 on another, for the same code.)"""
     prompts = random_prompts(8, [5, 17, 40, 90], 1024, seed=1)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    runs = {d: [o.token_ids for o in LLM(str(tiny), dtype="bfloat16", kv_cache_dtype=d).generate(prompts, params)]
-            for d in ("auto", "int8")}
-    pairs = [(a, b) for x, y in zip(runs["auto"], runs["int8"], strict=True) for a, b in zip(x, y, strict=True)]
-    rate = sum(a == b for a, b in pairs) / len(pairs)
-    print(f"C8 vs bf16 KV cache greedy match rate: {rate:.3f}")
-    assert rate >= 0.8
+    bf16 = [o.token_ids for o in LLM(str(tiny), dtype="bfloat16").generate(prompts, params)]
+    prefixes = [p + out[:t] for p, out in zip(prompts, bf16) for t in range(len(out))]
+    truth = [out[t] for out in bf16 for t in range(len(out))]
+    c8 = LLM(str(tiny), dtype="bfloat16", kv_cache_dtype="int8")
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids[0] for o in c8.generate(prefixes, one)]
+    free = [o.token_ids for o in c8.generate(prompts, params)]
+    rate = sum(a == b for a, b in zip(got, truth)) / len(truth)
+    free_rate = sum(a == b for x, y in zip(bf16, free) for a, b in zip(x, y)) / len(truth)
+    print(f"C8 vs bf16 KV cache greedy match rate: per step {rate:.3f}, free-running {free_rate:.3f}")
+    assert rate >= 0.9
 
 
 def test_w8a8_and_c8_served_disaggregated_equal_in_process(tiny, tmp_path):

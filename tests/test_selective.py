@@ -81,8 +81,8 @@ def test_local_prefill_serves_the_disaggregated_answer_and_counts_both_paths(tmp
 
 def test_a_hostile_local_prefill_call_fails_alone_and_frees_its_lease(tmp_path):
     """Straight to decode's internal API with the cluster's credentials: a local prefill naming token ids
-    outside the vocabulary is INVALID_ARGUMENT, its lease's blocks come back, and a good local prefill
-    on the next lease still streams."""
+    outside the vocabulary, or a prompt larger than its lease, is INVALID_ARGUMENT, the leases' blocks come
+    back, and a good local prefill on the next lease still streams."""
     from router.cli import up_cluster
 
     with up_cluster(["--model", DEMO, "--port", "0"], tmp_path / "logs") as cluster:
@@ -100,6 +100,11 @@ def test_a_hostile_local_prefill_call_fails_alone_and_frees_its_lease(tmp_path):
                                                             prompt_token_ids=[5, 1 << 30, 7], local_prefill=True),
                                  timeout=10))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError) as err:  # a prompt larger than the blocks the lease holds
+                list(stub.Decode(internal_pb2.DecodeRequest(request_id="big", lease_id=reserve(), sampling_params=sp,
+                                                            prompt_token_ids=list(range(5, 200)), local_prefill=True),
+                                 timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease" in err.value.details()
             assert wait_for(lambda: stub.GetLoad(internal_pb2.LoadRequest(), timeout=5).free_blocks == total, 10)
             got = [t for m in stub.Decode(internal_pb2.DecodeRequest(
                 request_id="good", lease_id=reserve(), sampling_params=sp, prompt_token_ids=[5, 6, 7],
