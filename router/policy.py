@@ -155,8 +155,9 @@ class SlaPolicy:
         return out
 
     def predict_local(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
-        """Every decode instance that is up, prefilling the prompt itself: TTFT is the step in progress plus
-        one step carrying the prompt beside its decodes (no queue, RPC or transfer); TPOT as for a pair."""
+        """Every decode instance that is up, prefilling the prompt itself: TTFT is one step of its pace-setting
+        rank carrying the prompt beside its decodes (no queue, RPC or transfer; PerfModel.local_ttft);
+        TPOT as for a pair."""
         context = req.prompt_tokens + req.max_tokens
         busy_prefills = sum(1 for p in prefills if p.up and p.queued_tokens > 0)
         busy_decodes = sum(1 for d in decodes if d.busy)
