@@ -43,7 +43,7 @@ FATAL = object()  # put in every stream when the engine loop dies: the handlers 
 # A rank's load report: these integers travel in the fixed per-turn row (expired lease ids do not).
 SPEC_FIELDS = tuple(f"spec_{kind}_{i}" for kind in ("drafted", "accepted") for i in range(MAX_SPECULATIVE_TOKENS))
 LOAD_FIELDS = ("rank", "running", "waiting", "free_blocks", "total_blocks", "active_leases", "has_work", "admitted",
-               "tokens", "applied_cid", "kv_bytes_received", *SPEC_FIELDS)
+               "tokens", "queued_prompt_tokens", "applied_cid", "kv_bytes_received", *SPEC_FIELDS)
 FINISH_REASONS = (None, "stop", "length", "abort", "error")
 __all__ = ["ALL", "FATAL", "Command", "CommandError", "Coordinator", "DecodeRank", "Event", "Streams", "follower_loop"]
 
@@ -219,6 +219,8 @@ class DecodeRank:
                 "free_blocks": kv.allocator.num_free, "total_blocks": self.engine.usable_blocks,
                 "active_leases": len(self.leases), "has_work": int(self.engine.has_work), "admitted": self.admitted,
                 "tokens": sum(s.num_tokens for s in [*sched.running, *sched.waiting]) + reserved,
+                "queued_prompt_tokens": sum(s.num_uncached for s in [*sched.running, *sched.waiting]
+                                            if s.is_prefilling),
                 "applied_cid": self.applied_cid,
                 "expired": self.leases.drain_expired(), "kv_bytes_received": self.tcp.bytes_received,
                 **self._spec_counts()}
@@ -305,6 +307,7 @@ class Coordinator(EngineCore):
         self.loads: list[dict[str, Any]] = [me.load()] + [
             {"rank": r, "running": 0, "waiting": 0, "free_blocks": me.engine.kv.num_blocks,
              "total_blocks": me.engine.kv.num_blocks, "active_leases": 0, "has_work": 0, "tokens": 0, "admitted": 0,
+             "queued_prompt_tokens": 0,
              "applied_cid": -1, "kv_bytes_received": 0}
             for r in range(1, world)]
         self.lease_rank: dict[str, int] = {}

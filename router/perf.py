@@ -64,7 +64,8 @@ class PerfModel:
     # the q-quantile about 1 − q. The default 0.95 sits above the 0.9 attainment the planner plans for,
     # so the noise of a control loop that learns from late observations stays above it.
     ttft_factors: list[float] = field(default_factory=lambda: [1.0] * (len(TTFT_BANDS) * BUSY_BANDS))
-    local_ttft_factor: float = 1.0  # the same, for prompts the decode instance prefills itself (one band)
+    # the same for prompts the decode instance prefills itself, per decode batch band (as TPOT's)
+    local_ttft_factors: list[float] = field(default_factory=lambda: [1.0] * len(TPOT_BANDS))
     tpot_factors: list[float] = field(default_factory=lambda: [1.0] * len(TPOT_BANDS))
     smoothing: float = 0.1  # the calibration's step (log scale)
     calibration_quantile: float = 0.95
@@ -125,18 +126,20 @@ class PerfModel:
 
     def local_ttft_raw(self, batch: float, context_tokens: float, prompt_tokens: float,
                        others_busy: float = 0.0) -> float:
-        """Time to first token when the decode instance prefills the prompt itself (selective
-        disaggregation): one step carries the prompt beside the running decodes (a step's cost plus the
-        prompt's); no prefill queue, RPC or KV transfer. Both paths first wait for the decode engine's
-        next turn (admission), so that wait is left out of both predictions (ttft_raw has none)."""
+        """Time to first token when the decode instance prefills prompts itself (selective disaggregation):
+        one step carries `prompt_tokens` beside `batch` running decodes (a step's cost plus the prompts');
+        no prefill queue, RPC or KV transfer. Both paths first wait for the decode engine's next turn
+        (admission), so that wait is left out of both predictions (ttft_raw has none)."""
         step = self.decode_step_seconds(batch, context_tokens)
         return (step + self.prefill_seconds(prompt_tokens)) * self.decode_slowdown(others_busy)
 
-    def local_ttft(self, batch: float, context_tokens: float, prompt_tokens: float, others_busy: float = 0.0) -> float:
-        return self.local_ttft_raw(batch, context_tokens, prompt_tokens, others_busy) * self.local_ttft_factor
+    def local_ttft_factor(self, batch: float) -> float:
+        """The calibration of local_ttft_raw at a decode batch of `batch`."""
+        return self.local_ttft_factors[band(TPOT_BANDS, batch)]
 
-    def observe_local_ttft(self, raw_predicted: float, observed: float) -> None:
-        self.local_ttft_factor = self._smooth(self.local_ttft_factor, raw_predicted, observed)
+    def observe_local_ttft(self, batch: float, raw_predicted: float, observed: float) -> None:
+        b = band(TPOT_BANDS, batch)
+        self.local_ttft_factors[b] = self._smooth(self.local_ttft_factors[b], raw_predicted, observed)
 
     def tpot_raw(self, batch: float, context_tokens: float, others_busy: float = 0.0) -> float:
         return self.decode_step_seconds(batch, context_tokens) * self.decode_slowdown(others_busy)
@@ -162,7 +165,7 @@ class PerfModel:
         step = self.smoothing / 2
         self.ttft_factors = [f + (1 - f) * step for f in self.ttft_factors]
         self.tpot_factors = [f + (1 - f) * step for f in self.tpot_factors]
-        self.local_ttft_factor += (1 - self.local_ttft_factor) * step
+        self.local_ttft_factors = [f + (1 - f) * step for f in self.local_ttft_factors]
 
     def _smooth(self, factor: float, raw_predicted: float, observed: float) -> float:
         """One step of a stochastic quantile estimate, multiplicative: up by smoothing·q when the

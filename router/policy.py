@@ -30,11 +30,13 @@ from router.perf import PerfModel
 class RankView:
     running: int = 0  # requests decoding (+ reservations not yet admitted)
     tokens: int = 0  # their context tokens (reservations counted at prompt + max_tokens)
+    prompt_tokens: int = 0  # prompt tokens the rank has yet to prefill itself (selective disaggregation)
 
-    def count(self, context_tokens: int) -> None:
-        """A request placed here, counted until the rank's next load report."""
+    def count(self, context_tokens: int, prompt_tokens: int = 0) -> None:
+        """A request placed here (its prompt to prefill here, if local), counted until the next load report."""
         self.running += 1
         self.tokens += context_tokens
+        self.prompt_tokens += prompt_tokens
 
 
 @dataclass
@@ -61,9 +63,13 @@ class DecodeView:
     def busy(self) -> bool:
         return self.up and any(r.running for r in self.ranks)
 
-    def pace(self, perf: PerfModel) -> RankView:
-        """The rank whose step is longest: it sets a lock-step instance's step time."""
-        return max(self.ranks, key=lambda r: perf.decode_step_seconds(r.running, r.tokens))
+    def local_ttft_raw(self, perf: PerfModel, rank: int, prompt_tokens: int, others_busy: int) -> float:
+        """First token of a prompt `rank` prefills itself, by the uncalibrated curves: the next lock-step
+        step, whose length is the longest rank's decodes plus the prompt tokens it prefills (queued ones,
+        and this prompt on `rank`)."""
+        return max(perf.local_ttft_raw(view.running, view.tokens,
+                                       view.prompt_tokens + (prompt_tokens if r == rank else 0), others_busy)
+                   for r, view in enumerate(self.ranks))
 
     def step_with(self, perf: PerfModel, rank: int, tokens: int, others_busy: int = 0) -> tuple[float, float, int]:
         """(TPOT, uncalibrated TPOT, batch) of the busiest rank once a request of `tokens` context
@@ -155,9 +161,9 @@ class SlaPolicy:
         return out
 
     def predict_local(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
-        """Every decode instance that is up, prefilling the prompt itself: TTFT is one step of its pace-setting
-        rank carrying the prompt beside its decodes (no queue, RPC or transfer; PerfModel.local_ttft);
-        TPOT as for a pair."""
+        """Every decode instance that is up, prefilling the prompt itself: TTFT is its next step, carrying the
+        prompt (and the prompts already queued there) beside its decodes (no prefill queue, RPC or
+        transfer; DecodeView.local_ttft_raw, calibrated per batch band); TPOT as for a pair."""
         context = req.prompt_tokens + req.max_tokens
         busy_prefills = sum(1 for p in prefills if p.up and p.queued_tokens > 0)
         busy_decodes = sum(1 for d in decodes if d.busy)
@@ -166,10 +172,10 @@ class SlaPolicy:
             if not dec.up:
                 continue
             others = busy_prefills + busy_decodes - dec.busy
-            tpot, tpot_raw, batch = dec.step_with(self.perf, dec.least_loaded(), context, others)
-            pace = dec.pace(self.perf)
-            ttft = self.perf.local_ttft(pace.running, pace.tokens, req.prompt_tokens, others)
-            raw = self.perf.local_ttft_raw(pace.running, pace.tokens, req.prompt_tokens, others)
+            rank = dec.least_loaded()
+            tpot, tpot_raw, batch = dec.step_with(self.perf, rank, context, others)
+            raw = dec.local_ttft_raw(self.perf, rank, req.prompt_tokens, others)
+            ttft = raw * self.perf.local_ttft_factor(batch)
             room = -(-context // dec.block_size) <= dec.free_blocks
             out.append(Choice(-1, d, ttft, tpot, ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0),
                               batch=batch, ttft_raw_s=raw, tpot_raw_s=tpot_raw, room=room, busy_beside=others,

@@ -193,7 +193,7 @@ class Pool:
         else:
             ranks = report.ranks or [internal_pb2.RankLoad(running=report.running, free_blocks=report.free_blocks,
                                                             active_leases=report.active_leases)]
-            view.ranks = [RankView(r.running + r.active_leases, r.tokens) for r in ranks]
+            view.ranks = [RankView(r.running + r.active_leases, r.tokens, r.queued_prompt_tokens) for r in ranks]
             view.free_blocks = min(r.free_blocks for r in ranks)
             view.block_size = report.block_size or view.block_size
 
@@ -350,7 +350,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         chosen_rank = chosen_dec.ranks[chosen_dec.least_loaded()]
         if chosen_pre is not None:
             chosen_pre.queued_tokens += len(ids)
-        chosen_rank.count(len(ids) + params.max_tokens)
+        local_prompt = len(ids) if best.local else 0  # prompt tokens the decode rank will prefill itself
+        chosen_rank.count(len(ids) + params.max_tokens, local_prompt)
         reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
                                                   max_tokens=params.max_tokens)
         full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -361,7 +362,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         view = dec.view
         rank = view.ranks[min(reserve.dp_rank, len(view.ranks) - 1)]
         if rank is not chosen_rank:  # another instance or DP rank took it
-            rank.count(len(ids) + params.max_tokens)
+            rank.count(len(ids) + params.max_tokens, local_prompt)
         with _in_flight(dec):
             lease_id = reserve.destination.lease_id
             claimed = False
@@ -431,7 +432,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         t_first = now
                         metrics.TTFT.observe(now - t0)
                         if predicted.local:
-                            self.perf.observe_local_ttft(predicted.ttft_raw_s, now - t0)
+                            self.perf.observe_local_ttft(predicted.batch, predicted.ttft_raw_s, now - t0)
                         else:
                             self.perf.observe_ttft(predicted.queued_tokens, predicted.ttft_raw_s, now - t0,
                                                    predicted.busy_beside)
