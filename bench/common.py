@@ -12,6 +12,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (nearest rank; nan when there are none)."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
 def table(headers: list[str], rows: list[list[object]]) -> str:
     def fmt(v: object) -> str:
         return f"{v:,.1f}" if isinstance(v, float) else str(v)

@@ -28,16 +28,11 @@ from pathlib import Path  # noqa: E402
 
 import grpc  # noqa: E402
 
-from bench.common import OUT, ROOT, bar_plot, table  # noqa: E402
+from bench.common import OUT, ROOT, bar_plot, pct, table  # noqa: E402
 from router.cli import up_cluster  # noqa: E402
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 
 BACKGROUND_PROMPT = "And it came to pass, when the LORD had spoken these words"
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 async def _background(stub, max_tokens: int, stop: asyncio.Event, gaps: list[float]) -> None:  # noqa: ANN001
@@ -83,16 +78,17 @@ async def _probe(stub, prompt_ids: list[int]) -> float:  # noqa: ANN001
     raise RuntimeError("a probe got no token")
 
 
-async def _measure(address: str, metrics_url: str, args: argparse.Namespace
+async def _measure(address: str, metrics_url: str, prefill_load: int, args: argparse.Namespace
                    ) -> tuple[list[float], list[float], float]:
-    """(probe TTFTs, background inter-token gaps, share of the probes prefilled on decode)."""
+    """(probe TTFTs, background inter-token gaps, share of the probes prefilled on decode), with
+    `prefill_load` long prompts keeping the prefill instance busy."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         stop, gaps = asyncio.Event(), []
         tasks = [asyncio.create_task(_background(stub, args.background_tokens, stop, gaps))
                  for _ in range(args.background)]
         tasks += [asyncio.create_task(_long_prompts(stub, args.long_prompt, stop, k))
-                  for k in range(args.prefill_load_now)]
+                  for k in range(prefill_load)]
         await asyncio.sleep(args.warmup)  # every background stream admitted and decoding
         before = _paths(metrics_url)
         ttfts = []
@@ -112,14 +108,14 @@ def _paths(metrics_url: str) -> dict[str, float]:
     return {p: float(v) for p, v in re.findall(r'pdserve_router_prefill_path_total\{path="(\w+)"\} (\S+)', text)}
 
 
-def run(local_tokens: int, args: argparse.Namespace) -> dict[str, float]:
+def run(local_tokens: int, prefill_load: int, args: argparse.Namespace) -> dict[str, float]:
     """One cluster with the router flag at `local_tokens`: the probes' TTFT p50 / p99 (ms), the background
     TPOT p50 (ms) and the share of probes prefilled on decode."""
     cluster = up_cluster(["--model", args.model, "--port", "0", "--local-prefill-tokens", str(local_tokens)])
     cluster.extra_router += ["--metrics-port", "0"]
     with cluster:
         url = f"http://127.0.0.1:{cluster.metrics_ports[cluster.address]}/metrics"
-        ttfts, gaps, local_share = asyncio.run(_measure(cluster.address, url, args))
+        ttfts, gaps, local_share = asyncio.run(_measure(cluster.address, url, prefill_load, args))
     return {"ttft_p50": pct(ttfts, 0.5) * 1e3, "ttft_p99": pct(ttfts, 0.99) * 1e3,
             "tpot_p50": pct(gaps, 0.5) * 1e3, "local_share": local_share}
 
@@ -141,12 +137,11 @@ def main() -> None:
     args = p.parse_args()
     rows, results = [], {}
     for load in [int(x) for x in args.prefill_load.split(",")]:
-        args.prefill_load_now = load
         for r in range(args.repeat):
             for mode, tokens in (("off", 0), ("on", args.local_prefill_tokens)):
                 print(f"prefill load {load}, run {r + 1}/{args.repeat}: --local-prefill-tokens {tokens} ...",
                       flush=True)
-                res = run(tokens, args)
+                res = run(tokens, load, args)
                 results.setdefault((load, mode), []).append(res)
                 rows.append([load, f"{mode} ({tokens})", r + 1, res["ttft_p50"], res["ttft_p99"], res["tpot_p50"],
                              f"{res['local_share']:.0%}"])

@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import OUT, line_plot, table  # noqa: E402
+from bench.common import OUT, line_plot, pct, table  # noqa: E402
 from bench.peers import VLLM_CONFIG, VllmServer  # noqa: E402
 from router.cli import Cluster  # noqa: E402
 from shared.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -37,11 +37,6 @@ from shared.loader.tiny import ensure_tiny_model, write_checkpoint  # noqa: E402
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 from shared.transfer import TcpReceiver, make_sender  # noqa: E402
 from shared.transfer.base import cache_kinds  # noqa: E402
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def stream_once(stub, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:  # noqa: ANN001

@@ -27,17 +27,12 @@ import time  # noqa: E402
 
 import grpc  # noqa: E402
 
-from bench.common import OUT, line_plot, table  # noqa: E402
+from bench.common import OUT, line_plot, pct, table  # noqa: E402
 from router.cli import Cluster  # noqa: E402
 from router.perf import profile_served  # noqa: E402
 from router.planner import Dist, Workload, analytic, goodput, simulate  # noqa: E402
 from shared.loader.tiny import ensure_tiny_model  # noqa: E402
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 async def open_loop(address: str, rate: float, requests: int, isl: int, osl: int, seed: int) -> dict:

@@ -55,6 +55,15 @@ def make_hf_checkpoint(out: Path, model_type: str = "deepseek_v32", seed: int = 
     return out
 
 
+def prefill_paths(metrics_url: str) -> dict[str, float]:
+    """The router's pdserve_router_prefill_path_total by path (local / disaggregated), from its /metrics."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return {p: float(v) for p, v in re.findall(r'pdserve_router_prefill_path_total\{path="(\w+)"\} (\S+)', text)}
+
+
 def wait_for(predicate, timeout: float = 15.0) -> bool:  # noqa: ANN001
     """Poll `predicate` until it holds or `timeout` passes (a bounded wait that fails on a hang)."""
     import time

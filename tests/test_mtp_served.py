@@ -19,7 +19,7 @@ import pytest
 from shared.engine import LLM, SamplingParams
 from shared.rpc.pdserve.v1 import generation_pb2
 from tests.conftest import ROOT
-from tests.helpers import Completion, concurrent_generate, wait_for
+from tests.helpers import Completion, concurrent_generate, prefill_paths, wait_for
 
 DEMO = str(ROOT / "models" / "demo-v32")
 PROMPTS = [
@@ -121,9 +121,7 @@ def _serve(argv: list[str], cases: list[Case], log_dir, k: int = 0) -> tuple[lis
                     for c in cases]
         got = concurrent_generate(cluster.address, requests)
         url = f"http://127.0.0.1:{cluster.metrics_ports[cluster.decode_addrs[0]]}/metrics"
-        router = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports[cluster.address]}/metrics",
-                                        timeout=5).read().decode()
-        print("prefill paths:", dict(re.findall(r'pdserve_router_prefill_path_total\{path="(\w+)"\} (\S+)', router)))
+        print("prefill paths:", prefill_paths(f"http://127.0.0.1:{cluster.metrics_ports[cluster.address]}/metrics"))
         return got, (_acceptance(url, k) if k else [])
 
 

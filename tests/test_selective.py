@@ -16,7 +16,7 @@ from router.policy import DecodeView, PrefillView, RankView, Request, SlaPolicy
 from shared.engine import LLM, SamplingParams
 from shared.rpc.pdserve.v1 import generation_pb2, internal_pb2, internal_pb2_grpc
 from tests.conftest import ROOT
-from tests.helpers import Completion, concurrent_generate, wait_for
+from tests.helpers import Completion, concurrent_generate, prefill_paths, wait_for
 
 DEMO = str(ROOT / "models" / "demo-v32")
 SHORT = ["And God said,", "The LORD is my shepherd;", "In the beginning", "Blessed are the meek:"]
@@ -24,11 +24,6 @@ LONG = ["And it came to pass in those days, that there went out a decree from Ca
         "world should be taxed.", "Now the serpent was more subtil than any beast of the field which the LORD "
         "God had made. And he said unto the woman,"]
 LIMIT = 12  # tokens: the short prompts (4-8 tokens) may go to decode, the long ones (24+) never
-
-
-def _paths(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {p: float(v) for p, v in re.findall(r'pdserve_router_prefill_path_total\{path="(\w+)"\} (\S+)', text)}
 
 
 def _request(prompt: str, params: SamplingParams) -> generation_pb2.GenerateRequest:
@@ -60,9 +55,9 @@ def test_local_prefill_serves_the_disaggregated_answer_and_counts_both_paths(tmp
     with cluster:
         url = f"http://127.0.0.1:{cluster.metrics_ports[cluster.address]}/metrics"
         alone = [concurrent_generate(cluster.address, [_request(p, sp)])[0] for p, sp in cases[:len(SHORT)]]
-        after_alone = _paths(url)
+        after_alone = prefill_paths(url)
         together = concurrent_generate(cluster.address, [_request(p, sp) for p, sp in cases])
-        paths = _paths(url)
+        paths = prefill_paths(url)
         decode_metrics = urllib.request.urlopen(
             f"http://127.0.0.1:{cluster.metrics_ports[cluster.decode_addrs[0]]}/metrics", timeout=5).read().decode()
         with cluster.channel(cluster.decode_addrs[0]) as ch:
