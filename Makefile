@@ -57,7 +57,7 @@ $(CORPUS):
 
 # Retrain the demo model (deterministic; about 19 min on 2 idle cores, FLOP-bound; see README).
 demo-model: $(STAMP) corpus
-	$(PY) -m shared.loader.train_demo --out $(DEMO_MODEL)
+	$(PY) -m shared.demo.train --out $(DEMO_MODEL)
 
 # The corpus is a test input (tests/test_train_demo.py): fetching it is part of the install, and under
 # `make test` its tests run or fail, never skip (PDSERVE_REQUIRE_CORPUS).

@@ -37,21 +37,30 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.deploy import ENGINE_CHOICES, Deployment
-from shared.engine.chat import EOS, split_reasoning
-from shared.loader.tiny import ensure_tiny_model
-from shared.parallel.launch import die_with_parent
+from router.deploy import Deployment, EngineSpec
+from router.server import RouterConfig
+from shared.config import ServiceConfig, add_flags, same_as
+from shared.protocol.chat import EOS, split_reasoning
 from shared.rpc.certs import CertFiles, make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.rpc.service import TOKEN_ENV, Credentials, channel
+from shared.rpc.service import TOKEN_ENV, Credentials, channel, die_with_parent
 
 DEFAULT_MODEL = "models/demo-v32"  # the trained demo model (KJV English), committed
 TINY_MODEL = "models/tiny-v32"  # random weights, generated on first use where the demo model is absent
+# the engine flags `pdserve up` takes for prefill and decode alike (declared on ServiceConfig)
+UP_ENGINE_FLAGS = ("kv_transport", "mooncake_protocol", "mooncake_devices", "dtype", "indexer_numerics",
+                   "quantization", "kv_cache_dtype", "offload_layers", "offload_buffers", "share_weights_dir",
+                   "speculative", "num_speculative_tokens")
 
 
 def default_model() -> str:
-    """The demo model when present (a checkout has it), else the embedded tiny model (generated)."""
-    return DEFAULT_MODEL if (Path(DEFAULT_MODEL) / "config.json").exists() else str(ensure_tiny_model(TINY_MODEL))
+    """The demo model when present (a checkout has it), else the embedded tiny model, generated on first
+    use by a child process (writing weights needs torch; the command line itself never loads it)."""
+    if (Path(DEFAULT_MODEL) / "config.json").exists():
+        return DEFAULT_MODEL
+    if not (Path(TINY_MODEL) / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "shared.loader.tiny", TINY_MODEL], check=True)
+    return TINY_MODEL
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -98,13 +107,13 @@ class Cluster:
     num_prefill: int = 1
     num_decode: int = 1
     port: int = 0
-    kv_transport: str = "tcp"
-    dtype: str = "bfloat16"
-    indexer_numerics: str = "deepseek"
-    quantization: str = "auto"  # auto | none | w8a8 | …: both prefill and decode
-    kv_cache_dtype: str = "auto"  # auto | int8: both (they must agree)
-    offload_layers: str = ""  # "" (none) | 3,5,7 | 2-10 | all
-    offload_buffers: int = 2  # passed only with offload_layers
+    kv_transport: str = same_as(ServiceConfig, "kv_transport")
+    dtype: str = same_as(ServiceConfig, "dtype")
+    indexer_numerics: str = same_as(ServiceConfig, "indexer_numerics")
+    quantization: str = same_as(ServiceConfig, "quantization")  # both prefill and decode
+    kv_cache_dtype: str = same_as(ServiceConfig, "kv_cache_dtype")  # both (they must agree)
+    offload_layers: str = same_as(ServiceConfig, "offload_layers")
+    offload_buffers: int = same_as(ServiceConfig, "offload_buffers")  # passed only with offload_layers
     share_weights_dir: str = ""  # e.g. /dev/shm/pdserve: the co-located services map one copy of the weights
     host: str = "127.0.0.1"
     extra_prefill: list[str] = field(default_factory=list)
@@ -162,12 +171,10 @@ class Cluster:
         """Every service binds port 0 (the router too unless `port` is set) and reports the port it
         got through a port file, so concurrent clusters never race for ports."""
         common = ["--model", self.model, "--host", self.host]
-        engine = ["--dtype", self.dtype, "--indexer-numerics", self.indexer_numerics,
-                  "--quantization", self.quantization, "--kv-cache-dtype", self.kv_cache_dtype]
-        if self.offload_layers:
-            engine += ["--offload-layers", self.offload_layers, "--offload-buffers", str(self.offload_buffers)]
-        if self.share_weights_dir:
-            engine += ["--share-weights-dir", self.share_weights_dir]
+        engine = EngineSpec(dtype=self.dtype, indexer_numerics=self.indexer_numerics, kv_transport=self.kv_transport,
+                            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+                            offload_layers=self.offload_layers, offload_buffers=self.offload_buffers,
+                            share_weights_dir=self.share_weights_dir).flags()  # rendered as the chart renders it
         ports = Path(tempfile.mkdtemp(prefix="pdserve-ports-"))
         if self.tls and self.certs is None:
             self._cert_dir = tempfile.mkdtemp(prefix="pdserve-tls-")
@@ -181,7 +188,7 @@ class Cluster:
                 for i in range(n):
                     file = ports / f"{kind}{i}"
                     proc = self._spawn(f"{kind}{i}", [f"{kind}_service", *common, "--port", "0", "--port-file",
-                                                      str(file), "--kv-transport", self.kv_transport, *engine, *extra])
+                                                      str(file), *engine, *extra])
                     started.append((kind, file, proc))
             for kind, file, proc in started:  # the models load in parallel; collect the ports
                 addr = f"{self.host}:{wait_port_file(file, timeout, proc)}"
@@ -454,30 +461,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--num-prefill", type=int, default=1)
     up.add_argument("--num-decode", type=int, default=1)
     up.add_argument("--port", type=int, default=50051, help="router port")
-    up.add_argument("--kv-transport", choices=["tcp", "mooncake"], default="tcp")
-    up.add_argument("--mooncake-protocol", choices=ENGINE_CHOICES["mooncake_protocol"], default="tcp",
-                    help="with --kv-transport mooncake: rdma over the NICs of --mooncake-devices, or tcp")
-    up.add_argument("--mooncake-devices", default="auto",
-                    help="RDMA NICs for --mooncake-protocol rdma: mlx5_0,mlx5_1 or auto (every active one)")
     up.add_argument("--log-dir", default=None, help="write each service's log here")
-    up.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
-                    help="compute dtype of prefill and decode (auto: the checkpoint's own)")
-    up.add_argument("--indexer-numerics", default="deepseek", choices=["deepseek", "transformers"],
-                    help="lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or transformers'")
-    up.add_argument("--quantization", default="auto", choices=ENGINE_CHOICES["quantization"],
-                    help="weights of prefill and decode: w8a8 quantizes to INT8 while loading (auto: the "
-                         "checkpoint's own)")
-    up.add_argument("--kv-cache-dtype", default="auto", choices=ENGINE_CHOICES["kv_cache_dtype"],
-                    help="KV cache of prefill and decode (they must agree): int8 = C8 (int8 latent + scales)")
-    up.add_argument("--offload-layers", default="", metavar="SPEC",
-                    help="decoder layers whose weights stay in host memory, copied in one layer ahead: "
-                         "3,5,7 | 2-10 | all (default: none)")
-    up.add_argument("--offload-buffers", type=int, default=2, help="device staging buffers for --offload-layers")
-    up.add_argument("--share-weights-dir", default="", metavar="DIR",
-                    help="prefill and decode map one copy of the weights from a file in DIR (e.g. /dev/shm/pdserve)")
-    up.add_argument("--speculative", default="", choices=["", "mtp"],
-                    help="mtp: the checkpoint's MTP layer drafts, decode verifies (prefill and decode both)")
-    up.add_argument("--num-speculative-tokens", type=int, default=1, help="drafts per step with --speculative (1..3)")
+    add_flags(up, ServiceConfig, only=UP_ENGINE_FLAGS)  # the services' own defaults, choices and help
     up.add_argument("--prefill-cp", type=int, default=1, help="context-parallel ranks per prefill instance")
     up.add_argument("--prefill-tp", type=int, default=1, help="local-TP ranks per prefill instance (with cp 1)")
     up.add_argument("--prefill-ep", type=int, default=1, help="expert-parallel ranks per prefill instance")
@@ -485,9 +470,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-tp", type=int, default=1, help="local-TP ranks per decode instance (with dp 1)")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
-    up.add_argument("--local-prefill-tokens", type=int, default=0,
-                    help="selective disaggregation: prompts of at most N tokens may prefill on the decode instance "
-                         "when that is predicted to give the first token sooner (0: off)")
+    add_flags(up, RouterConfig, only=("local_prefill_tokens",))
     up.add_argument("--config", default=None,
                     help="deployment description (YAML, the Helm chart's values keys); replaces the shape flags")
     up.add_argument("--tls", action="store_true",
@@ -516,7 +499,7 @@ def parser() -> argparse.ArgumentParser:
     chat.set_defaults(fn=cmd_chat)
     prof = sub.add_parser("profile", help="measure the engine's prefill and decode curves → profile.json")
     prof.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
-    prof.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"])
+    add_flags(prof, ServiceConfig, only=("dtype",))
     prof.add_argument("--out", default="profile.json")
     prof.set_defaults(fn=cmd_profile)
     plan = sub.add_parser("plan", help="how many prefill (M) and decode (N) instances a workload needs")

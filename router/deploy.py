@@ -20,17 +20,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from shared.config import EngineConfig, ServiceConfig
-from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
-from shared.transfer.tcp import STALL_SECONDS
+from router.server import RouterConfig
+from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, check_bounds, same_as
 
 KUBERNETES_ONLY = {"image", "auth", "lws", "masterPort", "monitoring", "podDisruptionBudget", "resources",
                    "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "replicas", "serviceType",
                    "source", "pvc", "hostPath", "uri", "secretName", "rdmaResource", "hostNetwork"}
 SHARED_WEIGHTS_DIR = "/dev/shm/pdserve"  # engine.shareWeights: the chart mounts a memory emptyDir at /dev/shm
-# the engine keys whose service flag takes a fixed set of values (the services' own choices)
-ENGINE_CHOICES: dict[str, tuple[str, ...]] = {f.name: f.metadata["choices"] for f in fields(ServiceConfig)
-                                              if f.metadata.get("choices")}
 _LAYERS = re.compile(r"\d+(-\d+)?")
 
 
@@ -44,32 +40,32 @@ class MooncakeSpec:
     """engine.mooncake: how the Mooncake transport moves KV (with kvTransport: mooncake). The chart also
     reads rdmaResource (the device-plugin resource each engine pod requests with rdma) and hostNetwork."""
 
-    protocol: str = "tcp"  # tcp | rdma (the services refuse to start without an RDMA NIC)
-    devices: str = "auto"  # NIC names (mlx5_0,mlx5_1) or auto: every RDMA device with an active port
+    protocol: str = same_as(ServiceConfig, "mooncake_protocol")  # rdma: the services refuse to start without a NIC
+    devices: str = same_as(ServiceConfig, "mooncake_devices")
 
 
 @dataclass
 class EngineSpec:
-    dtype: str = "bfloat16"
-    indexer_numerics: str = "deepseek"
-    block_size: int = 16
-    kv_transport: str = "tcp"
+    """engine: the knobs prefill and decode share; defaults, choices and bounds are the services' own
+    (`same_as`), and a test holds the chart's values.yaml to them."""
+
+    dtype: str = same_as(ServiceConfig, "dtype")
+    indexer_numerics: str = same_as(ServiceConfig, "indexer_numerics")
+    block_size: int = same_as(ServiceConfig, "block_size")
+    kv_transport: str = same_as(ServiceConfig, "kv_transport")
     mooncake: MooncakeSpec = field(default_factory=MooncakeSpec)
-    drain_seconds: float = 5.0
-    quantization: str = "auto"  # auto | none | w8a8 | fp8 (checked against the services' choices)
-    kv_cache_dtype: str = "auto"  # auto | int8 (one setting: prefill and decode must agree)
-    offload_layers: str = ""  # "" (none) | 3,5,7 | 2-10 | all
-    offload_buffers: int = 2  # rendered only with offload_layers
+    drain_seconds: float = same_as(ServiceConfig, "drain_seconds")
+    quantization: str = same_as(ServiceConfig, "quantization")
+    kv_cache_dtype: str = same_as(ServiceConfig, "kv_cache_dtype")  # one setting: prefill and decode must agree
+    offload_layers: str = same_as(ServiceConfig, "offload_layers")
+    offload_buffers: int = same_as(ServiceConfig, "offload_buffers")  # rendered only with offload_layers
     share_weights: bool = False  # --share-weights-dir /dev/shm/pdserve (the chart mounts a memory emptyDir)
     share_weights_dir: str = ""  # another directory (implies sharing); "" = none, or the above with share_weights
-    speculative: str = ""  # "" | mtp: the checkpoint's MTP layer drafts (prefill computes its cache, decode drafts)
-    num_speculative_tokens: int = 1  # drafts per decode step with speculative mtp (1..3)
+    speculative: str = same_as(ServiceConfig, "speculative")
+    num_speculative_tokens: int = same_as(ServiceConfig, "num_speculative_tokens")
 
     def __post_init__(self) -> None:
-        for name, choices in ENGINE_CHOICES.items():
-            value = getattr(self, name, None)
-            if value is not None and value not in choices:
-                raise ValueError(f"engine.{_camel(name)}: expected one of {', '.join(choices)}, got {value!r}")
+        check_bounds(self, lambda name: f"engine.{_camel(name)}")
         spec = self.offload_layers.strip()
         if spec and spec.lower() != "all":
             for part in spec.split(","):
@@ -80,16 +76,9 @@ class EngineSpec:
                 lo, _, hi = part.partition("-")
                 if hi and int(lo) > int(hi):
                     raise ValueError(f"engine.offloadLayers: range {part} is empty")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"engine.numSpeculativeTokens: expected 1..{MAX_SPECULATIVE_TOKENS}, "
-                             f"got {self.num_speculative_tokens}")
-        if self.mooncake.protocol not in ENGINE_CHOICES["mooncake_protocol"]:
-            raise ValueError(f"engine.mooncake.protocol: expected one of "
-                             f"{', '.join(ENGINE_CHOICES['mooncake_protocol'])}, got {self.mooncake.protocol!r}")
+        check_bounds(self.mooncake, lambda name: f"engine.mooncake.{_camel(name)}")
         if self.mooncake.protocol == "rdma" and self.kv_transport != "mooncake":
             raise ValueError("engine.mooncake.protocol: rdma needs engine.kvTransport: mooncake")
-        if self.offload_buffers < 1:
-            raise ValueError(f"engine.offloadBuffers: need at least 1 staging buffer, got {self.offload_buffers}")
 
     @property
     def weights_dir(self) -> str:
@@ -114,47 +103,51 @@ class EngineSpec:
 
 @dataclass
 class RouterSpec:
-    port: int = 50051
-    max_concurrent_requests: int = 1024
-    max_prompt_bytes: int = 0
-    request_timeout: float = 600.0
-    policy: str = "sla"
-    ttft_slo_ms: float = 0.0
-    tpot_slo_ms: float = 0.0
-    admission_wait_ms: float = 0.0
-    local_prefill_tokens: int = 0  # selective disaggregation: prompts up to this many tokens may prefill on decode
+    """router: the router's flags the chart renders (defaults: RouterConfig's)."""
+
+    port: int = same_as(RouterConfig, "port")
+    max_concurrent_requests: int = same_as(RouterConfig, "max_concurrent_requests")
+    max_prompt_bytes: int = same_as(RouterConfig, "max_prompt_bytes")
+    request_timeout: float = same_as(RouterConfig, "request_timeout")
+    policy: str = same_as(RouterConfig, "policy")
+    ttft_slo_ms: float = same_as(RouterConfig, "ttft_slo_ms")
+    tpot_slo_ms: float = same_as(RouterConfig, "tpot_slo_ms")
+    admission_wait_ms: float = same_as(RouterConfig, "admission_wait_ms")
+    local_prefill_tokens: int = same_as(RouterConfig, "local_prefill_tokens")
 
     def __post_init__(self) -> None:
-        if self.local_prefill_tokens < 0:
-            raise ValueError(f"router.localPrefillTokens: expected a whole number >= 0, "
-                             f"got {self.local_prefill_tokens}")
+        check_bounds(self, lambda name: f"router.{_camel(name)}")
 
 
 @dataclass
 class PrefillSpec:
+    """prefill: M instances of one shape (service defaults: PrefillConfig's)."""
+
     instances: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
+    cp: int = same_as(PrefillConfig, "cp")
+    tp: int = same_as(PrefillConfig, "tp")
+    ep: int = same_as(PrefillConfig, "ep")
     layer_sharding: str = ""
     port: int = 7002
-    max_prefill_tokens: int = EngineConfig.max_num_batched_tokens
-    kv_cache_tokens: int = EngineConfig.kv_cache_tokens
-    kv_stall_seconds: float = STALL_SECONDS
+    max_prefill_tokens: int = same_as(PrefillConfig, "max_prefill_tokens")
+    kv_cache_tokens: int = same_as(PrefillConfig, "kv_cache_tokens")
+    kv_stall_seconds: float = same_as(PrefillConfig, "kv_stall_seconds")
 
 
 @dataclass
 class DecodeSpec:
+    """decode: N instances of one shape (service defaults: DecodeConfig's)."""
+
     instances: int = 1
-    dp: int = 1
-    tp: int = 1
-    ep: int = 1
+    dp: int = same_as(DecodeConfig, "dp")
+    tp: int = same_as(DecodeConfig, "tp")
+    ep: int = same_as(DecodeConfig, "ep")
     layer_sharding: str = ""
     port: int = 7001
     kv_port: int = 7100
-    max_num_seqs: int = EngineConfig.max_num_seqs
-    kv_cache_tokens: int = EngineConfig.kv_cache_tokens
-    lease_seconds: float = 30.0
+    max_num_seqs: int = same_as(DecodeConfig, "max_num_seqs")
+    kv_cache_tokens: int = same_as(DecodeConfig, "kv_cache_tokens")
+    lease_seconds: float = same_as(DecodeConfig, "lease_seconds")
 
 
 @dataclass

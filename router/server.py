@@ -26,11 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.perf import PerfModel
 from router.policy import POLICIES, DecodeView, PrefillView, RankView, Rejected, Request
 from shared import metrics
-from shared.config import REQUIRED, EndpointConfig, ModelConfig, add_flags, flag, from_flags
-from shared.engine.chat import ChatMessage, render_messages
-from shared.engine.sampler import SamplingParams
-from shared.engine.tokenizer import Tokenizer
-from shared.kvcache.pool import PrefixFilter, prompt_block_hashes
+from shared.config import REQUIRED, EndpointConfig, ModelConfig, add_flags, check_bounds, flag, from_flags
+from shared.protocol.chat import ChatMessage, render_messages
+from shared.protocol.prefix import PrefixFilter, prompt_block_hashes
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server
 
@@ -59,7 +59,7 @@ class RouterConfig(EndpointConfig):
                                         "prefilled on the decode instance itself (chunked within its token "
                                         "budget, beside its running decodes) when the SLA model predicts its "
                                         "first token sooner there than through a prefill instance (sla policy; "
-                                        "0: every prompt goes to a prefill instance)")
+                                        "0: every prompt goes to a prefill instance)", bounds=(0, None))
     admission_wait_ms: float = flag(0.0, "instead of refusing at once, hold a request no pair can serve yet for up "
                                          "to this long, re-choosing as load reports arrive, while it can still "
                                          "make its TTFT target (0: refuse at once)")
@@ -67,6 +67,9 @@ class RouterConfig(EndpointConfig):
                                      "calibrated online either way)")
     load_interval: float = flag(0.25, "seconds between load reports polled from each instance")
     discovery_interval: float = flag(5.0, "seconds between DNS resolutions of dns:NAME:PORT instance addresses")
+
+    def __post_init__(self) -> None:
+        check_bounds(self, lambda name: "--" + name.replace("_", "-"))
 
 
 MAX_REQUEST_ID = 128
@@ -228,7 +231,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.cfg = cfg
         self.model_config = ModelConfig.from_pretrained(cfg.model)
         self.tokenizer = Tokenizer.from_model_dir(cfg.model, self.model_config.bos_token_id)
-        self.credentials = cfg.credentials()
+        self.credentials = Credentials.of(cfg)
         self.metadata = self.credentials.metadata
         self.prefill = Pool("prefill", cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
         self.decode = Pool("decode", cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -287,55 +288,84 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-@dataclass
-class EngineConfig:
-    """The engine's knobs; their defaults are the services' flag defaults too (one place)."""
+LAYER_SHARDABLE = ("o_proj", "q_b_proj")
 
-    model: str
-    dtype: str = "auto"  # the checkpoint's own ("bfloat16" for DeepSeek's releases), or float32 / bfloat16
-    device: str | None = None  # None/"auto": best available
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # default: kv_cache_tokens / block_size
-    kv_cache_tokens: int = 65536
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096  # one token budget per step: decodes + prompt chunks
-    enable_prefix_caching: bool = True  # reuse the KV blocks of prompts' common prefixes
-    attention_workspace_mb: int = 256  # attention / indexer working set per tile (independent of context)
-    indexer_numerics: str = "deepseek"  # DeepSeek's own (Hadamard + FP8 e4m3, ue8m0); "transformers" to compare with HF
-    seed: int = 0
-    progress: bool = False
-    compile: bool = False  # torch.compile (inductor) the per-token layer parts (norms, MLPs, router); see README
-    quantization: str = "auto"  # "w8a8": INT8 weights + per-token INT8 activations; "fp8": FP8 kept; "auto": own
-    kv_cache_dtype: str = "auto"  # "int8": C8 KV cache (int8 latent + scales, bf16 rope; 8-bit indexer keys)
-    offload_layers: str = ""  # "3,5,7" / "2-10" / "all": those layers' weights stay in host memory (async copy-in)
-    offload_buffers: int = 2  # device staging buffers for offloaded layers
-    share_weights_dir: str | None = None  # e.g. /dev/shm/pdserve: co-located processes map one copy of the weights
-    speculative: str | None = None  # "mtp": the checkpoint's MTP layer drafts, the model verifies (in-process)
-    num_speculative_tokens: int = 1  # drafts per step (1..3)
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one instance's ranks split the work (see shared.parallel.state for the groups built from it)."""
+
+    world: int = 1
+    cp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    layer_sharding: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.attention_workspace_mb) <= 0:
-            raise ValueError("block_size, max_num_batched_tokens, max_num_seqs and attention_workspace_mb "
-                             "must be positive")
-        self.speculative = self.speculative or None  # "" (the flag's "off") is unset
-        if self.speculative not in (None, "mtp"):
-            raise ValueError(f"speculative must be 'mtp' or unset, got {self.speculative!r}")
-        if self.speculative and not 1 <= self.num_speculative_tokens <= 3:
-            raise ValueError(f"num_speculative_tokens must be 1..3, got {self.num_speculative_tokens}")
+        for name in ("world", "cp", "dp", "tp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.cp > 1 and self.dp > 1:
+            raise ValueError("cp (prefill) and dp (decode) cannot both be > 1 in one instance")
+        if max(self.cp, self.dp) not in (1, self.world):
+            raise ValueError(f"cp/dp must equal world ({self.world})")
+        for name in ("tp", "ep"):
+            if self.world % getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)} must divide world={self.world}")
+        if self.tp > 1 and (self.cp > 1 or self.dp > 1):
+            raise ValueError("local TP needs ranks that see the same tokens: use tp with cp=dp=1")
+        bad = set(self.layer_sharding) - set(LAYER_SHARDABLE)
+        if bad:
+            raise ValueError(f"layer_sharding supports {LAYER_SHARDABLE}, got {sorted(bad)}")
 
 
 REQUIRED: Any = MISSING  # flag(REQUIRED, ...): a flag without default
 
 
-def flag(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:  # noqa: A002
-    """A config field that is also a command-line flag: its default and help are written once, here,
-    and `add_flags` turns the dataclass into argparse flags (`--kebab-case` of the field name)."""
-    meta = {"help": help, "choices": choices, "required": default is MISSING}
+def flag(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+         bounds: tuple[float, float | None] | None = None) -> Any:
+    """A config field that is also a command-line flag: its default, help, choices and inclusive
+    `bounds` (lo, hi or None) are written once, here; `add_flags` turns the dataclass into argparse
+    flags (`--kebab-case` of the field name), `check_bounds` holds a value to its bounds, and other
+    configs that take the same knob re-declare it with `same_as` (the deployment description and the
+    chart's values.yaml are checked against these declarations by tests/test_config_source.py)."""
+    meta = {"help": help, "choices": choices, "bounds": bounds, "required": default is MISSING}
     if default is MISSING:
         return field(metadata=meta)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def same_as(cls: type, name: str) -> Any:
+    """Field `name` of config `cls` declared again, same default, help, choices and bounds: a knob
+    several configs take (engine, service, deployment) is declared once, on the lowest of them."""
+    f = cls.__dataclass_fields__[name]
+    if f.default_factory is not MISSING:
+        return field(default_factory=f.default_factory, metadata=f.metadata)
+    return field(default=f.default, metadata=f.metadata)
+
+
+def knob_default(cls: type, name: str) -> Any:
+    """The declared default of field `name` of config `cls`."""
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def check_bounds(obj: Any, label: Callable[[str], str] = str) -> None:
+    """Raise ValueError, naming the field as `label(name)` does, for a value outside its flag's bounds
+    or choices."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        bounds, choices = f.metadata.get("bounds"), f.metadata.get("choices")
+        if bounds and value is not None:
+            lo, hi = bounds
+            if value < lo or (hi is not None and value > hi):
+                raise ValueError(f"{label(f.name)}: expected " + (f"at least {lo}" if hi is None else f"{lo}..{hi}")
+                                 + f", got {value}")
+        if choices and value is not None and value not in choices:
+            raise ValueError(f"{label(f.name)}: expected one of {', '.join(choices)}, got {value!r}")
 
 
 def add_flags(p: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:
@@ -374,6 +404,58 @@ def from_flags(cls: type, args: argparse.Namespace) -> Any:
     return cls(**values)
 
 
+MAX_SPECULATIVE_TOKENS = 3  # MTP drafts per step the engine supports
+
+
+@dataclass
+class EngineConfig:
+    """The engine's knobs, each declared once: the services, `pdserve up`, the deployment description
+    and the chart's values.yaml take their defaults from here (`same_as`)."""
+
+    model: str
+    dtype: str = flag("auto", "compute dtype (auto: the checkpoint's own: bfloat16 for DeepSeek's FP8 and "
+                              "bf16 releases, float32 for a float32 checkpoint)",
+                      choices=("auto", "bfloat16", "float32"))
+    device: str | None = None  # None/"auto": best available
+    block_size: int = flag(16, "KV block size in tokens", bounds=(1, None))
+    num_kv_blocks: int | None = None  # default: kv_cache_tokens / block_size
+    kv_cache_tokens: int = flag(65536, "KV pool size in tokens (per rank)", bounds=(1, None))
+    max_num_seqs: int = flag(256, "requests decoding at once per rank", bounds=(1, None))
+    max_num_batched_tokens: int = flag(4096, "one token budget per step: decodes + prompt chunks",
+                                       bounds=(1, None))
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompts' common prefixes
+    attention_workspace_mb: int = flag(256, "attention / indexer working set per tile (independent of context)",
+                                       bounds=(1, None))
+    indexer_numerics: str = flag("deepseek", "lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) "
+                                             "or transformers'", choices=("deepseek", "transformers"))
+    seed: int = 0
+    progress: bool = False
+    compile: bool = False  # torch.compile (inductor) the per-token layer parts (norms, MLPs, router); see README
+    quantization: str = flag("auto", "weights: w8a8 quantizes q_b/o_proj, indexer wq_b and the experts to INT8 "
+                                     "while loading; fp8 keeps an FP8 checkpoint's weights FP8 (1 byte/param, "
+                                     "dequantized per block on the fly); auto: the checkpoint's own (FP8 "
+                                     "dequantized)", choices=("auto", "none", "w8a8", "fp8"))
+    kv_cache_dtype: str = flag("auto", "KV cache: int8 stores the latent as int8 + per-128 scales and the indexer "
+                                       "key as FP8 + one scale (C8); prefill and decode must agree",
+                               choices=("auto", "int8"))
+    offload_layers: str = flag("", "decoder layers whose weights stay in host memory and are copied in, one layer "
+                                   "ahead, while the previous layer computes: 3,5,7 | 2-10 | all")
+    offload_buffers: int = flag(2, "device staging buffers for --offload-layers", bounds=(1, None))
+    share_weights_dir: str | None = flag(None, "map the weights from one file in this directory (e.g. "
+                                               "/dev/shm/pdserve) shared by every co-located process holding the "
+                                               "same slice")
+    speculative: str | None = flag("", "mtp: the checkpoint's MTP layer drafts, the model verifies (greedy output "
+                                       "unchanged, sampling distribution unchanged); set on prefill and decode "
+                                       "alike (prefill computes the MTP layer's cache over the prompt)",
+                                   choices=("", "mtp"))
+    num_speculative_tokens: int = flag(1, "drafts per decode step with --speculative mtp",
+                                       bounds=(1, MAX_SPECULATIVE_TOKENS))
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        self.speculative = self.speculative or None  # "" (the flag's "off") is unset
+
+
 @dataclass(kw_only=True)
 class EndpointConfig:
     """What every pdserve process that serves gRPC takes: address, metrics, drain, authentication."""
@@ -390,11 +472,6 @@ class EndpointConfig:
     tls_cert: str | None = flag(None, "PEM certificate of this process (mutual TLS on every hop)")
     tls_key: str | None = flag(None, "PEM private key of --tls-cert")
     tls_ca: str | None = flag(None, "PEM certificate of the cluster CA: peers must present one it signed")
-
-    def credentials(self):  # noqa: ANN201 - shared.rpc.service.Credentials (imported lazily: no cycle)
-        from shared.rpc.service import Credentials
-
-        return Credentials.from_args(self.auth_token_file, self.insecure, self.tls_cert, self.tls_key, self.tls_ca)
 
 
 def add_tls_arguments(p: argparse.ArgumentParser) -> None:
@@ -413,28 +490,17 @@ class ServiceConfig(EndpointConfig):
                                   choices=("tcp", "rdma"))
     mooncake_devices: str = flag("auto", "RDMA NICs for --mooncake-protocol rdma: names (mlx5_0,mlx5_1) or auto "
                                          "(every device under /sys/class/infiniband with an active port)")
-    dtype: str = flag("bfloat16", "compute dtype (auto: the checkpoint's own)", choices=("bfloat16", "float32", "auto"))
-    indexer_numerics: str = flag("deepseek", "lightning indexer numerics: DeepSeek's own (Hadamard + FP8 e4m3) or "
-                                             "transformers'", choices=("deepseek", "transformers"))
-    quantization: str = flag("auto", "weights: w8a8 quantizes q_b/o_proj, indexer wq_b and the experts to INT8 "
-                                     "while loading; fp8 keeps an FP8 checkpoint's weights FP8 (1 byte/param, "
-                                     "dequantized per block on the fly); auto: the checkpoint's own (FP8 "
-                                     "dequantized)", choices=("auto", "none", "w8a8", "fp8"))
-    kv_cache_dtype: str = flag("auto", "KV cache: int8 stores the latent as int8 + per-128 scales and the indexer "
-                                       "key as FP8 + one scale (C8); prefill and decode must agree",
-                               choices=("auto", "int8"))
-    offload_layers: str = flag("", "decoder layers whose weights stay in host memory and are copied in, one layer "
-                                   "ahead, while the previous layer computes: 3,5,7 | 2-10 | all")
-    offload_buffers: int = flag(2, "device staging buffers for --offload-layers")
-    speculative: str = flag("", "mtp: the checkpoint's MTP layer drafts, the model verifies (greedy output unchanged, "
-                                "sampling distribution unchanged); set on prefill and decode alike (prefill "
-                                "computes the MTP layer's cache over the prompt)", choices=("", "mtp"))
-    num_speculative_tokens: int = flag(1, "drafts per decode step with --speculative mtp (1..3)")
-    share_weights_dir: str | None = flag(None, "map the weights from one file in this directory (e.g. "
-                                               "/dev/shm/pdserve) shared by every co-located process holding the "
-                                               "same slice")
-    block_size: int = flag(EngineConfig.block_size, "KV block size in tokens")
-    kv_cache_tokens: int = flag(EngineConfig.kv_cache_tokens, "KV pool size in tokens (per rank)")
+    dtype: str = same_as(EngineConfig, "dtype")
+    indexer_numerics: str = same_as(EngineConfig, "indexer_numerics")
+    quantization: str = same_as(EngineConfig, "quantization")
+    kv_cache_dtype: str = same_as(EngineConfig, "kv_cache_dtype")
+    offload_layers: str = same_as(EngineConfig, "offload_layers")
+    offload_buffers: int = same_as(EngineConfig, "offload_buffers")
+    speculative: str = same_as(EngineConfig, "speculative")
+    num_speculative_tokens: int = same_as(EngineConfig, "num_speculative_tokens")
+    share_weights_dir: str | None = same_as(EngineConfig, "share_weights_dir")
+    block_size: int = same_as(EngineConfig, "block_size")
+    kv_cache_tokens: int = same_as(EngineConfig, "kv_cache_tokens")
     ep: int = flag(1, "expert-parallel ranks (divides the instance's ranks)")
     tp: int = flag(1, "local TP ranks for o_proj / lm_head / embedding")
     cp: int = 1  # prefill instances (their own flag)
@@ -459,9 +525,7 @@ class ServiceConfig(EndpointConfig):
         """Ranks in the instance (cp, dp and tp exclude each other beyond 1)."""
         return self.cp * self.dp * self.tp
 
-    def parallel(self):  # noqa: ANN201 - shared.parallel.ParallelConfig (imported lazily: no cycle)
-        from shared.parallel.state import ParallelConfig
-
+    def parallel(self) -> ParallelConfig:
         return ParallelConfig(world=self.world, cp=self.cp, dp=self.dp, tp=self.tp, ep=self.ep,
                               layer_sharding=self.layer_sharding)
 
@@ -478,3 +542,30 @@ class ServiceConfig(EndpointConfig):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServiceConfig:
         return from_flags(cls, args)
+
+
+@dataclass(kw_only=True)
+class PrefillConfig(ServiceConfig):
+    """The prefill service's flags."""
+
+    cp: int = flag(1, "context-parallel ranks")
+    max_prefill_tokens: int = flag(knob_default(EngineConfig, "max_num_batched_tokens"),
+                                   "prompt tokens computed per engine step (chunked prefill; several prompts batch "
+                                   "up to it)", bounds=(1, None))
+    no_prefix_cache: bool = flag(False, "recompute every prompt (no prefix cache)")
+    kv_stall_seconds: float = flag(1.5, "a KV push that makes no progress this long fails (the request gets "
+                                        "UNAVAILABLE)")
+
+    def engine_config(self, **overrides: object) -> EngineConfig:
+        return super().engine_config(max_num_batched_tokens=self.max_prefill_tokens,
+                                     enable_prefix_caching=not self.no_prefix_cache, **overrides)
+
+
+@dataclass(kw_only=True)
+class DecodeConfig(ServiceConfig):
+    """The decode service's flags."""
+
+    dp: int = flag(1, "attention data-parallel ranks")
+    kv_port: int = flag(0, "TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
+    lease_seconds: float = flag(30.0, "unused reservations expire after this")
+    max_num_seqs: int = same_as(EngineConfig, "max_num_seqs")

@@ -11,7 +11,7 @@ import pytest
 
 from router.cli import Cluster
 from shared.engine import LLM, SamplingParams
-from shared.engine.chat import ChatMessage
+from shared.protocol.chat import ChatMessage
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.official_layout import build_official_checkpoint
 

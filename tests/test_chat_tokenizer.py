@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.chat import ChatMessage, render_messages, split_reasoning
-from shared.engine.tokenizer import IncrementalDetokenizer, OutputProcessor, Tokenizer
 from shared.loader.tokenizer_train import train_tokenizer
+from shared.protocol.chat import ChatMessage, render_messages, split_reasoning
+from shared.protocol.tokenizer import IncrementalDetokenizer, OutputProcessor, Tokenizer
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 

@@ -94,7 +94,7 @@ def test_engine_defaults_render_no_offload_and_no_shared_weights():
     ({"offloadLayers": "3-x"}, "engine.offloadLayers: '3-x' is not a layer index or range"),
     ({"offloadLayers": "10-2"}, "engine.offloadLayers: range 10-2 is empty"),
     ({"offloadLayers": 5}, "engine.offloadLayers: expected str"),
-    ({"offloadBuffers": 0}, "engine.offloadBuffers: need at least 1 staging buffer"),
+    ({"offloadBuffers": 0}, "engine.offloadBuffers: expected at least 1, got 0"),
     ({"offloadBuffers": "2"}, "engine.offloadBuffers: expected int"),
     ({"shareWeights": "yes"}, "engine.shareWeights: expected bool"),
     ({"shareWeightsDirectory": "/x"}, "engine.shareWeightsDirectory: unknown key"),

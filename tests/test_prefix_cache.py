@@ -6,7 +6,7 @@ import pytest
 
 from shared.engine import LLM, SamplingParams
 from shared.kvcache import BlockAllocator
-from shared.kvcache.pool import block_hash
+from shared.protocol.prefix import block_hash
 from tests.helpers import random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -94,7 +94,7 @@ def test_preempted_request_resumes_from_its_cached_blocks(sparse_path):
 def test_prefix_filter_summarises_the_cache_for_the_router(sparse_path):
     """A Bloom filter of the cached block keys finds a prompt's cached prefix from the prompt alone
     (the same chained hashes the scheduler uses), and nothing for an unrelated prompt."""
-    from shared.kvcache.pool import PrefixFilter, prompt_block_hashes
+    from shared.protocol.prefix import PrefixFilter, prompt_block_hashes
 
     llm = LLM(sparse_path, block_size=4)
     prompt = list(range(3, 40))

@@ -1,4 +1,4 @@
-"""The demo model `models/demo-v32` (shared.loader.train_demo, trained on the King James Bible): its recipe
+"""The demo model `models/demo-v32` (shared.demo.train, trained on the King James Bible): its recipe
 reproduces, our loader reads it with DeepSeek's MTP layer, and the engine writes English with it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from shared.loader.train_demo import DEFAULT_CORPUS, DEFAULT_OUT, MAKE_HINT, ROOT, TrainConfig, read_corpus
+from shared.demo.train import DEFAULT_CORPUS, DEFAULT_OUT, MAKE_HINT, ROOT, TrainConfig, read_corpus
 
 MODEL = DEFAULT_OUT
 # `make test` fetches the corpus first and sets PDSERVE_REQUIRE_CORPUS, so there (and under CI) a missing
@@ -40,7 +40,7 @@ def test_retraining_reproduces_the_first_losses() -> None:
     current = {k: v for k, v in json.loads(json.dumps(asdict(TrainConfig()))).items() if k != "steps"}
     assert current == stored, "TrainConfig defaults differ from the checkpoint's run: retrain (make demo-model)"
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}  # libgomp reads it at start: a fresh process
-    done = subprocess.run([sys.executable, "-m", "shared.loader.train_demo", "--steps", "3", "--losses-only"],
+    done = subprocess.run([sys.executable, "-m", "shared.demo.train", "--steps", "3", "--losses-only"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import ModelConfig
+from shared.quant.fp8 import act_quant_ue8m0
 
 KV_CACHE_DTYPES = ("auto", "int8")
 _GROUP = 128  # latent dims per C8 scale
@@ -83,9 +84,7 @@ class Fp8KeyRows:
         self.dim, self.width = dim, dim + 4
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
-        from shared.quant.fp8 import act_quant_ue8m0  # DeepSeek's rule, one block per row
-
-        q, scale = act_quant_ue8m0(rows, self.dim)  # scale [N, 1]
+        q, scale = act_quant_ue8m0(rows, self.dim)  # DeepSeek's rule, one block per row; scale [N, 1]
         return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], -1)
 
     def decode(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from shared.config import Fp8Scheme, ModelConfig
 from shared.device import check_weight_sharing, get_device, parse_dtype
+from shared.loader.shared_weights import share_weights, weights_key
 from shared.model import DeepseekForCausalLM
 from shared.model.moe import Experts
 from shared.model.mtp import MTPLayer
@@ -301,8 +302,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     model = model.to(dev)
     model.apply_parallel()
     if share_weights_dir is not None:
-        from shared.loader.shared_weights import share_weights, weights_key
-
         # what shapes this process's tensors: ranks that hold the same slice (DP ranks, a prefill and
         # a decode instance alike) get the same key and so share one file
         par, pc = model.parallel, model.parallel.config

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from shared.engine.chat import BOS, EOS, SPECIAL_TOKENS
+from shared.protocol.chat import BOS, EOS, SPECIAL_TOKENS
 
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
 

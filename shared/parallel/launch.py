@@ -13,8 +13,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from shared.config import ServiceConfig
 from shared.device import check_weight_sharing, get_device
 from shared.parallel.state import ParallelConfig, ParallelState, env_rank_world
+from shared.rpc.service import Credentials, serve_follower_health
 from shared.transfer.rdma import mooncake_device_names
 
 # A collective that waits longer than this fails and the instance exits (the orchestrator restarts it):
@@ -26,18 +28,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def die_with_parent() -> None:
-    """In a child process: get SIGTERM when the parent dies, even by SIGKILL (Linux), so a killed
-    service or `pdserve up` leaves no orphans holding ports."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def service_state(config: ParallelConfig, rank: int) -> ParallelState:
@@ -67,7 +57,7 @@ def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> 
     return 0, procs
 
 
-def start_instance(cfg: Any, follower: Callable[[int, Any], None]) -> list | None:
+def start_instance(cfg: ServiceConfig, follower: Callable[[int, Any], None]) -> list | None:
     """A service's start: validate its parallel shape (cfg.parallel()), its KV transport (the RDMA NICs
     Mooncake is to use must be there) and weight sharing (host memory only): exit naming the flag, never
     a silent fallback or no-op. Then start its ranks.
@@ -80,9 +70,7 @@ def start_instance(cfg: Any, follower: Callable[[int, Any], None]) -> list | Non
         raise SystemExit(f"error: {exc}") from None
     rank, followers = launch_ranks(cfg.world, follower, cfg)
     if rank != 0:  # a torchrun-style follower (its own pod): probes need a health endpoint here
-        from shared.rpc.service import serve_follower_health
-
-        down = serve_follower_health(cfg.host, cfg.port, cfg.credentials(), cfg.port_file)
+        down = serve_follower_health(cfg.host, cfg.port, Credentials.of(cfg), cfg.port_file)
         try:
             follower(rank, cfg)
         finally:

@@ -15,36 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shared.config import ParallelConfig
 from shared.device import dist_backend
-
-LAYER_SHARDABLE = ("o_proj", "q_b_proj")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    world: int = 1
-    cp: int = 1
-    dp: int = 1
-    tp: int = 1
-    ep: int = 1
-    layer_sharding: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("world", "cp", "dp", "tp", "ep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.cp > 1 and self.dp > 1:
-            raise ValueError("cp (prefill) and dp (decode) cannot both be > 1 in one instance")
-        if max(self.cp, self.dp) not in (1, self.world):
-            raise ValueError(f"cp/dp must equal world ({self.world})")
-        for name in ("tp", "ep"):
-            if self.world % getattr(self, name):
-                raise ValueError(f"{name}={getattr(self, name)} must divide world={self.world}")
-        if self.tp > 1 and (self.cp > 1 or self.dp > 1):
-            raise ValueError("local TP needs ranks that see the same tokens: use tp with cp=dp=1")
-        bad = set(self.layer_sharding) - set(LAYER_SHARDABLE)
-        if bad:
-            raise ValueError(f"layer_sharding supports {LAYER_SHARDABLE}, got {sorted(bad)}")
 
 
 @dataclass

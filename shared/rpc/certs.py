@@ -17,6 +17,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+# Under TLS, peers (gRPC and KV) are verified by the cluster CA and this name, which every node
+# certificate carries (`pdserve certs` adds it): pod addresses change, so certificates cannot list them.
+TLS_SERVER_NAME = "pdserve"
+
 
 @dataclass(frozen=True)
 class CertFiles:
@@ -56,7 +60,7 @@ def make_cluster_certs(out_dir: str | Path, hosts: list[str] | tuple[str, ...] =
     _new_key_request(ca_key, f"/CN={name}-cluster-ca", x509_days=days, out=ca)
     _new_key_request(key, f"/CN={name}-node", csr=csr)
     names = []
-    for host in dict.fromkeys(["pdserve", "127.0.0.1", "localhost", *hosts]):  # "pdserve": TLS_SERVER_NAME
+    for host in dict.fromkeys([TLS_SERVER_NAME, "127.0.0.1", "localhost", *hosts]):
         try:
             ipaddress.ip_address(host)
             names.append(f"IP:{host}")

@@ -24,6 +24,7 @@ while perfectly alive, and its streams would be cut.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import hmac
 import logging
@@ -40,9 +41,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shared.engine.sampler import SamplingParams
+from shared.config import EndpointConfig
+from shared.protocol.sampling import SamplingParams
+from shared.rpc.certs import TLS_SERVER_NAME
 from shared.rpc.pdserve.v1 import generation_pb2, internal_pb2
-from shared.transfer.tcp import TLS_SERVER_NAME
 
 log = logging.getLogger("pdserve")
 
@@ -53,7 +55,8 @@ KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 1000, 3000
 _MESSAGE_LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 _KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
               ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
-              ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_MS), ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS)]
+              ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_MS),
+              ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS)]
 CHANNEL_OPTIONS = [*_MESSAGE_LIMITS, *_KEEPALIVE,
                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                    ("grpc.max_reconnect_backoff_ms", 2000)]  # a restarted peer is found again within ~2 s
@@ -88,6 +91,12 @@ class Credentials:
             log.warning("no cluster token (--auth-token-file or %s) and no --tls-*: internal calls will be "
                         "refused; pass --insecure to accept them without credentials", TOKEN_ENV)
         return creds
+
+    @classmethod
+    def of(cls, endpoint: EndpointConfig) -> Credentials:
+        """The credentials a service's endpoint flags name."""
+        return cls.from_args(endpoint.auth_token_file, endpoint.insecure, endpoint.tls_cert, endpoint.tls_key,
+                             endpoint.tls_ca)
 
     @property
     def tls(self) -> bool:
@@ -346,6 +355,15 @@ def serve_follower_health(host: str, port: int, credentials: Credentials | None 
     return down
 
 
+def die_with_parent() -> None:
+    """In a child process: get SIGTERM when the parent dies, even by SIGKILL (Linux), so a killed
+    service or `pdserve up` leaves no orphans holding ports."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def write_port_file(path: str | None, port: int) -> None:
     """Report the port a service bound (port 0 = the OS picked one), atomically: a launcher reads it."""
     if path:
@@ -413,5 +431,6 @@ def aio_channel(address: str, credentials: Credentials | None = None) -> grpc.ai
             else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
 
 
-__all__ = ["Credentials", "Lifecycle", "LoopQueue", "aio_channel", "channel", "generation_pb2", "internal_pb2",
+__all__ = ["Credentials", "Lifecycle", "LoopQueue", "aio_channel", "channel", "die_with_parent", "generation_pb2",
+           "internal_pb2",
            "sampling_from_proto", "sampling_to_proto", "start_server"]

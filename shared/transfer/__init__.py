@@ -6,6 +6,7 @@ import ssl
 
 from shared.kvcache import KVCache
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError
+from shared.transfer.mooncake import MooncakeSender
 from shared.transfer.tcp import STALL_SECONDS, TcpReceiver, TcpSender
 
 TRANSPORTS = ("tcp", "mooncake")
@@ -20,8 +21,6 @@ def make_sender(transport: str, kv: KVCache, host: str = "127.0.0.1", protocol: 
     if transport == "tcp":
         return TcpSender(kv, tls, stall_seconds)
     if transport == "mooncake":
-        from shared.transfer.mooncake import MooncakeSender
-
         return MooncakeSender(kv, host, protocol, device_name, tls=tls, stall_seconds=stall_seconds)
     raise ValueError(f"unknown KV transport {transport!r}; choose from {TRANSPORTS}")
 

@@ -31,14 +31,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from shared.config import PrefillConfig, knob_default
 from shared.device import on_host
 from shared.kvcache import KVCache
 from shared.kvcache.lease import LeaseError, LeaseTable
+from shared.rpc.certs import TLS_SERVER_NAME
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
 
-# Under TLS, peers (gRPC and KV) are verified by the cluster CA and this name, which every node
-# certificate carries (`pdserve certs` adds it): pod addresses change, so certificates cannot list them.
-TLS_SERVER_NAME = "pdserve"
 MAGIC, VERSION = b"PDKV", 1
 WRITE, COMMIT, MARK, TOUCH, SYNC = 1, 2, 3, 4, 5
 KINDS = ("mla", "index")
@@ -47,7 +46,7 @@ OK, REFUSED = 0, 1
 CONNECT_TIMEOUT = 5.0
 IDLE_TIMEOUT = 10.0  # a peer silent this long (between or inside frames) is disconnected; pushes touch every 2 s
 MAX_CONNECTIONS = 256
-STALL_SECONDS = 1.5  # a push with no progress this long fails (send blocked, or no reply to a commit)
+STALL_SECONDS = knob_default(PrefillConfig, "kv_stall_seconds")  # a push without progress this long fails
 
 
 class PoolBytes:

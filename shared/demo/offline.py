@@ -1,6 +1,6 @@
 """Offline greedy generation with the engine on the embedded tiny model (no services).
 
-    python -m shared.engine.offline_demo [--model DIR] [--max-tokens 32]
+    python -m shared.demo.offline [--model DIR] [--max-tokens 32]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train the demo model: a small DeepSeek-V3.2 on the King James Bible, so `make demo` streams English.
 
-    python -m shared.loader.train_demo [--out models/demo-v32] [--steps N] [--corpus PATH]
+    python -m shared.demo.train [--out models/demo-v32] [--steps N] [--corpus PATH]
 
 The random tiny model streams noise; this one has exactly the V3.2 architecture the engine serves (MLA,
 lightning indexer with `index_topk` below the demo's context, MoE with a shared expert and aux-loss-free
@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.loader.tiny import TINY
+from shared.loader.tiny import TINY, make_config
+from shared.loader.tokenizer_train import train_tokenizer as train_bpe
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS_DIR = ROOT / ".cache" / "corpus"
@@ -141,8 +142,6 @@ def read_corpus(path: str | Path) -> Corpus:
 def train_tokenizer(verses: list[str], vocab_size: int, out_file: Path) -> Any:  # noqa: ANN401 - tokenizers.Tokenizer
     """Byte-level BPE on the training verses, with the special tokens of shared.loader.tokenizer_train
     (BOS id 0, EOS id 1, then DeepSeek's chat tokens). Deterministic."""
-    from shared.loader.tokenizer_train import train_tokenizer as train_bpe
-
     return train_bpe(vocab_size, out_file, verses)
 
 
@@ -179,8 +178,6 @@ def make_batch(split: TokenSplit, starts: list[int], seq_len: int, bos: int) -> 
 
 def hf_config(model: dict[str, Any]) -> Any:  # noqa: ANN401 - DeepseekV32Config
     from transformers import DeepseekV32Config
-
-    from shared.loader.tiny import make_config
 
     cfg = DeepseekV32Config(**{k: v for k, v in make_config(**model).items() if k != "architectures"})
     cfg._attn_implementation = "sdpa"
@@ -541,8 +538,6 @@ def export_tensors(model: DemoModel) -> dict[str, torch.Tensor]:
 def write_checkpoint(out: Path, model: DemoModel, cfg: TrainConfig, tokenizer_file: Path) -> None:
     from safetensors.torch import save_file
 
-    from shared.loader.tiny import make_config
-
     out.mkdir(parents=True, exist_ok=True)
     config = {**make_config(**cfg.model), "dtype": "bfloat16"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -653,7 +648,7 @@ def main(argv: list[str] | None = None) -> None:
         # libgomp reads this when torch loads, before any code of ours runs: start again with it set. Spinning
         # OpenMP workers make 2 threads ~8x slower on a busy 2-core machine; passive ones cost nothing.
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        os.execv(sys.executable, [sys.executable, "-m", "shared.loader.train_demo", *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "shared.demo.train", *sys.argv[1:]])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="bible.data of bible-kjv-text, or a text file")

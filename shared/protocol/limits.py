@@ -1,0 +1,48 @@
+"""The bounds of one model's requests, checked in one place: the router (before any work reaches an
+instance), the engine (for offline callers and local prefills) and the decode service's reservations
+all ask the same `RequestLimits`, so a request refused by one is refused by all with the same words."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold `num_tokens` tokens."""
+    return (num_tokens + block_size - 1) // block_size
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """`context_tokens` (the model's max_position_embeddings), its vocabulary, and where known (on an
+    engine, not in the router) the KV blocks one request may hold."""
+
+    context_tokens: int
+    vocab_size: int
+    block_size: int = 0
+    kv_blocks: int = 0  # 0: not known here
+
+    def check_prompt_ids(self, ids: Sequence[int], field: str = "prompt_token_ids") -> None:
+        """Raise ValueError naming `field` for an empty prompt, one longer than the context or a token id
+        outside the vocabulary."""
+        if not ids:
+            raise ValueError(f"{field} must not be empty")
+        if len(ids) > self.context_tokens:
+            raise ValueError(f"{field}: {len(ids)} tokens exceed the model's context of {self.context_tokens}")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int, field: str = "max_tokens") -> None:
+        """Raise ValueError naming `field` when prompt + max_tokens does not fit the context, or needs
+        more KV blocks than a rank's pool has (a request that could never be served, not an overload)."""
+        if num_prompt_tokens <= 0 or max_tokens <= 0:
+            raise ValueError(f"{field}: the prompt and max_tokens must be > 0 tokens")
+        total = num_prompt_tokens + max_tokens
+        if total > self.context_tokens:
+            raise ValueError(f"{field}: prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"the model's context of {self.context_tokens}")
+        if self.kv_blocks and blocks_for(total, self.block_size) > self.kv_blocks:
+            raise ValueError(f"{field}: prompt + max_tokens needs {blocks_for(total, self.block_size)} KV blocks, "
+                             f"a rank's pool has {self.kv_blocks}")
