@@ -14,43 +14,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from dataclasses import dataclass
 
 import grpc
 
-from decode_service.core import CoreClient
-from decode_service.dp import FATAL, CommandError, Coordinator, DecodeRank, follower_loop, params_dict
+from decode_service.engine import FATAL, DecodeEngineClient, DecodeHandle, build_engine_core
+from decode_service.worker import Abort, Admit, DecodeWorker, Release
 from shared import metrics
-from shared.config import EngineConfig, ServiceConfig, flag
+from shared.config import DecodeConfig
+from shared.engine.core import CommandError, follow
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Lifecycle, LoopQueue, sampling_from_proto, start_server, wait_future
+from shared.rpc.service import Credentials, Lifecycle, LoopQueue, sampling_from_proto, start_server, wait_future
 
 log = logging.getLogger("pdserve.decode")
 SERVICE = "pdserve.v1.Decode"
 
 
-@dataclass(kw_only=True)
-class DecodeConfig(ServiceConfig):
-    dp: int = flag(1, "attention data-parallel ranks")
-    kv_port: int = flag(0, "TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
-    lease_seconds: float = flag(30.0, "unused reservations expire after this")
-    max_num_seqs: int = flag(EngineConfig.max_num_seqs, "requests decoding at once per rank")
-
-
 def follower_main(rank: int, cfg: DecodeConfig) -> None:
     """Entry point of DP ranks 1..N-1."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s decode[{rank}] %(levelname)s %(message)s")
-    follower_loop(DecodeRank(cfg, rank, service_state(cfg.parallel(), rank)))
+    state = service_state(cfg.parallel(), rank)
+    follow(DecodeWorker(cfg, rank, state), state)
 
 
 class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     """Async handlers: a stream is a coroutine fed by the coordinator thread, not a gRPC thread, so
     concurrency is bounded by the KV pool and `max_num_seqs`, and health/GetLoad stay prompt."""
 
-    def __init__(self, cfg: DecodeConfig, coordinator: Coordinator | CoreClient):
+    def __init__(self, cfg: DecodeConfig, coordinator: DecodeHandle):
         self.cfg, self.coord = cfg, coordinator
-        self.credentials = cfg.credentials()
+        self.credentials = Credentials.of(cfg)
         self.max_model_len = coordinator.max_model_len
         self._export_gauges()
 
@@ -62,7 +55,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 
     def _export_gauges(self) -> None:
         """Per-rank gauges read the coordinator's latest reports of every rank when scraped."""
-        metrics.REGISTRY.register(metrics.LoadCollector("decode", lambda: self.coord.loads))
+        metrics.REGISTRY.register(metrics.LoadCollector("decode", lambda: [x.gauges() for x in self.coord.loads]))
 
     async def Reserve(self, request, context):  # noqa: N802 - gRPC method name
         if request.num_prompt_tokens <= 0 or request.max_tokens <= 0:
@@ -78,30 +71,31 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                                 f"{self.coord.usable_blocks}")
         placed = self.coord.reserve(request.request_id, total, request.num_prompt_tokens)
         try:
-            rank, dest = await wait_future(placed, 60)
+            placement = await wait_future(placed, 60)
         except CommandError as exc:
             metrics.request_done("decode", exc.code, "reserve")
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-        self.coord.lease_rank[dest.lease_id] = rank
-        msg = dest.to_proto(internal_pb2.KVDestination)
+        self.coord.lease_rank[placement.destination.lease_id] = placement.rank
+        msg = placement.destination.to_proto(internal_pb2.KVDestination)
         msg.signature = self.credentials.sign(msg)  # the prefill pushes only where a decode instance vouched
-        return internal_pb2.ReserveResponse(destination=msg, dp_rank=rank)
+        return internal_pb2.ReserveResponse(destination=msg, dp_rank=placement.rank)
 
     async def Release(self, request, context):  # noqa: N802
         rank = self.coord.lease_rank.pop(request.lease_id, None)
         released = rank is not None and bool(await self._result(
-            self.coord.submit("release", rank, lease_id=request.lease_id), context))
+            self.coord.submit(Release(request.lease_id), rank), context))
         return internal_pb2.ReleaseResponse(released=released)
 
     async def GetLoad(self, request, context):  # noqa: N802
         loads = self.coord.loads
-        internal_only = ("has_work", "expired", "applied_cid", "kv_bytes_received")
-        ranks = [internal_pb2.RankLoad(**{k: v for k, v in x.items()
-                                          if k not in internal_only and not k.startswith("spec_")}) for x in loads]
+        ranks = [internal_pb2.RankLoad(rank=x.rank, running=x.running, waiting=x.waiting, free_blocks=x.free_blocks,
+                                       total_blocks=x.total_blocks, active_leases=x.active_leases, tokens=x.tokens,
+                                       admitted=x.admitted, queued_prompt_tokens=x.queued_prompt_tokens)
+                 for x in loads]
         return internal_pb2.LoadReport(
-            running=sum(x["running"] for x in loads), waiting=sum(x["waiting"] for x in loads),
-            free_blocks=sum(x["free_blocks"] for x in loads), total_blocks=sum(x["total_blocks"] for x in loads),
-            active_leases=sum(x["active_leases"] for x in loads), ranks=ranks, block_size=self.coord.block_size)
+            running=sum(x.running for x in loads), waiting=sum(x.waiting for x in loads),
+            free_blocks=sum(x.free_blocks for x in loads), total_blocks=sum(x.total_blocks for x in loads),
+            active_leases=sum(x.active_leases for x in loads), ranks=ranks, block_size=self.coord.block_size)
 
     async def Decode(self, request, context):  # noqa: N802
         rank = self.coord.lease_rank.get(request.lease_id)
@@ -116,10 +110,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
         except KeyError:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already streaming here")
-        admit = self.coord.submit("admit", rank, request_id=rid, lease_id=request.lease_id,
-                                  prompt=list(request.prompt_token_ids), params=params_dict(params),
-                                  first_token=request.first_token_id, rng_state=bytes(request.rng_state),
-                                  local=request.local_prefill)
+        admit = self.coord.submit(Admit(rid, request.lease_id, list(request.prompt_token_ids), params,
+                                        request.first_token_id, bytes(request.rng_state), request.local_prefill), rank)
         try:
             await wait_future(admit, 60)
         except CommandError as exc:
@@ -128,7 +120,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         except asyncio.CancelledError:  # the caller left while admitting: the engine must not run it
             self.coord.close_stream(rid, stream)
-            self.coord.submit("abort", rank, request_id=rid)
+            self.coord.submit(Abort(rid), rank)
             raise
         self.coord.lease_rank.pop(request.lease_id, None)  # claimed: the blocks belong to the request now
         if request.local_prefill:  # selective disaggregation: this engine prefills the prompt
@@ -159,7 +151,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         finally:  # finished, stopped, cancelled by the caller, deadline, or an error: the engine lets go
             self.coord.close_stream(rid, stream)
             if not ended:
-                self.coord.submit("abort", rank, request_id=rid)
+                self.coord.submit(Abort(rid), rank)
 
 
 def parse_args(argv: list[str] | None = None) -> DecodeConfig:
@@ -169,16 +161,16 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     return DecodeConfig.from_args(p.parse_args(argv))
 
 
-async def serve(cfg: DecodeConfig, coordinator: Coordinator | CoreClient) -> tuple[grpc.aio.Server, int, Lifecycle]:
+async def serve(cfg: DecodeConfig, coordinator: DecodeHandle) -> tuple[grpc.aio.Server, int, Lifecycle]:
     servicer = DecodeServicer(cfg, coordinator)
     server, port, life = await start_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE],
         credentials=servicer.credentials)
-    coordinator.on_fatal = life.fail
+    coordinator.set_fatal_handler(life.fail)
     return server, port, life
 
 
-async def _serve_until_stopped(cfg: DecodeConfig, coordinator: Coordinator | CoreClient, transport: str,
+async def _serve_until_stopped(cfg: DecodeConfig, coordinator: DecodeHandle, transport: str,
                                followers: list) -> None:
     _, port, life = await serve(cfg, coordinator)
     where = "in-process engine" if cfg.engine_in_process else "engine core process"
@@ -199,12 +191,12 @@ def main(argv: list[str] | None = None) -> None:
     if followers is None:  # this process was a torchrun-style follower
         return
     if cfg.engine_in_process:
-        me = DecodeRank(cfg, 0, service_state(cfg.parallel(), 0))
-        coordinator: Coordinator | CoreClient = Coordinator(me, cfg.world)
-        transport = me.receiver.transport
+        core = build_engine_core(cfg)
+        coordinator: DecodeHandle = core
+        transport = core.me.receiver.transport
     else:
-        coordinator = CoreClient(cfg)
-        transport = coordinator.transport
+        client = DecodeEngineClient(cfg)
+        coordinator, transport = client, client.transport
     metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
     asyncio.run(_serve_until_stopped(cfg, coordinator, transport, followers))
 

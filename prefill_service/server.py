@@ -19,38 +19,22 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
-from prefill_service.core import PrefillClient, build_core, sender_factory
-from prefill_service.rank import PrefillCore, PrefillRank
+from prefill_service.engine import PrefillEngineClient, PrefillHandle, build_engine_core
+from prefill_service.worker import PrefillLoad, PrefillWorker, sender_factory
 from shared import metrics
-from shared.config import ServiceConfig, flag
-from shared.engine import EngineConfig, LLMEngine
+from shared.config import PrefillConfig
+from shared.engine import LLMEngine
 from shared.engine.core import CommandError, follow
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Lifecycle, sampling_from_proto, start_server, wait_future
+from shared.rpc.service import Credentials, Lifecycle, sampling_from_proto, start_server, wait_future
 from shared.transfer import Destination, TransferError
-from shared.transfer.tcp import STALL_SECONDS
 
 log = logging.getLogger("pdserve.prefill")
 SERVICE = "pdserve.v1.Prefill"
-
-
-@dataclass(kw_only=True)
-class PrefillConfig(ServiceConfig):
-    cp: int = flag(1, "context-parallel ranks")
-    max_prefill_tokens: int = flag(EngineConfig.max_num_batched_tokens, "prompt tokens computed per engine step "
-                                   "(chunked prefill; several prompts batch up to it)")
-    no_prefix_cache: bool = flag(False, "recompute every prompt (no prefix cache)")
-    kv_stall_seconds: float = flag(STALL_SECONDS, "a KV push that makes no progress this long fails (the request "
-                                                  "gets UNAVAILABLE)")
-
-    def engine_config(self, **overrides: object) -> EngineConfig:
-        return super().engine_config(max_num_batched_tokens=self.max_prefill_tokens,
-                                     enable_prefix_caching=not self.no_prefix_cache, **overrides)
 
 
 def follower_main(rank: int, cfg: PrefillConfig) -> None:
@@ -58,13 +42,13 @@ def follower_main(rank: int, cfg: PrefillConfig) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s prefill[{rank}] %(levelname)s %(message)s")
     state = service_state(cfg.parallel(), rank)
     engine = LLMEngine(cfg.engine_config(), state)
-    follow(PrefillRank(engine, sender_factory(cfg, engine)), state)
+    follow(PrefillWorker(engine, sender_factory(cfg, engine)), state)
 
 
 class _QueuedPromptTokens(metrics.Collector):
     """pdserve_prefill_queued_prompt_tokens at scrape time: prompt tokens waiting or not yet computed."""
 
-    def __init__(self, load: Callable[[], dict]):
+    def __init__(self, load: Callable[[], PrefillLoad]):
         self.load = load
 
     def describe(self):  # noqa: ANN201
@@ -73,29 +57,29 @@ class _QueuedPromptTokens(metrics.Collector):
     def collect(self):  # noqa: ANN201
         family = metrics.GaugeMetricFamily("pdserve_prefill_queued_prompt_tokens",
                                            "Prompt tokens waiting to be computed")
-        family.add_metric([], self.load()["queued_prompt_tokens"])
+        family.add_metric([], self.load().queued_prompt_tokens)
         yield family
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     """Thin gRPC shell over the prefill engine core (one loop for every instance shape), which runs
-    in its own process (`PrefillClient`) or, with --engine-in-process, on a thread here."""
+    in its own process (`PrefillEngineClient`) or, with --engine-in-process, on a thread here."""
 
-    def __init__(self, cfg: PrefillConfig, worker: PrefillCore | PrefillClient):
+    def __init__(self, cfg: PrefillConfig, engine: PrefillHandle):
         self.cfg = cfg
-        self.credentials = cfg.credentials()
-        self.worker = worker
+        self.credentials = Credentials.of(cfg)
+        self.engine = engine
         for family in (metrics.KV_PUSH_BYTES, metrics.KV_PUSH_SECONDS, metrics.KV_PUSH_FAILURES):
             family.labels(cfg.kv_transport)  # exported from the start (at 0), so dashboards and alerts see them
-        metrics.REGISTRY.register(metrics.LoadCollector("prefill", lambda: [self.worker.load()]))
-        metrics.REGISTRY.register(_QueuedPromptTokens(self.worker.load))
+        metrics.REGISTRY.register(metrics.LoadCollector("prefill", lambda: [self.engine.load().gauges()]))
+        metrics.REGISTRY.register(_QueuedPromptTokens(self.engine.load))
 
     async def GetLoad(self, request, context):  # noqa: N802
-        load = self.worker.load()
-        return internal_pb2.LoadReport(running=load["running"], waiting=load["waiting"],
-                                       free_blocks=load["free_blocks"], total_blocks=load["total_blocks"],
-                                       queued_prompt_tokens=load["queued_prompt_tokens"],
-                                       block_size=self.cfg.block_size, prefix_filter=load.get("prefix_filter", b""))
+        load = self.engine.load()
+        return internal_pb2.LoadReport(running=load.running, waiting=load.waiting,
+                                       free_blocks=load.free_blocks, total_blocks=load.total_blocks,
+                                       queued_prompt_tokens=load.queued_prompt_tokens,
+                                       block_size=self.cfg.block_size, prefix_filter=load.prefix_filter or b"")
 
     async def Prefill(self, request, context):  # noqa: N802
         problem = self.credentials.vouched(request.destination)
@@ -110,12 +94,12 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
         try:
-            done = self.worker.prefill(rid, prompt, params, dest, request.priority)
+            done = self.engine.prefill(rid, prompt, params, dest, request.priority)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            token, state, seconds, cached, pushed = await wait_future(done)
+            result = await wait_future(done)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -127,21 +111,22 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             metrics.request_done("prefill", exc.code, "engine")
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         except asyncio.CancelledError:  # the caller went away or its deadline passed: drop the prompt
-            self.worker.cancel(rid, RuntimeError("cancelled"))
+            self.engine.cancel(rid, RuntimeError("cancelled"))
             raise
         except Exception as exc:  # noqa: BLE001
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
         metrics.request_done("prefill", "OK")
         metrics.TOKENS.labels("prefill", "prompt").inc(len(prompt))
-        metrics.PREFILL_SECONDS.observe(seconds)
-        metrics.TOKENS.labels("prefill", "cached_prompt").inc(cached)
-        metrics.KV_PUSH_BYTES.labels(dest.transport).inc(pushed)
-        metrics.KV_PUSH_SECONDS.labels(dest.transport).observe(seconds)
-        return internal_pb2.PrefillResponse(first_token_id=token, rng_state=state, prefill_seconds=seconds,
-                                            cached_prompt_tokens=cached)
+        metrics.PREFILL_SECONDS.observe(result.seconds)
+        metrics.TOKENS.labels("prefill", "cached_prompt").inc(result.cached_prompt_tokens)
+        metrics.KV_PUSH_BYTES.labels(dest.transport).inc(result.pushed_bytes)
+        metrics.KV_PUSH_SECONDS.labels(dest.transport).observe(result.seconds)
+        return internal_pb2.PrefillResponse(first_token_id=result.first_token, rng_state=result.rng_state,
+                                            prefill_seconds=result.seconds,
+                                            cached_prompt_tokens=result.cached_prompt_tokens)
 
     def close(self) -> None:
-        self.worker.stop()  # the loop's end closes the rank's pushes and senders (in the core process too)
+        self.engine.stop()  # the loop's end closes the rank's pushes and senders (in the core process too)
 
 
 def parse_args(argv: list[str] | None = None) -> PrefillConfig:
@@ -155,7 +140,7 @@ async def serve(cfg: PrefillConfig, servicer: PrefillServicer) -> tuple[grpc.aio
     server, port, life = await start_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(servicer, s)], [SERVICE],
         credentials=servicer.credentials)
-    servicer.worker.on_fatal = life.fail
+    servicer.engine.set_fatal_handler(life.fail)
     return server, port, life
 
 
@@ -178,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower
         return
-    worker = build_core(cfg) if cfg.engine_in_process else PrefillClient(cfg)
+    engine: PrefillHandle = build_engine_core(cfg) if cfg.engine_in_process else PrefillEngineClient(cfg)
     metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
-    servicer = PrefillServicer(cfg, worker)
+    servicer = PrefillServicer(cfg, engine)
     asyncio.run(_serve_until_stopped(cfg, servicer, followers))

@@ -62,7 +62,7 @@ def test_prefill_pushes_a_layer_while_the_next_layers_compute(ckpt):
     """Real TCP push from a prefill engine into a decode pool: layer 0's KV is written to decode before the
     last layer of the same forward starts (the last layer waits for that write; a push that began only after
     the forward would leave it waiting and fail), and only after layer 0 computed."""
-    from prefill_service.rank import PrefillCore, PrefillRank
+    from prefill_service.engine import PrefillEngineCore
     from shared.engine import EngineConfig, LLMEngine, SamplingParams
     from shared.kvcache import KVCache
     from shared.kvcache.lease import LeaseTable
@@ -83,7 +83,7 @@ def test_prefill_pushes_a_layer_while_the_next_layers_compute(ckpt):
     for layer in layers:
         i = layer.layer_idx
 
-        def before(module, args, i=i) -> None:  # noqa: ANN001
+        def before(module, args, i=i) -> None:
             record("compute_start", i)
             if i == last:
                 overlapped.append(written.wait(HOLD_SECONDS))
@@ -93,7 +93,7 @@ def test_prefill_pushes_a_layer_while_the_next_layers_compute(ckpt):
 
     real_write = TcpPush._write
 
-    def traced_write(self, layer: int, kind: str, src_blocks: list[int], first: int) -> None:  # noqa: ANN001
+    def traced_write(self, layer: int, kind: str, src_blocks: list[int], first: int) -> None:
         record("push_start", layer)
         real_write(self, layer, kind, src_blocks, first)
         record("push_end", layer)
@@ -106,7 +106,7 @@ def test_prefill_pushes_a_layer_while_the_next_layers_compute(ckpt):
         kv = KVCache(layout, 64, torch.device("cpu"))
         leases = LeaseTable(kv.allocator, layout.block_size, layout.num_layers, cache_kinds(layout), 30)
         receiver = TcpReceiver(kv, leases)
-        worker = PrefillCore(PrefillRank(engine, lambda t: make_sender(t, engine.kv)))
+        worker = PrefillEngineCore(engine, lambda t: make_sender(t, engine.kv))
         prompt = random_prompts(1, [40], 512, seed=5)[0]
         lease = leases.reserve("r0", len(prompt) + 2, prompt_tokens=len(prompt))
         worker.prefill("r0", prompt, SamplingParams(max_tokens=2, temperature=0), receiver.destination(lease)

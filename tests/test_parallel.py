@@ -9,8 +9,8 @@ from shared.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
 from shared.model import SeqChunk
+from shared.model.cp import build_cp_batch, zigzag_ranges
 from shared.parallel import ParallelConfig, ParallelState
-from shared.parallel.cp import build_cp_batch, zigzag_ranges
 from tests.dist_utils import run_ranks
 from tests.helpers import concurrent_greedy, engine_logits, random_prompts
 
@@ -88,7 +88,7 @@ def _cp_generate_rank(rank: int, world: int, path: str, prompts: list[list[int]]
     prompts_per_step = []  # how many prompts each step computes chunks of (not how many are queued)
     schedule = engine.scheduler.schedule
 
-    def counted():  # noqa: ANN202
+    def counted():
         chunks = schedule()
         prompts_per_step.append(sum(1 for c in chunks if c.seq.num_cached < len(c.seq.prompt_token_ids)))
         return chunks
@@ -108,8 +108,8 @@ def _cp_generate_rank(rank: int, world: int, path: str, prompts: list[list[int]]
 def _cp_push_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
     """A CP prefill group's pushes, each block's rows copied when the push is queued: the earliest a
     transport may read them, and under CP the ranks' writes land in any order."""
-    from prefill_service.rank import PrefillRank
-    from shared.engine.core import Command
+    from prefill_service.worker import AddPrompt, PrefillWorker
+    from shared.engine.core import RankCommand
     from shared.transfer import Destination, KVPush, KVSender
     from shared.transfer.base import cache_kinds, pool_of
 
@@ -132,12 +132,12 @@ def _cp_push_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
         def open(self, dest: Destination) -> KVPush:
             return Recording(kv, dest)
 
-    prefill, done = PrefillRank(engine, lambda transport: Sender()), {}
-    prefill.on_done = done.__setitem__
+    done = {}
+    prefill = PrefillWorker(engine, lambda transport: Sender(), on_done=done.__setitem__)
     for i, prompt in enumerate(prompts):
         dest = Destination("tcp", "decode:1", f"r{i}", bytes(16), list(range(kv.blocks_needed(len(prompt)))),
                            kv.layout.describe())
-        prefill.apply(Command("add", 0, i, {"request_id": f"r{i}", "prompt": prompt, "params": GREEDY, "dest": dest}))
+        prefill.apply(RankCommand(AddPrompt(f"r{i}", prompt, GREEDY, dest), 0, i))
     while engine.has_work:  # the ranks schedule alike: they step together
         prefill.step()
     return sent, sorted(done) if rank == 0 else None
@@ -150,7 +150,7 @@ def _prompt_rows(path: str, prompts: list[list[int]], **engine_kw) -> dict[tuple
     engine, rows = llm.engine, {}
     finish = engine.scheduler.finish
 
-    def record(seq, reason: str) -> None:  # noqa: ANN001
+    def record(seq, reason: str) -> None:
         if seq.block_table:
             n = len(seq.prompt_token_ids)
             rows[tuple(seq.prompt_token_ids)] = [engine.kv.read_tokens(seq.block_table, n, layer)
@@ -207,17 +207,17 @@ def _lockstep_rank(rank: int, world: int, path: str, prompts: list[list[int]]):
     pickled-object collective."""
     import torch.distributed as dist
 
-    from decode_service.dp import DecodeRank
     from decode_service.server import DecodeConfig
+    from decode_service.worker import DecodeWorker
     from shared.engine.core import RankLink, take_turn
 
-    me = DecodeRank(DecodeConfig(model=path, dtype="float32", block_size=4, kv_cache_tokens=512), rank,
+    me = DecodeWorker(DecodeConfig(model=path, dtype="float32", block_size=4, kv_cache_tokens=512), rank,
                     _state(rank, world, dp=world, ep=world))
     names = {100 * r + i: f"r{r}-{i}" for r in range(world) for i in range(len(prompts[r::world]))}
     for i, prompt in enumerate(prompts[rank::world]):  # each rank its own requests
         me.engine.add_request(prompt, GREEDY, f"r{rank}-{i}")
         me.handles[f"r{rank}-{i}"] = 100 * rank + i  # as an admit command's id would be
-    me.name_of = names.get
+    me.names.update(names)
     pickled = []
     for name in ("broadcast_object_list", "gather_object", "all_gather_object"):
         real = getattr(dist, name)
@@ -343,7 +343,7 @@ def test_all_to_sharded_then_sharded_to_all_needs_no_gather(ckpt):
 def _chain_rank(rank: int, world: int):
     from torch import nn
 
-    from shared.parallel.tp import AllToShardedLinear, shard_linear
+    from shared.model.tensor_parallel import AllToShardedLinear, shard_linear
 
     state = _state(rank, world, tp=world)
     gen = torch.Generator().manual_seed(0)
@@ -429,7 +429,7 @@ def test_torchrun_style_ranks_form_one_decode_instance(ckpt, tmp_path):
         for rank in (1, 0):
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "RANK": str(rank),
                    "WORLD_SIZE": "2"}
-            log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115
+            log = open(tmp_path / f"rank{rank}.log", "w")
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "decode_service", "--model", str(ckpt("v32_sparse")), "--port", "0",
                  "--port-file", str(tmp_path / f"rank{rank}.port"), "--dp", "2", "--ep", "2", "--block-size", "4",

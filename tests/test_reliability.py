@@ -236,15 +236,16 @@ def test_zero_length_writes_marks_and_bad_lease_ids_are_refused(receiver):
 def test_decode_step_failure_fails_only_that_batch(model_dir):
     """A step that raises fails its requests with an error and the loop goes on; a loop that cannot go on
     ends every stream with the FATAL marker and reports itself (NOT_SERVING, exit) through on_fatal."""
-    from decode_service.dp import FATAL, Coordinator, DecodeRank
+    from decode_service.engine import FATAL, DecodeEngineCore
     from decode_service.server import DecodeConfig
+    from decode_service.worker import DecodeWorker
+    from shared.engine.core import EngineCommand
     from shared.parallel import ParallelState
 
-    me = DecodeRank(DecodeConfig(model=str(model_dir), dtype="float32", block_size=4, kv_cache_tokens=256), 0,
+    me = DecodeWorker(DecodeConfig(model=str(model_dir), dtype="float32", block_size=4, kv_cache_tokens=256), 0,
                     ParallelState.single())
-    coord = Coordinator(me, 1)
     fatal: list[str] = []
-    coord.on_fatal = fatal.append
+    coord = DecodeEngineCore(me, on_fatal=fatal.append)
     try:
         seq = me.engine.make_sequence([5, 6, 7], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), "r1")
         seq.block_table = me.engine.kv.allocator.allocate(15)
@@ -259,7 +260,7 @@ def test_decode_step_failure_fails_only_that_batch(model_dir):
             return real_step()
 
         me.engine.step = flaky
-        coord.submit("admit_prefilled", 0)  # unknown command kinds are answered, not fatal
+        coord.submit(EngineCommand(), 0)  # unknown command kinds are answered, not fatal
         me.engine.add_prefilled(seq, 9)
         events = []
         while (ev := stream.get(timeout=30)) is not None:
@@ -278,7 +279,7 @@ def test_decode_step_failure_fails_only_that_batch(model_dir):
         coord.stop()
 
 
-def _start_decode(model_dir, tmp_path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:  # noqa: ANN001
+def _start_decode(model_dir, tmp_path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
     """A decode service on a port it picked itself (port 0, reported through --port-file)."""
     port_file = tmp_path / "decode.port"
     proc = subprocess.Popen([sys.executable, "-m", "decode_service", "--model", str(model_dir), "--port", "0",

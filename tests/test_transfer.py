@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from prefill_service.rank import PrefillCore, PrefillRank
+from prefill_service.engine import PrefillEngineCore
 from shared.device import get_device
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.kvcache import KVCache, KVLayout
@@ -64,7 +64,7 @@ def test_mtp_layer_draft_state_arrives_with_its_own_index_keys(tmp_path, transpo
     llm = LLM(path, block_size=4, speculative="mtp")
     engine, want, finish = llm.engine, {}, llm.engine.scheduler.finish
 
-    def record(seq, reason: str) -> None:  # noqa: ANN001 - each prompt's MTP rows as its request finishes
+    def record(seq, reason: str) -> None:
         want[tuple(seq.prompt_token_ids)] = engine.kv.read_tokens(seq.block_table, len(seq.prompt_token_ids),
                                                                   mtp_layer)
         finish(seq, reason)
@@ -88,7 +88,7 @@ class Received:
     rows: list[list[dict[str, torch.Tensor]]]
 
 
-def _check_received_kv(ckpt, transport: str, kv_cache_dtype: str, model: str | None = None,  # noqa: ANN001
+def _check_received_kv(ckpt, transport: str, kv_cache_dtype: str, model: str | None = None,
                        speculative: str = "") -> Received:
     """Prefill pushes over `transport` into leases of a decode pool: every main layer's rows (both cache
     kinds) land bitwise as the same schedule computes them locally; returns what landed (the MTP layer's
@@ -97,7 +97,7 @@ def _check_received_kv(ckpt, transport: str, kv_cache_dtype: str, model: str | N
                           max_num_batched_tokens=9,  # chunked pushes
                           kv_cache_dtype=kv_cache_dtype, speculative=speculative)
     prefill = LLMEngine(config)
-    worker = PrefillCore(PrefillRank(prefill, lambda t: make_sender(t, prefill.kv)))
+    worker = PrefillEngineCore(prefill, lambda t: make_sender(t, prefill.kv))
     kv, leases, receiver = _decode_side(prefill.layout, transport)
     prompts = random_prompts(3, [23, 6, 14], 512, seed=40)
     params = SamplingParams(max_tokens=4, temperature=0)
@@ -106,7 +106,7 @@ def _check_received_kv(ckpt, transport: str, kv_cache_dtype: str, model: str | N
         lease = leases.reserve(f"r{i}", len(prompt) + 4, prompt_tokens=len(prompt))
         lease_of[i] = lease
         futures.append(worker.prefill(f"r{i}", prompt, params, receiver.destination(lease)))
-    firsts = [f.result(timeout=60)[0] for f in futures]
+    firsts = [f.result(timeout=60).first_token for f in futures]
     worker.stop()
 
     # The same schedule computed locally, without any transfer.
@@ -212,7 +212,7 @@ def test_a_bad_destination_fails_only_its_own_request(ckpt):
     prompt batched with it is pushed and answered as usual, and every block comes back."""
     config = EngineConfig(model=str(ckpt("v32_sparse")), block_size=4)
     prefill = LLMEngine(config)
-    core = PrefillCore(PrefillRank(prefill, lambda t: make_sender(t, prefill.kv)))
+    core = PrefillEngineCore(prefill, lambda t: make_sender(t, prefill.kv))
     kv, leases, receiver = _decode_side(prefill.layout, "tcp")
     good, bad = random_prompts(2, [14, 23], 512, seed=41)
     params = SamplingParams(max_tokens=4, temperature=0)
@@ -221,13 +221,14 @@ def test_a_bad_destination_fails_only_its_own_request(ckpt):
     refused = core.prefill("bad", bad, params, small)
     with pytest.raises(TransferError, match="lease holds 1 blocks"):
         refused.result(timeout=60)
-    token, _, _, _, pushed = ok.result(timeout=60)
+    result = ok.result(timeout=60)
+    token, pushed = result.first_token, result.pushed_bytes
     core.stop()
     assert isinstance(token, int) and pushed > 0
     assert prefill.kv.allocator.num_free == prefill.kv.num_blocks
 
 
-def _fake_sysfs(root, devices: dict[str, str]):  # noqa: ANN001, ANN202
+def _fake_sysfs(root, devices: dict[str, str]):
     """A /sys/class/infiniband look-alike: device → its port 1 state."""
     for name, state in devices.items():
         port = root / name / "ports" / "1"

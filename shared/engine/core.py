@@ -1,12 +1,13 @@
 """The one engine-core loop every instance runs, whatever its shape or service.
 
 Each turn rank 0 drains the commands that serving threads handed over (`submit`), shares them with
-the other ranks of its instance, every rank applies those addressed to it (`Command.rank`, or `ALL`)
+the other ranks of its instance, every rank applies those addressed to it (`RankCommand.rank`, or `ALL`)
 and takes one step, and rank 0 takes the ranks' reports (replies, token events, load). What differs
 between instance shapes is the step policy (shared.engine.policy: Solo, LockStep, Mirror,
 ContextSplit); what differs between services is the `RankDriver` (what a command and a step do:
-prefill pushes KV, decode streams tokens). Subclasses on rank 0 add what the service's front needs
-(futures for prefill results, placement and loads for decode).
+prefill pushes KV, decode streams tokens) and its `EngineCommand` dataclasses. Subclasses on rank 0
+add what the service's front needs (futures for prefill results, placement and loads for decode);
+the gRPC servers hold them, or a client of the core's process, through an `EngineHandle`.
 
 The per-turn collectives move fixed-size tensors: the commands' byte count (the pickled commands
 only follow on turns that carry some), and under lock-step a fixed row per rank (load and token
@@ -23,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -32,17 +33,40 @@ import torch.distributed as dist
 from shared.parallel.state import ParallelState
 
 log = logging.getLogger("pdserve.engine")
-ALL = -1  # Command.rank of a command every rank applies (mirrored instances)
+ALL = -1  # RankCommand.rank of a command every rank applies (mirrored instances)
 _STOP = -1  # the command byte count that ends the followers' loops
 IDLE_TICK_SECONDS = 0.05  # an idle rank 0 turns this often (lease expiry; followers' heartbeat)
 
 
+@dataclass(frozen=True)
+class EngineCommand:
+    """Base of what serving threads ask an engine's ranks to do; each service declares its commands
+    as dataclasses (prefill_service.worker, decode_service.worker) and its driver dispatches on type."""
+
+
 @dataclass
-class Command:
-    kind: str
+class RankCommand:
+    """A command in flight: the rank that applies it (`ALL`: every rank) and its id (its reply's key)."""
+
+    command: EngineCommand
     rank: int
     cid: int
-    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    """A rank's answer to the command `cid` (a value, or a CommandError the Future raises)."""
+
+    cid: int
+    value: Any
+
+
+@dataclass
+class Submitted:
+    """A queued command's id (load reports say which commands they include) and its reply's Future."""
+
+    cid: int
+    future: Future
 
 
 class CommandError(Exception):
@@ -58,11 +82,19 @@ class CommandError(Exception):
 
 @dataclass
 class RankReport:
-    """One rank's turn: replies to its commands (cid, reply), the step's events, its load."""
+    """One rank's turn: replies to its commands, the step's events, its load (the driver's dataclass)."""
 
-    replies: list[tuple[int, Any]]
+    replies: list[Reply]
     events: list[Any]
-    load: dict[str, Any]
+    load: Any
+
+
+@dataclass
+class EncodedReport:
+    """A report as it travels: a fixed-size int64 row, and rare objects (None: none this turn)."""
+
+    row: torch.Tensor
+    extra: Any = None
 
 
 class RankDriver(Protocol):
@@ -70,9 +102,9 @@ class RankDriver(Protocol):
 
     gathers: bool  # rank 0 wants every rank's report each turn (else its own stands for the instance)
 
-    def apply(self, cmd: Command) -> Any: ...
+    def apply(self, cmd: RankCommand) -> Any: ...
     def step(self) -> list[Any]: ...
-    def load(self) -> dict[str, Any]: ...
+    def load(self) -> Any: ...
     def close(self) -> None: ...
 
 
@@ -80,8 +112,18 @@ class GatheringDriver(RankDriver, Protocol):
     """A driver whose reports travel to rank 0 every turn (`gathers` true): it says how a report
     becomes a fixed-size row plus rare objects, and back."""
 
-    def encode(self, report: RankReport) -> tuple[torch.Tensor, Any]: ...
-    def decode(self, fixed: torch.Tensor, extra: Any) -> RankReport: ...
+    def encode(self, report: RankReport) -> EncodedReport: ...
+    def decode(self, encoded: EncodedReport) -> RankReport: ...
+
+
+class EngineHandle(Protocol):
+    """What a service's gRPC server holds of its engine: the in-process core (an EngineCore) or the
+    client of the core's own process alike; each service's handle adds its calls."""
+
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        """Once the server serves: what to do when the engine cannot go on (NOT_SERVING, then exit)."""
+
+    def stop(self) -> None: ...
 
 
 class RankLink:
@@ -90,7 +132,7 @@ class RankLink:
     def __init__(self, state: ParallelState):
         self.state, self.rank, self.world = state, state.rank, state.world
 
-    def share(self, cmds: list[Command] | None) -> list[Command] | None:
+    def share(self, cmds: list[RankCommand] | None) -> list[RankCommand] | None:
         """Rank 0 passes this turn's commands (None: stop); every rank gets them (None: stop)."""
         if self.world == 1:
             return cmds
@@ -114,8 +156,9 @@ class RankLink:
             return [report]
         if not driver.gathers:
             return [report] if self.rank == 0 else None
-        fixed, extra = driver.encode(report)  # type: ignore[attr-defined] - gathers: a GatheringDriver
-        row = torch.cat([torch.tensor([int(extra is not None)], dtype=torch.int64), fixed])
+        encoded = driver.encode(report)  # type: ignore[attr-defined] - gathers: a GatheringDriver
+        extra = encoded.extra
+        row = torch.cat([torch.tensor([int(extra is not None)], dtype=torch.int64), encoded.row])
         rows = [torch.empty_like(row) for _ in range(self.world)]
         dist.all_gather(rows, row, group=self.state.world_group)
         extras: list[Any] = [None] * self.world
@@ -123,21 +166,21 @@ class RankLink:
             dist.gather_object(extra, extras if self.rank == 0 else None, dst=0, group=self.state.world_group)
         if self.rank:
             return None
-        return [driver.decode(r[1:], x) for r, x in zip(rows, extras)]  # type: ignore[attr-defined]
+        return [driver.decode(EncodedReport(r[1:], x)) for r, x in zip(rows, extras)]  # type: ignore[attr-defined]
 
 
-def take_turn(driver: RankDriver, link: RankLink, cmds: list[Command],
-              on_reply: Callable[[int, Any], None] | None = None) -> list[RankReport] | None:
+def take_turn(driver: RankDriver, link: RankLink, cmds: list[RankCommand],
+              on_reply: Callable[[Reply], None] | None = None) -> list[RankReport] | None:
     """Apply this rank's commands, step, report. `on_reply` (rank 0) answers its own replies before
     the step, so an admitted request's first token goes out before the token the step adds."""
     replies = []
     for cmd in cmds:
         if cmd.rank in (link.rank, ALL):
-            reply = driver.apply(cmd)
+            reply = Reply(cmd.cid, driver.apply(cmd))
             if on_reply is not None:
-                on_reply(cmd.cid, reply)
+                on_reply(reply)
             else:
-                replies.append((cmd.cid, reply))
+                replies.append(reply)
     events = driver.step()
     return link.collect(driver, RankReport(replies, events, driver.load()))
 
@@ -155,28 +198,39 @@ def follow(driver: RankDriver, state: ParallelState) -> None:
 class EngineCore:
     """Rank 0's loop on its own thread; serving threads `submit` commands and get Futures."""
 
-    def __init__(self, driver: RankDriver, state: ParallelState, name: str = "engine-core"):
+    def __init__(self, driver: RankDriver, state: ParallelState, name: str = "engine-core",
+                 on_fatal: Callable[[str], None] | None = None):
         self.driver, self.link = driver, RankLink(state)
         self.world = state.world
-        self._pending: queue.Queue[tuple[Command, Future]] = queue.Queue()
+        self._pending: queue.Queue[tuple[RankCommand, Future]] = queue.Queue()
         self._futures: dict[int, Future] = {}
         self._ids = itertools.count()
         self._stop = False
         self.failed: str | None = None
-        self.on_fatal: Callable[[str], None] | None = None  # set by the service: NOT_SERVING, then exit
+        self._on_fatal = on_fatal  # the loop died: NOT_SERVING, then exit
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, kind: str, rank: int = 0, **args: Any) -> Future:
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        self._on_fatal = handler
+
+    def submit(self, command: EngineCommand, rank: int = 0) -> Future:
         """Queue a command for rank `rank`; the Future holds its reply (a CommandError fails it)."""
+        return self.dispatch(command, rank).future
+
+    def dispatch(self, command: EngineCommand, rank: int = 0) -> Submitted:
+        """`submit`, keeping the command's id (to match the load reports that include it)."""
         fut: Future = Future()
-        cmd = Command(kind, rank, next(self._ids), args)
-        fut.cid = cmd.cid  # type: ignore[attr-defined] - lets callers match load reports to it
+        cmd = RankCommand(command, rank, next(self._ids))
         self.queued(cmd)
         self._pending.put((cmd, fut))
-        return fut
+        return Submitted(cmd.cid, fut)
+
+    def next_cid(self) -> int:
+        """An id for a command a core adds to a turn itself (`turn_commands`)."""
+        return next(self._ids)
 
     def stop(self) -> None:
         self._stop = True
@@ -184,14 +238,14 @@ class EngineCore:
             self._thread.join(10)
 
     # -- what a service's core refines ---------------------------------------------------------
-    def queued(self, cmd: Command) -> None:
+    def queued(self, cmd: RankCommand) -> None:
         """On the submitting thread, before the loop can see the command (bookkeeping by its id)."""
 
     def busy(self) -> bool:
         """Whether any rank has work (an idle rank 0 waits for commands instead of stepping)."""
         return self.driver.engine.has_work  # type: ignore[attr-defined]
 
-    def turn_commands(self, cmds: list[Command]) -> list[Command]:
+    def turn_commands(self, cmds: list[RankCommand]) -> list[RankCommand]:
         """The turn's commands; a core may add its own (e.g. ordered lease expiry under mirroring)."""
         return cmds
 
@@ -201,23 +255,23 @@ class EngineCore:
     def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
         """Rank 0 with every rank's report: replies, then events."""
         for report in reports:
-            for cid, reply in report.replies:
-                self.resolve(cid, reply)
+            for reply in report.replies:
+                self.resolve(reply)
 
     def on_failure(self, exc: BaseException) -> None:
         """The loop died: fail whatever waits on it."""
 
     # -- loop ----------------------------------------------------------------------------------
-    def resolve(self, cid: int, reply: Any) -> None:
-        fut = self._futures.pop(cid, None)
+    def resolve(self, reply: Reply) -> None:
+        fut = self._futures.pop(reply.cid, None)
         if fut is None or fut.done():  # nobody may cancel it, but a dead waiter must not stop the loop
             return
-        if isinstance(reply, BaseException):
-            fut.set_exception(reply)
+        if isinstance(reply.value, BaseException):
+            fut.set_exception(reply.value)
         else:
-            fut.set_result(reply)
+            fut.set_result(reply.value)
 
-    def _drain(self, block: bool) -> list[Command]:
+    def _drain(self, block: bool) -> list[RankCommand]:
         """Pending commands; when idle, wait briefly for the first one (this is also the tick)."""
         cmds = []
         while True:
@@ -248,7 +302,7 @@ class EngineCore:
                 self.after_turn(reports or [], time.perf_counter() - t0)
             for cmd in self._drain(block=False):  # handed over before stop() (e.g. freeing blocks)
                 if cmd.rank in (0, ALL):
-                    self.resolve(cmd.cid, self.driver.apply(cmd))
+                    self.resolve(Reply(cmd.cid, self.driver.apply(cmd)))
             stopped_cleanly = True
         except Exception as exc:  # noqa: BLE001 - a collective or the step itself failed: the instance cannot go on
             log.exception("engine core loop failed")
@@ -258,8 +312,8 @@ class EngineCore:
                 if not fut.done():
                     fut.set_exception(CommandError("UNAVAILABLE", f"engine failed: {exc}"))
             self.on_failure(exc)
-            if self.on_fatal is not None:
-                self.on_fatal(self.failed)
+            if self._on_fatal is not None:
+                self._on_fatal(self.failed)
         finally:
             if self.world > 1:
                 try:

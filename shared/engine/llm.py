@@ -11,22 +11,23 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from shared.config import EngineConfig
 from shared.device import compute_dtype, get_device
-from shared.engine.chat import ChatMessage, render_messages
 from shared.engine.policy import policy_for
 from shared.engine.sampler import SamplingParams, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
-from shared.engine.speculative import MtpSpeculator
-from shared.engine.tokenizer import OutputProcessor, Tokenizer
+from shared.engine.speculative import CatchUp, Draft, MtpSpeculator
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
 from shared.model import ForwardBatch, SeqChunk
 from shared.model.offload import parse_layers
 from shared.parallel.state import ParallelState
+from shared.protocol.chat import ChatMessage, render_messages
+from shared.protocol.tokenizer import OutputProcessor, Tokenizer
 
 
 @dataclass
@@ -50,6 +51,22 @@ class StepEvent:
     seq: Sequence
     token_id: int
     finished: bool
+
+
+class StepObserver(Protocol):
+    """What a service plugs into the engine's step body (a prefill: KV pushed layer by layer, an answer
+    when a prompt completes). With an observer, a finished request's blocks stay until `finished` has
+    seen them (the observer may take them: `seq.block_table = []`), and under MTP its MTP rows are
+    computed too."""
+
+    def scheduled(self, chunks: list[ScheduledChunk]) -> None:
+        """Before the forward: this step's chunks."""
+
+    def layer_done(self, layer: int) -> None:
+        """Layer `layer`'s KV of this step's chunks is in their blocks (the MTP layer's last)."""
+
+    def finished(self, seqs: list[Sequence]) -> None:
+        """Requests this step finished, their last token appended, before their blocks are freed."""
 
 
 class LLMEngine:
@@ -169,29 +186,24 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def run_chunks(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None] | None = None,
-                   return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Forward the scheduled chunks (KV written to their blocks); logits of completing chunks (and,
-        with `return_hidden`, every token's post-norm hidden state, for the MTP drafter)."""
-        seq_chunks = [
-            SeqChunk(c.seq.token_slice(c.seq.num_cached, c.seq.num_cached + c.num_tokens),
-                     c.seq.num_cached, c.seq.block_table, need_logits=c.completes,
-                     generated=c.seq.generated_from(c.seq.num_cached))
-            for c in chunks
-        ]
-        logits = self.policy.forward(self, seq_chunks, layer_done, return_hidden)
+    def run_chunks(self, chunks: list[ScheduledChunk], layer_done: Callable[[int], None] | None = None
+                   ) -> torch.Tensor:
+        """Forward the scheduled chunks without sampling (KV written to their blocks, `num_cached`
+        advanced, completed blocks registered); the completing chunks' logits. A tool for checks that
+        compute a schedule by hand: serving steps go through `step_chunks`."""
+        logits = self.policy.forward(self, [self._seq_chunk(c) for c in chunks], layer_done)
         for c in chunks:
             c.seq.num_cached += c.num_tokens
-            if self.scheduler.prefix_caching:
-                self.scheduler.cache_computed(c.seq)
+        self._register([c.seq for c in chunks])
         return logits
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         done = [c.seq for c in chunks if c.completes]
         return sample(logits, [s.params for s in done], [s.generator for s in done])
 
-    def step(self) -> list[StepEvent]:
-        """One step of this rank (every rank of a parallel instance calls it together)."""
+    def step(self, observer: StepObserver | None = None) -> list[StepEvent]:
+        """One step of this rank (every rank of a parallel instance calls it together): schedule, then
+        the step body (`step_chunks`), or a dummy forward where the policy needs this rank to take part."""
         self.stepped = False
         chunks = self.scheduler.schedule() if self.has_work else []
         if not self.policy.wants_step(bool(chunks)):
@@ -200,9 +212,7 @@ class LLMEngine:
         if not chunks:
             self.dummy_step()
             return []
-        if self.speculator is not None:
-            return self.speculator.step(chunks)
-        return self.step_chunks(chunks)
+        return self.step_chunks(chunks, observer)
 
     def dummy_step(self) -> None:
         """A one-token forward into a scratch block, for a parallel rank with nothing to do: every
@@ -218,23 +228,93 @@ class LLMEngine:
         return ForwardBatch.build([SeqChunk([0], 0, self.scratch_blocks, need_logits=False)], self.layout.block_size,
                                   self.device)
 
-    def step_chunks(self, chunks: list[ScheduledChunk]) -> list[StepEvent]:
+    def step_chunks(self, chunks: list[ScheduledChunk], observer: StepObserver | None = None) -> list[StepEvent]:
+        """The one step body, whatever the service or shape: forward → sample → append.
+
+        The policy (shared.engine.policy) says how the ranks forward together; the speculator (MTP) adds
+        each decode's drafts to the forward, verifies them instead of sampling, and catches its own layer
+        up over the positions the step made final; the observer (prefill) plans its pushes, gets every
+        layer as it is computed and the finished requests before their blocks are freed."""
         if not chunks:
             return []
-        logits = self.run_chunks(chunks)
+        if observer is not None:
+            observer.scheduled(chunks)
+        layer_done = observer.layer_done if observer is not None else None
+        spec = self.speculator
+        drafts = spec.take_drafts(chunks) if spec is not None else [None] * len(chunks)
+        batch = [self._seq_chunk(c, d) for c, d in zip(chunks, drafts, strict=True)]
+        starts = [c.seq.num_cached for c in chunks]
+        if spec is None:
+            logits, hidden = self.policy.forward(self, batch, layer_done), None
+            sampled = [[token] for token in self.sample(chunks, logits)]
+        else:
+            logits, hidden = self.policy.forward(self, batch, layer_done, return_hidden=True)
+            sampled = spec.verify(chunks, drafts, logits)
+        new_tokens = iter(sampled)
+        per_chunk = [next(new_tokens) if c.completes else [] for c in chunks]
+        for c, start, tokens in zip(chunks, starts, per_chunk, strict=True):
+            c.seq.num_cached = start + c.num_tokens + max(len(tokens) - 1, 0)  # accepted drafts are cached
+        if spec is None:
+            self._register([c.seq for c in chunks])
+        # A finished request's blocks are freed at once, unless an observer takes its KV (a prefill
+        # pushes it, the MTP layer's rows too): then once the observer has seen it.
+        keep = observer is not None
         events: list[StepEvent] = []
-        tokens = self.sample(chunks, logits)
-        for seq, tok in zip([c.seq for c in chunks if c.completes], tokens):
-            events.extend(self.append_token(seq, tok))
+        finished: list[Sequence] = []
+        for c, tokens in zip(chunks, per_chunk, strict=True):
+            for token in tokens:
+                events.append(self._record_token(c.seq, token, retire=not keep))
+                if events[-1].finished:
+                    finished.append(c.seq)
+                    break
+        if spec is not None:
+            entries, offset = [], 0
+            for c, sc, start in zip(chunks, batch, starts, strict=True):
+                done = c.seq.finish_reason is not None
+                if keep or not done:
+                    entries.append(CatchUp(c.seq, start, offset, drafts=not done))
+                offset += len(sc.token_ids)
+            spec.catch_up(entries, hidden)
+            if layer_done is not None:
+                layer_done(self.model_config.num_hidden_layers)  # the MTP layer's rows of these blocks
+            self._register([e.seq for e in entries])  # once final and their MTP rows written
+        if observer is not None and finished:
+            observer.finished(finished)
+        for seq in finished if keep else []:
+            self._retire(seq)
         return events
 
+    def _seq_chunk(self, c: ScheduledChunk, draft: Draft | None = None) -> SeqChunk:
+        """A scheduled chunk as the model takes it: its next uncached tokens (and drafts to verify)."""
+        seq, start = c.seq, c.seq.num_cached
+        tokens = seq.token_slice(start, start + c.num_tokens) + (draft.tokens if draft else [])
+        return SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
+                        num_logits=1 + len(draft.tokens) if draft else 1, generated=seq.generated_from(start))
+
+    def _register(self, seqs: list[Sequence]) -> None:
+        """Register the requests' newly completed blocks in the prefix cache."""
+        if self.scheduler.prefix_caching:
+            for seq in seqs:
+                self.scheduler.cache_computed(seq)
+
     def append_token(self, seq: Sequence, token: int) -> list[StepEvent]:
+        """Add a token outside a step (a prefilled request's first); a stop finishes the request."""
+        return [self._record_token(seq, token, retire=True)]
+
+    def _record_token(self, seq: Sequence, token: int, retire: bool) -> StepEvent:
+        """Append a token; on a stop the request finishes (its blocks freed now with `retire`, else by
+        the caller's `_retire` once done with them)."""
         seq.output_token_ids.append(token)
         reason = self._stop_reason(seq)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self._requests.pop(seq.request_id, None)
-        return [StepEvent(seq, token, reason is not None)]
+            seq.finish_reason = reason
+            if retire:
+                self._retire(seq)
+        return StepEvent(seq, token, reason is not None)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, seq.finish_reason or "stop")
+        self._requests.pop(seq.request_id, None)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """Token-level stops; stop *strings* are found by the consumer's OutputProcessor, which aborts."""

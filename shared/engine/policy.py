@@ -15,17 +15,29 @@ shapes, so one engine loop (shared.engine.core) serves them all.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from shared.kvcache import KVCache, KVLayout
 from shared.model import ForwardBatch, SeqChunk
-from shared.parallel.cp import build_cp_batch, last_token_rank
+from shared.model.cp import build_cp_batch, last_token_rank
 from shared.parallel.state import ParallelState
 
-if TYPE_CHECKING:
-    from shared.engine.llm import LLMEngine
+
+class ForwardTarget(Protocol):
+    """What a policy forwards through: an engine's model, cache and scratch block (an LLMEngine).
+    A protocol, so the policy needs no engine import and the engine can import the policy."""
+
+    model: torch.nn.Module
+    kv: KVCache
+    layout: KVLayout
+    device: torch.device
+    scratch_blocks: list[int] | None
+
+    @property
+    def workspace_bytes(self) -> int: ...
 
 
 class Solo:
@@ -46,7 +58,7 @@ class Solo:
         """Whether this rank forwards this turn (LockStep: also when another rank has work)."""
         return has_chunks
 
-    def batch(self, engine: LLMEngine, chunks: list[SeqChunk]) -> ForwardBatch:
+    def batch(self, engine: ForwardTarget, chunks: list[SeqChunk]) -> ForwardBatch:
         return ForwardBatch.build(chunks, engine.layout.block_size, engine.device, engine.workspace_bytes)
 
     def logits(self, chunks: list[SeqChunk], logits: torch.Tensor) -> torch.Tensor:
@@ -61,7 +73,7 @@ class Solo:
         """The MTP layer's inputs h_j: `rows` (indexes into the step's flat tokens) of the step's hidden states."""
         return hidden[torch.cat(rows).to(hidden.device)]
 
-    def forward(self, engine: LLMEngine, chunks: list[SeqChunk], layer_done: Callable[[int], None] | None = None,
+    def forward(self, engine: ForwardTarget, chunks: list[SeqChunk], layer_done: Callable[[int], None] | None = None,
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits of the chunks that want them; with `return_hidden` also every token's post-norm state."""
         out = engine.model(self.batch(engine, chunks), engine.kv, layer_done, return_hidden)
@@ -97,7 +109,7 @@ class Mirror(Solo):
 class ContextSplit(Mirror):
     """CP prefill: every chunk split zigzag over the ranks; each rank pushes a slice of its blocks."""
 
-    def batch(self, engine: LLMEngine, chunks: list[SeqChunk]) -> ForwardBatch:
+    def batch(self, engine: ForwardTarget, chunks: list[SeqChunk]) -> ForwardBatch:
         # a rank with no piece of the step runs a dummy token in the scratch block every parallel engine has
         return build_cp_batch(chunks, self.state.rank, self.state.config.cp, engine.layout.block_size,
                               engine.device, self.state.world_group, engine.scratch_blocks[0],
@@ -129,7 +141,8 @@ class ContextSplit(Mirror):
 
 
 def policy_for(state: ParallelState) -> Solo:
-    """The step policy of this rank's instance shape."""
+    """The step policy of this rank's instance shape: the one place the shape rules live (local TP
+    means Mirror; services read `policy.mirror` instead of re-deriving it from the config)."""
     cfg = state.config
     if cfg.world == 1:
         return Solo(state)

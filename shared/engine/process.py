@@ -78,7 +78,8 @@ class CoreProcess:
     """The front's end: spawns `entry(cfg, conn)`, waits for its ("ready", facts), then reads."""
 
     def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,  # noqa: ANN401
-                 on_message: Callable[[tuple], None], start_timeout: float = 900.0):
+                 on_message: Callable[[tuple], None], start_timeout: float = 900.0,
+                 on_lost: Callable[[str], None] | None = None):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=entry, args=(cfg, child), name=name)
@@ -94,10 +95,10 @@ class CoreProcess:
             raise RuntimeError(f"the {name} exited with {self.proc.exitcode} while starting") from None
         if msg[0] != "ready":
             raise RuntimeError(f"the {name} failed to start: {msg[1]}")
-        self.facts: dict[str, Any] = msg[1]
+        self.facts: Any = msg[1]  # what the core told the front at start (the service's dataclass)
         self.on_message = on_message
-        self.on_fatal: Callable[[str], None] | None = None
-        self.on_lost: Callable[[str], None] | None = None  # before on_fatal: the front fails what it holds
+        self.on_fatal: Callable[[str], None] | None = None  # the server's, once it serves (set_fatal_handler)
+        self.on_lost = on_lost  # before on_fatal: the front fails what it holds
         self._futures: dict[int, Future] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
@@ -156,24 +157,19 @@ class CoreProcess:
             self.on_fatal(reason)
 
 
-class CoreClient:
-    """Base of a service front's handle on its engine-core process: `on_fatal` (the servers set it)
+class EngineProcessClient:
+    """Base of a service front's handle on its engine-core process (an EngineHandle): the fatal handler
     and `stop` reach the process; subclasses add the service's calls and handle its messages."""
 
     def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,  # noqa: ANN401
-                 start_timeout: float = 900.0):
-        self.core = CoreProcess(entry, cfg, name, self.on_message, start_timeout)
+                 start_timeout: float = 900.0, on_lost: Callable[[str], None] | None = None):
+        self.core = CoreProcess(entry, cfg, name, self.on_message, start_timeout, on_lost)
 
     def on_message(self, msg: tuple) -> None:
         """A message the core sent on its own (events, load reports)."""
 
-    @property
-    def on_fatal(self) -> Callable[[str], None] | None:
-        return self.core.on_fatal
-
-    @on_fatal.setter
-    def on_fatal(self, fn: Callable[[str], None] | None) -> None:
-        self.core.on_fatal = fn
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        self.core.on_fatal = handler
 
     def stop(self) -> None:
         self.core.stop()

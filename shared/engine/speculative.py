@@ -25,14 +25,14 @@ positions are final and their MTP rows written, and no MTP or draft write ever l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from shared.config import MAX_SPECULATIVE_TOKENS
 from shared.engine.sampler import SamplingParams, probabilities, sample
 from shared.engine.scheduler import ScheduledChunk, Sequence
 from shared.model import SeqChunk
-
-MAX_SPECULATIVE_TOKENS = 3
 
 
 @dataclass
@@ -52,9 +52,22 @@ class SpecStats:
 
 
 @dataclass
-class _Draft:
+class Draft:
+    """A request's drafts for its next step, each with the q it was drawn from (sampled requests only)."""
+
     tokens: list[int]
-    probs: list[torch.Tensor]  # q per draft [V] (sampled requests only)
+    probs: list[torch.Tensor]  # q per draft [V]
+
+
+class CatchUp(NamedTuple):
+    """A request whose positions start .. num_cached − 1 became final this step: the MTP layer consumes
+    them. `offset` is where its rows start in the step's hidden states; `drafts` whether it may decode
+    next (a finished request, whose KV a prefill pushes, is caught up without drafting)."""
+
+    seq: Sequence
+    start: int
+    offset: int
+    drafts: bool
 
 
 class MtpSpeculator:
@@ -62,53 +75,38 @@ class MtpSpeculator:
         if not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, got {num_tokens}")
         self.engine, self.k = engine, num_tokens
-        self.drafts: dict[str, _Draft] = {}
+        self.drafts: dict[str, Draft] = {}
         self.stats = SpecStats()
 
-    # -- one step --------------------------------------------------------------------------------------
-    def step(self, chunks: list[ScheduledChunk]) -> list:
+    # -- the engine step's plug points (shared.engine.llm.LLMEngine.step_chunks) -----------------------
+    def take_drafts(self, chunks: list[ScheduledChunk]) -> list[Draft | None]:
+        """Each chunk's drafts to verify this step (None: none), their KV blocks ensured."""
         engine = self.engine
-        for seq in list(self.drafts):
-            if seq not in engine._requests:  # finished or aborted since it drafted
-                del self.drafts[seq]
-        seq_chunks, drafts = [], []
+        for rid in list(self.drafts):
+            if rid not in engine._requests:  # finished or aborted since it drafted
+                del self.drafts[rid]
+        drafts: list[Draft | None] = []
         for c in chunks:
             seq, start = c.seq, c.seq.num_cached
             draft = self.drafts.pop(seq.request_id, None) if c.completes and seq.output_token_ids else None
             if draft is not None and not engine.scheduler.ensure_blocks(seq, start + c.num_tokens + len(draft.tokens)):
                 draft = None  # no room for the drafts' KV: verify none this step
-            tokens = seq.token_slice(start, start + c.num_tokens) + (draft.tokens if draft else [])
-            seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
-                                       num_logits=1 + len(draft.tokens) if draft else 1,
-                                       generated=seq.generated_from(start)))
             drafts.append(draft)
-        logits, hidden = engine.policy.forward(engine, seq_chunks, return_hidden=True)
+        return drafts
 
-        events, final, row, offset = [], [], 0, 0
-        for c, sc, draft in zip(chunks, seq_chunks, drafts, strict=True):
-            seq, start = c.seq, c.seq.num_cached
+    def verify(self, chunks: list[ScheduledChunk], drafts: list[Draft | None], logits: torch.Tensor) -> list[list[int]]:
+        """Per completing chunk, the tokens the step yields: its accepted drafts, then the target's next."""
+        out, row = [], 0
+        for c, draft in zip(chunks, drafts, strict=True):
             if not c.completes:
-                seq.num_cached += c.num_tokens
-                final.append((seq, start, offset, None))
-            else:
-                n_logits = sc.num_logits
-                accepted, last = self._verify(seq, logits[row : row + n_logits], draft)
-                row += n_logits
-                seq.num_cached = start + c.num_tokens + len(accepted)
-                for tok in [*accepted, last]:
-                    events.extend(engine.append_token(seq, tok))
-                    if events[-1].finished:
-                        break
-                if not events[-1].finished:
-                    final.append((seq, start, offset, None))
-            offset += len(sc.token_ids)
-        self.catch_up(final, hidden)
-        if engine.scheduler.prefix_caching:
-            for seq, *_ in final:
-                engine.scheduler.cache_computed(seq)
-        return events
+                continue
+            n_logits = 1 + len(draft.tokens) if draft else 1
+            accepted, last = self._verify(c.seq, logits[row : row + n_logits], draft)
+            row += n_logits
+            out.append([*accepted, last])
+        return out
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, draft: _Draft | None) -> tuple[list[int], int]:
+    def _verify(self, seq: Sequence, logits: torch.Tensor, draft: Draft | None) -> tuple[list[int], int]:
         """(accepted drafts, the token after them) from the target's logits at positions m .. m+K."""
         params = seq.params
         if draft is None:
@@ -141,11 +139,9 @@ class MtpSpeculator:
             self.stats.accepted[i] += 1
 
     # -- drafting --------------------------------------------------------------------------------------
-    def catch_up(self, entries: list[tuple[Sequence, int, int, int | None]], hidden: torch.Tensor,
-                 draft: bool = True) -> None:
-        """MTP over each request's newly final positions start .. num_cached − 1 (entries: the request,
-        start, the flat offset of its rows in `hidden`, and its next token when not yet appended: a
-        prefill instance's first token); with `draft`, drafts for the requests that decode next.
+    def catch_up(self, entries: list[CatchUp], hidden: torch.Tensor, draft: bool = True) -> None:
+        """MTP over each entry's newly final positions (input t_{j+1} with h_j, its tokens already
+        appended), and with `draft`, drafts for the entries that decode next.
 
         Under lock-step (attention DP, EP inside the MTP block) every rank runs exactly 1 + (K − 1) MTP
         forwards per drafting step, dummy ones where it has nothing to draft, so the ranks' collectives
@@ -157,21 +153,19 @@ class MtpSpeculator:
                 self.dummy(1 + chain)
             return
         chunks, rows, drafting = [], [], []
-        for seq, start, offset, next_token in entries:
-            end = seq.num_cached
-            decodes = draft and seq.num_uncached == 1 and bool(seq.output_token_ids)
-            ids = seq.token_slice(start + 1, end + 1) if next_token is None else \
-                seq.token_slice(start + 1, end) + [next_token]
-            chunks.append(SeqChunk(ids, start, seq.block_table, need_logits=decodes,
+        for e in entries:
+            seq, start, end = e.seq, e.start, e.seq.num_cached
+            decodes = draft and e.drafts and seq.num_uncached == 1 and bool(seq.output_token_ids)
+            chunks.append(SeqChunk(seq.token_slice(start + 1, end + 1), start, seq.block_table, need_logits=decodes,
                                    generated=seq.generated_from(start)))
-            rows.append(torch.arange(offset, offset + end - start))
+            rows.append(torch.arange(e.offset, e.offset + end - start))
             if decodes:
                 drafting.append(seq)
         logits, g = engine.model.forward_mtp(policy.batch(engine, chunks), engine.kv, policy.hidden_rows(hidden, rows))
         ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
         last_g = g[ends[[i for i, c in enumerate(chunks) if c.need_logits]].to(g.device)] if drafting else None
         budgets = [self._budget(seq) for seq in drafting]
-        state = {seq.request_id: _Draft([], []) for seq in drafting}
+        state = {seq.request_id: Draft([], []) for seq in drafting}
         active = list(range(len(drafting)))
         forwards = chain if policy.lockstep else min(chain, max(budgets, default=0) - 1)
         for k in range(forwards + 1):  # k = 0 drafts from the catch-up forward's logits
@@ -203,7 +197,7 @@ class MtpSpeculator:
         self.drafts.update({rid: d for rid, d in state.items() if d.tokens})
 
     def _draw(self, drafting: list[Sequence], active: list[int], logits: torch.Tensor,
-              state: dict[str, _Draft]) -> None:
+              state: dict[str, Draft]) -> None:
         """Each active request's next draft from its MTP logits: argmax, or a draw kept with its q."""
         params = [drafting[i].params for i in active]
         probs = probabilities(logits, params) if any(not p.greedy for p in params) else None
@@ -242,4 +236,4 @@ def stats_table(stats: SpecStats, k: int) -> str:
     return f"drafted {stats.drafted[:k]}, accepted {stats.accepted[:k]}, acceptance per position [{rates}]"
 
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "MtpSpeculator", "SamplingParams", "SpecStats", "stats_table"]
+__all__ = ["MAX_SPECULATIVE_TOKENS", "CatchUp", "Draft", "MtpSpeculator", "SamplingParams", "SpecStats", "stats_table"]

@@ -1,0 +1,366 @@
+"""Rank 0's side of a decode instance: its engine core (`DecodeEngineCore`: places reservations on the
+least loaded rank, keeps every rank's load, streams the events), run on a thread of the gRPC process
+(--engine-in-process) or in its own process (shared.engine.process), whose front holds a
+`DecodeEngineClient`. The gRPC server sees either through the `DecodeHandle` interface. With one rank
+there are no collectives and the core is a plain engine loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+from decode_service.worker import Abort, Admit, DecodeLoad, DecodeWorker, Event, Release, Reserve
+from shared import metrics
+from shared.config import DecodeConfig
+from shared.engine import SamplingParams
+from shared.engine.core import (
+    ALL,
+    CommandError,
+    EngineCommand,
+    EngineCore,
+    EngineHandle,
+    RankCommand,
+    RankReport,
+    Reply,
+)
+from shared.engine.process import CoreConnection, EngineProcessClient
+from shared.parallel.launch import service_state
+from shared.protocol.tokenizer import OutputProcessor, Tokenizer
+from shared.rpc.service import LoopQueue, die_with_parent
+from shared.transfer import Destination
+
+log = logging.getLogger("pdserve.decode")
+FATAL = object()  # put in every stream when the engine loop dies: the handlers end with UNAVAILABLE
+# after every loop turn: every rank's load, the lease ids that expired, the step's seconds (None: idle)
+ReportHook = Callable[[list[DecodeLoad], list[str], float | None], None]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a reservation landed: the rank that holds its lease, and where the prefill pushes."""
+
+    rank: int
+    destination: Destination
+
+
+@dataclass(frozen=True)
+class DecodeFacts:
+    """What the engine-core process tells its front at start."""
+
+    max_model_len: int
+    block_size: int
+    usable_blocks: int
+    transport: str
+    loads: list[DecodeLoad]
+
+
+class DecodeHandle(EngineHandle, Protocol):
+    """What the decode gRPC server uses of its engine (in-process core or core process)."""
+
+    loads: list[DecodeLoad]
+    lease_rank: dict[str, int]  # lease id → the rank holding it (the handlers route by it)
+    max_model_len: int
+    block_size: int
+    usable_blocks: int
+
+    def submit(self, command: EngineCommand, rank: int = 0) -> Future: ...
+    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future: ...
+    def open_stream(self, request_id: str, q: Any = None) -> Any: ...
+    def close_stream(self, request_id: str, q: Any = None) -> None: ...
+    def output_processor(self, params: SamplingParams) -> OutputProcessor: ...
+
+
+class Streams:
+    """Request id → event sink (anything with a thread-safe `put`) of the streams being served."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sinks: dict[str, Any] = {}
+
+    def open(self, request_id: str, q: Any = None) -> Any:
+        """Register the sink of a new stream (a queue.Queue by default) and return it; a request id
+        already streaming is refused (KeyError), and the stream that has it is not touched."""
+        q = queue.Queue() if q is None else q
+        with self._lock:
+            if request_id in self._sinks:
+                raise KeyError(request_id)
+            self._sinks[request_id] = q
+        return q
+
+    def close(self, request_id: str, q: Any = None) -> None:
+        """End a stream (only `q` when given: a refused duplicate never closes the stream it collided with)."""
+        with self._lock:
+            if q is not None and self._sinks.get(request_id) is not q:
+                return
+            q = self._sinks.pop(request_id, None)
+        if q is not None:
+            q.put(None)
+
+    def dispatch(self, events: list[Event]) -> None:
+        """A step's events to their streams, in one hand-over to the serving event loop."""
+        out = []
+        with self._lock:
+            for ev in events:
+                q = self._sinks.get(ev.request_id)
+                if q is not None:
+                    out.append((q, ev))
+                    if ev.finished:
+                        del self._sinks[ev.request_id]
+                        out.append((q, None))
+        LoopQueue.put_all(out)
+
+    def fail_all(self) -> None:
+        """The engine died: every stream ends with UNAVAILABLE."""
+        with self._lock:
+            sinks, self._sinks = list(self._sinks.values()), {}
+        for q in sinks:
+            q.put(FATAL)
+
+
+class DecodeEngineCore(EngineCore):
+    """Rank 0's engine core: places reservations, keeps every rank's load, streams the events. `sink`
+    (default: the streams served here) gets every step's events; `on_report` every turn's loads."""
+
+    def __init__(self, me: DecodeWorker, sink: Callable[[list[Event]], None] | None = None,
+                 on_report: ReportHook | None = None, on_fatal: Callable[[str], None] | None = None):
+        super().__init__(me, me.state, "dp-coordinator", on_fatal)
+        self.me, self.mirror = me, me.mirror
+        blocks = me.engine.kv.num_blocks
+        self.loads: list[DecodeLoad] = [me.load()] + [DecodeLoad(r, free_blocks=blocks, total_blocks=blocks)
+                                                      for r in range(1, self.world)]
+        self.lease_rank: dict[str, int] = {}
+        self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(self.world)]  # (cid, tokens)
+        self._place_lock = threading.Lock()
+        self._admitted = me.names  # admit command id → request id (events travel as ints)
+        self._admit_cid: dict[str, int] = {}
+        self.streams = Streams()
+        self.sink = sink or self.streams.dispatch
+        self.on_report = on_report
+        engine = me.engine
+        self.max_model_len, self.block_size = engine.max_model_len, engine.layout.block_size
+        self.usable_blocks = engine.usable_blocks
+        self.output_processor = engine.output_processor
+        self.start()
+
+    # -- API for gRPC handlers ---------------------------------------------------------------------
+    def submit(self, command: EngineCommand, rank: int = 0) -> Future:
+        refused = self._refusal(command)
+        if refused is not None:
+            return refused
+        command, rank = self._addressed(command, rank)
+        return super().submit(command, rank)
+
+    def _refusal(self, command: EngineCommand) -> Future | None:
+        """TP mirror: an admit whose lease rank 0 does not hold complete is refused before every rank
+        applies it (the other ranks get their KV from rank 0)."""
+        if self.mirror and isinstance(command, Admit) and not command.local \
+                and not self.me.leases.is_complete(command.lease_id):
+            fut: Future = Future()
+            fut.set_exception(CommandError("FAILED_PRECONDITION",
+                                           f"lease {command.lease_id!r} is unknown, expired or incomplete"))
+            return fut
+        return None
+
+    def _addressed(self, command: EngineCommand, rank: int) -> tuple[EngineCommand, int]:
+        """TP mirror: every command goes to every rank, a reservation with one lease id and token."""
+        if not self.mirror:
+            return command, rank
+        if isinstance(command, Reserve):
+            command = replace(command, lease_id=uuid.uuid4().hex, token=secrets.token_bytes(16))
+        return command, ALL
+
+    def queued(self, cmd: RankCommand) -> None:
+        """Name an admit's events before any rank can step it; forget an aborted one's name."""
+        c = cmd.command
+        if isinstance(c, Admit):
+            self._admitted[cmd.cid], self._admit_cid[c.request_id] = c.request_id, cmd.cid
+        elif isinstance(c, Abort):  # events of an aborted request may be dropped from here on
+            self._admitted.pop(self._admit_cid.pop(c.request_id, -1), None)
+
+    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
+        """Place a reservation on the least loaded DP rank by tokens (running contexts + leases);
+        the Future yields a Placement. Reservations not yet visible in a rank's load report are
+        counted too, so a burst of them spreads over the ranks."""
+        with self._place_lock:
+            if self.mirror:
+                rank = 0
+            else:
+                def load(r: int) -> tuple[int, int, int]:
+                    pending = sum(t for _, t in self._unreported[r])
+                    return self.loads[r].tokens + pending, self.loads[r].running, r
+
+                rank = min(range(self.world), key=load)
+            command, to = self._addressed(Reserve(request_id, tokens, prompt_tokens), rank)
+            sent = self.dispatch(command, to)
+            self._unreported[rank].append((sent.cid, tokens))
+        return _then(sent.future, lambda dest: Placement(rank, dest))
+
+    def open_stream(self, request_id: str, q: Any = None) -> Any:
+        return self.streams.open(request_id, q)
+
+    def close_stream(self, request_id: str, q: Any = None) -> None:
+        self.streams.close(request_id, q)
+
+    # -- the engine core's hooks -----------------------------------------------------------------------
+    def busy(self) -> bool:
+        return any(load.has_work for load in self.loads)
+
+    def turn_commands(self, cmds: list[RankCommand]) -> list[RankCommand]:
+        """TP mirror: overdue leases become release commands applied by every rank in order."""
+        if not self.mirror:
+            return cmds
+        for lease_id in self.me.leases.overdue():
+            self.lease_rank.pop(lease_id, None)
+            cmds.append(RankCommand(Release(lease_id), ALL, self.next_cid()))
+        return cmds
+
+    def idle(self) -> None:
+        self.me.leases.expire()
+        self._report([self._absorb(0, self.me.load())], None)
+
+    def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
+        expired = []
+        for rank, report in enumerate(reports):
+            if self.mirror and rank:  # mirrors repeat rank 0: their replies and events are dropped
+                self.loads[rank] = replace(report.load, expired=[])
+                continue
+            expired.append(self._absorb(rank, report.load))
+            for reply in report.replies:
+                self.resolve(reply)
+            self._forget_finished(report.events)
+            self.sink(report.events)
+        self._report(expired, step_seconds)
+
+    def resolve(self, reply: Reply) -> None:
+        if isinstance(reply.value, list):  # admit: deliver the first token before the caller streams
+            self._forget_finished(reply.value)
+            self.sink(reply.value)
+        elif isinstance(reply.value, CommandError):
+            self._admit_cid.pop(self._admitted.pop(reply.cid, ""), None)
+        super().resolve(reply)
+
+    def on_failure(self, exc: BaseException) -> None:
+        log.error("decode coordinator loop failed: %s", exc)
+        self.streams.fail_all()
+
+    # -- bookkeeping -----------------------------------------------------------------------------------
+    def _forget_finished(self, events: list[Event]) -> None:
+        for ev in events:
+            if ev.finished:
+                self._admitted.pop(self._admit_cid.pop(ev.request_id, -1), None)
+
+    def _absorb(self, rank: int, load: DecodeLoad) -> list[str]:
+        """Take a rank's load report; forget the routing of its expired leases (returned)."""
+        expired = load.expired
+        for lease_id in expired:
+            self.lease_rank.pop(lease_id, None)
+        with self._place_lock:
+            self._unreported[rank] = [(c, t) for c, t in self._unreported[rank] if c > load.applied_cid]
+        self.loads[rank] = replace(load, expired=[])
+        return expired
+
+    def _report(self, expired_per_rank: list[list[str]], step_seconds: float | None) -> None:
+        expired = [lease for per_rank in expired_per_rank for lease in per_rank]
+        if self.on_report is not None:
+            self.on_report(self.loads, expired, step_seconds)
+            return
+        metrics.EXPIRED_LEASES.inc(len(expired))
+        if step_seconds is not None:
+            metrics.STEP_SECONDS.observe(step_seconds)
+
+
+def _then(fut: Future, fn: Callable[[Any], Any]) -> Future:
+    """A Future of fn(fut's result) (its exception passes through)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(fn(f.result()))
+
+    fut.add_done_callback(done)
+    return out
+
+
+def build_engine_core(cfg: DecodeConfig, sink: Callable[[list[Event]], None] | None = None,
+                      on_report: ReportHook | None = None,
+                      on_fatal: Callable[[str], None] | None = None) -> DecodeEngineCore:
+    """Rank 0's worker and its engine core."""
+    return DecodeEngineCore(DecodeWorker(cfg, 0, service_state(cfg.parallel(), 0)), sink, on_report, on_fatal)
+
+
+# -- the core in its own process ------------------------------------------------------------------------
+def core_main(cfg: DecodeConfig, conn: Connection) -> None:
+    """Entry point of the engine-core process: rank 0's engine, its coordinator loop, its KV receiver;
+    per loop turn it sends the front one message with the step's events and one with the loads."""
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-core %(levelname)s %(message)s")
+    front = CoreConnection(conn)
+    try:
+        core = build_engine_core(
+            cfg, sink=lambda events: front.send("events", events) if events else None,
+            on_report=lambda loads, expired, seconds: front.send("report", loads, expired, seconds),
+            on_fatal=lambda reason: front.send("fatal", reason))
+    except Exception as exc:  # noqa: BLE001 - reported to the front, which fails its start
+        front.send("failed", f"{type(exc).__name__}: {exc}")
+        return
+    front.send("ready", DecodeFacts(core.max_model_len, core.block_size, core.usable_blocks,
+                                    core.me.receiver.transport, core.loads))
+    try:
+        front.serve({"submit": core.submit, "reserve": core.reserve})
+    finally:
+        core.stop()
+
+
+class DecodeEngineClient(EngineProcessClient):
+    """The front's handle on the engine-core process (a DecodeHandle): the streams and detokenization
+    stay here, in the gRPC process."""
+
+    def __init__(self, cfg: DecodeConfig, start_timeout: float = 900.0):
+        self.streams = Streams()
+        self.lease_rank: dict[str, int] = {}
+        super().__init__(core_main, cfg, "decode engine core", start_timeout,
+                         on_lost=lambda reason: self.streams.fail_all())
+        facts: DecodeFacts = self.core.facts
+        self.loads = facts.loads
+        self.max_model_len, self.block_size = facts.max_model_len, facts.block_size
+        self.usable_blocks, self.transport = facts.usable_blocks, facts.transport
+        self._tokenizer = Tokenizer.from_model_dir(cfg.model, None)
+
+    def output_processor(self, params: SamplingParams) -> OutputProcessor:
+        return OutputProcessor(self._tokenizer, params.stop, params.skip_special_tokens)
+
+    def submit(self, command: EngineCommand, rank: int = 0) -> Future:
+        return self.core.call("submit", command, rank)
+
+    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
+        """Placed on the least loaded rank by the core; the Future yields a Placement."""
+        return self.core.call("reserve", request_id, tokens, prompt_tokens)
+
+    def open_stream(self, request_id: str, q: Any = None) -> Any:
+        return self.streams.open(request_id, q)
+
+    def close_stream(self, request_id: str, q: Any = None) -> None:
+        self.streams.close(request_id, q)
+
+    def on_message(self, msg: tuple) -> None:
+        if msg[0] == "events":
+            self.streams.dispatch(msg[1])
+        elif msg[0] == "report":
+            _, self.loads, expired, seconds = msg
+            for lease_id in expired:
+                self.lease_rank.pop(lease_id, None)
+            metrics.EXPIRED_LEASES.inc(len(expired))
+            if seconds is not None:
+                metrics.STEP_SECONDS.observe(seconds)

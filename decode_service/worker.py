@@ -1,0 +1,323 @@
+"""What a decode instance does on each rank (`DecodeWorker`, a RankDriver of the one engine-core loop,
+shared.engine.core), and the commands, events and load reports that cross its seams.
+
+Attention DP: every rank has its own requests and the ranks step in lock-step (an idle rank runs a
+dummy batch while any other has work, so the EP collectives are always entered by all); each turn
+every rank's report travels to rank 0 as a fixed-size row (load integers and token events), objects
+only when there are replies or rare events. Local TP (`--tp N`, dp 1): the ranks mirror one batch:
+every command applies on every rank in the same order (same lease ids, so the same blocks), the pushed
+KV lands on rank 0 and is broadcast to the other ranks at admission, lease expiry is an ordered
+release command for all ranks, and only rank 0's replies and events are used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shared.config import DecodeConfig
+from shared.engine import LLMEngine, SamplingParams, StepEvent
+from shared.engine.core import CommandError, EncodedReport, EngineCommand, RankCommand, RankReport
+from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
+from shared.kvcache import OutOfBlocks
+from shared.kvcache.lease import LeaseError, LeaseTable
+from shared.parallel import ParallelState
+from shared.rpc.service import Credentials
+from shared.transfer import Destination, TcpReceiver
+from shared.transfer.base import cache_kinds
+
+log = logging.getLogger("pdserve.decode")
+FINISH_REASONS = (None, "stop", "length", "abort", "error")
+
+
+# -- commands -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reserve(EngineCommand):
+    """Hold blocks for a request's KV (a lease the prefill pushes into); replies with its Destination.
+    Mirrored ranks get the lease id and token from rank 0, so every rank holds the same lease."""
+
+    request_id: str
+    num_tokens: int
+    prompt_tokens: int | None = None
+    lease_id: str | None = None
+    token: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Admit(EngineCommand):
+    """Start decoding a request in its lease's blocks: its prompt's KV pushed (and the prefill's first
+    token), or with `local`, a prompt this engine prefills itself. Replies with the first events."""
+
+    request_id: str
+    lease_id: str
+    prompt: list[int]
+    params: SamplingParams
+    first_token: int = 0
+    rng_state: bytes = b""
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class Abort(EngineCommand):
+    """Stop a request (its stream ended or its caller left)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Release(EngineCommand):
+    """Give a lease's blocks back (unused reservation); replies whether it was still held."""
+
+    lease_id: str
+
+
+# -- what the worker reports ----------------------------------------------------------------------------
+@dataclass
+class Event:
+    """A token of a request's stream, as the decode front sees it."""
+
+    request_id: str
+    token_id: int
+    finished: bool
+    finish_reason: str | None
+    error: str = ""  # finish_reason "error": the engine failed this request (no token)
+
+
+# the load integers that travel in the fixed per-turn row, in order
+LOAD_FIELDS = ("rank", "running", "waiting", "free_blocks", "total_blocks", "active_leases", "has_work", "admitted",
+               "tokens", "queued_prompt_tokens", "applied_cid", "kv_bytes_received")
+ROW_WIDTH = len(LOAD_FIELDS) + 2 * MAX_SPECULATIVE_TOKENS  # the load's part of the row
+
+
+@dataclass
+class DecodeLoad:
+    """One decode rank's load after a turn (rank 0 places reservations by these)."""
+
+    rank: int
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    active_leases: int = 0
+    has_work: int = 0
+    admitted: int = 0  # requests admitted since start
+    tokens: int = 0  # context tokens held by running requests and reservations
+    queued_prompt_tokens: int = 0  # prompt tokens this rank has yet to prefill itself
+    applied_cid: int = -1  # the newest command applied (the report includes it)
+    kv_bytes_received: int = 0
+    spec_drafted: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)  # MTP, per draft position
+    spec_accepted: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
+    expired: list[str] = field(default_factory=list)  # lease ids that expired since the last report
+
+    def to_row(self) -> list[int]:
+        return [getattr(self, k) for k in LOAD_FIELDS] + self.spec_drafted + self.spec_accepted
+
+    @classmethod
+    def from_row(cls, values: list[int], expired: list[str]) -> DecodeLoad:
+        k, n = len(LOAD_FIELDS), MAX_SPECULATIVE_TOKENS
+        return cls(**dict(zip(LOAD_FIELDS, values[:k])), spec_drafted=values[k : k + n],
+                   spec_accepted=values[k + n : k + 2 * n], expired=expired)
+
+    def gauges(self) -> dict[str, int]:
+        """The numbers /metrics exports (shared.metrics.LoadCollector)."""
+        out = {k: getattr(self, k) for k in LOAD_FIELDS}
+        for kind, counts in (("drafted", self.spec_drafted), ("accepted", self.spec_accepted)):
+            out.update({f"spec_{kind}_{i}": c for i, c in enumerate(counts)})
+        return out
+
+
+class DecodeWorker:
+    """One rank's engine, KV pool, leases and KV receiver (a RankDriver of the engine core).
+
+    `names` maps admit command ids to request ids: events travel as those ids (ints) in the fixed
+    row; rank 0's engine core fills it as it queues admits, so rank 0 names every rank's events."""
+
+    gathers = True  # rank 0 places reservations by every rank's load
+
+    def __init__(self, cfg: DecodeConfig, rank: int, state: ParallelState):
+        self.rank, self.state = rank, state
+        self.admitted = 0
+        self.handles: dict[str, int] = {}  # request id → its admit command's id (events travel as ints)
+        self._ended: dict[str, int] = {}  # the handles of the requests the last step finished
+        self.names: dict[int, str] = {}  # rank 0: admit command id → request id
+        self.applied_cid = -1  # the newest command applied here (load reports say what they include)
+        self.engine = LLMEngine(cfg.engine_config(enable_prefix_caching=False), state)  # KV arrives pushed
+        self.mirror = self.engine.policy.mirror
+        kv = self.engine.kv
+        self.leases = LeaseTable(kv.allocator, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
+                                 cfg.lease_seconds)
+        self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port + rank if cfg.kv_port else 0,
+                               advertise_host=cfg.public_host, tls=Credentials.of(cfg).ssl_context(server=True))
+        self.receiver = self.tcp
+        if cfg.kv_transport == "mooncake":
+            from shared.transfer.mooncake import MooncakeReceiver
+
+            self.receiver = MooncakeReceiver(kv, self.tcp, cfg.public_host, cfg.mooncake_protocol,
+                                             cfg.mooncake_devices)
+
+    def apply(self, cmd: RankCommand) -> Destination | list[Event] | bool | CommandError | None:
+        self.applied_cid = max(self.applied_cid, cmd.cid)
+        c = cmd.command
+        if isinstance(c, Reserve):
+            try:
+                lease = self.leases.reserve(c.request_id, c.num_tokens, c.lease_id, c.token, c.prompt_tokens)
+            except OutOfBlocks as exc:
+                return CommandError("RESOURCE_EXHAUSTED", f"decode rank {self.rank} KV pool full: {exc}")
+            return self.receiver.destination(lease)
+        if isinstance(c, Admit):
+            return self._admit(c, cmd.cid)
+        if isinstance(c, Abort):
+            self.engine.abort(c.request_id)
+            self.handles.pop(c.request_id, None)
+            return None
+        if isinstance(c, Release):
+            return self.leases.release(c.lease_id)
+        return CommandError("INTERNAL", f"unknown command {type(c).__name__}")
+
+    def _admit(self, c: Admit, handle: int) -> list[Event] | CommandError:
+        """Start decoding a request in its lease's blocks: pushed KV (the prefill's first token given),
+        or, with `local`, a prompt this engine prefills itself (selective disaggregation: queued like
+        any prompt, chunked within the step's token budget beside the running decodes)."""
+        try:
+            lease = self.leases.claim(c.lease_id, require_complete=not (c.local or (self.mirror and self.rank)))
+        except LeaseError as exc:
+            return CommandError("FAILED_PRECONDITION", str(exc))
+        if self.mirror and not c.local:
+            self._copy_kv_from_rank0(lease.blocks)
+        try:  # a copy of the params: the request's own, whoever else holds the command
+            seq = self.engine.make_sequence(c.prompt, dataclasses.replace(c.params), c.request_id)
+        except ValueError as exc:
+            self.engine.kv.allocator.free(lease.blocks)
+            return CommandError("INVALID_ARGUMENT", str(exc))
+        if c.local and self.engine.kv.blocks_needed(seq.num_tokens + seq.params.max_tokens) > len(lease.blocks):
+            self.engine.abort(seq.request_id)
+            self.engine.kv.allocator.free(lease.blocks)
+            return CommandError("INVALID_ARGUMENT", f"prompt_token_ids: {seq.num_tokens} tokens + max_tokens "
+                                                    f"{seq.params.max_tokens} do not fit the lease's "
+                                                    f"{len(lease.blocks)} blocks")
+        seq.block_table = list(lease.blocks)
+        self.admitted += 1
+        if c.local:
+            self.engine.scheduler.add(seq)  # its blocks are the lease's: the scheduler only adds if it grows
+            self.handles[seq.request_id] = handle
+            return []
+        if c.rng_state and seq.params.seed is not None:
+            seq.generator.set_state(torch.frombuffer(bytearray(c.rng_state), dtype=torch.uint8))
+        events = [_event(ev) for ev in self.engine.add_prefilled(seq, c.first_token)]
+        if not events[-1].finished:
+            self.handles[seq.request_id] = handle
+        return events
+
+    def _copy_kv_from_rank0(self, blocks: list[int]) -> None:
+        """TP mirror: the prefill pushed into rank 0's blocks; every rank gets the same rows."""
+        index = torch.tensor(blocks, dtype=torch.long)
+        for pool in (self.engine.kv.mla, self.engine.kv.index):
+            if pool is None:
+                continue
+            rows = pool[:, index].contiguous()  # [layers, blocks, block_size, dim]
+            dist.broadcast(rows, src=0, group=self.state.world_group)
+            pool[:, index] = rows
+
+    def step(self) -> list[Event]:
+        events = self._step()
+        self._ended = {ev.request_id: self.handles.pop(ev.request_id) for ev in events
+                       if ev.finished and ev.request_id in self.handles}  # encode() still names them
+        return events
+
+    def _step(self) -> list[Event]:
+        if not self.mirror:  # mirrors release expired leases by command, in the same order everywhere
+            self.leases.expire()
+        if self.state.is_parallel:  # a failure inside the group's collectives cannot be contained
+            return [_event(ev) for ev in self.engine.step()]
+        try:
+            events = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the loop goes on
+            log.exception("decode step failed; failing the requests of this batch")
+            failed = list(self.engine.scheduler.running)
+            for seq in failed:
+                self.engine.abort(seq.request_id, "error")
+            return [Event(seq.request_id, -1, True, "error", f"decode step failed: {exc}") for seq in failed]
+        return [_event(ev) for ev in events]
+
+    def encode(self, report: RankReport) -> EncodedReport:
+        """The turn's report as a fixed row (load integers, then up to `event_capacity` events as
+        (handle, token, finish reason)) and, only when there is any, an object part: replies to
+        commands, expired lease ids, or events the row cannot carry (an error, an overflow)."""
+        cap = self.event_capacity
+        load: DecodeLoad = report.load
+        events = report.events
+
+        def handle(rid: str) -> int | None:
+            return self.handles.get(rid, self._ended.get(rid))
+
+        plain = len(events) <= cap and all(not ev.error and handle(ev.request_id) is not None for ev in events)
+        row = torch.zeros(ROW_WIDTH + 1 + 3 * cap, dtype=torch.int64)
+        row[:ROW_WIDTH] = torch.tensor(load.to_row())
+        if plain and events:
+            row[ROW_WIDTH] = len(events)
+            codes = [(handle(ev.request_id), ev.token_id, FINISH_REASONS.index(ev.finish_reason))
+                     for ev in events]
+            row[ROW_WIDTH + 1: ROW_WIDTH + 1 + 3 * len(events)] = torch.tensor(codes).view(-1)
+        extra = None
+        if report.replies or load.expired or not plain:
+            extra = _ReportObjects(report.replies, load.expired, None if plain else events)
+        return EncodedReport(row, extra)
+
+    @property
+    def event_capacity(self) -> int:
+        """Token events one step can make: a token per running request, K + 1 under MTP."""
+        return self.engine.config.max_num_seqs * self.engine.scheduler.decode_width
+
+    def decode(self, encoded: EncodedReport) -> RankReport:
+        """Rank 0: a rank's report back from `encode`."""
+        values = encoded.row.tolist()
+        objects: _ReportObjects = encoded.extra if encoded.extra is not None else _ReportObjects()
+        events = objects.events
+        if events is None:
+            n, base = values[ROW_WIDTH], ROW_WIDTH + 1
+            events = []
+            for i in range(n):
+                handle, token, reason = values[base + 3 * i: base + 3 * i + 3]
+                events.append(Event(self.names.get(handle) or "", token, reason != 0, FINISH_REASONS[reason]))
+        return RankReport(objects.replies, events, DecodeLoad.from_row(values[:ROW_WIDTH], objects.expired))
+
+    def load(self) -> DecodeLoad:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        reserved = self.leases.reserved_blocks() * kv.layout.block_size
+        spec = self.engine.speculator
+        return DecodeLoad(
+            rank=self.rank, running=len(sched.running), waiting=len(sched.waiting),
+            free_blocks=kv.allocator.num_free, total_blocks=self.engine.usable_blocks,
+            active_leases=len(self.leases), has_work=int(self.engine.has_work), admitted=self.admitted,
+            tokens=sum(s.num_tokens for s in [*sched.running, *sched.waiting]) + reserved,
+            queued_prompt_tokens=sum(s.num_uncached for s in [*sched.running, *sched.waiting] if s.is_prefilling),
+            applied_cid=self.applied_cid, kv_bytes_received=self.tcp.bytes_received,
+            spec_drafted=list(spec.stats.drafted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
+            spec_accepted=list(spec.stats.accepted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
+            expired=self.leases.drain_expired())
+
+    def close(self) -> None:
+        self.receiver.close()
+        if self.receiver is not self.tcp:
+            self.tcp.close()
+
+
+@dataclass
+class _ReportObjects:
+    """The object part of a report: replies, expired lease ids, and events when the row cannot carry them."""
+
+    replies: list = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
+    events: list[Event] | None = None
+
+
+def _event(ev: StepEvent) -> Event:
+    """A step event as the decode front sees it. The finish reason rides only on the request's last
+    event: an MTP step that accepted drafts emits several tokens of one request after the request
+    finished, and the row encoding reads a non-empty reason as "finished" (so an earlier event
+    carrying it would end the stream and lose the accepted tail)."""
+    return Event(ev.seq.request_id, ev.token_id, ev.finished, ev.seq.finish_reason if ev.finished else None)

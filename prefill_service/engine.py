@@ -1,0 +1,171 @@
+"""Rank 0's side of a prefill instance: its engine core (`PrefillEngineCore`: prompts in, results out,
+for every shape), run on a thread of the gRPC process (--engine-in-process) or in its own process
+(shared.engine.process), whose front holds a `PrefillEngineClient`. The gRPC server sees either
+through the `PrefillHandle` interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Protocol
+
+from prefill_service.worker import AddPrompt, DropPrompt, PrefillLoad, PrefillOutcome, PrefillWorker, sender_factory
+from shared import metrics
+from shared.config import PrefillConfig
+from shared.engine import LLMEngine, SamplingParams
+from shared.engine.core import ALL, EngineCommand, EngineCore, EngineHandle, RankReport
+from shared.engine.process import CoreConnection, EngineProcessClient
+from shared.parallel.launch import service_state
+from shared.protocol.prefix import PrefixFilter
+from shared.rpc.service import die_with_parent
+from shared.transfer import Destination, KVSender
+
+log = logging.getLogger("pdserve.prefill")
+PREFIX_FILTER_SECONDS = 0.5  # how often the prefix-cache summary for the router is rebuilt
+ReportHook = Callable[[PrefillLoad, int], None]  # after every turn: the instance's load, tokens the step computed
+
+
+class PrefillHandle(EngineHandle, Protocol):
+    """What the prefill gRPC server uses of its engine (in-process core or core process)."""
+
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
+                priority: int = 0) -> Future: ...
+    def cancel(self, request_id: str, reason: BaseException) -> None: ...
+    def load(self) -> PrefillLoad: ...
+
+
+def record_report(latest: PrefillLoad, load: PrefillLoad, batch_tokens: int) -> PrefillLoad:
+    """A turn's report taken in: the batch size metric, and the load the front keeps."""
+    if batch_tokens:
+        metrics.BATCH_TOKENS.observe(batch_tokens)
+    return latest.updated_by(load)
+
+
+class PrefillEngineCore(EngineCore):
+    """Rank 0: prompts in, PrefillResults out, for every shape; builds its own PrefillWorker, whose
+    answers and later commands it routes. `on_report` (default: keep it here, for `load()`) gets every
+    turn's load."""
+
+    def __init__(self, engine: LLMEngine, make_sender: Callable[[str], KVSender],
+                 on_report: ReportHook | None = None, on_fatal: Callable[[str], None] | None = None):
+        self._to = ALL if engine.policy.mirror else 0  # mirrored ranks all apply every command
+        self.worker = PrefillWorker(engine, make_sender, on_done=self._done, later=self._later)
+        super().__init__(self.worker, engine.parallel, "prefill-engine", on_fatal)
+        self._results: dict[str, Future] = {}
+        self.latest_load = self.worker.load()
+        self._filter_built, self._filter_stale = 0.0, False
+        self.on_report: ReportHook = on_report or self._record
+        self.start()
+
+    def load(self) -> PrefillLoad:
+        return self.latest_load
+
+    def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
+        super().after_turn(reports, step_seconds)
+        self._filter_stale = True
+        self.on_report(self._with_filter(reports[0].load), self.worker.batch_tokens)  # rank 0's turn report
+
+    def idle(self) -> None:
+        if self._filter_stale:  # the last turns' cache changes reach the router while idle too
+            load = self._with_filter(self.worker.load())
+            if load.prefix_filter is not None:
+                self.on_report(load, 0)
+
+    def _with_filter(self, load: PrefillLoad) -> PrefillLoad:
+        """Add the prefix-cache summary the router matches prompts against, at most every 0.5 s."""
+        if time.monotonic() - self._filter_built > PREFIX_FILTER_SECONDS:
+            self._filter_built, self._filter_stale = time.monotonic(), False
+            kv = self.worker.engine.kv
+            return replace(load, prefix_filter=PrefixFilter.build(kv.allocator.cached_hashes(), kv.num_blocks).bits)
+        return load
+
+    def _record(self, load: PrefillLoad, batch_tokens: int) -> None:
+        self.latest_load = record_report(self.latest_load, load, batch_tokens)
+
+    def _later(self, command: EngineCommand) -> None:
+        self.submit(command, self._to)
+
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
+                priority: int = 0) -> Future:
+        """Queue a prompt whose KV goes to `dest` (ahead of less urgent ones: lower `priority` first); the
+        Future yields a PrefillResult, or fails with ValueError (bad request) or TransferError (bad
+        destination, failed push). Raises ValueError at once for what can be checked here."""
+        self.worker.engine.validate(prompt, params)
+        if request_id in self._results:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        done: Future = Future()
+        self._results[request_id] = done
+        self.submit(AddPrompt(request_id, prompt, params, dest, priority), self._to)
+        return done
+
+    def cancel(self, request_id: str, reason: BaseException) -> None:
+        """Drop a prompt (the caller went away); its blocks and push are released on every rank."""
+        self.submit(DropPrompt(request_id, reason), self._to)
+
+    def _done(self, request_id: str, outcome: PrefillOutcome) -> None:
+        fut = self._results.pop(request_id, None)
+        if fut is None or fut.done():
+            return
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)
+
+    def on_failure(self, exc: BaseException) -> None:
+        for rid in list(self._results):
+            self._done(rid, RuntimeError(f"prefill engine failed: {exc}"))
+
+
+def build_engine_core(cfg: PrefillConfig, on_report: ReportHook | None = None,
+                      on_fatal: Callable[[str], None] | None = None) -> PrefillEngineCore:
+    """Rank 0's engine and loop."""
+    engine = LLMEngine(cfg.engine_config(), service_state(cfg.parallel(), 0))
+    return PrefillEngineCore(engine, sender_factory(cfg, engine), on_report, on_fatal)
+
+
+# -- the core in its own process ------------------------------------------------------------------------
+def core_main(cfg: PrefillConfig, conn: Connection) -> None:
+    """Entry point of the engine-core process: rank 0's engine, its loop and its KV pushes."""
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill-core %(levelname)s %(message)s")
+    front = CoreConnection(conn)
+    try:
+        core = build_engine_core(cfg, on_report=lambda load, batch_tokens: front.send("report", load, batch_tokens),
+                                 on_fatal=lambda reason: front.send("fatal", reason))
+    except Exception as exc:  # noqa: BLE001 - reported to the front, which fails its start
+        front.send("failed", f"{type(exc).__name__}: {exc}")
+        return
+    front.send("ready", core.load())
+    try:
+        front.serve({"prefill": core.prefill, "cancel": core.cancel})
+    finally:
+        core.stop()
+
+
+class PrefillEngineClient(EngineProcessClient):
+    """The front's handle on the prefill engine-core process (a PrefillHandle); the core reports its
+    load after every turn."""
+
+    def __init__(self, cfg: PrefillConfig, start_timeout: float = 900.0):
+        super().__init__(core_main, cfg, "prefill engine core", start_timeout)
+        self.latest_load: PrefillLoad = self.core.facts
+
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
+                priority: int = 0) -> Future:
+        return self.core.call("prefill", request_id, prompt, params, dest, priority)
+
+    def cancel(self, request_id: str, reason: BaseException) -> None:
+        self.core.call("cancel", request_id, reason)
+
+    def load(self) -> PrefillLoad:
+        return self.latest_load
+
+    def on_message(self, msg: tuple) -> None:
+        if msg[0] == "report":
+            _, load, batch_tokens = msg
+            self.latest_load = record_report(self.latest_load, load, batch_tokens)
