@@ -28,7 +28,7 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
 
 
-def _axes():  # noqa: ANN202 - (pyplot, figure, axes)
+def _axes():  # (pyplot, figure, axes)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,7 +38,7 @@ def _axes():  # noqa: ANN202 - (pyplot, figure, axes)
     return plt, fig, ax
 
 
-def _save(plt, fig, ax, path: Path, title: str, ylabel: str) -> Path:  # noqa: ANN001
+def _save(plt, fig, ax, path: Path, title: str, ylabel: str) -> Path:
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()

@@ -19,17 +19,17 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
-import argparse  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import tempfile
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import OUT, line_plot, table  # noqa: E402
-from bench.peers import VLLM_CONFIG, VllmOffline  # noqa: E402
-from shared.engine import LLM, SamplingParams  # noqa: E402
-from shared.loader.tiny import write_checkpoint  # noqa: E402
+from bench.common import OUT, line_plot, table
+from bench.peers import VLLM_CONFIG, VllmOffline
+from shared.engine import LLM, SamplingParams
+from shared.loader.tiny import write_checkpoint
 
 
 def run_pdserve(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
@@ -40,7 +40,7 @@ def run_pdserve(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) * new_tokens / dt
 
 
-def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> float:  # noqa: ANN001
+def run_transformers(model, prompts: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(prompts)
     with torch.no_grad():
         t0 = time.perf_counter()

@@ -19,17 +19,17 @@ import argparse
 import os
 import time
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import OUT, bar_plot, table  # noqa: E402
-from shared.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from shared.kvcache import KVCache, KVLayout  # noqa: E402
-from shared.loader import load_model  # noqa: E402
-from shared.loader.tiny import ensure_tiny_model  # noqa: E402
-from shared.model import ForwardBatch, SeqChunk  # noqa: E402
-from shared.parallel import ParallelConfig, ParallelState  # noqa: E402
-from shared.parallel.cp import build_cp_batch  # noqa: E402
-from shared.parallel.launch import run_ranks  # noqa: E402
+from bench.common import OUT, bar_plot, table
+from shared.engine import EngineConfig, LLMEngine, SamplingParams
+from shared.kvcache import KVCache, KVLayout
+from shared.loader import load_model
+from shared.loader.tiny import ensure_tiny_model
+from shared.model import ForwardBatch, SeqChunk
+from shared.model.cp import build_cp_batch
+from shared.parallel import ParallelConfig, ParallelState
+from shared.parallel.launch import run_ranks
 
 CPU = torch.device("cpu")
 

@@ -32,24 +32,24 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
-import argparse  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import OUT, ROOT, table  # noqa: E402
-from shared.config import ModelConfig  # noqa: E402
-from shared.device import compute_dtype  # noqa: E402
-from shared.engine import LLM, SamplingParams  # noqa: E402
-from shared.kvcache import KVLayout  # noqa: E402
-from shared.loader.synthetic import REAL_671B  # noqa: E402
-from shared.loader.tiny import _FP8_SKIP, ensure_tiny_model, write_checkpoint  # noqa: E402
-from shared.model import DeepseekForCausalLM  # noqa: E402
-from shared.quant.int8 import is_w8a8_target  # noqa: E402
+from bench.common import OUT, ROOT, table
+from shared.config import ModelConfig
+from shared.device import compute_dtype
+from shared.engine import LLM, SamplingParams
+from shared.kvcache import KVLayout
+from shared.loader.synthetic import REAL_671B
+from shared.loader.tiny import _FP8_SKIP, ensure_tiny_model, write_checkpoint
+from shared.model import DeepseekForCausalLM
+from shared.quant.int8 import is_w8a8_target
 
 GiB, MiB = 1 << 30, 1 << 20
 FP8_BLOCK = 128

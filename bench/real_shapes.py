@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import OUT, table  # noqa: E402
-from shared.engine.sampler import SamplingParams, sample  # noqa: E402
-from shared.kvcache import KVCache, KVLayout  # noqa: E402
-from shared.loader.synthetic import random_model, real_layer_config  # noqa: E402
-from shared.model import ForwardBatch, SeqChunk  # noqa: E402
+from bench.common import OUT, table
+from shared.engine.sampler import SamplingParams, sample
+from shared.kvcache import KVCache, KVLayout
+from shared.loader.synthetic import random_model, real_layer_config
+from shared.model import ForwardBatch, SeqChunk
 
 GiB = 1 << 30
 
@@ -42,7 +42,7 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def prefill(model, cfg, contexts: list[int], chunk: int, workspace: int) -> list[list]:  # noqa: ANN001
+def prefill(model, cfg, contexts: list[int], chunk: int, workspace: int) -> list[list]:
     bs, longest = 64, max(contexts)
     kv = KVCache(KVLayout.from_model_config(cfg, bs, model.dtype), longest // bs + 1, torch.device("cpu"))
     table_ = kv.allocator.allocate(kv.blocks_needed(longest))
@@ -64,7 +64,7 @@ def prefill(model, cfg, contexts: list[int], chunk: int, workspace: int) -> list
     return rows
 
 
-def decode(model, cfg, contexts: list[int], batches: list[int], workspace: int, steps: int = 3) -> list[list]:  # noqa: ANN001
+def decode(model, cfg, contexts: list[int], batches: list[int], workspace: int, steps: int = 3) -> list[list]:
     bs, rows = 64, []
     for batch in batches:
         for ctx in contexts:

@@ -19,23 +19,23 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import asyncio
+import re
+import time
+import urllib.request
+from pathlib import Path
 
-import grpc  # noqa: E402
+import grpc
 
-from bench.common import OUT, ROOT, bar_plot, pct, table  # noqa: E402
-from router.cli import up_cluster  # noqa: E402
-from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+from bench.common import OUT, ROOT, bar_plot, pct, table
+from router.cli import up_cluster
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 BACKGROUND_PROMPT = "And it came to pass, when the LORD had spoken these words"
 
 
-async def _background(stub, max_tokens: int, stop: asyncio.Event, gaps: list[float]) -> None:  # noqa: ANN001
+async def _background(stub, max_tokens: int, stop: asyncio.Event, gaps: list[float]) -> None:
     """One stream decoding until told to stop (restarted when it ends); its inter-token gaps."""
     req = generation_pb2.GenerateRequest(prompt=BACKGROUND_PROMPT, sampling_params=generation_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -56,7 +56,7 @@ async def _background(stub, max_tokens: int, stop: asyncio.Event, gaps: list[flo
                 raise
 
 
-async def _long_prompts(stub, tokens: int, stop: asyncio.Event, seed: int) -> None:  # noqa: ANN001
+async def _long_prompts(stub, tokens: int, stop: asyncio.Event, seed: int) -> None:
     """Keep the prefill instance busy: distinct long prompts (no prefix-cache hits), one token each."""
     i = 0
     while not stop.is_set():
@@ -68,7 +68,7 @@ async def _long_prompts(stub, tokens: int, stop: asyncio.Event, seed: int) -> No
         i += 1
 
 
-async def _probe(stub, prompt_ids: list[int]) -> float:  # noqa: ANN001
+async def _probe(stub, prompt_ids: list[int]) -> float:
     req = generation_pb2.GenerateRequest(prompt_token_ids=prompt_ids, sampling_params=generation_pb2.SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True))
     t0 = time.perf_counter()

@@ -17,29 +17,29 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
+import grpc
+import torch
 
-from bench.common import OUT, line_plot, pct, table  # noqa: E402
-from bench.peers import VLLM_CONFIG, VllmServer  # noqa: E402
-from router.cli import Cluster  # noqa: E402
-from shared.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from shared.kvcache import KVCache  # noqa: E402
-from shared.kvcache.lease import LeaseTable  # noqa: E402
-from shared.loader.tiny import ensure_tiny_model, write_checkpoint  # noqa: E402
-from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
-from shared.transfer import TcpReceiver, make_sender  # noqa: E402
-from shared.transfer.base import cache_kinds  # noqa: E402
+from bench.common import OUT, line_plot, pct, table
+from bench.peers import VLLM_CONFIG, VllmServer
+from router.cli import Cluster
+from shared.engine import EngineConfig, LLMEngine, SamplingParams
+from shared.kvcache import KVCache
+from shared.kvcache.lease import LeaseTable
+from shared.loader.tiny import ensure_tiny_model, write_checkpoint
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from shared.transfer import TcpReceiver, make_sender
+from shared.transfer.base import cache_kinds
 
 
-def stream_once(stub, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:  # noqa: ANN001
+def stream_once(stub, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
     req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=generation_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     t0, stamps = time.perf_counter(), []
@@ -49,7 +49,7 @@ def stream_once(stub, prompt: list[int], max_tokens: int) -> tuple[float, float,
     return stamps[0] - t0, (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1), len(stamps)
 
 
-async def _router_stream(stub, prompt: list[int], max_tokens: int) -> list[float]:  # noqa: ANN001
+async def _router_stream(stub, prompt: list[int], max_tokens: int) -> list[float]:
     req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=generation_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     stamps = []
@@ -58,7 +58,7 @@ async def _router_stream(stub, prompt: list[int], max_tokens: int) -> list[float
     return stamps
 
 
-def run_streams(open_stream, prompts: list[list[int]], max_tokens: int) -> dict:  # noqa: ANN001
+def run_streams(open_stream, prompts: list[list[int]], max_tokens: int) -> dict:
     """All prompts at once; per stream TTFT and TPOT from token arrival times."""
 
     async def go() -> tuple[list[list[float]], float, float]:

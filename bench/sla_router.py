@@ -20,19 +20,19 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
+import argparse
+import asyncio
+import random
+import time
 
-import grpc  # noqa: E402
+import grpc
 
-from bench.common import OUT, line_plot, pct, table  # noqa: E402
-from router.cli import Cluster  # noqa: E402
-from router.perf import profile_served  # noqa: E402
-from router.planner import Dist, Workload, analytic, goodput, simulate  # noqa: E402
-from shared.loader.tiny import ensure_tiny_model  # noqa: E402
-from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+from bench.common import OUT, line_plot, pct, table
+from router.cli import Cluster
+from router.perf import profile_served
+from router.planner import Dist, Workload, analytic, goodput, simulate
+from shared.loader.tiny import ensure_tiny_model
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 
 async def open_loop(address: str, rate: float, requests: int, isl: int, osl: int, seed: int) -> dict:

@@ -17,14 +17,14 @@ from pathlib import Path as _Path
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
-import argparse  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import OUT, bar_plot, table  # noqa: E402
-from shared.engine import LLM, SamplingParams  # noqa: E402
+from bench.common import OUT, bar_plot, table
+from shared.engine import LLM, SamplingParams
 
 TEXT = ("And it came to pass in those days, that there went out a decree from Caesar Augustus, that all the "
         "world should be taxed. And all went to be taxed, every one into his own city. In the beginning God "

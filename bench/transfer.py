@@ -20,20 +20,20 @@ import socket
 import threading
 import time
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import OUT, bar_plot, table  # noqa: E402
-from shared.kvcache import KVCache, KVLayout  # noqa: E402
-from shared.kvcache.lease import LeaseTable  # noqa: E402
-from shared.transfer import TcpReceiver, make_sender  # noqa: E402
-from shared.transfer.base import cache_kinds  # noqa: E402
-from shared.transfer.mooncake import MooncakeReceiver, mooncake_available  # noqa: E402
+from bench.common import OUT, bar_plot, table
+from shared.kvcache import KVCache, KVLayout
+from shared.kvcache.lease import LeaseTable
+from shared.transfer import TcpReceiver, make_sender
+from shared.transfer.base import cache_kinds
+from shared.transfer.mooncake import MooncakeReceiver, mooncake_available
 
 LAYOUT_671B = KVLayout(num_layers=61, block_size=64, kv_lora_rank=512, rope_dim=64, index_head_dim=132,
                        dtype=torch.bfloat16, index_dtype=torch.uint8)
 
 
-def push_once(transport: str, src: KVCache, receiver, leases: LeaseTable, tokens: int) -> float:  # noqa: ANN001
+def push_once(transport: str, src: KVCache, receiver, leases: LeaseTable, tokens: int) -> float:
     lease = leases.reserve("bench", tokens)
     blocks = list(range(len(lease.blocks)))
     t0 = time.perf_counter()
@@ -56,7 +56,7 @@ def push_once(transport: str, src: KVCache, receiver, leases: LeaseTable, tokens
 _MC = {}
 
 
-def _mooncake_sender(src: KVCache):  # noqa: ANN202
+def _mooncake_sender(src: KVCache):
     if "s" not in _MC:
         _MC["s"] = make_sender("mooncake", src)
     return _MC["s"]

@@ -22,7 +22,7 @@ from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 PROMPTS = ["And it came to pass", "In the beginning", "The LORD is my shepherd", "And Jesus said unto them,"]
 
 
-def run_one(stub, prompt: str, max_tokens: int, results: dict) -> None:  # noqa: ANN001
+def run_one(stub, prompt: str, max_tokens: int, results: dict) -> None:
     req = generation_pb2.GenerateRequest(prompt=prompt, sampling_params=generation_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     t0, stamps, text, finish, ids = time.perf_counter(), [], "", "", []

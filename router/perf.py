@@ -215,7 +215,7 @@ def fit_linear(xs: list[list[float]], ys: list[float]) -> list[float]:
     return [max(0.0, float(c)) for c in coef]
 
 
-def profile_engine(model: str, dtype: str = "bfloat16", say=print, lengths: tuple[int, ...] = (16, 64, 256, 1024),  # noqa: ANN001
+def profile_engine(model: str, dtype: str = "bfloat16", say=print, lengths: tuple[int, ...] = (16, 64, 256, 1024),
                    batches: tuple[int, ...] = (1, 4, 16, 64), contexts: tuple[int, ...] = (32, 256)) -> PerfModel:
     """Measure prefill (at `lengths`) and decode (at `batches` × `contexts`) of the engine in-process
     on `model` and fit a PerfModel."""
@@ -266,9 +266,9 @@ def profile_engine(model: str, dtype: str = "bfloat16", say=print, lengths: tupl
                      decode_per_seq_s=db, decode_per_context_token_s=dc, kv_bytes_per_token=float(kv_bytes))
 
 
-def profile_served(address: str, say=print, lengths: tuple[int, ...] = (16, 64, 256),  # noqa: ANN001
+def profile_served(address: str, say=print, lengths: tuple[int, ...] = (16, 64, 256),
                    batches: tuple[int, ...] = (1, 4, 16), contexts: tuple[int, ...] = (32, 128),
-                   steps: int = 16, open_channel=None) -> PerfModel:  # noqa: ANN001
+                   steps: int = 16, open_channel=None) -> PerfModel:
     """Measure through a running router (`pdserve profile --router ADDR`): TTFT of one prompt at a
     time for the prefill curve (queue-free, so it holds the whole disaggregated path: prefill, KV
     push, admission), and the TPOT of `batch` concurrent streams for the decode curve. This is what
@@ -281,7 +281,7 @@ def profile_served(address: str, say=print, lengths: tuple[int, ...] = (16, 64, 
 
     from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
-    def stream(stub, prompt: list[int], n: int) -> list[float]:  # noqa: ANN001
+    def stream(stub, prompt: list[int], n: int) -> list[float]:
         req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=generation_pb2.SamplingParams(
             max_tokens=n, temperature=0.0, ignore_eos=True))
         t0, stamps = time.perf_counter(), [0.0]
@@ -323,7 +323,7 @@ def profile_served(address: str, say=print, lengths: tuple[int, ...] = (16, 64, 
                      prefill_interference=prefill_i, decode_interference=decode_i)
 
 
-def measure_interference(stub, stream, steps: int, say=print, prompt_tokens: int = 64) -> tuple[float, float]:  # noqa: ANN001
+def measure_interference(stub, stream, steps: int, say=print, prompt_tokens: int = 64) -> tuple[float, float]:
     """(prefill, decode) interference through the served path: the TTFT of a prompt while one stream keeps
     a decode stepping, and the TPOT of a stream while prompts keep the prefill computing, each against the
     same alone (medians of 5). Near 0 where instances do not share cores."""
@@ -341,7 +341,7 @@ def measure_interference(stub, stream, steps: int, say=print, prompt_tokens: int
     def ttft(seed: int) -> float:
         return stream(stub, prompt(seed, prompt_tokens), 1)[0]
 
-    def beside(background, measure, seed: int) -> float:  # noqa: ANN001
+    def beside(background, measure, seed: int) -> float:
         """`measure` while `background` runs in a thread, once the background work is under way."""
         t = threading.Thread(target=background, args=(1000 * seed,), daemon=True)
         t.start()

@@ -21,9 +21,10 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Any
 
 from router.perf import PerfModel
+from shared.protocol.placement import least_loaded_rank
+from shared.protocol.prefix import PrefixFilter
 
 
 @dataclass
@@ -45,7 +46,7 @@ class PrefillView:
     queued_tokens: int = 0  # prompt tokens waiting or not yet computed
     up: bool = True
     block_size: int = 64
-    prefix: Any = None  # shared.kvcache.pool.PrefixFilter of its prefix cache (None: unknown)
+    prefix: PrefixFilter | None = None  # what its prefix cache holds (None: unknown)
 
 
 @dataclass
@@ -57,7 +58,8 @@ class DecodeView:
     up: bool = True
 
     def least_loaded(self) -> int:
-        return min(range(len(self.ranks)), key=lambda r: (self.ranks[r].tokens, self.ranks[r].running, r))
+        """The rank the decode instance will place a new request on (the same rule it applies)."""
+        return least_loaded_rank([r.tokens for r in self.ranks], [r.running for r in self.ranks])
 
     @property
     def busy(self) -> bool:

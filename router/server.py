@@ -28,6 +28,7 @@ from router.policy import POLICIES, DecodeView, PrefillView, RankView, Rejected,
 from shared import metrics
 from shared.config import REQUIRED, EndpointConfig, ModelConfig, add_flags, check_bounds, flag, from_flags
 from shared.protocol.chat import ChatMessage, render_messages
+from shared.protocol.limits import RequestLimits
 from shared.protocol.prefix import PrefixFilter, prompt_block_hashes
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.tokenizer import Tokenizer
@@ -84,10 +85,10 @@ class _Malformed:
         self.reason = reason
 
 
-def _lenient(parse):  # noqa: ANN001, ANN202
+def _lenient(parse):  # ANN202
     """A request that does not parse (e.g. a string field that is not UTF-8) becomes INVALID_ARGUMENT
     in the handler instead of gRPC's INTERNAL."""
-    def deserialize(data: bytes):  # noqa: ANN202
+    def deserialize(data: bytes):
         try:
             return parse(data)
         except DecodeError as exc:
@@ -112,7 +113,7 @@ class Pool:
     service) stands for every address NAME resolves to, re-resolved every `discover` period: pods
     that appear are added, pods that vanish are dropped."""
 
-    def __init__(self, kind: str, addresses: list[str], stub_cls, credentials: Credentials | None = None):  # noqa: ANN001
+    def __init__(self, kind: str, addresses: list[str], stub_cls, credentials: Credentials | None = None):
         self.kind, self.stub_cls, self.credentials = kind, stub_cls, credentials
         metrics.FAILOVERS.labels(kind)  # exported at 0 from the start
         self.static = [a for a in addresses if not a.startswith("dns:")]
@@ -231,6 +232,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.cfg = cfg
         self.model_config = ModelConfig.from_pretrained(cfg.model)
         self.tokenizer = Tokenizer.from_model_dir(cfg.model, self.model_config.bos_token_id)
+        self.limits = RequestLimits(self.model_config.max_position_embeddings, self.model_config.vocab_size)
         self.credentials = Credentials.of(cfg)
         self.metadata = self.credentials.metadata
         self.prefill = Pool("prefill", cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
@@ -262,9 +264,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                   for m in request.messages)
         if size > self.max_prompt_bytes:
             raise Invalid(f"prompt: {size} bytes of text exceed the limit of {self.max_prompt_bytes}")
-        if len(request.prompt_token_ids) > self.model_config.max_position_embeddings:
+        if len(request.prompt_token_ids) > self.limits.context_tokens:  # before the rest is read
             raise Invalid(f"prompt_token_ids: {len(request.prompt_token_ids)} tokens exceed the model's context "
-                          f"of {self.model_config.max_position_embeddings}")
+                          f"of {self.limits.context_tokens}")
         given = [name for name, present in (("prompt", bool(request.prompt)),
                                             ("prompt_token_ids", len(request.prompt_token_ids) > 0),
                                             ("messages", len(request.messages) > 0)) if present]
@@ -294,17 +296,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ids = await self._encode(request.prompt)
         else:
             ids = list(request.prompt_token_ids)
-            vocab = self.model_config.vocab_size
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise Invalid(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        limit = self.model_config.max_position_embeddings
-        if len(ids) + params.max_tokens > limit:
-            raise Invalid(f"sampling_params.max_tokens: prompt ({len(ids)} tokens) + max_tokens "
-                          f"({params.max_tokens}) exceeds the model's context of {limit}")
+        try:
+            self.limits.check_prompt_ids(ids, given[0])
+            self.limits.check_length(len(ids), params.max_tokens, "sampling_params.max_tokens")
+        except ValueError as exc:
+            raise Invalid(str(exc)) from exc
         return ids, params
 
-    async def Generate(self, request, context):  # noqa: N802
+    async def Generate(self, request, context):
         """Admission first: beyond --max-concurrent-requests a call is refused at once, before any work
         (health checks are never refused: an overloaded router is not a dead one)."""
         if self.in_flight >= self.cfg.max_concurrent_requests:
@@ -318,7 +317,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             self.in_flight -= 1
 
-    async def _generate(self, request, context):  # noqa: ANN001, ANN202
+    async def _generate(self, request, context):  # ANN202
         t0 = time.perf_counter()
         try:
             ids, params = await self.validate(request)
@@ -424,8 +423,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.RpcError:
             pass  # the lease expires on its own
 
-    async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float,  # noqa: ANN001, ANN202
-                     predicted):  # noqa: ANN001 - the policy's Choice: observed latencies calibrate the model
+    async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float,  # ANN202
+                     predicted):  # the policy's Choice: observed latencies calibrate the model
         n, t_first, t_last = 0, None, None
         try:
             async for msg in stream:
@@ -481,7 +480,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 await asyncio.sleep(pause)
 
     @staticmethod
-    async def _first_ok(context, pool: Pool, candidates: list[Instance], call,  # noqa: ANN001
+    async def _first_ok(context, pool: Pool, candidates: list[Instance], call,
                         retry_on: tuple) -> tuple[Instance, object]:
         """await call(instance) on each candidate in turn, failing over on `retry_on` codes (an
         instance that is down leaves the choice until its load poll succeeds again); aborts the

@@ -26,7 +26,7 @@ def _npu_available() -> bool:
     npu = getattr(torch, "npu", None)
     try:
         return bool(npu is not None and npu.is_available())
-    except Exception:  # noqa: BLE001 - a broken NPU runtime means "no NPU"
+    except Exception:  # a broken NPU runtime means "no NPU"
         return False
 
 
@@ -116,7 +116,7 @@ def accelerator() -> torch.device | None:
     return None
 
 
-def _runtime(device: torch.device) -> Any:  # noqa: ANN401 - torch.cuda or torch.npu, same API
+def _runtime(device: torch.device) -> Any:  # torch.cuda or torch.npu, same API
     return torch.npu if device.type == _NPU else torch.cuda
 
 
@@ -131,22 +131,22 @@ def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != _CPU)
 
 
-def copy_stream(device: torch.device) -> Any | None:  # noqa: ANN401
+def copy_stream(device: torch.device) -> Any | None:
     """A side stream for host→device copies that overlap compute; None on CPU (copy on a thread instead)."""
     return None if device.type == _CPU else _runtime(device).Stream(device)
 
 
-def new_event(device: torch.device) -> Any:  # noqa: ANN401
+def new_event(device: torch.device) -> Any:
     """A device event, to order one stream after work queued on another."""
     return _runtime(device).Event()
 
 
-def current_stream(device: torch.device) -> Any:  # noqa: ANN401
+def current_stream(device: torch.device) -> Any:
     """The stream compute is queued on."""
     return _runtime(device).current_stream(device)
 
 
-def on_stream(stream: Any) -> AbstractContextManager:  # noqa: ANN401
+def on_stream(stream: Any) -> AbstractContextManager:
     """Context that queues work on `stream` (a copy_stream)."""
     return _runtime(stream.device).stream(stream)
 

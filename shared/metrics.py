@@ -72,10 +72,10 @@ class LoadCollector(Collector):
     def __init__(self, service: str, loads: Callable[[], Iterable[dict[str, Any]]]):
         self.service, self.loads = service, loads
 
-    def describe(self):  # noqa: ANN201 - registration without collecting (the loads may not exist yet)
+    def describe(self):  # registration without collecting (the loads may not exist yet)
         return []
 
-    def collect(self):  # noqa: ANN201
+    def collect(self):
         loads = list(self.loads())
         for key, name, doc in self.GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["service", "rank"])

@@ -82,7 +82,7 @@ class VllmServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.model = model
-        out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - lives as long as the server
+        out = open(log, "w") if log else subprocess.DEVNULL  # lives as long as the server
         self.proc = subprocess.Popen(
             [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
              "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", dtype,

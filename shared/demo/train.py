@@ -139,7 +139,7 @@ def read_corpus(path: str | Path) -> Corpus:
     return Corpus(verses, info)
 
 
-def train_tokenizer(verses: list[str], vocab_size: int, out_file: Path) -> Any:  # noqa: ANN401 - tokenizers.Tokenizer
+def train_tokenizer(verses: list[str], vocab_size: int, out_file: Path) -> Any:  # tokenizers.Tokenizer
     """Byte-level BPE on the training verses, with the special tokens of shared.loader.tokenizer_train
     (BOS id 0, EOS id 1, then DeepSeek's chat tokens). Deterministic."""
     return train_bpe(vocab_size, out_file, verses)
@@ -160,7 +160,7 @@ class TokenSplit:
         return out
 
 
-def tokenize(tok: Any, verses: list[str]) -> TokenSplit:  # noqa: ANN401
+def tokenize(tok: Any, verses: list[str]) -> TokenSplit:
     enc = tok.encode_batch([v + "\n" for v in verses], add_special_tokens=False)
     lengths = torch.tensor([len(e.ids) for e in enc])
     starts = torch.cumsum(lengths, 0) - lengths
@@ -176,7 +176,7 @@ def make_batch(split: TokenSplit, starts: list[int], seq_len: int, bos: int) -> 
 # ----------------------------------------------------------------------------------------------- model
 
 
-def hf_config(model: dict[str, Any]) -> Any:  # noqa: ANN401 - DeepseekV32Config
+def hf_config(model: dict[str, Any]) -> Any:  # DeepseekV32Config
     from transformers import DeepseekV32Config
 
     cfg = DeepseekV32Config(**{k: v for k, v in make_config(**model).items() if k != "architectures"})
@@ -191,7 +191,7 @@ class MTPLayer(nn.Module):
     positions i, causal over the MTP states ≤ i; logits_i = head(shared_head.norm(block_i)) predict
     t_{i+2}. embed and head are the main model's (the checkpoint stores copies)."""
 
-    def __init__(self, config: Any):  # noqa: ANN401 - DeepseekV32Config
+    def __init__(self, config: Any):  # DeepseekV32Config
         from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer, DeepseekV32RMSNorm
 
         super().__init__()
@@ -215,7 +215,7 @@ class MTPLayer(nn.Module):
 
 
 def _select_all(hidden_states: torch.Tensor, _q_resid: torch.Tensor, _rope: tuple, attention_mask: torch.Tensor,
-                *_args: Any, **_kwargs: Any) -> torch.Tensor:  # noqa: ANN401
+                *_args: Any, **_kwargs: Any) -> torch.Tensor:
     """The indexer's answer when top-k covers the whole context: every key (the causal mask does the rest)."""
     b, s, t = hidden_states.shape[0], hidden_states.shape[1], attention_mask.shape[-1]
     return torch.arange(t, dtype=torch.int32, device=hidden_states.device).expand(b, s, t)
@@ -392,13 +392,13 @@ class AttentionCapture:
             self.handles.append(attn.indexer.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self.handles.append(attn.register_forward_hook(self._post(i)))
 
-    def _pre(self, i: int):  # noqa: ANN202
+    def _pre(self, i: int):
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
             self.inputs[i] = (args[0].detach(), args[1].detach(), args[2])
 
         return hook
 
-    def _post(self, i: int):  # noqa: ANN202
+    def _post(self, i: int):
         def hook(_m: nn.Module, _args: tuple, out: tuple) -> None:
             self.probs[i] = out[1].detach()
 

@@ -87,7 +87,7 @@ def join_ranks(procs: list, timeout: float = 10.0) -> None:
             proc.kill()
 
 
-def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue) -> None:  # noqa: ANN001
+def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                       PDSERVE_DEVICE="cpu", OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
@@ -95,7 +95,7 @@ def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue) -> N
         buf = io.BytesIO()  # plain bytes: shared-memory tensors would vanish when this process exits
         torch.save(fn(rank, world, *args), buf)
         queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:  # reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         import torch.distributed as dist
@@ -104,7 +104,7 @@ def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue) -> N
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1) -> list:  # noqa: ANN001
+def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1) -> list:
     """Run fn(rank, world, *args) on `world` local gloo ranks (spawned processes, MASTER_* set) and
     return their results in rank order; a rank that fails or hangs past `timeout` raises (tests, benches)."""
     ctx = mp.get_context("spawn")

@@ -64,7 +64,7 @@ class ParallelState:
         return state
 
 
-def _block_group(world: int, size: int, rank: int):  # noqa: ANN202
+def _block_group(world: int, size: int, rank: int):
     """Every rank must create every block group (torch.distributed rule); returns this rank's."""
     if size == 1:
         return None

@@ -136,7 +136,7 @@ class Credentials:
         key, cert, ca = self._read()
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
-    def ssl_context(self, server: bool):  # noqa: ANN201 - ssl.SSLContext | None
+    def ssl_context(self, server: bool):  # ssl.SSLContext | None
         """The KV channel's TLS: both sides present a certificate and accept only the cluster CA's."""
         if not self.tls:
             return None
@@ -178,13 +178,13 @@ class _Authenticate(grpc.aio.ServerInterceptor):
     def __init__(self, credentials: Credentials):
         self.credentials = credentials
 
-    async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
+    async def intercept_service(self, continuation, details):  # ANN201
         handler = await continuation(details)
         service = details.method.split("/")[1] if details.method.count("/") >= 2 else ""
         if handler is None or service not in INTERNAL_SERVICES or self.credentials.allows(details.invocation_metadata):
             return handler
 
-        async def deny(request, context):  # noqa: ANN001, ANN202
+        async def deny(request, context):  # ANN202
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{details.method} needs the cluster's credentials")
 
         kind = (grpc.unary_stream_rpc_method_handler if handler.response_streaming
@@ -302,14 +302,14 @@ def _deliver(batch: list[tuple[LoopQueue, object]]) -> None:
         sink._queue.put_nowait(item)
 
 
-async def wait_future(fut, timeout: float | None = None):  # noqa: ANN001, ANN201 - concurrent Future, its result
+async def wait_future(fut, timeout: float | None = None):  # concurrent Future, its result
     """Await a concurrent.futures.Future from an engine thread without blocking the event loop.
     Unlike asyncio.wrap_future, a cancelled caller (client gone, deadline) does not cancel `fut`:
     the engine thread that settles it must never find it cancelled under its feet."""
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
 
-    def copy(done) -> None:  # noqa: ANN001
+    def copy(done) -> None:
         if waiter.done():  # the caller stopped waiting
             return
         if done.cancelled():
@@ -319,7 +319,7 @@ async def wait_future(fut, timeout: float | None = None):  # noqa: ANN001, ANN20
         else:
             waiter.set_result(done.result())
 
-    def hand_over(done) -> None:  # noqa: ANN001 - on the thread that settled `fut`
+    def hand_over(done) -> None:  # on the thread that settled `fut`
         try:
             loop.call_soon_threadsafe(copy, done)
         except RuntimeError:  # the event loop is gone (shutdown): nobody waits any more
@@ -330,7 +330,7 @@ async def wait_future(fut, timeout: float | None = None):  # noqa: ANN001, ANN20
 
 
 def serve_follower_health(host: str, port: int, credentials: Credentials | None = None,
-                          port_file: str | None = None):  # noqa: ANN201
+                          port_file: str | None = None):
     """A follower rank (one pod of a multi-node instance) serves only grpc.health.v1 on its --port
     (0: a free one, reported in --port-file), SERVING while its rank loop runs, so orchestrator
     probes work on every rank's pod. Returns a function that marks it NOT_SERVING (the loop ended)."""
@@ -400,13 +400,13 @@ class _PresentToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
     def __init__(self, metadata: tuple[tuple[str, str], ...]):
         self.extra = metadata
 
-    def _details(self, details):  # noqa: ANN001, ANN202
+    def _details(self, details):  # ANN202
         return details._replace(metadata=tuple(details.metadata or ()) + self.extra)
 
-    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
+    def intercept_unary_unary(self, continuation, details, request):  # ANN201
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001, ANN201
+    def intercept_unary_stream(self, continuation, details, request):  # ANN201
         return continuation(self._details(details), request)
 
 

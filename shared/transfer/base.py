@@ -39,14 +39,14 @@ class Destination:
     control_endpoint: str = ""
     signature: bytes = b""  # the decode instance's HMAC over the fields above (Credentials.sign)
 
-    def to_proto(self, msg_cls):  # noqa: ANN001 - generated message class
+    def to_proto(self, msg_cls):  # generated message class
         return msg_cls(transport=self.transport, endpoint=self.endpoint, lease_id=self.lease_id, token=self.token,
                        block_ids=self.block_ids, layout_json=json.dumps(self.layout), mla_base=self.mla_base,
                        index_base=self.index_base, control_endpoint=self.control_endpoint,
                        signature=self.signature)
 
     @classmethod
-    def from_proto(cls, msg) -> Destination:  # noqa: ANN001
+    def from_proto(cls, msg) -> Destination:
         return cls(msg.transport, msg.endpoint, msg.lease_id, bytes(msg.token), list(msg.block_ids),
                    json.loads(msg.layout_json or "{}"), list(msg.mla_base), list(msg.index_base),
                    msg.control_endpoint, bytes(msg.signature))
@@ -115,7 +115,7 @@ class KVPush(ABC):
         """Tell the receiver the push is complete (after finish(commit=False) on every CP rank)."""
         self._commit()
 
-    def close(self) -> None:
+    def close(self) -> None:  # optional hook
         self._close()
 
     def abort(self) -> None:
@@ -147,7 +147,7 @@ class KVPush(ABC):
             self._finish_writes()
             if self._commit_at_end:
                 self._commit()
-        except BaseException as exc:  # noqa: BLE001 - reported to on_end
+        except BaseException as exc:  # reported to on_end
             error = exc
             self._close()  # a failed push lets go of its connection at once
             while not ended and self._queue.get() is not None:  # the producer ends with None
@@ -182,7 +182,7 @@ class KVReceiver(ABC):
     transport: str
 
     @abstractmethod
-    def destination(self, lease) -> Destination:  # noqa: ANN001 - kvcache.lease.Lease
+    def destination(self, lease) -> Destination:  # kvcache.lease.Lease
         """The descriptor a prefill instance needs to push into `lease`."""
 
     @abstractmethod

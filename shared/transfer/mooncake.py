@@ -39,7 +39,7 @@ from shared.transfer.tcp import STALL_SECONDS, TcpReceiver, mark_over_tcp, touch
 def mooncake_available() -> bool:
     try:
         from mooncake.engine import TransferEngine  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing wheel or system libraries
+    except Exception:  # missing wheel or system libraries
         return False
     return True
 
@@ -50,7 +50,7 @@ class _Engine:
     def __init__(self, kv: KVCache, host: str, protocol: str, device_name: str = "", register_pools: bool = True):
         try:
             from mooncake.engine import TransferEngine
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise TransferError(f"Mooncake transfer engine unavailable: {exc}") from exc
         device_name = mooncake_device_names("mooncake", protocol, device_name)  # "auto" → the NICs found
         self.engine = TransferEngine()
@@ -125,7 +125,7 @@ class MooncakeReceiver(KVReceiver):
         self._engine = _Engine(kv, host, protocol, device_name, register_pools=False)
         control.leases.on_end.append(lambda lease: self._engine.unregister_lease(lease.lease_id))
 
-    def destination(self, lease) -> Destination:  # noqa: ANN001
+    def destination(self, lease) -> Destination:
         """Registers the lease's blocks (only they are writable, until the lease ends)."""
         if lease.lease_id in self.control.leases and lease.lease_id not in self._engine.registered:
             self._engine.register_lease(lease.lease_id, list(lease.blocks))

@@ -154,7 +154,7 @@ class TcpReceiver(KVReceiver):
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True).start()
 
-    def destination(self, lease) -> Destination:  # noqa: ANN001
+    def destination(self, lease) -> Destination:
         return Destination("tcp", self.endpoint, lease.lease_id, lease.token, list(lease.blocks),
                            self.kv.layout.describe())
 
