@@ -38,6 +38,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.deploy import Deployment, EngineSpec
+from router.perf import PerfModel, profile_engine, profile_served
+from router.planner import Dist, Workload, run_plan
 from router.server import RouterConfig
 from shared.config import ServiceConfig, add_flags, same_as
 from shared.protocol.chat import EOS, split_reasoning
@@ -404,7 +406,6 @@ def cmd_chat(args: argparse.Namespace, read: Callable[[str], str] = input) -> No
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
-    from router.perf import profile_engine, profile_served
 
     if args.router:
         args.address = args.router
@@ -416,8 +417,6 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from router.perf import PerfModel
-    from router.planner import Dist, Workload, run_plan
 
     perf = PerfModel.load(args.profile) if args.profile else PerfModel()
     w = Workload(args.rate, Dist.parse(args.isl), Dist.parse(args.osl), args.ttft_p90 / 1e3, args.tpot_p90 / 1e3,
@@ -427,7 +426,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from shared.loader.convert import convert_checkpoint
+    from shared.loader.convert import convert_checkpoint  # torch, loaded by this command only
 
     try:
         print(convert_checkpoint(args.src, args.dst, args.format, args.ep, args.max_shard_gb, progress=True))

@@ -22,8 +22,15 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+import threading
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+import grpc
+
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 CALIBRATION_LIMITS = (0.1, 10.0)  # observed / predicted factors are clamped: one outlier must not rule
 TTFT_BANDS = (0, 1, 256, 1024)  # queued prefill tokens ahead: idle, some, busy, saturated
@@ -206,22 +213,28 @@ class PerfModel:
 
 
 def fit_linear(xs: list[list[float]], ys: list[float]) -> list[float]:
-    """Least-squares coefficients (non-negative, clipped) of y ≈ Σ x_i·c_i (include a 1 column for a base)."""
-    import torch
-
-    x = torch.tensor(xs, dtype=torch.float64)
-    y = torch.tensor(ys, dtype=torch.float64)[:, None]
-    coef = torch.linalg.lstsq(x, y).solution[:, 0]
-    return [max(0.0, float(c)) for c in coef]
+    """Least-squares coefficients (non-negative, clipped) of y ≈ Σ x_i·c_i (include a 1 column for a base),
+    by the normal equations (a handful of columns: no linear-algebra library in the router)."""
+    n = len(xs[0])
+    a = [[sum(row[i] * row[j] for row in xs) for j in range(n)] + [sum(row[i] * y for row, y in zip(xs, ys))]
+         for i in range(n)]
+    for col in range(n):  # Gauss-Jordan with partial pivoting
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if abs(a[col][col]) < 1e-300:
+            continue  # a column without information keeps coefficient 0
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [v - f * w for v, w in zip(a[r], a[col])]
+    return [max(0.0, a[i][n] / a[i][i]) if abs(a[i][i]) >= 1e-300 else 0.0 for i in range(n)]
 
 
 def profile_engine(model: str, dtype: str = "bfloat16", say=print, lengths: tuple[int, ...] = (16, 64, 256, 1024),
                    batches: tuple[int, ...] = (1, 4, 16, 64), contexts: tuple[int, ...] = (32, 256)) -> PerfModel:
     """Measure prefill (at `lengths`) and decode (at `batches` × `contexts`) of the engine in-process
-    on `model` and fit a PerfModel."""
-    import statistics
-    import time
-
+    on `model` and fit a PerfModel. The one router command that runs the engine in its own process, so
+    the only place the router package loads torch (on demand)."""
     from shared.engine import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype)
@@ -273,13 +286,6 @@ def profile_served(address: str, say=print, lengths: tuple[int, ...] = (16, 64, 
     time for the prefill curve (queue-free, so it holds the whole disaggregated path: prefill, KV
     push, admission), and the TPOT of `batch` concurrent streams for the decode curve. This is what
     the router will see, processes sharing cores included."""
-    import statistics
-    import threading
-    import time
-
-    import grpc
-
-    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
     def stream(stub, prompt: list[int], n: int) -> list[float]:
         req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=generation_pb2.SamplingParams(
@@ -327,9 +333,6 @@ def measure_interference(stub, stream, steps: int, say=print, prompt_tokens: int
     """(prefill, decode) interference through the served path: the TTFT of a prompt while one stream keeps
     a decode stepping, and the TPOT of a stream while prompts keep the prefill computing, each against the
     same alone (medians of 5). Near 0 where instances do not share cores."""
-    import statistics
-    import threading
-    import time
 
     def prompt(seed: int, n: int) -> list[int]:  # distinct prompts: no prefix-cache hits
         return [(29 * i + 7919 * seed) % 400 + 3 for i in range(n)]
