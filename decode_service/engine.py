@@ -34,6 +34,8 @@ from shared.engine.core import (
 )
 from shared.engine.process import CoreConnection, EngineProcessClient
 from shared.parallel.launch import service_state
+from shared.protocol.limits import RequestLimits
+from shared.protocol.placement import least_loaded_rank
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
 from shared.rpc.service import LoopQueue, die_with_parent
 from shared.transfer import Destination
@@ -56,9 +58,7 @@ class Placement:
 class DecodeFacts:
     """What the engine-core process tells its front at start."""
 
-    max_model_len: int
-    block_size: int
-    usable_blocks: int
+    limits: RequestLimits
     transport: str
     loads: list[DecodeLoad]
 
@@ -68,9 +68,7 @@ class DecodeHandle(EngineHandle, Protocol):
 
     loads: list[DecodeLoad]
     lease_rank: dict[str, int]  # lease id → the rank holding it (the handlers route by it)
-    max_model_len: int
-    block_size: int
-    usable_blocks: int
+    limits: RequestLimits  # what one request may ask of a rank (context, KV blocks)
 
     def submit(self, command: EngineCommand, rank: int = 0) -> Future: ...
     def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future: ...
@@ -146,8 +144,7 @@ class DecodeEngineCore(EngineCore):
         self.sink = sink or self.streams.dispatch
         self.on_report = on_report
         engine = me.engine
-        self.max_model_len, self.block_size = engine.max_model_len, engine.layout.block_size
-        self.usable_blocks = engine.usable_blocks
+        self.limits = engine.limits
         self.output_processor = engine.output_processor
         self.start()
 
@@ -194,11 +191,9 @@ class DecodeEngineCore(EngineCore):
             if self.mirror:
                 rank = 0
             else:
-                def load(r: int) -> tuple[int, int, int]:
-                    pending = sum(t for _, t in self._unreported[r])
-                    return self.loads[r].tokens + pending, self.loads[r].running, r
-
-                rank = min(range(self.world), key=load)
+                pending = [sum(t for _, t in self._unreported[r]) for r in range(self.world)]
+                rank = least_loaded_rank([load.tokens + p for load, p in zip(self.loads, pending)],
+                                         [load.running for load in self.loads])
             command, to = self._addressed(Reserve(request_id, tokens, prompt_tokens), rank)
             sent = self.dispatch(command, to)
             self._unreported[rank].append((sent.cid, tokens))
@@ -315,8 +310,7 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the front, which fails its start
         front.send("failed", f"{type(exc).__name__}: {exc}")
         return
-    front.send("ready", DecodeFacts(core.max_model_len, core.block_size, core.usable_blocks,
-                                    core.me.receiver.transport, core.loads))
+    front.send("ready", DecodeFacts(core.limits, core.me.receiver.transport, core.loads))
     try:
         front.serve({"submit": core.submit, "reserve": core.reserve})
     finally:
@@ -334,8 +328,7 @@ class DecodeEngineClient(EngineProcessClient):
                          on_lost=lambda reason: self.streams.fail_all())
         facts: DecodeFacts = self.core.facts
         self.loads = facts.loads
-        self.max_model_len, self.block_size = facts.max_model_len, facts.block_size
-        self.usable_blocks, self.transport = facts.usable_blocks, facts.transport
+        self.limits, self.transport = facts.limits, facts.transport
         self._tokenizer = Tokenizer.from_model_dir(cfg.model, None)
 
     def output_processor(self, params: SamplingParams) -> OutputProcessor:

@@ -44,7 +44,6 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def __init__(self, cfg: DecodeConfig, coordinator: DecodeHandle):
         self.cfg, self.coord = cfg, coordinator
         self.credentials = Credentials.of(cfg)
-        self.max_model_len = coordinator.max_model_len
         self._export_gauges()
 
     async def _result(self, fut, context):  # noqa: ANN001, ANN202
@@ -58,17 +57,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         metrics.REGISTRY.register(metrics.LoadCollector("decode", lambda: [x.gauges() for x in self.coord.loads]))
 
     async def Reserve(self, request, context):  # noqa: N802 - gRPC method name
-        if request.num_prompt_tokens <= 0 or request.max_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_prompt_tokens and max_tokens must be > 0")
+        try:  # one that can never fit is INVALID_ARGUMENT, not a retryable RESOURCE_EXHAUSTED
+            self.coord.limits.check_length(request.num_prompt_tokens, request.max_tokens)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         total = request.num_prompt_tokens + request.max_tokens
-        if total > self.max_model_len:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"max_tokens: prompt + max_tokens ({total}) exceeds the context {self.max_model_len}")
-        need = -(-total // self.coord.block_size)
-        if need > self.coord.usable_blocks:  # can never fit: not a retryable RESOURCE_EXHAUSTED
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"max_tokens: prompt + max_tokens needs {need} KV blocks, a decode rank has "
-                                f"{self.coord.usable_blocks}")
         placed = self.coord.reserve(request.request_id, total, request.num_prompt_tokens)
         try:
             placement = await wait_future(placed, 60)
@@ -95,7 +88,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         return internal_pb2.LoadReport(
             running=sum(x.running for x in loads), waiting=sum(x.waiting for x in loads),
             free_blocks=sum(x.free_blocks for x in loads), total_blocks=sum(x.total_blocks for x in loads),
-            active_leases=sum(x.active_leases for x in loads), ranks=ranks, block_size=self.coord.block_size)
+            active_leases=sum(x.active_leases for x in loads), ranks=ranks, block_size=self.coord.limits.block_size)
 
     async def Decode(self, request, context):  # noqa: N802
         rank = self.coord.lease_rank.get(request.lease_id)

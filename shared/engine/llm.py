@@ -27,6 +27,7 @@ from shared.model import ForwardBatch, SeqChunk
 from shared.model.offload import parse_layers
 from shared.parallel.state import ParallelState
 from shared.protocol.chat import ChatMessage, render_messages
+from shared.protocol.limits import RequestLimits
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
 
 
@@ -113,6 +114,12 @@ class LLMEngine:
         self.stepped = False  # whether the last step() ran a forward (a dummy one included)
 
     @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask of this engine: the model's context and vocabulary, a rank's KV pool."""
+        return RequestLimits(self.max_model_len, self.model_config.vocab_size, self.layout.block_size,
+                             self.usable_blocks)
+
+    @property
     def usable_blocks(self) -> int:
         """KV blocks requests can use (the pool minus the scratch block of a parallel rank)."""
         return self.kv.num_blocks - (1 if self.scratch_blocks else 0)
@@ -133,18 +140,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the offending field."""
         params.validate()
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the model's context of {self.max_model_len}")
-        need = self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens)
-        if need > self.kv.num_blocks:
-            raise ValueError(f"max_tokens: request needs {need} KV blocks, the pool has {self.kv.num_blocks}")
+        self.limits.check_prompt_ids(prompt_token_ids)
+        self.limits.check_length(len(prompt_token_ids), params.max_tokens)
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, priority: int = 0) -> Sequence:

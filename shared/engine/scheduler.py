@@ -23,7 +23,8 @@ import torch
 
 from shared.engine.sampler import SamplingParams
 from shared.kvcache import BlockAllocator
-from shared.kvcache.pool import block_hash, blocks_for
+from shared.protocol.limits import blocks_for
+from shared.protocol.prefix import block_hash
 
 
 class Status(enum.Enum):

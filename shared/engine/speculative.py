@@ -72,8 +72,6 @@ class CatchUp(NamedTuple):
 
 class MtpSpeculator:
     def __init__(self, engine, num_tokens: int):  # noqa: ANN001 - shared.engine.llm.LLMEngine
-        if not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, got {num_tokens}")
         self.engine, self.k = engine, num_tokens
         self.drafts: dict[str, Draft] = {}
         self.stats = SpecStats()
