@@ -156,35 +156,45 @@ def test_the_router_imports_no_torch():
     assert out.stdout.strip() == "", f"the router pulled in: {out.stdout.strip()[:300]}"
 
 
+def layout_entries(block: str) -> list[tuple[str, str, str]]:
+    """(parent, path, text) per entry of the layout block: an entry starts with a path at column 0 (a
+    top-level folder) or 2 (inside the last top-level one); deeper-indented lines continue its text."""
+    entries: list[list[str]] = []
+    top = ""
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        if indent in (0, 2):
+            path, _, text = line.strip().partition(" ")
+            if indent == 0:
+                top = path
+            entries.append([top if indent else "", path, text])
+        else:
+            entries[-1][2] += " " + line.strip()
+    return [(parent, path, text) for parent, path, text in entries]
+
+
 def test_the_readme_layout_names_only_files_that_exist():
-    """Each line of the README's layout block is `path/  item · item ...`: every item is a module or
-    package of that path, so the layout cannot name a file that is gone."""
+    """Each entry of the README's layout block is `path  item (why) · item (why) ...`: the path and every
+    item (a module, package or file of that path) exist, so the layout cannot name what is gone."""
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Repository layout", 1)[1].split("```", 2)[1]
     missing = []
-    top: Path | None = None
-    here: Path | None = None
-    for line in block.splitlines():
-        if not line.strip():
+    entries = layout_entries(block)
+    assert len(entries) > 15
+    for parent, path, text in entries:
+        where = ROOT / parent / path
+        if not where.exists():
+            missing.append(f"{parent}{path}")
             continue
-        indent = len(line) - len(line.lstrip())
-        head, _, rest = line.strip().partition("  ")
-        if line.lstrip().startswith("·"):
-            items = line.strip()
-        else:
-            items = rest.strip()
-            path = (ROOT / head) if indent == 0 else (top or ROOT) / head
-            if indent == 0:
-                top = path if head.endswith("/") else ROOT
-            for word in head.split():
-                if not (ROOT / word).exists() and not path.exists():
-                    missing.append(head)
-            here = path if head.endswith("/") else None
-        if here is None or not here.is_dir():
-            continue
-        for item in items.split("·"):
-            name = item.strip().split(" ")[0]
-            if name and re.fullmatch(r"[a-z_][a-z0-9_]*", name):
-                if not ((here / f"{name}.py").exists() or (here / name).is_dir()):
-                    missing.append(f"{here.relative_to(ROOT)}/{name}")
+        while re.search(r"\([^()]*\)", text):
+            text = re.sub(r"\([^()]*\)", "", text)  # (why) remarks, nested ones too
+        text = text.split(" — ")[0]
+        for item in text.split("·"):
+            name = item.strip().split(" ")[0] if item.strip() else ""
+            if not re.fullmatch(r"[a-z_][a-z0-9_]*", name) or not where.is_dir():
+                continue
+            if not ((where / name).exists() or list(where.glob(f"{name}.*"))):
+                missing.append(f"{parent}{path}{name}")
     assert not missing, f"the README layout names what does not exist: {missing}"
