@@ -1,11 +1,11 @@
-"""The CPU kernels (shared.model.cpu_kernels): fused paged MQA attention against the portable gather + bmm path."""
+"""The CPU kernels (shared.model.cpu_kernels), as shared.model.ops chooses them, against the portable torch path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shared.model import attention, cpu_kernels
+from shared.model import cpu_kernels, ops
 from shared.model.batch import ForwardBatch, SeqChunk
 
 BLOCK = 16
@@ -49,16 +49,16 @@ def test_dense_decode_matches_the_portable_path(portable, pool_dtype, heads, que
     calls = []
     real = cpu_kernels.paged_mqa
 
-    def counting(*args, **kwargs):  # noqa: ANN002, ANN003
+    def counting(*args, **kwargs):  # ANN003
         calls.append(1)
         return real(*args, **kwargs)
 
     portable(True)
-    want = attention.dense_attention(query, fb, pool, 0.07, 512)
+    want = ops.dense_attention(query, fb, pool, 0.07, 512)
     portable(False)
     cpu_kernels.paged_mqa = counting
     try:
-        got = attention.dense_attention(query, fb, pool, 0.07, 512)
+        got = ops.dense_attention(query, fb, pool, 0.07, 512)
     finally:
         cpu_kernels.paged_mqa = real
     assert calls, "the decode step did not take the fused kernel"
@@ -77,9 +77,9 @@ def test_sparse_picks_with_a_mask_match_the_portable_path(portable):
     valid[:, 0] = True
     query = torch.randn(n, 4, 576, generator=gen)
     portable(True)
-    want = attention.sparse_attention(query, fb, pool, picks, valid, 0.1, 512)
+    want = ops.sparse_attention(query, fb, pool, picks, valid, 0.1, 512)
     portable(False)
-    got = attention.sparse_attention(query, fb, pool, picks, valid, 0.1, 512)
+    got = ops.sparse_attention(query, fb, pool, picks, valid, 0.1, 512)
     assert (got - want).abs().max().item() < 1e-5
 
 
@@ -90,12 +90,12 @@ def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     fb, num_blocks = _batch([40, 60], cpu_kernels.MAX_QUERIES_PER_REQUEST + 1, gen)
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
-    attention.dense_attention(torch.randn(2, fb.query_index.shape[1], 4, 576), fb, pool, 0.1, 512)
+    ops.dense_attention(torch.randn(2, fb.query_index.shape[1], 4, 576), fb, pool, 0.1, 512)
     fb, num_blocks = _batch([40, 60], 1, gen)
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
-    attention.dense_attention(torch.randn(2, 1, cpu_kernels.MAX_HEADS + 1, 576), fb, pool, 0.1, 512)
+    ops.dense_attention(torch.randn(2, 1, cpu_kernels.MAX_HEADS + 1, 576), fb, pool, 0.1, 512)
     fb.generated = 0  # the same one-query step, as prompt tokens
-    attention.dense_attention(torch.randn(2, 1, 4, 576), fb, pool, 0.1, 512)
+    ops.dense_attention(torch.randn(2, 1, 4, 576), fb, pool, 0.1, 512)
 
 
 def test_positions_and_slots_are_checked():
@@ -166,7 +166,7 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
     real = cpu_kernels.moe_routed
     fused_rows: list[int] = []
 
-    def counting(x: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def counting(x: torch.Tensor, *args, **kwargs):  # ANN202
         fused_rows.append(x.shape[0])
         return real(x, *args, **kwargs)
 
@@ -181,8 +181,7 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
             fused_rows.clear()
             cpu_kernels.moe_routed = counting
             try:
-                with cpu_kernels.step_rows(rows, generated):
-                    got = moe(x)
+                got = moe(x, generated)
             finally:
                 cpu_kernels.moe_routed = real
             assert fused_rows == ([generated] if generated else [])
@@ -255,8 +254,7 @@ def test_fused_linear_and_head_matmul_match_torch(portable):
         portable(True)
         want = lin(x)
         portable(False)
-        with cpu_kernels.step_rows(rows, generated):
-            got = lin(x)
+        got = lin(x, generated)
         assert got.dtype == torch.bfloat16 and (got.float() - want.float()).abs().max() <= 2 ** -7 * want.abs().max()
         assert torch.equal(got[generated:], want[generated:])
     assert torch.equal(lin(x), want)  # outside a step: no generated rows, the portable path

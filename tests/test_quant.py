@@ -13,8 +13,8 @@ from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows
 from shared.loader.checkpoint import load_model
 from shared.loader.tiny import ensure_tiny_model
-from shared.model.attention import dense_attention, sparse_attention
 from shared.model.batch import ForwardBatch, SeqChunk, write_rows
+from shared.model.ops import dense_attention, sparse_attention
 from shared.quant.fp8 import fake_quant_ue8m0
 from shared.quant.int8 import Int8Linear, is_w8a8_target, quantize_activation
 from tests.helpers import concurrent_greedy, engine_logits, random_prompts
@@ -262,7 +262,7 @@ def test_fp8_and_int8_linears_stay_bounded_at_real_dimensions(monkeypatch):
     tiles: list[int] = []
     real_dequant = fp8.dequant_block_fp8
 
-    def recording(w, s, block, scale_fmt=None, dtype=torch.float32):  # noqa: ANN001
+    def recording(w, s, block, scale_fmt=None, dtype=torch.float32):
         tiles.append(w.numel())
         return real_dequant(w, s, block, scale_fmt, dtype)
 

@@ -9,6 +9,8 @@ query tiles × key tiles — whose working set fits `fb.workspace_bytes`:
 * sparse attention gathers each query's selected rows only: work O(S·k), not O(S·T);
 * dense prompt chunks may expand the latent rows into per-head keys and values (MHA form), only
   where whole contexts fit the workspace; otherwise they take the absorbed, key-tiled path.
+These are the portable forms: shared.model.ops runs decode steps and indexer picks through the fused CPU
+kernel where it applies.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import torch
 
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
-from shared.model import cpu_kernels
 from shared.model.batch import ForwardBatch, gather_blocks, gather_rows
 
 _MIN_QUERY_TILE = 16
@@ -66,13 +67,6 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
     r_all, s_all, heads, dim = query.shape
     size, t_pad = fb.block_size, fb.padded_context
     cdt = compute_dtype(query.dtype, query.device)
-    if (codec is None and fb.generated == fb.num_tokens and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST
-            and heads <= cpu_kernels.MAX_HEADS):  # decode / verification: each row read once, in place
-        flat = query.reshape(r_all * s_all, heads, dim).to(cdt)
-        if cpu_kernels.attention_usable(flat, pool, out_dim):
-            requests, counts = fb.query_rows
-            out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, size, requests, counts, scale, out_dim)
-            return out.view(r_all, s_all, heads, out_dim).to(query.dtype)
     isz = torch.empty((), dtype=cdt).element_size()
     tiles = plan_tiles(r_all, s_all, t_pad, size, per_pair=heads * (4 + isz),
                        per_query=heads * out_dim * 4 * 2, per_key=dim * isz + pool.shape[-1] * pool.element_size(),
@@ -183,12 +177,6 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
     n_all, heads, dim = query.shape
     k = picks.shape[1]
     cdt = compute_dtype(query.dtype, query.device)
-    if codec is None and heads <= cpu_kernels.MAX_HEADS and cpu_kernels.attention_usable(query.to(cdt), pool, out_dim):
-        slots = fb.slots_of(fb.token_request, picks)  # [N, k]: a one-row "block table" per query
-        rows = torch.arange(n_all, device=query.device)
-        counts = torch.full((n_all,), k, dtype=torch.long, device=query.device)
-        return cpu_kernels.paged_mqa(query.to(cdt), pool, slots, 1, rows, counts, scale, out_dim,
-                                   mask=valid).to(query.dtype)
     isz = torch.empty((), dtype=cdt).element_size()
     per_query = k * (dim * isz + pool.shape[-1] * pool.element_size()) + heads * k * (4 + isz) + k * 8
     step = max(1, fb.workspace_bytes // per_query)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.parallel.comm import gather_varlen
+
 
 @dataclass
 class SeqChunk:
@@ -63,8 +65,8 @@ class ForwardBatch:
     cp: CPGather | None = None
     parts: list[tuple[slice, ForwardBatch]] | None = None  # mixed steps: see attention_parts()
     # Leading flat tokens that belong to generated chunks (decodes come first in a step). Only those
-    # take the CPU kernels whose results could differ from the portable path's (shared.model.cpu_kernels):
-    # a prompt token is computed alike however it is chunked, and a generated token however it is batched.
+    # take the CPU kernels whose results could differ from the portable path's (shared.model.ops): a
+    # prompt token is computed alike however it is chunked, and a generated token however it is batched.
     generated: int = 0
 
     def attention_parts(self) -> list[tuple[slice, ForwardBatch]]:
@@ -95,6 +97,13 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def logits_generated(self) -> int:
+        """Leading rows of the logits selection (x[logits_index]) that are generated tokens, as `generated`
+        counts them for a step's own rows: all of `generated` where every token wants logits (decode,
+        verification), else none."""
+        return self.generated if self.logits_index.shape[0] == self.num_tokens else 0
 
     @property
     def padded_context(self) -> int:
@@ -237,7 +246,5 @@ def write_rows(pool: torch.Tensor, fb: ForwardBatch, rows: torch.Tensor) -> None
     flat = pool.view(-1, pool.shape[-1])
     flat[fb.slot_mapping] = rows.to(pool.dtype)
     if fb.cp is not None:
-        from shared.parallel.comm import gather_varlen
-
         everyone = gather_varlen(rows[: fb.cp.local_rows].contiguous(), fb.cp.sizes, fb.cp.group)
         flat[fb.cp.slots] = everyone.to(pool.dtype)

@@ -69,13 +69,13 @@ class Indexer(nn.Module):
                 index_pool: torch.Tensor, codec: RowCodec | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Write the new tokens' keys; return the step's indexer queries and head weights ([N, H, D],
         [N, H] fp32) for select(), or None when no request's context exceeds index_topk."""
-        n = x.shape[0]
-        k = self._quantize(self._rope(self.k_norm(self.wk(x)), rope))
+        n, g = x.shape[0], fb.generated  # g: the leading rows that are generated tokens (shared.model.ops)
+        k = self._quantize(self._rope(self.k_norm(self.wk(x, g)), rope))
         write_rows(index_pool, fb, k if codec is None else codec.encode(k))
         if fb.max_context <= self.topk:
             return None  # every causal key is selected: dense MLA
-        q = self._quantize(self._rope(self.wq_b(qr).view(n, self.n_heads, self.head_dim), rope))
-        w = self.weights_proj(x.float()) * self.n_heads**-0.5  # [N, H]
+        q = self._quantize(self._rope(self.wq_b(qr, g).view(n, self.n_heads, self.head_dim), rope))
+        w = self.weights_proj(x.float(), g) * self.n_heads**-0.5  # [N, H]
         return q, w
 
     def select(self, q: torch.Tensor, w: torch.Tensor, fb: ForwardBatch, index_pool: torch.Tensor,

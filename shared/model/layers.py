@@ -1,4 +1,9 @@
-"""Small building blocks: RMSNorm and the SwiGLU MLP."""
+"""Small building blocks: RMSNorm, the linears in each weight format, and the SwiGLU MLP.
+
+Every linear the model builds is called as `layer(x, generated)`: `generated` is how many leading rows of x
+are the step's generated tokens (ForwardBatch.generated; 0 for any other rows), which take the CPU kernel
+where it applies (shared.model.ops). Quantized and TP-sharded linears have no kernel and run all rows alike.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model import cpu_kernels
-from shared.quant.fp8 import Fp8Linear
-from shared.quant.int8 import Int8Linear
+import shared.model.ops as ops
+from shared.quant import fp8, int8
 
 
 @dataclass(frozen=True)
@@ -41,12 +45,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = cpu_kernels.rms_norm(x, self.weight, self.eps)  # one call instead of 8 ops on CPUs
-        if fused is not None:
-            return fused
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
         """DeepSeek's form: weight and normalized x both in fp32, result fp32."""
@@ -54,20 +53,25 @@ class RMSNorm(nn.Module):
         return self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def matmul_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x in the weight's dtype: weights may be held in the compute dtype (see store_for_compute)."""
-    return x if x.dtype == weight.dtype else x.to(weight.dtype)
-
-
 class Linear(nn.Linear):
     """nn.Linear whose output keeps the input's dtype when the weight is held in another one."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # decode rows on a CPU: one kernel call instead of three ops
-        return cpu_kernels.on_generated_rows(x, lambda rows: cpu_kernels.linear(rows, self.weight), self._portable)
+    def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
+        return ops.linear(x, self.weight, generated)
 
-    def _portable(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype)
+
+class Int8Linear(int8.Int8Linear):
+    """W8A8 (shared.quant.int8) in the model's call form, layer(x, generated): no kernel, all rows alike."""
+
+    def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
+        return super().forward(x)
+
+
+class Fp8Linear(fp8.Fp8Linear):
+    """FP8 weights, block scales (shared.quant.fp8) in the model's call form: no kernel, all rows alike."""
+
+    def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
+        return super().forward(x)
 
 
 def linear(in_features: int, out_features: int, dtype: torch.dtype, fmt: WeightFormat | None = None) -> nn.Module:
@@ -90,5 +94,5 @@ class MLP(nn.Module):
         self.up_proj = linear(hidden, inter, dtype, fmt)
         self.down_proj = linear(inter, hidden, dtype, fmt)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, generated)) * self.up_proj(x, generated), generated)

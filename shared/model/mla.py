@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import shared.model.ops as ops
 from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
-from shared.model import cpu_kernels
-from shared.model.attention import dense_attention, expanded_attention, sparse_attention
-from shared.model.batch import ForwardBatch, write_rows
+from shared.model.attention import expanded_attention
+from shared.model.batch import ForwardBatch
 from shared.model.indexer import Indexer, Selection
 from shared.model.layers import LinearFormats, RMSNorm, linear
 from shared.model.rope import RopeAngles, rope_interleaved, rope_neox
@@ -36,6 +36,7 @@ class MLA(nn.Module):
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = cfg.kv_lora_rank, cfg.q_lora_rank
         self.scale = cfg.softmax_scale
+        self.interleaved = cfg.rope_interleave
         self.rotate = rope_interleaved if cfg.rope_interleave else rope_neox
         qk = self.nope + self.rope_dim
         if self.q_lora_rank:
@@ -77,23 +78,19 @@ class MLA(nn.Module):
                 index_pool: torch.Tensor | None, codecs: tuple[RowCodec, RowCodec] | None = None) -> torch.Tensor:
         """`codecs` (MLA rows, indexer keys): how the pools store rows (None: as they are)."""
         mla_codec, index_codec = codecs or (None, None)
-        n = x.shape[0]
+        n, g = x.shape[0], fb.generated  # g: the leading rows that are generated tokens (shared.model.ops)
         if self.q_lora_rank:
-            qr = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(qr)
+            qr = self.q_a_layernorm(self.q_a_proj(x, g))
+            q = self.q_b_proj(qr, g)
         else:
-            qr, q = None, self.q_proj(x)
+            qr, q = None, self.q_proj(x, g)
         q = q.view(n, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
 
-        kv = self.kv_a_proj_with_mqa(x)
-        inter, norm = self.rotate is rope_interleaved, self.kv_a_layernorm
-        cos, sin = (rope.inter_cos, rope.inter_sin) if inter else (rope.neox_cos, rope.neox_sin)
-        if mla_codec is not None or fb.cp is not None or not cpu_kernels.mla_kv_write(
-                kv, norm.weight, norm.eps, cos, sin, inter, mla_pool, fb.slot_mapping):  # CPUs: one call
-            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], -1)
-            row = torch.cat([norm(c_kv), self.rotate(k_pe, rope)], -1)
-            write_rows(mla_pool, fb, row if mla_codec is None else mla_codec.encode(row))
+        # the cache row of each new token: [kv_a_layernorm(c_kv) | rope(k_pe)]
+        kv = self.kv_a_proj_with_mqa(x, g)
+        cos, sin = rope.cos_sin(self.interleaved)
+        ops.write_mla_rows(kv, self.kv_a_layernorm, cos, sin, self.interleaved, mla_pool, fb, mla_codec)
 
         index_query = self.indexer(x, qr, rope, fb, index_pool, index_codec) if self.indexer is not None else None
 
@@ -118,31 +115,27 @@ class MLA(nn.Module):
             else:
                 o[tokens] = out.reshape(-1, self.n_heads * self.v_dim)
         if absorbed:
-            self._attend_absorbed(q_nope, q_rot, absorbed, mla_pool, mla_codec, o)
-        return self.o_proj(o)
+            self._attend_absorbed(q_nope, q_rot, absorbed, mla_pool, mla_codec, o, g)
+        return self.o_proj(o, g)
 
     def _attend_absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor,
                          parts: list[tuple[slice, ForwardBatch, Selection | None]], pool: torch.Tensor,
-                         codec: RowCodec | None, o: torch.Tensor) -> None:
+                         codec: RowCodec | None, o: torch.Tensor, generated: int) -> None:
         """Absorbed attention of the tokens of `parts` (decodes; sparse or long-context prompt rows):
-        q_nope goes into latent space through W_UK, the latent output back through W_UV, into o.
-        Generated rows take the CPU kernels (a part is all generated or all prompt)."""
+        q_nope goes into latent space through W_UK, the latent output back through W_UV, into o. A part is
+        all generated tokens (the step's first `generated`) or all prompt ones."""
         c, cdt, heads = self.kv_lora_rank, self.w_uk.dtype, self.n_heads
-        g = cpu_kernels.generated_rows(q_nope)
         for tokens, part, selection in parts:
-            rows, kernel = tokens.stop - tokens.start, tokens.stop <= g
+            rows, is_generated = tokens.stop - tokens.start, tokens.stop <= generated
             query = q_nope.new_empty(rows, heads, c + self.rope_dim, dtype=cdt)
-            if not (kernel and cpu_kernels.head_matmul(q_nope[tokens], self.w_uk, query[..., :c])):
-                torch.bmm(q_nope[tokens].to(cdt).transpose(0, 1), self.w_uk, out=query[..., :c].transpose(0, 1))
+            ops.head_matmul(q_nope[tokens], self.w_uk, is_generated, out=query[..., :c])
             query[..., c:] = q_rot[tokens]
             o_lat = self._attend(query, part, pool, selection, codec)  # [rows, H, c]
-            out = o[tokens].view(rows, heads, self.v_dim)
-            if not (kernel and cpu_kernels.head_matmul(o_lat, self.w_uv_t, out)):
-                out.copy_(torch.bmm(o_lat.to(cdt).transpose(0, 1), self.w_uv_t).transpose(0, 1))
+            o[tokens].view(rows, heads, self.v_dim).copy_(ops.head_matmul(o_lat, self.w_uv_t, is_generated))
 
     def _attend(self, query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
                 sel: Selection | None, codec: RowCodec | None) -> torch.Tensor:
         c = self.kv_lora_rank
         if sel is not None:  # each query attends to its top-k rows only
-            return sparse_attention(query, fb, pool, sel.picks, sel.valid, self.scale, c, codec)
-        return fb.unpadded(dense_attention(fb.padded(query), fb, pool, self.scale, c, codec))
+            return ops.sparse_attention(query, fb, pool, sel.picks, sel.valid, self.scale, c, codec)
+        return fb.unpadded(ops.dense_attention(fb.padded(query), fb, pool, self.scale, c, codec))

@@ -14,12 +14,15 @@ from torch import nn
 from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.kvcache import KVCache
-from shared.model import cpu_kernels
 from shared.model.batch import ForwardBatch
+from shared.model.decoder import DecoderLayer
 from shared.model.layers import MLP, LinearFormats, RMSNorm, WeightFormat, linear
-from shared.model.mla import MLA
-from shared.model.moe import Experts, Gate, MoE
-from shared.model.rope import RopeAngles, RotaryTable
+from shared.model.moe import Experts, Gate
+from shared.model.mtp import MTPLayer
+from shared.model.offload import LayerOffloader
+from shared.model.rope import RotaryTable
+from shared.model.tensor_parallel import VocabParallelEmbedding, shard_linear
+from shared.parallel.layer_shard import LayerSharder
 from shared.parallel.state import ParallelState
 
 QUANTIZATIONS = ("auto", "none", "w8a8", "fp8")
@@ -46,26 +49,6 @@ def linear_formats(cfg: ModelConfig, quantization: str, dtype: torch.dtype, devi
         fmt = WeightFormat("fp8", scheme.block if scheme else (128, 128), compute_dtype(dtype, device))
         return LinearFormats(target=fmt, other=fmt)
     return LinearFormats()
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, indexer_numerics: str,
-                 parallel: ParallelState, fmts: LinearFormats | None = None):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLA(cfg, dtype, indexer_numerics, fmts)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, dtype, parallel.config.ep, parallel.ep_rank, parallel.ep_group, fmts)
-        else:  # dense MLPs: bf16 under W8A8 (the practice), FP8 when FP8 is kept
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fmts.other if fmts else None)
-
-    def forward(self, h: torch.Tensor, rope: RopeAngles, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        index_pool = kv.index[self.layer_idx] if kv.index is not None else None
-        codecs = (kv.mla_codec, kv.index_codec) if kv.layout.c8 else None
-        h = h + self.self_attn(self.input_layernorm(h), rope, fb, kv.mla[self.layer_idx], index_pool, codecs)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Backbone(nn.Module):
@@ -105,8 +88,6 @@ class DeepseekForCausalLM(nn.Module):
         if mtp:
             if cfg.num_nextn_predict_layers < 1:
                 raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
-            from shared.model.mtp import MTPLayer
-
             self.mtp = MTPLayer(cfg, dtype, indexer_numerics, self.parallel, fmts)
         self.sharder = None
         self.offloader = None  # enable_offload(): chosen layers' weights stream from host memory
@@ -116,9 +97,6 @@ class DeepseekForCausalLM(nn.Module):
     def apply_parallel(self) -> None:
         """After loading: convert weights to this rank's shards (local TP, layer sharding) and precompute
         the absorbed MLA matrices."""
-        from shared.parallel.layer_shard import LayerSharder
-        from shared.parallel.tp import VocabParallelEmbedding, shard_linear
-
         self.store_for_compute()
         p = self.parallel
         tp = p.config.tp
@@ -140,8 +118,6 @@ class DeepseekForCausalLM(nn.Module):
         """Keep `layers`' weights in host memory; each is copied into one of `buffers` device staging
         buffers just before it runs, overlapped with the previous layer's compute (shared.model.offload).
         Call after apply_parallel(): it packs the final (sharded, absorbed) tensors."""
-        from shared.model.offload import LayerOffloader
-
         if self.offloader is not None:
             raise RuntimeError("offload is already enabled")
         if not layers:
@@ -193,11 +169,6 @@ class DeepseekForCausalLM(nn.Module):
         [len(fb.logits_index), vocab]. `layer_done(i)` fires after layer i's KV is in the pool
         (the prefill service pushes that layer to decode while the next one computes). With
         `return_hidden`, also every token's post-final-norm hidden state [N, H] (what MTP drafts from)."""
-        with cpu_kernels.step_rows(fb.num_tokens, fb.generated):  # which rows the CPU kernels take
-            return self._forward(fb, kv, layer_done, return_hidden)
-
-    def _forward(self, fb: ForwardBatch, kv: KVCache, layer_done: Callable[[int], None] | None,
-                 return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.model.embed_tokens(fb.input_ids)
         rope = self.rotary.lookup(fb.positions, self.dtype, fb.max_context)
         sharder, offloader = self.sharder, self.offloader
@@ -225,9 +196,9 @@ class DeepseekForCausalLM(nn.Module):
         # DeepSeek's final norm: fp32 math with the fp32 weight, rounded to the model dtype, then the fp32 head.
         if return_hidden:
             normed = self.model.norm.fp32(h).to(self.dtype)
-            return self.lm_head(normed[fb.logits_index].float()), normed
+            return self.lm_head(normed[fb.logits_index].float(), fb.logits_generated), normed
         h = self.model.norm.fp32(h[fb.logits_index]).to(self.dtype).float()
-        return self.lm_head(h)
+        return self.lm_head(h, fb.logits_generated)
 
     @torch.inference_mode()
     def forward_mtp(self, fb: ForwardBatch, kv: KVCache, hidden_prev: torch.Tensor,
@@ -236,6 +207,5 @@ class DeepseekForCausalLM(nn.Module):
         previous draft's g_j); writes the MTP layer's KV; returns (fp32 logits at fb.logits_index — each
         predicts t_{j+2} — and every token's g_j [N, H])."""
         rope = self.rotary.lookup(fb.positions, self.dtype, fb.max_context)
-        with cpu_kernels.step_rows(fb.num_tokens, fb.generated):
-            g = self.mtp(self.model.embed_tokens(fb.input_ids), hidden_prev, rope, fb, kv, self.dtype)
-            return self.lm_head(g[fb.logits_index].float()), g
+        g = self.mtp(self.model.embed_tokens(fb.input_ids), hidden_prev, rope, fb, kv, self.dtype)
+        return self.lm_head(g[fb.logits_index].float(), fb.logits_generated), g

@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import shared.model.ops as ops
 from shared.config import ModelConfig
 from shared.device import grouped_mm
-from shared.model import cpu_kernels
-from shared.model.layers import MLP, LinearFormats, WeightFormat, matmul_input
+from shared.model.layers import MLP, LinearFormats, WeightFormat
+from shared.model.ops import matmul_input
+from shared.parallel.comm import all_to_all_v, exchange_counts
 from shared.quant.fp8 import grouped_fp8
 from shared.quant.int8 import grouped_w8a8
 
@@ -144,38 +146,35 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.on_generated_rows(x, self._fused, self._portable)
+    def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
+        """`generated`: leading rows of x that are the step's generated tokens (shared.model.ops.moe)."""
+        return ops.moe(x, generated, self.fused_weights(), self._routed)
 
-    def _fused(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Decode rows on a CPU: router, routed and shared experts in one call (shared.model.cpu_kernels);
-        None where the kernel does not apply (EP, quantized experts, accelerator tensors)."""
-        shared = self.shared_experts
-        shared_weights = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared else ()
-        if self.ep != 1 or self.experts.fmt is not None or not cpu_kernels.moe_usable(
-                x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, *shared_weights):
+    def fused_weights(self) -> ops.MoEWeights | None:
+        """The weights as the fused MoE takes them; None where it cannot: experts split over EP ranks, or
+        quantized."""
+        if self.ep != 1 or self.experts.fmt is not None:
             return None
-        g = self.gate
-        y, _ = cpu_kernels.moe_routed(x, g.weight, g.e_score_correction_bias, g.n_group, g.topk_group, g.top_k,
-                                      g.norm_topk_prob, g.scaling, self.experts.gate_up_proj, self.experts.down_proj,
-                                      shared_weights or None)
-        return y.to(x.dtype)
+        g, shared = self.gate, self.shared_experts
+        return ops.MoEWeights(g.weight, g.e_score_correction_bias, g.n_group, g.topk_group, g.top_k, g.norm_topk_prob,
+                              g.scaling, self.experts.gate_up_proj, self.experts.down_proj,
+                              (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+                              if shared is not None else None)
 
-    def _portable(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, generated: int) -> torch.Tensor:
+        """The portable MoE: router, grouped experts (over EP ranks with ep > 1), shared expert."""
         ids, weights = self.gate(x)
         if self.ep == 1:
             y = self.experts(x, ids, weights)
             if self.shared_experts is not None:
-                y = y + self.shared_experts(x).float()
+                y = y + self.shared_experts(x, generated).float()
             return y.to(x.dtype)
-        return self._forward_ep(x, ids, weights)
+        return self._forward_ep(x, ids, weights, generated)
 
-    def _forward_ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _forward_ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, generated: int) -> torch.Tensor:
         """Each token travels once to every EP rank holding at least one of its experts, with its k
         ids and weights (picks on other ranks masked); that rank returns one weighted partial sum per
         token, so dispatch and combine move rows per (token, rank), not per (token, expert)."""
-        from shared.parallel.comm import all_to_all_v, exchange_counts
-
         n, k = ids.shape
         dest_of_pick = ids // self.per_rank  # [N, k]
         ranks = torch.arange(self.ep, device=x.device)
@@ -195,7 +194,8 @@ class MoE(nn.Module):
         got_meta, work_meta = all_to_all_v(meta, send_l, recv_l, self.ep_group, async_op=True)
         trace("dispatch_issued")
         trace("shared_start")
-        shared = self.shared_experts(x).float() if self.shared_experts is not None else None  # overlaps dispatch
+        # the shared expert computes while the dispatch is in flight
+        shared = self.shared_experts(x, generated).float() if self.shared_experts is not None else None
         trace("shared_end")
         trace("dispatch_wait")
         work_rows.wait()

@@ -21,6 +21,7 @@ from torch import nn
 from shared.config import ModelConfig
 from shared.kvcache import KVCache
 from shared.model.batch import ForwardBatch
+from shared.model.decoder import DecoderLayer
 from shared.model.layers import LinearFormats, RMSNorm, linear
 from shared.model.rope import RopeAngles
 from shared.parallel.state import ParallelState
@@ -33,15 +34,13 @@ class MTPLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str, parallel: ParallelState,
                  fmts: LinearFormats | None = None):
-        from shared.model.model import DecoderLayer  # the same block class as the main layers
-
         super().__init__()
         hidden = cfg.hidden_size
         self.layer_idx = cfg.num_hidden_layers
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
         self.eh_proj = linear(2 * hidden, hidden, dtype)
-        self.block = DecoderLayer(cfg, self.layer_idx, dtype, indexer_numerics, parallel, fmts)
+        self.block = DecoderLayer(cfg, self.layer_idx, dtype, indexer_numerics, parallel, fmts)  # as the main layers
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(hidden, cfg.rms_norm_eps, torch.float32)
 
@@ -55,6 +54,6 @@ class MTPLayer(nn.Module):
     def forward(self, embed: torch.Tensor, hidden_prev: torch.Tensor, rope: RopeAngles, fb: ForwardBatch,
                 kv: KVCache, dtype: torch.dtype) -> torch.Tensor:
         """embed: main embedding of t_{j+1} [N, H]; hidden_prev: h_j [N, H] → g_j [N, H] (dtype)."""
-        x = self.eh_proj(torch.cat([self.enorm(embed), self.hnorm(hidden_prev.to(embed.dtype))], -1))
+        x = self.eh_proj(torch.cat([self.enorm(embed), self.hnorm(hidden_prev.to(embed.dtype))], -1), fb.generated)
         h = self.block(x, rope, fb, kv)
         return self.shared_head.norm.fp32(h).to(dtype)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+import shared.model.ops as ops
 from shared.config import RopeConfig, yarn_get_mscale
-from shared.model import cpu_kernels
 
 
 def inv_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -85,33 +85,17 @@ class RopeAngles:
         return cls(cos.repeat_interleave(2, -1), torch.stack((-sin, sin), -1).flatten(-2),
                    torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
 
-
-def _bcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """[N, d] → [N, 1, ..., d] to broadcast over x's middle dims."""
-    return t.view((t.shape[0],) + (1,) * (x.dim() - 2) + (t.shape[-1],))
+    def cos_sin(self, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of one layout: interleaved pairs (MLA's) or NeoX halves (the indexer's)."""
+        return (self.inter_cos, self.inter_sin) if interleaved else (self.neox_cos, self.neox_sin)
 
 
 def rope_interleaved(x: torch.Tensor, rope: RopeAngles, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) by angle i; output keeps the interleaved layout. x: [N, ..., d].
     `out` (optional, x's shape; x's dtype or fp32) receives the result."""
-    fused = cpu_kernels.rope(x, rope.inter_cos, rope.inter_sin, True, out)  # CPUs: one call, same bits
-    if fused is not None:
-        return fused
-    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    return _store(x * _bcast(rope.inter_cos, x) + swapped * _bcast(rope.inter_sin, x), out)
+    return ops.rope(x, rope.inter_cos, rope.inter_sin, True, out)
 
 
 def rope_neox(x: torch.Tensor, rope: RopeAngles, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate pairs (x[i], x[i + d/2]) by angle i (NeoX rotate-half); x: [N, ..., d]; `out` as above."""
-    fused = cpu_kernels.rope(x, rope.neox_cos, rope.neox_sin, False, out)
-    if fused is not None:
-        return fused
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return _store(x * _bcast(rope.neox_cos, x) + swapped * _bcast(rope.neox_sin, x), out)
-
-
-def _store(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
+    return ops.rope(x, rope.neox_cos, rope.neox_sin, False, out)

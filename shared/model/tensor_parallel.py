@@ -5,7 +5,8 @@
   split on inputs, partial products all-reduced → every rank holds the full output.
   all-to-sharded followed by sharded-to-all needs no gather in between (the shard is the input).
 * VocabParallelEmbedding: each rank holds a vocab slice; lookups outside it are zero; all-reduce.
-`shard_linear()` converts a loaded nn.Linear in place of the module.
+`shard_linear()` converts a loaded nn.Linear in place of the module. The sharded linears are called like
+the model's others, `layer(x, generated)` (shared.model.layers); they have no CPU kernel and run all rows alike.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.device import int8_matmul
-from shared.model.layers import matmul_input
+from shared.model.ops import matmul_input
 from shared.parallel.comm import all_reduce_sum
 from shared.quant.int8 import Int8Linear, quantize_activation
 
@@ -35,7 +36,7 @@ class AllToShardedLinear(nn.Module):
         self.weight = nn.Parameter(weight[lo:hi].clone(), requires_grad=False)
         self.tp, self.group, self.gather_output = tp, group, gather_output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
         y = F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype)
         if not self.gather_output:
             return y
@@ -57,7 +58,7 @@ class ShardedToAllLinear(nn.Module):
         self.weight_scale = None if weight_scale is None else nn.Parameter(weight_scale.clone(), requires_grad=False)
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
         if self.weight_scale is not None:
             return all_reduce_sum(self._w8a8(x), self.group)
         if x.shape[-1] == self.in_features:  # replicated input: take our slice, no communication

@@ -1,0 +1,495 @@
+/* pdserve's CPU kernels for decode steps: shared.model.cpu_kernels compiles this file on first use (its _FLAGS:
+   -O3 -ffp-contract=off -fopenmp ..., -march=native or PDSERVE_KERNEL_ARCH) and binds it through ctypes;
+   shared.model.ops chooses, call by call, between these and the portable torch path. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Scratch is small (KBs to a few MB); running out of it is fatal and said so, never a NULL dereference. */
+static void *xmalloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) { fputs("pdserve cpu_kernels: out of memory\n", stderr); abort(); }
+    return p;
+}
+
+static void *xcalloc(size_t count, size_t size) {
+    void *p = calloc(count ? count : 1, size);
+    if (!p) { fputs("pdserve cpu_kernels: out of memory\n", stderr); abort(); }
+    return p;
+}
+
+#define TILE 32  /* rows whose scores stay in cache between the softmax and p.V */
+#define HB 4     /* heads per register block */
+#define CW 16    /* output dims per register block */
+#define DW 8     /* query dims per register block: one 8-float vector */
+
+/* GCC/Clang vector extensions: AVX2 registers on x86, NEON pairs on Arm (built with -march=native) */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+#define LOAD(p) ((v8) * (const v8u *)(p))
+#define STORE(p, v) (*(v8u *)(p) = (v))
+
+/* Fused multiply-adds are written out, never left to the compiler (built with -ffp-contract=off): whether
+   GCC contracts `acc += a * b` depends on the loop around it and the target, so one row computed by two
+   code paths (alone, or in a four-row pass beside other requests) could round differently. Spelled out,
+   a row's bits are the source's on every compiler and ISA. fmaf is exact by C99; GCC turns a lane loop
+   of them into one vfmadd where the CPU has FMA. */
+static inline v8 vfma(v8 a, v8 b, v8 c) {  /* a * b + c, rounded once per lane */
+    v8 r;
+    for (int e = 0; e < DW; e++) r[e] = fmaf(a[e], b[e], c[e]);
+    return r;
+}
+static inline v8 splat(float f) { v8 r = {f, f, f, f, f, f, f, f}; return r; }
+
+/* Rows of a tile as fp32: fp32 pools are read in place, bf16 pools widened into `buf`. */
+static const float *row_of(const void *pool, int bf16, int64_t slot, int64_t stride, int64_t dim, float *buf) {
+    if (!bf16) return (const float *)pool + slot * stride;
+    const uint16_t *src = (const uint16_t *)pool + slot * stride;
+    uint32_t *dst = (uint32_t *)buf;
+    #pragma omp simd
+    for (int64_t d = 0; d < dim; d++) dst[d] = (uint32_t)src[d] << 16;
+    return buf;
+}
+
+/* out[i, h, :out_dim] = softmax_t(scale * q[i, h] . row_t) @ row_t[:out_dim] over the context positions
+   t < counts[i] of table row slot_row[i]: row_t is pool slot tables[slot_row[i], t / bs] * bs + t % bs
+   (a block table; a list of slots with bs = 1); mask [rows, mask_width], if given, drops positions.
+   dim % DW == 0 and out_dim % CW == 0 (the caller checks). Every index is checked against the table
+   (table_rows x table_width, mask_width) and the pool (num_slots rows): a query naming anything
+   outside them gets no output and the call returns 1 (0: all good). */
+int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
+                  const void *pool, int32_t pool_bf16, int64_t row_stride, int64_t num_slots,
+                  const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs, int64_t mask_width,
+                  const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
+                  float scale, int64_t out_dim, float *out, int32_t threads) {
+    const int64_t hp = (heads + HB - 1) / HB * HB;  /* heads padded to whole blocks (zero queries) */
+    int32_t bad = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *qp = xcalloc(hp * dim, sizeof(float));
+        float *acc = xmalloc(sizeof(float) * hp * out_dim);
+        float *mx = xmalloc(sizeof(float) * hp);
+        float *sum = xmalloc(sizeof(float) * hp);
+        float *score = xmalloc(sizeof(float) * hp * TILE);
+        float *buf = pool_bf16 ? xmalloc(sizeof(float) * TILE * dim) : NULL;
+        const float *rows[TILE];
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; i++) {
+            int64_t limit = table_width * bs < (mask ? mask_width : INT64_MAX) ? table_width * bs : mask_width;
+            if (slot_row[i] < 0 || slot_row[i] >= table_rows || counts[i] < 0 || counts[i] > limit) {
+                #pragma omp atomic write
+                bad = 1;
+                continue;
+            }
+            memcpy(qp, q + i * heads * dim, sizeof(float) * heads * dim);
+            const int64_t *trow = tables + slot_row[i] * table_width;
+            const uint8_t *mrow = mask ? mask + slot_row[i] * mask_width : NULL;
+            for (int64_t h = 0; h < hp; h++) { mx[h] = -INFINITY; sum[h] = 0.f; }
+            memset(acc, 0, sizeof(float) * hp * out_dim);
+            for (int64_t t0 = 0; t0 < counts[i]; t0 += TILE) {
+                int64_t end = counts[i] - t0 < TILE ? counts[i] - t0 : TILE;
+                int used = 0;
+                for (int64_t j = 0; j < end; j++) {
+                    int64_t t = t0 + j;
+                    if (mrow && !mrow[t]) continue;
+                    int64_t slot = trow[t / bs] * bs + t % bs;
+                    if (trow[t / bs] < 0 || slot >= num_slots) {
+                        #pragma omp atomic write
+                        bad = 1;
+                        continue;
+                    }
+                    rows[used] = row_of(pool, pool_bf16, slot, row_stride, dim, buf ? buf + used * dim : NULL);
+                    used++;
+                }
+                if (!used) continue;
+                for (int64_t h0 = 0; h0 < hp; h0 += HB) {
+                    /* scores of HB heads against the tile's rows: each row chunk loaded once for HB heads */
+                    for (int j = 0; j < used; j++) {
+                        const float *r = rows[j];
+                        v8 part[HB] = {0};
+                        for (int64_t d0 = 0; d0 < dim; d0 += DW) {
+                            v8 rv = LOAD(r + d0);
+                            for (int hh = 0; hh < HB; hh++)
+                                part[hh] = vfma(LOAD(qp + (h0 + hh) * dim + d0), rv, part[hh]);
+                        }
+                        for (int hh = 0; hh < HB; hh++) {
+                            float sc = 0.f;
+                            for (int dd = 0; dd < DW; dd++) sc += part[hh][dd];
+                            score[(h0 + hh) * TILE + j] = sc * scale;
+                        }
+                    }
+                    /* online softmax: rescale what was accumulated if the running max grew */
+                    for (int hh = 0; hh < HB; hh++) {
+                        int64_t h = h0 + hh;
+                        float *sh = score + h * TILE, tile_max = -INFINITY;
+                        for (int j = 0; j < used; j++) tile_max = sh[j] > tile_max ? sh[j] : tile_max;
+                        float new_max = tile_max > mx[h] ? tile_max : mx[h];
+                        float alpha = expf(mx[h] - new_max);  /* 0 on the first tile */
+                        if (alpha != 1.f) {
+                            float *ah = acc + h * out_dim;
+                            for (int64_t c = 0; c < out_dim; c++) ah[c] *= alpha;
+                        }
+                        sum[h] *= alpha;
+                        mx[h] = new_max;
+                        for (int j = 0; j < used; j++) { sh[j] = expf(sh[j] - new_max); sum[h] += sh[j]; }
+                    }
+                    /* acc[h, c] += sum_j p[h, j] row_j[c], HB x CW accumulators held in registers */
+                    for (int64_t c0 = 0; c0 < out_dim; c0 += CW) {
+                        v8 a[HB][2];
+                        for (int hh = 0; hh < HB; hh++) {
+                            a[hh][0] = LOAD(acc + (h0 + hh) * out_dim + c0);
+                            a[hh][1] = LOAD(acc + (h0 + hh) * out_dim + c0 + 8);
+                        }
+                        for (int j = 0; j < used; j++) {
+                            v8 r0 = LOAD(rows[j] + c0), r1 = LOAD(rows[j] + c0 + 8);
+                            for (int hh = 0; hh < HB; hh++) {
+                                v8 p = splat(score[(h0 + hh) * TILE + j]);
+                                a[hh][0] = vfma(p, r0, a[hh][0]);
+                                a[hh][1] = vfma(p, r1, a[hh][1]);
+                            }
+                        }
+                        for (int hh = 0; hh < HB; hh++) {
+                            STORE(acc + (h0 + hh) * out_dim + c0, a[hh][0]);
+                            STORE(acc + (h0 + hh) * out_dim + c0 + 8, a[hh][1]);
+                        }
+                    }
+                }
+            }
+            float *oi = out + i * heads * out_dim;
+            for (int64_t h = 0; h < heads; h++) {
+                float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
+                for (int64_t c = 0; c < out_dim; c++) oi[h * out_dim + c] = acc[h * out_dim + c] * inv;
+            }
+        }
+        free(qp); free(acc); free(mx); free(sum); free(score); free(buf);
+    }
+    return bad;
+}
+
+/* ---- MoE: routing + routed experts for a few rows ---- */
+
+static float dot(const float *a, const float *b, int64_t n) {
+    v8 acc = {0};
+    int64_t d = 0;
+    for (; d + DW <= n; d += DW) acc = vfma(LOAD(a + d), LOAD(b + d), acc);
+    float s = 0.f;
+    for (int k = 0; k < DW; k++) s += acc[k];
+    for (; d < n; d++) s = fmaf(a[d], b[d], s);
+    return s;
+}
+
+static float round_bf16(float f) {  /* round to nearest even at bf16 precision, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) u = 0x7fc00000u;
+    else u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* DeepSeek's router for one row (spec 7.2): s = sigmoid(x.Wg); choose by s + bias within the
+   topk_group groups of best top-2 sums; weights are the unbiased s of the picks, normalized, x scaling.
+   Ties go to the lower index. */
+static void route(const float *x, int64_t dim, const float *gate_w, const float *bias, int64_t experts,
+                  int64_t n_group, int64_t topk_group, int64_t top_k, int norm, float scaling,
+                  float *score, float *biased, int64_t *ids, float *wts) {
+    for (int64_t e = 0; e < experts; e++) {
+        score[e] = 1.f / (1.f + expf(-dot(x, gate_w + e * dim, dim)));
+        biased[e] = score[e] + bias[e];
+    }
+    if (n_group > 1) {
+        int64_t per = experts / n_group;
+        float group_score[n_group];
+        int keep[n_group];
+        for (int64_t g = 0; g < n_group; g++) {
+            float a = -INFINITY, b = -INFINITY;  /* best two of the group */
+            for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                if (biased[e] > a) { b = a; a = biased[e]; } else if (biased[e] > b) b = biased[e];
+            }
+            group_score[g] = a + b;
+            keep[g] = 0;
+        }
+        for (int64_t r = 0; r < topk_group; r++) {
+            int64_t best = -1;
+            for (int64_t g = 0; g < n_group; g++)
+                if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+            keep[best] = 1;
+        }
+        for (int64_t e = 0; e < experts; e++) if (!keep[e / per]) biased[e] = -INFINITY;
+    }
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < experts; e++) {
+            int taken = 0;
+            for (int64_t m = 0; m < j; m++) taken |= ids[m] == e;
+            if (!taken && (best < 0 || biased[e] > biased[best])) best = e;
+        }
+        ids[j] = best;
+        wts[j] = score[best];
+        total += wts[j];
+    }
+    for (int64_t j = 0; j < top_k; j++) wts[j] = (norm ? wts[j] / (total + 1e-20f) : wts[j]) * scaling;
+}
+
+/* out[q, r] = W[e, r, :] . in[q, :] for the picks q of expert e (rows of W in blocks of RB): each
+   weight row is read once for all the picks that use it. */
+#define RB 16
+static void expert_gemm(const float *w, int64_t rows, int64_t cols, const int64_t *order, const int64_t *start,
+                        const int64_t *active, int64_t num_active, const float *in, int64_t in_ld,
+                        float *out, int64_t out_ld, int threads) {
+    int64_t blocks = (rows + RB - 1) / RB;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_active * blocks; t++) {
+        int64_t e = active[t / blocks], r0 = (t % blocks) * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
+        for (int64_t r = r0; r < r1; r++) {
+            const float *wr = w + (e * rows + r) * cols;
+            for (int64_t k = start[e]; k < start[e + 1]; k++)
+                out[order[k] * out_ld + r] = dot(wr, in + order[k] * in_ld, cols);
+        }
+    }
+}
+
+/* The shared expert, as layers.MLP computes it in a bf16 model when round_out (every linear's output and
+   every elementwise result rounded to bf16): adds round(down . (round(silu(round(gate . x))) * round(up . x)))
+   to y. gate/up [I, D], down [D, I]. */
+static void shared_expert(const float *x, int64_t n, int64_t dim, const float *gate, const float *up,
+                          const float *down, int64_t inter, int round_out, float *y, int threads) {
+    float *g = xmalloc(sizeof(float) * n * inter), *u = xmalloc(sizeof(float) * n * inter);
+    float *o = xmalloc(sizeof(float) * n * dim);
+    int64_t *order = xmalloc(sizeof(int64_t) * n), start[2] = {0, n}, active[1] = {0};
+    for (int64_t i = 0; i < n; i++) order[i] = i;
+    expert_gemm(gate, inter, dim, order, start, active, 1, x, dim, g, inter, threads);
+    expert_gemm(up, inter, dim, order, start, active, 1, x, dim, u, inter, threads);
+    for (int64_t k = 0; k < n * inter; k++) {
+        float gv = round_out ? round_bf16(g[k]) : g[k], uv = round_out ? round_bf16(u[k]) : u[k];
+        float s = gv / (1.f + expf(-gv));
+        g[k] = round_out ? round_bf16(round_bf16(s) * uv) : s * uv;
+    }
+    expert_gemm(down, dim, inter, order, start, active, 1, g, inter, o, dim, threads);
+    for (int64_t k = 0; k < n * dim; k++) y[k] += round_out ? round_bf16(o[k]) : o[k];
+    free(g); free(u); free(o); free(order);
+}
+
+/* y[i] = sum_j w_ij * round?(down_e . (silu(gate_e . x_i) * (up_e . x_i))) over the top_k experts e the
+   router picks for row i (fp32; round_out rounds each expert's output to bf16 first, as a bf16 model's
+   experts do), plus the shared expert when shared_gate is given. gate_up [E, 2I, D] (gate rows first),
+   down [E, D, I]. ids_out [n, top_k] gets the picks. */
+int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, const float *bias,
+                   int64_t experts, int64_t n_group, int64_t topk_group, int64_t top_k, int32_t norm,
+                   float scaling, const float *gate_up, const float *down, int64_t inter, int32_t round_out,
+                   const float *shared_gate, const float *shared_up, const float *shared_down, int64_t shared_inter,
+                   float *y, int64_t *ids_out, int32_t threads) {
+    int64_t picks = n * top_k;
+    float *wts = xmalloc(sizeof(float) * picks);
+    float *gu = xmalloc(sizeof(float) * picks * 2 * inter);
+    float *act = xmalloc(sizeof(float) * picks * inter);
+    float *o = xmalloc(sizeof(float) * picks * dim);
+    int64_t *order = xmalloc(sizeof(int64_t) * picks), *start = xcalloc(experts + 1, sizeof(int64_t));
+    int64_t *active = xmalloc(sizeof(int64_t) * experts), num_active = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *score = xmalloc(sizeof(float) * experts), *biased = xmalloc(sizeof(float) * experts);
+        #pragma omp for
+        for (int64_t i = 0; i < n; i++)
+            route(x + i * dim, dim, gate_w, bias, experts, n_group, topk_group, top_k, norm, scaling,
+                  score, biased, ids_out + i * top_k, wts + i * top_k);
+        free(score); free(biased);
+    }
+    for (int64_t p = 0; p < picks; p++) start[ids_out[p] + 1]++;  /* picks grouped by expert */
+    for (int64_t e = 0; e < experts; e++) {
+        if (start[e + 1]) active[num_active++] = e;
+        start[e + 1] += start[e];
+    }
+    int64_t *fill = xmalloc(sizeof(int64_t) * experts);
+    memcpy(fill, start, sizeof(int64_t) * experts);
+    for (int64_t p = 0; p < picks; p++) order[fill[ids_out[p]]++] = p;
+    free(fill);
+    /* the gemms address inputs by pick: row p of x is x[p / top_k] */
+    float *xp = xmalloc(sizeof(float) * picks * dim);
+    for (int64_t p = 0; p < picks; p++) memcpy(xp + p * dim, x + (p / top_k) * dim, sizeof(float) * dim);
+    expert_gemm(gate_up, 2 * inter, dim, order, start, active, num_active, xp, dim, gu, 2 * inter, threads);
+    for (int64_t p = 0; p < picks; p++)
+        for (int64_t c = 0; c < inter; c++) {
+            float g = gu[p * 2 * inter + c];
+            act[p * inter + c] = g / (1.f + expf(-g)) * gu[p * 2 * inter + inter + c];
+        }
+    expert_gemm(down, dim, inter, order, start, active, num_active, act, inter, o, dim, threads);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < dim; d++) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < top_k; j++) {
+                float v = o[(i * top_k + j) * dim + d];
+                acc += (round_out ? round_bf16(v) : v) * wts[i * top_k + j];
+            }
+            y[i * dim + d] = acc;
+        }
+    if (shared_gate) shared_expert(x, n, dim, shared_gate, shared_up, shared_down, shared_inter, round_out, y, threads);
+    free(wts); free(gu); free(act); free(o); free(order); free(start); free(active); free(xp);
+    return 0;
+}
+
+/* ---- RMSNorm: y = w * (x / rms(x)), the normalized x rounded to x's dtype before the weight ---- */
+
+static inline float widen(const void *p, int bf16, int64_t k) {
+    if (!bf16) return ((const float *)p)[k];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[k] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t narrow(float f) {  /* fp32 -> bf16 bits, round to nearest even (as torch) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void put(void *y, int y_bf16, int64_t k, float v) {  /* store as bf16 bits or as fp32 */
+    if (y_bf16) ((uint16_t *)y)[k] = narrow(v);
+    else ((float *)y)[k] = v;
+}
+
+/* One row: y[yoff + d] = w[d] * round(x[xoff + d] / rms(x)) in x's arithmetic (bf16: the normalized value
+   and the product rounded to bf16), stored bf16 or fp32. */
+static void norm_row(const void *x, int64_t xoff, int bf16, const void *w, int64_t dim, float eps,
+                     void *y, int64_t yoff, int y_bf16) {
+    float ss = 0.f;
+    for (int64_t d = 0; d < dim; d++) { float v = widen(x, bf16, xoff + d); ss += v * v; }
+    float r = 1.f / sqrtf(ss / (float)dim + eps);
+    for (int64_t d = 0; d < dim; d++) {
+        float v = widen(x, bf16, xoff + d) * r;
+        put(y, y_bf16, yoff + d, bf16 ? round_bf16(widen(w, 1, d) * round_bf16(v)) : ((const float *)w)[d] * v);
+    }
+}
+
+/* x, w and y all bf16 (bf16 != 0) or all fp32; rows of `dim` values. */
+void rms_norm(const void *x, const void *w, void *y, int64_t n, int64_t dim, float eps, int32_t bf16,
+              int32_t threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n * dim >= 65536)
+    for (int64_t i = 0; i < n; i++) norm_row(x, i * dim, bf16, w, dim, eps, y, i * dim, bf16);
+}
+
+/* ---- RoPE: y = x * cos + swap(x) * sin (rope.RopeAngles' widened tables, sign folded into sin) ---- */
+
+/* One rotary vector of d values at x[xoff..] with cos/sin[coff..]; interleaved: swap(x) exchanges pairs
+   (2i, 2i+1), else the halves (NeoX). In bf16 each product and the sum is rounded, as torch's bf16 ops
+   do; fp32 products are not fused (no fmaf here), so both match torch bit for bit. */
+static void rope_row(const void *x, int64_t xoff, int bf16, const void *cos, const void *sin, int64_t coff,
+                     int64_t d, int interleaved, void *y, int64_t yoff, int y_bf16) {
+    int64_t half = d / 2;
+    for (int64_t k = 0; k < d; k++) {
+        int64_t other = interleaved ? (k ^ 1) : (k < half ? k + half : k - half);
+        float xv = widen(x, bf16, xoff + k), sv = widen(x, bf16, xoff + other);
+        float c = widen(cos, bf16, coff + k), s = widen(sin, bf16, coff + k);
+        float a = xv * c, b = sv * s;
+        put(y, y_bf16, yoff + k, bf16 ? round_bf16(round_bf16(a) + round_bf16(b)) : a + b);
+    }
+}
+
+/* Rows [n, heads, d] of x (strides xs_row, xs_head; the last dim contiguous) into y (ys_row, ys_head; bf16
+   or fp32 storage), cos/sin [n, d] in x's dtype. */
+void rope(const void *x, int64_t xs_row, int64_t xs_head, void *y, int64_t ys_row, int64_t ys_head, int32_t y_bf16,
+          int64_t n, int64_t heads, int64_t d, const void *cos, const void *sin, int32_t interleaved, int32_t bf16) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < heads; h++)
+            rope_row(x, i * xs_row + h * xs_head, bf16, cos, sin, i * d, d, interleaved, y, i * ys_row + h * ys_head,
+                     y_bf16);
+}
+
+/* ---- MLA's cache row: [kv_norm(c_kv) | rope(k_pe)] of each new token, stored straight at its slot ---- */
+
+/* kv [n, c + r] (x's dtype: bf16 or fp32, contiguous): the kv_a projection of the step's tokens; the row
+   of token i goes to pool slot slots[i] (rows of c + r values, bf16 or fp32 storage). Returns 1 if a slot
+   is outside the pool (that token is not written), else 0. */
+int32_t mla_kv_write(const void *kv, int32_t bf16, int64_t n, int64_t c, int64_t r, const void *norm_w, float eps,
+                     const void *cos, const void *sin, int32_t interleaved, void *pool, int32_t pool_bf16,
+                     int64_t num_slots, const int64_t *slots) {
+    int32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= num_slots) { bad = 1; continue; }
+        int64_t src = i * (c + r), dst = slots[i] * (c + r);
+        norm_row(kv, src, bf16, norm_w, c, eps, pool, dst, pool_bf16);
+        rope_row(kv, src + c, bf16, cos, sin, i * r, r, interleaved, pool, dst + c, pool_bf16);
+    }
+    return bad;
+}
+
+/* ---- Small matmuls of decode steps ---- */
+
+/* y[i] = w . x[i] for a few rows: w [m, k] fp32, x [n, k] (bf16 or fp32), y [n, m] rounded to x's dtype
+   (as layers.Linear: fp32 products, the output in the input's dtype). Each weight row is read once. */
+void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t n, int64_t k, int64_t m,
+                 int32_t threads) {
+    float *xf = xmalloc(sizeof(float) * n * k);
+    for (int64_t e = 0; e < n * k; e++) xf[e] = widen(x, x_bf16, e);
+    int64_t blocks = (m + RB - 1) / RB;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t r = b * RB; r < (b + 1) * RB && r < m; r++) {
+            const float *wr = w + r * k;
+            int64_t i = 0;
+            for (; i + 4 <= n && k % DW == 0; i += 4) {  /* four rows per pass: each weight chunk loaded once */
+                const float *x0 = xf + i * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t d = 0; d < k; d += DW) {
+                    v8 wv = LOAD(wr + d);
+                    a0 = vfma(LOAD(x0 + d), wv, a0);  /* the same op per row as dot(): a row's bits */
+                    a1 = vfma(LOAD(x1 + d), wv, a1);  /* do not depend on the rows beside it */
+                    a2 = vfma(LOAD(x2 + d), wv, a2);
+                    a3 = vfma(LOAD(x3 + d), wv, a3);
+                }
+                v8 *acc[4] = {&a0, &a1, &a2, &a3};
+                for (int q = 0; q < 4; q++) {
+                    float v = 0.f;
+                    for (int e = 0; e < DW; e++) v += (*acc[q])[e];
+                    put(y, x_bf16, (i + q) * m + r, v);
+                }
+            }
+            for (; i < n; i++) put(y, x_bf16, i * m + r, dot(wr, xf + i * k, k));
+        }
+    free(xf);
+}
+
+/* y[i, h, :] = x[i, h, :] @ w[h] per head: x [n, heads, k] (strides xs_row, xs_head; bf16 or fp32),
+   w [heads, k, m] fp32, y [n, heads, m] (strides ys_row, ys_head; fp32, or bf16 rounded once at the end).
+   MLA's absorbed matmuls (q_nope . W_UK, o_lat . W_UV^T) for a few rows. */
+void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head, const float *w,
+                 void *y, int32_t y_bf16, int64_t ys_row, int64_t ys_head, int64_t n, int64_t heads,
+                 int64_t k, int64_t m, int32_t threads) {
+    #pragma omp parallel num_threads(threads) if (n * heads * k * m >= 262144)
+    {
+        float *xr = xmalloc(sizeof(float) * k), *acc = xmalloc(sizeof(float) * m);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < n * heads; t++) {
+            int64_t i = t / heads, h = t % heads;
+            for (int64_t j = 0; j < k; j++) xr[j] = widen(x, x_bf16, i * xs_row + h * xs_head + j);
+            const float *wh = w + h * k * m;
+            int64_t c0 = 0;
+            for (; c0 + 2 * DW <= m; c0 += 2 * DW) {  /* 16 outputs in two registers, w streamed once */
+                v8 a0 = {0}, a1 = {0};
+                for (int64_t j = 0; j < k; j++) {
+                    a0 = vfma(splat(xr[j]), LOAD(wh + j * m + c0), a0);
+                    a1 = vfma(splat(xr[j]), LOAD(wh + j * m + c0 + DW), a1);
+                }
+                STORE(acc + c0, a0);
+                STORE(acc + c0 + DW, a1);
+            }
+            for (; c0 < m; c0++) {
+                float a = 0.f;
+                for (int64_t j = 0; j < k; j++) a = fmaf(xr[j], wh[j * m + c0], a);
+                acc[c0] = a;
+            }
+            for (int64_t c = 0; c < m; c++) {
+                if (y_bf16) ((uint16_t *)y)[i * ys_row + h * ys_head + c] = narrow(acc[c]);
+                else ((float *)y)[i * ys_row + h * ys_head + c] = acc[c];
+            }
+        }
+        free(xr);
+        free(acc);
+    }
+}

@@ -1,0 +1,195 @@
+"""The model's ops, each run by a CPU kernel (shared.model.cpu_kernels) where one applies and by its portable
+torch form elsewhere. The choice is made here, call by call, from explicit arguments only, so the model files
+read as model math.
+
+A kernel applies to host tensors, with the kernels built, outside torch.compile tracing. The kernels whose sums
+run in another order than torch's (linear, head_matmul, moe, the dense attention of a step) take exactly the
+step's generated tokens: a step lists its generated chunks first (ForwardBatch.generated), and `generated` below
+is how many leading rows of x those are (0 for rows that are not the step's own, one per token). A prompt token
+is then computed alike however it is chunked or split over CP ranks, and a generated token however it is
+batched (a kernel computes each row with the same operations whatever rows sit beside it). RMSNorm, RoPE, the
+MLA cache-row write and attention over indexer picks compute each row on its own and run for every token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+import shared.model.attention as attention
+import shared.model.cpu_kernels as cpu_kernels
+from shared.device import compute_dtype
+from shared.kvcache.layout import RowCodec
+from shared.model.batch import ForwardBatch, write_rows
+
+
+def _generated_first(x: torch.Tensor, generated: int, kernel: Callable[[torch.Tensor], torch.Tensor | None],
+                     portable: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """kernel(the leading `generated` rows of x) joined with portable(the other rows, 0); portable(x, generated)
+    where there are no generated rows or the kernel does not apply (returns None). `portable` takes the
+    generated count of its rows too, for the ops it calls in turn."""
+    y = kernel(x[:generated]) if generated else None
+    if y is None:
+        return portable(x, generated)
+    return y if generated == x.shape[0] else torch.cat([y, portable(x[generated:], 0)])
+
+
+def matmul_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x in the weight's dtype: weights may be held in the compute dtype (see store_for_compute)."""
+    return x if x.dtype == weight.dtype else x.to(weight.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, generated: int = 0) -> torch.Tensor:
+    """x · weightᵀ in x's dtype, the product in the weight's dtype; the leading `generated` rows in one kernel
+    call (each weight row read once for all of them)."""
+
+    def portable(rows: torch.Tensor, _: int) -> torch.Tensor:
+        return F.linear(matmul_input(rows, weight), weight).to(rows.dtype)
+
+    return _generated_first(x, generated, lambda rows: cpu_kernels.linear(rows, weight), portable)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight · (x / rms(x)), normalized in fp32 and cast back to x's dtype before the weight (as transformers);
+    one kernel call instead of 8 ops."""
+    fused = cpu_kernels.rms_norm(x, weight, eps)
+    if fused is not None:
+        return fused
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, ..., d] rotated: x·cos + swap(x)·sin, with cos/sin [N, d] widened to the rotary width and the
+    rotation's sign folded into sin (rope.RopeAngles); swap exchanges the pairs (2i, 2i+1) when `interleaved`,
+    else the halves (NeoX). `out` (optional, x's shape; x's dtype or fp32) receives the result. The kernel
+    gives torch's bits."""
+    fused = cpu_kernels.rope(x, cos, sin, interleaved, out)
+    if fused is not None:
+        return fused
+    if interleaved:
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    else:
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    y = x * _bcast(cos, x) + swapped * _bcast(sin, x)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def _bcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[N, d] → [N, 1, ..., d] to broadcast over x's middle dims."""
+    return t.view((t.shape[0],) + (1,) * (x.dim() - 2) + (t.shape[-1],))
+
+
+class Norm(Protocol):
+    """An RMSNorm module (layers.RMSNorm): called on rows; its weight and eps are what the kernel reads."""
+
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def write_mla_rows(kv: torch.Tensor, norm: Norm, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+                   pool: torch.Tensor, fb: ForwardBatch, codec: RowCodec | None = None) -> None:
+    """MLA's new cache rows, row i = [norm(c_kv) | rope(k_pe)] of kv [N, c + r] (kv_a_proj's output), written
+    at the step's slots: straight into the pool in one kernel call where rows are stored as they are and no
+    CP gather follows; else norm, rotation, concatenation, the codec and write_rows."""
+    if codec is None and fb.cp is None and cpu_kernels.mla_kv_write(kv, norm.weight, norm.eps, cos, sin,
+                                                                     interleaved, pool, fb.slot_mapping):
+        return
+    c = norm.weight.shape[0]
+    c_kv, k_pe = kv.split([c, kv.shape[-1] - c], -1)
+    row = torch.cat([norm(c_kv), rope(k_pe, cos, sin, interleaved)], -1)
+    write_rows(pool, fb, row if codec is None else codec.encode(row))
+
+
+def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per head, x[i, h] @ weight[h]: x [N, H, K] and weight [H, K, M] (MLA's absorbed W_UK, W_UV^T) give
+    [N, H, M] in the weight's dtype, written into `out` when given (a view in that dtype). One batched matmul
+    over the heads, or for `generated` rows (all of x) one kernel call."""
+    if generated:
+        dest = out if out is not None else x.new_empty(*x.shape[:2], weight.shape[-1], dtype=weight.dtype)
+        if cpu_kernels.head_matmul(x, weight, dest):
+            return dest
+    heads_first = x.to(weight.dtype).transpose(0, 1)
+    if out is None:
+        return torch.bmm(heads_first, weight).transpose(0, 1)
+    torch.bmm(heads_first, weight, out=out.transpose(0, 1))
+    return out
+
+
+def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float, out_dim: int,
+                    codec: RowCodec | None = None) -> torch.Tensor:
+    """attention.dense_attention (padded queries [R, S, H, D] → [R, S, H, out_dim]). A step of generated
+    tokens only, with few queries per request (decode, MTP verification) and few heads, attends in one kernel
+    call that reads each cached row once, in place, through the block table."""
+    r_all, s_all, heads, dim = query.shape
+    if (codec is None and fb.generated == fb.num_tokens and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST
+            and heads <= cpu_kernels.MAX_HEADS):
+        flat = query.reshape(r_all * s_all, heads, dim).to(compute_dtype(query.dtype, query.device))
+        if cpu_kernels.attention_usable(flat, pool, out_dim):
+            requests, counts = fb.query_rows
+            out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, fb.block_size, requests, counts, scale, out_dim)
+            return out.view(r_all, s_all, heads, out_dim).to(query.dtype)
+    return attention.dense_attention(query, fb, pool, scale, out_dim, codec)
+
+
+def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, picks: torch.Tensor,
+                     valid: torch.Tensor, scale: float, out_dim: int, codec: RowCodec | None = None) -> torch.Tensor:
+    """attention.sparse_attention (flat queries [N, H, D] over their picked positions [N, k]); with few heads,
+    one kernel call that reads each picked row in place (a one-row block table of slots per query)."""
+    n_all, heads, _ = query.shape
+    if codec is None and heads <= cpu_kernels.MAX_HEADS:
+        cq = query.to(compute_dtype(query.dtype, query.device))
+        if cpu_kernels.attention_usable(cq, pool, out_dim):
+            slots = fb.slots_of(fb.token_request, picks)  # [N, k]
+            rows = torch.arange(n_all, device=query.device)
+            counts = torch.full((n_all,), picks.shape[1], dtype=torch.long, device=query.device)
+            return cpu_kernels.paged_mqa(cq, pool, slots, 1, rows, counts, scale, out_dim, mask=valid).to(query.dtype)
+    return attention.sparse_attention(query, fb, pool, picks, valid, scale, out_dim, codec)
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """DeepSeek's router and experts as the fused MoE kernel reads them: every routed expert on this rank,
+    unquantized; `shared` is the shared expert's (gate [Is, D], up [Is, D], down [D, Is]) if the model has one."""
+
+    gate: torch.Tensor  # [E, D]
+    bias: torch.Tensor  # [E] e_score_correction_bias
+    n_group: int
+    topk_group: int
+    top_k: int
+    norm_topk_prob: bool
+    scaling: float
+    gate_up: torch.Tensor  # [E, 2I, D], gate rows first
+    down: torch.Tensor  # [E, D, I]
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+def moe(x: torch.Tensor, generated: int, weights: MoEWeights | None,
+        portable: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """DeepSeek's MoE of rows x in x's dtype: the leading `generated` rows in one kernel call (router, routed
+    and shared experts) where `weights` are given and the kernel takes them; `portable(rows, generated)` (the
+    MoE module's own router, grouped experts and EP exchange) for the rest."""
+
+    def fused(rows: torch.Tensor) -> torch.Tensor | None:
+        if weights is None:
+            return None
+        w = weights
+        if not cpu_kernels.moe_usable(rows, w.gate, w.gate_up, w.down, *(w.shared or ())):
+            return None
+        y, _ = cpu_kernels.moe_routed(rows, w.gate, w.bias, w.n_group, w.topk_group, w.top_k, w.norm_topk_prob,
+                                      w.scaling, w.gate_up, w.down, w.shared)
+        return y.to(rows.dtype)
+
+    return _generated_first(x, generated, fused, portable)
