@@ -307,7 +307,7 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
             cfg, sink=lambda events: front.send("events", events) if events else None,
             on_report=lambda loads, expired, seconds: front.send("report", loads, expired, seconds),
             on_fatal=lambda reason: front.send("fatal", reason))
-    except Exception as exc:  # noqa: BLE001 - reported to the front, which fails its start
+    except Exception as exc:  # reported to the front, which fails its start
         front.send("failed", f"{type(exc).__name__}: {exc}")
         return
     front.send("ready", DecodeFacts(core.limits, core.me.receiver.transport, core.loads))

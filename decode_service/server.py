@@ -46,7 +46,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.credentials = Credentials.of(cfg)
         self._export_gauges()
 
-    async def _result(self, fut, context):  # noqa: ANN001, ANN202
+    async def _result(self, fut, context):
         try:
             return await wait_future(fut, 60)
         except CommandError as exc:
@@ -56,7 +56,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         """Per-rank gauges read the coordinator's latest reports of every rank when scraped."""
         metrics.REGISTRY.register(metrics.LoadCollector("decode", lambda: [x.gauges() for x in self.coord.loads]))
 
-    async def Reserve(self, request, context):  # noqa: N802 - gRPC method name
+    async def Reserve(self, request, context):  # gRPC method name
         try:  # one that can never fit is INVALID_ARGUMENT, not a retryable RESOURCE_EXHAUSTED
             self.coord.limits.check_length(request.num_prompt_tokens, request.max_tokens)
         except ValueError as exc:
@@ -73,13 +73,13 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         msg.signature = self.credentials.sign(msg)  # the prefill pushes only where a decode instance vouched
         return internal_pb2.ReserveResponse(destination=msg, dp_rank=placement.rank)
 
-    async def Release(self, request, context):  # noqa: N802
+    async def Release(self, request, context):
         rank = self.coord.lease_rank.pop(request.lease_id, None)
         released = rank is not None and bool(await self._result(
             self.coord.submit(Release(request.lease_id), rank), context))
         return internal_pb2.ReleaseResponse(released=released)
 
-    async def GetLoad(self, request, context):  # noqa: N802
+    async def GetLoad(self, request, context):
         loads = self.coord.loads
         ranks = [internal_pb2.RankLoad(rank=x.rank, running=x.running, waiting=x.waiting, free_blocks=x.free_blocks,
                                        total_blocks=x.total_blocks, active_leases=x.active_leases, tokens=x.tokens,
@@ -90,7 +90,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             free_blocks=sum(x.free_blocks for x in loads), total_blocks=sum(x.total_blocks for x in loads),
             active_leases=sum(x.active_leases for x in loads), ranks=ranks, block_size=self.coord.limits.block_size)
 
-    async def Decode(self, request, context):  # noqa: N802
+    async def Decode(self, request, context):
         rank = self.coord.lease_rank.get(request.lease_id)
         if rank is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")

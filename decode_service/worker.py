@@ -235,7 +235,7 @@ class DecodeWorker:
             return [_event(ev) for ev in self.engine.step()]
         try:
             events = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the loop goes on
+        except Exception as exc:  # the batch's requests fail, the loop goes on
             log.exception("decode step failed; failing the requests of this batch")
             failed = list(self.engine.scheduler.running)
             for seq in failed:

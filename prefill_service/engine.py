@@ -137,7 +137,7 @@ def core_main(cfg: PrefillConfig, conn: Connection) -> None:
     try:
         core = build_engine_core(cfg, on_report=lambda load, batch_tokens: front.send("report", load, batch_tokens),
                                  on_fatal=lambda reason: front.send("fatal", reason))
-    except Exception as exc:  # noqa: BLE001 - reported to the front, which fails its start
+    except Exception as exc:  # reported to the front, which fails its start
         front.send("failed", f"{type(exc).__name__}: {exc}")
         return
     front.send("ready", core.load())

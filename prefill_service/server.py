@@ -51,10 +51,10 @@ class _QueuedPromptTokens(metrics.Collector):
     def __init__(self, load: Callable[[], PrefillLoad]):
         self.load = load
 
-    def describe(self):  # noqa: ANN201
+    def describe(self):
         return []
 
-    def collect(self):  # noqa: ANN201
+    def collect(self):
         family = metrics.GaugeMetricFamily("pdserve_prefill_queued_prompt_tokens",
                                            "Prompt tokens waiting to be computed")
         family.add_metric([], self.load().queued_prompt_tokens)
@@ -74,14 +74,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         metrics.REGISTRY.register(metrics.LoadCollector("prefill", lambda: [self.engine.load().gauges()]))
         metrics.REGISTRY.register(_QueuedPromptTokens(self.engine.load))
 
-    async def GetLoad(self, request, context):  # noqa: N802
+    async def GetLoad(self, request, context):
         load = self.engine.load()
         return internal_pb2.LoadReport(running=load.running, waiting=load.waiting,
                                        free_blocks=load.free_blocks, total_blocks=load.total_blocks,
                                        queued_prompt_tokens=load.queued_prompt_tokens,
                                        block_size=self.cfg.block_size, prefix_filter=load.prefix_filter or b"")
 
-    async def Prefill(self, request, context):  # noqa: N802
+    async def Prefill(self, request, context):
         problem = self.credentials.vouched(request.destination)
         if problem:  # KV goes only where a decode instance of this cluster vouched for it
             metrics.request_done("prefill", "PERMISSION_DENIED", "unsigned_destination")
@@ -113,7 +113,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         except asyncio.CancelledError:  # the caller went away or its deadline passed: drop the prompt
             self.engine.cancel(rid, RuntimeError("cancelled"))
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
         metrics.request_done("prefill", "OK")
         metrics.TOKENS.labels("prefill", "prompt").inc(len(prompt))

@@ -191,7 +191,7 @@ class PrefillWorker:
         if self.policy.answers:  # the rank that answers opens at once: a bad destination fails fast
             try:
                 job.push = self._open(c.dest)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # this request fails at its end; the batch goes on
                 self.on_done(request_id, exc if isinstance(exc, TransferError) else TransferError(str(exc)))
                 if not self.policy.mirror:
                     engine.abort(request_id)
@@ -225,7 +225,7 @@ class PrefillWorker:
             return []
         try:
             self.engine.step(self)
-        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+        except Exception as exc:  # fail these requests, keep serving
             log.exception("prefill step failed")
             for c in self._scheduled:
                 self._fail(c.seq.request_id, exc)
@@ -242,7 +242,7 @@ class PrefillWorker:
                 continue
             try:
                 p.push.send_layer(layer, p.src_blocks, p.first)
-            except Exception as exc:  # noqa: BLE001 - this request fails at its end; the batch goes on
+            except Exception as exc:  # this request fails at its end; the batch goes on
                 p.job.error = f"{type(exc).__name__}: {exc}"
 
     def finished(self, seqs: list[Sequence]) -> None:
@@ -280,7 +280,7 @@ class PrefillWorker:
         if job.push is None and job.error is None:
             try:
                 job.push = self._open(job.dest)
-            except Exception as exc:  # noqa: BLE001 - reported when the ranks agree on the outcome
+            except Exception as exc:  # this request fails at its end; the batch goes on
                 job.error = f"{type(exc).__name__}: {exc}"
         return ChunkPush(job, job.push, c.seq.block_table[first:last], first)
 
@@ -309,7 +309,7 @@ class PrefillWorker:
                     raise TransferError(d.job.error)
                 if d.job.push is not None:
                     d.job.push.finish(commit=False)
-            except Exception as exc:  # noqa: BLE001 - this rank's part failed: the request fails everywhere
+            except Exception as exc:  # this request fails at its end; the batch goes on
                 log.warning("rank %d: KV push of %s failed: %s", self.rank, d.seq.request_id, exc)
                 failed[i] = 1
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.engine.parallel.world_group)

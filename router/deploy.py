@@ -219,7 +219,7 @@ def _snake(key: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
 
 
-def _build(cls, data: dict[str, Any], where: str):  # ANN202
+def _build(cls, data: dict[str, Any], where: str):
     """A dataclass from camelCase YAML keys; unknown keys (other than Kubernetes-only ones) are errors."""
     if not isinstance(data, dict):
         raise ValueError(f"{where or 'deployment'}: expected a mapping, got {type(data).__name__}")

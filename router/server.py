@@ -85,7 +85,7 @@ class _Malformed:
         self.reason = reason
 
 
-def _lenient(parse):  # ANN202
+def _lenient(parse):
     """A request that does not parse (e.g. a string field that is not UTF-8) becomes INVALID_ARGUMENT
     in the handler instead of gRPC's INTERNAL."""
     def deserialize(data: bytes):
@@ -317,7 +317,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             self.in_flight -= 1
 
-    async def _generate(self, request, context):  # ANN202
+    async def _generate(self, request, context):
         t0 = time.perf_counter()
         try:
             ids, params = await self.validate(request)
@@ -423,7 +423,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.RpcError:
             pass  # the lease expires on its own
 
-    async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float,  # ANN202
+    async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float,
                      predicted):  # the policy's Choice: observed latencies calibrate the model
         n, t_first, t_last = 0, None, None
         try:

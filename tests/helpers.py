@@ -14,7 +14,7 @@ from shared.kvcache import KVCache, KVLayout
 from shared.model import DeepseekForCausalLM, ForwardBatch, SeqChunk
 
 
-def _mooncake_param():  # noqa: ANN202
+def _mooncake_param():
     """The Mooncake transport case. `make test` installs Mooncake, so under CI a missing install
     fails the suite; only an ad-hoc run without it skips these cases."""
     from shared.transfer.mooncake import mooncake_available
@@ -64,7 +64,7 @@ def prefill_paths(metrics_url: str) -> dict[str, float]:
     return {p: float(v) for p, v in re.findall(r'pdserve_router_prefill_path_total\{path="(\w+)"\} (\S+)', text)}
 
 
-def wait_for(predicate, timeout: float = 15.0) -> bool:  # noqa: ANN001
+def wait_for(predicate, timeout: float = 15.0) -> bool:
     """Poll `predicate` until it holds or `timeout` passes (a bounded wait that fails on a hang)."""
     import time
 

@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.kvcache import KVCache, KVLayout  # noqa: E402
-from shared.loader.synthetic import random_model, real_layer_config  # noqa: E402
-from shared.model import ForwardBatch, SeqChunk  # noqa: E402
+from shared.kvcache import KVCache, KVLayout
+from shared.loader.synthetic import random_model, real_layer_config
+from shared.model import ForwardBatch, SeqChunk
 
 
 def rss_peak_bytes() -> int:

@@ -148,7 +148,7 @@ def test_ep_rank_opens_only_shared_shards_and_its_file(w8a8, w8a8_ep2, monkeypat
     opened: list[str] = []
     real_open = checkpoint.safe_open
 
-    def recording(path, *args, **kwargs):  # noqa: ANN001, ANN202
+    def recording(path, *args, **kwargs):
         opened.append(Path(path).name)
         return real_open(path, *args, **kwargs)
 

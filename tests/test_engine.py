@@ -202,7 +202,7 @@ def test_preemption_takes_the_least_urgent_request_first(sparse_path):
     victims: list[tuple[int, int]] = []  # (victim's priority, least urgent running priority)
     real = sched.preempt
 
-    def preempt(seq):  # noqa: ANN001, ANN202
+    def preempt(seq):
         victims.append((seq.priority, max(s.priority for s in sched.running)))
         return real(seq)
 

@@ -66,7 +66,7 @@ def _works(c: Cluster) -> None:
     assert wait_for(once, timeout=30), "the cluster did not serve again"
 
 
-def _fault_mid_stream(c: Cluster, fault) -> tuple[grpc.RpcError, float, int]:  # noqa: ANN001
+def _fault_mid_stream(c: Cluster, fault) -> tuple[grpc.RpcError, float, int]:
     """Stream a long request; after a few tokens apply `fault()`; return the error, the seconds from
     the fault to the error, and the tokens received."""
     with c.channel(c.address) as ch:

@@ -34,7 +34,7 @@ int32 = st.integers(-(2**31), 2**31 - 1)
 
 
 @st.composite
-def sampling(draw) -> generation_pb2.SamplingParams:  # noqa: ANN001
+def sampling(draw) -> generation_pb2.SamplingParams:
     sp = generation_pb2.SamplingParams(
         top_k=draw(st.one_of(st.integers(-3, 600), int32)),
         stop=draw(st.lists(st.text(max_size=6), max_size=3)),
@@ -57,7 +57,7 @@ plain = st.builds(generation_pb2.SamplingParams, max_tokens=st.integers(1, 6), t
 
 
 @st.composite
-def requests(draw) -> generation_pb2.GenerateRequest:  # noqa: ANN001
+def requests(draw) -> generation_pb2.GenerateRequest:
     """Mostly one prompt form (as a client would send), sometimes several or none; sampling either
     plain or fuzzed."""
     req = generation_pb2.GenerateRequest(request_id=draw(st.one_of(st.just(""), st.text(max_size=20))),

@@ -81,7 +81,7 @@ def _capture(model, ids):
              for layer in model.model.layers]
     real_select = Indexer.select
 
-    def select(self, *args):  # noqa: ANN001, ANN202
+    def select(self, *args):
         sel = real_select(self, *args)
         seen.append((*inputs[len(seen)], sel))
         return sel

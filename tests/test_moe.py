@@ -64,7 +64,7 @@ class _CountHostReads(TorchDispatchMode):
         super().__init__()
         self.reads: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if str(func) in _HOST_READS:
             self.reads.append(str(func))
         return func(*args, **(kwargs or {}))
@@ -89,18 +89,18 @@ def test_decode_step_makes_no_host_read(ckpt, monkeypatch, part):
     counter, calls = _CountHostReads(), []
     real_tolist = torch.Tensor.tolist
 
-    def counted_tolist(self):  # noqa: ANN001, ANN202
+    def counted_tolist(self):
         if calls and calls[-1] == "in":
             counter.reads.append("Tensor.tolist")
         return real_tolist(self)
 
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
 
-    def enter(module, args):  # noqa: ANN001, ANN202
+    def enter(module, args):
         calls.append("in")
         counter.__enter__()
 
-    def leave(module, args, out):  # noqa: ANN001, ANN202
+    def leave(module, args, out):
         counter.__exit__(None, None, None)
         calls.append("out")
 

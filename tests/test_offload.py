@@ -45,7 +45,7 @@ def decode_logits(model: DeepseekForCausalLM, ids: list[int], steps: int, block_
     return out
 
 
-def offloaded(path, layers: str, buffers: int = 2) -> DeepseekForCausalLM:  # noqa: ANN001
+def offloaded(path, layers: str, buffers: int = 2) -> DeepseekForCausalLM:
     model, _ = load_model(path, dtype="float32", device="cpu")
     model.enable_offload(parse_layers(layers, model.config.num_hidden_layers), buffers)
     return model
@@ -130,7 +130,7 @@ def test_staging_is_bounded_and_separate(path, buffers):
 
     seen: list[int] = []
 
-    def during(module, args) -> None:  # noqa: ANN001 - forward pre-hook: layer i is about to compute
+    def during(module, args) -> None:  # forward pre-hook: layer i is about to compute
         i = module.layer_idx
         seen.append(i)
         if i in off.offloaded:

@@ -72,7 +72,7 @@ class _Recording(SlaPolicy):
         super().__init__(perf, seed=0)
         self.seen: list[tuple[int, int]] = []
 
-    def choose(self, req, prefills, decodes):  # noqa: ANN001, ANN201
+    def choose(self, req, prefills, decodes):
         pairs = super().choose(req, prefills, decodes)
         self.seen.append((pairs[0].prefill, pairs[0].decode))
         return pairs

@@ -68,7 +68,7 @@ def _clean(c: Cluster) -> bool:
             and dec.waiting == 0 and pre.free_blocks == pre.total_blocks and pre.running == 0 and pre.waiting == 0)
 
 
-async def _one(stub, rng: random.Random, outcomes: dict[str, int]) -> None:  # noqa: ANN001
+async def _one(stub, rng: random.Random, outcomes: dict[str, int]) -> None:
     roll = rng.random()
     prompt = [rng.randrange(3, 512) for _ in range(rng.randint(1, 40))]
     sp = generation_pb2.SamplingParams(max_tokens=rng.randint(1, 8), temperature=rng.choice([0.0, 0.8]),
@@ -147,7 +147,7 @@ def test_soak_with_cancels_deadlines_and_transport_errors(served_model, tmp_path
             proxy.close()
 
 
-def _probe_process(router: str, decode: str, token: str, ready, stop, out) -> None:  # noqa: ANN001
+def _probe_process(router: str, decode: str, token: str, ready, stop, out) -> None:
     """In its own process (the test's event loop is busy with 512 streams): probe the router's and
     decode's health and decode's GetLoad every 50 ms until `stop`; put each probe's latencies on `out`."""
     from shared.rpc.service import channel
@@ -223,7 +223,7 @@ def test_512_concurrent_streams_and_prompt_health(served_model, tmp_path):
         assert wait_for(lambda: _clean(c), timeout=40)
 
 
-def _rejection_probe_process(router: str, stop, out) -> None:  # noqa: ANN001
+def _rejection_probe_process(router: str, stop, out) -> None:
     """In its own process: one Generate every 20 ms against the saturated router; put the answer
     times of the refusals (RESOURCE_EXHAUSTED) on `out`."""
     seconds: list[float] = []

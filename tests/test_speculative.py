@@ -41,7 +41,7 @@ def _oracle(want: dict[tuple[int, ...], list[int]], flip_every: int):
     real = MtpSpeculator.catch_up
     counter = iter(range(1 << 30))
 
-    def draft(self, catch_up, hidden, draft=True):  # noqa: ANN001
+    def draft(self, catch_up, hidden, draft=True):
         real(self, catch_up, hidden, draft)
         for seq, *_ in catch_up:
             d = self.drafts.get(seq.request_id)
@@ -196,7 +196,7 @@ def _parallel_mtp_rank(rank: int, world: int, path: str, shape: dict, prompts: l
                                     num_speculative_tokens=k), state)
     real, mtp_forwards = engine.model.forward_mtp, []
 
-    def counted(*a, **kw):  # noqa: ANN002, ANN003
+    def counted(*a, **kw):
         mtp_forwards.append(1)
         return real(*a, **kw)
 

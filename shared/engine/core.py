@@ -147,7 +147,7 @@ class RankLink:
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0 else torch.empty(
             n, dtype=torch.uint8)
         dist.broadcast(buf, 0, group=self.state.world_group)
-        return cmds if self.rank == 0 else pickle.loads(buf.numpy().tobytes())  # noqa: S301 - rank 0 of this instance
+        return cmds if self.rank == 0 else pickle.loads(buf.numpy().tobytes())  # rank 0 of this instance
 
     def collect(self, driver: RankDriver, report: RankReport) -> list[RankReport] | None:
         """Every rank's report on rank 0 (None elsewhere). Fixed rows are all-gathered, so every
@@ -304,7 +304,7 @@ class EngineCore:
                 if cmd.rank in (0, ALL):
                     self.resolve(Reply(cmd.cid, self.driver.apply(cmd)))
             stopped_cleanly = True
-        except Exception as exc:  # noqa: BLE001 - a collective or the step itself failed: the instance cannot go on
+        except Exception as exc:  # a collective or the step itself failed: the instance cannot go on
             log.exception("engine core loop failed")
             self.failed = f"{type(exc).__name__}: {exc}"
             self._drain(block=False)  # queued ones fail too
@@ -318,7 +318,7 @@ class EngineCore:
             if self.world > 1:
                 try:
                     self.link.share(None)
-                except Exception:  # noqa: BLE001 - the group is already broken
+                except Exception:  # the group is already broken
                     if stopped_cleanly:
                         log.warning("could not stop the instance's other ranks")
             self.driver.close()

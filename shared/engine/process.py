@@ -25,7 +25,7 @@ log = logging.getLogger("pdserve.engine")
 class CoreConnection:
     """The core's end of the pipe."""
 
-    def __init__(self, conn: Any):  # noqa: ANN401 - multiprocessing Connection
+    def __init__(self, conn: Any):  # multiprocessing Connection
         self.conn = conn
         self._lock = threading.Lock()
 
@@ -52,7 +52,7 @@ class CoreConnection:
                 _, fid, name, args = msg
                 try:
                     result = handlers[name](*args)
-                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                except Exception as exc:  # handed to the caller
                     self.send("result", fid, False, _portable(exc))
                     continue
                 if isinstance(result, Future):
@@ -68,16 +68,16 @@ def _portable(exc: BaseException) -> BaseException:
     import pickle
 
     try:
-        pickle.loads(pickle.dumps(exc))  # noqa: S301 - our own object
+        pickle.loads(pickle.dumps(exc))  # our own object
         return exc
-    except Exception:  # noqa: BLE001
+    except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 class CoreProcess:
     """The front's end: spawns `entry(cfg, conn)`, waits for its ("ready", facts), then reads."""
 
-    def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,  # noqa: ANN401
+    def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,
                  on_message: Callable[[tuple], None], start_timeout: float = 900.0,
                  on_lost: Callable[[str], None] | None = None):
         ctx = mp.get_context("spawn")
@@ -161,7 +161,7 @@ class EngineProcessClient:
     """Base of a service front's handle on its engine-core process (an EngineHandle): the fatal handler
     and `stop` reach the process; subclasses add the service's calls and handle its messages."""
 
-    def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,  # noqa: ANN401
+    def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,
                  start_timeout: float = 900.0, on_lost: Callable[[str], None] | None = None):
         self.core = CoreProcess(entry, cfg, name, self.on_message, start_timeout, on_lost)
 

@@ -71,7 +71,7 @@ class CatchUp(NamedTuple):
 
 
 class MtpSpeculator:
-    def __init__(self, engine, num_tokens: int):  # noqa: ANN001 - shared.engine.llm.LLMEngine
+    def __init__(self, engine, num_tokens: int):  # shared.engine.llm.LLMEngine
         self.engine, self.k = engine, num_tokens
         self.drafts: dict[str, Draft] = {}
         self.stats = SpecStats()

@@ -25,7 +25,7 @@ def last_token_rank(length: int, cp: int) -> int:
 
 
 def build_cp_batch(chunks: list[SeqChunk], rank: int, cp: int, block_size: int, device: torch.device,
-                   group, scratch_block: int, all_logits: bool = False,  # noqa: ANN001
+                   group, scratch_block: int, all_logits: bool = False,
                    workspace_bytes: int | None = None) -> ForwardBatch:
     """This rank's part of a CP step over `chunks` (each a request's new tokens at start_pos..). Its
     logits rows are those of the chunks wanting logits whose last token it computed, in chunk order

@@ -127,7 +127,7 @@ class MoE(nn.Module):
     token slots travel: send counts are exchanged first (all-to-all), then the rows (all-to-all-v,
     uneven splits); the shared expert computes while the dispatch is in flight."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ep: int = 1, ep_rank: int = 0, ep_group=None,  # noqa: ANN001
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ep: int = 1, ep_rank: int = 0, ep_group=None,
                  fmts: LinearFormats | None = None):
         super().__init__()
         if cfg.n_routed_experts % ep:

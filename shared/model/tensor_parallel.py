@@ -30,7 +30,7 @@ def _span(total: int, parts: int, index: int) -> tuple[int, int]:
 
 
 class AllToShardedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group, gather_output: bool = False):  # noqa: ANN001
+    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group, gather_output: bool = False):
         super().__init__()
         lo, hi = _span(weight.shape[0], tp, rank)
         self.weight = nn.Parameter(weight[lo:hi].clone(), requires_grad=False)
@@ -49,7 +49,7 @@ class ShardedToAllLinear(nn.Module):
     """With `weight_scale` (W8A8 int8 weight, per-output-channel scales) each rank quantizes its own input
     slice per token and the dequantized partial products are summed."""
 
-    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group,  # noqa: ANN001
+    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group,
                  weight_scale: torch.Tensor | None = None):
         super().__init__()
         self.lo, self.hi = _span(weight.shape[1], tp, rank)
@@ -78,7 +78,7 @@ class ShardedToAllLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group):  # noqa: ANN001
+    def __init__(self, weight: torch.Tensor, tp: int, rank: int, group):
         super().__init__()
         self.lo, self.hi = _span(weight.shape[0], tp, rank)
         self.weight = nn.Parameter(weight[self.lo : self.hi].clone(), requires_grad=False)
@@ -90,7 +90,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce_sum(out * local.unsqueeze(-1).to(out.dtype), self.group)
 
 
-def shard_linear(linear: nn.Module, style: str, tp: int, rank: int, group,  # noqa: ANN001
+def shard_linear(linear: nn.Module, style: str, tp: int, rank: int, group,
                  gather_output: bool = False) -> nn.Module:
     """A loaded linear → its TP shard. style: 'all_to_sharded' | 'sharded_to_all'."""
     if style == "all_to_sharded":

@@ -6,22 +6,22 @@ import torch
 import torch.distributed as dist
 
 
-def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:  # noqa: ANN001
+def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     """all-to-all of per-rank send counts: afterwards each rank knows how many rows it receives."""
     recv = torch.empty_like(send_counts)
     dist.all_to_all_single(recv, send_counts, group=group)
     return recv
 
 
-def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,  # noqa: ANN001
-                 async_op: bool = False):  # noqa: ANN201
+def all_to_all_v(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
+                 async_op: bool = False):
     """Rows of x split by send_counts go to each rank; returns (received rows, work handle or None)."""
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group, async_op=async_op)
     return out, work
 
 
-def gather_varlen(rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:  # noqa: ANN001
+def gather_varlen(rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """All-gather rows of unequal counts per rank (padded to the largest), concatenated in rank order."""
     width = max(sizes)
     padded = rows.new_zeros((width, *rows.shape[1:]))
@@ -31,6 +31,6 @@ def gather_varlen(rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor: 
     return torch.cat([p[:n] for p, n in zip(parts, sizes)], 0)
 
 
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:  # noqa: ANN001
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x

@@ -16,7 +16,7 @@ from torch import nn
 
 
 class LayerSharder:
-    def __init__(self, layers: nn.ModuleList, names: tuple[str, ...], rank: int, world: int, group=None):  # noqa: ANN001
+    def __init__(self, layers: nn.ModuleList, names: tuple[str, ...], rank: int, world: int, group=None):
         self.layers, self.names, self.rank, self.k, self.group = layers, names, rank, world, group
         self.events: deque[tuple[str, int]] = deque(maxlen=1024)  # the recent order only: bounded
         self._pending: dict[int, tuple[list, dict[str, torch.Tensor]]] = {}

@@ -178,13 +178,13 @@ class _Authenticate(grpc.aio.ServerInterceptor):
     def __init__(self, credentials: Credentials):
         self.credentials = credentials
 
-    async def intercept_service(self, continuation, details):  # ANN201
+    async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         service = details.method.split("/")[1] if details.method.count("/") >= 2 else ""
         if handler is None or service not in INTERNAL_SERVICES or self.credentials.allows(details.invocation_metadata):
             return handler
 
-        async def deny(request, context):  # ANN202
+        async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{details.method} needs the cluster's credentials")
 
         kind = (grpc.unary_stream_rpc_method_handler if handler.response_streaming
@@ -400,13 +400,13 @@ class _PresentToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
     def __init__(self, metadata: tuple[tuple[str, str], ...]):
         self.extra = metadata
 
-    def _details(self, details):  # ANN202
+    def _details(self, details):
         return details._replace(metadata=tuple(details.metadata or ()) + self.extra)
 
-    def intercept_unary_unary(self, continuation, details, request):  # ANN201
+    def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):  # ANN201
+    def intercept_unary_stream(self, continuation, details, request):
         return continuation(self._details(details), request)
 
 

@@ -38,7 +38,7 @@ from shared.transfer.tcp import STALL_SECONDS, TcpReceiver, mark_over_tcp, touch
 
 def mooncake_available() -> bool:
     try:
-        from mooncake.engine import TransferEngine  # noqa: F401
+        from mooncake.engine import TransferEngine  # noqa: F401 - the import is the probe
     except Exception:  # missing wheel or system libraries
         return False
     return True
