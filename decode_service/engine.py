@@ -32,7 +32,7 @@ from shared.engine.core import (
     RankReport,
     Reply,
 )
-from shared.engine.process import CoreConnection, EngineProcessClient
+from shared.engine.process import CoreConnection, EngineProcessClient, Fatal, Ready, StartFailed
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
 from shared.protocol.placement import least_loaded_rank
@@ -52,6 +52,22 @@ class Placement:
 
     rank: int
     destination: Destination
+
+
+@dataclass(frozen=True)
+class EventsNotice:
+    """Core process → front, per step with events: the token events the front's streams take."""
+
+    events: list[Event]
+
+
+@dataclass(frozen=True)
+class LoadsNotice:
+    """Core process → front, per turn: every rank's load, the leases that expired, the step's length."""
+
+    loads: list[DecodeLoad]
+    expired: list[str]
+    step_seconds: float | None
 
 
 @dataclass(frozen=True)
@@ -304,13 +320,13 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
     front = CoreConnection(conn)
     try:
         core = build_engine_core(
-            cfg, sink=lambda events: front.send("events", events) if events else None,
-            on_report=lambda loads, expired, seconds: front.send("report", loads, expired, seconds),
-            on_fatal=lambda reason: front.send("fatal", reason))
+            cfg, sink=lambda events: front.send(EventsNotice(events)) if events else None,
+            on_report=lambda loads, expired, seconds: front.send(LoadsNotice(loads, expired, seconds)),
+            on_fatal=lambda reason: front.send(Fatal(reason)))
     except Exception as exc:  # reported to the front, which fails its start
-        front.send("failed", f"{type(exc).__name__}: {exc}")
+        front.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
-    front.send("ready", DecodeFacts(core.limits, core.me.receiver.transport, core.loads))
+    front.send(Ready(DecodeFacts(core.limits, core.me.receiver.transport, core.loads)))
     try:
         front.serve({"submit": core.submit, "reserve": core.reserve})
     finally:
@@ -347,13 +363,13 @@ class DecodeEngineClient(EngineProcessClient):
     def close_stream(self, request_id: str, q: Any = None) -> None:
         self.streams.close(request_id, q)
 
-    def on_message(self, msg: tuple) -> None:
-        if msg[0] == "events":
-            self.streams.dispatch(msg[1])
-        elif msg[0] == "report":
-            _, self.loads, expired, seconds = msg
-            for lease_id in expired:
+    def on_message(self, msg: object) -> None:
+        if isinstance(msg, EventsNotice):
+            self.streams.dispatch(msg.events)
+        elif isinstance(msg, LoadsNotice):
+            self.loads = msg.loads
+            for lease_id in msg.expired:
                 self.lease_rank.pop(lease_id, None)
-            metrics.EXPIRED_LEASES.inc(len(expired))
-            if seconds is not None:
-                metrics.STEP_SECONDS.observe(seconds)
+            metrics.EXPIRED_LEASES.inc(len(msg.expired))
+            if msg.step_seconds is not None:
+                metrics.STEP_SECONDS.observe(msg.step_seconds)

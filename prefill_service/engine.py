@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Protocol
 
@@ -19,7 +19,7 @@ from shared import metrics
 from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import ALL, EngineCommand, EngineCore, EngineHandle, RankReport
-from shared.engine.process import CoreConnection, EngineProcessClient
+from shared.engine.process import CoreConnection, EngineProcessClient, Fatal, Ready, StartFailed
 from shared.parallel.launch import service_state
 from shared.protocol.prefix import PrefixFilter
 from shared.rpc.service import die_with_parent
@@ -37,6 +37,14 @@ class PrefillHandle(EngineHandle, Protocol):
                 priority: int = 0) -> Future: ...
     def cancel(self, request_id: str, reason: BaseException) -> None: ...
     def load(self) -> PrefillLoad: ...
+
+
+@dataclass(frozen=True)
+class LoadNotice:
+    """Core process → front, per turn: the instance's load and the step's prompt tokens."""
+
+    load: PrefillLoad
+    batch_tokens: int
 
 
 def record_report(latest: PrefillLoad, load: PrefillLoad, batch_tokens: int) -> PrefillLoad:
@@ -135,12 +143,12 @@ def core_main(cfg: PrefillConfig, conn: Connection) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill-core %(levelname)s %(message)s")
     front = CoreConnection(conn)
     try:
-        core = build_engine_core(cfg, on_report=lambda load, batch_tokens: front.send("report", load, batch_tokens),
-                                 on_fatal=lambda reason: front.send("fatal", reason))
+        core = build_engine_core(cfg, on_report=lambda load, batch_tokens: front.send(LoadNotice(load, batch_tokens)),
+                                 on_fatal=lambda reason: front.send(Fatal(reason)))
     except Exception as exc:  # reported to the front, which fails its start
-        front.send("failed", f"{type(exc).__name__}: {exc}")
+        front.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
-    front.send("ready", core.load())
+    front.send(Ready(core.load()))
     try:
         front.serve({"prefill": core.prefill, "cancel": core.cancel})
     finally:
@@ -165,7 +173,6 @@ class PrefillEngineClient(EngineProcessClient):
     def load(self) -> PrefillLoad:
         return self.latest_load
 
-    def on_message(self, msg: tuple) -> None:
-        if msg[0] == "report":
-            _, load, batch_tokens = msg
-            self.latest_load = record_report(self.latest_load, load, batch_tokens)
+    def on_message(self, msg: object) -> None:
+        if isinstance(msg, LoadNotice):
+            self.latest_load = record_report(self.latest_load, msg.load, msg.batch_tokens)

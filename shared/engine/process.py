@@ -2,9 +2,10 @@
 detokenization) and the engine loop (with its KV pushes or KV receiver) never share one GIL.
 
 The front holds a `CoreProcess`: `call(name, *args)` runs a handler in the core and returns a Future
-of its result; messages the core sends on its own (events, load reports) go to `on_message`. If the
-core dies, every pending call fails with UNAVAILABLE and `on_fatal` fires (the front goes
-NOT_SERVING). The core side is `CoreConnection.serve(handlers)`.
+of its result; notices the core sends on its own (the service's events and load reports, dataclasses
+of its own) go to `on_message`. If the core dies, every pending call fails with UNAVAILABLE and
+`on_fatal` fires (the front goes NOT_SERVING). The core side is `CoreConnection.serve(handlers)`.
+Everything on the pipe is one of the dataclasses below or a service's notice.
 """
 
 from __future__ import annotations
@@ -15,11 +16,56 @@ import multiprocessing as mp
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from shared.engine.core import CommandError
 
 log = logging.getLogger("pdserve.engine")
+
+
+@dataclass(frozen=True)
+class Call:
+    """Front → core: run handler `name` with `args`; answered by a Result with the same `fid`."""
+
+    fid: int
+    name: str
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Result:
+    """Core → front: a call's value (`ok`) or the exception it raised."""
+
+    fid: int
+    ok: bool
+    value: Any
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Front → core: stop serving calls (the core then stops its engine)."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Core → front, once: started; `facts` is what the service's front needs to know (its dataclass)."""
+
+    facts: Any
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    """Core → front, instead of Ready: the engine could not start."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """Core → front: the engine loop failed; the core exits after this."""
+
+    reason: str
 
 
 class CoreConnection:
@@ -29,7 +75,7 @@ class CoreConnection:
         self.conn = conn
         self._lock = threading.Lock()
 
-    def send(self, *msg: Any) -> None:
+    def send(self, msg: object) -> None:
         with self._lock:
             try:
                 self.conn.send(msg)
@@ -39,7 +85,7 @@ class CoreConnection:
     def _answer(self, fid: int) -> Callable[[Future], None]:
         def done(fut: Future) -> None:
             exc = fut.exception()
-            self.send("result", fid, exc is None, fut.result() if exc is None else _portable(exc))
+            self.send(Result(fid, exc is None, fut.result() if exc is None else _portable(exc)))
         return done
 
     def serve(self, handlers: dict[str, Callable[..., Any]]) -> None:
@@ -47,18 +93,17 @@ class CoreConnection:
         try:
             while True:
                 msg = self.conn.recv()
-                if msg[0] == "stop":
+                if isinstance(msg, Stop):
                     return
-                _, fid, name, args = msg
                 try:
-                    result = handlers[name](*args)
+                    result = handlers[msg.name](*msg.args)
                 except Exception as exc:  # handed to the caller
-                    self.send("result", fid, False, _portable(exc))
+                    self.send(Result(msg.fid, False, _portable(exc)))
                     continue
                 if isinstance(result, Future):
-                    result.add_done_callback(self._answer(fid))
+                    result.add_done_callback(self._answer(msg.fid))
                 else:
-                    self.send("result", fid, True, result)
+                    self.send(Result(msg.fid, True, result))
         except (EOFError, OSError):
             log.warning("the front went away; stopping the engine core")
 
@@ -75,10 +120,10 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 class CoreProcess:
-    """The front's end: spawns `entry(cfg, conn)`, waits for its ("ready", facts), then reads."""
+    """The front's end: spawns `entry(cfg, conn)`, waits for its Ready, then reads."""
 
     def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,
-                 on_message: Callable[[tuple], None], start_timeout: float = 900.0,
+                 on_message: Callable[[object], None], start_timeout: float = 900.0,
                  on_lost: Callable[[str], None] | None = None):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -93,9 +138,9 @@ class CoreProcess:
             msg = self._conn.recv()
         except EOFError:
             raise RuntimeError(f"the {name} exited with {self.proc.exitcode} while starting") from None
-        if msg[0] != "ready":
-            raise RuntimeError(f"the {name} failed to start: {msg[1]}")
-        self.facts: Any = msg[1]  # what the core told the front at start (the service's dataclass)
+        if not isinstance(msg, Ready):
+            raise RuntimeError(f"the {name} failed to start: {msg.reason}")
+        self.facts: Any = msg.facts  # what the core told the front at start (the service's dataclass)
         self.on_message = on_message
         self.on_fatal: Callable[[str], None] | None = None  # the server's, once it serves (set_fatal_handler)
         self.on_lost = on_lost  # before on_fatal: the front fails what it holds
@@ -112,7 +157,7 @@ class CoreProcess:
         self._futures[fid] = fut
         try:
             with self._send_lock:
-                self._conn.send(("call", fid, name, args))
+                self._conn.send(Call(fid, name, args))
         except OSError as exc:
             self._futures.pop(fid, None)
             fut.set_exception(CommandError("UNAVAILABLE", f"{self.name} unreachable: {exc}"))
@@ -122,7 +167,7 @@ class CoreProcess:
         self._stopping = True
         try:
             with self._send_lock:
-                self._conn.send(("stop",))
+                self._conn.send(Stop())
         except OSError:
             pass
         self.proc.join(15)
@@ -134,13 +179,12 @@ class CoreProcess:
         try:
             while True:
                 msg = self._conn.recv()
-                if msg[0] == "result":
-                    _, fid, ok, value = msg
-                    fut = self._futures.pop(fid, None)
+                if isinstance(msg, Result):
+                    fut = self._futures.pop(msg.fid, None)
                     if fut is not None and not fut.done():
-                        fut.set_result(value) if ok else fut.set_exception(value)
-                elif msg[0] == "fatal":
-                    reason = msg[1]
+                        fut.set_result(msg.value) if msg.ok else fut.set_exception(msg.value)
+                elif isinstance(msg, Fatal):
+                    reason = msg.reason
                 else:
                     self.on_message(msg)
         except (EOFError, OSError):
@@ -165,8 +209,8 @@ class EngineProcessClient:
                  start_timeout: float = 900.0, on_lost: Callable[[str], None] | None = None):
         self.core = CoreProcess(entry, cfg, name, self.on_message, start_timeout, on_lost)
 
-    def on_message(self, msg: tuple) -> None:
-        """A message the core sent on its own (events, load reports)."""
+    def on_message(self, msg: object) -> None:
+        """A notice the core sent on its own (the service's events and load reports)."""
 
     def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
         self.core.on_fatal = handler
