@@ -281,6 +281,10 @@ class LLMEngine:
             self._retire(seq)
         return events
 
+    def has_request(self, request_id: str) -> bool:
+        """The request is queued or running here (not finished, not aborted)."""
+        return request_id in self._requests
+
     def _seq_chunk(self, c: ScheduledChunk, draft: Draft | None = None) -> SeqChunk:
         """A scheduled chunk as the model takes it: its next uncached tokens (and drafts to verify)."""
         seq, start = c.seq, c.seq.num_cached

@@ -25,14 +25,15 @@ positions are final and their MTP rows written, and no MTP or draft write ever l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from shared.config import MAX_SPECULATIVE_TOKENS
+from shared.config import MAX_SPECULATIVE_TOKENS, ModelConfig
 from shared.engine.sampler import SamplingParams, probabilities, sample
-from shared.engine.scheduler import ScheduledChunk, Sequence
-from shared.model import SeqChunk
+from shared.engine.policy import ForwardTarget, Solo
+from shared.engine.scheduler import Scheduler, ScheduledChunk, Sequence
+from shared.model import ForwardBatch, SeqChunk
 
 
 @dataclass
@@ -70,8 +71,27 @@ class CatchUp(NamedTuple):
     drafts: bool
 
 
+class DraftingEngine(ForwardTarget, Protocol):
+    """What the speculator uses of its engine (an LLMEngine): a protocol, so this module needs no
+    engine import and the engine can build its speculator."""
+
+    scheduler: Scheduler
+    policy: Solo
+    model_config: ModelConfig
+    dtype: torch.dtype
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def dummy_batch(self) -> ForwardBatch: ...
+
+    def has_request(self, request_id: str) -> bool: ...
+
+
 class MtpSpeculator:
-    def __init__(self, engine, num_tokens: int):  # shared.engine.llm.LLMEngine
+    """The checkpoint's MTP layer drafts `num_tokens` per decode step; the engine's step verifies them."""
+
+    def __init__(self, engine: DraftingEngine, num_tokens: int):
         self.engine, self.k = engine, num_tokens
         self.drafts: dict[str, Draft] = {}
         self.stats = SpecStats()
@@ -81,7 +101,7 @@ class MtpSpeculator:
         """Each chunk's drafts to verify this step (None: none), their KV blocks ensured."""
         engine = self.engine
         for rid in list(self.drafts):
-            if rid not in engine._requests:  # finished or aborted since it drafted
+            if not engine.has_request(rid):  # finished or aborted since it drafted
                 del self.drafts[rid]
         drafts: list[Draft | None] = []
         for c in chunks:
