@@ -30,9 +30,9 @@ from typing import NamedTuple, Protocol
 import torch
 
 from shared.config import MAX_SPECULATIVE_TOKENS, ModelConfig
-from shared.engine.sampler import SamplingParams, probabilities, sample
 from shared.engine.policy import ForwardTarget, Solo
-from shared.engine.scheduler import Scheduler, ScheduledChunk, Sequence
+from shared.engine.sampler import SamplingParams, probabilities, sample
+from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence
 from shared.model import ForwardBatch, SeqChunk
 
 
