@@ -353,6 +353,11 @@ def knob_default(cls: type, name: str) -> Any:
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
+def knob_choices(cls: type, name: str) -> tuple[str, ...]:
+    """The declared choices of field `name` of config `cls`."""
+    return cls.__dataclass_fields__[name].metadata["choices"]
+
+
 def check_bounds(obj: Any, label: Callable[[str], str] = str) -> None:
     """Raise ValueError, naming the field as `label(name)` does, for a value outside its flag's bounds
     or choices."""

@@ -332,8 +332,9 @@ class LLMEngine:
 class LLM:
     """Offline batch generation over LLMEngine (continuous batching inside)."""
 
-    def __init__(self, model: str, dtype: str = "auto", parallel: ParallelState | None = None, **kwargs: object):
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **kwargs), parallel)  # type: ignore[arg-type]
+    def __init__(self, model: str, parallel: ParallelState | None = None, **kwargs: object):
+        """`kwargs`: EngineConfig's knobs (dtype, block_size, …), with its defaults."""
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), parallel)  # type: ignore[arg-type]
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.config import ModelConfig
+from shared.config import EngineConfig, ModelConfig, knob_choices, knob_default
 from shared.quant.fp8 import act_quant_ue8m0
 
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = knob_choices(EngineConfig, "kv_cache_dtype")  # declared on EngineConfig
+DEFAULT_KV_CACHE_DTYPE = knob_default(EngineConfig, "kv_cache_dtype")
 _GROUP = 128  # latent dims per C8 scale
 
 
@@ -105,7 +106,7 @@ class KVLayout:
     index_head_dim: int  # 0: no indexer cache (deepseek_v3)
     dtype: torch.dtype  # the rows' dtype (attention decodes C8 rows to it)
     index_dtype: torch.dtype
-    kv_cache_dtype: str = "auto"  # "int8": C8 rows (see the module docstring)
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # "int8": C8 rows (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -113,7 +114,8 @@ class KVLayout:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
-                          index_dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto",
+                          index_dtype: torch.dtype | None = None,
+                          kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
                           extra_layers: int = 0) -> KVLayout:
         """`extra_layers`: pools past the model's layers (the MTP drafter's, at index num_hidden_layers)."""
         return cls(

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shared.config import Fp8Scheme, ModelConfig
+from shared.config import EngineConfig, Fp8Scheme, ModelConfig, knob_default
 from shared.device import check_weight_sharing, get_device, parse_dtype
 from shared.loader.shared_weights import share_weights, weights_key
 from shared.model import DeepseekForCausalLM
@@ -282,8 +282,12 @@ def _expert_param_filled(name: str, params: dict, filled: set, cfg: ModelConfig)
     return False
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | None = None,
-               indexer_numerics: str = "deepseek", progress: bool = False,
+DEFAULT_DTYPE = knob_default(EngineConfig, "dtype")  # the engine's defaults, declared on EngineConfig
+DEFAULT_INDEXER_NUMERICS = knob_default(EngineConfig, "indexer_numerics")
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = DEFAULT_DTYPE, device: str | None = None,
+               indexer_numerics: str = DEFAULT_INDEXER_NUMERICS, progress: bool = False,
                include_mtp: bool = False, parallel: ParallelState | None = None,
                quantization: str | None = None, share_weights_dir: str | None = None, mtp: bool = False,
                ) -> tuple[DeepseekForCausalLM, LoadReport]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from shared.config import ModelConfig
+from shared.config import EngineConfig, ModelConfig, knob_choices
 from shared.device import compute_dtype
 from shared.kvcache import KVCache
 from shared.model.batch import ForwardBatch
@@ -25,7 +25,7 @@ from shared.model.tensor_parallel import VocabParallelEmbedding, shard_linear
 from shared.parallel.layer_shard import LayerSharder
 from shared.parallel.state import ParallelState
 
-QUANTIZATIONS = ("auto", "none", "w8a8", "fp8")
+QUANTIZATIONS = knob_choices(EngineConfig, "quantization")
 
 
 def quantization_of(cfg: ModelConfig, asked: str | None) -> str:
