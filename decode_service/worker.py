@@ -29,6 +29,7 @@ from shared.parallel import ParallelState
 from shared.rpc.service import Credentials
 from shared.transfer import Destination, TcpReceiver
 from shared.transfer.base import cache_kinds
+from shared.transfer.mooncake import MooncakeReceiver
 
 log = logging.getLogger("pdserve.decode")
 FINISH_REASONS = (None, "stop", "length", "abort", "error")
@@ -154,8 +155,6 @@ class DecodeWorker:
                                advertise_host=cfg.public_host, tls=Credentials.of(cfg).ssl_context(server=True))
         self.receiver = self.tcp
         if cfg.kv_transport == "mooncake":
-            from shared.transfer.mooncake import MooncakeReceiver
-
             self.receiver = MooncakeReceiver(kv, self.tcp, cfg.public_host, cfg.mooncake_protocol,
                                              cfg.mooncake_devices)
 
