@@ -99,6 +99,21 @@ def test_no_import_in_shared_points_up_or_outside():
     assert not bad, "\n".join(bad)
 
 
+def test_services_are_shells_over_shared():
+    """A service imports its own package and shared/ only (never the router or the other service),
+    at the top of its files."""
+    bad = []
+    for service in ("prefill_service", "decode_service"):
+        for path in sorted((ROOT / service).rglob("*.py")):
+            for imp in first_party_imports(path):
+                where = f"{path.relative_to(ROOT)}:{imp.line} imports {imp.target}"
+                if imp.target.split(".")[0] not in (service, "shared"):
+                    bad.append(where)
+                elif not imp.top_level:
+                    bad.append(f"{where} (function-level)")
+    assert not bad, "\n".join(bad)
+
+
 def test_no_import_cycles_among_first_party_modules():
     graph: dict[str, set[str]] = {}
     files = [p for pkg in FIRST_PARTY for p in sorted((ROOT / pkg).rglob("*.py")) if "/rpc/pdserve/" not in str(p)]
