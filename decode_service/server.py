@@ -20,7 +20,7 @@ import grpc
 from decode_service.engine import FATAL, DecodeEngineClient, DecodeHandle, build_engine_core
 from decode_service.worker import Abort, Admit, DecodeWorker, Release
 from shared import metrics
-from shared.config import DecodeConfig
+from shared.config import DecodeConfig, parse_flags
 from shared.engine.core import CommandError, follow
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -150,8 +150,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     p = argparse.ArgumentParser(prog="python -m decode_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    DecodeConfig.add_arguments(p)
-    return DecodeConfig.from_args(p.parse_args(argv))
+    return parse_flags(DecodeConfig, p, argv)
 
 
 async def serve(cfg: DecodeConfig, coordinator: DecodeHandle) -> tuple[grpc.aio.Server, int, Lifecycle]:

@@ -25,7 +25,7 @@ import grpc
 from prefill_service.engine import PrefillEngineClient, PrefillHandle, build_engine_core
 from prefill_service.worker import PrefillLoad, PrefillWorker, sender_factory
 from shared import metrics
-from shared.config import PrefillConfig
+from shared.config import PrefillConfig, parse_flags
 from shared.engine import LLMEngine
 from shared.engine.core import CommandError, follow
 from shared.parallel.launch import join_ranks, service_state, start_instance
@@ -132,8 +132,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
 def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p = argparse.ArgumentParser(prog="python -m prefill_service", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    PrefillConfig.add_arguments(p)
-    return PrefillConfig.from_args(p.parse_args(argv))
+    return parse_flags(PrefillConfig, p, argv)
 
 
 async def serve(cfg: PrefillConfig, servicer: PrefillServicer) -> tuple[grpc.aio.Server, int, Lifecycle]:

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.perf import PerfModel
 from router.policy import POLICIES, DecodeView, PrefillView, RankView, Rejected, Request
 from shared import metrics
-from shared.config import REQUIRED, EndpointConfig, ModelConfig, add_flags, check_bounds, flag, from_flags
+from shared.config import REQUIRED, EndpointConfig, ModelConfig, check_bounds, flag, flag_name, parse_flags
 from shared.protocol.chat import ChatMessage, render_messages
 from shared.protocol.limits import RequestLimits
 from shared.protocol.prefix import PrefixFilter, prompt_block_hashes
@@ -70,7 +70,7 @@ class RouterConfig(EndpointConfig):
     discovery_interval: float = flag(5.0, "seconds between DNS resolutions of dns:NAME:PORT instance addresses")
 
     def __post_init__(self) -> None:
-        check_bounds(self, lambda name: "--" + name.replace("_", "-"))
+        check_bounds(self, flag_name)
 
 
 MAX_REQUEST_ID = 128
@@ -518,8 +518,7 @@ def _map_code(code: grpc.StatusCode) -> grpc.StatusCode:
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p = argparse.ArgumentParser(prog="python -m router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(p, RouterConfig)
-    return from_flags(RouterConfig, p.parse_args(argv))
+    return parse_flags(RouterConfig, p, argv)
 
 
 async def serve(cfg: RouterConfig) -> tuple[grpc.aio.Server, int, Lifecycle]:

@@ -461,6 +461,22 @@ class EngineConfig:
         self.speculative = self.speculative or None  # "" (the flag's "off") is unset
 
 
+def flag_name(field_name: str) -> str:
+    """--kebab-case: how a config field is spelled on the command line."""
+    return "--" + field_name.replace("_", "-")
+
+
+def parse_flags(cls: type, parser: argparse.ArgumentParser, argv: list[str] | None = None) -> Any:
+    """Config `cls` from the command line: its flags added to `parser`, parsed, built; a value outside a
+    flag's bounds exits like any bad flag (usage, the flag named, status 2), not with a traceback."""
+    add_flags(parser, cls)
+    args = parser.parse_args(argv)
+    try:
+        return from_flags(cls, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 @dataclass(kw_only=True)
 class EndpointConfig:
     """What every pdserve process that serves gRPC takes: address, metrics, drain, authentication."""
@@ -540,13 +556,8 @@ class ServiceConfig(EndpointConfig):
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in names}
         return EngineConfig(**{**values, **overrides})
 
-    @classmethod
-    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
-        add_flags(p, cls)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServiceConfig:
-        return from_flags(cls, args)
+    def __post_init__(self) -> None:
+        check_bounds(self, flag_name)
 
 
 @dataclass(kw_only=True)

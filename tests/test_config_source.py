@@ -15,7 +15,7 @@ import yaml
 from router.cli import parser as pdserve_parser
 from router.deploy import KUBERNETES_ONLY, Deployment, EngineSpec, _camel
 from router.server import RouterConfig
-from shared.config import DecodeConfig, EngineConfig, PrefillConfig, ServiceConfig, knob_default
+from shared.config import DecodeConfig, EngineConfig, PrefillConfig, ServiceConfig, knob_default, parse_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 VALUES = yaml.safe_load((ROOT / "helm/pdserve/values.yaml").read_text())
@@ -63,9 +63,7 @@ def test_every_front_takes_the_engine_default(name):
         assert getattr(up, name) == engine
     if name in {f.name for f in dataclasses.fields(EngineSpec)}:
         assert knob_default(EngineSpec, name) == engine == VALUES["engine"][_camel(name)]
-    p = argparse.ArgumentParser()
-    ServiceConfig.add_arguments(p)
-    assert getattr(ServiceConfig.from_args(p.parse_args(["--model", "m"])), name) == engine
+    assert getattr(parse_flags(ServiceConfig, argparse.ArgumentParser(), ["--model", "m"]), name) == engine
 
 
 # Deployment keys that share a service flag's name but are deliberately another default, with why.
