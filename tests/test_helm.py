@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shared.config import ServiceConfig, knob_choices
+
 helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -201,15 +203,13 @@ def test_share_weights_dir_overrides_the_shm_default():
 
 def test_chart_choices_are_the_services_choices():
     """Every value the services accept renders; the chart's lists are the flags' choices (no drift)."""
-    from router.deploy import ENGINE_CHOICES
-
     for key, name in (("quantization", "quantization"), ("kvCacheDtype", "kv_cache_dtype")):
-        for value in ENGINE_CHOICES[name]:
+        for value in knob_choices(ServiceConfig, name):
             pods = _engine_pods(_render({"engine": {key: value}}))
             flag = "--" + name.replace("_", "-")
             assert {_flag(_args(s["containers"][0]), flag) for specs in pods.values() for s in specs} == {value}
-        with pytest.raises(helm.HelmRenderError, match=rf"engine.{key}: expected one of "
-                                                        rf"{', '.join(ENGINE_CHOICES[name])}, got \"bogus\""):
+        choices = ", ".join(knob_choices(ServiceConfig, name))
+        with pytest.raises(helm.HelmRenderError, match=rf"engine.{key}: expected one of {choices}, got \"bogus\""):
             _render({"engine": {key: "bogus"}})
 
 
