@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"TTFT {ttft * 1e3:.1f} ms, TPOT {tpot * 1e3:.1f} ms")
     print("all services stopped; checking the tokens against in-process LLM.generate ...")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    local = LLM(model, dtype="bfloat16").generate(PROMPTS, params)  # the services' dtype
+    local = LLM(model).generate(PROMPTS, params)  # the services' defaults (dtype auto: bf16 here)
     same = all(out.token_ids == results[p][3] for p, out in zip(PROMPTS, local))
     print(f"disaggregated tokens == in-process tokens: {same}")
     if not trained:

@@ -30,8 +30,10 @@ from pathlib import Path
 
 import grpc
 
+from shared.config import EngineConfig, knob_default
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
+DEFAULT_DTYPE = knob_default(EngineConfig, "dtype")  # declared on EngineConfig
 CALIBRATION_LIMITS = (0.1, 10.0)  # observed / predicted factors are clamped: one outlier must not rule
 TTFT_BANDS = (0, 1, 256, 1024)  # queued prefill tokens ahead: idle, some, busy, saturated
 BUSY_BANDS = 3  # TTFT factors also per engines computing beside the prefill (0, 1, 2+): on shared cores
@@ -230,7 +232,7 @@ def fit_linear(xs: list[list[float]], ys: list[float]) -> list[float]:
     return [max(0.0, a[i][n] / a[i][i]) if abs(a[i][i]) >= 1e-300 else 0.0 for i in range(n)]
 
 
-def profile_engine(model: str, dtype: str = "bfloat16", say=print, lengths: tuple[int, ...] = (16, 64, 256, 1024),
+def profile_engine(model: str, dtype: str = DEFAULT_DTYPE, say=print, lengths: tuple[int, ...] = (16, 64, 256, 1024),
                    batches: tuple[int, ...] = (1, 4, 16, 64), contexts: tuple[int, ...] = (32, 256)) -> PerfModel:
     """Measure prefill (at `lengths`) and decode (at `batches` × `contexts`) of the engine in-process
     on `model` and fit a PerfModel. The one router command that runs the engine in its own process, so

@@ -13,6 +13,7 @@ import torch
 
 from shared.config import ModelConfig
 from shared.model import DeepseekForCausalLM
+from shared.model.indexer import DEFAULT_NUMERICS
 
 REAL_671B: dict[str, Any] = {
     "model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
@@ -36,7 +37,7 @@ def real_layer_config(num_experts: int = 4, vocab_size: int = 1024, **overrides:
 
 @torch.inference_mode()
 def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 indexer_numerics: str = "deepseek") -> DeepseekForCausalLM:
+                 indexer_numerics: str = DEFAULT_NUMERICS) -> DeepseekForCausalLM:
     """Weights ~ N(0, 0.02) (norms 1), filled parameter by parameter in place (no fp32 copy of the model)."""
     model = DeepseekForCausalLM(cfg, dtype, indexer_numerics=indexer_numerics)
     gen = torch.Generator().manual_seed(seed)

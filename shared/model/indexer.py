@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.config import ModelConfig
+from shared.config import EngineConfig, ModelConfig, knob_choices, knob_default
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
 from shared.model.attention import indexer_topk
@@ -28,7 +28,8 @@ from shared.model.layers import LinearFormats, linear
 from shared.model.rope import RopeAngles, rope_neox
 from shared.quant.fp8 import fake_quant_ue8m0, hadamard_transform
 
-NUMERICS = ("deepseek", "transformers")
+NUMERICS = knob_choices(EngineConfig, "indexer_numerics")  # declared on EngineConfig
+DEFAULT_NUMERICS = knob_default(EngineConfig, "indexer_numerics")
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Selection:
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, numerics: str = "deepseek",
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, numerics: str = DEFAULT_NUMERICS,
                  fmts: LinearFormats | None = None):
         super().__init__()
         if numerics not in NUMERICS:

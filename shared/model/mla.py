@@ -21,13 +21,13 @@ from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
 from shared.model.attention import expanded_attention
 from shared.model.batch import ForwardBatch
-from shared.model.indexer import Indexer, Selection
+from shared.model.indexer import DEFAULT_NUMERICS, Indexer, Selection
 from shared.model.layers import LinearFormats, RMSNorm, linear
 from shared.model.rope import RopeAngles, rope_interleaved, rope_neox
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str = "deepseek",
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str = DEFAULT_NUMERICS,
                  fmts: LinearFormats | None = None):
         super().__init__()
         fmts = fmts or LinearFormats()

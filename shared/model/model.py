@@ -16,6 +16,7 @@ from shared.device import compute_dtype
 from shared.kvcache import KVCache
 from shared.model.batch import ForwardBatch
 from shared.model.decoder import DecoderLayer
+from shared.model.indexer import DEFAULT_NUMERICS
 from shared.model.layers import MLP, LinearFormats, RMSNorm, WeightFormat, linear
 from shared.model.moe import Experts, Gate
 from shared.model.mtp import MTPLayer
@@ -70,7 +71,7 @@ class DeepseekForCausalLM(nn.Module):
     for local TP and sets up layer sharding."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, indexer_numerics: str = "deepseek",
+                 device: torch.device | None = None, indexer_numerics: str = DEFAULT_NUMERICS,
                  parallel: ParallelState | None = None, quantization: str | None = None, mtp: bool = False):
         super().__init__()
         self.config, self.dtype = cfg, dtype
