@@ -184,7 +184,7 @@ def hf_config(model: dict[str, Any]) -> Any:  # DeepseekV32Config
     return cfg
 
 
-class MTPLayer(nn.Module):
+class DemoMTPLayer(nn.Module):
     """DeepSeek's MTP module at layer index N = num_hidden_layers (vLLM deepseek_mtp, spec §8): for
     position i, x_i = eh_proj(cat([enorm(embed(t_{i+1})), hnorm(h_i)])) with h_i the main model's
     post-final-norm hidden state; a full decoder block (MLA + its own indexer + MoE) over x at rotary
@@ -230,7 +230,7 @@ class DemoModel(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.lm = DeepseekV32ForCausalLM(hf_config(model_cfg))
-        self.mtp = MTPLayer(self.lm.config)
+        self.mtp = DemoMTPLayer(self.lm.config)
         for module in self.mtp.modules():  # the HF init (normal(0, 0.02), norms 1, router bias 0)
             self.lm._init_weights(module)
 

@@ -60,14 +60,14 @@ class Linear(nn.Linear):
         return ops.linear(x, self.weight, generated)
 
 
-class Int8Linear(int8.Int8Linear):
+class W8A8Linear(int8.Int8Linear):
     """W8A8 (shared.quant.int8) in the model's call form, layer(x, generated): no kernel, all rows alike."""
 
     def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
         return super().forward(x)
 
 
-class Fp8Linear(fp8.Fp8Linear):
+class Fp8BlockLinear(fp8.Fp8Linear):
     """FP8 weights, block scales (shared.quant.fp8) in the model's call form: no kernel, all rows alike."""
 
     def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
@@ -77,9 +77,9 @@ class Fp8Linear(fp8.Fp8Linear):
 def linear(in_features: int, out_features: int, dtype: torch.dtype, fmt: WeightFormat | None = None) -> nn.Module:
     """Bias-free linear with uninitialized storage (the loader fills it), in `fmt` (None: `dtype`)."""
     if fmt is not None and fmt.kind == "int8":
-        return Int8Linear(in_features, out_features)
+        return W8A8Linear(in_features, out_features)
     if fmt is not None and fmt.kind == "fp8":
-        return Fp8Linear(in_features, out_features, fmt.block, fmt.compute)
+        return Fp8BlockLinear(in_features, out_features, fmt.block, fmt.compute)
     layer = Linear(in_features, out_features, bias=False, dtype=dtype, device="meta")
     layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
     return layer
