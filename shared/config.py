@@ -379,7 +379,7 @@ def add_flags(p: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | Non
     for f in fields(cls):
         if "help" not in f.metadata or (only is not None and f.name not in only):
             continue
-        name = "--" + f.name.replace("_", "-")
+        name = flag_name(f.name)
         kind = str(f.type)
         default = f.default if f.default_factory is MISSING else f.default_factory()  # type: ignore[misc]
         default = None if default is MISSING else default
