@@ -126,6 +126,7 @@ class Cluster:
     extra_router: list[str] = field(default_factory=list)
     certs: CertFiles | None = None
     metrics_ports: dict[str, int] = field(default_factory=dict)  # service address → its /metrics port
+    http_address: str = ""  # the router's OpenAI-compatible HTTP API (host:port), when --http-port is given
     _commands: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # address → (name, argv)
     _by_address: dict[str, subprocess.Popen] = field(default_factory=dict)
     procs: list[subprocess.Popen] = field(default_factory=list)
@@ -205,6 +206,9 @@ class Cluster:
             self.address = f"{self.host}:{wait_port_file(file, timeout, proc)}"
             self._by_address[self.address] = proc
             self._read_metrics_port(self.address, file)
+            http_file = Path(f"{file}.http")
+            if http_file.exists():  # written before the router's port file
+                self.http_address = f"{self.host}:{int(http_file.read_text())}"
             self._commands[self.address] = proc.pdserve_command
             for addr in [*self.decode_addrs, *self.prefill_addrs, self.address]:
                 wait_serving(addr, timeout, credentials=self.credentials)
@@ -260,7 +264,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                     "ep": args.prefill_ep, "layerSharding": args.layer_sharding},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
                    "layerSharding": args.layer_sharding},
-        "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens}, "tls": {"enabled": args.tls}})
+        "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port},
+        "tls": {"enabled": args.tls}})
 
 
 def cluster_from_deployment(dep: Deployment, model: str, log_dir: Path | None = None) -> Cluster:
@@ -289,6 +294,8 @@ def cmd_up(args: argparse.Namespace) -> None:
     model = args.model or (dep.model.path if args.config and Path(dep.model.path).is_dir() else None) \
         or default_model()
     cluster = cluster_from_deployment(dep, model, Path(args.log_dir) if args.log_dir else None)
+    if args.api_key_file:
+        cluster.extra_router += ["--api-key-file", args.api_key_file]
     print(f"starting {dep.prefill.instances} prefill + {dep.decode.instances} decode + router on {model} ...",
           flush=True)
     def interrupt(*_: object) -> None:
@@ -298,6 +305,10 @@ def cmd_up(args: argparse.Namespace) -> None:
         signal.signal(sig, interrupt)
     cluster.start()
     print(f"pdserve up: router at {cluster.address}; prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}")
+    if cluster.http_address:
+        scheme = "https" if cluster.certs is not None else "http"
+        print(f"OpenAI-compatible HTTP API at {scheme}://{cluster.http_address}/v1 "
+              f"(model {Path(model).resolve().name})")
     if cluster.certs is not None:
         print(f"mutual TLS on every hop; clients verify the router with --tls-ca {cluster.certs.ca}")
     print("Ctrl-C to stop", flush=True)
@@ -469,7 +480,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-tp", type=int, default=1, help="local-TP ranks per decode instance (with dp 1)")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
-    add_flags(up, RouterConfig, only=("local_prefill_tokens",))
+    add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "api_key_file"))
     up.add_argument("--config", default=None,
                     help="deployment description (YAML, the Helm chart's values keys); replaces the shape flags")
     up.add_argument("--tls", action="store_true",
@@ -530,7 +541,10 @@ def up_cluster(argv: list[str], log_dir: Path | None = None) -> Cluster:
     """The Cluster `pdserve up ARGV` starts (not started yet)."""
     args = parser().parse_args(["up", *argv])
     dep = deployment_from_args(args)
-    return cluster_from_deployment(dep, args.model or default_model(), log_dir)
+    cluster = cluster_from_deployment(dep, args.model or default_model(), log_dir)
+    if args.api_key_file:
+        cluster.extra_router += ["--api-key-file", args.api_key_file]
+    return cluster
 
 
 def main(argv: list[str] | None = None) -> None:

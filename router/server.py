@@ -18,11 +18,13 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.http import OpenAIFrontDoor, read_api_keys, start_http
 from router.perf import PerfModel
 from router.policy import POLICIES, DecodeView, PrefillView, RankView, Rejected, Request
 from shared import metrics
@@ -33,7 +35,7 @@ from shared.protocol.prefix import PrefixFilter, prompt_block_hashes
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server
+from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server, write_port_file
 
 log = logging.getLogger("pdserve.router")
 SERVICE = "pdserve.v1.Generation"
@@ -68,6 +70,16 @@ class RouterConfig(EndpointConfig):
                                      "calibrated online either way)")
     load_interval: float = flag(0.25, "seconds between load reports polled from each instance")
     discovery_interval: float = flag(5.0, "seconds between DNS resolutions of dns:NAME:PORT instance addresses")
+    http_port: int | None = flag(None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                                       "/v1/chat/completions, /v1/models, /health) on this port (0: a free one, "
+                                       "reported in PORT_FILE.http); TLS with --tls-cert/--tls-key when given",
+                                 bounds=(0, 65535))
+    api_key_file: str | None = flag(None, "HTTP API keys, one per line: /v1/ calls need Authorization: Bearer KEY "
+                                          "(401 otherwise)")
+    served_model_name: str | None = flag(None, "the model id of the HTTP API (default: the --model directory's "
+                                               "name)")
+    chat_max_tokens: int = flag(4096, "an HTTP chat request that sets no max_tokens generates up to this many "
+                                      "tokens (never past the context)", bounds=(1, None))
 
     def __post_init__(self) -> None:
         check_bounds(self, flag_name)
@@ -251,9 +263,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _encode(self, text: str) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizers, self.tokenizer.encode, text)
 
-    async def validate(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def validate(self, request: generation_pb2.GenerateRequest, open_ended: bool = False,
+                       ) -> tuple[list[int], SamplingParams]:
         """Return (prompt ids, params) or raise Invalid naming the field. Sizes are checked before any
-        work (tokenizing included)."""
+        work (tokenizing included). `open_ended` (HTTP chat): without max_tokens the reply may run to
+        --chat-max-tokens, never past the context."""
         if isinstance(request, _Malformed):
             raise Invalid(f"request: not a valid GenerateRequest ({request.reason}); strings must be UTF-8")
         if len(request.request_id) > MAX_REQUEST_ID or not REQUEST_ID_CHARS.fullmatch(request.request_id):
@@ -296,6 +310,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ids = await self._encode(request.prompt)
         else:
             ids = list(request.prompt_token_ids)
+        if open_ended and not request.sampling_params.HasField("max_tokens"):
+            params.max_tokens = max(1, min(self.cfg.chat_max_tokens, self.limits.context_tokens - len(ids)))
+            request.sampling_params.max_tokens = params.max_tokens  # what prefill and decode are sent
         try:
             self.limits.check_prompt_ids(ids, given[0])
             self.limits.check_length(len(ids), params.max_tokens, "sampling_params.max_tokens")
@@ -304,23 +321,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return ids, params
 
     async def Generate(self, request, context):
-        """Admission first: beyond --max-concurrent-requests a call is refused at once, before any work
-        (health checks are never refused: an overloaded router is not a dead one)."""
+        """The gRPC API's Generate."""
+        async for out in self.generate(request, context):
+            yield out
+
+    async def generate(self, request, context, open_ended: bool = False):
+        """Generate's path, for the gRPC API and the HTTP API alike (router.http passes an HttpCall as
+        `context`). Admission first: beyond --max-concurrent-requests a call is refused at once, before
+        any work (health checks are never refused: an overloaded router is not a dead one)."""
         if self.in_flight >= self.cfg.max_concurrent_requests:
             metrics.request_done("router", "RESOURCE_EXHAUSTED", "overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the router is at its limit of {self.cfg.max_concurrent_requests} requests in flight")
         self.in_flight += 1
         try:
-            async for out in self._generate(request, context):
+            async for out in self._generate(request, context, open_ended):
                 yield out
         finally:
             self.in_flight -= 1
 
-    async def _generate(self, request, context):
+    async def _generate(self, request, context, open_ended: bool):
         t0 = time.perf_counter()
         try:
-            ids, params = await self.validate(request)
+            ids, params = await self.validate(request, open_ended)
         except Invalid as exc:
             metrics.request_done("router", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -545,8 +568,22 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
     watchers += [asyncio.create_task(pool.discover(cfg.discovery_interval))
                  for pool in (servicer.prefill, servicer.decode) if pool.names]
     servicer._background.update(watchers)  # referenced for the life of the process
+    http = None
+    if cfg.http_port is not None:  # up before the port file appears: a launcher may call both at once
+        front = OpenAIFrontDoor(servicer, cfg.served_model_name or Path(cfg.model).resolve().name,
+                                read_api_keys(cfg.api_key_file))
+        http, http_task, http_port = await start_http(front.app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+        scheme = "https" if cfg.tls_cert else "http"
+        log.info("OpenAI-compatible HTTP API at %s://%s:%d/v1", scheme, cfg.host, http_port)
+        if cfg.port_file:
+            write_port_file(f"{cfg.port_file}.http", http_port)
     life.announce(port, cfg.port_file, f"router listening on {cfg.host}:{port}")
-    await life.run(cfg.drain_seconds)
+    try:
+        await life.run(cfg.drain_seconds)
+    finally:
+        if http is not None:
+            http.should_exit = True
+            await http_task
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,448 @@
+"""The OpenAI-compatible HTTP front door: `GET /v1/models`, `POST /v1/completions`,
+`POST /v1/chat/completions` (streamed as server-sent events or whole), `GET /health`.
+
+One request path behind both APIs: an HTTP request becomes the gRPC API's `GenerateRequest` and runs
+through the same `GenerationServicer` generator, so admission, SLA targets, priority, fail-over,
+cancellation and metrics are the gRPC path's. `HttpCall` is what that generator uses of a gRPC
+ServicerContext (abort, deadline, trailing metadata); its aborts become OpenAI error bodies with
+the matching HTTP status. FastAPI (on Starlette) parses and validates the JSON and uvicorn serves it:
+no hand-written HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.protocol.chat import ROLES, SPECIAL_TOKENS, THINK_END
+from shared.rpc.pdserve.v1 import generation_pb2
+
+# gRPC status → (HTTP status, OpenAI error type)
+HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+
+
+class HttpAbort(Exception):
+    """A request that ends with an OpenAI error body."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param, self.retry_after_s = code, message, param, retry_after_s
+
+    def response(self) -> JSONResponse:
+        status, kind = HTTP_STATUS.get(self.code, (500, "internal_error"))
+        headers = {"Retry-After": str(max(1, round(self.retry_after_s)))} if self.retry_after_s is not None else None
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": status}}
+        return JSONResponse(body, status_code=status, headers=headers)
+
+
+class HttpCall:
+    """What the router's Generate path uses of a gRPC ServicerContext, for a call that came over HTTP:
+    `abort` raises HttpAbort (with the Retry-After the SLA refusal set), `time_remaining` is the
+    request's own timeout."""
+
+    def __init__(self, timeout_s: float | None):
+        self.deadline = time.monotonic() + timeout_s if timeout_s else None
+        self.retry_after_s: float | None = None
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        for key, value in metadata:
+            if key == "retry-after-ms":
+                self.retry_after_s = int(value) / 1e3
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        details = details.removeprefix("sampling_params.")  # the gRPC message's nesting; HTTP fields are flat
+        named = re.match(r"([A-Za-z_][\w.\[\]]*)[: ]", details) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+        raise HttpAbort(code, details, named.group(1) if named else None, self.retry_after_s)
+
+
+# -- request bodies (OpenAI's fields; the ones this server does not implement yet are refused by name) ----
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sla(BaseModel):
+    """pdserve's per-request latency targets (0: the router's --ttft-slo-ms / --tpot-slo-ms)."""
+
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields both endpoints take."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI's server and vLLM do
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extra
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extra
+    ignore_eos: bool = False  # vLLM's extra
+    skip_special_tokens: bool = True  # vLLM's extra
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    priority: int = 0  # vLLM's extra: lower is more urgent
+    sla: Sla | None = None  # pdserve's extra: this request's own latency targets
+    timeout: float | None = Field(default=None, description="seconds; pdserve's extra (504 after it)")
+    # OpenAI fields not implemented yet: a request that sets them gets 400 naming the field
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+def _refuse_unimplemented(body: SamplingFields) -> None:
+    """Fields OpenAI defines that this server does not implement yet: refused naming the field, never
+    silently ignored."""
+    unsupported = {"presence_penalty": body.presence_penalty != 0, "frequency_penalty": body.frequency_penalty != 0,
+                   "logit_bias": bool(body.logit_bias), "logprobs": body.logprobs not in (None, False),
+                   "top_logprobs": bool(body.top_logprobs), "n": body.n != 1,
+                   "echo": bool(getattr(body, "echo", False))}
+    for name, set_ in unsupported.items():
+        if set_:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not supported by this server yet", name)
+
+
+def _sampling(body: SamplingFields, max_tokens: int | None) -> generation_pb2.SamplingParams:
+    sp = generation_pb2.SamplingParams(ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
+                                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+                                       stop_token_ids=list(body.stop_token_ids or []), top_k=body.top_k or 0)
+    for name in ("temperature", "top_p", "seed"):
+        if getattr(body, name) is not None:
+            setattr(sp, name, getattr(body, name))
+    if max_tokens is not None:
+        sp.max_tokens = max_tokens
+    return sp
+
+
+class ReasoningSplitter:
+    """Thinking-mode output streamed apart: text before `</think>` is reasoning, after it the answer.
+    A tail that could be the start of `</think>` is held back until the next piece decides it."""
+
+    def __init__(self, thinking: bool):
+        self.in_reasoning, self.pending = thinking, ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) deltas of `text`."""
+        text, self.pending = self.pending + text, ""
+        if not self.in_reasoning:
+            return "", _visible(text)
+        head, sep, tail = text.partition(THINK_END)
+        if sep:
+            self.in_reasoning = False
+            return _visible(head), _visible(tail)
+        keep = next((k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1)
+                     if THINK_END.startswith(text[-k:])), 0) if not final else 0
+        self.pending = text[len(text) - keep:] if keep else ""
+        return _visible(text[: len(text) - keep]), ""
+
+
+def _visible(text: str) -> str:
+    """Text without the chat encoding's special tokens (an EOS at the end of a reply, `<think>`)."""
+    for token in SPECIAL_TOKENS:
+        text = text.replace(token, "")
+    return text
+
+
+@dataclass
+class Choice:
+    """One prompt's output, gathered from the generator."""
+
+    text: str = ""
+    reasoning: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+
+def _usage(choices: list[Choice]) -> dict[str, Any]:
+    prompt = sum(c.prompt_tokens for c in choices)
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)}}
+
+
+class OpenAIFrontDoor:
+    """The HTTP routes over a GenerationServicer (router.server)."""
+
+    def __init__(self, servicer: Any, model_name: str, api_keys: list[str]):  # router.server.GenerationServicer
+        self.servicer, self.model_name, self.api_keys = servicer, model_name, api_keys
+        self.created = int(time.time())
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(HttpAbort)
+        async def aborted(_: Request, exc: HttpAbort) -> JSONResponse:
+            return exc.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+            first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid request"}
+            name = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+            return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {first['msg']}", name).response()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):  # noqa: ANN001, ANN202 - Starlette's middleware
+            if self.api_keys and request.url.path.startswith("/v1/"):
+                given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+                if not any(secrets.compare_digest(given, key) for key in self.api_keys):
+                    return HttpAbort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed "
+                                     "(Authorization: Bearer KEY)").response()
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health() -> Response:
+            up = any(i.view.up for i in self.servicer.prefill.instances) and \
+                any(i.view.up for i in self.servicer.decode.instances)
+            return Response(status_code=200 if up else 503)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{name:path}")
+        async def model(name: str) -> dict[str, Any]:
+            self._check_model(name)
+            return self._model_card()
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request) -> Response:
+            self._check_model(body.model)
+            _refuse_unimplemented(body)
+            prompts = self._prompts(body.prompt)
+            if body.stream and len(prompts) > 1:
+                raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: one prompt per streamed request", "prompt")
+            sp = _sampling(body, body.max_tokens)
+            reqs = [generation_pb2.GenerateRequest(sampling_params=sp, priority=body.priority, sla=_sla(body), **p)
+                    for p in prompts]
+            return await self._respond(body, reqs, request, "text_completion", thinking=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+            self._check_model(body.model)
+            _refuse_unimplemented(body)
+            thinking = bool(body.chat_template_kwargs.get("thinking", False))
+            messages = []
+            for i, m in enumerate(body.messages):
+                if m.role not in ROLES:
+                    raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].role: expected one of "
+                                    f"{', '.join(ROLES)}, got {m.role!r}", f"messages[{i}].role")
+                messages.append(generation_pb2.ChatMessage(role=m.role, content=_text(m.content, i),
+                                                           reasoning_content=m.reasoning_content or ""))
+            sp = _sampling(body, body.max_completion_tokens if body.max_completion_tokens is not None
+                           else body.max_tokens)
+            sp.skip_special_tokens = sp.skip_special_tokens and not thinking  # </think> splits the reply
+            req = generation_pb2.GenerateRequest(messages=messages, thinking=thinking, sampling_params=sp,
+                                                 priority=body.priority, sla=_sla(body))
+            return await self._respond(body, [req], request, "chat.completion", thinking=thinking)
+
+        return app
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "max_model_len": self.servicer.limits.context_tokens}
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise HttpAbort(grpc.StatusCode.NOT_FOUND, f"model {name!r} does not exist; this server serves "
+                            f"{self.model_name!r}", "model")
+
+    @staticmethod
+    def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[dict[str, Any]]:
+        if isinstance(prompt, str):
+            return [{"prompt": prompt}]
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return [{"prompt_token_ids": prompt}]
+        if not prompt:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty", "prompt")
+        return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+    async def _respond(self, body: SamplingFields, reqs: list[generation_pb2.GenerateRequest], request: Request,
+                       kind: Literal["text_completion", "chat.completion"], thinking: bool) -> Response:
+        rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
+        if body.stream:
+            call = HttpCall(body.timeout)
+            events = self._generate(reqs[0], call)
+            try:  # the first message (or the refusal) before the 200: admission errors keep their status
+                first = await anext(events)
+            except StopAsyncIteration:
+                first = None
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(rid, kind, first, events, include_usage, thinking),
+                                     media_type="text/event-stream")
+        choices = await self._gather(reqs, body.timeout, request, thinking)
+        return JSONResponse(self._whole(rid, kind, choices))
+
+    def _generate(self, req: generation_pb2.GenerateRequest, call: HttpCall
+                  ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        return self.servicer.generate(req, call, open_ended=True)
+
+    async def _gather(self, reqs: list[generation_pb2.GenerateRequest], timeout: float | None, request: Request,
+                      thinking: bool) -> list[Choice]:
+        """Every prompt's whole output; a client that disconnects first cancels them (their KV is freed)."""
+        async def one(req: generation_pb2.GenerateRequest) -> Choice:
+            choice, splitter = Choice(), ReasoningSplitter(thinking)
+            async for msg in self._generate(req, HttpCall(timeout)):
+                reasoning, content = splitter.feed(msg.text, final=bool(msg.finish_reason))
+                choice.reasoning += reasoning
+                choice.text += content
+                choice.token_ids += msg.token_ids
+                if msg.finish_reason:
+                    choice.finish_reason = msg.finish_reason
+                    usage = msg.usage
+                    choice.prompt_tokens, choice.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+                    choice.cached_tokens = usage.cached_prompt_tokens
+            return choice
+
+        work = asyncio.ensure_future(asyncio.gather(*(one(r) for r in reqs)))
+        while not work.done():
+            await asyncio.wait([work], timeout=0.5)
+            if not work.done() and await request.is_disconnected():
+                work.cancel()
+        return work.result()
+
+    def _whole(self, rid: str, kind: str, choices: list[Choice]) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
+                               "usage": _usage(choices)}
+        if kind == "text_completion":
+            out["choices"] = [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+                              for i, c in enumerate(choices)]
+        else:
+            out["choices"] = [{"index": i, "finish_reason": c.finish_reason, "logprobs": None,
+                               "message": {"role": "assistant", "content": c.text,
+                                           "reasoning_content": c.reasoning or None}}
+                              for i, c in enumerate(choices)]
+        return out
+
+    async def _sse(self, rid: str, kind: str, first: generation_pb2.GenerateResponse | None,
+                   events: AsyncIterator[generation_pb2.GenerateResponse], include_usage: bool,
+                   thinking: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per step, then usage (when asked) and `data: [DONE]`. A client
+        that disconnects closes this generator, which cancels the request (its KV is freed)."""
+        chunk_kind = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
+        created, splitter, usage = int(time.time()), ReasoningSplitter(thinking), Choice()
+
+        def chunk(choice: dict[str, Any]) -> str:
+            return "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
+                                          "model": self.model_name, "choices": [choice]}) + "\n\n"
+
+        if kind != "text_completion":
+            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        try:
+            msg = first
+            while msg is not None:
+                reasoning, content = splitter.feed(msg.text, final=bool(msg.finish_reason))
+                finish = msg.finish_reason or None
+                if kind == "text_completion":
+                    yield chunk({"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+                else:
+                    delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+                    yield chunk({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None})
+                if finish:
+                    usage = Choice(prompt_tokens=msg.usage.prompt_tokens, cached_tokens=msg.usage.cached_prompt_tokens,
+                                   completion_tokens=msg.usage.completion_tokens)
+                msg = await anext(events, None)
+        except HttpAbort as exc:  # after the 200: the error travels as an event, as OpenAI's servers do
+            yield "data: " + json.dumps(json.loads(exc.response().body)) + "\n\n"
+        if include_usage:
+            yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
+                                         "model": self.model_name, "choices": [], "usage": _usage([usage])}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _sla(body: SamplingFields) -> generation_pb2.Sla:
+    return generation_pb2.Sla(ttft_ms=body.sla.ttft_ms, tpot_ms=body.sla.tpot_ms) if body.sla else generation_pb2.Sla()
+
+
+def _text(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    """A message's content: a string, or OpenAI's list of text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{index}].content: only text parts are "
+                            f"supported, got {part.get('type')!r}", f"messages[{index}].content")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def read_api_keys(path: str | None) -> list[str]:
+    """One key per line of --api-key-file (empty: no keys, no authentication)."""
+    if not path:
+        return []
+    return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+async def start_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None,
+                     tls_key: str | None = None) -> tuple[uvicorn.Server, asyncio.Task, int]:
+    """Serve `app` with uvicorn on the running event loop (the gRPC server's); port 0 picks a free one.
+    Returns the server, its task and the bound port once it accepts connections."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(app, log_level="warning", ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+                            timeout_graceful_shutdown=5, lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()  # raises the reason it could not start
+        await asyncio.sleep(0.01)
+    return server, task, sock.getsockname()[1]

@@ -1,0 +1,135 @@
+"""The OpenAI-compatible HTTP API of the router, through the official `openai` SDK against
+`pdserve up --http-port 0` (one cluster for the module): completions and chat, streamed and whole,
+the same tokens as the gRPC API; thinking mode's reasoning apart from the answer; OpenAI's error
+bodies and status codes; a client that disconnects frees its KV blocks."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from router.cli import up_cluster
+from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
+from tests.helpers import wait_for
+
+DEMO = "models/demo-v32"
+KEY = "sk-test-key"
+PROMPT = "In the beginning God created"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text(f"other-key\n{KEY}\n")
+    c = up_cluster(["--model", DEMO, "--port", "0", "--http-port", "0", "--api-key-file", str(keys)],
+                   log_dir=tmp_path_factory.mktemp("http-logs"))
+    with c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key=KEY, max_retries=0)
+
+
+def grpc_text(cluster, **kwargs) -> str:
+    with cluster.channel(cluster.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        return "".join(m.text for m in stub.Generate(generation_pb2.GenerateRequest(**kwargs), timeout=60))
+
+
+def decode_load(cluster) -> internal_pb2.LoadReport:
+    with cluster.channel(cluster.decode_addrs[0]) as ch:
+        return internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=5)
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["demo-v32"]
+
+
+def test_completions_whole_and_streamed_equal_the_grpc_api(cluster, client):
+    want = grpc_text(cluster, prompt=PROMPT, sampling_params=generation_pb2.SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True))
+    whole = client.completions.create(model="demo-v32", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == want and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model="demo-v32", prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    # several prompts in one request (lm-eval batches this way)
+    batch = client.completions.create(model="demo-v32", prompt=[PROMPT, "And God said"], max_tokens=4, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.usage.completion_tokens == 8
+
+
+def test_chat_and_thinking_mode(cluster, client):
+    messages = [{"role": "user", "content": "Who is the LORD?"}]
+    want = grpc_text(cluster, messages=[generation_pb2.ChatMessage(role="user", content="Who is the LORD?")],
+                     sampling_params=generation_pb2.SamplingParams(max_tokens=16, temperature=0.0))
+    whole = client.chat.completions.create(model="demo-v32", messages=messages, max_tokens=16, temperature=0)
+    assert whole.choices[0].message.content == want.replace("<｜end▁of▁sentence｜>", "")
+    streamed = client.chat.completions.create(model="demo-v32", messages=messages, max_completion_tokens=16,
+                                              temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
+    # thinking: the reply up to </think> is reasoning_content, apart from content, whole and streamed
+    kwargs = {"chat_template_kwargs": {"thinking": True}}
+    thought = client.chat.completions.create(model="demo-v32", messages=messages, max_tokens=40, temperature=0,
+                                             extra_body=kwargs)
+    message = thought.choices[0].message
+    raw = grpc_text(cluster, messages=[generation_pb2.ChatMessage(role="user", content="Who is the LORD?")],
+                    thinking=True, sampling_params=generation_pb2.SamplingParams(
+                        max_tokens=40, temperature=0.0, skip_special_tokens=False))
+    reasoning, _, answer = raw.partition("</think>")
+    assert message.reasoning_content == reasoning and "</think>" not in (message.content or "")
+    assert (message.content or "") == answer.replace("<｜end▁of▁sentence｜>", "")
+    deltas = list(client.chat.completions.create(model="demo-v32", messages=messages, max_tokens=40, temperature=0,
+                                                 stream=True, extra_body=kwargs))
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in deltas
+                   if c.choices) == reasoning
+
+
+@pytest.mark.parametrize(("kwargs", "status", "param"), [
+    ({"model": "nope"}, 404, "model"),
+    ({"temperature": -1.0}, 400, "temperature"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"n": 2}, 400, "n"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": [99999]}, 400, "prompt_token_ids"),
+    ({"max_tokens": 10**7}, 400, "max_tokens"),
+])
+def test_bad_requests_get_openai_errors_naming_the_field(client, kwargs, status, param):
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(**{"model": "demo-v32", "prompt": "hi", "max_tokens": 4, **kwargs})
+    assert err.value.status_code == status
+    assert err.value.body["param"] == param and err.value.body["code"] == status
+
+
+def test_auth_overload_and_deadline(cluster, client):
+    base = f"http://{cluster.http_address}/v1"
+    wrong = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.get(f"http://{cluster.http_address}/health").status_code == 200  # probes need no key
+    with pytest.raises(openai.RateLimitError) as err:  # a TTFT target no instance can meet: refused at once
+        client.completions.create(model="demo-v32", prompt="hi", max_tokens=4, extra_body={"sla": {"ttft_ms": 0.001}})
+    assert int(err.value.response.headers["retry-after"]) >= 1
+    with pytest.raises(openai.APIStatusError) as err:  # its deadline passes before it starts
+        client.completions.create(model="demo-v32", prompt="hi", max_tokens=4, extra_body={"timeout": 1e-6})
+    assert err.value.status_code == 504
+
+
+def test_a_client_that_disconnects_frees_its_kv(cluster):
+    total = decode_load(cluster).total_blocks
+    body = {"model": "demo-v32", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"http://{cluster.http_address}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert decode_load(cluster).free_blocks < total  # its KV is held while it streams
+    assert wait_for(lambda: decode_load(cluster).free_blocks == total and decode_load(cluster).running == 0, 30)
