@@ -33,6 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared.protocol.chat import ROLES, SPECIAL_TOKENS, THINK_END
 from shared.rpc.pdserve.v1 import generation_pb2
 
+MAX_N = 16  # samples per prompt in one request
+
 # gRPC status → (HTTP status, OpenAI error type)
 HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -116,10 +118,13 @@ class SamplingFields(BaseModel):
     priority: int = 0  # vLLM's extra: lower is more urgent
     sla: Sla | None = None  # pdserve's extra: this request's own latency targets
     timeout: float | None = Field(default=None, description="seconds; pdserve's extra (504 after it)")
-    # OpenAI fields not implemented yet: a request that sets them gets 400 naming the field
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # vLLM's extra
+    min_p: float = 0.0  # vLLM's extra
+    min_tokens: int = 0  # vLLM's extra
+    # OpenAI fields not implemented yet: a request that sets them gets 400 naming the field
     logprobs: Any = None
     top_logprobs: int | None = None
 
@@ -146,9 +151,8 @@ class ChatCompletionRequest(SamplingFields):
 def _refuse_unimplemented(body: SamplingFields) -> None:
     """Fields OpenAI defines that this server does not implement yet: refused naming the field, never
     silently ignored."""
-    unsupported = {"presence_penalty": body.presence_penalty != 0, "frequency_penalty": body.frequency_penalty != 0,
-                   "logit_bias": bool(body.logit_bias), "logprobs": body.logprobs not in (None, False),
-                   "top_logprobs": bool(body.top_logprobs), "n": body.n != 1,
+    unsupported = {"logprobs": body.logprobs not in (None, False),
+                   "top_logprobs": bool(body.top_logprobs), "n": body.n != 1 and body.stream,
                    "echo": bool(getattr(body, "echo", False))}
     for name, set_ in unsupported.items():
         if set_:
@@ -159,9 +163,16 @@ def _sampling(body: SamplingFields, max_tokens: int | None) -> generation_pb2.Sa
     sp = generation_pb2.SamplingParams(ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
                                        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                                        stop_token_ids=list(body.stop_token_ids or []), top_k=body.top_k or 0)
-    for name in ("temperature", "top_p", "seed"):
+    for name in ("temperature", "top_p", "seed", "repetition_penalty"):
         if getattr(body, name) is not None:
             setattr(sp, name, getattr(body, name))
+    sp.presence_penalty, sp.frequency_penalty = body.presence_penalty, body.frequency_penalty
+    sp.min_p, sp.min_tokens = body.min_p, body.min_tokens
+    for token, bias in (body.logit_bias or {}).items():
+        if not token.lstrip("-").isdigit() or not -(2**31) <= int(token) < 2**31:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"logit_bias: keys are token ids, got {token!r}",
+                            "logit_bias")
+        sp.logit_bias[int(token)] = bias
     if max_tokens is not None:
         sp.max_tokens = max_tokens
     return sp
@@ -326,7 +337,7 @@ class OpenAIFrontDoor:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._sse(rid, kind, first, events, include_usage, thinking),
                                      media_type="text/event-stream")
-        choices = await self._gather(reqs, body.timeout, request, thinking)
+        choices = await self._gather(_samples(reqs, body.n), body.timeout, request, thinking)
         return JSONResponse(self._whole(rid, kind, choices))
 
     def _generate(self, req: generation_pb2.GenerateRequest, call: HttpCall
@@ -404,6 +415,23 @@ class OpenAIFrontDoor:
             yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                          "model": self.model_name, "choices": [], "usage": _usage([usage])}) + "\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _samples(reqs: list[generation_pb2.GenerateRequest], n: int) -> list[generation_pb2.GenerateRequest]:
+    """`n` samples of each prompt, in OpenAI's choice order (prompt-major). They run as `n` requests: the
+    prefill's prefix cache computes the shared prompt once (its last block excepted). With a seed,
+    sample i draws with seed + i, so the whole response replays."""
+    if n < 1 or n > MAX_N:
+        raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"n: expected 1..{MAX_N}, got {n}", "n")
+    out = []
+    for req in reqs:
+        for i in range(n):
+            copy = generation_pb2.GenerateRequest()
+            copy.CopyFrom(req)
+            if i and copy.sampling_params.HasField("seed"):
+                copy.sampling_params.seed = (copy.sampling_params.seed + i) % 2**63
+            out.append(copy)
+    return out
 
 
 def _sla(body: SamplingFields) -> generation_pb2.Sla:

@@ -316,6 +316,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             self.limits.check_prompt_ids(ids, given[0])
             self.limits.check_length(len(ids), params.max_tokens, "sampling_params.max_tokens")
+            self.limits.check_sampling(params)
         except ValueError as exc:
             raise Invalid(str(exc)) from exc
         return ids, params

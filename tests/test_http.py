@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from router.cli import up_cluster
+from shared.engine import LLM, SamplingParams
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from tests.helpers import wait_for
 
@@ -96,8 +97,11 @@ def test_chat_and_thinking_mode(cluster, client):
     ({"model": "nope"}, 404, "model"),
     ({"temperature": -1.0}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"n": 2}, 400, "n"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"n": 17}, 400, "n"),
+    ({"n": 2, "stream": True}, 400, "n"),
+    ({"presence_penalty": 5.0}, 400, "presence_penalty"),
+    ({"logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
+    ({"extra_body": {"min_tokens": 9}}, 400, "min_tokens"),
     ({"prompt": [99999]}, 400, "prompt_token_ids"),
     ({"max_tokens": 10**7}, 400, "max_tokens"),
 ])
@@ -133,3 +137,27 @@ def test_a_client_that_disconnects_frees_its_kv(cluster):
         assert next(line for line in lines if line.startswith("data: "))
         assert decode_load(cluster).free_blocks < total  # its KV is held while it streams
     assert wait_for(lambda: decode_load(cluster).free_blocks == total and decode_load(cluster).running == 0, 30)
+
+
+def test_penalties_and_bias_through_http(cluster, client):
+    """OpenAI's presence / frequency penalties and logit_bias, vLLM's repetition_penalty / min_p /
+    min_tokens reach the engine's sampler: the same output as the engine's in-process with the same
+    parameters."""
+    llm = LLM(DEMO, enable_prefix_caching=False)
+    ids = llm.engine.encode(PROMPT)
+    for extra in ({"presence_penalty": 1.5}, {"frequency_penalty": 1.0}, {"logit_bias": {"42": 100}},
+                  {"extra_body": {"repetition_penalty": 2.0}}, {"extra_body": {"min_tokens": 5, "min_p": 0.1}}):
+        http = client.completions.create(model="demo-v32", prompt=ids, max_tokens=16, temperature=0, **extra)
+        flat = {**extra.get("extra_body", {}), **{k: v for k, v in extra.items() if k != "extra_body"}}
+        if "logit_bias" in flat:
+            flat["logit_bias"] = {int(k): float(v) for k, v in flat["logit_bias"].items()}
+        local = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, **flat))[0]
+        assert http.choices[0].text == local.text, extra
+
+
+def test_n_samples_with_a_seed_replay(client):
+    kw = {"model": "demo-v32", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 7}
+    first, again = client.completions.create(**kw), client.completions.create(**kw)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1 and first.usage.completion_tokens == 24  # distinct samples, each counted

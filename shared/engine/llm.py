@@ -142,6 +142,11 @@ class LLMEngine:
         params.validate()
         self.limits.check_prompt_ids(prompt_token_ids)
         self.limits.check_length(len(prompt_token_ids), params.max_tokens)
+        self.limits.check_sampling(params)
+        if self.speculator is not None and params.processes_logits:
+            raise ValueError("presence_penalty / frequency_penalty / repetition_penalty / min_p / min_tokens / "
+                             "logit_bias: not supported with --speculative mtp (the drafted positions' token "
+                             "history would not be exact)")
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, priority: int = 0) -> Sequence:
@@ -196,7 +201,8 @@ class LLMEngine:
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         done = [c.seq for c in chunks if c.completes]
-        return sample(logits, [s.params for s in done], [s.generator for s in done])
+        return sample(logits, [s.params for s in done], [s.generator for s in done], done,
+                      () if all(s.params.ignore_eos for s in done) else self.model_config.eos_token_ids)
 
     def step(self, observer: StepObserver | None = None) -> list[StepEvent]:
         """One step of this rank (every rank of a parallel instance calls it together): schedule, then

@@ -1,6 +1,15 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with optional per-request seeds."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with optional per-request seeds, after the
+logits processors (logit bias, min_tokens, repetition / frequency / presence penalties), all batched.
+
+Order, as vLLM's: logit_bias → min_tokens → repetition, frequency and presence penalties on the model's
+logits (greedy rows take the argmax of these) → temperature → min_p → top-k → top-p.
+"""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -11,18 +20,80 @@ from shared.protocol.sampling import SamplingParams
 NUCLEUS_CANDIDATES = 1024
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` [M, V] (fp32), every row in one batched pass: greedy rows take the
-    argmax; sampled rows apply temperature, top-k then top-p (on the top-k renormalized distribution)
-    and draw by inverse CDF with one uniform from their own generator (a seeded request replays)."""
+class TokenHistory(Protocol):
+    """What the penalties read of a request (shared.engine.scheduler.Sequence)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: Sequence[TokenHistory] | None = None, eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """One token per row of `logits` [M, V] (fp32), every row in one batched pass: the logits processors
+    first (rows whose params ask for them; `histories` gives their tokens so far); greedy rows take the
+    argmax; sampled rows apply temperature, min-p, top-k then top-p (on the top-k renormalized
+    distribution) and draw by inverse CDF with one uniform from their own generator (a seeded request
+    replays)."""
     logits = _sanitize(logits)
+    if histories is not None and any(p.processes_logits for p in params):
+        logits = process_logits(logits, params, histories, eos_token_ids)
     out = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
-        chosen = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
+        picked = [params[i] for i in rows]
+        x = logits[index]
+        if any(p.min_p for p in picked):
+            x = _min_p(x, picked)
+        chosen = _sample_rows(x, picked, [generators[i] for i in rows])
         out[index] = chosen
     return out.tolist()
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[TokenHistory],
+                   eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """The logits after each row's logit_bias, min_tokens mask and repetition / frequency / presence
+    penalties, as sparse batched updates (index lists over the rows' tokens, one scatter each)."""
+    logits = logits.clone()
+    dev, vocab = logits.device, logits.shape[1]
+
+    def put(rows: list[int], tokens: list[int], values: torch.Tensor | float, accumulate: bool) -> None:
+        if rows:
+            index = (torch.tensor(rows, device=dev), torch.tensor(tokens, device=dev))
+            vals = values if isinstance(values, torch.Tensor) else torch.full((len(rows),), values, device=dev)
+            logits.index_put_(index, vals, accumulate=accumulate)
+
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+    put([r for r, _, _ in bias], [t for _, t, _ in bias], torch.tensor([b for _, _, b in bias], device=dev), True)
+    masked = [(i, t) for i, p in enumerate(params) if len(histories[i].output_token_ids) < p.min_tokens
+              for t in dict.fromkeys([*eos_token_ids, *p.stop_token_ids])]
+    put([r for r, _ in masked], [t for _, t in masked], float("-inf"), False)
+    seen = [(i, t) for i, p in enumerate(params) if p.repetition_penalty != 1
+            for t in dict.fromkeys(histories[i].prompt_token_ids + histories[i].output_token_ids)]
+    if seen:
+        rows, tokens = torch.tensor([r for r, _ in seen], device=dev), torch.tensor([t for _, t in seen], device=dev)
+        penalty = torch.tensor([params[r].repetition_penalty for r, _ in seen], device=dev)
+        x = logits[rows, tokens]
+        logits[rows, tokens] = torch.where(x > 0, x / penalty, x * penalty)
+    said = [(i, t) for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty
+            for t in histories[i].output_token_ids]
+    if said:
+        keys = torch.tensor([r * vocab + t for r, t in said], device=dev)
+        keys, counts = keys.unique(return_counts=True)
+        rows, tokens = keys // vocab, keys % vocab
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[rows]
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[rows]
+        logits.index_put_((rows, tokens), -(freq * counts + pres), accumulate=True)
+    return logits
+
+
+def _min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Drop tokens whose probability (after temperature) is below min_p × the most likely one's: in logit
+    space, below the row's max + T·log(min_p)."""
+    t = torch.tensor([p.temperature for p in params], device=logits.device)
+    floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=logits.device)
+    keep = logits >= logits.max(-1, keepdim=True).values + (t * floor)[:, None]
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shared.protocol.sampling import SamplingParams
+
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks that hold `num_tokens` tokens."""
@@ -33,6 +35,18 @@ class RequestLimits:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def check_token_ids(self, ids: Sequence[int], field: str) -> None:
+        """Raise ValueError naming `field` for a token id outside the vocabulary (stop_token_ids,
+        logit_bias keys)."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """The sampling parameters' token ids (stop_token_ids, logit_bias keys) are in the vocabulary."""
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(list(params.logit_bias), "logit_bias")
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int, field: str = "max_tokens") -> None:
         """Raise ValueError naming `field` when prompt + max_tokens does not fit the context, or needs

@@ -384,13 +384,19 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
         stop=list(msg.stop),
         ignore_eos=msg.ignore_eos,
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        min_p=msg.min_p, min_tokens=msg.min_tokens, logit_bias=dict(msg.logit_bias),
     )
 
 
 def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
     msg = generation_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
                                         top_k=p.top_k, stop_token_ids=p.stop_token_ids, stop=p.stop,
-                                        ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens)
+                                        ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
+                                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                        repetition_penalty=p.repetition_penalty, min_p=p.min_p,
+                                        min_tokens=p.min_tokens, logit_bias=p.logit_bias)
     if p.seed is not None:
         msg.seed = p.seed
     return msg
