@@ -24,7 +24,16 @@ from shared.config import DecodeConfig, parse_flags
 from shared.engine.core import CommandError, follow
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Credentials, Lifecycle, LoopQueue, sampling_from_proto, start_server, wait_future
+from shared.rpc.service import (
+    Credentials,
+    Lifecycle,
+    LoopQueue,
+    logprob_from_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+    start_server,
+    wait_future,
+)
 
 log = logging.getLogger("pdserve.decode")
 SERVICE = "pdserve.v1.Decode"
@@ -103,8 +112,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
         except KeyError:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already streaming here")
+        first_logprob = (logprob_from_proto(request.first_token_logprob) if request.HasField("first_token_logprob")
+                         else None)
         admit = self.coord.submit(Admit(rid, request.lease_id, list(request.prompt_token_ids), params,
-                                        request.first_token_id, bytes(request.rng_state), request.local_prefill), rank)
+                                        request.first_token_id, bytes(request.rng_state), request.local_prefill,
+                                        first_logprob), rank)
         try:
             await wait_future(admit, 60)
         except CommandError as exc:
@@ -135,7 +147,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 if out.stopped and not ev.finished:  # a stop string: the engine stops this request now
                     reason = "stop"
                 metrics.TOKENS.labels("decode", "output").inc()
-                yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "")
+                yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "",
+                                                  logprobs=[logprob_to_proto(ev.logprob)] if ev.logprob else [])
                 if out.stopped:
                     break
             metrics.request_done("decode", "OK", reason or "abort")

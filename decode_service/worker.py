@@ -26,6 +26,7 @@ from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
 from shared.kvcache import OutOfBlocks
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.parallel import ParallelState
+from shared.protocol.sampling import TokenLogprob
 from shared.rpc.service import Credentials
 from shared.transfer import Destination, TcpReceiver
 from shared.transfer.base import cache_kinds
@@ -60,6 +61,7 @@ class Admit(EngineCommand):
     first_token: int = 0
     rng_state: bytes = b""
     local: bool = False
+    first_logprob: TokenLogprob | None = None  # the prefill's, with params.logprobs
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class Event:
     finished: bool
     finish_reason: str | None
     error: str = ""  # finish_reason "error": the engine failed this request (no token)
+    logprob: TokenLogprob | None = None  # with params.logprobs
 
 
 # the load integers that travel in the fixed per-turn row, in order
@@ -206,7 +209,7 @@ class DecodeWorker:
             return []
         if c.rng_state and seq.params.seed is not None:
             seq.generator.set_state(torch.frombuffer(bytearray(c.rng_state), dtype=torch.uint8))
-        events = [_event(ev) for ev in self.engine.add_prefilled(seq, c.first_token)]
+        events = [_event(ev) for ev in self.engine.add_prefilled(seq, c.first_token, c.first_logprob)]
         if not events[-1].finished:
             self.handles[seq.request_id] = handle
         return events
@@ -253,7 +256,8 @@ class DecodeWorker:
         def handle(rid: str) -> int | None:
             return self.handles.get(rid, self._ended.get(rid))
 
-        plain = len(events) <= cap and all(not ev.error and handle(ev.request_id) is not None for ev in events)
+        plain = len(events) <= cap and all(not ev.error and ev.logprob is None and handle(ev.request_id) is not None
+                                           for ev in events)  # else the events travel as objects
         row = torch.zeros(ROW_WIDTH + 1 + 3 * cap, dtype=torch.int64)
         row[:ROW_WIDTH] = torch.tensor(load.to_row())
         if plain and events:
@@ -319,4 +323,5 @@ def _event(ev: StepEvent) -> Event:
     event: an MTP step that accepted drafts emits several tokens of one request after the request
     finished, and the row encoding reads a non-empty reason as "finished" (so an earlier event
     carrying it would end the stream and lose the accepted tail)."""
-    return Event(ev.seq.request_id, ev.token_id, ev.finished, ev.seq.finish_reason if ev.finished else None)
+    return Event(ev.seq.request_id, ev.token_id, ev.finished, ev.seq.finish_reason if ev.finished else None,
+                 logprob=ev.logprob)

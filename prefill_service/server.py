@@ -30,7 +30,7 @@ from shared.engine import LLMEngine
 from shared.engine.core import CommandError, follow
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Credentials, Lifecycle, sampling_from_proto, start_server, wait_future
+from shared.rpc.service import Credentials, Lifecycle, logprob_to_proto, sampling_from_proto, start_server, wait_future
 from shared.transfer import Destination, TransferError
 
 log = logging.getLogger("pdserve.prefill")
@@ -121,9 +121,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         metrics.TOKENS.labels("prefill", "cached_prompt").inc(result.cached_prompt_tokens)
         metrics.KV_PUSH_BYTES.labels(dest.transport).inc(result.pushed_bytes)
         metrics.KV_PUSH_SECONDS.labels(dest.transport).observe(result.seconds)
-        return internal_pb2.PrefillResponse(first_token_id=result.first_token, rng_state=result.rng_state,
-                                            prefill_seconds=result.seconds,
-                                            cached_prompt_tokens=result.cached_prompt_tokens)
+        return internal_pb2.PrefillResponse(
+            first_token_id=result.first_token, rng_state=result.rng_state, prefill_seconds=result.seconds,
+            cached_prompt_tokens=result.cached_prompt_tokens,
+            first_token_logprob=logprob_to_proto(result.first_logprob) if result.first_logprob else None)
 
     def close(self) -> None:
         self.engine.stop()  # the loop's end closes the rank's pushes and senders (in the core process too)

@@ -31,6 +31,7 @@ from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import EngineCommand, RankCommand
 from shared.engine.scheduler import ScheduledChunk, Sequence
+from shared.protocol.sampling import TokenLogprob
 from shared.rpc.service import Credentials
 from shared.transfer import Destination, KVPush, KVSender, TransferError, make_sender
 
@@ -74,6 +75,7 @@ class PrefillResult:
     seconds: float
     cached_prompt_tokens: int  # prompt tokens served from the prefix cache
     pushed_bytes: int  # KV bytes this rank pushed
+    first_logprob: TokenLogprob | None = None  # with params.logprobs
 
 
 @dataclass(frozen=True)
@@ -334,7 +336,8 @@ class PrefillWorker:
             return
         pushed = done.job.push.bytes_sent if done.job.push else 0
         self.on_done(rid, PrefillResult(done.token, done.rng_state, time.perf_counter() - done.job.started,
-                                        done.cached_prompt_tokens, pushed))
+                                        done.cached_prompt_tokens, pushed,
+                                        done.seq.logprobs[0] if done.seq.logprobs else None))
 
     def load(self) -> PrefillLoad:
         sched, kv = self.engine.scheduler, self.engine.kv

@@ -124,14 +124,13 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extra
     min_p: float = 0.0  # vLLM's extra
     min_tokens: int = 0  # vLLM's extra
-    # OpenAI fields not implemented yet: a request that sets them gets 400 naming the field
-    logprobs: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = None  # chat: alternatives per token, with logprobs: true
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = None  # the legacy API's: this many alternatives per token (0..20)
 
 
 class ChatMessageIn(BaseModel):
@@ -144,6 +143,7 @@ class ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn]
+    logprobs: bool = False
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -151,12 +151,20 @@ class ChatCompletionRequest(SamplingFields):
 def _refuse_unimplemented(body: SamplingFields) -> None:
     """Fields OpenAI defines that this server does not implement yet: refused naming the field, never
     silently ignored."""
-    unsupported = {"logprobs": body.logprobs not in (None, False),
-                   "top_logprobs": bool(body.top_logprobs), "n": body.n != 1 and body.stream,
+    unsupported = {"n": body.n != 1 and body.stream,
                    "echo": bool(getattr(body, "echo", False))}
     for name, set_ in unsupported.items():
         if set_:
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not supported by this server yet", name)
+
+
+def _logprobs_asked(body: SamplingFields) -> int | None:
+    """How many alternatives per token the request asks for (None: no logprobs)."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: needs logprobs: true", "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
 
 
 def _sampling(body: SamplingFields, max_tokens: int | None) -> generation_pb2.SamplingParams:
@@ -168,6 +176,8 @@ def _sampling(body: SamplingFields, max_tokens: int | None) -> generation_pb2.Sa
             setattr(sp, name, getattr(body, name))
     sp.presence_penalty, sp.frequency_penalty = body.presence_penalty, body.frequency_penalty
     sp.min_p, sp.min_tokens = body.min_p, body.min_tokens
+    if (asked := _logprobs_asked(body)) is not None:
+        sp.logprobs = asked
     for token, bias in (body.logit_bias or {}).items():
         if not token.lstrip("-").isdigit() or not -(2**31) <= int(token) < 2**31:
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"logit_bias: keys are token ids, got {token!r}",
@@ -218,6 +228,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
 
 
 def _usage(choices: list[Choice]) -> dict[str, Any]:
@@ -305,6 +316,32 @@ class OpenAIFrontDoor:
 
         return app
 
+    def _token(self, token_id: int) -> str:
+        tok = self.servicer.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
+
+    def _completion_logprobs(self, lps: list[generation_pb2.TokenLogprob]) -> dict[str, Any] | None:
+        """The completions API's logprobs object (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if not lps:
+            return None
+        tokens = [self._token(lp.token_id) for lp in lps]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "text_offset": offsets,
+                "top_logprobs": [{self._token(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]}
+
+    def _chat_logprobs(self, lps: list[generation_pb2.TokenLogprob]) -> dict[str, Any] | None:
+        """The chat API's logprobs object: content, one entry per token with its top alternatives."""
+        if not lps:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]}
+                            for lp in lps]}
+
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
                 "max_model_len": self.servicer.limits.context_tokens}
@@ -354,6 +391,7 @@ class OpenAIFrontDoor:
                 choice.reasoning += reasoning
                 choice.text += content
                 choice.token_ids += msg.token_ids
+                choice.logprobs += msg.logprobs
                 if msg.finish_reason:
                     choice.finish_reason = msg.finish_reason
                     usage = msg.usage
@@ -372,10 +410,11 @@ class OpenAIFrontDoor:
         out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
                                "usage": _usage(choices)}
         if kind == "text_completion":
-            out["choices"] = [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
-                              for i, c in enumerate(choices)]
+            out["choices"] = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                               "logprobs": self._completion_logprobs(c.logprobs)} for i, c in enumerate(choices)]
         else:
-            out["choices"] = [{"index": i, "finish_reason": c.finish_reason, "logprobs": None,
+            out["choices"] = [{"index": i, "finish_reason": c.finish_reason,
+                               "logprobs": self._chat_logprobs(c.logprobs),
                                "message": {"role": "assistant", "content": c.text,
                                            "reasoning_content": c.reasoning or None}}
                               for i, c in enumerate(choices)]
@@ -401,10 +440,12 @@ class OpenAIFrontDoor:
                 reasoning, content = splitter.feed(msg.text, final=bool(msg.finish_reason))
                 finish = msg.finish_reason or None
                 if kind == "text_completion":
-                    yield chunk({"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+                    yield chunk({"index": 0, "text": content, "finish_reason": finish,
+                                 "logprobs": self._completion_logprobs(list(msg.logprobs))})
                 else:
                     delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
-                    yield chunk({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None})
+                    yield chunk({"index": 0, "delta": delta, "finish_reason": finish,
+                                 "logprobs": self._chat_logprobs(list(msg.logprobs))})
                 if finish:
                     usage = Choice(prompt_tokens=msg.usage.prompt_tokens, cached_tokens=msg.usage.cached_prompt_tokens,
                                    completion_tokens=msg.usage.completion_tokens)

@@ -408,6 +408,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         prefill_req, timeout=timeout, metadata=md), retry_on=(grpc.StatusCode.UNAVAILABLE,))
                     metrics.PAIRS.labels(pre.address, dec.address).inc()
                     decode_req.first_token_id, decode_req.rng_state = first.first_token_id, first.rng_state
+                    if first.HasField("first_token_logprob"):
+                        decode_req.first_token_logprob.CopyFrom(first.first_token_logprob)
                 metrics.PREFILL_PATHS.labels("local" if best.local else "disaggregated").inc()
                 stream = dec.stub.Decode(decode_req, timeout=timeout, metadata=md)
                 claimed = True
@@ -467,7 +469,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     t_last = now
                     n += len(msg.token_ids)
                 out = generation_pb2.GenerateResponse(token_ids=msg.token_ids, text=msg.text,
-                                                      finish_reason=msg.finish_reason, request_id=rid)
+                                                      finish_reason=msg.finish_reason, request_id=rid,
+                                                      logprobs=msg.logprobs)
                 if msg.finish_reason:
                     if n > 1 and t_first is not None and t_last is not None:
                         self.perf.observe_tpot(predicted.batch, predicted.tpot_raw_s, (t_last - t_first) / (n - 1))

@@ -98,6 +98,8 @@ def test_chat_and_thinking_mode(cluster, client):
     ({"temperature": -1.0}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"n": 17}, 400, "n"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"echo": True}, 400, "echo"),
     ({"n": 2, "stream": True}, 400, "n"),
     ({"presence_penalty": 5.0}, 400, "presence_penalty"),
     ({"logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
@@ -161,3 +163,27 @@ def test_n_samples_with_a_seed_replay(client):
     texts = [c.text for c in first.choices]
     assert [c.index for c in first.choices] == [0, 1, 2] and texts == [c.text for c in again.choices]
     assert len(set(texts)) > 1 and first.usage.completion_tokens == 24  # distinct samples, each counted
+
+
+def test_logprobs_equal_the_engines_in_process(client):
+    """Completions' `logprobs: N` and chat's `logprobs` / `top_logprobs`: each token's log-probability
+    (the first one from the prefill instance, the rest from decode) equals the engine's in-process
+    log-softmax of the model's raw logits, with the same top alternatives."""
+    llm = LLM(DEMO, enable_prefix_caching=False)
+    ids = llm.engine.encode(PROMPT)
+    local = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3))[0]
+    http = client.completions.create(model="demo-v32", prompt=ids, max_tokens=6, temperature=0, logprobs=3)
+    lp = http.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in local.logprobs], abs=1e-5)
+    assert [len(t) for t in lp.top_logprobs] == [3] * 6
+    for top, want in zip(lp.top_logprobs, local.logprobs):
+        assert sorted(top.values(), reverse=True) == pytest.approx(want.top_logprobs, abs=1e-5)
+    assert "".join(lp.tokens) == http.choices[0].text
+    chat = client.chat.completions.create(model="demo-v32", messages=[{"role": "user", "content": "Who?"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    streamed = client.completions.create(model="demo-v32", prompt=ids, max_tokens=6, temperature=0, logprobs=0,
+                                         stream=True)
+    values = [v for c in streamed if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert values == pytest.approx([x.logprob for x in local.logprobs], abs=1e-5)

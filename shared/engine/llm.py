@@ -18,7 +18,7 @@ import torch
 from shared.config import EngineConfig
 from shared.device import compute_dtype, get_device
 from shared.engine.policy import policy_for
-from shared.engine.sampler import SamplingParams, sample
+from shared.engine.sampler import SamplingParams, sample, token_logprobs
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 from shared.engine.speculative import CatchUp, Draft, MtpSpeculator
 from shared.kvcache import KVCache, KVLayout
@@ -28,6 +28,7 @@ from shared.model.offload import parse_layers
 from shared.parallel.state import ParallelState
 from shared.protocol.chat import ChatMessage, render_messages
 from shared.protocol.limits import RequestLimits
+from shared.protocol.sampling import TokenLogprob
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
 
 
@@ -38,6 +39,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per token, with params.logprobs
 
     @property
     def finished(self) -> bool:
@@ -52,6 +54,7 @@ class StepEvent:
     seq: Sequence
     token_id: int
     finished: bool
+    logprob: TokenLogprob | None = None  # with params.logprobs
 
 
 class StepObserver(Protocol):
@@ -143,10 +146,10 @@ class LLMEngine:
         self.limits.check_prompt_ids(prompt_token_ids)
         self.limits.check_length(len(prompt_token_ids), params.max_tokens)
         self.limits.check_sampling(params)
-        if self.speculator is not None and params.processes_logits:
+        if self.speculator is not None and params.exact_history_needed:
             raise ValueError("presence_penalty / frequency_penalty / repetition_penalty / min_p / min_tokens / "
-                             "logit_bias: not supported with --speculative mtp (the drafted positions' token "
-                             "history would not be exact)")
+                             "logit_bias / logprobs: not supported with --speculative mtp (a drafted position's "
+                             "token history and distribution would not be exact)")
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, priority: int = 0) -> Sequence:
@@ -171,9 +174,13 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def add_prefilled(self, seq: Sequence, first_token: int) -> list[StepEvent]:
-        """Admit a request whose prompt KV is already in its blocks (disaggregated decode)."""
+    def add_prefilled(self, seq: Sequence, first_token: int, first_logprob: TokenLogprob | None = None,
+                      ) -> list[StepEvent]:
+        """Admit a request whose prompt KV is already in its blocks (disaggregated decode); the prefill's
+        first token (and its logprob, when asked for)."""
         seq.num_cached = len(seq.prompt_token_ids)
+        if first_logprob is not None:
+            seq.logprobs.append(first_logprob)
         events = self.append_token(seq, first_token)
         if seq.status is not Status.FINISHED:
             self.scheduler.add_running(seq)
@@ -249,7 +256,9 @@ class LLMEngine:
         starts = [c.seq.num_cached for c in chunks]
         if spec is None:
             logits, hidden = self.policy.forward(self, batch, layer_done), None
-            sampled = [[token] for token in self.sample(chunks, logits)]
+            tokens = self.sample(chunks, logits)
+            self._note_logprobs([c.seq for c in chunks if c.completes], logits, tokens)
+            sampled = [[token] for token in tokens]
         else:
             logits, hidden = self.policy.forward(self, batch, layer_done, return_hidden=True)
             sampled = spec.verify(chunks, drafts, logits)
@@ -298,6 +307,16 @@ class LLMEngine:
         return SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
                         num_logits=1 + len(draft.tokens) if draft else 1, generated=seq.generated_from(start))
 
+    @staticmethod
+    def _note_logprobs(done: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
+        """The sampled tokens' logprobs of the requests that asked for them, kept on the request."""
+        rows = [i for i, s in enumerate(done) if s.params.logprobs is not None]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            lps = token_logprobs(logits[index], [tokens[i] for i in rows], [done[i].params.logprobs for i in rows])
+            for i, lp in zip(rows, lps, strict=True):
+                done[i].logprobs.append(lp)
+
     def _register(self, seqs: list[Sequence]) -> None:
         """Register the requests' newly completed blocks in the prefix cache."""
         if self.scheduler.prefix_caching:
@@ -317,7 +336,8 @@ class LLMEngine:
             seq.finish_reason = reason
             if retire:
                 self._retire(seq)
-        return StepEvent(seq, token, reason is not None)
+        logprob = seq.logprobs[-1] if len(seq.logprobs) == len(seq.output_token_ids) else None
+        return StepEvent(seq, token, reason is not None, logprob)
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, seq.finish_reason or "stop")
@@ -367,7 +387,8 @@ class LLM:
                     self.engine.abort(ev.seq.request_id, "stop")
         return [
             RequestOutput(s.request_id, s.prompt_token_ids, list(s.output_token_ids),
-                          outputs[s.request_id].text if self.engine.tokenizer else None, s.finish_reason)
+                          outputs[s.request_id].text if self.engine.tokenizer else None, s.finish_reason,
+                          list(s.logprobs) if s.params.logprobs is not None else None)
             for s in seqs
         ]
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from shared.protocol.sampling import SamplingParams
+from shared.protocol.sampling import SamplingParams, TokenLogprob
 
 # Top-p rows first look for their nucleus among this many best tokens (exact when it lies inside,
 # which it does for any trained model's distribution); rows whose nucleus is wider are sorted whole.
@@ -48,6 +48,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         chosen = _sample_rows(x, picked, [generators[i] for i in rows])
         out[index] = chosen
     return out.tolist()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """Each row's chosen token's log-probability under the model's raw distribution (log-softmax of
+    `logits` [M, V], before any processor or temperature) and its `top[i]` best tokens, in one pass."""
+    logp = _sanitize(logits.float()).log_softmax(-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    k = max(top, default=0)
+    vals, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    vals, ids = vals.tolist(), ids.tolist()
+    return [TokenLogprob(t, lp, ids[i][: top[i]], vals[i][: top[i]]) for i, (t, lp) in enumerate(zip(tokens, chosen))]
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[TokenHistory],

@@ -25,6 +25,7 @@ from shared.engine.sampler import SamplingParams
 from shared.kvcache import BlockAllocator
 from shared.protocol.limits import blocks_for
 from shared.protocol.prefix import block_hash
+from shared.protocol.sampling import TokenLogprob
 
 
 class Status(enum.Enum):
@@ -42,6 +43,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, with params.logprobs
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the pool
     status: Status = Status.WAITING

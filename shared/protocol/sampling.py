@@ -12,6 +12,7 @@ MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS = 16, 256, 64
 MAX_PENALTY = 2.0  # presence / frequency penalties in [-2, 2] (OpenAI's range)
 MAX_REPETITION_PENALTY = 10.0  # repetition_penalty in (0, 10] (1 = off; HF / vLLM semantics)
 MAX_LOGIT_BIAS_ENTRIES, MAX_LOGIT_BIAS = 300, 100.0  # OpenAI's limits: 300 tokens, biases in [-100, 100]
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass
@@ -33,6 +34,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability is below min_p × the most likely token's
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit
+    logprobs: int | None = None  # each generated token's log-probability and this many top alternatives
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field. Every number must be finite and in range, and every
@@ -71,10 +73,18 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         for token, bias in self.logit_bias.items():
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                 raise ValueError(f"logit_bias: the bias of token {token} must be in [-{MAX_LOGIT_BIAS}, "
                                  f"{MAX_LOGIT_BIAS}], got {bias}")
+
+    @property
+    def exact_history_needed(self) -> bool:
+        """Sampling reads what MTP's drafted positions cannot give exactly: the token history (logits
+        processors) or each position's own distribution (logprobs)."""
+        return self.processes_logits or self.logprobs is not None
 
     @property
     def processes_logits(self) -> bool:
@@ -86,3 +96,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's own distribution (the log-softmax of the
+    raw logits, before penalties, bias and temperature: vLLM's default "raw" logprobs) and the
+    `logprobs` most likely tokens of that position, best first."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)

@@ -42,7 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared.config import EndpointConfig
-from shared.protocol.sampling import SamplingParams
+from shared.protocol.sampling import SamplingParams, TokenLogprob
 from shared.rpc.certs import TLS_SERVER_NAME
 from shared.rpc.pdserve.v1 import generation_pb2, internal_pb2
 
@@ -387,6 +387,7 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         min_p=msg.min_p, min_tokens=msg.min_tokens, logit_bias=dict(msg.logit_bias),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -399,7 +400,18 @@ def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
                                         min_tokens=p.min_tokens, logit_bias=p.logit_bias)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     return msg
+
+
+def logprob_to_proto(lp: TokenLogprob) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids,
+                                       top_logprobs=lp.top_logprobs)
+
+
+def logprob_from_proto(msg: generation_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, list(msg.top_ids), list(msg.top_logprobs))
 
 
 class _PresentToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
