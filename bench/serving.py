@@ -1,5 +1,6 @@
-"""Serving: concurrent streams through the router (1 prefill + 1 decode process) vs the same
-prompts in-process, vs vLLM's OpenAI server (`--peer vllm`), plus the TTFT overhead of
+"""Serving: concurrent streams through the router (1 prefill + 1 decode process) over its gRPC API and
+over its OpenAI-compatible HTTP API, vs the same prompts in-process, vs vLLM's OpenAI server
+(`--peer vllm`, driven by the same HTTP client as the router's HTTP API), plus the TTFT overhead of
 disaggregation on a 1k-token prompt.
 
     python bench/serving.py [--streams 16,64,256] [--prompt-len 128] [--max-tokens 128] [--peer vllm]
@@ -28,7 +29,7 @@ import grpc
 import torch
 
 from bench.common import OUT, line_plot, pct, table
-from bench.peers import VLLM_CONFIG, VllmServer
+from bench.peers import VLLM_CONFIG, VllmServer, stream_completion
 from router.cli import Cluster
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.kvcache import KVCache
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(levels)))
     run_in_process(engine, prompts[:2], 4)  # warm-up
     wire = wire_seconds(engine, args.long_prompt)
-    results: dict[str, dict[int, dict]] = {"router": {}, "in-process": {}}
+    results: dict[str, dict[int, dict]] = {"router": {}, "router HTTP": {}, "in-process": {}}
     vllm = None
     if "vllm" in args.peer:
         print("starting vLLM's OpenAI server ...", flush=True)
@@ -177,14 +178,21 @@ def main(argv: list[str] | None = None) -> None:
         results["vLLM server"] = {}
     print(f"starting router + 1 prefill + 1 decode ({args.kv_transport}, {args.dtype}) ...", flush=True)
     try:
-        with Cluster(model, kv_transport=args.kv_transport, dtype=args.dtype,
+        with Cluster(model, kv_transport=args.kv_transport, dtype=args.dtype, extra_router=["--http-port", "0"],
                      extra_decode=["--max-num-seqs", str(max(levels)), *args.decode_flag]) as cluster:
+            host, _, port = cluster.http_address.rpartition(":")
+
+            def http(prompt: list[int], n: int):  # noqa: ANN202 - a coroutine of arrival times
+                return stream_completion(host, int(port), Path(model).resolve().name, prompt, n)
+
             run_router(cluster.address, prompts[:2], 4)  # warm-up
+            run_streams(http, prompts[:2], 4)
             if vllm is not None:
                 run_streams(vllm.stream, prompts[:2], 4)
             for n in levels:
                 print(f"{n} concurrent streams ...", flush=True)
                 results["router"][n] = run_router(cluster.address, prompts[:n], args.max_tokens)
+                results["router HTTP"][n] = run_streams(http, prompts[:n], args.max_tokens)
                 if vllm is not None:
                     results["vLLM server"][n] = run_streams(vllm.stream, prompts[:n], args.max_tokens)
                 results["in-process"][n] = run_in_process(engine, prompts[:n], args.max_tokens)
@@ -204,13 +212,17 @@ def main(argv: list[str] | None = None) -> None:
         for name, by_level in results.items():
             r = by_level[n]
             ratio = ""
-            if vllm is not None and name == "router":
+            if vllm is not None and name.startswith("router"):
                 ratio = f"{r['tok/s'] / results['vLLM server'][n]['tok/s']:.2f}x"
             rows.append([n, name, f"{pct(r['ttft'], .5) * 1e3:.0f}", f"{pct(r['ttft'], .99) * 1e3:.0f}",
                          f"{pct(r['tpot'], .5) * 1e3:.1f}", r["tok/s"], ratio])
     print()
     print(f"{args.prompt_len}-token prompts → {args.max_tokens} tokens, {args.dtype}")
     print(table(["streams", "system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "tok/s", "router / vLLM"], rows))
+    print()
+    print(table(["streams", "TPOT p50 HTTP / gRPC", "tok/s HTTP / gRPC"], [
+        [n, f"{pct(results['router HTTP'][n]['tpot'], .5) / pct(results['router'][n]['tpot'], .5):.3f}",
+         f"{results['router HTTP'][n]['tok/s'] / results['router'][n]['tok/s']:.3f}"] for n in levels]))
     d_ttft, l_ttft = statistics.median(remote_long), statistics.median(local_long)
     print()
     print(table([f"{args.long_prompt}-token prompt", "ms"], [

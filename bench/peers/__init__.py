@@ -74,6 +74,23 @@ class VllmOffline:
         self.proc.wait(60)
 
 
+async def stream_completion(host: str, port: int, model: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """One streamed greedy `/v1/completions` call of any OpenAI-compatible server (vLLM's, pdserve's
+    router): the arrival time of each token's server-sent event. The same client for every system."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+    await writer.drain()
+    stamps = []
+    while line := await reader.readline():
+        if line.startswith(b"data: {") and b'"choices": []' not in line:
+            stamps.append(time.perf_counter())
+    writer.close()
+    return stamps
+
+
 class VllmServer:
     """vLLM's OpenAI server on a free loopback port; `stream(prompt, n)` is one streamed completion."""
 
@@ -101,18 +118,7 @@ class VllmServer:
 
     async def stream(self, prompt: list[int], max_tokens: int) -> list[float]:
         """Arrival times of the streamed tokens (one SSE event per token)."""
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": True, "stream": True}).encode()
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-        await writer.drain()
-        stamps = []
-        while line := await reader.readline():
-            if line.startswith(b"data: {"):
-                stamps.append(time.perf_counter())
-        writer.close()
-        return stamps
+        return await stream_completion("127.0.0.1", self.port, self.model, prompt, max_tokens)
 
     def close(self) -> None:
         self.proc.terminate()
