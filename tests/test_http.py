@@ -5,6 +5,9 @@ bodies and status codes; a client that disconnects frees its KV blocks."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -187,3 +190,22 @@ def test_logprobs_equal_the_engines_in_process(client):
                                          stream=True)
     values = [v for c in streamed if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert values == pytest.approx([x.logprob for x in local.logprobs], abs=1e-5)
+
+
+def test_no_instance_up_is_503(tmp_path):
+    """A router whose instances are all down answers 503 (and /health says so), not a hang or a 500."""
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "router", "--model", DEMO, "--port", "0", "--http-port", "0",
+                             "--port-file", str(port_file), "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
+                             "--insecure"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(port_file.exists, 60)
+        http = f"127.0.0.1:{int(port_file.with_name('port.http').read_text())}"
+        client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model="demo-v32", prompt="hi", max_tokens=4, timeout=60)
+        assert err.value.status_code == 503 and err.value.body["type"] == "service_unavailable"
+        assert wait_for(lambda: httpx.get(f"http://{http}/health").status_code == 503, 30)
+    finally:
+        proc.terminate()
+        proc.wait(30)
