@@ -18,7 +18,7 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -151,11 +151,8 @@ class ChatCompletionRequest(SamplingFields):
 def _refuse_unimplemented(body: SamplingFields) -> None:
     """Fields OpenAI defines that this server does not implement yet: refused naming the field, never
     silently ignored."""
-    unsupported = {"n": body.n != 1 and body.stream,
-                   "echo": bool(getattr(body, "echo", False))}
-    for name, set_ in unsupported.items():
-        if set_:
-            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not supported by this server yet", name)
+    if getattr(body, "echo", False):
+        raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "echo: not supported by this server yet", "echo")
 
 
 def _logprobs_asked(body: SamplingFields) -> int | None:
@@ -215,6 +212,14 @@ def _visible(text: str) -> str:
     for token in SPECIAL_TOKENS:
         text = text.replace(token, "")
     return text
+
+
+@dataclass
+class OpenStream:
+    """One sample's running request: its first message (None: it ended before any) and the rest."""
+
+    first: generation_pb2.GenerateResponse | None
+    events: AsyncGenerator[generation_pb2.GenerateResponse, None]
 
 
 @dataclass
@@ -365,20 +370,23 @@ class OpenAIFrontDoor:
                        kind: Literal["text_completion", "chat.completion"], thinking: bool) -> Response:
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
         if body.stream:
-            call = HttpCall(body.timeout)
-            events = self._generate(reqs[0], call)
-            try:  # the first message (or the refusal) before the 200: admission errors keep their status
-                first = await anext(events)
-            except StopAsyncIteration:
-                first = None
+            streams = []
+            try:  # each sample's first message (or the refusal) before the 200: admission errors keep their status
+                for req in _samples(reqs, body.n):
+                    events = self._generate(req, HttpCall(body.timeout))
+                    streams.append(OpenStream(await anext(events, None), events))
+            except BaseException:
+                for opened in streams:
+                    await opened.events.aclose()
+                raise
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(rid, kind, first, events, include_usage, thinking),
+            return StreamingResponse(self._sse(rid, kind, streams, include_usage, thinking),
                                      media_type="text/event-stream")
         choices = await self._gather(_samples(reqs, body.n), body.timeout, request, thinking)
         return JSONResponse(self._whole(rid, kind, choices))
 
     def _generate(self, req: generation_pb2.GenerateRequest, call: HttpCall
-                  ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                  ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         return self.servicer.generate(req, call, open_ended=True)
 
     async def _gather(self, reqs: list[generation_pb2.GenerateRequest], timeout: float | None, request: Request,
@@ -420,41 +428,67 @@ class OpenAIFrontDoor:
                               for i, c in enumerate(choices)]
         return out
 
-    async def _sse(self, rid: str, kind: str, first: generation_pb2.GenerateResponse | None,
-                   events: AsyncIterator[generation_pb2.GenerateResponse], include_usage: bool,
+    async def _sse(self, rid: str, kind: str, streams: list[OpenStream], include_usage: bool,
                    thinking: bool) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per step, then usage (when asked) and `data: [DONE]`. A client
-        that disconnects closes this generator, which cancels the request (its KV is freed)."""
+        """Server-sent events: one chunk per step of each sample (`index` tells them apart), then usage
+        (when asked) and `data: [DONE]`. A client that disconnects closes this generator, which cancels
+        every sample's request (their KV is freed)."""
         chunk_kind = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
-        created, splitter, usage = int(time.time()), ReasoningSplitter(thinking), Choice()
+        created = int(time.time())
+        splitters = [ReasoningSplitter(thinking) for _ in streams]
+        usage = [Choice() for _ in streams]
+        merged: asyncio.Queue = asyncio.Queue()
 
         def chunk(choice: dict[str, Any]) -> str:
             return "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                           "model": self.model_name, "choices": [choice]}) + "\n\n"
 
+        async def pump(index: int, stream: OpenStream) -> None:
+            try:
+                msg = stream.first
+                while msg is not None:
+                    await merged.put((index, msg))
+                    msg = await anext(stream.events, None)
+            except HttpAbort as exc:
+                await merged.put((index, exc))
+            finally:
+                await merged.put((index, None))
+
         if kind != "text_completion":
-            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            for i in range(len(streams)):
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
         try:
-            msg = first
-            while msg is not None:
-                reasoning, content = splitter.feed(msg.text, final=bool(msg.finish_reason))
-                finish = msg.finish_reason or None
-                if kind == "text_completion":
-                    yield chunk({"index": 0, "text": content, "finish_reason": finish,
-                                 "logprobs": self._completion_logprobs(list(msg.logprobs))})
+            live = len(streams)
+            while live:
+                index, msg = await merged.get()
+                if msg is None:
+                    live -= 1
+                elif isinstance(msg, HttpAbort):  # after the 200: the error travels as an event, as OpenAI's do
+                    yield "data: " + json.dumps(json.loads(msg.response().body)) + "\n\n"
                 else:
-                    delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
-                    yield chunk({"index": 0, "delta": delta, "finish_reason": finish,
-                                 "logprobs": self._chat_logprobs(list(msg.logprobs))})
-                if finish:
-                    usage = Choice(prompt_tokens=msg.usage.prompt_tokens, cached_tokens=msg.usage.cached_prompt_tokens,
-                                   completion_tokens=msg.usage.completion_tokens)
-                msg = await anext(events, None)
-        except HttpAbort as exc:  # after the 200: the error travels as an event, as OpenAI's servers do
-            yield "data: " + json.dumps(json.loads(exc.response().body)) + "\n\n"
+                    reasoning, content = splitters[index].feed(msg.text, final=bool(msg.finish_reason))
+                    finish = msg.finish_reason or None
+                    if kind == "text_completion":
+                        yield chunk({"index": index, "text": content, "finish_reason": finish,
+                                     "logprobs": self._completion_logprobs(list(msg.logprobs))})
+                    else:
+                        delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+                        yield chunk({"index": index, "delta": delta, "finish_reason": finish,
+                                     "logprobs": self._chat_logprobs(list(msg.logprobs))})
+                    if finish:
+                        usage[index] = Choice(prompt_tokens=msg.usage.prompt_tokens,
+                                              cached_tokens=msg.usage.cached_prompt_tokens,
+                                              completion_tokens=msg.usage.completion_tokens)
+        finally:  # the client left (or all ended): stop every sample's request
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                await stream.events.aclose()
         if include_usage:
             yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
-                                         "model": self.model_name, "choices": [], "usage": _usage([usage])}) + "\n\n"
+                                         "model": self.model_name, "choices": [], "usage": _usage(usage)}) + "\n\n"
         yield "data: [DONE]\n\n"
 
 
