@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from router.deploy import Deployment
+from router.server import parse_args as router_args
 from shared.config import ServiceConfig, knob_choices
 
 helm = pytest.importorskip("helm_python")
@@ -276,3 +278,18 @@ def test_mooncake_rdma_pods_request_the_device_and_may_lock_memory():
 def test_invalid_transport_values_fail_naming_the_key(engine, message):
     with pytest.raises(helm.HelmRenderError, match=message):
         _render({"engine": engine})
+
+
+def test_http_port_renders_the_flag_a_container_port_and_a_service_port():
+    docs = _render({"router": {"httpPort": 8000}})
+    router = next(d for d in docs if d["kind"] == "Deployment")
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    args = _args(container)
+    assert _flag(args, "--http-port") == "8000"
+    assert router_args([*args, "--model", "m", "--prefill", "a", "--decode", "b"]).http_port == 8000
+    assert {"name": "http", "containerPort": 8000} in container["ports"]
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-router"))
+    assert any(p["name"] == "http" and p["port"] == 8000 for p in service["spec"]["ports"])
+    assert Deployment.from_dict({"router": {"httpPort": 8000}}).flags("router")[-2:] == ["--http-port", "8000"]
+    default = next(d for d in _render({}) if d["kind"] == "Deployment")
+    assert "--http-port" not in _args(default["spec"]["template"]["spec"]["containers"][0])
