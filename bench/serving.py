@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                      extra_decode=["--max-num-seqs", str(max(levels)), *args.decode_flag]) as cluster:
             host, _, port = cluster.http_address.rpartition(":")
 
-            def http(prompt: list[int], n: int):  # noqa: ANN202 - a coroutine of arrival times
+            def http(prompt: list[int], n: int):  # a coroutine of the tokens' arrival times
                 return stream_completion(host, int(port), Path(model).resolve().name, prompt, n)
 
             run_router(cluster.address, prompts[:2], 4)  # warm-up

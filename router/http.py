@@ -265,7 +265,7 @@ class OpenAIFrontDoor:
             return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {first['msg']}", name).response()
 
         @app.middleware("http")
-        async def authenticate(request: Request, call_next):  # noqa: ANN001, ANN202 - Starlette's middleware
+        async def authenticate(request: Request, call_next):  # Starlette's middleware signature
             if self.api_keys and request.url.path.startswith("/v1/"):
                 given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
                 if not any(secrets.compare_digest(given, key) for key in self.api_keys):
