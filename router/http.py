@@ -30,10 +30,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared import metrics
 from shared.protocol.chat import ROLES, SPECIAL_TOKENS, THINK_END
 from shared.rpc.pdserve.v1 import generation_pb2
 
 MAX_N = 16  # samples per prompt in one request
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
 
 # gRPC status → (HTTP status, OpenAI error type)
 HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -266,12 +268,16 @@ class OpenAIFrontDoor:
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next):  # Starlette's middleware signature
+            route = request.url.path if request.url.path in ROUTES else "other"  # bounded label values
+            response = None
             if self.api_keys and request.url.path.startswith("/v1/"):
                 given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
                 if not any(secrets.compare_digest(given, key) for key in self.api_keys):
-                    return HttpAbort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed "
-                                     "(Authorization: Bearer KEY)").response()
-            return await call_next(request)
+                    response = HttpAbort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed "
+                                         "(Authorization: Bearer KEY)").response()
+            response = response or await call_next(request)
+            metrics.HTTP_REQUESTS.labels(route, str(response.status_code)).inc()
+            return response
 
         @app.get("/health")
         async def health() -> Response:

@@ -38,6 +38,9 @@ FAILOVERS = Counter("pdserve_router_failovers_total", "Calls retried on another 
 INSTANCE_UP = Gauge("pdserve_router_instance_up", "1 when the instance's health check says SERVING",
                     ["pool", "instance"])
 PAIRS = Counter("pdserve_router_pairs_total", "Requests per chosen (prefill, decode) pair", ["prefill", "decode"])
+HTTP_REQUESTS = Counter("pdserve_router_http_requests_total", "OpenAI-compatible HTTP API calls by route and "
+                        "HTTP status (generation requests are counted in the gRPC path's metrics too)",
+                        ["route", "status"])
 PREFILL_PATHS = Counter("pdserve_router_prefill_path_total", "Requests by where their prompt was prefilled: "
                         "disaggregated (a prefill instance, KV pushed) or local (on the decode instance, "
                         "--local-prefill-tokens)", ["path"])

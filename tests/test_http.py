@@ -28,6 +28,7 @@ def cluster(tmp_path_factory):
     keys.write_text(f"other-key\n{KEY}\n")
     c = up_cluster(["--model", DEMO, "--port", "0", "--http-port", "0", "--api-key-file", str(keys)],
                    log_dir=tmp_path_factory.mktemp("http-logs"))
+    c.extra_router += ["--metrics-port", "0"]
     with c:
         yield c
 
@@ -217,3 +218,12 @@ def test_n_streamed_samples_are_told_apart_by_index(client):
     texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
     assert texts == [c.text for c in whole.choices]  # the same seeded samples, streamed interleaved
     assert chunks[-1].usage.completion_tokens == 18
+
+
+def test_http_calls_are_counted(cluster, client):
+    client.models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=1)
+    text = httpx.get(f"http://127.0.0.1:{cluster.metrics_ports[cluster.address]}/metrics").text
+    assert 'pdserve_router_http_requests_total{route="/v1/models",status="200"}' in text
+    assert 'pdserve_router_http_requests_total{route="/v1/completions",status="404"}' in text
