@@ -189,16 +189,18 @@ def _sampling(body: SamplingFields, max_tokens: int | None) -> generation_pb2.Sa
 
 class ReasoningSplitter:
     """Thinking-mode output streamed apart: text before `</think>` is reasoning, after it the answer.
-    A tail that could be the start of `</think>` is held back until the next piece decides it."""
+    A tail that could be the start of `</think>` is held back until the next piece decides it. Without
+    thinking the text passes as it is (special tokens only where the request kept them)."""
 
     def __init__(self, thinking: bool):
-        self.in_reasoning, self.pending = thinking, ""
+        self.thinking = self.in_reasoning = thinking
+        self.pending = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) deltas of `text`."""
         text, self.pending = self.pending + text, ""
         if not self.in_reasoning:
-            return "", _visible(text)
+            return "", _visible(text) if self.thinking else text
         head, sep, tail = text.partition(THINK_END)
         if sep:
             self.in_reasoning = False
@@ -210,7 +212,8 @@ class ReasoningSplitter:
 
 
 def _visible(text: str) -> str:
-    """Text without the chat encoding's special tokens (an EOS at the end of a reply, `<think>`)."""
+    """Thinking-mode text without the chat encoding's special tokens (kept by the request the router makes
+    to find `</think>`): an EOS at the end of a reply, `<think>`."""
     for token in SPECIAL_TOKENS:
         text = text.replace(token, "")
     return text
