@@ -22,6 +22,10 @@ class History:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def unique_prompt_ids(self) -> torch.Tensor:
+        return torch.tensor(self.prompt_token_ids).unique()
+
 
 def reference(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> torch.Tensor:
     """Row by row, from the definitions (vLLM's order)."""

@@ -23,8 +23,10 @@ NUCLEUS_CANDIDATES = 1024
 class TokenHistory(Protocol):
     """What the penalties read of a request (shared.engine.scheduler.Sequence)."""
 
-    prompt_token_ids: list[int]
     output_token_ids: list[int]
+
+    @property
+    def unique_prompt_ids(self) -> torch.Tensor: ...
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -79,11 +81,13 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
     masked = [(i, t) for i, p in enumerate(params) if len(histories[i].output_token_ids) < p.min_tokens
               for t in dict.fromkeys([*eos_token_ids, *p.stop_token_ids])]
     put([r for r, _ in masked], [t for _, t in masked], float("-inf"), False)
-    seen = [(i, t) for i, p in enumerate(params) if p.repetition_penalty != 1
-            for t in dict.fromkeys(histories[i].prompt_token_ids + histories[i].output_token_ids)]
-    if seen:
-        rows, tokens = torch.tensor([r for r, _ in seen], device=dev), torch.tensor([t for _, t in seen], device=dev)
-        penalty = torch.tensor([params[r].repetition_penalty for r, _ in seen], device=dev)
+    repeat = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
+    if repeat:  # each row's distinct prompt + output tokens: tensor ops, not a Python pass over the context
+        seen = [torch.cat([histories[i].unique_prompt_ids, torch.tensor(histories[i].output_token_ids,
+                                                                        dtype=torch.long)]).unique() for i in repeat]
+        rows = torch.cat([torch.full((len(s),), i) for i, s in zip(repeat, seen)]).to(dev)
+        tokens = torch.cat(seen).to(dev)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)[rows]
         x = logits[rows, tokens]
         logits[rows, tokens] = torch.where(x > 0, x / penalty, x * penalty)
     said = [(i, t) for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty

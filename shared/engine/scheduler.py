@@ -15,6 +15,7 @@ every block it completes is registered for later requests.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @functools.cached_property
+    def unique_prompt_ids(self) -> torch.Tensor:
+        """The prompt's distinct token ids, once per request (repetition_penalty reads them every step)."""
+        return torch.tensor(self.prompt_token_ids).unique()
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without concatenating prompt and outputs (a decode step reads one)."""
