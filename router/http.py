@@ -379,15 +379,16 @@ class OpenAIFrontDoor:
                        kind: Literal["text_completion", "chat.completion"], thinking: bool) -> Response:
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
         if body.stream:
-            streams = []
-            try:  # each sample's first message (or the refusal) before the 200: admission errors keep their status
-                for req in _samples(reqs, body.n):
-                    events = self._generate(req, HttpCall(body.timeout))
-                    streams.append(OpenStream(await anext(events, None), events))
-            except BaseException:
-                for opened in streams:
-                    await opened.events.aclose()
-                raise
+            gens = [self._generate(req, HttpCall(body.timeout)) for req in _samples(reqs, body.n)]
+            # every sample's first message (or its refusal) before the 200, the samples started together:
+            # admission errors keep their status
+            firsts = await asyncio.gather(*(anext(g, None) for g in gens), return_exceptions=True)
+            failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if failed is not None:
+                for g in gens:
+                    await g.aclose()
+                raise failed
+            streams = [OpenStream(first, g) for first, g in zip(firsts, gens, strict=True)]
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._sse(rid, kind, streams, include_usage, thinking),
                                      media_type="text/event-stream")
