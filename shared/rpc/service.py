@@ -50,7 +50,6 @@ log = logging.getLogger("pdserve")
 
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 INTERNAL_SERVICES = ("pdserve.v1.Prefill", "pdserve.v1.Decode")
-DEFAULT_MAX_TOKENS = 16
 KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 1000, 3000
 _MESSAGE_LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 _KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
@@ -372,23 +371,18 @@ def write_port_file(path: str | None, port: int) -> None:
         tmp.replace(path)
 
 
+# proto3 `optional` fields of SamplingParams: unset, they keep SamplingParams' own defaults
+OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "skip_special_tokens",
+                            "repetition_penalty", "logprobs")
+
+
 def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
-    """Proto → SamplingParams with the documented defaults for unset optional fields."""
-    return SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=list(msg.stop_token_ids),
-        stop=list(msg.stop),
-        ignore_eos=msg.ignore_eos,
-        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
-        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-        min_p=msg.min_p, min_tokens=msg.min_tokens, logit_bias=dict(msg.logit_bias),
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-    )
+    """Proto → SamplingParams; an unset optional field takes the default SamplingParams declares (once)."""
+    optional = {name: getattr(msg, name) for name in OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    return SamplingParams(top_k=msg.top_k, stop_token_ids=list(msg.stop_token_ids), stop=list(msg.stop),
+                          ignore_eos=msg.ignore_eos, presence_penalty=msg.presence_penalty,
+                          frequency_penalty=msg.frequency_penalty, min_p=msg.min_p, min_tokens=msg.min_tokens,
+                          logit_bias=dict(msg.logit_bias), **optional)
 
 
 def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
