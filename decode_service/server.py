@@ -148,7 +148,9 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     reason = "stop"
                 metrics.TOKENS.labels("decode", "output").inc()
                 yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "",
-                                                  logprobs=[logprob_to_proto(ev.logprob)] if ev.logprob else [])
+                                                  logprobs=[logprob_to_proto(ev.logprob)] if ev.logprob else [],
+                                                  prompt_logprobs=[logprob_to_proto(lp)
+                                                                   for lp in ev.prompt_logprobs or ()])
                 if out.stopped:
                     break
             metrics.request_done("decode", "OK", reason or "abort")

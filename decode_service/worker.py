@@ -89,6 +89,7 @@ class Event:
     finish_reason: str | None
     error: str = ""  # finish_reason "error": the engine failed this request (no token)
     logprob: TokenLogprob | None = None  # with params.logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # a local prefill's, on its first token (prompt_logprobs)
 
 
 # the load integers that travel in the fixed per-turn row, in order
@@ -256,7 +257,8 @@ class DecodeWorker:
         def handle(rid: str) -> int | None:
             return self.handles.get(rid, self._ended.get(rid))
 
-        plain = len(events) <= cap and all(not ev.error and ev.logprob is None and handle(ev.request_id) is not None
+        plain = len(events) <= cap and all(not ev.error and ev.logprob is None and ev.prompt_logprobs is None
+                                           and handle(ev.request_id) is not None
                                            for ev in events)  # else the events travel as objects
         row = torch.zeros(ROW_WIDTH + 1 + 3 * cap, dtype=torch.int64)
         row[:ROW_WIDTH] = torch.tensor(load.to_row())
@@ -323,5 +325,7 @@ def _event(ev: StepEvent) -> Event:
     event: an MTP step that accepted drafts emits several tokens of one request after the request
     finished, and the row encoding reads a non-empty reason as "finished" (so an earlier event
     carrying it would end the stream and lose the accepted tail)."""
-    return Event(ev.seq.request_id, ev.token_id, ev.finished, ev.seq.finish_reason if ev.finished else None,
-                 logprob=ev.logprob)
+    seq = ev.seq
+    prompt_logprobs = seq.prompt_logprobs if seq.prompt_logprobs and len(seq.output_token_ids) == 1 else None
+    return Event(seq.request_id, ev.token_id, ev.finished, seq.finish_reason if ev.finished else None,
+                 logprob=ev.logprob, prompt_logprobs=prompt_logprobs)

@@ -124,7 +124,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         return internal_pb2.PrefillResponse(
             first_token_id=result.first_token, rng_state=result.rng_state, prefill_seconds=result.seconds,
             cached_prompt_tokens=result.cached_prompt_tokens,
-            first_token_logprob=logprob_to_proto(result.first_logprob) if result.first_logprob else None)
+            first_token_logprob=logprob_to_proto(result.first_logprob) if result.first_logprob else None,
+            prompt_logprobs=[logprob_to_proto(lp) for lp in result.prompt_logprobs])
 
     def close(self) -> None:
         self.engine.stop()  # the loop's end closes the rank's pushes and senders (in the core process too)

@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +76,7 @@ class PrefillResult:
     cached_prompt_tokens: int  # prompt tokens served from the prefix cache
     pushed_bytes: int  # KV bytes this rank pushed
     first_logprob: TokenLogprob | None = None  # with params.logprobs
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., with params.prompt_logprobs
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,8 @@ class PrefillWorker:
         pushed = done.job.push.bytes_sent if done.job.push else 0
         self.on_done(rid, PrefillResult(done.token, done.rng_state, time.perf_counter() - done.job.started,
                                         done.cached_prompt_tokens, pushed,
-                                        done.seq.logprobs[0] if done.seq.logprobs else None))
+                                        done.seq.logprobs[0] if done.seq.logprobs else None,
+                                        done.seq.prompt_logprobs))
 
     def load(self) -> PrefillLoad:
         sched, kv = self.engine.scheduler, self.engine.kv

@@ -12,6 +12,7 @@ no hand-written HTTP.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import secrets
@@ -151,10 +152,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 def _refuse_unimplemented(body: SamplingFields) -> None:
-    """Fields OpenAI defines that this server does not implement yet: refused naming the field, never
+    """Fields OpenAI defines that this server does not implement: refused naming the field, never
     silently ignored."""
-    if getattr(body, "echo", False):
-        raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "echo: not supported by this server yet", "echo")
+    if isinstance(body, ChatCompletionRequest) and getattr(body, "echo", False):
+        raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "echo: only /v1/completions echoes the prompt", "echo")
 
 
 def _logprobs_asked(body: SamplingFields) -> int | None:
@@ -177,6 +178,8 @@ def _sampling(body: SamplingFields, max_tokens: int | None) -> generation_pb2.Sa
     sp.min_p, sp.min_tokens = body.min_p, body.min_tokens
     if (asked := _logprobs_asked(body)) is not None:
         sp.logprobs = asked
+        if getattr(body, "echo", False):  # the echoed prompt's tokens come with theirs
+            sp.prompt_logprobs = asked
     for token, bias in (body.logit_bias or {}).items():
         if not token.lstrip("-").isdigit() or not -(2**31) <= int(token) < 2**31:
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"logit_bias: keys are token ids, got {token!r}",
@@ -228,6 +231,15 @@ class OpenStream:
 
 
 @dataclass
+class Echo:
+    """/v1/completions with `echo`: the prompt comes back before the completion (its tokens' logprobs
+    too, with `logprobs`); with max_tokens 0 only the prompt (one token is generated and dropped)."""
+
+    text: str
+    prompt_only: bool
+
+
+@dataclass
 class Choice:
     """One prompt's output, gathered from the generator."""
 
@@ -239,6 +251,8 @@ class Choice:
     cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)  # with echo and logprobs
+    prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
 
 
 def _usage(choices: list[Choice]) -> dict[str, Any]:
@@ -304,10 +318,16 @@ class OpenAIFrontDoor:
             prompts = self._prompts(body.prompt)
             if body.stream and len(prompts) > 1:
                 raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: one prompt per streamed request", "prompt")
-            sp = _sampling(body, body.max_tokens)
+            prompt_only = body.max_tokens == 0
+            if prompt_only and not body.echo:
+                raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be > 0 (0 only with echo)",
+                                "max_tokens")
+            sp = _sampling(body, 1 if prompt_only else body.max_tokens)
             reqs = [generation_pb2.GenerateRequest(sampling_params=sp, priority=body.priority, sla=_sla(body), **p)
                     for p in prompts]
-            return await self._respond(body, reqs, request, "text_completion", thinking=False)
+            echoes = [Echo(r.prompt or self._detokenize(list(r.prompt_token_ids)), prompt_only) for r in reqs] \
+                if body.echo else None
+            return await self._respond(body, reqs, request, "text_completion", thinking=False, echoes=echoes)
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -334,14 +354,25 @@ class OpenAIFrontDoor:
         tok = self.servicer.tokenizer
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
 
-    def _completion_logprobs(self, lps: list[generation_pb2.TokenLogprob]) -> dict[str, Any] | None:
-        """The completions API's logprobs object (tokens, token_logprobs, top_logprobs, text_offset)."""
-        if not lps:
+    def _detokenize(self, ids: list[int]) -> str:
+        """An echoed prompt given as token ids, as text (empty for a model without a tokenizer)."""
+        tok = self.servicer.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok is not None and ids else ""
+
+    def _completion_logprobs(self, lps: list[generation_pb2.TokenLogprob], prompt_ids: list[int] | None = None,
+                             prompt_lps: list[generation_pb2.TokenLogprob] | None = None) -> dict[str, Any] | None:
+        """The completions API's logprobs object (tokens, token_logprobs, top_logprobs, text_offset); an
+        echoed prompt's tokens first, its first token's logprob null (nothing comes before it)."""
+        entries: list[tuple[int, generation_pb2.TokenLogprob | None]] = [(prompt_ids[0], None)] if prompt_ids else []
+        entries += [(lp.token_id, lp) for lp in (*(prompt_lps or ()), *lps)]
+        if not entries:
             return None
-        tokens = [self._token(lp.token_id) for lp in lps]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "text_offset": offsets,
-                "top_logprobs": [{self._token(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]}
+        tokens = [self._token(t) for t, _ in entries]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+        return {"tokens": tokens, "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
+                "text_offset": offsets,
+                "top_logprobs": [{self._token(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)} if lp else None
+                                 for _, lp in entries]}
 
     def _chat_logprobs(self, lps: list[generation_pb2.TokenLogprob]) -> dict[str, Any] | None:
         """The chat API's logprobs object: content, one entry per token with its top alternatives."""
@@ -376,10 +407,13 @@ class OpenAIFrontDoor:
         return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
     async def _respond(self, body: SamplingFields, reqs: list[generation_pb2.GenerateRequest], request: Request,
-                       kind: Literal["text_completion", "chat.completion"], thinking: bool) -> Response:
+                       kind: Literal["text_completion", "chat.completion"], thinking: bool,
+                       echoes: list[Echo] | None = None) -> Response:
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
+        samples = _samples(reqs, body.n)
+        per_sample = [echoes[i // body.n] if echoes else None for i in range(len(samples))]
         if body.stream:
-            gens = [self._generate(req, HttpCall(body.timeout)) for req in _samples(reqs, body.n)]
+            gens = [self._generate(req, HttpCall(body.timeout)) for req in samples]
             # every sample's first message (or its refusal) before the 200, the samples started together:
             # admission errors keep their status
             firsts = await asyncio.gather(*(anext(g, None) for g in gens), return_exceptions=True)
@@ -390,9 +424,12 @@ class OpenAIFrontDoor:
                 raise failed
             streams = [OpenStream(first, g) for first, g in zip(firsts, gens, strict=True)]
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(rid, kind, streams, include_usage, thinking),
+            return StreamingResponse(self._sse(rid, kind, streams, include_usage, thinking, per_sample),
                                      media_type="text/event-stream")
-        choices = await self._gather(_samples(reqs, body.n), body.timeout, request, thinking)
+        choices = await self._gather(samples, body.timeout, request, thinking)
+        for choice, echo in zip(choices, per_sample, strict=True):
+            if echo is not None:
+                _echo(choice, echo)
         return JSONResponse(self._whole(rid, kind, choices))
 
     def _generate(self, req: generation_pb2.GenerateRequest, call: HttpCall
@@ -410,6 +447,8 @@ class OpenAIFrontDoor:
                 choice.text += content
                 choice.token_ids += msg.token_ids
                 choice.logprobs += msg.logprobs
+                choice.prompt_token_ids += msg.prompt_token_ids
+                choice.prompt_logprobs += msg.prompt_logprobs
                 if msg.finish_reason:
                     choice.finish_reason = msg.finish_reason
                     usage = msg.usage
@@ -429,7 +468,9 @@ class OpenAIFrontDoor:
                                "usage": _usage(choices)}
         if kind == "text_completion":
             out["choices"] = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                               "logprobs": self._completion_logprobs(c.logprobs)} for i, c in enumerate(choices)]
+                               "logprobs": self._completion_logprobs(c.logprobs, c.prompt_token_ids,
+                                                                     c.prompt_logprobs)}
+                              for i, c in enumerate(choices)]
         else:
             out["choices"] = [{"index": i, "finish_reason": c.finish_reason,
                                "logprobs": self._chat_logprobs(c.logprobs),
@@ -439,10 +480,10 @@ class OpenAIFrontDoor:
         return out
 
     async def _sse(self, rid: str, kind: str, streams: list[OpenStream], include_usage: bool,
-                   thinking: bool) -> AsyncIterator[str]:
+                   thinking: bool, echoes: list[Echo | None]) -> AsyncIterator[str]:
         """Server-sent events: one chunk per step of each sample (`index` tells them apart), then usage
-        (when asked) and `data: [DONE]`. A client that disconnects closes this generator, which cancels
-        every sample's request (their KV is freed)."""
+        (when asked) and `data: [DONE]`; an echoed prompt leads a sample's first chunk. A client that
+        disconnects closes this generator, which cancels every sample's request (their KV is freed)."""
         chunk_kind = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
         created = int(time.time())
         splitters = [ReasoningSplitter(thinking) for _ in streams]
@@ -480,16 +521,24 @@ class OpenAIFrontDoor:
                     reasoning, content = splitters[index].feed(msg.text, final=bool(msg.finish_reason))
                     finish = msg.finish_reason or None
                     if kind == "text_completion":
-                        yield chunk({"index": index, "text": content, "finish_reason": finish,
-                                     "logprobs": self._completion_logprobs(list(msg.logprobs))})
+                        piece = Choice(content, finish_reason=finish, completion_tokens=msg.usage.completion_tokens,
+                                       logprobs=list(msg.logprobs), prompt_token_ids=list(msg.prompt_token_ids),
+                                       prompt_logprobs=list(msg.prompt_logprobs))
+                        if (echo := echoes[index]) is not None:
+                            _echo(piece, echo)
+                            echoes[index] = Echo("", echo.prompt_only)  # the prompt leads the first chunk only
+                        yield chunk({"index": index, "text": piece.text, "finish_reason": piece.finish_reason,
+                                     "logprobs": self._completion_logprobs(piece.logprobs, piece.prompt_token_ids,
+                                                                           piece.prompt_logprobs)})
                     else:
                         delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
                         yield chunk({"index": index, "delta": delta, "finish_reason": finish,
                                      "logprobs": self._chat_logprobs(list(msg.logprobs))})
                     if finish:
+                        prompt_only = echoes[index] is not None and echoes[index].prompt_only
                         usage[index] = Choice(prompt_tokens=msg.usage.prompt_tokens,
                                               cached_tokens=msg.usage.cached_prompt_tokens,
-                                              completion_tokens=msg.usage.completion_tokens)
+                                              completion_tokens=0 if prompt_only else msg.usage.completion_tokens)
         finally:  # the client left (or all ended): stop every sample's request
             for task in tasks:
                 task.cancel()
@@ -500,6 +549,15 @@ class OpenAIFrontDoor:
             yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                          "model": self.model_name, "choices": [], "usage": _usage(usage)}) + "\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _echo(choice: Choice, echo: Echo) -> None:
+    """The prompt before the completion (max_tokens 0: instead of it, the one token generated dropped)."""
+    if echo.prompt_only:
+        choice.text, choice.token_ids, choice.logprobs, choice.completion_tokens = "", [], [], 0
+        if choice.finish_reason:
+            choice.finish_reason = "length"
+    choice.text = echo.text + choice.text
 
 
 def _samples(reqs: list[generation_pb2.GenerateRequest], n: int) -> list[generation_pb2.GenerateRequest]:

@@ -221,6 +221,15 @@ class Pool:
         return [instances[i] for i in seen] + [x for i, x in enumerate(instances) if i not in seen]
 
 
+@dataclass
+class PromptEcho:
+    """What a request's first message carries when it asked for prompt logprobs: its prompt and their
+    logprobs (from the prefill instance, or from decode's first message after a local prefill)."""
+
+    ids: list[int]
+    logprobs: list[generation_pb2.TokenLogprob]
+
+
 @contextlib.contextmanager
 def _in_flight(inst: Instance) -> Iterator[Instance]:
     inst.outstanding += 1
@@ -414,8 +423,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 stream = dec.stub.Decode(decode_req, timeout=timeout, metadata=md)
                 claimed = True
                 cached = 0 if best.local else first.cached_prompt_tokens
+                echo = PromptEcho(ids, [] if best.local else list(first.prompt_logprobs)) \
+                    if params.prompt_logprobs is not None else None  # a local prefill's logprobs come from decode
                 try:
-                    async for out in self._relay(stream, context, label, len(ids), cached, t0, best):
+                    async for out in self._relay(stream, context, label, len(ids), cached, t0, best, echo):
                         yield out
                 finally:
                     stream.cancel()  # a no-op when it ended; otherwise the client left: decode lets go
@@ -450,7 +461,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             pass  # the lease expires on its own
 
     async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float,
-                     predicted):  # the policy's Choice: observed latencies calibrate the model
+                     predicted, echo: PromptEcho | None):  # predicted: the policy's Choice, calibrated here
+        """Decode's stream as the client's; `echo` (prompt logprobs asked) on its first message."""
         n, t_first, t_last = 0, None, None
         try:
             async for msg in stream:
@@ -471,6 +483,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 out = generation_pb2.GenerateResponse(token_ids=msg.token_ids, text=msg.text,
                                                       finish_reason=msg.finish_reason, request_id=rid,
                                                       logprobs=msg.logprobs)
+                if echo is not None:
+                    out.prompt_token_ids.extend(echo.ids)
+                    out.prompt_logprobs.extend(msg.prompt_logprobs or echo.logprobs)
+                    echo = None
                 if msg.finish_reason:
                     if n > 1 and t_first is not None and t_last is not None:
                         self.perf.observe_tpot(predicted.batch, predicted.tpot_raw_s, (t_last - t_first) / (n - 1))

@@ -103,7 +103,6 @@ def test_chat_and_thinking_mode(cluster, client):
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"n": 17}, 400, "n"),
     ({"logprobs": 21}, 400, "logprobs"),
-    ({"echo": True}, 400, "echo"),
     ({"presence_penalty": 5.0}, 400, "presence_penalty"),
     ({"logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
     ({"extra_body": {"min_tokens": 9}}, 400, "min_tokens"),
@@ -190,6 +189,38 @@ def test_logprobs_equal_the_engines_in_process(client):
                                          stream=True)
     values = [v for c in streamed if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert values == pytest.approx([x.logprob for x in local.logprobs], abs=1e-5)
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client):
+    """`echo` with `logprobs` (what lm-eval's loglikelihood sends): the prompt's tokens and their
+    log-probabilities (the first null) equal the engine's in-process prompt logprobs, then the completion's;
+    max_tokens 0 returns the prompt alone; streamed alike (the prompt leads the first chunk)."""
+    llm = LLM(DEMO, enable_prefix_caching=False)
+    ids = llm.engine.encode(PROMPT)
+    local = llm.generate([ids], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=2))[0]
+    want = [None] + [x.logprob for x in local.prompt_logprobs[1:]] + [x.logprob for x in local.logprobs]
+    http = client.completions.create(model="demo-v32", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    choice = http.choices[0]
+    echoed = llm.tokenizer.decode(ids, skip_special_tokens=False)  # token ids echo as their text, BOS included
+    assert choice.text.startswith(echoed) and echoed.endswith(PROMPT) and len(choice.text) > len(echoed)
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-5)
+    assert "".join(choice.logprobs.tokens) == choice.text and choice.logprobs.text_offset[1] == len(
+        choice.logprobs.tokens[0])
+    only = client.completions.create(model="demo-v32", prompt=PROMPT, max_tokens=0, temperature=0, logprobs=0,
+                                     echo=True)
+    assert only.choices[0].text == PROMPT and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want[1:len(ids)], abs=1e-5)
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids)
+    chunks = [c for c in client.completions.create(model="demo-v32", prompt=ids, max_tokens=3, temperature=0,
+                                                   logprobs=2, echo=True, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    values = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert values[0] is None and values[1:] == pytest.approx(want[1:], abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as err:  # chat does not echo
+        client.chat.completions.create(model="demo-v32", messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"echo": True})
+    assert err.value.body["param"] == "echo"
 
 
 def test_no_instance_up_is_503(tmp_path):

@@ -31,6 +31,8 @@ from shared.protocol.limits import RequestLimits
 from shared.protocol.sampling import TokenLogprob
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
 
+PROMPT_LOGPROBS_TILE = 64  # prompt rows log-softmaxed at once (each a vocabulary of fp32 values)
+
 
 @dataclass
 class RequestOutput:
@@ -40,6 +42,8 @@ class RequestOutput:
     text: str | None
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None  # one per token, with params.logprobs
+    # with params.prompt_logprobs: one per prompt token, None for the first (it has no context)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -148,8 +152,8 @@ class LLMEngine:
         self.limits.check_sampling(params)
         if self.speculator is not None and params.exact_history_needed:
             raise ValueError("presence_penalty / frequency_penalty / repetition_penalty / min_p / min_tokens / "
-                             "logit_bias / logprobs: not supported with --speculative mtp (a drafted position's "
-                             "token history and distribution would not be exact)")
+                             "logit_bias / logprobs / prompt_logprobs: not supported with --speculative mtp (a drafted "
+                             "position's token history and distribution would not be exact)")
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, priority: int = 0) -> Sequence:
@@ -256,6 +260,8 @@ class LLMEngine:
         starts = [c.seq.num_cached for c in chunks]
         if spec is None:
             logits, hidden = self.policy.forward(self, batch, layer_done), None
+            if any(sc.num_logits > 1 for sc in batch):  # prompt-logprobs chunks: logits of every token
+                logits = self._note_prompt_logprobs(chunks, batch, logits)
             tokens = self.sample(chunks, logits)
             self._note_logprobs([c.seq for c in chunks if c.completes], logits, tokens)
             sampled = [[token] for token in tokens]
@@ -304,6 +310,8 @@ class LLMEngine:
         """A scheduled chunk as the model takes it: its next uncached tokens (and drafts to verify)."""
         seq, start = c.seq, c.seq.num_cached
         tokens = seq.token_slice(start, start + c.num_tokens) + (draft.tokens if draft else [])
+        if seq.wants_prompt_logprobs(start):  # every token's next-token logits (never with a draft: MTP refuses)
+            return SeqChunk(tokens, start, seq.block_table, num_logits=len(tokens))
         return SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
                         num_logits=1 + len(draft.tokens) if draft else 1, generated=seq.generated_from(start))
 
@@ -316,6 +324,29 @@ class LLMEngine:
             lps = token_logprobs(logits[index], [tokens[i] for i in rows], [done[i].params.logprobs for i in rows])
             for i, lp in zip(rows, lps, strict=True):
                 done[i].logprobs.append(lp)
+
+    @staticmethod
+    def _note_prompt_logprobs(chunks: list[ScheduledChunk], batch: list[SeqChunk], logits: torch.Tensor
+                              ) -> torch.Tensor:
+        """Keep the prompt logprobs of the chunks that computed every token's logits (row j of a chunk from
+        position s is token s + j + 1's distribution); the completing chunks' last rows, for sampling."""
+        last_rows, row = [], 0
+        for c, sc in zip(chunks, batch, strict=True):
+            if not sc.need_logits:
+                continue
+            if sc.num_logits > 1:
+                seq, start = c.seq, sc.start_pos
+                known = len(seq.prompt_token_ids) - 1 - start  # rows whose next token is still in the prompt
+                targets = seq.prompt_token_ids[start + 1 : start + 1 + min(known, sc.num_logits)]
+                del seq.prompt_logprobs[start:]  # a recompute after preemption writes them again
+                for a in range(0, len(targets), PROMPT_LOGPROBS_TILE):  # log-softmax a tile of rows at a time
+                    part = targets[a : a + PROMPT_LOGPROBS_TILE]
+                    seq.prompt_logprobs += token_logprobs(logits[row + a : row + a + len(part)], part,
+                                                          [seq.params.prompt_logprobs] * len(part))
+            row += sc.num_logits
+            if c.completes:
+                last_rows.append(row - 1)
+        return logits[torch.tensor(last_rows, dtype=torch.long, device=logits.device)]
 
     def _register(self, seqs: list[Sequence]) -> None:
         """Register the requests' newly completed blocks in the prefix cache."""
@@ -388,7 +419,8 @@ class LLM:
         return [
             RequestOutput(s.request_id, s.prompt_token_ids, list(s.output_token_ids),
                           outputs[s.request_id].text if self.engine.tokenizer else None, s.finish_reason,
-                          list(s.logprobs) if s.params.logprobs is not None else None)
+                          list(s.logprobs) if s.params.logprobs is not None else None,
+                          [None, *s.prompt_logprobs] if s.params.prompt_logprobs is not None else None)
             for s in seqs
         ]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from shared.kvcache import KVCache, KVLayout
 from shared.model import ForwardBatch, SeqChunk
-from shared.model.cp import build_cp_batch, last_token_rank
+from shared.model.cp import build_cp_batch, piece_logits, zigzag_ranges
 from shared.parallel.state import ParallelState
 
 
@@ -116,11 +116,21 @@ class ContextSplit(Mirror):
                               workspace_bytes=engine.workspace_bytes)
 
     def logits(self, chunks: list[SeqChunk], logits: torch.Tensor) -> torch.Tensor:
-        """Each completing chunk's row lives on the rank of its last token: sum them into every rank."""
+        """Each wanted row lives on the rank that computed its token (a completing chunk's on the rank of
+        its last token; a prompt-logprobs chunk's spread over all): placed at its row of the whole step
+        and summed into every rank."""
         cp, rank = self.state.config.cp, self.state.rank
-        wanted = [c for c in chunks if c.need_logits]
-        mine = [i for i, c in enumerate(wanted) if last_token_rank(len(c.token_ids), cp) == rank]
-        full = torch.zeros(len(wanted), logits.shape[-1], dtype=torch.float32, device=logits.device)
+        mine: list[int] = []  # rows of the whole step this rank computed, in its logits' order
+        row = 0
+        for c in chunks:
+            if not c.need_logits:
+                continue
+            first = len(c.token_ids) - c.num_logits  # the chunk's first wanted token
+            for a, b in zigzag_ranges(len(c.token_ids), cp)[rank]:
+                if (k := piece_logits(c, a, b)) > 0:
+                    mine.extend(range(row + b - k - first, row + b - first))
+            row += c.num_logits
+        full = torch.zeros(row, logits.shape[-1], dtype=torch.float32, device=logits.device)
         if mine:
             full[torch.tensor(mine, device=logits.device)] = logits[: len(mine)].float()
         dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.state.world_group)

@@ -28,6 +28,8 @@ from shared.protocol.limits import blocks_for
 from shared.protocol.prefix import block_hash
 from shared.protocol.sampling import TokenLogprob
 
+PROMPT_LOGPROBS_CHUNK_TOKENS = 256  # see _chunk_cap
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -45,6 +47,8 @@ class Sequence:
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, with params.logprobs
+    # with params.prompt_logprobs: entry i is prompt token i + 1's (the first token has no context)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the pool
     status: Status = Status.WAITING
@@ -86,6 +90,12 @@ class Sequence:
         """Whether tokens from position `start` on are all past the prompt (what a step marks as
         SeqChunk.generated: the rows the CPU kernels take)."""
         return start >= len(self.prompt_token_ids)
+
+    def wants_prompt_logprobs(self, start: int) -> bool:
+        """A chunk from position `start` needs the logits of all its tokens: the request asked for prompt
+        logprobs and those from `start` on are not known yet (a recompute after preemption has them)."""
+        return (self.params.prompt_logprobs is not None and start < len(self.prompt_token_ids) - 1
+                and len(self.prompt_logprobs) >= start)
 
     @property
     def is_prefilling(self) -> bool:
@@ -146,17 +156,18 @@ class Scheduler:
     def _schedule_prefill(self, budget: int) -> list[ScheduledChunk]:
         chunks = []
         for seq in sorted((s for s in self.running if s.is_prefilling and s.num_uncached > 0), key=_urgency):
-            n = min(seq.num_uncached, budget)
+            n = min(seq.num_uncached, budget, _chunk_cap(seq))
             if n <= 0 or not self.ensure_blocks(seq, seq.num_cached + n):
                 break
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            claimed = self.prefix_caching and not seq.block_table
+            # prompt logprobs need every prompt position's logits: such a request computes its whole prompt
+            claimed = self.prefix_caching and not seq.block_table and seq.params.prompt_logprobs is None
             if claimed:
                 self._claim_prefix(seq)
-            n = min(seq.num_uncached, budget)
+            n = min(seq.num_uncached, budget, _chunk_cap(seq))
             if not self.ensure_blocks(seq, seq.num_cached + n):
                 if claimed:  # not admitted now: its hits are looked up again next time
                     self._release_prefix(seq)
@@ -232,6 +243,12 @@ class Scheduler:
             self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.status, seq.finish_reason = Status.FINISHED, reason
+
+
+def _chunk_cap(seq: Sequence) -> int:
+    """The most tokens one step may compute of the request: a prompt-logprobs chunk takes logits rows of
+    the whole vocabulary per token (129,280 fp32 values, 0.5 MB, at DeepSeek's), so it is bounded."""
+    return PROMPT_LOGPROBS_CHUNK_TOKENS if seq.wants_prompt_logprobs(seq.num_cached) else seq.num_uncached
 
 
 def _urgency(seq: Sequence) -> tuple[int, int]:

@@ -19,17 +19,20 @@ def zigzag_ranges(length: int, cp: int) -> list[list[tuple[int, int]]]:
     return [[c for c in (chunks[r], chunks[n - 1 - r]) if c[1] > c[0]] for r in range(cp)]
 
 
-def last_token_rank(length: int, cp: int) -> int:
-    """The rank that computes a chunk's last token (it holds the chunk's logits)."""
-    return next(r for r, ranges in enumerate(zigzag_ranges(length, cp)) if any(b == length for _, b in ranges))
+def piece_logits(chunk: SeqChunk, a: int, b: int) -> int:
+    """How many of the chunk's wanted logits rows (its last `num_logits` tokens) fall in its piece
+    [a, b): always the piece's last ones, so the piece takes them as its own last `num_logits`."""
+    if not chunk.need_logits:
+        return 0
+    return max(0, b - max(a, len(chunk.token_ids) - chunk.num_logits))
 
 
 def build_cp_batch(chunks: list[SeqChunk], rank: int, cp: int, block_size: int, device: torch.device,
                    group, scratch_block: int, all_logits: bool = False,
                    workspace_bytes: int | None = None) -> ForwardBatch:
     """This rank's part of a CP step over `chunks` (each a request's new tokens at start_pos..). Its
-    logits rows are those of the chunks wanting logits whose last token it computed, in chunk order
-    (every row it computed with `all_logits`). A rank with no tokens runs one dummy token in
+    logits rows are the wanted ones (see piece_logits) of the tokens it computed, in chunk and piece
+    order (every row it computed with `all_logits`). A rank with no tokens runs one dummy token in
     `scratch_block`, so it still enters every collective."""
     mine: list[SeqChunk] = []
     sizes = [0] * cp
@@ -42,8 +45,10 @@ def build_cp_batch(chunks: list[SeqChunk], rank: int, cp: int, block_size: int, 
                 slots[r].extend(c.block_table[t // block_size] * block_size + t % block_size
                                 for t in range(c.start_pos + a, c.start_pos + b))
                 if r == rank:
+                    wanted = piece_logits(c, a, b)
                     mine.append(SeqChunk(c.token_ids[a:b], c.start_pos + a, c.block_table,
-                                         need_logits=all_logits or (c.need_logits and b == n), generated=c.generated))
+                                         need_logits=all_logits or wanted > 0, num_logits=wanted or 1,
+                                         generated=c.generated))
     local_rows = sizes[rank]
     if not mine:
         mine = [SeqChunk([0], 0, [scratch_block], need_logits=False)]

@@ -35,6 +35,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit
     logprobs: int | None = None  # each generated token's log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # each prompt token's (after the first) log-probability and alternatives
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field. Every number must be finite and in range, and every
@@ -73,8 +74,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(self, name)
+            if asked is not None and not 0 <= asked <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {asked}")
         for token, bias in self.logit_bias.items():
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                 raise ValueError(f"logit_bias: the bias of token {token} must be in [-{MAX_LOGIT_BIAS}, "
@@ -83,8 +86,9 @@ class SamplingParams:
     @property
     def exact_history_needed(self) -> bool:
         """Sampling reads what MTP's drafted positions cannot give exactly: the token history (logits
-        processors) or each position's own distribution (logprobs)."""
-        return self.processes_logits or self.logprobs is not None
+        processors) or each position's own distribution (logprobs; prompt logprobs, which need every
+        prompt position's logits where MTP's verification takes the last ones)."""
+        return self.processes_logits or self.logprobs is not None or self.prompt_logprobs is not None
 
     @property
     def processes_logits(self) -> bool:

@@ -373,7 +373,7 @@ def write_port_file(path: str | None, port: int) -> None:
 
 # proto3 `optional` fields of SamplingParams: unset, they keep SamplingParams' own defaults
 OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "skip_special_tokens",
-                            "repetition_penalty", "logprobs")
+                            "repetition_penalty", "logprobs", "prompt_logprobs")
 
 
 def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
@@ -396,6 +396,8 @@ def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
