@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared import metrics
 from shared.protocol.chat import ROLES, SPECIAL_TOKENS, THINK_END
@@ -262,6 +263,40 @@ def _usage(choices: list[Choice]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)}}
 
 
+class AuthAndCount:
+    """API keys on /v1/ and the per-route, per-status count, as plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would relay every streamed chunk through an extra task and memory stream."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]):
+        self.app, self.api_keys = app, [key.encode() for key in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in ROUTES else "other"  # bounded label values
+        status = 500
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_keys and path.startswith("/v1/"):
+                given = dict(scope["headers"]).get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+                if not any(secrets.compare_digest(given, key) for key in self.api_keys):
+                    response = HttpAbort(grpc.StatusCode.UNAUTHENTICATED,
+                                         "a valid API key is needed (Authorization: Bearer KEY)").response()
+                    await response(scope, receive, counted)
+                    return
+            await self.app(scope, receive, counted)
+        finally:
+            metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
+
+
 class OpenAIFrontDoor:
     """The HTTP routes over a GenerationServicer (router.server)."""
 
@@ -283,18 +318,7 @@ class OpenAIFrontDoor:
             name = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
             return HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {first['msg']}", name).response()
 
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):  # Starlette's middleware signature
-            route = request.url.path if request.url.path in ROUTES else "other"  # bounded label values
-            response = None
-            if self.api_keys and request.url.path.startswith("/v1/"):
-                given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-                if not any(secrets.compare_digest(given, key) for key in self.api_keys):
-                    response = HttpAbort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed "
-                                         "(Authorization: Bearer KEY)").response()
-            response = response or await call_next(request)
-            metrics.HTTP_REQUESTS.labels(route, str(response.status_code)).inc()
-            return response
+        app.add_middleware(AuthAndCount, api_keys=self.api_keys)
 
         @app.get("/health")
         async def health() -> Response:
@@ -488,34 +512,18 @@ class OpenAIFrontDoor:
         created = int(time.time())
         splitters = [ReasoningSplitter(thinking) for _ in streams]
         usage = [Choice() for _ in streams]
-        merged: asyncio.Queue = asyncio.Queue()
 
         def chunk(choice: dict[str, Any]) -> str:
             return "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                           "model": self.model_name, "choices": [choice]}) + "\n\n"
 
-        async def pump(index: int, stream: OpenStream) -> None:
-            try:
-                msg = stream.first
-                while msg is not None:
-                    await merged.put((index, msg))
-                    msg = await anext(stream.events, None)
-            except HttpAbort as exc:
-                await merged.put((index, exc))
-            finally:
-                await merged.put((index, None))
-
         if kind != "text_completion":
             for i in range(len(streams)):
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+        events = _merged(streams)
         try:
-            live = len(streams)
-            while live:
-                index, msg = await merged.get()
-                if msg is None:
-                    live -= 1
-                elif isinstance(msg, HttpAbort):  # after the 200: the error travels as an event, as OpenAI's do
+            async for index, msg in events:
+                if isinstance(msg, HttpAbort):  # after the 200: the error travels as an event, as OpenAI's do
                     yield "data: " + json.dumps(json.loads(msg.response().body)) + "\n\n"
                 else:
                     reasoning, content = splitters[index].feed(msg.text, final=bool(msg.finish_reason))
@@ -540,15 +548,57 @@ class OpenAIFrontDoor:
                                               cached_tokens=msg.usage.cached_prompt_tokens,
                                               completion_tokens=0 if prompt_only else msg.usage.completion_tokens)
         finally:  # the client left (or all ended): stop every sample's request
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for stream in streams:
-                await stream.events.aclose()
+            await events.aclose()
         if include_usage:
             yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                          "model": self.model_name, "choices": [], "usage": _usage(usage)}) + "\n\n"
         yield "data: [DONE]\n\n"
+
+
+async def _merged(streams: list[OpenStream]
+                  ) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse | HttpAbort]]:
+    """(sample index, message or the error that ended it) of every sample as they come; one sample is
+    read directly (no task and queue per token). Closing this closes every sample's request."""
+    async def each(stream: OpenStream) -> AsyncIterator[generation_pb2.GenerateResponse | HttpAbort]:
+        msg = stream.first
+        try:
+            while msg is not None:
+                yield msg
+                msg = await anext(stream.events, None)
+        except HttpAbort as exc:
+            yield exc
+
+    if len(streams) == 1:
+        try:
+            async for msg in each(streams[0]):
+                yield 0, msg
+        finally:
+            await streams[0].events.aclose()
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: OpenStream) -> None:
+        try:
+            async for msg in each(stream):
+                await merged.put((index, msg))
+        finally:
+            await merged.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            index, msg = await merged.get()
+            if msg is None:
+                live -= 1
+            else:
+                yield index, msg
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.events.aclose()
 
 
 def _echo(choice: Choice, echo: Echo) -> None:
