@@ -1,14 +1,22 @@
 """Serving: concurrent streams through the router (1 prefill + 1 decode process) over its gRPC API and
 over its OpenAI-compatible HTTP API, vs the same prompts in-process, vs vLLM's OpenAI server
-(`--peer vllm`, driven by the same HTTP client as the router's HTTP API), plus the TTFT overhead of
-disaggregation on a 1k-token prompt.
+(`--peer vllm`), plus the TTFT overhead of disaggregation on a 1k-token prompt.
 
     python bench/serving.py [--streams 16,64,256] [--prompt-len 128] [--max-tokens 128] [--peer vllm]
-                            [--dtype bfloat16] [--kv-transport tcp]
+                            [--vllm-bench | --no-vllm-bench] [--rounds 1] [--dtype bfloat16]
+                            [--kv-transport tcp]
 
-For each concurrency: TTFT p50/p99, TPOT p50 and output tok/s of every system (router and vLLM
-alternate, both warm). With `--peer vllm` both serve the tiny DeepSeek-V3 vLLM's CPU build accepts
-(bench/peers). Saves bench/out/serving.png. All processes share this machine's cores.
+Two load generators drive the HTTP servers: this file's own streaming client (bench/peers
+`stream_completion`, token-id prompts; the gRPC API gets the same prompts through its own client), and
+vLLM's load tool `vllm bench serve` from the peer venv (its random dataset: text prompts of
+--prompt-len tokens, the same for every server; on by default with `--peer vllm`), which drives
+pdserve's router and vLLM's server alike. For each concurrency: TTFT p50/p99, TPOT p50/p99 and output
+tok/s of every system and path (all alternate within one run, both warm; `--rounds R` repeats the
+alternation, ABBA order, and pools the requests), and HTTP TPOT / gRPC TPOT. With `--peer vllm` both
+servers serve the tiny DeepSeek-V3 vLLM's CPU build accepts (bench/peers), with its tokenizer. Saves
+bench/out/serving.png (tok/s) and bench/out/serving_tpot.png (TPOT p50), and each `vllm bench serve`
+result under bench/out/vllm_bench/. All processes, the load generators included, share this machine's
+cores.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import grpc
 import torch
 
 from bench.common import OUT, line_plot, pct, table
-from bench.peers import VLLM_CONFIG, VllmServer, stream_completion
+from bench.peers import VLLM_CONFIG, VllmServer, stream_completion, vllm_bench_serve
 from router.cli import Cluster
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.kvcache import KVCache
@@ -143,6 +151,30 @@ def phases(cluster: Cluster, prompt: list[int], repeat: int = 5) -> dict[str, fl
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
+GRPC, HTTP, HTTP_VB = "pdserve gRPC [own client]", "pdserve HTTP [own client]", "pdserve HTTP [vllm bench serve]"
+VLLM, VLLM_VB, LOCAL = "vLLM HTTP [own client]", "vLLM HTTP [vllm bench serve]", "in-process engine"
+SAME_CLIENT_VLLM = {GRPC: VLLM, HTTP: VLLM, HTTP_VB: VLLM_VB}  # the vLLM row each pdserve row is compared with
+
+
+def from_vllm_bench(res: dict) -> dict:
+    """`vllm bench serve`'s detailed result as this file's per-stream lists: TTFT from its `ttfts`, TPOT
+    as it computes it, (latency - TTFT) / (output tokens - 1) = sum(itls) / (output_lens - 1), with the
+    output tokens the server's usage reported; tok/s is its output throughput."""
+    ok = [i for i, err in enumerate(res["errors"]) if not err]
+    if len(ok) < len(res["errors"]):
+        first = next(err for err in res["errors"] if err)
+        print(f"  vllm bench serve: {len(res['errors']) - len(ok)} requests failed, e.g. {first[:300]}", flush=True)
+    return {"ttft": [res["ttfts"][i] for i in ok],
+            "tpot": [sum(res["itls"][i]) / max(res["output_lens"][i] - 1, 1) for i in ok],
+            "tok/s": res["output_throughput"]}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """Rounds of one system at one concurrency: their requests pooled, the median round's tok/s."""
+    return {"ttft": [x for r in runs for x in r["ttft"]], "tpot": [x for r in runs for x in r["tpot"]],
+            "tok/s": statistics.median(r["tok/s"] for r in runs)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/tiny-v32", help="without --peer (vLLM needs deepseek_v3)")
@@ -153,49 +185,72 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake"])
     p.add_argument("--peer", action="append", choices=["vllm"], default=[])
+    p.add_argument("--vllm-bench", action=argparse.BooleanOptionalAction, default=None,
+                   help="also drive each HTTP server with vLLM's `vllm bench serve` (the peer venv, installed on "
+                        "first use); default: on with --peer vllm")
+    p.add_argument("--rounds", type=int, default=1, help="alternations of all systems per concurrency")
     p.add_argument("--decode-flag", action="append", default=[],
                    help="extra decode_service flag, e.g. --decode-flag=--engine-in-process")
     args = p.parse_args(argv)
+    use_vb = args.vllm_bench if args.vllm_bench is not None else "vllm" in args.peer
     tmp = tempfile.TemporaryDirectory()
-    if "vllm" in args.peer:
-        model = str(write_checkpoint(Path(tmp.name) / "v3", "deepseek_v3", tokenizer=False, **VLLM_CONFIG))
+    if "vllm" in args.peer:  # with its tokenizer: `vllm bench serve` sends text, tokenized by either server
+        model = str(write_checkpoint(Path(tmp.name) / "v3", "deepseek_v3", **VLLM_CONFIG))
     else:
         model = str(ensure_tiny_model(args.model))
     levels = [int(x) for x in args.streams.split(",")]
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, 1000, (max(levels), args.prompt_len), generator=g).tolist()
     long_prompt = torch.randint(2, 1000, (args.long_prompt,), generator=g).tolist()
+    vb_out = OUT / "vllm_bench"
 
     print("in-process engine ...", flush=True)
     engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(levels)))
     run_in_process(engine, prompts[:2], 4)  # warm-up
     wire = wire_seconds(engine, args.long_prompt)
-    results: dict[str, dict[int, dict]] = {"router": {}, "router HTTP": {}, "in-process": {}}
     vllm = None
     if "vllm" in args.peer:
         print("starting vLLM's OpenAI server ...", flush=True)
-        vllm = VllmServer(model, args.dtype, log=OUT / "vllm_server.log")
-        results["vLLM server"] = {}
+        vllm = VllmServer(model, args.dtype, log=OUT / "vllm_server.log", tokenizer=True)
     print(f"starting router + 1 prefill + 1 decode ({args.kv_transport}, {args.dtype}) ...", flush=True)
+    runs: dict[str, dict[int, list[dict]]] = {}
     try:
         with Cluster(model, kv_transport=args.kv_transport, dtype=args.dtype, extra_router=["--http-port", "0"],
                      extra_decode=["--max-num-seqs", str(max(levels)), *args.decode_flag]) as cluster:
             host, _, port = cluster.http_address.rpartition(":")
+            served = Path(model).resolve().name  # the router's HTTP model id (its default --served-model-name)
 
             def http(prompt: list[int], n: int):  # a coroutine of the tokens' arrival times
-                return stream_completion(host, int(port), Path(model).resolve().name, prompt, n)
+                return stream_completion(host, int(port), served, prompt, n)
 
-            run_router(cluster.address, prompts[:2], 4)  # warm-up
-            run_streams(http, prompts[:2], 4)
+            def bench(name: str, url: str, model_id: str, n: int, tag: str, prompt_len: int, max_tokens: int) -> dict:
+                slug = name.split()[0].lower()
+                return from_vllm_bench(vllm_bench_serve(url, model_id, model, prompt_len, max_tokens, n, n,
+                                                        vb_out / f"{slug}-{tag}.json"))
+
+            systems = {  # name → run(concurrency, tag, prompt_len, max_tokens) → per-stream results
+                GRPC: lambda n, tag, pl, mt: run_router(cluster.address, [q[:pl] for q in prompts[:n]], mt),
+                HTTP: lambda n, tag, pl, mt: run_streams(http, [q[:pl] for q in prompts[:n]], mt),
+            }
+            if use_vb:
+                systems[HTTP_VB] = lambda n, tag, pl, mt: bench(HTTP_VB, f"http://{cluster.http_address}", served,
+                                                                n, tag, pl, mt)
             if vllm is not None:
-                run_streams(vllm.stream, prompts[:2], 4)
+                systems[VLLM] = lambda n, tag, pl, mt: run_streams(vllm.stream, [q[:pl] for q in prompts[:n]], mt)
+                if use_vb:
+                    systems[VLLM_VB] = lambda n, tag, pl, mt: bench(VLLM_VB, f"http://127.0.0.1:{vllm.port}",
+                                                                    vllm.model, n, tag, pl, mt)
+            systems[LOCAL] = lambda n, tag, pl, mt: run_in_process(engine, [q[:pl] for q in prompts[:n]], mt)
+            print("warm-up ...", flush=True)
+            for run in systems.values():
+                run(2, "warmup", min(16, args.prompt_len), 4)
+            runs = {name: {n: [] for n in levels} for name in systems}
             for n in levels:
-                print(f"{n} concurrent streams ...", flush=True)
-                results["router"][n] = run_router(cluster.address, prompts[:n], args.max_tokens)
-                results["router HTTP"][n] = run_streams(http, prompts[:n], args.max_tokens)
-                if vllm is not None:
-                    results["vLLM server"][n] = run_streams(vllm.stream, prompts[:n], args.max_tokens)
-                results["in-process"][n] = run_in_process(engine, prompts[:n], args.max_tokens)
+                for r in range(args.rounds):
+                    order = list(systems) if r % 2 == 0 else list(systems)[::-1]  # ABBA: drift hits all alike
+                    for name in order:
+                        print(f"{n} concurrent streams, round {r + 1}/{args.rounds}: {name} ...", flush=True)
+                        runs[name][n].append(systems[name](n, f"{n}-r{r}", args.prompt_len, args.max_tokens))
             stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
             remote_long, local_long = [], []
             for _ in range(5):  # alternate, so machine noise hits both paths alike
@@ -207,22 +262,31 @@ def main(argv: list[str] | None = None) -> None:
             vllm.close()
         tmp.cleanup()
 
-    rows = []
+    results = {name: {n: pooled(by_level[n]) for n in levels} for name, by_level in runs.items()}
+    print()
+    print(f"{args.prompt_len}-token prompts → {args.max_tokens} tokens, {args.dtype}, {args.rounds} round(s); "
+          f"TPOT per stream = (last token - first token) / (tokens - 1), percentiles over streams")
     for n in levels:
+        grpc_tpot = pct(results[GRPC][n]["tpot"], .5)
+        rows = []
         for name, by_level in results.items():
             r = by_level[n]
-            ratio = ""
-            if vllm is not None and name.startswith("router"):
-                ratio = f"{r['tok/s'] / results['vLLM server'][n]['tok/s']:.2f}x"
-            rows.append([n, name, f"{pct(r['ttft'], .5) * 1e3:.0f}", f"{pct(r['ttft'], .99) * 1e3:.0f}",
-                         f"{pct(r['tpot'], .5) * 1e3:.1f}", r["tok/s"], ratio])
+            peer = results.get(SAME_CLIENT_VLLM.get(name, ""), {}).get(n)
+            rows.append([name, f"{pct(r['ttft'], .5) * 1e3:.0f}", f"{pct(r['ttft'], .99) * 1e3:.0f}",
+                         f"{pct(r['tpot'], .5) * 1e3:.1f}", f"{pct(r['tpot'], .99) * 1e3:.1f}", r["tok/s"],
+                         f"{pct(r['tpot'], .5) / grpc_tpot:.3f}",
+                         f"{r['tok/s'] / peer['tok/s']:.2f}x" if peer else ""])
+        print()
+        print(f"{n} concurrent streams")
+        print(table(["system / path [load tool]", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+                     "tok/s", "TPOT p50 / gRPC", "tok/s / vLLM (same tool)"], rows))
     print()
-    print(f"{args.prompt_len}-token prompts → {args.max_tokens} tokens, {args.dtype}")
-    print(table(["streams", "system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "tok/s", "router / vLLM"], rows))
-    print()
-    print(table(["streams", "TPOT p50 HTTP / gRPC", "tok/s HTTP / gRPC"], [
-        [n, f"{pct(results['router HTTP'][n]['tpot'], .5) / pct(results['router'][n]['tpot'], .5):.3f}",
-         f"{results['router HTTP'][n]['tok/s'] / results['router'][n]['tok/s']:.3f}"] for n in levels]))
+    http_rows = [name for name in (HTTP, HTTP_VB) if name in results]
+    print(table(["streams", *[f"TPOT p50 {name.removeprefix('pdserve ')} / gRPC" for name in http_rows],
+                 "within 5%"], [
+        [n, *[f"{pct(results[h][n]['tpot'], .5) / pct(results[GRPC][n]['tpot'], .5):.3f}" for h in http_rows],
+         "yes" if all(pct(results[h][n]["tpot"], .5) <= 1.05 * pct(results[GRPC][n]["tpot"], .5) for h in http_rows)
+         else "no"] for n in levels]))
     d_ttft, l_ttft = statistics.median(remote_long), statistics.median(local_long)
     print()
     print(table([f"{args.long_prompt}-token prompt", "ms"], [
@@ -238,10 +302,15 @@ def main(argv: list[str] | None = None) -> None:
     print(table([f"{args.long_prompt}-token prompt, phases by hand (median)", "ms"],
                 [[k, f"{v:.1f}"] for k, v in b.items()]
                 + [["machinery = reserve + (prefill rpc - prefill server) + decode first", f"{machinery:.1f}"]]))
-    png = line_plot(OUT / "serving.png", f"{args.prompt_len} → {args.max_tokens} tokens, {args.dtype}", levels,
+    title = f"{args.prompt_len} → {args.max_tokens} tokens, {args.dtype}"
+    png = line_plot(OUT / "serving.png", title, levels,
                     {name: [by_level[n]["tok/s"] for n in levels] for name, by_level in results.items()},
                     "concurrent streams", "output tokens/s")
-    print(f"plot: {png}")
+    tpot_png = line_plot(OUT / "serving_tpot.png", title, levels,
+                         {name: [pct(by_level[n]["tpot"], .5) * 1e3 for n in levels]
+                          for name, by_level in results.items() if name != LOCAL},
+                         "concurrent streams", "TPOT p50 (ms)")
+    print(f"plots: {png}, {tpot_png}")
 
 
 if __name__ == "__main__":

@@ -92,18 +92,23 @@ async def stream_completion(host: str, port: int, model: str, prompt: list[int],
 
 
 class VllmServer:
-    """vLLM's OpenAI server on a free loopback port; `stream(prompt, n)` is one streamed completion."""
+    """vLLM's OpenAI server on a free loopback port; `stream(prompt, n)` is one streamed completion.
+    `tokenizer`: load the model directory's tokenizer (text prompts, detokenized output, as a load tool
+    that sends text needs); without it the server takes token ids only (`--skip-tokenizer-init`)."""
 
-    def __init__(self, model: str, dtype: str, max_model_len: int = 2048, log: Path | None = None):
+    def __init__(self, model: str, dtype: str, max_model_len: int = 2048, log: Path | None = None,
+                 tokenizer: bool = False):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.model = model
+        if log:
+            log.parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "w") if log else subprocess.DEVNULL  # lives as long as the server
         self.proc = subprocess.Popen(
             [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-             "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", dtype,
-             "--max-model-len", str(max_model_len), "--max-num-seqs", "256"],
+             "--port", str(self.port), *([] if tokenizer else ["--skip-tokenizer-init"]), "--enforce-eager",
+             "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", "256"],
             stdout=out, stderr=subprocess.STDOUT, env=_env())
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -126,3 +131,30 @@ class VllmServer:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def vllm_bench_serve(base_url: str, model_name: str, tokenizer: str, input_len: int, output_len: int,
+                     concurrency: int, num_prompts: int, result: Path, seed: int = 0) -> dict:
+    """One run of vLLM's load tool, `vllm bench serve` (from the peer venv), against any OpenAI-compatible
+    server at `base_url`: `num_prompts` streamed `/v1/completions` of its random dataset (text prompts of
+    `input_len` tokens of `tokenizer`, the same prompts for every server given the same seed and
+    tokenizer), `output_len` tokens each with ignore_eos, at most `concurrency` in flight, all sent at
+    once. Returns its saved result (`--save-detailed`: per request `ttfts`, `itls`, `output_lens`, besides
+    its summary fields); its console output goes to `result` with `.log` appended."""
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.unlink(missing_ok=True)
+    cmd = [str(vllm_python()), str(HERE / "vllm_bench_serve.py"), "--backend", "openai", "--base-url", base_url,
+           "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer,
+           "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+           "--ignore-eos", "--temperature", "0", "--max-concurrency", str(concurrency),
+           "--num-prompts", str(num_prompts), "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--save-detailed",
+           "--result-dir", str(result.parent), "--result-filename", result.name]
+    log = Path(f"{result}.log")
+    with open(log, "w") as out:
+        out.write(" ".join(cmd) + "\n\n")
+        out.flush()
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), timeout=3600)
+    if done.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve exited with {done.returncode} (log: {log})")
+    return json.loads(result.read_text())
