@@ -37,6 +37,12 @@ from shared.protocol.chat import ROLES, SPECIAL_TOKENS, THINK_END
 from shared.rpc.pdserve.v1 import generation_pb2
 
 MAX_N = 16  # samples per prompt in one request
+# Fields OpenAI or vLLM define that this server does not implement, with the values that ask for nothing.
+UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1), "use_beam_search": (None, False), "suffix": (None, ""), "response_format": (None,),
+    "tools": (None, []), "tool_choice": (None, "none"), "structured_outputs": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "prompt_logprobs": (None,),
+}
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
 
 # gRPC status → (HTTP status, OpenAI error type)
@@ -157,6 +163,10 @@ def _refuse_unimplemented(body: SamplingFields) -> None:
     silently ignored."""
     if isinstance(body, ChatCompletionRequest) and getattr(body, "echo", False):
         raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "echo: only /v1/completions echoes the prompt", "echo")
+    extra = body.model_extra or {}
+    asked = [name for name, off in UNIMPLEMENTED_FIELDS.items() if name in extra and extra[name] not in off]
+    if asked:
+        raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{asked[0]}: not supported by this server", asked[0])
 
 
 def _logprobs_asked(body: SamplingFields) -> int | None:

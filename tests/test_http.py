@@ -108,6 +108,8 @@ def test_chat_and_thinking_mode(cluster, client):
     ({"extra_body": {"min_tokens": 9}}, 400, "min_tokens"),
     ({"prompt": [99999]}, 400, "prompt_token_ids"),
     ({"max_tokens": 10**7}, 400, "max_tokens"),
+    ({"best_of": 3}, 400, "best_of"),
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(client, kwargs, status, param):
     with pytest.raises(openai.APIStatusError) as err:
