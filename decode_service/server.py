@@ -104,8 +104,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         if rank is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
         rid = request.request_id or request.lease_id
-        params = sampling_from_proto(request.sampling_params)
         try:
+            params = sampling_from_proto(request.sampling_params)
             params.validate()
             stream = self.coord.open_stream(rid, LoopQueue())
         except ValueError as exc:

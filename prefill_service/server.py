@@ -86,7 +86,11 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         if problem:  # KV goes only where a decode instance of this cluster vouched for it
             metrics.request_done("prefill", "PERMISSION_DENIED", "unsigned_destination")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
-        params = sampling_from_proto(request.sampling_params)
+        try:
+            params = sampling_from_proto(request.sampling_params)
+        except ValueError as exc:
+            metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
         dest = Destination.from_proto(request.destination)
         prompt = list(request.prompt_token_ids)
         rid = request.request_id

@@ -39,9 +39,8 @@ from shared.rpc.pdserve.v1 import generation_pb2
 MAX_N = 16  # samples per prompt in one request
 # Fields OpenAI or vLLM define that this server does not implement, with the values that ask for nothing.
 UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "use_beam_search": (None, False), "suffix": (None, ""), "response_format": (None,),
-    "tools": (None, []), "tool_choice": (None, "none"), "structured_outputs": (None,), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "prompt_logprobs": (None,),
+    "best_of": (None, 1), "use_beam_search": (None, False), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none"), "prompt_logprobs": (None,),
 }
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
 
@@ -75,11 +74,12 @@ class HttpAbort(Exception):
 class HttpCall:
     """What the router's Generate path uses of a gRPC ServicerContext, for a call that came over HTTP:
     `abort` raises HttpAbort (with the Retry-After the SLA refusal set), `time_remaining` is the
-    request's own timeout."""
+    request's own timeout. An error about the output constraint names the field the request gave it in."""
 
-    def __init__(self, timeout_s: float | None):
+    def __init__(self, timeout_s: float | None, constraint_field: str | None = None):
         self.deadline = time.monotonic() + timeout_s if timeout_s else None
         self.retry_after_s: float | None = None
+        self.constraint_field = constraint_field
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -91,6 +91,8 @@ class HttpCall:
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         details = details.removeprefix("sampling_params.")  # the gRPC message's nesting; HTTP fields are flat
+        if self.constraint_field and details.startswith("structured_output"):
+            details = self.constraint_field + details.partition(":")[1] + details.partition(":")[2]
         named = re.match(r"([A-Za-z_][\w.\[\]]*)[: ]", details) if code == grpc.StatusCode.INVALID_ARGUMENT else None
         raise HttpAbort(code, details, named.group(1) if named else None, self.retry_after_s)
 
@@ -135,6 +137,38 @@ class SamplingFields(BaseModel):
     min_p: float = 0.0  # vLLM's extra
     min_tokens: int = 0  # vLLM's extra
     top_logprobs: int | None = None  # chat: alternatives per token, with logprobs: true
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's extra
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older extras, still in wide use
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None  # the output always matches the schema here, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -198,7 +232,54 @@ def _sampling(body: SamplingFields, max_tokens: int | None) -> generation_pb2.Sa
         sp.logit_bias[int(token)] = bias
     if max_tokens is not None:
         sp.max_tokens = max_tokens
+    if (constraint := _constraint(body)) is not None:
+        sp.structured_output.CopyFrom(constraint)
     return sp
+
+
+def _call(body: SamplingFields) -> HttpCall:
+    asked = _constraints(body)
+    return HttpCall(body.timeout, asked[0][0] if asked else None)
+
+
+def _constraint(body: SamplingFields) -> generation_pb2.StructuredOutput | None:
+    """The request's output constraint, from whichever of OpenAI's `response_format`, vLLM's
+    `structured_outputs` or its older `guided_*` fields it uses (400 naming the field for two)."""
+    asked = _constraints(body)
+    if len(asked) > 1:
+        raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{asked[1][0]}: one output constraint per request "
+                        f"({asked[0][0]} is given too)", asked[1][0])
+    return asked[0][1] if asked else None
+
+
+def _constraints(body: SamplingFields) -> list[tuple[str, generation_pb2.StructuredOutput]]:
+    """(the field it came in, the constraint) of each constraint the request gives."""
+    asked: list[tuple[str, generation_pb2.StructuredOutput]] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", generation_pb2.StructuredOutput(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "response_format.json_schema: needed with type "
+                            "json_schema", "response_format.json_schema")
+        schema = json.dumps(rf.json_schema.schema_)
+        asked.append(("response_format", generation_pb2.StructuredOutput(json_schema=schema)))
+    so = body.structured_outputs
+    given = [] if so is None else [(name, value) for name, value in
+                                   (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                    ("grammar", so.grammar), ("json_object", so.json_object or None))
+                                   if value is not None]
+    given += [(name.removeprefix("guided_"), getattr(body, name)) for name in
+              ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(body, name) is not None]
+    for name, value in given:
+        if name == "json":
+            msg = generation_pb2.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+        elif name == "choice":
+            msg = generation_pb2.StructuredOutput(choice=generation_pb2.ChoiceList(choices=value))
+        else:
+            msg = generation_pb2.StructuredOutput(**{name: value})
+        asked.append((f"structured_outputs.{name}" if so is not None else f"guided_{name}", msg))
+    return asked
 
 
 class ReasoningSplitter:
@@ -447,7 +528,7 @@ class OpenAIFrontDoor:
         samples = _samples(reqs, body.n)
         per_sample = [echoes[i // body.n] if echoes else None for i in range(len(samples))]
         if body.stream:
-            gens = [self._generate(req, HttpCall(body.timeout)) for req in samples]
+            gens = [self._generate(req, _call(body)) for req in samples]
             # every sample's first message (or its refusal) before the 200, the samples started together:
             # admission errors keep their status
             firsts = await asyncio.gather(*(anext(g, None) for g in gens), return_exceptions=True)
@@ -460,7 +541,7 @@ class OpenAIFrontDoor:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._sse(rid, kind, streams, include_usage, thinking, per_sample),
                                      media_type="text/event-stream")
-        choices = await self._gather(samples, body.timeout, request, thinking)
+        choices = await self._gather(samples, body, request, thinking)
         for choice, echo in zip(choices, per_sample, strict=True):
             if echo is not None:
                 _echo(choice, echo)
@@ -470,12 +551,12 @@ class OpenAIFrontDoor:
                   ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         return self.servicer.generate(req, call, open_ended=True)
 
-    async def _gather(self, reqs: list[generation_pb2.GenerateRequest], timeout: float | None, request: Request,
+    async def _gather(self, reqs: list[generation_pb2.GenerateRequest], body: SamplingFields, request: Request,
                       thinking: bool) -> list[Choice]:
         """Every prompt's whole output; a client that disconnects first cancels them (their KV is freed)."""
         async def one(req: generation_pb2.GenerateRequest) -> Choice:
             choice, splitter = Choice(), ReasoningSplitter(thinking)
-            async for msg in self._generate(req, HttpCall(timeout)):
+            async for msg in self._generate(req, _call(body)):
                 reasoning, content = splitter.feed(msg.text, final=bool(msg.finish_reason))
                 choice.reasoning += reasoning
                 choice.text += content

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import socket
@@ -33,6 +34,7 @@ from shared.protocol.chat import ChatMessage, render_messages
 from shared.protocol.limits import RequestLimits
 from shared.protocol.prefix import PrefixFilter, prompt_block_hashes
 from shared.protocol.sampling import SamplingParams
+from shared.protocol.structured import ConstraintCompiler
 from shared.protocol.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server, write_port_file
@@ -254,6 +256,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model_config = ModelConfig.from_pretrained(cfg.model)
         self.tokenizer = Tokenizer.from_model_dir(cfg.model, self.model_config.bos_token_id)
         self.limits = RequestLimits(self.model_config.max_position_embeddings, self.model_config.vocab_size)
+        self.constraints = ConstraintCompiler(self.tokenizer.path if self.tokenizer else None,
+                                              self.model_config.vocab_size, list(self.model_config.eos_token_ids))
         self.credentials = Credentials.of(cfg)
         self.metadata = self.credentials.metadata
         self.prefill = Pool("prefill", cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
@@ -303,11 +307,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             value = getattr(request.sla, name)
             if not (value >= 0 and value < float("inf")):
                 raise Invalid(f"sla.{name}: must be a finite number >= 0, got {value}")
-        params = sampling_from_proto(request.sampling_params)
         try:
+            params = sampling_from_proto(request.sampling_params)
             params.validate()
         except ValueError as exc:
             raise Invalid(f"sampling_params.{exc}") from exc
+        if params.structured is not None:
+            if given[0] == "messages" and request.thinking:  # the constraint is the answer's, after the reasoning
+                request.sampling_params.structured_output.after_reasoning = True
+                params.structured = dataclasses.replace(params.structured, after_reasoning=True)
+            try:  # compiled here, before any work (cached: a schema compiles once), on the tokenizer threads
+                await asyncio.get_running_loop().run_in_executor(self._tokenizers, self.constraints.matcher,
+                                                                 params.structured)
+            except ValueError as exc:
+                raise Invalid(str(exc) if str(exc).startswith("structured_output") else
+                              f"sampling_params.structured_output: {exc}") from exc
         if given[0] == "messages":
             try:
                 text = render_messages([ChatMessage(m.role, m.content, m.reasoning_content) for m in request.messages],

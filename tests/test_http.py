@@ -5,10 +5,13 @@ bodies and status codes; a client that disconnects frees its KV blocks."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -109,7 +112,7 @@ def test_chat_and_thinking_mode(cluster, client):
     ({"prompt": [99999]}, 400, "prompt_token_ids"),
     ({"max_tokens": 10**7}, 400, "max_tokens"),
     ({"best_of": 3}, 400, "best_of"),
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, 400, "response_format"),
+    ({"extra_body": {"response_format": {"type": "json_schema"}}}, 400, "response_format.json_schema"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(client, kwargs, status, param):
     with pytest.raises(openai.APIStatusError) as err:
@@ -223,6 +226,46 @@ def test_echo_returns_the_prompt_and_its_logprobs(client):
         client.chat.completions.create(model="demo-v32", messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"echo": True})
     assert err.value.body["param"] == "echo"
+
+
+def test_structured_outputs_through_both_endpoints(cluster, client):
+    """OpenAI's response_format (json_schema strict, json_object), vLLM's structured_outputs and guided_*,
+    and the gRPC API's structured_output: outputs match, streamed too; the first token (sampled by the
+    prefill instance, handed to decode) is constrained as the rest; bad constraints get 400 naming the field."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["name", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    chat = client.chat.completions.create(model="demo-v32", messages=[{"role": "user", "content": "Who is the LORD?"}],
+                                          max_tokens=80, temperature=0, response_format=fmt)
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    assert chat.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="demo-v32", messages=[{"role": "user", "content": "Who is the "
+                                                                                      "LORD?"}],
+                                              max_tokens=80, temperature=0, response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
+    obj = client.completions.create(model="demo-v32", prompt=PROMPT, max_tokens=80, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(obj.choices[0].text), dict)
+    digits = client.completions.create(model="demo-v32", prompt=PROMPT, max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].text) and digits.choices[0].finish_reason == "stop"
+    pick = client.completions.create(model="demo-v32", prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"guided_choice": ["light", "darkness"]})
+    assert pick.choices[0].text in ("light", "darkness")
+    constraint = generation_pb2.StructuredOutput(json_schema=json.dumps(schema))
+    grpc_out = grpc_text(cluster, prompt=PROMPT, sampling_params=generation_pb2.SamplingParams(
+        max_tokens=80, temperature=0.0, structured_output=constraint))
+    jsonschema.validate(json.loads(grpc_out), schema)
+    for kwargs, param in (({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bad"}}}},
+                           "response_format"),
+                          ({"extra_body": {"structured_outputs": {"regex": "(("}}}, "structured_outputs.regex"),
+                          ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
+                           "guided_regex")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="demo-v32", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           **kwargs)
+        assert err.value.body["param"] == param
 
 
 def test_no_instance_up_is_503(tmp_path):

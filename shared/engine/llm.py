@@ -21,14 +21,16 @@ from shared.engine.policy import policy_for
 from shared.engine.sampler import SamplingParams, sample, token_logprobs
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 from shared.engine.speculative import CatchUp, Draft, MtpSpeculator
+from shared.engine.structured import Grammars, MaskRow
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
 from shared.model import ForwardBatch, SeqChunk
 from shared.model.offload import parse_layers
 from shared.parallel.state import ParallelState
-from shared.protocol.chat import ChatMessage, render_messages
+from shared.protocol.chat import THINK_END, ChatMessage, render_messages
 from shared.protocol.limits import RequestLimits
 from shared.protocol.sampling import TokenLogprob
+from shared.protocol.structured import ConstraintCompiler
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
 
 PROMPT_LOGPROBS_TILE = 64  # prompt rows log-softmaxed at once (each a vocabulary of fp32 values)
@@ -100,6 +102,9 @@ class LLMEngine:
         if config.compile:
             self.model.compile_token_parts()
         self.tokenizer = Tokenizer.from_model_dir(config.model, self.model_config.bos_token_id)
+        compiler = ConstraintCompiler(self.tokenizer.path if self.tokenizer else None, self.model_config.vocab_size,
+                                      list(self.model_config.eos_token_ids))
+        self.grammars = Grammars(compiler, self.tokenizer.token_to_id(THINK_END) if self.tokenizer else None)
         # The cache holds what attention multiplies: the model dtype, except on CPUs without bf16
         # arithmetic, where bf16 rows are held as exact fp32 copies (no [rows, T, 576] upcast per step;
         # a peer with the other layout is refused at the KV handshake).
@@ -162,7 +167,8 @@ class LLMEngine:
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in flight")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self.default_generator
-        seq = Sequence(rid, list(prompt_token_ids), params, generator=gen, priority=priority)
+        grammar = self.grammars.start(params.structured) if params.structured is not None else None
+        seq = Sequence(rid, list(prompt_token_ids), params, generator=gen, priority=priority, grammar=grammar)
         self._requests[rid] = seq
         return seq
 
@@ -212,6 +218,7 @@ class LLMEngine:
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[int]:
         done = [c.seq for c in chunks if c.completes]
+        self.grammars.mask(logits, [MaskRow(s.grammar, i) for i, s in enumerate(done) if s.grammar is not None])
         return sample(logits, [s.params for s in done], [s.generator for s in done], done,
                       () if all(s.params.ignore_eos for s in done) else self.model_config.eos_token_ids)
 
@@ -267,6 +274,7 @@ class LLMEngine:
             sampled = [[token] for token in tokens]
         else:
             logits, hidden = self.policy.forward(self, batch, layer_done, return_hidden=True)
+            self._mask_verification(chunks, drafts, logits)
             sampled = spec.verify(chunks, drafts, logits)
         new_tokens = iter(sampled)
         per_chunk = [next(new_tokens) if c.completes else [] for c in chunks]
@@ -325,6 +333,20 @@ class LLMEngine:
             for i, lp in zip(rows, lps, strict=True):
                 done[i].logprobs.append(lp)
 
+    def _mask_verification(self, chunks: list[ScheduledChunk], drafts: list[Draft | None], logits: torch.Tensor
+                           ) -> None:
+        """Constrained requests' verification rows masked by their grammar, each draft row by the state after
+        the drafts before it: a draft the grammar refuses is rejected, the output is constrained decoding's."""
+        rows, row = [], 0
+        for c, draft in zip(chunks, drafts, strict=True):
+            if not c.completes:
+                continue
+            tokens = tuple(draft.tokens) if draft else ()
+            if c.seq.grammar is not None:
+                rows.append(MaskRow(c.seq.grammar, row, tokens))
+            row += 1 + len(tokens)
+        self.grammars.mask(logits, rows)
+
     @staticmethod
     def _note_prompt_logprobs(chunks: list[ScheduledChunk], batch: list[SeqChunk], logits: torch.Tensor
                               ) -> torch.Tensor:
@@ -362,7 +384,8 @@ class LLMEngine:
         """Append a token; on a stop the request finishes (its blocks freed now with `retire`, else by
         the caller's `_retire` once done with them)."""
         seq.output_token_ids.append(token)
-        reason = self._stop_reason(seq)
+        reason = seq.grammar.advance(token) if seq.grammar is not None else None
+        reason = reason or self._stop_reason(seq)
         if reason is not None:
             seq.finish_reason = reason
             if retire:

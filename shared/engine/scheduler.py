@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.sampler import SamplingParams
+from shared.engine.structured import GrammarState
 from shared.kvcache import BlockAllocator
 from shared.protocol.limits import blocks_for
 from shared.protocol.prefix import block_hash
@@ -49,6 +50,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, with params.logprobs
     # with params.prompt_logprobs: entry i is prompt token i + 1's (the first token has no context)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: GrammarState | None = None  # with params.structured: where the output is in its constraint
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the pool
     status: Status = Status.WAITING

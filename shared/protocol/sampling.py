@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shared.protocol.structured import StructuredOutput
+
 # Bounds every request is held to (a request beyond them is refused before any work).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 100.0  # below 1e-5, logits / T overflow fp32: use 0 (greedy)
 MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS = 16, 256, 64
@@ -36,6 +38,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit
     logprobs: int | None = None  # each generated token's log-probability and this many top alternatives
     prompt_logprobs: int | None = None  # each prompt token's (after the first) log-probability and alternatives
+    structured: StructuredOutput | None = None  # what the output must match (shared.protocol.structured)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field. Every number must be finite and in range, and every
@@ -78,6 +81,8 @@ class SamplingParams:
             asked = getattr(self, name)
             if asked is not None and not 0 <= asked <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {asked}")
+        if self.structured is not None:
+            self.structured.validate()
         for token, bias in self.logit_bias.items():
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                 raise ValueError(f"logit_bias: the bias of token {token} must be in [-{MAX_LOGIT_BIAS}, "

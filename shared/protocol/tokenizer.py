@@ -14,6 +14,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 class Tokenizer:
     def __init__(self, path: str | Path, bos_token_id: int | None = None):
+        self.path = Path(path)
         self._tok = _HFTokenizer.from_file(str(path))
         self.bos_token_id = bos_token_id
         self.vocab_size = self._tok.get_vocab_size()

@@ -43,6 +43,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared.config import EndpointConfig
 from shared.protocol.sampling import SamplingParams, TokenLogprob
+from shared.protocol.structured import ConstraintKind, StructuredOutput
 from shared.rpc.certs import TLS_SERVER_NAME
 from shared.rpc.pdserve.v1 import generation_pb2, internal_pb2
 
@@ -382,7 +383,31 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(top_k=msg.top_k, stop_token_ids=list(msg.stop_token_ids), stop=list(msg.stop),
                           ignore_eos=msg.ignore_eos, presence_penalty=msg.presence_penalty,
                           frequency_penalty=msg.frequency_penalty, min_p=msg.min_p, min_tokens=msg.min_tokens,
-                          logit_bias=dict(msg.logit_bias), **optional)
+                          logit_bias=dict(msg.logit_bias), structured=structured_from_proto(msg.structured_output)
+                          if msg.HasField("structured_output") else None, **optional)
+
+
+def structured_from_proto(msg: generation_pb2.StructuredOutput) -> StructuredOutput:
+    """Proto → StructuredOutput; ValueError when no constraint is set."""
+    which = msg.WhichOneof("constraint")
+    if which is None:
+        raise ValueError("structured_output: set one of json_schema, json_object, regex, grammar, choice")
+    kind = ConstraintKind(which)
+    if kind is ConstraintKind.CHOICE:
+        return StructuredOutput(kind, choices=tuple(msg.choice.choices), after_reasoning=msg.after_reasoning)
+    spec = "" if kind is ConstraintKind.JSON_OBJECT else getattr(msg, which)
+    return StructuredOutput(kind, spec, after_reasoning=msg.after_reasoning)
+
+
+def structured_to_proto(so: StructuredOutput) -> generation_pb2.StructuredOutput:
+    msg = generation_pb2.StructuredOutput(after_reasoning=so.after_reasoning)
+    if so.kind is ConstraintKind.CHOICE:
+        msg.choice.choices.extend(so.choices)
+    elif so.kind is ConstraintKind.JSON_OBJECT:
+        msg.json_object = True
+    else:
+        setattr(msg, so.kind.value, so.spec)
+    return msg
 
 
 def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
@@ -398,6 +423,8 @@ def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.structured is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(p.structured))
     return msg
 
 

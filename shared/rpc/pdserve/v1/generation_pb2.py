@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xf6\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"G\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\"\xf1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12)\n\x08messages\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x10\n\x08thinking\x18\x06 \x01(\x08\x12\x1c\n\x03sla\x18\x07 \x01(\x0b\x32\x0f.pdserve.v1.Sla\x12\x10\n\x08priority\x18\x08 \x01(\x05\"\'\n\x03Sla\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xf9\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xaf\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x07\x88\x01\x01\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xb5\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x17\n\x0f\x61\x66ter_reasoning\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"G\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x19\n\x11reasoning_content\x18\x03 \x01(\t\"\xf1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12)\n\x08messages\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x10\n\x08thinking\x18\x06 \x01(\x08\x12\x1c\n\x03sla\x18\x07 \x01(\x0b\x32\x0f.pdserve.v1.Sla\x12\x10\n\x08priority\x18\x08 \x01(\x05\"\'\n\x03Sla\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xf9\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=674
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=496
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=544
-  _globals['_TOKENLOGPROB']._serialized_start=676
-  _globals['_TOKENLOGPROB']._serialized_end=764
-  _globals['_CHATMESSAGE']._serialized_start=766
-  _globals['_CHATMESSAGE']._serialized_end=837
-  _globals['_GENERATEREQUEST']._serialized_start=840
-  _globals['_GENERATEREQUEST']._serialized_end=1081
-  _globals['_SLA']._serialized_start=1083
-  _globals['_SLA']._serialized_end=1122
-  _globals['_USAGE']._serialized_start=1124
-  _globals['_USAGE']._serialized_end=1211
-  _globals['_GENERATERESPONSE']._serialized_start=1214
-  _globals['_GENERATERESPONSE']._serialized_end=1463
-  _globals['_GENERATION']._serialized_start=1465
-  _globals['_GENERATION']._serialized_end=1550
+  _globals['_SAMPLINGPARAMS']._serialized_end=731
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=553
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=601
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=734
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=915
+  _globals['_CHOICELIST']._serialized_start=917
+  _globals['_CHOICELIST']._serialized_end=946
+  _globals['_TOKENLOGPROB']._serialized_start=948
+  _globals['_TOKENLOGPROB']._serialized_end=1036
+  _globals['_CHATMESSAGE']._serialized_start=1038
+  _globals['_CHATMESSAGE']._serialized_end=1109
+  _globals['_GENERATEREQUEST']._serialized_start=1112
+  _globals['_GENERATEREQUEST']._serialized_end=1353
+  _globals['_SLA']._serialized_start=1355
+  _globals['_SLA']._serialized_end=1394
+  _globals['_USAGE']._serialized_start=1396
+  _globals['_USAGE']._serialized_end=1483
+  _globals['_GENERATERESPONSE']._serialized_start=1486
+  _globals['_GENERATERESPONSE']._serialized_end=1735
+  _globals['_GENERATION']._serialized_start=1737
+  _globals['_GENERATION']._serialized_end=1822
 # @@protoc_insertion_point(module_scope)
