@@ -3,8 +3,8 @@ over its OpenAI-compatible HTTP API, vs the same prompts in-process, vs vLLM's O
 (`--peer vllm`), plus the TTFT overhead of disaggregation on a 1k-token prompt.
 
     python bench/serving.py [--streams 16,64,256] [--prompt-len 128] [--max-tokens 128] [--peer vllm]
-                            [--vllm-bench | --no-vllm-bench] [--rounds 1] [--dtype bfloat16]
-                            [--kv-transport tcp]
+                            [--vllm-bench | --no-vllm-bench] [--rounds 1] [--quiet-below 0.3]
+                            [--dtype bfloat16] [--kv-transport tcp]
 
 Two load generators drive the HTTP servers: this file's own streaming client (bench/peers
 `stream_completion`, token-id prompts; the gRPC API gets the same prompts through its own client), and
@@ -16,7 +16,9 @@ alternation, ABBA order, and pools the requests), and HTTP TPOT / gRPC TPOT. Wit
 servers serve the tiny DeepSeek-V3 vLLM's CPU build accepts (bench/peers), with its tokenizer. Saves
 bench/out/serving.png (tok/s) and bench/out/serving_tpot.png (TPOT p50), and each `vllm bench serve`
 result under bench/out/vllm_bench/. All processes, the load generators included, share this machine's
-cores.
+cores; other programs on it are not ours to stop, so each measurement first waits (--quiet-wait s at most)
+until they use under --quiet-below cores, and the cores they used during it are reported
+(bench/hostload).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import grpc
 import torch
 
 from bench.common import OUT, line_plot, pct, table
+from bench.hostload import ForeignLoad, wait_quiet
 from bench.peers import VLLM_CONFIG, VllmServer, stream_completion, vllm_bench_serve
 from router.cli import Cluster
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
@@ -189,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="also drive each HTTP server with vLLM's `vllm bench serve` (the peer venv, installed on "
                         "first use); default: on with --peer vllm")
     p.add_argument("--rounds", type=int, default=1, help="alternations of all systems per concurrency")
+    p.add_argument("--quiet-below", type=float, default=0.3,
+                   help="before each measurement wait until other programs use fewer cores than this (0: never wait)")
+    p.add_argument("--quiet-wait", type=float, default=60, help="at most this many seconds per wait")
     p.add_argument("--decode-flag", action="append", default=[],
                    help="extra decode_service flag, e.g. --decode-flag=--engine-in-process")
     args = p.parse_args(argv)
@@ -249,8 +255,15 @@ def main(argv: list[str] | None = None) -> None:
                 for r in range(args.rounds):
                     order = list(systems) if r % 2 == 0 else list(systems)[::-1]  # ABBA: drift hits all alike
                     for name in order:
+                        if args.quiet_below > 0:
+                            wait_quiet(args.quiet_below, args.quiet_wait)
                         print(f"{n} concurrent streams, round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                        runs[name][n].append(systems[name](n, f"{n}-r{r}", args.prompt_len, args.max_tokens))
+                        others = ForeignLoad()
+                        res = systems[name](n, f"{n}-r{r}", args.prompt_len, args.max_tokens)
+                        res["others"] = others.cores()
+                        if res["others"] > 0.1:
+                            print(f"  other programs kept {res['others']:.2f} cores busy meanwhile", flush=True)
+                        runs[name][n].append(res)
             stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
             remote_long, local_long = [], []
             for _ in range(5):  # alternate, so machine noise hits both paths alike
@@ -280,13 +293,30 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{n} concurrent streams")
         print(table(["system / path [load tool]", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
                      "tok/s", "TPOT p50 / gRPC", "tok/s / vLLM (same tool)"], rows))
-    print()
     http_rows = [name for name in (HTTP, HTTP_VB) if name in results]
-    print(table(["streams", *[f"TPOT p50 {name.removeprefix('pdserve ')} / gRPC" for name in http_rows],
-                 "within 5%"], [
-        [n, *[f"{pct(results[h][n]['tpot'], .5) / pct(results[GRPC][n]['tpot'], .5):.3f}" for h in http_rows],
-         "yes" if all(pct(results[h][n]["tpot"], .5) <= 1.05 * pct(results[GRPC][n]["tpot"], .5) for h in http_rows)
-         else "no"] for n in levels]))
+
+    def round_ratio(name: str, n: int, r: int) -> float:  # TPOT p50 of `name` / gRPC's, one round
+        return pct(runs[name][n][r]["tpot"], .5) / pct(runs[GRPC][n][r]["tpot"], .5)
+
+    if args.rounds > 1:  # the spread: rounds ran minutes apart on a shared machine
+        print()
+        print(table(["streams", "round", *[f"TPOT p50 ms {name}" for name in runs],
+                     *[f"{name.removeprefix('pdserve ')} / gRPC" for name in http_rows],
+                     "others' cores (max of the round)"], [
+            [n, r + 1, *[f"{pct(runs[name][n][r]['tpot'], .5) * 1e3:.1f}" for name in runs],
+             *[f"{round_ratio(h, n, r):.3f}" for h in http_rows],
+             f"{max(runs[name][n][r]['others'] for name in runs):.2f}"]
+            for n in levels for r in range(args.rounds)]))
+    print()
+    summary = []
+    for n in levels:
+        pooled_ratios = [pct(results[h][n]["tpot"], .5) / pct(results[GRPC][n]["tpot"], .5) for h in http_rows]
+        round_ratios = [statistics.median(round_ratio(h, n, r) for r in range(args.rounds)) for h in http_rows]
+        summary.append([n, *[f"{a:.3f} / {b:.3f}" for a, b in zip(pooled_ratios, round_ratios)],
+                        " / ".join("yes" if max(x) <= 1.05 else "no" for x in (pooled_ratios, round_ratios))])
+    print("HTTP TPOT / gRPC TPOT: pooled = p50 over all rounds' streams; rounds = median of each round's ratio")
+    print(table(["streams", *[f"TPOT p50 {name.removeprefix('pdserve ')} / gRPC (pooled / rounds)"
+                              for name in http_rows], "within 5% (pooled / rounds)"], summary))
     d_ttft, l_ttft = statistics.median(remote_long), statistics.median(local_long)
     print()
     print(table([f"{args.long_prompt}-token prompt", "ms"], [
