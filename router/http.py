@@ -19,7 +19,7 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,14 +33,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared import metrics
-from shared.protocol.chat import ROLES, SPECIAL_TOKENS, THINK_END
+from shared.protocol.chat import ROLES
 from shared.rpc.pdserve.v1 import generation_pb2
 
 MAX_N = 16  # samples per prompt in one request
 # Fields OpenAI or vLLM define that this server does not implement, with the values that ask for nothing.
 UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "use_beam_search": (None, False), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none"), "prompt_logprobs": (None,),
+    "best_of": (None, 1), "use_beam_search": (None, False), "suffix": (None, ""), "prompt_logprobs": (None,),
 }
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
 
@@ -177,12 +176,44 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None  # the legacy API's: this many alternatives per token (0..20)
 
 
+class FunctionCallIn(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text; some clients an object
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answered call
+
+
+class FunctionIn(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always match when a call is forced (tool_choice required / named)
+
+
+class ToolIn(BaseModel):
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: dict[str, str]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -190,6 +221,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # the model decides how many calls it makes
 
 
 def _refuse_unimplemented(body: SamplingFields) -> None:
@@ -282,38 +316,6 @@ def _constraints(body: SamplingFields) -> list[tuple[str, generation_pb2.Structu
     return asked
 
 
-class ReasoningSplitter:
-    """Thinking-mode output streamed apart: text before `</think>` is reasoning, after it the answer.
-    A tail that could be the start of `</think>` is held back until the next piece decides it. Without
-    thinking the text passes as it is (special tokens only where the request kept them)."""
-
-    def __init__(self, thinking: bool):
-        self.thinking = self.in_reasoning = thinking
-        self.pending = ""
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
-        """(reasoning, content) deltas of `text`."""
-        text, self.pending = self.pending + text, ""
-        if not self.in_reasoning:
-            return "", _visible(text) if self.thinking else text
-        head, sep, tail = text.partition(THINK_END)
-        if sep:
-            self.in_reasoning = False
-            return _visible(head), _visible(tail)
-        keep = next((k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1)
-                     if THINK_END.startswith(text[-k:])), 0) if not final else 0
-        self.pending = text[len(text) - keep:] if keep else ""
-        return _visible(text[: len(text) - keep]), ""
-
-
-def _visible(text: str) -> str:
-    """Thinking-mode text without the chat encoding's special tokens (kept by the request the router makes
-    to find `</think>`): an EOS at the end of a reply, `<think>`."""
-    for token in SPECIAL_TOKENS:
-        text = text.replace(token, "")
-    return text
-
-
 @dataclass
 class OpenStream:
     """One sample's running request: its first message (None: it ended before any) and the rest."""
@@ -345,6 +347,25 @@ class Choice:
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)  # with echo and logprobs
     prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat: OpenAI's tool_calls, made whole
+
+    def add_calls(self, deltas: Sequence[generation_pb2.ToolCallDelta]) -> None:
+        for d in deltas:
+            if d.index == len(self.tool_calls):
+                self.tool_calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
+            self.tool_calls[d.index]["function"]["arguments"] += d.arguments_delta
+
+
+def _call_deltas(deltas: Sequence[generation_pb2.ToolCallDelta]) -> list[dict[str, Any]]:
+    """Streamed tool-call pieces as OpenAI's delta.tool_calls (id, type and name on a call's first piece)."""
+    out = []
+    for d in deltas:
+        entry: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments_delta}}
+        if d.id:
+            entry.update(id=d.id, type="function")
+            entry["function"]["name"] = d.name
+        out.append(entry)
+    return out
 
 
 def _usage(choices: list[Choice]) -> dict[str, Any]:
@@ -442,7 +463,7 @@ class OpenAIFrontDoor:
                     for p in prompts]
             echoes = [Echo(r.prompt or self._detokenize(list(r.prompt_token_ids)), prompt_only) for r in reqs] \
                 if body.echo else None
-            return await self._respond(body, reqs, request, "text_completion", thinking=False, echoes=echoes)
+            return await self._respond(body, reqs, request, "text_completion", echoes=echoes)
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -454,14 +475,24 @@ class OpenAIFrontDoor:
                 if m.role not in ROLES:
                     raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}].role: expected one of "
                                     f"{', '.join(ROLES)}, got {m.role!r}", f"messages[{i}].role")
+                calls = [generation_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments
+                                                 if isinstance(c.function.arguments, str)
+                                                 else json.dumps(c.function.arguments, ensure_ascii=False))
+                         for c in m.tool_calls or ()]
                 messages.append(generation_pb2.ChatMessage(role=m.role, content=_text(m.content, i),
-                                                           reasoning_content=m.reasoning_content or ""))
+                                                           reasoning_content=m.reasoning_content or "",
+                                                           tool_calls=calls, tool_call_id=m.tool_call_id or ""))
             sp = _sampling(body, body.max_completion_tokens if body.max_completion_tokens is not None
                            else body.max_tokens)
-            sp.skip_special_tokens = sp.skip_special_tokens and not thinking  # </think> splits the reply
-            req = generation_pb2.GenerateRequest(messages=messages, thinking=thinking, sampling_params=sp,
-                                                 priority=body.priority, sla=_sla(body))
-            return await self._respond(body, [req], request, "chat.completion", thinking=thinking)
+            tools = [generation_pb2.Tool(name=t.function.name, description=t.function.description or "",
+                                         parameters=json.dumps(t.function.parameters) if t.function.parameters
+                                         else "") for t in body.tools or ()]
+            choice = body.tool_choice
+            req = generation_pb2.GenerateRequest(
+                messages=messages, thinking=thinking, sampling_params=sp, priority=body.priority, sla=_sla(body),
+                tools=tools, tool_choice=choice.function.get("name", "") if isinstance(choice, NamedToolChoice)
+                else choice or "")
+            return await self._respond(body, [req], request, "chat.completion")
 
         return app
 
@@ -522,7 +553,7 @@ class OpenAIFrontDoor:
         return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
     async def _respond(self, body: SamplingFields, reqs: list[generation_pb2.GenerateRequest], request: Request,
-                       kind: Literal["text_completion", "chat.completion"], thinking: bool,
+                       kind: Literal["text_completion", "chat.completion"],
                        echoes: list[Echo] | None = None) -> Response:
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
         samples = _samples(reqs, body.n)
@@ -539,9 +570,9 @@ class OpenAIFrontDoor:
                 raise failed
             streams = [OpenStream(first, g) for first, g in zip(firsts, gens, strict=True)]
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(rid, kind, streams, include_usage, thinking, per_sample),
+            return StreamingResponse(self._sse(rid, kind, streams, include_usage, per_sample),
                                      media_type="text/event-stream")
-        choices = await self._gather(samples, body, request, thinking)
+        choices = await self._gather(samples, body, request)
         for choice, echo in zip(choices, per_sample, strict=True):
             if echo is not None:
                 _echo(choice, echo)
@@ -551,15 +582,15 @@ class OpenAIFrontDoor:
                   ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         return self.servicer.generate(req, call, open_ended=True)
 
-    async def _gather(self, reqs: list[generation_pb2.GenerateRequest], body: SamplingFields, request: Request,
-                      thinking: bool) -> list[Choice]:
+    async def _gather(self, reqs: list[generation_pb2.GenerateRequest], body: SamplingFields, request: Request
+                      ) -> list[Choice]:
         """Every prompt's whole output; a client that disconnects first cancels them (their KV is freed)."""
         async def one(req: generation_pb2.GenerateRequest) -> Choice:
-            choice, splitter = Choice(), ReasoningSplitter(thinking)
+            choice = Choice()
             async for msg in self._generate(req, _call(body)):
-                reasoning, content = splitter.feed(msg.text, final=bool(msg.finish_reason))
-                choice.reasoning += reasoning
-                choice.text += content
+                choice.reasoning += msg.reasoning_text
+                choice.text += msg.text
+                choice.add_calls(msg.tool_calls)
                 choice.token_ids += msg.token_ids
                 choice.logprobs += msg.logprobs
                 choice.prompt_token_ids += msg.prompt_token_ids
@@ -589,19 +620,19 @@ class OpenAIFrontDoor:
         else:
             out["choices"] = [{"index": i, "finish_reason": c.finish_reason,
                                "logprobs": self._chat_logprobs(c.logprobs),
-                               "message": {"role": "assistant", "content": c.text,
-                                           "reasoning_content": c.reasoning or None}}
+                               "message": {"role": "assistant", "content": c.text or None if c.tool_calls else c.text,
+                                           "reasoning_content": c.reasoning or None,
+                                           **({"tool_calls": c.tool_calls} if c.tool_calls else {})}}
                               for i, c in enumerate(choices)]
         return out
 
     async def _sse(self, rid: str, kind: str, streams: list[OpenStream], include_usage: bool,
-                   thinking: bool, echoes: list[Echo | None]) -> AsyncIterator[str]:
+                   echoes: list[Echo | None]) -> AsyncIterator[str]:
         """Server-sent events: one chunk per step of each sample (`index` tells them apart), then usage
         (when asked) and `data: [DONE]`; an echoed prompt leads a sample's first chunk. A client that
         disconnects closes this generator, which cancels every sample's request (their KV is freed)."""
         chunk_kind = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
         created = int(time.time())
-        splitters = [ReasoningSplitter(thinking) for _ in streams]
         usage = [Choice() for _ in streams]
 
         def chunk(choice: dict[str, Any]) -> str:
@@ -617,10 +648,9 @@ class OpenAIFrontDoor:
                 if isinstance(msg, HttpAbort):  # after the 200: the error travels as an event, as OpenAI's do
                     yield "data: " + json.dumps(json.loads(msg.response().body)) + "\n\n"
                 else:
-                    reasoning, content = splitters[index].feed(msg.text, final=bool(msg.finish_reason))
                     finish = msg.finish_reason or None
                     if kind == "text_completion":
-                        piece = Choice(content, finish_reason=finish, completion_tokens=msg.usage.completion_tokens,
+                        piece = Choice(msg.text, finish_reason=finish, completion_tokens=msg.usage.completion_tokens,
                                        logprobs=list(msg.logprobs), prompt_token_ids=list(msg.prompt_token_ids),
                                        prompt_logprobs=list(msg.prompt_logprobs))
                         if (echo := echoes[index]) is not None:
@@ -630,7 +660,10 @@ class OpenAIFrontDoor:
                                      "logprobs": self._completion_logprobs(piece.logprobs, piece.prompt_token_ids,
                                                                            piece.prompt_logprobs)})
                     else:
-                        delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+                        delta: dict[str, Any] = {k: v for k, v in (("reasoning_content", msg.reasoning_text),
+                                                                   ("content", msg.text)) if v}
+                        if msg.tool_calls:
+                            delta["tool_calls"] = _call_deltas(msg.tool_calls)
                         yield chunk({"index": index, "delta": delta, "finish_reason": finish,
                                      "logprobs": self._chat_logprobs(list(msg.logprobs))})
                     if finish:

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import re
 import socket
@@ -28,14 +29,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.http import OpenAIFrontDoor, read_api_keys, start_http
 from router.perf import PerfModel
 from router.policy import POLICIES, DecodeView, PrefillView, RankView, Rejected, Request
+from router.reply import ReplyParser
 from shared import metrics
 from shared.config import REQUIRED, EndpointConfig, ModelConfig, check_bounds, flag, flag_name, parse_flags
 from shared.protocol.chat import ChatMessage, render_messages
 from shared.protocol.limits import RequestLimits
 from shared.protocol.prefix import PrefixFilter, prompt_block_hashes
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.structured import ConstraintCompiler
+from shared.protocol.structured import ConstraintCompiler, ConstraintKind, StructuredOutput
 from shared.protocol.tokenizer import Tokenizer
+from shared.protocol.tools import ToolCall, ToolFunction, tool_call_grammar
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server, write_port_file
 
@@ -90,6 +93,7 @@ class RouterConfig(EndpointConfig):
 MAX_REQUEST_ID = 128
 REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:/-]*")
 MAX_MESSAGES = 1024
+MAX_TOOLS = 128
 
 
 class _Malformed:
@@ -224,6 +228,15 @@ class Pool:
 
 
 @dataclass
+class Validated:
+    """A request that passed validation: its prompt, its sampling and how its reply is parsed."""
+
+    ids: list[int]
+    params: SamplingParams
+    reply: ReplyParser
+
+
+@dataclass
 class PromptEcho:
     """What a request's first message carries when it asked for prompt logprobs: its prompt and their
     logprobs (from the prefill instance, or from decode's first message after a local prefill)."""
@@ -287,8 +300,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise Invalid(f"request_id: at most {MAX_REQUEST_ID} characters of [A-Za-z0-9._:/-]")
         if len(request.messages) > MAX_MESSAGES:
             raise Invalid(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}")
-        size = len(request.prompt.encode()) + sum(len(m.content.encode()) + len(m.reasoning_content.encode())
-                                                  for m in request.messages)
+        if len(request.tools) > MAX_TOOLS:
+            raise Invalid(f"tools: at most {MAX_TOOLS} tools, got {len(request.tools)}")
+        size = len(request.prompt.encode()) + sum(
+            len(m.content.encode()) + len(m.reasoning_content.encode())
+            + sum(len(c.arguments.encode()) + len(c.name.encode()) for c in m.tool_calls) for m in request.messages
+        ) + sum(len(t.name.encode()) + len(t.description.encode()) + len(t.parameters.encode()) for t in request.tools)
         if size > self.max_prompt_bytes:
             raise Invalid(f"prompt: {size} bytes of text exceed the limit of {self.max_prompt_bytes}")
         if len(request.prompt_token_ids) > self.limits.context_tokens:  # before the rest is read
@@ -312,6 +329,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             params.validate()
         except ValueError as exc:
             raise Invalid(f"sampling_params.{exc}") from exc
+        tools, choice = self._tools(request, given[0])
+        if choice == "required" or choice in {t.name for t in tools}:  # a forced call: the grammar makes it
+            if params.structured is not None:
+                raise Invalid(f"tool_choice: a forced tool call ({choice!r}) cannot take structured_output too")
+            grammar = tool_call_grammar(tools, None if choice == "required" else choice)
+            request.sampling_params.structured_output.grammar = grammar
+            params.structured = StructuredOutput(ConstraintKind.GRAMMAR, grammar)
+        thinking = given[0] == "messages" and request.thinking
+        reply = ReplyParser(thinking, tools if tools and choice != "none" else None)
+        if reply.parses:  # </think> and the end of the calls must reach the parser
+            request.sampling_params.skip_special_tokens = params.skip_special_tokens = False
         if params.structured is not None:
             if given[0] == "messages" and request.thinking:  # the constraint is the answer's, after the reasoning
                 request.sampling_params.structured_output.after_reasoning = True
@@ -324,8 +352,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               f"sampling_params.structured_output: {exc}") from exc
         if given[0] == "messages":
             try:
-                text = render_messages([ChatMessage(m.role, m.content, m.reasoning_content) for m in request.messages],
-                                       thinking=request.thinking)
+                text = render_messages([ChatMessage(m.role, m.content, m.reasoning_content,
+                                                    tuple(ToolCall(c.name, c.arguments, c.id) for c in m.tool_calls),
+                                                    m.tool_call_id) for m in request.messages],
+                                       thinking=request.thinking, tools=tools if choice != "none" else ())
             except ValueError as exc:
                 raise Invalid(str(exc)) from exc
             ids = await self._encode(text)
@@ -342,7 +372,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.limits.check_sampling(params)
         except ValueError as exc:
             raise Invalid(str(exc)) from exc
-        return ids, params
+        return Validated(ids, params, reply)
+
+    @staticmethod
+    def _tools(request: generation_pb2.GenerateRequest, given: str) -> tuple[list[ToolFunction], str]:
+        """The request's tools and its tool_choice (default "auto" with tools), validated naming the field."""
+        if request.tools and given != "messages":
+            raise Invalid("tools: only with messages (the chat encoding renders them)")
+        tools = []
+        for i, t in enumerate(request.tools):
+            try:
+                parameters = json.loads(t.parameters) if t.parameters else {}
+                if not isinstance(parameters, dict):
+                    raise ValueError("must be a JSON schema object")
+                tool = ToolFunction(t.name, t.description, parameters)
+                tool.validate(f"tools[{i}]")
+            except ValueError as exc:
+                raise Invalid(str(exc) if str(exc).startswith("tools[") else f"tools[{i}].parameters: {exc}") from exc
+            tools.append(tool)
+        if len({t.name for t in tools}) != len(tools):
+            raise Invalid("tools: function names must be distinct")
+        choice = request.tool_choice or ("auto" if tools else "none")
+        if choice not in ("auto", "none", "required") and choice not in {t.name for t in tools}:
+            raise Invalid(f"tool_choice: expected auto, none, required or one of the tools' names, got {choice!r}")
+        if choice != "none" and not tools:
+            raise Invalid(f"tool_choice: {choice!r} needs tools")
+        return tools, choice
 
     async def Generate(self, request, context):
         """The gRPC API's Generate."""
@@ -367,7 +422,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _generate(self, request, context, open_ended: bool):
         t0 = time.perf_counter()
         try:
-            ids, params = await self.validate(request, open_ended)
+            valid = await self.validate(request, open_ended)
+            ids, params = valid.ids, valid.params
         except Invalid as exc:
             metrics.request_done("router", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -440,7 +496,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 echo = PromptEcho(ids, [] if best.local else list(first.prompt_logprobs)) \
                     if params.prompt_logprobs is not None else None  # a local prefill's logprobs come from decode
                 try:
-                    async for out in self._relay(stream, context, label, len(ids), cached, t0, best, echo):
+                    async for out in self._relay(stream, context, label, len(ids), cached, t0, best, echo,
+                                                 valid.reply):
                         yield out
                 finally:
                     stream.cancel()  # a no-op when it ended; otherwise the client left: decode lets go
@@ -475,8 +532,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             pass  # the lease expires on its own
 
     async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float,
-                     predicted, echo: PromptEcho | None):  # predicted: the policy's Choice, calibrated here
-        """Decode's stream as the client's; `echo` (prompt logprobs asked) on its first message."""
+                     predicted, echo: PromptEcho | None, reply: ReplyParser):  # predicted: the policy's Choice
+        """Decode's stream as the client's: its text through the reply parser (reasoning, answer, tool
+        calls), `echo` (prompt logprobs asked) on the first message. Observed latencies calibrate the model."""
         n, t_first, t_last = 0, None, None
         try:
             async for msg in stream:
@@ -494,14 +552,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         metrics.TPOT.observe((now - t_last) / len(msg.token_ids))
                     t_last = now
                     n += len(msg.token_ids)
-                out = generation_pb2.GenerateResponse(token_ids=msg.token_ids, text=msg.text,
-                                                      finish_reason=msg.finish_reason, request_id=rid,
-                                                      logprobs=msg.logprobs)
+                piece = reply.feed(msg.text, final=bool(msg.finish_reason))
+                finish = "tool_calls" if msg.finish_reason == "stop" and reply.called else msg.finish_reason
+                out = generation_pb2.GenerateResponse(token_ids=msg.token_ids, text=piece.content,
+                                                      reasoning_text=piece.reasoning, finish_reason=finish,
+                                                      request_id=rid, logprobs=msg.logprobs)
+                for delta, call_id in zip(piece.tool_calls, piece.ids, strict=True):
+                    out.tool_calls.add(index=delta.index, id=call_id, name=delta.name,
+                                       arguments_delta=delta.arguments_delta)
                 if echo is not None:
                     out.prompt_token_ids.extend(echo.ids)
                     out.prompt_logprobs.extend(msg.prompt_logprobs or echo.logprobs)
                     echo = None
-                if msg.finish_reason:
+                if finish:
                     if n > 1 and t_first is not None and t_last is not None:
                         self.perf.observe_tpot(predicted.batch, predicted.tpot_raw_s, (t_last - t_first) / (n - 1))
                     out.usage.prompt_tokens, out.usage.completion_tokens = prompt_tokens, n

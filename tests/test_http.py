@@ -88,12 +88,13 @@ def test_chat_and_thinking_mode(cluster, client):
     thought = client.chat.completions.create(model="demo-v32", messages=messages, max_tokens=40, temperature=0,
                                              extra_body=kwargs)
     message = thought.choices[0].message
-    raw = grpc_text(cluster, messages=[generation_pb2.ChatMessage(role="user", content="Who is the LORD?")],
-                    thinking=True, sampling_params=generation_pb2.SamplingParams(
-                        max_tokens=40, temperature=0.0, skip_special_tokens=False))
-    reasoning, _, answer = raw.partition("</think>")
-    assert message.reasoning_content == reasoning and "</think>" not in (message.content or "")
-    assert (message.content or "") == answer.replace("<｜end▁of▁sentence｜>", "")
+    with cluster.channel(cluster.address) as ch:  # the gRPC API splits the reply alike
+        msgs = list(generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
+            messages=[generation_pb2.ChatMessage(role="user", content="Who is the LORD?")], thinking=True,
+            sampling_params=generation_pb2.SamplingParams(max_tokens=40, temperature=0.0)), timeout=60))
+    reasoning, answer = "".join(m.reasoning_text for m in msgs), "".join(m.text for m in msgs)
+    assert reasoning and message.reasoning_content == reasoning and "</think>" not in (message.content or "")
+    assert (message.content or "") == answer and "<｜end▁of▁sentence｜>" not in answer
     deltas = list(client.chat.completions.create(model="demo-v32", messages=messages, max_tokens=40, temperature=0,
                                                  stream=True, extra_body=kwargs))
     assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in deltas
@@ -265,6 +266,54 @@ def test_structured_outputs_through_both_endpoints(cluster, client):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="demo-v32", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                            **kwargs)
+        assert err.value.body["param"] == param
+
+
+VERSE_TOOL = {"type": "function", "function": {
+    "name": "get_verse", "description": "Look up a chapter",
+    "parameters": {"type": "object", "properties": {"book": {"type": "string", "enum": ["Genesis", "Exodus"]},
+                                                    "chapter": {"type": "integer", "minimum": 1, "maximum": 50}},
+                   "required": ["book", "chapter"]}}}
+
+
+def test_tool_call_round_trip(cluster, client):
+    """tool_choice required / named: the grammar forces a DeepSeek-V3.2 tool call whose arguments validate
+    against the function's schema, parsed back into OpenAI tool_calls (streamed as deltas too, and on the gRPC
+    API); the call and the tool's result go back into the conversation and the model answers."""
+    messages = [{"role": "user", "content": "Find Genesis chapter 1"}]
+    call = client.chat.completions.create(model="demo-v32", messages=messages, tools=[VERSE_TOOL],
+                                          tool_choice="required", max_tokens=200, temperature=0)
+    choice = call.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [made] = choice.message.tool_calls
+    assert made.function.name == "get_verse" and made.id.startswith("call_")
+    jsonschema.validate(json.loads(made.function.arguments), VERSE_TOOL["function"]["parameters"])
+    chunks = [c for c in client.chat.completions.create(
+        model="demo-v32", messages=messages, tools=[VERSE_TOOL], max_tokens=200, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_verse"}}) if c.choices]
+    pieces = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "get_verse"
+    assert "".join(p.function.arguments or "" for p in pieces) == made.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    with cluster.channel(cluster.address) as ch:
+        msgs = list(generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
+            messages=[generation_pb2.ChatMessage(role="user", content="Find Genesis chapter 1")],
+            tools=[generation_pb2.Tool(name="get_verse", parameters=json.dumps(VERSE_TOOL["function"]["parameters"]))],
+            tool_choice="required", sampling_params=generation_pb2.SamplingParams(max_tokens=200, temperature=0.0)),
+            timeout=60))
+    assert "".join(d.arguments_delta for m in msgs for d in m.tool_calls) == made.function.arguments
+    assert msgs[-1].finish_reason == "tool_calls"
+    # (the demo model's 1,024-token context holds the tools' prompt or the history, not both)
+    answer = client.chat.completions.create(model="demo-v32", max_tokens=16, temperature=0,
+                                            messages=[*messages, choice.message.model_dump(exclude_none=True),
+                                                      {"role": "tool", "tool_call_id": made.id,
+                                                       "content": "In the beginning God created the heaven"}])
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
+    for kwargs, param in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                          ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**{"model": "demo-v32", "messages": messages, "tools": [VERSE_TOOL],
+                                              "max_tokens": 4, **kwargs})
         assert err.value.body["param"] == param
 
 
