@@ -1,5 +1,6 @@
-"""Structured outputs (llguidance): every output under a JSON schema parses and validates, on the trained
-demo model and on the random tiny one, greedy and sampled, batched beside unconstrained requests; regex
+"""Structured outputs (llguidance): every output under a JSON schema parses and validates, through
+`pdserve up` and the openai SDK on the trained demo model and on the random tiny one, greedy and sampled,
+whole and streamed; a constrained request leaves its batch neighbours alone; regex
 and choice constraints hold; MTP's drafts never break the grammar (greedy output equals constrained
 non-speculative decoding); a bad or unsatisfiable constraint is refused naming the field."""
 
@@ -9,8 +10,10 @@ import json
 import re
 
 import jsonschema
+import openai
 import pytest
 
+from router.cli import up_cluster
 from shared.engine import LLM, SamplingParams
 from shared.protocol.structured import ConstraintKind, StructuredOutput
 
@@ -29,7 +32,7 @@ SCHEMAS = [
     {"type": "object", "properties": {"who": {"type": "object", "properties": {
         "first": {"type": "string", "maxLength": 8}, "tribe": {"enum": ["Judah", "Levi"]}},
         "required": ["first", "tribe"], "additionalProperties": False},
-        "score": {"type": "number", "minimum": -1, "maximum": 1}, "ok": {"type": "boolean"}},
+        "score": {"type": "number", "minimum": -1, "maximum": 1, "multipleOf": 0.25}, "ok": {"type": "boolean"}},
      "required": ["who", "score", "ok"], "additionalProperties": False},
 ]
 
@@ -43,17 +46,43 @@ def demo() -> LLM:
     return LLM(DEMO)
 
 
-@pytest.mark.parametrize("model", [DEMO, TINY])
-def test_every_output_under_a_schema_validates(model, demo):
-    """Greedy and seeded sampling, all schemas in one batch with an unconstrained neighbour, whose output
-    is the same as alone."""
-    llm = demo if model == DEMO else LLM(model)
+@pytest.fixture(scope="module", params=[DEMO, TINY])
+def served(request, tmp_path_factory):
+    """`pdserve up --http-port 0` on the model, and an openai client of it."""
+    c = up_cluster(["--model", request.param, "--port", "0", "--http-port", "0"],
+                   log_dir=tmp_path_factory.mktemp("structured-logs"))
+    with c:
+        client = openai.OpenAI(base_url=f"http://{c.http_address}/v1", api_key="unused", max_retries=0)
+        yield client, client.models.list().data[0].id
+
+
+def test_every_output_under_a_schema_validates_through_the_api(served):
+    """Each schema under response_format json_schema (strict), chat and completions, whole and streamed,
+    greedy and sampled: every output parses and validates, and the grammar ends it (finish_reason stop)."""
+    client, model = served
+    for i, schema in enumerate(SCHEMAS):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[i]}],
+                                              max_tokens=200, temperature=0, response_format=fmt)
+        sampled = client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=200, temperature=1.0,
+                                            seed=i, n=2, extra_body={"response_format": fmt})
+        streamed = client.completions.create(model=model, prompt=PROMPTS[-1], max_tokens=200, temperature=0.7, seed=9,
+                                             stream=True, extra_body={"response_format": fmt})
+        texts = [chat.choices[0].message.content, *(c.text for c in sampled.choices),
+                 "".join(c.choices[0].text for c in streamed if c.choices)]
+        assert chat.choices[0].finish_reason == "stop" and {c.finish_reason for c in sampled.choices} == {"stop"}
+        for text in texts:
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_constrained_request_leaves_its_neighbours_alone(demo):
+    """All schemas in one batch with an unconstrained neighbour, whose output is the same as alone."""
     free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    alone = llm.generate([PROMPTS[0]], free)[0].token_ids
+    alone = demo.generate([PROMPTS[0]], free)[0].token_ids
     for temperature in (0.0, 1.0):
         params = [SamplingParams(max_tokens=160, temperature=temperature, seed=7 + i, structured=json_schema(s))
                   for i, s in enumerate(SCHEMAS)]
-        outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))] + [PROMPTS[0]], params + [free])
+        outs = demo.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))] + [PROMPTS[0]], params + [free])
         for schema, out in zip(SCHEMAS, outs, strict=False):
             assert out.finish_reason == "stop", out.text  # the grammar ended it, not the length
             jsonschema.validate(json.loads(out.text), schema)
