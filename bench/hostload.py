@@ -18,7 +18,7 @@ def _busy_seconds() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / TICK  # user nice system idle iowait irq softirq steal
 
 
-def _tree_seconds(root: int) -> float:
+def tree_seconds(root: int) -> float:
     """CPU seconds of `root` and every live descendant, each with its reaped children."""
     stats: dict[int, list[str]] = {}
     for entry in os.scandir("/proc"):
@@ -48,11 +48,11 @@ class ForeignLoad:
         self.start()
 
     def start(self) -> None:
-        self.t0, self.busy0, self.own0 = time.monotonic(), _busy_seconds(), _tree_seconds(self.root)
+        self.t0, self.busy0, self.own0 = time.monotonic(), _busy_seconds(), tree_seconds(self.root)
 
     def cores(self) -> float:
         wall = max(time.monotonic() - self.t0, 1e-6)
-        return max(0.0, (_busy_seconds() - self.busy0) - (_tree_seconds(self.root) - self.own0)) / wall
+        return max(0.0, (_busy_seconds() - self.busy0) - (tree_seconds(self.root) - self.own0)) / wall
 
 
 def wait_quiet(threshold: float, timeout: float, window: float = 2.0) -> float:

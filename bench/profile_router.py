@@ -5,13 +5,13 @@
 
 Starts router + 1 prefill + 1 decode (the tiny model) and runs the same concurrent streams through the
 router's gRPC API and its HTTP API (bench/serving's own clients; with `--vllm-bench` also vLLM's
-`vllm bench serve`, which sends text prompts), alternating. For every run: the router process's CPU
-seconds (/proc, all its threads) per 1k output tokens, and TPOT p50. With py-spy (PyPI's `py-spy`,
-found on PATH or given by --py-spy; not a project dependency) the router is sampled during each run
-(on-CPU samples only; `--native` adds C frames) and the functions with the most self and inclusive
-samples are printed per API; the raw collapsed stacks are saved in bench/out/profile_router/. Beside the
-router's CPU the table has the prefill's, the decode's and the load generator's (this process for the own
-clients; `vllm bench serve`'s child process, its start included, otherwise) per 1k output tokens.
+`vllm bench serve`, which sends text prompts), alternating. For every run: the CPU seconds per 1k
+output tokens of the router, the prefill and the decode (/proc: all threads and child processes), and
+of the load generator (this process for the own clients; `vllm bench serve`'s child process, its start
+included), and TPOT p50. With py-spy (PyPI's `py-spy`, on PATH or given by --py-spy; not a project
+dependency) the router is sampled during each run (on-CPU samples only; `--native` adds C frames and
+stops the router for each sample, which slows it) and the functions with the most self and inclusive
+samples are printed per API; the raw collapsed stacks are saved in bench/out/profile_router/.
 """
 
 from __future__ import annotations
@@ -33,18 +33,11 @@ from pathlib import Path
 import torch
 
 from bench.common import OUT, pct, table
+from bench.hostload import tree_seconds
 from bench.peers import stream_completion, vllm_bench_serve
 from bench.serving import from_vllm_bench, run_router, run_streams
 from router.cli import Cluster
 from shared.loader.tiny import ensure_tiny_model
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (/proc/PID/stat utime + stime)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def frame_name(frame: str) -> str:
@@ -103,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
 
         def cpu() -> dict[str, float]:
             own, children = os.times(), resource.getrusage(resource.RUSAGE_CHILDREN)
-            return {**{k: cpu_seconds(v) for k, v in pids.items()},
+            return {**{k: tree_seconds(v) for k, v in pids.items()},
                     "load generator": own.user + own.system + children.ru_utime + children.ru_stime}
         host, _, port = cluster.http_address.rpartition(":")
         served = Path(model).resolve().name
@@ -123,12 +116,13 @@ def main(argv: list[str] | None = None) -> None:
             for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
                 slug = name.split()[0].lower() + ("-vb" if "vllm" in name else "")
                 raw = out / f"{slug}-r{r}.txt"
+                raw.unlink(missing_ok=True)
                 spy = None
                 if args.py_spy:
                     spy = subprocess.Popen([args.py_spy, "record", "--pid", str(pid), "--rate", str(args.rate),
-                                            "--format", "raw", "--output", str(raw), "--nonblocking",
-                                            *(["--native"] if args.native else [])],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                            "--format", "raw", "--output", str(raw),
+                                            *(["--native"] if args.native else ["--nonblocking"])],
+                                           stdout=subprocess.DEVNULL, stderr=open(f"{raw}.log", "w"))
                     time.sleep(1.0)  # attached before the first request
                 print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
                 c0 = cpu()  # the cluster idles while `vllm bench serve` starts
