@@ -42,6 +42,7 @@ from shared.transfer import Destination
 
 log = logging.getLogger("pdserve.decode")
 FATAL = object()  # put in every stream when the engine loop dies: the handlers end with UNAVAILABLE
+DRAINING = object()  # put in every stream on SIGTERM: the handlers end with UNAVAILABLE, the router moves them
 # after every loop turn: every rank's load, the lease ids that expired, the step's seconds (None: idle)
 ReportHook = Callable[[list[DecodeLoad], list[str], float | None], None]
 
@@ -85,6 +86,7 @@ class DecodeHandle(EngineHandle, Protocol):
     loads: list[DecodeLoad]
     lease_rank: dict[str, int]  # lease id → the rank holding it (the handlers route by it)
     limits: RequestLimits  # what one request may ask of a rank (context, KV blocks)
+    streams: Streams  # the streams served here
 
     def submit(self, command: EngineCommand, rank: int = 0) -> Future: ...
     def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future: ...
@@ -134,10 +136,15 @@ class Streams:
 
     def fail_all(self) -> None:
         """The engine died: every stream ends with UNAVAILABLE."""
+        self.end_all(FATAL)
+
+    def end_all(self, reason: object) -> int:
+        """Every open stream gets `reason` (FATAL, DRAINING) and is forgotten; how many there were."""
         with self._lock:
             sinks, self._sinks = list(self._sinks.values()), {}
         for q in sinks:
-            q.put(FATAL)
+            q.put(reason)
+        return len(sinks)
 
 
 class DecodeEngineCore(EngineCore):

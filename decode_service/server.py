@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from decode_service.engine import FATAL, DecodeEngineClient, DecodeHandle, build_engine_core
+from decode_service.engine import DRAINING, FATAL, DecodeEngineClient, DecodeHandle, build_engine_core
 from decode_service.worker import Abort, Admit, DecodeWorker, Release
 from shared import metrics
 from shared.config import DecodeConfig, parse_flags
@@ -53,7 +53,16 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def __init__(self, cfg: DecodeConfig, coordinator: DecodeHandle):
         self.cfg, self.coord = cfg, coordinator
         self.credentials = Credentials.of(cfg)
+        self.draining = False
         self._export_gauges()
+
+    async def drain(self) -> None:
+        """SIGTERM (a rolling upgrade, a scale-down): admit nothing more and end every running stream with
+        UNAVAILABLE at once — the router continues each on another instance from the tokens it has sent —
+        so the instance exits as soon as its handlers have let go, not when its longest request ends."""
+        self.draining = True
+        moved = self.coord.streams.end_all(DRAINING)
+        log.info("draining: %d running requests handed back to the router", moved)
 
     async def _result(self, fut, context):
         try:
@@ -66,6 +75,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         metrics.REGISTRY.register(metrics.LoadCollector("decode", lambda: [x.gauges() for x in self.coord.loads]))
 
     async def Reserve(self, request, context):  # gRPC method name
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode instance is draining")
         try:  # one that can never fit is INVALID_ARGUMENT, not a retryable RESOURCE_EXHAUSTED
             self.coord.limits.check_length(request.num_prompt_tokens, request.max_tokens)
         except ValueError as exc:
@@ -100,6 +111,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             active_leases=sum(x.active_leases for x in loads), ranks=ranks, block_size=self.coord.limits.block_size)
 
     async def Decode(self, request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode instance is draining")
         rank = self.coord.lease_rank.get(request.lease_id)
         if rank is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
@@ -116,7 +129,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                          else None)
         admit = self.coord.submit(Admit(rid, request.lease_id, list(request.prompt_token_ids), params,
                                         request.first_token_id, bytes(request.rng_state), request.local_prefill,
-                                        first_logprob), rank)
+                                        first_logprob, request.num_resumed), rank)
         try:
             await wait_future(admit, 60)
         except CommandError as exc:
@@ -132,11 +145,17 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             metrics.TOKENS.labels("decode", "local_prompt").inc(len(request.prompt_token_ids))
         reason, ended = None, False
         out = self.coord.output_processor(params)  # text made here, off the engine process
+        if request.num_resumed > 0:  # a migrated request's text goes on from its earlier outputs'
+            out.process(list(request.prompt_token_ids[-request.num_resumed:]))
         try:
             while (ev := await stream.get()) is not None:
                 if ev is FATAL:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         "the decode engine failed; this instance is restarting")
+                if ev is DRAINING:
+                    metrics.request_done("decode", "UNAVAILABLE", "drain")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode instance is draining: "
+                                                                     "continue the request elsewhere")
                 if ev.finish_reason == "error":
                     ended = True
                     metrics.request_done("decode", "INTERNAL", "step_error")
@@ -174,6 +193,7 @@ async def serve(cfg: DecodeConfig, coordinator: DecodeHandle) -> tuple[grpc.aio.
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE],
         credentials=servicer.credentials)
     coordinator.set_fatal_handler(life.fail)
+    life.servicer = servicer
     return server, port, life
 
 
@@ -188,7 +208,7 @@ async def _serve_until_stopped(cfg: DecodeConfig, coordinator: DecodeHandle, tra
         coordinator.stop()
         join_ranks(followers)
 
-    await life.run(cfg.drain_seconds, cleanup)
+    await life.run(cfg.drain_seconds, cleanup, on_stop=life.servicer.drain)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -62,6 +62,7 @@ class Admit(EngineCommand):
     rng_state: bytes = b""
     local: bool = False
     first_logprob: TokenLogprob | None = None  # the prefill's, with params.logprobs
+    num_resumed: int = 0  # a migrated request's earlier outputs end the prompt (LLMEngine.make_sequence)
 
 
 @dataclass(frozen=True)
@@ -192,11 +193,13 @@ class DecodeWorker:
         if self.mirror and not c.local:
             self._copy_kv_from_rank0(lease.blocks)
         try:  # a copy of the params: the request's own, whoever else holds the command
-            seq = self.engine.make_sequence(c.prompt, dataclasses.replace(c.params), c.request_id)
+            seq = self.engine.make_sequence(c.prompt, dataclasses.replace(c.params), c.request_id,
+                                            num_resumed=c.num_resumed)
         except ValueError as exc:
             self.engine.kv.allocator.free(lease.blocks)
             return CommandError("INVALID_ARGUMENT", str(exc))
-        if c.local and self.engine.kv.blocks_needed(seq.num_tokens + seq.params.max_tokens) > len(lease.blocks):
+        most = len(seq.prompt_token_ids) + seq.params.max_tokens  # a migrated request's outputs count in max_tokens
+        if c.local and self.engine.kv.blocks_needed(most) > len(lease.blocks):
             self.engine.abort(seq.request_id)
             self.engine.kv.allocator.free(lease.blocks)
             return CommandError("INVALID_ARGUMENT", f"prompt_token_ids: {seq.num_tokens} tokens + max_tokens "

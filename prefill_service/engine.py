@@ -34,7 +34,7 @@ class PrefillHandle(EngineHandle, Protocol):
     """What the prefill gRPC server uses of its engine (in-process core or core process)."""
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
-                priority: int = 0) -> Future: ...
+                priority: int = 0, num_resumed: int = 0) -> Future: ...
     def cancel(self, request_id: str, reason: BaseException) -> None: ...
     def load(self) -> PrefillLoad: ...
 
@@ -99,16 +99,16 @@ class PrefillEngineCore(EngineCore):
         self.submit(command, self._to)
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
-                priority: int = 0) -> Future:
+                priority: int = 0, num_resumed: int = 0) -> Future:
         """Queue a prompt whose KV goes to `dest` (ahead of less urgent ones: lower `priority` first); the
         Future yields a PrefillResult, or fails with ValueError (bad request) or TransferError (bad
         destination, failed push). Raises ValueError at once for what can be checked here."""
-        self.worker.engine.validate(prompt, params)
+        self.worker.engine.validate(prompt, params, num_resumed)
         if request_id in self._results:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         done: Future = Future()
         self._results[request_id] = done
-        self.submit(AddPrompt(request_id, prompt, params, dest, priority), self._to)
+        self.submit(AddPrompt(request_id, prompt, params, dest, priority, num_resumed), self._to)
         return done
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
@@ -164,8 +164,8 @@ class PrefillEngineClient(EngineProcessClient):
         self.latest_load: PrefillLoad = self.core.facts
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
-                priority: int = 0) -> Future:
-        return self.core.call("prefill", request_id, prompt, params, dest, priority)
+                priority: int = 0, num_resumed: int = 0) -> Future:
+        return self.core.call("prefill", request_id, prompt, params, dest, priority, num_resumed)
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
         self.core.call("cancel", request_id, reason)

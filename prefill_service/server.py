@@ -98,7 +98,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
         try:
-            done = self.engine.prefill(rid, prompt, params, dest, request.priority)
+            done = self.engine.prefill(rid, prompt, params, dest, request.priority, request.num_resumed)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -48,6 +48,7 @@ class AddPrompt(EngineCommand):
     params: SamplingParams
     dest: Destination
     priority: int = 0
+    num_resumed: int = 0  # a migrated request's earlier outputs end the prompt (LLMEngine.make_sequence)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class PrefillWorker:
     def _add(self, c: AddPrompt) -> None:
         engine, request_id = self.engine, c.request_id
         try:
-            seq = engine.make_sequence(c.prompt, c.params, request_id, c.priority)  # validates against the real params
+            seq = engine.make_sequence(c.prompt, c.params, request_id, c.priority, c.num_resumed)  # the real params
         except ValueError as exc:
             self.on_done(request_id, exc)
             return

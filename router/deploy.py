@@ -114,6 +114,7 @@ class RouterSpec:
     tpot_slo_ms: float = same_as(RouterConfig, "tpot_slo_ms")
     admission_wait_ms: float = same_as(RouterConfig, "admission_wait_ms")
     local_prefill_tokens: int = same_as(RouterConfig, "local_prefill_tokens")
+    migration_limit: int = same_as(RouterConfig, "migration_limit")
     http_port: int | None = same_as(RouterConfig, "http_port")
 
     def __post_init__(self) -> None:
@@ -191,7 +192,7 @@ class Deployment:
                     "--max-concurrent-requests", _s(r.max_concurrent_requests), "--drain-seconds",
                     _s(e.drain_seconds), "--policy", r.policy, "--ttft-slo-ms", _s(r.ttft_slo_ms),
                     "--tpot-slo-ms", _s(r.tpot_slo_ms), "--admission-wait-ms", _s(r.admission_wait_ms),
-                    "--local-prefill-tokens", _s(r.local_prefill_tokens),
+                    "--local-prefill-tokens", _s(r.local_prefill_tokens), "--migration-limit", _s(r.migration_limit),
                     *(["--http-port", _s(r.http_port)] if r.http_port is not None else [])]
         spec = self.prefill if role == "prefill" else self.decode
         out = [*e.flags(), "--kv-cache-tokens", _s(spec.kv_cache_tokens), "--tp", _s(spec.tp), "--ep", _s(spec.ep)]

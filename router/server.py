@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -73,6 +73,10 @@ class RouterConfig(EndpointConfig):
                                          "make its TTFT target (0: refuse at once)")
     profile: str | None = flag(None, "profile.json from `pdserve profile` (default: built-in estimates, "
                                      "calibrated online either way)")
+    migration_limit: int = flag(3, "times one request may move to another instance when the one serving it fails "
+                                   "(decode killed, connection lost, drain): the stream goes on from the tokens "
+                                   "already sent; past the limit the request fails with UNAVAILABLE",
+                                bounds=(0, None))
     load_interval: float = flag(0.25, "seconds between load reports polled from each instance")
     discovery_interval: float = flag(5.0, "seconds between DNS resolutions of dns:NAME:PORT instance addresses")
     http_port: int | None = flag(None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
@@ -94,6 +98,9 @@ MAX_REQUEST_ID = 128
 REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:/-]*")
 MAX_MESSAGES = 1024
 MAX_TOOLS = 128
+# A peer's failure a request survives by going on elsewhere (the others are the request's own fault).
+MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED)
 
 
 class _Malformed:
@@ -143,6 +150,7 @@ class Pool:
         channel = aio_channel(address, self.credentials)
         view = PrefillView if self.kind == "prefill" else DecodeView
         inst = Instance(address, self.stub_cls(channel), view(address))
+        inst.view.up = False  # until its first load report: a router never counts on an instance it has not reached
         inst.channel = channel  # type: ignore[attr-defined]
         return inst
 
@@ -234,6 +242,23 @@ class Validated:
     ids: list[int]
     params: SamplingParams
     reply: ReplyParser
+
+
+@dataclass
+class Progress:
+    """What a request's client has been sent so far, carried across migrations."""
+
+    valid: Validated
+    label: str  # the client's request_id (echoed in every response), or ""
+    t0: float
+    t_end: float  # the request's deadline or --request-timeout, whichever is first
+    streamed: list[int] = field(default_factory=list)  # tokens sent to the client
+    migrations: int = 0
+    failed_at: float | None = None  # when the last try failed, until the next token (the pause a client sees)
+    t_first: float | None = None
+    t_last: float | None = None
+    cached: int = 0  # prompt tokens the first prefill found in its prefix cache
+    echo: PromptEcho | None = None  # for the first message, with prompt logprobs
 
 
 @dataclass
@@ -420,30 +445,55 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.in_flight -= 1
 
     async def _generate(self, request, context, open_ended: bool):
+        """Validate, then run the request, migrating it when an instance fails under it: the stream goes on
+        from another pair with the tokens already sent as the end of its prompt (no token repeated or
+        missed; see LLMEngine.make_sequence), up to --migration-limit times."""
         t0 = time.perf_counter()
         try:
             valid = await self.validate(request, open_ended)
-            ids, params = valid.ids, valid.params
         except Invalid as exc:
             metrics.request_done("router", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rid = uuid.uuid4().hex  # internal ids are the router's; the client's request_id is only echoed back
-        label = request.request_id or rid
         deadline = context.time_remaining()  # None without a deadline
         if deadline is not None and deadline <= 0:
             metrics.request_done("router", "DEADLINE_EXCEEDED", "deadline")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before it started")
         timeout = min(self.cfg.request_timeout, deadline) if deadline is not None else self.cfg.request_timeout
-        sampling, md = request.sampling_params, self.metadata
+        progress = Progress(valid, request.request_id, t0, t0 + timeout)
+        while True:
+            try:
+                async for out in self._attempt(request, context, progress):
+                    yield out
+                return
+            except grpc.RpcError as exc:  # an instance failed after admission
+                code, cause = exc.code(), _cause(exc)
+                if code not in MIGRATABLE or progress.migrations >= self.cfg.migration_limit \
+                        or time.perf_counter() >= progress.t_end:
+                    spent = code in MIGRATABLE and progress.migrations >= self.cfg.migration_limit
+                    metrics.request_done("router", _map_code(code).name, "migration_limit" if spent else cause)
+                    await context.abort(_map_code(code), f"{exc.details()}" + (
+                        f" (after {progress.migrations} migrations)" if progress.migrations else ""))
+                progress.migrations += 1
+                progress.failed_at = time.perf_counter()
+                metrics.MIGRATIONS.labels(cause).inc()
+                log.warning("request %s: %s (%s); migrating with %d tokens streamed (%d/%d)", progress.label,
+                            cause, exc.details(), len(progress.streamed), progress.migrations,
+                            self.cfg.migration_limit)
 
-        ttft_s = (request.sla.ttft_ms or self.cfg.ttft_slo_ms) / 1e3
+    async def _attempt(self, request, context, progress: Progress):
+        """One try: admit on a pair, reserve, prefill (the prompt plus what was streamed before a
+        migration), stream from decode. A failure after admission raises the peer's RpcError."""
+        params, md = progress.valid.params, self.metadata
+        ids, resumed = progress.valid.ids + progress.streamed, len(progress.streamed)
+        rid = uuid.uuid4().hex  # internal ids are the router's (a new one per try); the client's is only a label
+        remaining = params.max_tokens - resumed
+        first_try = progress.migrations == 0
+        ttft_s = (request.sla.ttft_ms or self.cfg.ttft_slo_ms) / 1e3 if first_try else 0.0  # a started stream goes on
         tpot_s = (request.sla.tpot_ms or self.cfg.tpot_slo_ms) / 1e3
-        prefills, decodes = list(self.prefill.instances), list(self.decode.instances)  # discovery may change them
-        if not prefills or not decodes:
-            metrics.request_done("router", "UNAVAILABLE", "no_instances")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill or no decode instance is known yet")
+        prefills, decodes = await self._reachable(context, progress.t_end)
         try:
-            pairs = await self._admit(ids, params.max_tokens, ttft_s, tpot_s, request.priority, prefills, decodes, t0)
+            pairs = await self._admit(ids, remaining, ttft_s, tpot_s, request.priority, prefills, decodes,
+                                      progress.t0)
         except Rejected as exc:  # before any work anywhere
             metrics.request_done("router", "RESOURCE_EXHAUSTED", "sla")
             context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1e3))),))
@@ -456,34 +506,38 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if chosen_pre is not None:
             chosen_pre.queued_tokens += len(ids)
         local_prompt = len(ids) if best.local else 0  # prompt tokens the decode rank will prefill itself
-        chosen_rank.count(len(ids) + params.max_tokens, local_prompt)
-        reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
-                                                  max_tokens=params.max_tokens)
+        chosen_rank.count(len(ids) + remaining, local_prompt)
+        reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids), max_tokens=remaining)
         full_or_down = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         grpc.StatusCode.DEADLINE_EXCEEDED)
-        dec, reserve = await self._first_ok(context, self.decode, Pool.ordered(decodes, [c.decode for c in pairs]),
+        timeout = max(0.0, progress.t_end - time.perf_counter())
+        dec, reserve = await self._first_ok(self.decode, Pool.ordered(decodes, [c.decode for c in pairs]),
                                             lambda inst: inst.stub.Reserve(reserve_req, timeout=PEER_TIMEOUT,
                                                                            metadata=md), retry_on=full_or_down)
         view = dec.view
         rank = view.ranks[min(reserve.dp_rank, len(view.ranks) - 1)]
         if rank is not chosen_rank:  # another instance or DP rank took it
-            rank.count(len(ids) + params.max_tokens, local_prompt)
+            rank.count(len(ids) + remaining, local_prompt)
+        sampling = request.sampling_params
         with _in_flight(dec):
             lease_id = reserve.destination.lease_id
             claimed = False
             try:
-                metrics.QUEUE.observe(time.perf_counter() - t0)
+                if first_try:
+                    metrics.QUEUE.observe(time.perf_counter() - progress.t0)
                 decode_req = internal_pb2.DecodeRequest(request_id=rid, lease_id=lease_id, prompt_token_ids=ids,
-                                                        sampling_params=sampling, local_prefill=best.local)
+                                                        sampling_params=sampling, local_prefill=best.local,
+                                                        num_resumed=resumed)
+                first = None
                 if not best.local:  # the prompt goes to a prefill instance, which pushes its KV into the lease
                     prefill_req = internal_pb2.PrefillRequest(
                         request_id=rid, prompt_token_ids=ids, sampling_params=sampling,
-                        destination=reserve.destination, priority=request.priority)
+                        destination=reserve.destination, priority=request.priority, num_resumed=resumed)
                     preferred = [c.prefill for c in pairs if decodes[c.decode] is dec]
                     order = Pool.ordered(prefills, preferred or [c.prefill for c in pairs])
                     if order[0].view is not chosen_pre:
                         order[0].view.queued_tokens += len(ids)  # until its next report
-                    pre, first = await self._first_ok(context, self.prefill, order, lambda inst: inst.stub.Prefill(
+                    pre, first = await self._first_ok(self.prefill, order, lambda inst: inst.stub.Prefill(
                         prefill_req, timeout=timeout, metadata=md), retry_on=(grpc.StatusCode.UNAVAILABLE,))
                     metrics.PAIRS.labels(pre.address, dec.address).inc()
                     decode_req.first_token_id, decode_req.rng_state = first.first_token_id, first.rng_state
@@ -492,12 +546,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 metrics.PREFILL_PATHS.labels("local" if best.local else "disaggregated").inc()
                 stream = dec.stub.Decode(decode_req, timeout=timeout, metadata=md)
                 claimed = True
-                cached = 0 if best.local else first.cached_prompt_tokens
-                echo = PromptEcho(ids, [] if best.local else list(first.prompt_logprobs)) \
-                    if params.prompt_logprobs is not None else None  # a local prefill's logprobs come from decode
+                if first_try:
+                    progress.cached = 0 if first is None else first.cached_prompt_tokens
+                    progress.echo = PromptEcho(progress.valid.ids, [] if first is None else list(
+                        first.prompt_logprobs)) if params.prompt_logprobs is not None else None  # local: from decode
                 try:
-                    async for out in self._relay(stream, context, label, len(ids), cached, t0, best, echo,
-                                                 valid.reply):
+                    async for out in self._relay(stream, dec, progress, best):
                         yield out
                 finally:
                     stream.cancel()  # a no-op when it ended; otherwise the client left: decode lets go
@@ -506,6 +560,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     task = asyncio.ensure_future(self._release(dec, lease_id))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
+
+    async def _reachable(self, context, t_end: float) -> tuple[list[Instance], list[Instance]]:
+        """The pools' instances once at least one of each is up: a request that arrives while they start
+        or reconnect waits for them (within its deadline) instead of failing."""
+        while True:
+            prefills, decodes = list(self.prefill.instances), list(self.decode.instances)  # discovery may change
+            if any(i.view.up for i in prefills) and any(i.view.up for i in decodes):
+                return prefills, decodes
+            if time.perf_counter() + self.cfg.load_interval >= t_end:
+                metrics.request_done("router", "UNAVAILABLE", "no_instances")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill or no decode instance is reachable")
+            await asyncio.sleep(self.cfg.load_interval / 2)
 
     @staticmethod
     def _cached_prefix(ids: list[int], prefills: list[Instance]) -> list[int]:
@@ -531,52 +597,57 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.RpcError:
             pass  # the lease expires on its own
 
-    async def _relay(self, stream, context, rid: str, prompt_tokens: int, cached: int, t0: float,
-                     predicted, echo: PromptEcho | None, reply: ReplyParser):  # predicted: the policy's Choice
+    async def _relay(self, stream, dec: Instance, progress: Progress, predicted):  # predicted: the policy's Choice
         """Decode's stream as the client's: its text through the reply parser (reasoning, answer, tool
-        calls), `echo` (prompt logprobs asked) on the first message. Observed latencies calibrate the model."""
-        n, t_first, t_last = 0, None, None
+        calls), the prompt echo (prompt logprobs asked) on the first message. Observed latencies calibrate the
+        performance model (first tries only). A failing stream marks its instance down and raises."""
+        reply, prompt_tokens = progress.valid.reply, len(progress.valid.ids)
         try:
             async for msg in stream:
                 now = time.perf_counter()
                 if msg.token_ids:
-                    if t_first is None:
-                        t_first = now
-                        metrics.TTFT.observe(now - t0)
+                    if progress.t_first is None:
+                        progress.t_first = now
+                        metrics.TTFT.observe(now - progress.t0)
                         if predicted.local:
-                            self.perf.observe_local_ttft(predicted.batch, predicted.ttft_raw_s, now - t0)
+                            self.perf.observe_local_ttft(predicted.batch, predicted.ttft_raw_s, now - progress.t0)
                         else:
-                            self.perf.observe_ttft(predicted.queued_tokens, predicted.ttft_raw_s, now - t0,
+                            self.perf.observe_ttft(predicted.queued_tokens, predicted.ttft_raw_s, now - progress.t0,
                                                    predicted.busy_beside)
-                    elif t_last is not None:
-                        metrics.TPOT.observe((now - t_last) / len(msg.token_ids))
-                    t_last = now
-                    n += len(msg.token_ids)
+                    elif progress.failed_at is not None:  # the first token after a migration
+                        metrics.MIGRATION_PAUSE.observe(now - progress.failed_at)
+                        progress.failed_at = None
+                    elif progress.t_last is not None:
+                        metrics.TPOT.observe((now - progress.t_last) / len(msg.token_ids))
+                    progress.t_last = now
+                    progress.streamed += msg.token_ids
                 piece = reply.feed(msg.text, final=bool(msg.finish_reason))
                 finish = "tool_calls" if msg.finish_reason == "stop" and reply.called else msg.finish_reason
                 out = generation_pb2.GenerateResponse(token_ids=msg.token_ids, text=piece.content,
                                                       reasoning_text=piece.reasoning, finish_reason=finish,
-                                                      request_id=rid, logprobs=msg.logprobs)
+                                                      request_id=progress.label, logprobs=msg.logprobs)
                 for delta, call_id in zip(piece.tool_calls, piece.ids, strict=True):
                     out.tool_calls.add(index=delta.index, id=call_id, name=delta.name,
                                        arguments_delta=delta.arguments_delta)
-                if echo is not None:
-                    out.prompt_token_ids.extend(echo.ids)
-                    out.prompt_logprobs.extend(msg.prompt_logprobs or echo.logprobs)
-                    echo = None
+                if progress.echo is not None:
+                    out.prompt_token_ids.extend(progress.echo.ids)
+                    out.prompt_logprobs.extend(msg.prompt_logprobs or progress.echo.logprobs)
+                    progress.echo = None
                 if finish:
-                    if n > 1 and t_first is not None and t_last is not None:
-                        self.perf.observe_tpot(predicted.batch, predicted.tpot_raw_s, (t_last - t_first) / (n - 1))
+                    n = len(progress.streamed)
+                    if n > 1 and progress.migrations == 0 and progress.t_first is not None:
+                        self.perf.observe_tpot(predicted.batch, predicted.tpot_raw_s,
+                                               (progress.t_last - progress.t_first) / (n - 1))
                     out.usage.prompt_tokens, out.usage.completion_tokens = prompt_tokens, n
-                    out.usage.cached_prompt_tokens = cached
+                    out.usage.cached_prompt_tokens = progress.cached
                     metrics.request_done("router", "OK", msg.finish_reason)
-                    metrics.E2E.observe(time.perf_counter() - t0)
+                    metrics.E2E.observe(time.perf_counter() - progress.t0)
+                    metrics.TOKENS.labels("router", "output").inc(n)
                 yield out
         except grpc.RpcError as exc:
-            metrics.request_done("router", _map_code(exc.code()).name, "decode_stream")
-            await context.abort(_map_code(exc.code()), f"decode stream failed: {exc.details()}")
-        finally:
-            metrics.TOKENS.labels("router", "output").inc(n)
+            if exc.code() in MIGRATABLE:
+                dec.view.up = False  # out of the choice until its load poll succeeds again
+            raise
 
     async def _admit(self, ids: list[int], max_tokens: int, ttft_s: float, tpot_s: float, priority: int,
                      prefills: list, decodes: list, t0: float) -> list:
@@ -600,11 +671,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 await asyncio.sleep(pause)
 
     @staticmethod
-    async def _first_ok(context, pool: Pool, candidates: list[Instance], call,
-                        retry_on: tuple) -> tuple[Instance, object]:
+    async def _first_ok(pool: Pool, candidates: list[Instance], call, retry_on: tuple) -> tuple[Instance, object]:
         """await call(instance) on each candidate in turn, failing over on `retry_on` codes (an
-        instance that is down leaves the choice until its load poll succeeds again); aborts the
-        client's RPC with the last error when none succeeds."""
+        instance that is down leaves the choice until its load poll succeeds again); raises the last
+        error when none succeeds."""
         for i, inst in enumerate(candidates):
             try:
                 with _in_flight(inst):
@@ -616,8 +686,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     log.warning("%s: %s; trying the next instance", inst.address, exc.code().name)
                     metrics.FAILOVERS.labels(pool.kind).inc()
                     continue
-                metrics.request_done("router", _map_code(exc.code()).name, f"{pool.kind}_call")
-                await context.abort(_map_code(exc.code()), f"{inst.address}: {exc.details()}")
+                raise
         raise AssertionError("unreachable: a pool has at least one instance")
 
 
@@ -626,6 +695,17 @@ async def _resolve(host: str, port: str) -> list[str]:
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     ips = sorted({info[4][0] for info in infos})
     return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+
+
+def _cause(exc: grpc.RpcError) -> str:
+    """Why a try failed, as the migrations metric counts it."""
+    details = (exc.details() or "").lower()
+    if "draining" in details:
+        return "drain"
+    if "kv push" in details or "kv receiver" in details:
+        return "kv_transfer"
+    return {grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.INTERNAL: "engine_error"}.get(
+        exc.code(), exc.code().name.lower())
 
 
 def _map_code(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -656,6 +736,20 @@ async def serve(cfg: RouterConfig) -> tuple[grpc.aio.Server, int, Lifecycle]:
     return server, port, life
 
 
+async def _report_readiness(servicer: GenerationServicer, life: Lifecycle, period: float) -> None:
+    """The router's health: SERVING only while it reaches at least one prefill and one decode instance
+    (every pod of a deployment starts at once: a router must not take traffic it cannot place)."""
+    serving = None
+    await life.set(False)
+    while True:
+        reachable = any(i.view.up for i in servicer.prefill.instances) and \
+            any(i.view.up for i in servicer.decode.instances)
+        if reachable != serving:
+            await life.set(reachable)
+            serving = reachable
+        await asyncio.sleep(period / 2)
+
+
 async def _serve_until_stopped(cfg: RouterConfig) -> None:
     _, port, life = await serve(cfg)
     servicer = life.servicer
@@ -664,6 +758,7 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
                  for pool in (servicer.prefill, servicer.decode)]
     watchers += [asyncio.create_task(pool.discover(cfg.discovery_interval))
                  for pool in (servicer.prefill, servicer.decode) if pool.names]
+    watchers.append(asyncio.create_task(_report_readiness(servicer, life, cfg.load_interval)))
     servicer._background.update(watchers)  # referenced for the life of the process
     http = None
     if cfg.http_port is not None:  # up before the port file appears: a launcher may call both at once

@@ -35,6 +35,10 @@ QUEUE = Histogram("pdserve_router_queue_seconds",
 E2E = Histogram("pdserve_router_e2e_seconds", "Arrival to the last token", buckets=LATENCY)
 IN_FLIGHT = Gauge("pdserve_router_in_flight_requests", "Generate calls being served")
 FAILOVERS = Counter("pdserve_router_failovers_total", "Calls retried on another instance", ["pool"])
+MIGRATIONS = Counter("pdserve_router_migrations_total", "Requests moved to another instance mid-flight, by cause "
+                     "(unavailable, kv_transfer, drain, engine_error, ...)", ["cause"])
+MIGRATION_PAUSE = Histogram("pdserve_router_migration_pause_seconds", "From an instance's failure to the migrated "
+                            "request's next token (the pause its client sees)", buckets=LATENCY)
 INSTANCE_UP = Gauge("pdserve_router_instance_up", "1 when the instance's health check says SERVING",
                     ["pool", "instance"])
 PAIRS = Counter("pdserve_router_pairs_total", "Requests per chosen (prefill, decode) pair", ["prefill", "decode"])

@@ -149,11 +149,14 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer.json; pass prompt_token_ids")
         return self.tokenizer.encode(prompt)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_resumed: int = 0) -> None:
         """Raise ValueError naming the offending field."""
         params.validate()
         self.limits.check_prompt_ids(prompt_token_ids)
-        self.limits.check_length(len(prompt_token_ids), params.max_tokens)
+        if not 0 <= num_resumed < min(len(prompt_token_ids), params.max_tokens):
+            raise ValueError(f"num_resumed: {num_resumed} earlier outputs do not fit a {len(prompt_token_ids)}-token "
+                             f"prompt with max_tokens {params.max_tokens}")
+        self.limits.check_length(len(prompt_token_ids) - num_resumed, params.max_tokens)
         self.limits.check_sampling(params)
         if self.speculator is not None and params.exact_history_needed:
             raise ValueError("presence_penalty / frequency_penalty / repetition_penalty / min_p / min_tokens / "
@@ -161,14 +164,25 @@ class LLMEngine:
                              "position's token history and distribution would not be exact)")
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str | None = None, priority: int = 0) -> Sequence:
-        self.validate(prompt_token_ids, params)
+                      request_id: str | None = None, priority: int = 0, num_resumed: int = 0) -> Sequence:
+        """A request, validated. `num_resumed`: the last tokens of `prompt_token_ids` are the request's own
+        outputs from an instance that failed (the router migrated it): they count as generated — toward
+        max_tokens, min_tokens, the penalties and the grammar — and a seeded request's generator skips the
+        draws they took, so its random stream goes on where it stopped."""
+        self.validate(prompt_token_ids, params, num_resumed)
         rid = request_id or f"req-{next(self._counter)}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in flight")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else self.default_generator
         grammar = self.grammars.start(params.structured) if params.structured is not None else None
-        seq = Sequence(rid, list(prompt_token_ids), params, generator=gen, priority=priority, grammar=grammar)
+        split = len(prompt_token_ids) - num_resumed
+        seq = Sequence(rid, list(prompt_token_ids[:split]), params, output_token_ids=list(prompt_token_ids[split:]),
+                       generator=gen, priority=priority, grammar=grammar)
+        if params.seed is not None and not params.greedy:
+            for _ in range(num_resumed):  # one uniform per sampled token (shared.engine.sampler._uniforms)
+                torch.rand(1, generator=gen)
+        for token in seq.output_token_ids if grammar is not None else ():
+            grammar.advance(token)
         self._requests[rid] = seq
         return seq
 
@@ -177,10 +191,10 @@ class LLMEngine:
         return OutputProcessor(self.tokenizer, params.stop, params.skip_special_tokens)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> Sequence:
+                    request_id: str | None = None, priority: int = 0, num_resumed: int = 0) -> Sequence:
         """Queue a request; a lower `priority` is scheduled first (waiting queue, prompt chunks,
-        preemption last), as vLLM's priority scheduling."""
-        seq = self.make_sequence(prompt_token_ids, params, request_id, priority)
+        preemption last), as vLLM's priority scheduling. `num_resumed`: see make_sequence."""
+        seq = self.make_sequence(prompt_token_ids, params, request_id, priority, num_resumed)
         self.scheduler.add(seq)
         return seq
 

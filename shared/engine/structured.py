@@ -1,8 +1,9 @@
 """Structured outputs in the engine: each constrained request carries a grammar matcher; every step the
 allowed-token bitmasks of all its constrained rows are computed together (llguidance's executor, in
-Rust, off the GIL) and applied to the logits in one masked fill before sampling or speculative
-verification. A compiled constraint is cached per engine (a schema compiles once; each request gets a
-copy of the compiled matcher), and a matcher advances by each token the request accepts.
+Rust, off the GIL) and applied to the logits in place before sampling or speculative verification (on
+the CPU at a cost that follows the tokens a row refuses or allows, whichever are fewer; measured by
+bench/structured.py). A compiled constraint is cached per engine (a schema compiles once; each request
+gets a copy of the compiled matcher), and a matcher advances by each token the request accepts.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.torch
+import numpy as np
 import torch
 
 from shared.protocol.structured import ConstraintCompiler, StructuredOutput
@@ -67,8 +69,9 @@ class Grammars:
 
     @torch.inference_mode()  # the logits are an inference tensor
     def mask(self, logits: torch.Tensor, rows: list[MaskRow]) -> None:
-        """Set every token a constrained row does not allow to -inf, in place: one bitmask for all rows,
-        filled by the executor, unpacked and applied in one masked fill."""
+        """Set every token a constrained row does not allow to -inf, in place: one bitmask for the rows from
+        the first constrained one to the last (unconstrained rows between them stay all-allowed), filled by
+        the executor, then applied (`apply_bitmask`)."""
         jobs = []
         for r in rows:
             state, first, drafts = r.state, r.first, list(r.drafts)
@@ -80,16 +83,94 @@ class Grammars:
             jobs.append((state.matcher, first, drafts))
         if not jobs:
             return
-        bitmask = llguidance.torch.allocate_token_bitmask(logits.shape[0], self.compiler.vocab_size)
-        plain = [(m, first) for m, first, drafts in jobs if not drafts]
-        drafted = [job for job in jobs if job[2]]
+        lo = min(first for _, first, _ in jobs)
+        hi = max(first + len(drafts) for _, first, drafts in jobs) + 1
+        bitmask = llguidance.torch.allocate_token_bitmask(hi - lo, self.compiler.vocab_size)
+        plain = [(m, first - lo) for m, first, drafts in jobs if not drafts]
+        drafted = [(m, first - lo, drafts) for m, first, drafts in jobs if drafts]
         if plain:
             llguidance.torch.fill_next_token_bitmask_par(self.executor, plain, bitmask)
         if drafted:
             llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, bitmask)
-        index = torch.tensor(sorted({first + i for _, first, drafts in jobs for i in range(len(drafts) + 1)}))
-        bits = bitmask[index]
-        allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().view(len(index), -1)
-        allowed = allowed[:, : logits.shape[1]]
-        logits[index.to(logits.device)] = logits[index.to(logits.device)].masked_fill(~allowed.to(logits.device),
-                                                                                      float("-inf"))
+        apply_bitmask(logits, bitmask, lo)
+
+
+# A row whose allowed (or refused) tokens lie in at most this share of its bitmask's 32-token words is
+# masked sparsely, by their positions; rows in between by a dense masked fill.
+SPARSE_WORDS = 0.25
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, start: int = 0) -> None:
+    """-inf, in place, at every token of logits rows `start`…`start + len(bitmask)` whose bit is clear in
+    `bitmask` (int32 [rows, words], llguidance's layout: token t is bit t % 32 of word t // 32; bits past
+    the logits' width are ignored).
+
+    On the CPU the cost follows what changes, not rows × vocabulary: a row that refuses few tokens (inside
+    a JSON string: most of the vocabulary is allowed) gets -inf at just those; a row that allows few (a
+    key, a number, punctuation) is filled with -inf and its allowed logits put back; only rows with many of
+    both go through a dense unpacked mask. The positions come from the nonzero words alone (numpy), and
+    the rows are written through slices where contiguous. Elsewhere (an accelerator) the packed bitmask
+    is copied over and unpacked there, in one in-place masked fill of the rows' slice."""
+    if logits.device.type != "cpu" or not logits.is_contiguous():
+        _apply_dense(logits, bitmask, start)
+        return
+    vocab, words = logits.shape[1], bitmask.numpy()
+    refused = ~words
+    n_words = words.shape[1]
+    rows = np.arange(start, start + words.shape[0])
+    with_refused = np.count_nonzero(refused, axis=1)
+    with_allowed = np.count_nonzero(words, axis=1)
+    limit = SPARSE_WORDS * n_words
+    touched = with_refused > 0  # all-allowed rows (unconstrained ones between constrained) stay as they are
+    few_refused = touched & (with_refused <= with_allowed) & (with_refused <= limit)
+    few_allowed = touched & ~few_refused & (with_allowed <= limit)
+    dense = touched & ~few_refused & ~few_allowed
+    flat = logits.view(-1)
+    if few_refused.any():
+        flat[torch.from_numpy(_bit_positions(refused[few_refused], rows[few_refused], vocab))] = float("-inf")
+    if few_allowed.any():
+        keep = torch.from_numpy(_bit_positions(words[few_allowed], rows[few_allowed], vocab))
+        kept = flat[keep]
+        _fill_rows(logits, rows[few_allowed], None)
+        flat[keep] = kept
+    if dense.any():
+        refuse = np.unpackbits(refused[dense].view(np.uint8), axis=-1, count=vocab, bitorder="little")
+        _fill_rows(logits, rows[dense], torch.from_numpy(refuse.view(np.bool_)))
+
+
+def _bit_positions(words: np.ndarray, rows: np.ndarray, vocab: int) -> np.ndarray:
+    """Flat logits positions (row * vocab + token) of the set bits of `words` [k, W] int32, whose row i is
+    logits row `rows[i]`; tokens past `vocab` dropped."""
+    n_words = words.shape[1]
+    nonzero = np.flatnonzero(words)
+    bits = np.unpackbits(words.reshape(-1)[nonzero].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+    word, bit = np.nonzero(bits)
+    nonzero = nonzero[word]
+    token = (nonzero % n_words) * 32 + bit
+    positions = rows[nonzero // n_words] * vocab + token
+    return positions[token < vocab] if n_words * 32 > vocab else positions
+
+
+def _fill_rows(logits: torch.Tensor, rows: np.ndarray, where: torch.Tensor | None) -> None:
+    """-inf over logits rows `rows` (ascending), everywhere or where `where` [len(rows), vocab] is set."""
+    if rows[-1] - rows[0] + 1 == len(rows):
+        part = logits[int(rows[0]) : int(rows[-1]) + 1]
+        if where is None:
+            part.fill_(float("-inf"))
+        else:
+            part.masked_fill_(where, float("-inf"))
+        return
+    index = torch.from_numpy(rows)
+    if where is None:
+        logits.index_fill_(0, index, float("-inf"))
+    else:
+        logits[index] = logits[index].masked_fill_(where, float("-inf"))
+
+
+def _apply_dense(logits: torch.Tensor, bitmask: torch.Tensor, start: int) -> None:
+    """`apply_bitmask` by unpacking the whole bitmask on the logits' device (one in-place masked fill)."""
+    n, vocab = bitmask.shape[0], logits.shape[1]
+    words = bitmask.to(logits.device, non_blocking=True)  # pinned where CUDA is: the copy overlaps
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    refuse = ((words.unsqueeze(-1) >> shifts) & 1).view(n, -1)[:, :vocab] == 0
+    logits[start : start + n].masked_fill_(refuse, float("-inf"))

@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,10 +222,12 @@ class Lifecycle:
         write_port_file(port_file, port)
         print(banner, flush=True)
 
-    async def run(self, drain_seconds: float, cleanup: Callable[[], None] = lambda: None) -> None:
-        """Serve until SIGTERM/SIGINT, then stop accepting (NOT_SERVING, new RPCs refused), let in-flight
-        RPCs finish for up to `drain_seconds` (then they are cancelled), clean up and exit. A watchdog
-        exits regardless if cleanup hangs, so a stop signal always ends the process."""
+    async def run(self, drain_seconds: float, cleanup: Callable[[], None] = lambda: None,
+                  on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT, then stop accepting (NOT_SERVING, new RPCs refused; `on_stop` hands
+        running work elsewhere), let in-flight RPCs finish for up to `drain_seconds` (then they are
+        cancelled), clean up and exit. A watchdog exits regardless if cleanup hangs, so a stop signal always
+        ends the process."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self.stopping.set)
         await self.stopping.wait()
@@ -233,6 +235,8 @@ class Lifecycle:
         watchdog.daemon = True
         watchdog.start()
         await self.set(False)
+        if on_stop is not None:
+            await on_stop()
         await self.server.stop(drain_seconds)
         await self.loop.run_in_executor(None, cleanup)
         sys.stdout.flush()
