@@ -46,6 +46,9 @@ log = logging.getLogger("pdserve.router")
 SERVICE = "pdserve.v1.Generation"
 # Fail fast on a dead peer instead of waiting for reconnect back-off.
 PEER_TIMEOUT = 10.0
+# A down instance is polled again after interval × 2^failures, at most this long: an instance that comes
+# back (a restart, a rolling upgrade) takes requests within about this many seconds.
+MAX_POLL_BACKOFF = 2.0
 
 
 @dataclass(kw_only=True)
@@ -211,9 +214,11 @@ class Pool:
         except grpc.RpcError:
             inst.failures += 1
             inst.view.up = False
-            inst.due = time.monotonic() + min(8.0, interval * 2 ** inst.failures)
+            inst.due = time.monotonic() + min(MAX_POLL_BACKOFF, interval * 2 ** inst.failures)
+            metrics.INSTANCE_PLACEABLE.labels(self.kind, inst.address).set(0)
             return
         inst.failures, inst.view.up = 0, True
+        metrics.INSTANCE_PLACEABLE.labels(self.kind, inst.address).set(1)
         view = inst.view
         if isinstance(view, PrefillView):
             view.queued_tokens = report.queued_prompt_tokens

@@ -41,6 +41,8 @@ MIGRATION_PAUSE = Histogram("pdserve_router_migration_pause_seconds", "From an i
                             "request's next token (the pause its client sees)", buckets=LATENCY)
 INSTANCE_UP = Gauge("pdserve_router_instance_up", "1 when the instance's health check says SERVING",
                     ["pool", "instance"])
+INSTANCE_PLACEABLE = Gauge("pdserve_router_instance_placeable", "1 while the instance answers the router's load "
+                           "polls (and no request to it just failed): requests are placed on it", ["pool", "instance"])
 PAIRS = Counter("pdserve_router_pairs_total", "Requests per chosen (prefill, decode) pair", ["prefill", "decode"])
 HTTP_REQUESTS = Counter("pdserve_router_http_requests_total", "OpenAI-compatible HTTP API calls by route and "
                         "HTTP status (generation requests are counted in the gRPC path's metrics too)",
