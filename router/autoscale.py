@@ -14,6 +14,21 @@ from dataclasses import dataclass, field
 
 from router.perf import PerfModel
 from router.planner import Dist, Workload, plan
+from shared.config import flag, knob_default
+
+
+@dataclass
+class AutoscaleConfig:
+    """`pdserve up`'s autoscaling flags."""
+
+    autoscale: str | None = flag(None, "size each pool within MIN:MAX instances from the load the router sees (the "
+                                       "planner's model under --ttft-slo-ms / --tpot-slo-ms); scale-down drains an "
+                                       "instance")
+    autoscale_period: float = flag(5.0, "seconds between autoscaling decisions", bounds=(0.5, None))
+    autoscale_down_after: float = flag(30.0, "seconds the load must need fewer instances before one is drained",
+                                       bounds=(0.0, None))
+    autoscale_headroom: float = flag(1.3, "plan for this much more load than observed (arrivals are bursty)",
+                                     bounds=(1.0, None))
 
 
 @dataclass(frozen=True)
@@ -60,8 +75,8 @@ class Autoscaler:
     tpot_p90_s: float
     prefill: Bounds
     decode: Bounds
-    headroom: float = 1.3  # plan for this much more load than observed (arrivals are bursty)
-    down_after_s: float = 30.0
+    headroom: float = knob_default(AutoscaleConfig, "autoscale_headroom")
+    down_after_s: float = knob_default(AutoscaleConfig, "autoscale_down_after")
     ranks: int = 1  # DP ranks per decode instance
     _wanted: list[tuple[float, Target]] = field(default_factory=list)  # (time, what the load needed)
     _changed: float | None = None  # when the sizes last changed (or the controller started)
@@ -101,13 +116,31 @@ class Autoscaler:
         return target
 
 
+COUNTERS = {  # what `observe` reads of the router's /metrics
+    "arrivals": "pdserve_router_arrivals_total",
+    "prompt_tokens": 'pdserve_tokens_total{kind="prompt",service="router"}',
+    "output_tokens": 'pdserve_tokens_total{kind="output",service="router"}',
+    "completed": "pdserve_router_e2e_seconds_count",
+}
+
+
+def read_counters(metrics_text: str) -> dict[str, float]:
+    """The COUNTERS' values in a Prometheus text exposition (0 for one not exported yet)."""
+    values = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.rpartition(" ")
+        values[name] = value
+    return {key: float(values.get(series, 0.0)) for key, series in COUNTERS.items()}
+
+
 def observe(prev: dict[str, float], cur: dict[str, float], seconds: float) -> Observation:
-    """The window's load from two readings of the router's counters (requests, prompt and output tokens)."""
-    done = max(0.0, cur["requests"] - prev["requests"])
-    rate = done / seconds if seconds > 0 else 0.0
-    per = max(done, 1.0)
-    return Observation(rate, max(0.0, cur["prompt_tokens"] - prev["prompt_tokens"]) / per,
-                       max(0.0, cur["output_tokens"] - prev["output_tokens"]) / per if done else 0.0)
+    """The window's load from two readings of the router's counters: arrivals per second, mean prompt
+    tokens per arrival, mean output tokens per completed request."""
+    arrived = max(0.0, cur["arrivals"] - prev["arrivals"])
+    completed = max(0.0, cur["completed"] - prev["completed"])
+    return Observation(arrived / seconds if seconds > 0 else 0.0,
+                       max(0.0, cur["prompt_tokens"] - prev["prompt_tokens"]) / max(arrived, 1.0),
+                       max(0.0, cur["output_tokens"] - prev["output_tokens"]) / max(completed, 1.0))
 
 
 def instance_hours(samples: list[tuple[float, Target]], end: float) -> float:

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import secrets
 import shutil
@@ -29,14 +30,18 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.autoscale import AutoscaleConfig, Autoscaler, Bounds, Target, observe, read_counters
 from router.deploy import Deployment, EngineSpec
 from router.perf import PerfModel, profile_engine, profile_served
 from router.planner import Dist, Workload, run_plan
@@ -125,10 +130,15 @@ class Cluster:
     tls: bool = False  # mutual TLS on every hop with a CA and certificate made for this start
     extra_router: list[str] = field(default_factory=list)
     certs: CertFiles | None = None
+    elastic: bool = False  # the router follows pool files: instances join and leave at run time (--autoscale)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # service address → its /metrics port
     http_address: str = ""  # the router's OpenAI-compatible HTTP API (host:port), when --http-port is given
     _commands: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # address → (name, argv)
     _by_address: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _draining: list[subprocess.Popen] = field(default_factory=list)  # removed instances on their way out
+    _pool_dir: Path = field(default_factory=Path)
+    _added: Iterator[int] = field(default_factory=lambda: itertools.count(100))  # names of added instances
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     procs: list[subprocess.Popen] = field(default_factory=list)
     prefill_addrs: list[str] = field(default_factory=list)
     decode_addrs: list[str] = field(default_factory=list)
@@ -200,9 +210,14 @@ class Cluster:
                 self._by_address[addr] = proc
                 self._commands[addr] = proc.pdserve_command
             file = ports / "router"
+            pools = [",".join(self.prefill_addrs), ",".join(self.decode_addrs)]
+            if self.elastic:  # the router re-reads the pool files; add_instance / remove_instance rewrite them
+                self._pool_dir = Path(tempfile.mkdtemp(prefix="pdserve-pools-"))
+                self._write_pools()
+                pools = [f"file:{self._pool_dir / 'prefill'}", f"file:{self._pool_dir / 'decode'}"]
+                self.extra_router += ["--discovery-interval", "1", "--metrics-port", "0"]
             proc = self._spawn("router", ["router", *common, "--port", str(self.port), "--port-file", str(file),
-                                          "--prefill", ",".join(self.prefill_addrs),
-                                          "--decode", ",".join(self.decode_addrs), *self.extra_router])
+                                          "--prefill", pools[0], "--decode", pools[1], *self.extra_router])
             self.address = f"{self.host}:{wait_port_file(file, timeout, proc)}"
             self._by_address[self.address] = proc
             self._read_metrics_port(self.address, file)
@@ -219,7 +234,52 @@ class Cluster:
             shutil.rmtree(ports, ignore_errors=True)
         return self
 
+    def _write_pools(self) -> None:
+        for kind, addrs in (("prefill", self.prefill_addrs), ("decode", self.decode_addrs)):
+            tmp = self._pool_dir / f"{kind}.tmp"
+            tmp.write_text("\n".join(addrs) + "\n")
+            tmp.replace(self._pool_dir / kind)  # the router never reads half a file
+
+    def add_instance(self, kind: str, timeout: float = 240.0) -> str:
+        """Start one more `kind` instance like the first of its pool and, once it serves, list it for the
+        router (elastic clusters); its address."""
+        addrs = self.prefill_addrs if kind == "prefill" else self.decode_addrs
+        with self._lock:  # several may start at once
+            name, args = self._commands[addrs[0]]
+            index = next(self._added)
+            port_file = self._pool_dir / f"{kind}{index}.port"
+            args = [("0" if prev == "--port" else str(port_file) if prev == "--port-file" else a)
+                    for prev, a in zip(["", *args], args)]
+            proc = self._spawn(f"{kind}{index}", args)
+        address = f"{self.host}:{wait_port_file(port_file, timeout, proc)}"
+        wait_serving(address, timeout, proc, self.credentials)
+        with self._lock:
+            self._by_address[address] = proc
+            self._commands[address] = proc.pdserve_command
+            self._read_metrics_port(address, port_file)
+            addrs.append(address)
+            self._write_pools()
+        return address
+
+    def remove_instance(self, kind: str, grace: float = 1.5) -> str:
+        """Take the newest `kind` instance out of the router's list, then SIGTERM it: a decode instance
+        drains (its running requests move to the others at once), a prefill finishes what it started. It
+        exits on its own; the cluster no longer watches it. Its address."""
+        addrs = self.prefill_addrs if kind == "prefill" else self.decode_addrs
+        if len(addrs) <= 1:
+            raise ValueError(f"the {kind} pool keeps at least one instance")
+        address = addrs.pop()
+        self._write_pools()
+        time.sleep(grace)  # the router re-reads the list (a request placed meanwhile is refused and fails over)
+        proc = self._by_address[address]
+        self.procs.remove(proc)
+        proc.send_signal(signal.SIGTERM)
+        self._draining.append(proc)
+        return address
+
     def stop(self) -> None:
+        self.procs += [p for p in self._draining if p.poll() is None]
+        self._draining.clear()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -231,6 +291,8 @@ class Cluster:
         self.procs.clear()
         if getattr(self, "_cert_dir", None):
             shutil.rmtree(self._cert_dir, ignore_errors=True)
+        if self.elastic:
+            shutil.rmtree(self._pool_dir, ignore_errors=True)
 
     @property
     def credentials(self) -> Credentials:
@@ -249,6 +311,56 @@ class Cluster:
         self.stop()
 
 
+class LocalAutoscaler:
+    """`pdserve up --autoscale MIN:MAX`: every `period` seconds the router's counters (arrivals, prompt and
+    output tokens) give the last window's load; the controller (router.autoscale) sizes each pool and the
+    cluster starts instances or drains them. Runs on its own thread; `history` keeps (time, rate, sizes)."""
+
+    def __init__(self, cluster: Cluster, controller: Autoscaler, period: float = 5.0):
+        self.cluster, self.controller, self.period = cluster, controller, period
+        self.history: list[tuple[float, float, Target]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autoscale", daemon=True)
+
+    def start(self) -> LocalAutoscaler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def sizes(self) -> Target:
+        return Target(len(self.cluster.prefill_addrs), len(self.cluster.decode_addrs))
+
+    def _counters(self) -> dict[str, float]:
+        port = self.cluster.metrics_ports[self.cluster.address]
+        with urllib.request.urlopen(f"http://{self.cluster.host}:{port}/metrics", timeout=5) as reply:
+            return read_counters(reply.read().decode())
+
+    def _run(self) -> None:
+        prev, t_prev = self._counters(), time.monotonic()
+        while not self._stop.wait(self.period):
+            cur, now = self._counters(), time.monotonic()
+            obs = observe(prev, cur, now - t_prev)
+            prev, t_prev = cur, now
+            have = self.sizes()
+            want = self.controller.decide(now, obs, have)
+            self.history.append((now, obs.rate, want))
+            if want != have:
+                print(f"autoscale: {obs.rate:.2f} req/s (prompt {obs.mean_prompt_tokens:.0f}, output "
+                      f"{obs.mean_output_tokens:.0f} tokens) → prefill {have.prefill}→{want.prefill}, decode "
+                      f"{have.decode}→{want.decode}", flush=True)
+            adds = [kind for kind, n, m in (("prefill", have.prefill, want.prefill),
+                                            ("decode", have.decode, want.decode)) for _ in range(m - n)]
+            with ThreadPoolExecutor(max(1, len(adds))) as pool:  # new instances load their models at once
+                for kind, address in zip(adds, pool.map(self.cluster.add_instance, adds), strict=True):
+                    print(f"autoscale: + {kind} {address}", flush=True)
+            for kind, n, m in (("prefill", have.prefill, want.prefill), ("decode", have.decode, want.decode)):
+                for _ in range(n - m):
+                    print(f"autoscale: - {kind} {self.cluster.remove_instance(kind)} (draining)", flush=True)
+
+
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
     """`--config FILE` (the deployment description the Helm chart also reads), else the flags."""
     if args.config:
@@ -264,7 +376,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                     "ep": args.prefill_ep, "layerSharding": args.layer_sharding},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
                    "layerSharding": args.layer_sharding},
-        "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port},
+        "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port,
+                   "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms},
         "tls": {"enabled": args.tls}})
 
 
@@ -296,6 +409,16 @@ def cmd_up(args: argparse.Namespace) -> None:
     cluster = cluster_from_deployment(dep, model, Path(args.log_dir) if args.log_dir else None)
     if args.api_key_file:
         cluster.extra_router += ["--api-key-file", args.api_key_file]
+    if args.profile:
+        cluster.extra_router += ["--profile", args.profile]
+    controller = None
+    if args.autoscale:
+        try:
+            controller = autoscaler_from_args(args)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        cluster.elastic = True
     print(f"starting {dep.prefill.instances} prefill + {dep.decode.instances} decode + router on {model} ...",
           flush=True)
     def interrupt(*_: object) -> None:
@@ -311,6 +434,10 @@ def cmd_up(args: argparse.Namespace) -> None:
               f"(model {Path(model).resolve().name})")
     if cluster.certs is not None:
         print(f"mutual TLS on every hop; clients verify the router with --tls-ca {cluster.certs.ca}")
+    scaler = LocalAutoscaler(cluster, controller, args.autoscale_period).start() if controller else None
+    if scaler is not None:
+        print(f"autoscaling each pool within {args.autoscale} instances every {args.autoscale_period:g} s "
+              f"(TTFT p90 {controller.ttft_p90_s * 1e3:g} ms, TPOT p90 {controller.tpot_p90_s * 1e3:g} ms)")
     print("Ctrl-C to stop", flush=True)
     try:
         while all(p.poll() is None for p in cluster.procs):
@@ -319,6 +446,8 @@ def cmd_up(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        if scaler is not None:
+            scaler.stop()
         cluster.stop()
         print("stopped")
 
@@ -480,7 +609,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-tp", type=int, default=1, help="local-TP ranks per decode instance (with dp 1)")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
-    add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "api_key_file"))
+    add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "api_key_file", "ttft_slo_ms",
+                                      "tpot_slo_ms", "profile"))
+    add_flags(up, AutoscaleConfig)
     up.add_argument("--config", default=None,
                     help="deployment description (YAML, the Helm chart's values keys); replaces the shape flags")
     up.add_argument("--tls", action="store_true",
@@ -535,6 +666,19 @@ def parser() -> argparse.ArgumentParser:
     conv.add_argument("--max-shard-gb", type=float, default=5.0, help="size limit of the shared shards")
     conv.set_defaults(fn=cmd_convert)
     return p
+
+
+AUTOSCALE_TTFT_MS, AUTOSCALE_TPOT_MS = 2000.0, 200.0  # the targets the controller sizes for when the router has none
+
+
+def autoscaler_from_args(args: argparse.Namespace) -> Autoscaler:
+    """The controller `--autoscale MIN:MAX` runs: the planner's model (`--profile`, else the built-in
+    estimates) under the router's SLA targets (`--ttft-slo-ms` / `--tpot-slo-ms`, else AUTOSCALE_*_MS)."""
+    bounds = Bounds.parse(args.autoscale)
+    perf = PerfModel.load(args.profile) if args.profile else PerfModel()
+    ttft_s, tpot_s = (args.ttft_slo_ms or AUTOSCALE_TTFT_MS) / 1e3, (args.tpot_slo_ms or AUTOSCALE_TPOT_MS) / 1e3
+    return Autoscaler(perf, ttft_s, tpot_s, bounds, bounds, headroom=args.autoscale_headroom,
+                      down_after_s=args.autoscale_down_after)
 
 
 def up_cluster(argv: list[str], log_dir: Path | None = None) -> Cluster:

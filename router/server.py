@@ -139,13 +139,15 @@ class Pool:
     dispatched since the last one); an instance whose calls or load polls fail is taken out of the
     choice and polled back in with back-off. An address `dns:NAME:PORT` (a Kubernetes headless
     service) stands for every address NAME resolves to, re-resolved every `discover` period: pods
-    that appear are added, pods that vanish are dropped."""
+    that appear are added, pods that vanish are dropped. `file:PATH` stands for the addresses listed in
+    PATH, one a line, re-read alike (what `pdserve up --autoscale` writes as it starts and drains instances)."""
 
     def __init__(self, kind: str, addresses: list[str], stub_cls, credentials: Credentials | None = None):
         self.kind, self.stub_cls, self.credentials = kind, stub_cls, credentials
         metrics.FAILOVERS.labels(kind)  # exported at 0 from the start
-        self.static = [a for a in addresses if not a.startswith("dns:")]
+        self.static = [a for a in addresses if not a.startswith(("dns:", "file:"))]
         self.names = [a[4:] for a in addresses if a.startswith("dns:")]
+        self.files = [a[5:] for a in addresses if a.startswith("file:")]
         self.instances: list[Instance] = [self._make(a) for a in self.static]
         self._retired: list[tuple[float, grpc.aio.Channel]] = []
 
@@ -173,6 +175,12 @@ class Pool:
                 wanted += [a for a in await resolve(host, port) if a not in wanted]
             except OSError as exc:  # keep what we have: a DNS hiccup must not empty the pool
                 log.warning("%s: cannot resolve %s: %s", self.kind, host, exc)
+                wanted += [x.address for x in self.instances if x.address not in wanted]
+        for path in self.files:
+            try:
+                wanted += [a for a in Path(path).read_text().split() if a not in wanted]
+            except OSError as exc:
+                log.warning("%s: cannot read %s: %s", self.kind, path, exc)
                 wanted += [x.address for x in self.instances if x.address not in wanted]
         current = {x.address: x for x in self.instances}
         added = [a for a in wanted if a not in current]
@@ -459,6 +467,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Invalid as exc:
             metrics.request_done("router", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        metrics.ARRIVALS.inc()
+        metrics.TOKENS.labels("router", "prompt").inc(len(valid.ids))
         deadline = context.time_remaining()  # None without a deadline
         if deadline is not None and deadline <= 0:
             metrics.request_done("router", "DEADLINE_EXCEEDED", "deadline")
@@ -762,7 +772,7 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
     watchers += [asyncio.create_task(pool.poll_loads(cfg.load_interval, servicer.metadata))
                  for pool in (servicer.prefill, servicer.decode)]
     watchers += [asyncio.create_task(pool.discover(cfg.discovery_interval))
-                 for pool in (servicer.prefill, servicer.decode) if pool.names]
+                 for pool in (servicer.prefill, servicer.decode) if pool.names or pool.files]
     watchers.append(asyncio.create_task(_report_readiness(servicer, life, cfg.load_interval)))
     servicer._background.update(watchers)  # referenced for the life of the process
     http = None

@@ -33,6 +33,8 @@ TPOT = Histogram("pdserve_router_tpot_seconds", "Time per output token after the
 QUEUE = Histogram("pdserve_router_queue_seconds",
                   "Arrival until the prefill call starts (validation, tokenizing, KV reservation)", buckets=LATENCY)
 E2E = Histogram("pdserve_router_e2e_seconds", "Arrival to the last token", buckets=LATENCY)
+ARRIVALS = Counter("pdserve_router_arrivals_total", "Generate calls that passed validation (the load the "
+                   "autoscaler sizes the pools for)")
 IN_FLIGHT = Gauge("pdserve_router_in_flight_requests", "Generate calls being served")
 FAILOVERS = Counter("pdserve_router_failovers_total", "Calls retried on another instance", ["pool"])
 MIGRATIONS = Counter("pdserve_router_migrations_total", "Requests moved to another instance mid-flight, by cause "
