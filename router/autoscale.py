@@ -3,18 +3,22 @@ planner's own model (router.planner.plan: each side's capacity per instance unde
 with hysteresis, so a pool grows at once when the load needs it and shrinks only after the load has
 stayed low for a while (a scale-down drains its instance: its requests move, none is lost).
 
-The controller is pure (observations in, targets out): `pdserve up --autoscale MIN:MAX` runs it against
-the router's Prometheus counters and starts and stops local instances; the planner's trace replay runs
-it against simulated time; on Kubernetes the same decision drives each pool's replica count.
+The controller is pure (observations in, targets out). The router runs it (`--autoscale MIN:MAX`) on its
+own counters and exports the decision as `pdserve_router_desired_instances{pool}`: `pdserve up` starts
+and drains local instances to it, the chart's KEDA ScaledObjects scale each pool to it; the planner's
+trace replay runs the same controller against simulated time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.perf import PerfModel
 from router.planner import Dist, Workload, plan
 from shared.config import flag, knob_default
+
+AUTOSCALE_TTFT_MS, AUTOSCALE_TPOT_MS = 2000.0, 200.0  # the targets sized for when the router has none
 
 
 @dataclass
@@ -116,21 +120,18 @@ class Autoscaler:
         return target
 
 
-COUNTERS = {  # what `observe` reads of the router's /metrics
-    "arrivals": "pdserve_router_arrivals_total",
-    "prompt_tokens": 'pdserve_tokens_total{kind="prompt",service="router"}',
-    "output_tokens": 'pdserve_tokens_total{kind="output",service="router"}',
-    "completed": "pdserve_router_e2e_seconds_count",
+COUNTERS = {  # what `observe` reads of the router's metrics: (name, labels)
+    "arrivals": ("pdserve_router_arrivals_total", {}),
+    "prompt_tokens": ("pdserve_tokens_total", {"service": "router", "kind": "prompt"}),
+    "output_tokens": ("pdserve_tokens_total", {"service": "router", "kind": "output"}),
+    "completed": ("pdserve_router_e2e_seconds_count", {}),
 }
 
 
-def read_counters(metrics_text: str) -> dict[str, float]:
-    """The COUNTERS' values in a Prometheus text exposition (0 for one not exported yet)."""
-    values = {}
-    for line in metrics_text.splitlines():
-        name, _, value = line.rpartition(" ")
-        values[name] = value
-    return {key: float(values.get(series, 0.0)) for key, series in COUNTERS.items()}
+def read_counters(sample: Callable[[str, dict[str, str]], float | None]) -> dict[str, float]:
+    """The COUNTERS' values from `sample(name, labels)` (prometheus_client's REGISTRY.get_sample_value;
+    0 for one not exported yet)."""
+    return {key: float(sample(name, labels) or 0.0) for key, (name, labels) in COUNTERS.items()}
 
 
 def observe(prev: dict[str, float], cur: dict[str, float], seconds: float) -> Observation:

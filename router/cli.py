@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -41,7 +42,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.autoscale import AutoscaleConfig, Autoscaler, Bounds, Target, observe, read_counters
+from router.autoscale import AutoscaleConfig, Bounds, Target
 from router.deploy import Deployment, EngineSpec
 from router.perf import PerfModel, profile_engine, profile_served
 from router.planner import Dist, Workload, run_plan
@@ -312,13 +313,13 @@ class Cluster:
 
 
 class LocalAutoscaler:
-    """`pdserve up --autoscale MIN:MAX`: every `period` seconds the router's counters (arrivals, prompt and
-    output tokens) give the last window's load; the controller (router.autoscale) sizes each pool and the
-    cluster starts instances or drains them. Runs on its own thread; `history` keeps (time, rate, sizes)."""
+    """`pdserve up --autoscale MIN:MAX`: the router decides each pool's size (router.autoscale, exported as
+    pdserve_router_desired_instances); this loop starts instances (in parallel) or drains them to match.
+    Runs on its own thread; `history` keeps (time, sizes) after each change."""
 
-    def __init__(self, cluster: Cluster, controller: Autoscaler, period: float = 5.0):
-        self.cluster, self.controller, self.period = cluster, controller, period
-        self.history: list[tuple[float, float, Target]] = []
+    def __init__(self, cluster: Cluster, period: float = 1.0):
+        self.cluster, self.period = cluster, period
+        self.history: list[tuple[float, Target]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autoscale", daemon=True)
 
@@ -333,24 +334,20 @@ class LocalAutoscaler:
     def sizes(self) -> Target:
         return Target(len(self.cluster.prefill_addrs), len(self.cluster.decode_addrs))
 
-    def _counters(self) -> dict[str, float]:
+    def desired(self) -> Target | None:
         port = self.cluster.metrics_ports[self.cluster.address]
         with urllib.request.urlopen(f"http://{self.cluster.host}:{port}/metrics", timeout=5) as reply:
-            return read_counters(reply.read().decode())
+            text = reply.read().decode()
+        found = dict(re.findall(r'^pdserve_router_desired_instances\{pool="(\w+)"\} ([0-9.]+)$', text, re.M))
+        return Target(int(float(found["prefill"])), int(float(found["decode"]))) if len(found) == 2 else None
 
     def _run(self) -> None:
-        prev, t_prev = self._counters(), time.monotonic()
         while not self._stop.wait(self.period):
-            cur, now = self._counters(), time.monotonic()
-            obs = observe(prev, cur, now - t_prev)
-            prev, t_prev = cur, now
-            have = self.sizes()
-            want = self.controller.decide(now, obs, have)
-            self.history.append((now, obs.rate, want))
-            if want != have:
-                print(f"autoscale: {obs.rate:.2f} req/s (prompt {obs.mean_prompt_tokens:.0f}, output "
-                      f"{obs.mean_output_tokens:.0f} tokens) → prefill {have.prefill}→{want.prefill}, decode "
-                      f"{have.decode}→{want.decode}", flush=True)
+            have, want = self.sizes(), self.desired()
+            if want is None or want == have:
+                continue
+            print(f"autoscale: prefill {have.prefill} → {want.prefill}, decode {have.decode} → {want.decode}",
+                  flush=True)
             adds = [kind for kind, n, m in (("prefill", have.prefill, want.prefill),
                                             ("decode", have.decode, want.decode)) for _ in range(m - n)]
             with ThreadPoolExecutor(max(1, len(adds))) as pool:  # new instances load their models at once
@@ -359,6 +356,7 @@ class LocalAutoscaler:
             for kind, n, m in (("prefill", have.prefill, want.prefill), ("decode", have.decode, want.decode)):
                 for _ in range(n - m):
                     print(f"autoscale: - {kind} {self.cluster.remove_instance(kind)} (draining)", flush=True)
+            self.history.append((time.monotonic(), self.sizes()))
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
@@ -398,28 +396,33 @@ def cluster_from_deployment(dep: Deployment, model: str, log_dir: Path | None = 
                    extra_router=dep.flags("router"))
 
 
-def cmd_up(args: argparse.Namespace) -> None:
-    try:
-        dep = deployment_from_args(args)
-    except (ValueError, OSError) as exc:  # a bad flag or description: one line naming the key, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+def cluster_from_args(args: argparse.Namespace, log_dir: Path | None = None) -> Cluster:
+    """The Cluster `pdserve up` starts from its parsed flags (not started yet); ValueError naming a bad one."""
+    dep = deployment_from_args(args)
     model = args.model or (dep.model.path if args.config and Path(dep.model.path).is_dir() else None) \
         or default_model()
-    cluster = cluster_from_deployment(dep, model, Path(args.log_dir) if args.log_dir else None)
+    cluster = cluster_from_deployment(dep, model, log_dir)
     if args.api_key_file:
         cluster.extra_router += ["--api-key-file", args.api_key_file]
     if args.profile:
         cluster.extra_router += ["--profile", args.profile]
-    controller = None
-    if args.autoscale:
-        try:
-            controller = autoscaler_from_args(args)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(2)
+    if args.autoscale:  # the router decides the pools' sizes, the cluster follows (LocalAutoscaler)
+        Bounds.parse(args.autoscale)
         cluster.elastic = True
-    print(f"starting {dep.prefill.instances} prefill + {dep.decode.instances} decode + router on {model} ...",
+        cluster.extra_router += ["--autoscale", args.autoscale, "--autoscale-period", str(args.autoscale_period),
+                                 "--autoscale-down-after", str(args.autoscale_down_after),
+                                 "--autoscale-headroom", str(args.autoscale_headroom)]
+    return cluster
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    try:
+        cluster = cluster_from_args(args, Path(args.log_dir) if args.log_dir else None)
+    except (ValueError, OSError) as exc:  # a bad flag or description: one line naming the key, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    model = cluster.model
+    print(f"starting {cluster.num_prefill} prefill + {cluster.num_decode} decode + router on {model} ...",
           flush=True)
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
@@ -434,10 +437,10 @@ def cmd_up(args: argparse.Namespace) -> None:
               f"(model {Path(model).resolve().name})")
     if cluster.certs is not None:
         print(f"mutual TLS on every hop; clients verify the router with --tls-ca {cluster.certs.ca}")
-    scaler = LocalAutoscaler(cluster, controller, args.autoscale_period).start() if controller else None
+    scaler = LocalAutoscaler(cluster).start() if args.autoscale else None
     if scaler is not None:
-        print(f"autoscaling each pool within {args.autoscale} instances every {args.autoscale_period:g} s "
-              f"(TTFT p90 {controller.ttft_p90_s * 1e3:g} ms, TPOT p90 {controller.tpot_p90_s * 1e3:g} ms)")
+        print(f"autoscaling each pool within {args.autoscale} instances (the router decides every "
+              f"{args.autoscale_period:g} s)")
     print("Ctrl-C to stop", flush=True)
     try:
         while all(p.poll() is None for p in cluster.procs):
@@ -611,7 +614,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
     add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "api_key_file", "ttft_slo_ms",
                                       "tpot_slo_ms", "profile"))
-    add_flags(up, AutoscaleConfig)
+    add_flags(up, AutoscaleConfig)  # passed to the router, which decides
     up.add_argument("--config", default=None,
                     help="deployment description (YAML, the Helm chart's values keys); replaces the shape flags")
     up.add_argument("--tls", action="store_true",
@@ -668,27 +671,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-AUTOSCALE_TTFT_MS, AUTOSCALE_TPOT_MS = 2000.0, 200.0  # the targets the controller sizes for when the router has none
-
-
-def autoscaler_from_args(args: argparse.Namespace) -> Autoscaler:
-    """The controller `--autoscale MIN:MAX` runs: the planner's model (`--profile`, else the built-in
-    estimates) under the router's SLA targets (`--ttft-slo-ms` / `--tpot-slo-ms`, else AUTOSCALE_*_MS)."""
-    bounds = Bounds.parse(args.autoscale)
-    perf = PerfModel.load(args.profile) if args.profile else PerfModel()
-    ttft_s, tpot_s = (args.ttft_slo_ms or AUTOSCALE_TTFT_MS) / 1e3, (args.tpot_slo_ms or AUTOSCALE_TPOT_MS) / 1e3
-    return Autoscaler(perf, ttft_s, tpot_s, bounds, bounds, headroom=args.autoscale_headroom,
-                      down_after_s=args.autoscale_down_after)
-
-
 def up_cluster(argv: list[str], log_dir: Path | None = None) -> Cluster:
     """The Cluster `pdserve up ARGV` starts (not started yet)."""
-    args = parser().parse_args(["up", *argv])
-    dep = deployment_from_args(args)
-    cluster = cluster_from_deployment(dep, args.model or default_model(), log_dir)
-    if args.api_key_file:
-        cluster.extra_router += ["--api-key-file", args.api_key_file]
-    return cluster
+    return cluster_from_args(parser().parse_args(["up", *argv]), log_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

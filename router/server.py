@@ -26,12 +26,22 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.autoscale import (
+    AUTOSCALE_TPOT_MS,
+    AUTOSCALE_TTFT_MS,
+    AutoscaleConfig,
+    Autoscaler,
+    Bounds,
+    Target,
+    observe,
+    read_counters,
+)
 from router.http import OpenAIFrontDoor, read_api_keys, start_http
 from router.perf import PerfModel
 from router.policy import POLICIES, DecodeView, PrefillView, RankView, Rejected, Request
 from router.reply import ReplyParser
 from shared import metrics
-from shared.config import REQUIRED, EndpointConfig, ModelConfig, check_bounds, flag, flag_name, parse_flags
+from shared.config import REQUIRED, EndpointConfig, ModelConfig, check_bounds, flag, flag_name, parse_flags, same_as
 from shared.protocol.chat import ChatMessage, render_messages
 from shared.protocol.limits import RequestLimits
 from shared.protocol.prefix import PrefixFilter, prompt_block_hashes
@@ -80,6 +90,10 @@ class RouterConfig(EndpointConfig):
                                    "(decode killed, connection lost, drain): the stream goes on from the tokens "
                                    "already sent; past the limit the request fails with UNAVAILABLE",
                                 bounds=(0, None))
+    autoscale: str | None = same_as(AutoscaleConfig, "autoscale")
+    autoscale_period: float = same_as(AutoscaleConfig, "autoscale_period")
+    autoscale_down_after: float = same_as(AutoscaleConfig, "autoscale_down_after")
+    autoscale_headroom: float = same_as(AutoscaleConfig, "autoscale_headroom")
     load_interval: float = flag(0.25, "seconds between load reports polled from each instance")
     discovery_interval: float = flag(5.0, "seconds between DNS resolutions of dns:NAME:PORT instance addresses")
     http_port: int | None = flag(None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
@@ -92,6 +106,16 @@ class RouterConfig(EndpointConfig):
                                                "name)")
     chat_max_tokens: int = flag(4096, "an HTTP chat request that sets no max_tokens generates up to this many "
                                       "tokens (never past the context)", bounds=(1, None))
+
+    def autoscaler(self, perf: PerfModel) -> Autoscaler | None:
+        """The pool-size controller `--autoscale MIN:MAX` runs (the same bounds for both pools), under this
+        router's SLA targets (else AUTOSCALE_TTFT_MS / AUTOSCALE_TPOT_MS)."""
+        if not self.autoscale:
+            return None
+        bounds = Bounds.parse(self.autoscale)
+        return Autoscaler(perf, (self.ttft_slo_ms or AUTOSCALE_TTFT_MS) / 1e3, (self.tpot_slo_ms or AUTOSCALE_TPOT_MS)
+                          / 1e3, bounds, bounds, headroom=self.autoscale_headroom,
+                          down_after_s=self.autoscale_down_after)
 
     def __post_init__(self) -> None:
         check_bounds(self, flag_name)
@@ -765,6 +789,26 @@ async def _report_readiness(servicer: GenerationServicer, life: Lifecycle, perio
         await asyncio.sleep(period / 2)
 
 
+async def _autoscale(servicer: GenerationServicer, controller: Autoscaler, period: float) -> None:
+    """Every `period` s: the last window's load from this router's counters → the controller → each
+    pool's desired size, exported for whatever scales the pools (pdserve up, KEDA)."""
+    desired = Target(len(servicer.prefill.instances), len(servicer.decode.instances))
+    prev, t_prev = read_counters(metrics.REGISTRY.get_sample_value), time.monotonic()
+    while True:
+        metrics.DESIRED.labels("prefill").set(desired.prefill)
+        metrics.DESIRED.labels("decode").set(desired.decode)
+        await asyncio.sleep(period)
+        cur, now = read_counters(metrics.REGISTRY.get_sample_value), time.monotonic()
+        obs = observe(prev, cur, now - t_prev)
+        prev, t_prev = cur, now
+        wanted = controller.decide(now, obs, desired)
+        if wanted != desired:
+            log.info("autoscale: %.2f req/s (prompt %.0f, output %.0f tokens): prefill %d → %d, decode %d → %d",
+                     obs.rate, obs.mean_prompt_tokens, obs.mean_output_tokens, desired.prefill, wanted.prefill,
+                     desired.decode, wanted.decode)
+        desired = wanted
+
+
 async def _serve_until_stopped(cfg: RouterConfig) -> None:
     _, port, life = await serve(cfg)
     servicer = life.servicer
@@ -774,6 +818,8 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
     watchers += [asyncio.create_task(pool.discover(cfg.discovery_interval))
                  for pool in (servicer.prefill, servicer.decode) if pool.names or pool.files]
     watchers.append(asyncio.create_task(_report_readiness(servicer, life, cfg.load_interval)))
+    if (controller := cfg.autoscaler(servicer.perf)) is not None:
+        watchers.append(asyncio.create_task(_autoscale(servicer, controller, cfg.autoscale_period)))
     servicer._background.update(watchers)  # referenced for the life of the process
     http = None
     if cfg.http_port is not None:  # up before the port file appears: a launcher may call both at once

@@ -33,6 +33,9 @@ TPOT = Histogram("pdserve_router_tpot_seconds", "Time per output token after the
 QUEUE = Histogram("pdserve_router_queue_seconds",
                   "Arrival until the prefill call starts (validation, tokenizing, KV reservation)", buckets=LATENCY)
 E2E = Histogram("pdserve_router_e2e_seconds", "Arrival to the last token", buckets=LATENCY)
+DESIRED = Gauge("pdserve_router_desired_instances", "Instances each pool should have for the observed load "
+                "(--autoscale: the planner's model under the SLA targets, with hysteresis); `pdserve up` and the "
+                "chart's KEDA ScaledObjects size the pools to it", ["pool"])
 ARRIVALS = Counter("pdserve_router_arrivals_total", "Generate calls that passed validation (the load the "
                    "autoscaler sizes the pools for)")
 IN_FLIGHT = Gauge("pdserve_router_in_flight_requests", "Generate calls being served")
