@@ -293,3 +293,43 @@ def test_http_port_renders_the_flag_a_container_port_and_a_service_port():
     assert Deployment.from_dict({"router": {"httpPort": 8000}}).flags("router")[-2:] == ["--http-port", "8000"]
     default = next(d for d in _render({}) if d["kind"] == "Deployment")
     assert "--http-port" not in _args(default["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_autoscaling_renders_one_leaderworkerset_per_pool_scaled_by_keda_to_the_routers_decision():
+    """autoscaling.enabled: each pool one LeaderWorkerSet (its groups the instances), found by the router
+    through the leaders' headless Service, sized by a KEDA ScaledObject to pdserve_router_desired_instances;
+    rolling updates surge before they drain; PodDisruptionBudgets hold one disruption at a time."""
+    values = {"lws": {"enabled": True}, "autoscaling": {"enabled": True, "min": 1, "max": 5},
+              "prefill": {"instances": 2}, "decode": {"instances": 3, "dp": 2}}
+    docs = _render(values)
+    pools = {d["metadata"]["name"]: d for d in docs if d["kind"] == "LeaderWorkerSet"}
+    assert {n: d["spec"]["replicas"] for n, d in pools.items()} == {"demo-pdserve-prefill": 2, "demo-pdserve-decode": 3}
+    assert all(d["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["maxUnavailable"] == 0
+               for d in pools.values())
+    for doc in pools.values():
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                      "template": doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]}, KUBE,
+                                     strict=True)
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
+    assert set(scaled) == set(pools)
+    for name, doc in scaled.items():
+        pool = name.rsplit("-", 1)[1]
+        assert (doc["spec"]["minReplicaCount"], doc["spec"]["maxReplicaCount"]) == (1, 5)
+        trigger = doc["spec"]["triggers"][0]
+        assert trigger["type"] == "prometheus" and f'pool="{pool}"' in trigger["metadata"]["query"]
+        assert "pdserve_router_desired_instances" in trigger["metadata"]["query"]
+    router = next(d for d in docs if d["kind"] == "Deployment")
+    assert router["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    cfg = router_args(_args(router["spec"]["template"]["spec"]["containers"][0]))
+    assert cfg.autoscale == "1:5" and cfg.prefill[0].startswith("dns:demo-pdserve-prefill-leaders:")
+    assert cfg.decode[0].startswith("dns:demo-pdserve-decode-leaders:")
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for pool in ("prefill", "decode"):
+        leaders = services[f"demo-pdserve-{pool}-leaders"]
+        kubernetes_validate.validate(leaders, KUBE, strict=True)
+        assert leaders["spec"]["clusterIP"] == "None"
+        assert leaders["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "PodDisruptionBudget"} >= {
+        "demo-pdserve-prefill", "demo-pdserve-decode"}
+    with pytest.raises(helm.HelmRenderError, match="autoscaling.enabled needs lws.enabled"):
+        _render({"autoscaling": {"enabled": True}})
