@@ -609,7 +609,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 return prefills, decodes
             if time.perf_counter() + self.cfg.load_interval >= t_end:
                 metrics.request_done("router", "UNAVAILABLE", "no_instances")
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill or no decode instance is reachable")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill or no decode instance is reachable "
+                                    f"(prefill up: {sum(i.view.up for i in prefills)} of {len(prefills)}, decode "
+                                    f"up: {sum(i.view.up for i in decodes)} of {len(decodes)})")
             await asyncio.sleep(self.cfg.load_interval / 2)
 
     @staticmethod

@@ -1,7 +1,8 @@
 """Fault matrix (issue: reliability): SIGKILL / SIGSTOP of decode, prefill and router while requests
-are in flight, and a KV proxy that stalls or drops the stream. In every case the client gets an
-error (UNAVAILABLE) instead of a hang, the decode pool's blocks and leases return to baseline, and
-a restarted (or resumed) instance serves again.
+are in flight, and a KV proxy that stalls or drops the stream, with migration off (`--migration-limit 0`:
+the behaviour a request has once its migrations are spent; tests/test_migration.py covers the requests
+that survive by moving). In every case the client gets an error (UNAVAILABLE) instead of a hang, the
+decode pool's blocks and leases return to baseline, and a restarted (or resumed) instance serves again.
 
 Every wait is bounded and fails on a hang; the time to error is recorded and printed (run with -s),
 never asserted: how fast the system reacts is a measurement, not a test.
@@ -29,7 +30,7 @@ LONG = generation_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos
 @pytest.fixture(scope="module")
 def cluster(served_model, tmp_path_factory):
     with Cluster(str(served_model), dtype="float32", log_dir=tmp_path_factory.mktemp("fault-logs"),
-                 extra_decode=["--lease-seconds", "10"]) as c:
+                 extra_decode=["--lease-seconds", "10"], extra_router=["--migration-limit", "0"]) as c:
         yield c
     print("\ntime to error per fault (s):", {k: round(v, 2) for k, v in TIME_TO_ERROR.items()})
 
