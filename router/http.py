@@ -782,7 +782,7 @@ async def start_http(app: FastAPI, host: str, port: int, tls_cert: str | None = 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, log_level="warning", ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+    config = uvicorn.Config(app, log_level="warning", ssl_certfile=tls_cert, ssl_keyfile=tls_key, http="httptools",
                             timeout_graceful_shutdown=5, lifespan="off")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
