@@ -585,7 +585,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 metrics.PREFILL_PATHS.labels("local" if best.local else "disaggregated").inc()
                 stream = dec.stub.Decode(decode_req, timeout=timeout, metadata=md)
                 claimed = True
-                if first_try:
+                if not progress.streamed:  # this try's first message is the client's first
                     progress.cached = 0 if first is None else first.cached_prompt_tokens
                     progress.echo = PromptEcho(progress.valid.ids, [] if first is None else list(
                         first.prompt_logprobs)) if params.prompt_logprobs is not None else None  # local: from decode
