@@ -80,6 +80,9 @@ def test_lm_eval_loglikelihoods_through_http_equal_in_process(cluster, tmp_path)
         assert (sample["acc"], sample["acc_norm"], sample["exact_match"]) == (acc[-1], acc_norm[-1], exact[-1])
 
     got = results["results"][TASK]
+    print(f"\nlm-eval through HTTP: acc {got['acc,none']:.3f} acc_norm {got['acc_norm,none']:.3f} exact_match "
+          f"{got['exact_match,none']:.3f}; in-process: acc {np.mean(acc):.3f} acc_norm {np.mean(acc_norm):.3f} "
+          f"exact_match {np.mean(exact):.3f}")
     assert got["acc,none"] == pytest.approx(np.mean(acc))
     assert got["acc_norm,none"] == pytest.approx(np.mean(acc_norm))
     assert got["exact_match,none"] == pytest.approx(np.mean(exact))
