@@ -9,6 +9,11 @@ targets, in two stages (see ../shared/design/router_planner.md):
   router's own policy object** (router.policy) for every placement, with the same PerfModel.
 
 Goodput (DistServe's metric) is the highest request rate at which the attainment target holds.
+
+`simulate_trace` replays a recorded trace (arrival times, lengths, prefix-block hashes: Mooncake's format)
+over pools that change size under a static M/N or the autoscaler (router.autoscale), with per-instance
+prefix caches, startup delays, drains and migrations: SLA attainment against instance-hours
+(bench/trace_replay.py).
 """
 
 from __future__ import annotations
@@ -397,3 +402,455 @@ def _plot(perf: PerfModel, w: Workload, m: int, n: int, ranks: int, requests: in
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+
+
+# --- trace replay: time-varying pools ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a recorded trace: arrival (s from the start), prompt and output tokens, and the
+    prompt's prefix-block hashes (equal leading hashes: a shareable prefix, `block_tokens` tokens each)."""
+
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...] = ()
+
+
+def load_trace(path: str, limit: int | None = None, minutes: float | None = None) -> list[TraceRequest]:
+    """A Mooncake-format trace (JSON lines: `timestamp` ms, `input_length`, `output_length`, `hash_ids`),
+    sorted by arrival; the first `limit` requests and / or `minutes` of it."""
+    import json
+
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                out.append(TraceRequest(r["timestamp"] / 1e3, max(1, int(r["input_length"])),
+                                        max(1, int(r["output_length"])), tuple(r.get("hash_ids") or ())))
+    out.sort(key=lambda r: r.arrival)
+    if minutes is not None:
+        out = [r for r in out if r.arrival < minutes * 60]
+    return out[:limit] if limit is not None else out
+
+
+@dataclass
+class TraceResult:
+    """simulate_trace's outcome. Per request (in trace order) TTFT and TPOT (inf: refused by the policy);
+    `met`: both within the targets. `series`: per bucket (start s, arrivals / s, mean M, mean N,
+    attainment of the bucket's arrivals). `sizes`: (time, prefill, decode) whenever the pools' provisioned
+    sizes change (instances booting included)."""
+
+    ttft: list[float]
+    tpot: list[float]
+    met: list[bool]
+    ttft_s: float
+    tpot_s: float
+    instance_hours: float
+    end_s: float
+    rejected: int
+    migrations: int
+    prompt_tokens: int  # prompt tokens of the prompts prefilled (re-prefills of migrations included)
+    computed_tokens: int  # of them, the tokens not found in the instance's prefix cache
+    series: list[tuple[float, float, float, float, float]]
+    sizes: list[tuple[float, int, int]]
+
+    @property
+    def attainment(self) -> float:
+        """Share of all requests (a refusal is a miss) whose TTFT and TPOT both met their targets."""
+        return sum(self.met) / len(self.met) if self.met else 1.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return 1 - self.computed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def quantile(self, which: str, q: float) -> float:
+        """Quantile of the served requests' TTFT or TPOT (`which`: "ttft" / "tpot"; nearest rank)."""
+        xs = sorted(x for x in getattr(self, which) if not math.isinf(x))
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else math.inf
+
+
+_STARTING, _UP, _DRAINING, _GONE = range(4)
+_ARRIVE, _PREFILLED, _ADMIT, _STEP, _READY, _DECIDE = range(6)
+
+
+class _TReq:
+    __slots__ = ("i", "arrival", "isl", "osl", "blocks", "dec", "first", "last", "done", "ticket", "join_k",
+                 "migrations")
+
+    def __init__(self, i: int, r: TraceRequest):
+        self.i, self.arrival, self.isl, self.osl, self.blocks = i, r.arrival, r.prompt_tokens, r.output_tokens, r.blocks
+        self.dec: _TDecode | None = None
+        self.first = self.last = math.inf
+        self.done = 0  # tokens generated (the first comes with the prefill)
+        self.ticket = 0  # invalidates a decode instance's completion entry when the request moves
+        self.join_k = 0
+        self.migrations = 0
+
+
+class _TPrefill:
+    """A prefill instance: a FIFO of prompts computed one at a time, and an LRU prefix cache of blocks."""
+
+    def __init__(self, name: str, state: int, capacity_blocks: int):
+        self.name, self.state = name, state
+        self.queue: list[tuple[_TReq, int, int]] = []  # (request, prompt tokens, uncached tokens as placed)
+        self.head = 0  # index of the prompt in service (the queue's consumed prefix is trimmed lazily)
+        self.waiting_tokens = 0  # uncached tokens of the prompts waiting (not the one in service)
+        self.busy_until = 0.0
+        self.busy_from = 0.0
+        self.busy_tokens = 0
+        self.cache: dict[int, None] = {}  # insertion order = recency (LRU at the front)
+        self.capacity = capacity_blocks
+
+    def cached_prefix(self, blocks: tuple[int, ...], touch: bool = False) -> int:
+        n = 0
+        for h in blocks:
+            if h not in self.cache:
+                break
+            if touch:
+                self.cache[h] = self.cache.pop(h)
+            n += 1
+        return n
+
+    def insert(self, blocks: tuple[int, ...]) -> None:
+        for h in blocks:
+            self.cache.pop(h, None)
+            self.cache[h] = None
+        while len(self.cache) > self.capacity:
+            del self.cache[next(iter(self.cache))]
+
+    def queued_tokens(self, now: float) -> int:
+        """What its load report would say: uncached prompt tokens waiting, plus the rest of the one in service."""
+        rest = 0
+        if self.busy_until > now and self.busy_until > self.busy_from:
+            rest = int(self.busy_tokens * (self.busy_until - now) / (self.busy_until - self.busy_from))
+        return self.waiting_tokens + rest
+
+    @property
+    def idle(self) -> bool:
+        return self.head >= len(self.queue)
+
+
+class _TDecode:
+    """A decode instance stepping its batch in lock-step: a request joining at step k with r tokens to go
+    finishes at step k + r (a heap by finishing step), so a step costs O(log batch), not O(batch)."""
+
+    def __init__(self, name: str, state: int):
+        self.name, self.state = name, state
+        self.k = 0  # steps taken
+        self.batch = 0
+        self.ctx = 0  # context tokens of the running batch
+        self.heap: list[tuple[int, int, int, _TReq]] = []  # (finishing step, request index, ticket, request)
+        self.pending: list[_TReq] = []  # admitted, joining at the next step
+        self.stepping = False
+        self.reserved = 0  # placed, still in prefill or transfer
+        self.reserved_tokens = 0
+        self.epoch = 0  # a removed instance's step event is ignored
+
+    def running(self) -> list[_TReq]:
+        return [r for _, _, t, r in self.heap if r.ticket == t and r.dec is self]
+
+
+def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object, ttft_s: float, tpot_s: float,
+                   period: float = 15.0, window: float | None = None, startup_s: float = 60.0,
+                   initial: object | None = None, observe_uncached: bool = False,
+                   block_tokens: int = 512, prefix_cache_blocks: int = 1 << 30, decode_kv_tokens: int = 1 << 40,
+                   policy: SlaPolicy | None = None, candidates: int | None = None, bucket_s: float = 60.0,
+                   seed: int = 0) -> TraceResult:
+    """Replay `requests` (a recorded trace: real arrival times, lengths, prefix hashes) over prefill and decode
+    pools whose sizes follow `sizing`: a router.autoscale.Target (static M/N) or a controller with
+    `decide(now, Observation, current Target) -> Target` (router.autoscale.Autoscaler), called every `period`
+    s of simulated time with the load of the last `window` s (default: the period) as the router counts it
+    (arrivals / s, mean prompt tokens per arrival, mean output tokens per completed request). Every
+    placement is the router's policy object (SlaPolicy, as `simulate`) over the instances that are up, with
+    `cached_by_prefill` from each prefill instance's prefix cache; a refusal is a miss. `observe_uncached`:
+    the observed prompt tokens leave out those the chosen prefill instance holds in its cache (what the
+    router could subtract with its cached-prompt token counter). `candidates`: show the policy only that
+    many prefill and decode instances, those its own curves predict fastest (on dedicated hardware a pair's
+    cost is a prefill term plus a decode term, so the best pair is among them; near-ties spread over fewer);
+    None: all, as the router does.
+
+    * A new instance serves `startup_s` after it is asked for (booting, it counts in instance-hours); a
+      static sizing's and `initial`'s instances are up from the start (`initial`: the controller's sizes
+      at t = 0, else its bounds' minima).
+    * Shrinking removes a booting instance first, else the least loaded one. A removed prefill instance
+      takes no new prompt and finishes its queue (counted until then); a removed decode instance migrates
+      its requests at once: each goes back through the policy as a prompt of prompt + generated tokens (a
+      re-prefill, prefix cache applying), then continues its remaining tokens on the new decode instance
+      (its TPOT includes the pause). Requests still in prefill for it are sent to another one on arrival.
+    * Prefill: one prompt at a time per instance, FIFO; a prompt computes only the blocks past its longest
+      cached prefix (`block_tokens` per hash; at least one token), taking prefill_base_s + a·new + c·(T² −
+      cached²) (the new tokens attend to the cached prefix too), then the KV transfer; its blocks then
+      enter the instance's LRU cache of `prefix_cache_blocks` blocks. TTFT is the first token at decode.
+    * Decode: lock-step batches, each step perf.decode_step_seconds(batch, context tokens), a new request
+      joining at the next step; TPOT = (last − first token) / (output − 1). `decode_kv_tokens`: its KV
+      capacity (what the policy's room check sees).
+
+    Instance-hours: ∫ (M + N) dt over instances booting, up or draining, until the last request ends."""
+    from router.autoscale import Observation, Target
+
+    policy = policy or SlaPolicy(perf, seed=seed)
+    static = isinstance(sizing, Target)
+    start = sizing if static else (initial or Target(sizing.prefill.low, sizing.decode.low))
+    reqs = [_TReq(i, r) for i, r in enumerate(requests)]
+    events: list[tuple[float, int, int, object]] = []
+    seq = iter(range(1 << 62))
+    prefills: list[_TPrefill] = []
+    decodes: list[_TDecode] = []
+    names = iter(range(1 << 30))
+    ttft = [math.inf] * len(reqs)
+    tpot = [math.inf] * len(reqs)
+    met = [False] * len(reqs)
+    stats = {"rejected": 0, "migrations": 0, "prompt": 0, "computed": 0}
+    # instance-hours and the per-bucket series
+    nb = 1 + int((requests[-1].arrival if requests else 0.0) // bucket_s)  # buckets holding arrivals
+    area_m, area_n = [0.0] * nb, [0.0] * nb
+    acct = {"t": 0.0, "m": 0, "n": 0, "hours": 0.0}
+    sizes: list[tuple[float, int, int]] = []
+    window = window or period
+    arrived: list[tuple[float, int]] = []  # (time, prompt tokens) of every arrival, for the observation window
+    completed: list[tuple[float, int]] = []  # (time, output tokens) of every completion
+    seen = [0, 0]  # the first entries of both still inside the window
+    done_count = [0]
+
+    def account(now: float) -> None:
+        t0, m, n = acct["t"], acct["m"], acct["n"]
+        if now > t0:
+            acct["hours"] += (m + n) * (now - t0) / 3600.0
+            b = int(t0 // bucket_s)
+            while t0 < now and b < nb:
+                t1 = min(now, (b + 1) * bucket_s)
+                area_m[b] += m * (t1 - t0)
+                area_n[b] += n * (t1 - t0)
+                t0, b = t1, b + 1
+        acct["t"] = now
+        acct["m"] = sum(1 for p in prefills if p.state != _GONE)
+        acct["n"] = sum(1 for d in decodes if d.state != _GONE)
+
+    def provisioned() -> tuple[int, int]:
+        return (sum(1 for p in prefills if p.state in (_STARTING, _UP)),
+                sum(1 for d in decodes if d.state in (_STARTING, _UP)))
+
+    def push(t: float, kind: int, payload: object) -> None:
+        heapq.heappush(events, (t, next(seq), kind, payload))
+
+    def add(kind: str, now: float, up: bool) -> None:
+        state = _UP if up or startup_s <= 0 else _STARTING
+        if kind == "prefill":
+            inst: object = _TPrefill(f"p{next(names)}", state, prefix_cache_blocks)
+            prefills.append(inst)
+        else:
+            inst = _TDecode(f"d{next(names)}", state)
+            decodes.append(inst)
+        if state == _STARTING:
+            push(now + startup_s, _READY, inst)
+
+    # --- placement -----------------------------------------------------------------------------------
+    def views(now: float, tokens: int, remaining: int, blocks: tuple[int, ...]):
+        pre = [p for p in prefills if p.state == _UP]
+        dec = [d for d in decodes if d.state == _UP]
+        queued = [p.queued_tokens(now) for p in pre]
+        cached = [min(p.cached_prefix(blocks) * block_tokens, tokens - 1) for p in pre]
+        used = [d.ctx + sum(r.isl + r.done for r in d.pending) + d.reserved_tokens for d in dec]
+        running = [d.batch + len(d.pending) + d.reserved for d in dec]
+        if candidates and len(pre) > candidates:  # the fastest prefills by the policy's own TTFT curve
+            keep = sorted(range(len(pre)), key=lambda i: perf.ttft_raw(queued[i], tokens, cached[i]))[:candidates]
+            pre, queued, cached = [pre[i] for i in keep], [queued[i] for i in keep], [cached[i] for i in keep]
+        if candidates and len(dec) > candidates:  # the fastest decodes once the request joins
+            keep = sorted(range(len(dec)), key=lambda i: perf.tpot_raw(running[i] + 1, used[i] + tokens + remaining))
+            keep = keep[:candidates]
+            dec, used, running = [dec[i] for i in keep], [used[i] for i in keep], [running[i] for i in keep]
+        pviews = [PrefillView(p.name, q) for p, q in zip(pre, queued)]
+        dviews = [DecodeView(d.name, [RankView(b, u)], free_blocks=max(0, (decode_kv_tokens - u) // 64))
+                  for d, b, u in zip(dec, running, used)]
+        return pre, dec, pviews, dviews, cached
+
+    def place(req: _TReq, now: float, tokens: int, remaining: int, must: bool) -> bool:
+        """Choose a pair by the policy and queue the prompt (`tokens`: what to prefill); `must` (a migration):
+        never refused, the cheapest pair instead."""
+        pre, dec, pviews, dviews, cached = views(now, tokens, remaining, req.blocks)
+        ask = Request(tokens, remaining, ttft_s, tpot_s, cached_by_prefill=cached)
+        try:
+            choice = policy.choose(ask, pviews, dviews)[0]
+        except Rejected:
+            if not must:
+                return False
+            choice = min(policy.predict(ask, pviews, dviews), key=lambda c: c.cost)
+        p, d = pre[choice.prefill], dec[choice.decode]
+        req.dec = d
+        d.reserved += 1
+        d.reserved_tokens += tokens + remaining
+        uncached = tokens - cached[choice.prefill]
+        if observe_uncached and req.migrations == 0:
+            arrived[-1] = (now, uncached)
+        p.queue.append((req, tokens, uncached))
+        if len(p.queue) - p.head == 1 and p.busy_until <= now:
+            start_prefill(p, now)
+        else:
+            p.waiting_tokens += uncached
+        return True
+
+    def start_prefill(p: _TPrefill, now: float) -> None:
+        req, tokens, placed_uncached = p.queue[p.head]
+        hit = min(p.cached_prefix(req.blocks, touch=True) * block_tokens, tokens - 1)
+        new = tokens - hit
+        seconds = perf.prefill_base_s + perf.prefill_per_token_s * new \
+            + perf.prefill_per_token2_s * (tokens * tokens - hit * hit)
+        stats["prompt"] += tokens
+        stats["computed"] += new
+        p.busy_from, p.busy_until, p.busy_tokens = now, now + seconds, new
+        push(now + seconds, _PREFILLED, p)
+
+    # --- decode ----------------------------------------------------------------------------------------
+    def start_step(d: _TDecode, now: float) -> None:
+        for r in d.pending:
+            r.join_k = d.k
+            r.ticket += 1
+            heapq.heappush(d.heap, (d.k + r.osl - r.done, r.i, r.ticket, r))
+            d.batch += 1
+            d.ctx += r.isl + r.done
+        d.pending.clear()
+        if d.batch == 0:
+            d.stepping = False
+            return
+        d.stepping = True
+        push(now + perf.decode_step_seconds(d.batch, d.ctx), _STEP, (d, d.epoch))
+
+    def finish(r: _TReq, now: float) -> None:
+        r.last = now
+        i = r.i
+        ttft[i] = r.first - r.arrival
+        tpot[i] = (r.last - r.first) / (r.osl - 1) if r.osl > 1 else 0.0
+        met[i] = ttft[i] <= ttft_s and tpot[i] <= tpot_s
+        completed.append((now, r.osl))
+        done_count[0] += 1
+
+    def admit(r: _TReq, now: float) -> None:
+        d = r.dec
+        d.reserved -= 1
+        d.reserved_tokens -= r.isl + r.osl  # what `place` reserved: prompt (+ generated) + the tokens to go
+        if d.state != _UP:  # its decode instance left while the prompt was in prefill: another one takes it
+            up = [x for x in decodes if x.state == _UP]
+            d = r.dec = min(up, key=lambda x: (x.ctx + x.reserved_tokens, x.batch))
+        if r.done == 0:
+            r.first = now
+            r.done = 1
+        if r.done >= r.osl:
+            finish(r, now)
+            return
+        d.pending.append(r)
+        if not d.stepping:
+            start_step(d, now)
+
+    def retire_decode(d: _TDecode, now: float) -> None:
+        d.state = _GONE
+        d.epoch += 1
+        moving = [(r, r.done + d.k - r.join_k) for r in d.running()] + [(r, r.done) for r in d.pending]
+        d.heap.clear()
+        d.pending.clear()
+        d.batch = d.ctx = 0
+        d.stepping = False
+        for r, done in moving:
+            r.done = done
+            r.ticket += 1
+            r.migrations += 1
+            stats["migrations"] += 1
+            place(r, now, r.isl + r.done, r.osl - r.done, must=True)
+
+    def retire_prefill(p: _TPrefill, now: float) -> None:
+        p.state = _DRAINING if not p.idle or p.busy_until > now else _GONE
+
+    def resize(target: Target, now: float) -> None:
+        for kind, pool, want in (("prefill", prefills, target.prefill), ("decode", decodes, target.decode)):
+            live = [x for x in pool if x.state in (_STARTING, _UP)]
+            for _ in range(want - len(live)):
+                add(kind, now, up=False)
+            for _ in range(len(live) - want):
+                live = [x for x in pool if x.state in (_STARTING, _UP)]
+                booting = [x for x in live if x.state == _STARTING]
+                if booting:
+                    booting[-1].state = _GONE
+                elif kind == "prefill":
+                    retire_prefill(min(live, key=lambda p: (p.queued_tokens(now), len(p.queue) - p.head)), now)
+                else:
+                    retire_decode(min(live, key=lambda d: (d.batch + len(d.pending) + d.reserved, d.ctx)), now)
+        m, n = provisioned()
+        if not sizes or sizes[-1][1:] != (m, n):
+            sizes.append((now, m, n))
+
+    for _ in range(start.prefill):
+        add("prefill", 0.0, up=True)
+    for _ in range(start.decode):
+        add("decode", 0.0, up=True)
+    sizes.append((0.0, start.prefill, start.decode))
+    account(0.0)
+    for r in reqs:
+        push(r.arrival, _ARRIVE, r)
+    if not static:
+        push(period, _DECIDE, None)
+    now = end = 0.0
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == _DECIDE and done_count[0] + stats["rejected"] == len(reqs):
+            continue  # every request is over: the replay ends with the last one
+        end = now
+        if kind == _ARRIVE:
+            r = payload
+            arrived.append((now, r.isl))
+            if not place(r, now, r.isl, r.osl, must=False):
+                stats["rejected"] += 1
+        elif kind == _PREFILLED:
+            p = payload
+            r, tokens, placed_uncached = p.queue[p.head]
+            p.head += 1
+            if p.head > 64 and p.head * 2 > len(p.queue):
+                del p.queue[:p.head]
+                p.head = 0
+            p.insert(r.blocks)
+            push(now + perf.transfer_seconds(tokens), _ADMIT, r)
+            if not p.idle:
+                p.waiting_tokens -= p.queue[p.head][2]
+                start_prefill(p, now)
+            elif p.state == _DRAINING:
+                p.state = _GONE
+                account(now)
+        elif kind == _ADMIT:
+            admit(payload, now)
+        elif kind == _STEP:
+            d, epoch = payload
+            if epoch != d.epoch:
+                continue
+            d.k += 1
+            d.ctx += d.batch
+            while d.heap and d.heap[0][0] <= d.k:
+                _, _, ticket, r = heapq.heappop(d.heap)
+                if r.ticket != ticket or r.dec is not d:
+                    continue
+                d.batch -= 1
+                d.ctx -= r.isl + r.osl
+                r.done = r.osl
+                finish(r, now)
+            start_step(d, now)
+        elif kind == _READY:
+            if payload.state == _STARTING:
+                payload.state = _UP
+        else:  # _DECIDE
+            for j, xs in enumerate((arrived, completed)):
+                while seen[j] < len(xs) and xs[seen[j]][0] <= now - window:
+                    seen[j] += 1
+            ins, outs = arrived[seen[0]:], completed[seen[1]:]
+            obs = Observation(len(ins) / min(window, now), sum(x for _, x in ins) / max(1, len(ins)),
+                              sum(x for _, x in outs) / len(outs) if outs else 0.0)
+            m, n = provisioned()
+            resize(sizing.decide(now, obs, Target(m, n)), now)
+            account(now)
+            push(now + period, _DECIDE, None)
+    account(end)
+    arrivals_in = [[] for _ in range(nb)]
+    for r in reqs:
+        arrivals_in[min(nb - 1, int(r.arrival // bucket_s))].append(r.i)
+    series = [(b * bucket_s, len(ix) / bucket_s, area_m[b] / bucket_s, area_n[b] / bucket_s,
+               (sum(met[i] for i in ix) / len(ix)) if ix else math.nan) for b, ix in enumerate(arrivals_in)]
+    return TraceResult(ttft, tpot, met, ttft_s, tpot_s, acct["hours"], end, stats["rejected"], stats["migrations"],
+                       stats["prompt"], stats["computed"], series, sizes)

@@ -1,0 +1,320 @@
+"""Replay one hour of real conversation traffic (Mooncake's FAST'25 trace: 12,031 requests from Kimi, real
+arrival times, prompt / output lengths and 512-token prefix-block hashes) in the planner's simulation at
+real scale (router.planner.simulate_trace: every placement is the router's SlaPolicy, each prefill
+instance keeps an LRU prefix cache of the hashed blocks), with a performance model set from figures
+published for DeepSeek-V3 on H800 nodes. Prints SLA attainment against instance-hours for static M/N
+splits and for the autoscaler (router.autoscale), and plots both.
+
+    python bench/trace_replay.py [--ttft-s 5] [--tpot-ms 50] [--min-m 1] [--max-m 6] [--max-n 2]
+                                 [--startup-s 60] [--global-cache] [--minutes M] [--scale K] [--jobs 2]
+
+Runs every static split M = min-m..max-m, N = 1..max-n and three autoscalers (router.autoscale.Autoscaler
+within the same bounds): as `pdserve up --autoscale` ships it (a decision every 5 s on the last 5 s), with a
+120 s observation window (decisions every 15 s), and with that window counting only the prompt tokens the
+chosen prefill instance does not hold in its prefix cache. Saves bench/out/trace_replay.png (attainment vs
+instance-hours, all and zoomed; the last autoscaler's rate, M and N over the hour) and trace_replay.json.
+--scale K superposes K copies of the hour (copy k shifted by 7.5·k s, its own prefix hashes): K times the
+traffic with the same hourly shape (outputs trace_replay_xK.*; the policy is shown the 4 fastest instances
+of each pool, see simulate_trace's `candidates`).
+
+One instance = one 8×H800 node (the unit DeepSeek publishes its per-node throughputs in). Weights do not
+fit one node (DeepSeek deploys prefill in units of 4 nodes, decode in units of 18), so an instance here is
+a node's share of such a deployment: capacity added and removed a node at a time.
+
+Performance model (PerfModel, node level), every number from a published figure:
+
+  Sources
+  [D6]  DeepSeek, "Day 6: One More Thing, DeepSeek-V3/R1 Inference System Overview", github.com/deepseek-ai/
+        open-infra-index/blob/main/202502OpenSourceWeek/day_6_one_more_thing_deepseekV3R1_inference_system_overview.md
+        : "Each H800 node delivers an average throughput of ~73.7k tokens/s input (including cache hits)
+        during prefilling or ~14.8k tokens/s output during decoding"; "342B tokens (56.3%) hit the on-disk
+        KV cache"; "The average output speed was 20–22 tokens per second, and the average kvcache length
+        per output token was 4,989 tokens"; "matrix multiplications ... FP8 ..., core MLA computations ...
+        BF16"; prefill deployment unit 4 nodes (EP32), decode 18 nodes (EP144).
+  [SG]  LMSYS / SGLang, "Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96
+        H100 GPUs", lmsys.org/blog/2025-05-05-large-scale-ep: its table of DeepSeek's figures: blog prefill
+        32,206 tokens/s per node excluding cache hits; DeepSeek's profile (github.com/deepseek-ai/profile-data:
+        decode EP128, 4K prompt, 128 requests per GPU) 18,598 output tokens/s per node; and its own H100
+        figures (22,282 output tokens/s per node at 256 requests per GPU, 2,000-token contexts, no MTP).
+  [FM]  FlashMLA README, github.com/deepseek-ai/FlashMLA: "The dense MLA decoding kernel achieves up to 3000
+        GB/s in memory-bound configuration ... on H800 SXM5".
+  [EP]  DeepEP docs/legacy.md, github.com/deepseek-ai/DeepEP: H800 "each connected to a CX7 InfiniBand 400
+        Gb/s RDMA network card (~50 GB/s maximum bandwidth)".
+  [V3]  DeepSeek-V3 config / technical report (arXiv 2412.19437): 61 layers, 128 heads, q/k head dim 192
+        (128 + 64 rope), v head dim 128, KV latent 512 + 64 rope, 37B activated parameters per token.
+  [MC]  Mooncake, FAST'25 (github.com/kvcache-ai/Mooncake/blob/main/FAST25-release/Mooncake-FAST25.pdf),
+        §5.1: "the threshold for TTFT is set to 30 s, and TBT thresholds are set to 100 ms, 200 ms, and
+        300 ms"; the conversation trace on 16 nodes of 8×A800, "Cache Ratio 40%" (Table 2).
+
+  Prefill, prefill(T new tokens after a cached prefix p) = a·(T − p) + c·(T² − p²):
+    linear FLOPs per token 2 × 37e9 = 74 GFLOP [V3]; attention FLOPs per (query, key) pair 61 × 128 × 2 ×
+    (192 + 128) = 5.0 MFLOP [V3], T²/2 pairs (causal); the GEMMs run FP8, the attention BF16 [D6] (H800:
+    half the FP8 rate), so c/a = 2 × 5.0e6 / 2 / 74e9 = 6.75e-5 per token. DeepSeek's production prefill
+    excluding cache hits is 73.7k × (1 − 0.563) = 32.2k tokens/s per node [D6] ([SG] lists 32,206); taken
+    at the profile's 4,096-token prompts: a·(1 + 6.75e-5 × 4096) = 1 / 32,206 s → a = 24.3 µs per token,
+    c = 1.64 ns per token². (A 12k-token prompt: 0.53 s; 128k: 30 s. DeepSeek-V3.2's sparse attention
+    cuts the T² term, so for V3.2 this is pessimistic on long prompts.) prefill_base_s = 0.
+    One instance computes one prompt at a time at the node's rate (a long prompt spread over the node's 8
+    GPUs, as V3.2 prefill context parallelism does): node throughput is right, a lone prompt's latency is
+    optimistic when the real engine would give it one GPU.
+  Decode, step(B requests, C context tokens) = a + b·B + c·C per output token, node level:
+    c from the KV read: 61 × 576 × 2 B = 70,272 B per context token [V3] over 8 × 3,000 GB/s [FM] →
+    c = 2.93 ns; a, b through two published operating points (effective seconds per output token, MTP
+    included): production 1/21 s at B = 14,800/21 = 705 requests per node, C = 705 × 4,989 [D6]; DeepSeek's
+    profile 1,024/18,598 s at B = 1,024, C = 1,024 × 4,096 [SG] → b = 17.1 µs per request, a = 25.3 ms.
+    (Cross-check: SGLang's H100 point [SG], B = 2,048, C = 2,048 × 2,000: the model says 72 ms per token,
+    measured 92 ms, on slower H100 software without MTP.)
+  Transfer: 70,272 B per prompt token over one GPU's 400 Gb/s NIC, 50 GB/s [EP] (a request's KV sits on one
+    DP rank): a 12k-token prompt 17 ms.
+  Prefix cache of a prefill instance (LRU over the trace's 512-token block hashes): 640 GB HBM − 188 GB of
+    FP8 weights (671B parameters + 32 redundant experts [D6] over the 4-node unit) − 160 GB assumed for
+    activations and buffers = 292 GB → 4.16M tokens → 8,120 blocks. --global-cache: one shared pool
+    without limit (DeepSeek's on-disk cache [D6], Mooncake Store [MC]).
+  Decode KV capacity (the policy's room check): 640 GB − 42 GB of weights (18-node unit) − 80 GB → 7.4M
+    tokens per node; the trace never comes near it.
+
+SLA: TTFT ≤ 5 s and TPOT ≤ 50 ms per request (attainment: both met; a refusal is a miss). 50 ms is
+DeepSeek's production speed (20–22 tokens/s [D6]); 5 s is an interactive chat's first token, tighter than
+Mooncake's 30 s [MC] (at 30 s every split with enough prefill meets it and nothing is traded). Mooncake's TBT
+is the mean of the longest 10% of a request's token gaps; TPOT here is the mean gap.
+
+Instance startup: 60 s from the decision to serving (loading a node's ~190 GB of FP8 weights from local
+NVMe at a few GB/s, plus warm-up; an assumption, --startup-s), counted in instance-hours while booting.
+"""
+
+from __future__ import annotations
+
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
+
+import argparse
+import json
+import math
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from bench.common import OUT, ROOT, table
+from router.autoscale import AutoscaleConfig, Autoscaler, Bounds, Observation, Target
+from router.perf import PerfModel
+from router.planner import TraceRequest, TraceResult, load_trace, simulate_trace
+from shared.config import knob_default
+
+TRACE = ROOT.parent / "shared" / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
+
+# --- the published figures (see the docstring) -------------------------------------------------------------
+LAYERS, HEADS, QK_DIM, V_DIM, KV_LATENT = 61, 128, 192, 128, 576  # DeepSeek-V3 [V3]
+ACTIVE_PARAMS = 37e9
+KV_BYTES = LAYERS * KV_LATENT * 2  # 70,272 B per token (BF16 latent + rope) [V3, D6]
+PREFILL_TOKENS_S = 73.7e3 * (1 - 0.563)  # per node, excluding cache hits [D6]
+PREFILL_AT_TOKENS = 4096  # DeepSeek's prefill profile prompt [SG]
+FP8_OVER_BF16 = 2.0  # H800: FP8 GEMMs at twice the BF16 rate of the attention [D6]
+DECODE_POINTS = (  # (requests per node, context tokens per request, seconds per output token)
+    (14.8e3 / 21, 4989, 1 / 21),  # production [D6]: 14.8k tokens/s per node at 20–22 tokens/s each
+    (1024, 4096, 1024 / 18598),  # DeepSeek's decode profile [SG]: 128 per GPU, 18,598 tokens/s per node
+)
+HBM_BYTES_S = 8 * 3000e9  # FlashMLA's memory-bound decode on 8 H800 [FM]
+NIC_BYTES_S = 50e9  # one CX7 400 Gb/s per H800 [EP]
+PREFILL_KV_BYTES = 640e9 - 188e9 - 160e9  # HBM − weights (4-node unit) − activations (assumed)
+DECODE_KV_BYTES = 640e9 - 42e9 - 80e9
+BLOCK_TOKENS = 512  # the trace's hash block
+
+
+def deepseek_v3_h800() -> PerfModel:
+    """The node-level PerfModel derived in the module docstring."""
+    pair_flops = LAYERS * HEADS * 2 * (QK_DIM + V_DIM)
+    ratio = FP8_OVER_BF16 * (pair_flops / 2) / (2 * ACTIVE_PARAMS)  # c / a
+    a = 1 / PREFILL_TOKENS_S / (1 + ratio * PREFILL_AT_TOKENS)
+    ctx_s = KV_BYTES / HBM_BYTES_S
+    (b1, l1, t1), (b2, l2, t2) = DECODE_POINTS
+    r1, r2 = t1 - ctx_s * b1 * l1, t2 - ctx_s * b2 * l2
+    per_seq = (r2 - r1) / (b2 - b1)
+    return PerfModel(prefill_base_s=0.0, prefill_per_token_s=a, prefill_per_token2_s=a * ratio,
+                     decode_base_s=r1 - per_seq * b1, decode_per_seq_s=per_seq, decode_per_context_token_s=ctx_s,
+                     kv_bytes_per_token=KV_BYTES, transfer_bytes_per_s=NIC_BYTES_S)
+
+
+SHIPPED_PERIOD = knob_default(AutoscaleConfig, "autoscale_period")
+AUTOSCALERS = {  # name: (period s, observation window s, headroom, down after s, observe uncached prompt tokens)
+    "autoscaler, as shipped": (SHIPPED_PERIOD, SHIPPED_PERIOD, None, None, False),  # `pdserve up --autoscale`
+    "autoscaler, 120 s window": (15.0, 120.0, None, None, False),
+    "autoscaler, 120 s window, uncached": (15.0, 120.0, None, None, True),
+}
+
+
+def _run(job: tuple) -> tuple[str, TraceResult]:
+    name, requests, sizing, initial, args = job
+    perf = deepseek_v3_h800()
+    period = window = 15.0
+    uncached = False
+    if sizing in AUTOSCALERS:
+        period, window, headroom, down_after, uncached = AUTOSCALERS[sizing]
+        knobs = {k: v for k, v in (("headroom", headroom), ("down_after_s", down_after)) if v is not None}
+        sizing = Autoscaler(perf, args["ttft_s"], args["tpot_s"], Bounds(args["min_m"], args["max_m"]),
+                            Bounds(1, args["max_n"]), **knobs)
+    return name, simulate_trace(perf, requests, sizing, args["ttft_s"], args["tpot_s"], period=period, window=window,
+                                startup_s=args["startup_s"], initial=initial, observe_uncached=uncached,
+                                block_tokens=BLOCK_TOKENS, prefix_cache_blocks=args["cache_blocks"],
+                                decode_kv_tokens=args["decode_kv_tokens"], candidates=args["candidates"])
+
+
+def _warm_start(requests: list[TraceRequest], args: dict) -> Target:
+    """The autoscaler's sizes at t = 0: what it would decide on the trace's first minute (the hour is a slice
+    of a service already running)."""
+    first = [r for r in requests if r.arrival < 60] or requests[:1]
+    obs = Observation(len(first) / 60, sum(r.prompt_tokens for r in first) / len(first),
+                      sum(r.output_tokens for r in first) / len(first))
+    return Autoscaler(deepseek_v3_h800(), args["ttft_s"], args["tpot_s"], Bounds(args["min_m"], args["max_m"]),
+                      Bounds(1, args["max_n"])).needed(obs)
+
+
+def scale_trace(requests: list[TraceRequest], copies: int, shift_s: float = 7.5) -> list[TraceRequest]:
+    """`copies` independent populations with the trace's hour: copy k arrives k·shift_s later (wrapping
+    around the hour's end, so the hour's trend stays) with its own prefix hashes (no sharing across copies)."""
+    if copies <= 1:
+        return requests
+    span = requests[-1].arrival + 1e-3
+    top = 1 + max((h for r in requests for h in r.blocks), default=0)
+    out = [TraceRequest((r.arrival + k * shift_s) % span, r.prompt_tokens, r.output_tokens,
+                        tuple(h + k * top for h in r.blocks)) for k in range(copies) for r in requests]
+    return sorted(out, key=lambda r: r.arrival)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--minutes", type=float, default=None, help="replay only the first MINUTES of the trace")
+    ap.add_argument("--scale", type=int, default=1, help="superpose SCALE copies of the trace (see scale_trace)")
+    ap.add_argument("--ttft-s", type=float, default=5.0)
+    ap.add_argument("--tpot-ms", type=float, default=50.0)
+    ap.add_argument("--min-m", type=int, default=1, help="static grid and autoscaler bound: fewest prefill instances")
+    ap.add_argument("--max-m", type=int, default=6, help="static grid and autoscaler bound: most prefill instances")
+    ap.add_argument("--max-n", type=int, default=2, help="static grid and autoscaler bound: most decode instances")
+    ap.add_argument("--startup-s", type=float, default=60.0, help="seconds from asking for an instance to serving")
+    ap.add_argument("--global-cache", action="store_true", help="one unlimited prefix cache pool instead of HBM")
+    ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
+    a = ap.parse_args(argv)
+    requests = scale_trace(load_trace(a.trace, minutes=a.minutes), a.scale)
+    perf = deepseek_v3_h800()
+    args = {"ttft_s": a.ttft_s, "tpot_s": a.tpot_ms / 1e3, "min_m": a.min_m, "max_m": a.max_m, "max_n": a.max_n,
+            "startup_s": a.startup_s,
+            "cache_blocks": (1 << 40) if a.global_cache else int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS),
+            "decode_kv_tokens": int(DECODE_KV_BYTES / KV_BYTES), "candidates": None if a.scale == 1 else 4}
+    span = requests[-1].arrival - requests[0].arrival if requests else 0.0
+    print(f"trace: {len(requests)} requests over {span / 60:.1f} min ({a.scale} cop{'y' if a.scale == 1 else 'ies'}),"
+          f" mean prompt {sum(r.prompt_tokens for r in requests) / max(1, len(requests)):,.0f} tokens, mean output "
+          f"{sum(r.output_tokens for r in requests) / max(1, len(requests)):,.0f}")
+    cache = "unlimited" if a.global_cache else f"{args['cache_blocks']:,} blocks"
+    print(f"model (one 8×H800 node): prefill {perf.prefill_per_token_s * 1e6:.1f} µs/token + "
+          f"{perf.prefill_per_token2_s * 1e9:.2f} ns/token²; decode step {perf.decode_base_s * 1e3:.1f} ms + "
+          f"{perf.decode_per_seq_s * 1e6:.1f} µs/request + {perf.decode_per_context_token_s * 1e9:.2f} ns/context "
+          f"token; transfer {perf.kv_bytes_per_token / perf.transfer_bytes_per_s * 1e6:.2f} µs/token; prefix cache "
+          f"{cache} per prefill instance")
+    print(f"SLA: TTFT <= {a.ttft_s:g} s and TPOT <= {a.tpot_ms:g} ms per request; instances boot in "
+          f"{a.startup_s:g} s; autoscalers within M {a.min_m}:{a.max_m}, N 1:{a.max_n}, starting where the first "
+          f"minute's load puts them")
+    warm = _warm_start(requests, args)
+    jobs = [(name, requests, name, warm, args) for name in AUTOSCALERS]
+    jobs += [(f"static {m}P+{n}D", requests, Target(m, n), None, args)
+             for n in range(1, a.max_n + 1) for m in range(a.min_m, a.max_m + 1)]
+    t0 = time.perf_counter()
+    if a.jobs > 1:
+        with ProcessPoolExecutor(a.jobs) as pool:
+            results = dict(pool.map(_run, jobs))
+    else:
+        results = dict(map(_run, jobs))
+    wall = time.perf_counter() - t0
+    headers = ["config", "instance-hours", "attainment %", "TTFT p90 s", "TPOT p90 ms", "refused %", "migrations",
+               "prefix hit %", "sizes (M P + N D)"]
+    rows = []
+    for name, *_ in jobs:
+        r = results[name]
+        seen = sorted({(m, n) for _, m, n in r.sizes})
+        changes = f" ({len(r.sizes) - 1} changes)" if len(seen) > 1 else ""
+        rows.append([name, f"{r.instance_hours:.2f}", round(100 * r.attainment, 1), round(r.quantile("ttft", 0.9), 2),
+                     round(1e3 * r.quantile("tpot", 0.9), 1), round(100 * r.rejected / max(1, len(r.met)), 1),
+                     r.migrations, round(100 * r.cache_hit_rate, 1),
+                     " ".join(f"{m}+{n}" for m, n in seen) + changes])
+    print(table(headers, rows))
+    static = {k: v for k, v in results.items() if k not in AUTOSCALERS}
+    for goal in (0.9, 0.95):
+        ok = [(v.instance_hours, k) for k, v in static.items() if v.attainment >= goal]
+        cheapest = f"{min(ok)[1][len('static '):]} at {min(ok)[0]:.2f} instance-hours" if ok else "none in the grid"
+        autos = "; ".join(f"{k}: {results[k].instance_hours:.2f} h, {results[k].attainment:.1%}" for k in AUTOSCALERS)
+        print(f"attainment >= {goal:.0%}: cheapest static {cheapest}; {autos}")
+    print(f"ceiling: {max(v.attainment for v in static.values()):.1%} (prompts whose prefill alone exceeds the TTFT "
+          f"target are refused at once); {wall:.0f} s wall for {len(jobs)} simulations")
+    OUT.mkdir(parents=True, exist_ok=True)
+    stem = "trace_replay" if a.scale == 1 else f"trace_replay_x{a.scale}"
+    (OUT / f"{stem}.json").write_text(json.dumps({
+        "args": vars(a), "rows": [dict(zip(headers, row)) for row in rows],
+        "series": {k: results[k].series for k in AUTOSCALERS}, "sizes": {k: results[k].sizes for k in AUTOSCALERS}},
+        indent=1, default=str) + "\n")
+    _plot(OUT / f"{stem}.png", results, a)
+    print(f"plot: {OUT / f'{stem}.png'}")
+
+
+def _plot(path: _Path, results: dict[str, TraceResult], a: argparse.Namespace) -> None:
+    """Attainment vs instance-hours (all, and zoomed on the top), and the last autoscaler's hour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, zx, bx) = plt.subplots(1, 3, figsize=(18, 5), gridspec_kw={"width_ratios": [1, 1, 1.2]})
+    static = sorted((v.instance_hours, v.attainment, k) for k, v in results.items() if k not in AUTOSCALERS)
+    frontier, best = [], -1.0
+    for h, att, _ in static:
+        if att > best:
+            frontier.append((h, att))
+            best = att
+    top = [p for p in static if p[1] >= 0.85] or static
+    for axis in (ax, zx):
+        for n in sorted({k.split("+")[1] for _, _, k in static}):
+            pts = [(h, att, k) for h, att, k in static if k.endswith("+" + n)]
+            axis.scatter([p[0] for p in pts], [100 * p[1] for p in pts], label=f"static, {n}", zorder=3)
+            for h, att, k in pts:
+                if axis is ax or att >= top[0][1] - 0.05:
+                    axis.annotate(k.split()[1], (h, 100 * att), textcoords="offset points", xytext=(4, -10),
+                                  fontsize=7)
+        axis.plot([p[0] for p in frontier], [100 * p[1] for p in frontier], color="grey", linestyle=":",
+                  label="static frontier")
+        for (name, auto), color in zip(((k, results[k]) for k in AUTOSCALERS), ("red", "darkorange", "purple")):
+            axis.scatter([auto.instance_hours], [100 * auto.attainment], marker="*", s=220, color=color, zorder=4,
+                         label=name)
+        axis.axhline(90, color="grey", linewidth=0.8, linestyle="--")
+        axis.set_xlabel("instance-hours (8×H800 nodes × hours)")
+    lows = [100 * p[1] for p in top] + [100 * results[k].attainment for k in AUTOSCALERS]
+    zx.set_ylim(max(0.0, min(lows) - 1.5), min(100.0, max(lows) + 1.0))
+    zx.set_title("the same, zoomed on the top", fontsize=9)
+    ax.set_ylabel(f"SLA attainment % (TTFT ≤ {a.ttft_s:g} s, TPOT ≤ {a.tpot_ms:g} ms)")
+    scale = "" if a.scale == 1 else f" × {a.scale} copies"
+    ax.set_title(f"Mooncake conversation trace{scale}, DeepSeek-V3 on 8×H800 nodes (published figures)", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    name = list(AUTOSCALERS)[-1]
+    auto = results[name]
+    minutes = [s[0] / 60 for s in auto.series]
+    bx.plot(minutes, [s[1] for s in auto.series], color="black", label="arrivals / s")
+    bx.step(minutes, [s[2] for s in auto.series], where="post", label="M (prefill, mean)")
+    bx.step(minutes, [s[3] for s in auto.series], where="post", label="N (decode, mean)")
+    bx.set_xlabel("minute")
+    bx.set_ylabel("requests / s, instances")
+    bx.set_ylim(bottom=0)
+    cx = bx.twinx()
+    cx.plot(minutes, [100 * s[4] if not math.isnan(s[4]) else None for s in auto.series], color="red",
+            linestyle=":", label="attainment % (right)")
+    cx.set_ylim(0, 105)
+    cx.set_ylabel("attainment %")
+    lines = bx.get_legend_handles_labels()
+    more = cx.get_legend_handles_labels()
+    bx.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="lower right")
+    bx.set_title(f"{name}: load and pools over the hour", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
