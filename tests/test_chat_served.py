@@ -44,7 +44,10 @@ def test_chat_messages_through_the_router_equal_in_process(official, cluster):
         convo, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, skip_special_tokens=False), thinking=True)
     assert [t for m in msgs for t in m.token_ids] == local.token_ids
     assert msgs[-1].usage.prompt_tokens == len(local.prompt_token_ids)
-    assert "".join(m.text for m in msgs) == local.text
+    # thinking mode: the reply up to </think> arrives as reasoning_text, the answer as text
+    reasoning, _, answer = local.text.partition("</think>")
+    assert "".join(m.reasoning_text for m in msgs) == reasoning.replace("<think>", "")
+    assert "".join(m.text for m in msgs) == answer.replace("<｜end▁of▁sentence｜>", "")
 
 
 def test_pdserve_generate_chat_and_interactive_chat(cluster):
