@@ -69,9 +69,14 @@ class Grammars:
 
     @torch.inference_mode()  # the logits are an inference tensor
     def mask(self, logits: torch.Tensor, rows: list[MaskRow]) -> None:
-        """Set every token a constrained row does not allow to -inf, in place: one bitmask for the rows from
-        the first constrained one to the last (unconstrained rows between them stay all-allowed), filled by
-        the executor, then applied (`apply_bitmask`)."""
+        """Set every token a constrained row does not allow to the lowest finite logit, in place: one bitmask
+        for the rows from the first constrained one to the last (unconstrained rows between them stay
+        all-allowed), filled by the executor, then applied (`apply_bitmask`).
+
+        The lowest finite value, not -inf, is what the sampler's sanitizing (`sample`, `probabilities`,
+        `token_logprobs`: NaN → -inf, ±inf → the dtype's extremes) turns -inf into anyway: the tokens,
+        probabilities and logprobs are the same, without sending every constrained step down its
+        non-finite path (three more passes over [rows, vocab])."""
         jobs = []
         for r in rows:
             state, first, drafts = r.state, r.first, list(r.drafts)
@@ -92,7 +97,12 @@ class Grammars:
             llguidance.torch.fill_next_token_bitmask_par(self.executor, plain, bitmask)
         if drafted:
             llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, bitmask)
-        apply_bitmask(logits, bitmask, lo)
+        apply_bitmask(logits, bitmask, lo, refused_logit(logits.dtype))
+
+
+def refused_logit(dtype: torch.dtype) -> float:
+    """What a refused token's logit becomes: the lowest finite value of the logits' dtype."""
+    return torch.finfo(dtype).min if dtype.is_floating_point else float("-inf")
 
 
 # A row whose allowed (or refused) tokens lie in at most this share of its bitmask's 32-token words is
@@ -100,19 +110,20 @@ class Grammars:
 SPARSE_WORDS = 0.25
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, start: int = 0) -> None:
-    """-inf, in place, at every token of logits rows `start`…`start + len(bitmask)` whose bit is clear in
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, start: int = 0, value: float = float("-inf")
+                  ) -> None:
+    """`value`, in place, at every token of logits rows `start`…`start + len(bitmask)` whose bit is clear in
     `bitmask` (int32 [rows, words], llguidance's layout: token t is bit t % 32 of word t // 32; bits past
     the logits' width are ignored).
 
     On the CPU the cost follows what changes, not rows × vocabulary: a row that refuses few tokens (inside
-    a JSON string: most of the vocabulary is allowed) gets -inf at just those; a row that allows few (a
-    key, a number, punctuation) is filled with -inf and its allowed logits put back; only rows with many of
+    a JSON string: most of the vocabulary is allowed) gets `value` at just those; a row that allows few (a
+    key, a number, punctuation) is filled with `value` and its allowed logits put back; only rows with many of
     both go through a dense unpacked mask. The positions come from the nonzero words alone (numpy), and
     the rows are written through slices where contiguous. Elsewhere (an accelerator) the packed bitmask
     is copied over and unpacked there, in one in-place masked fill of the rows' slice."""
     if logits.device.type != "cpu" or not logits.is_contiguous():
-        _apply_dense(logits, bitmask, start)
+        _apply_dense(logits, bitmask, start, value)
         return
     vocab, words = logits.shape[1], bitmask.numpy()
     refused = ~words
@@ -127,15 +138,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, start: int = 0) -
     dense = touched & ~few_refused & ~few_allowed
     flat = logits.view(-1)
     if few_refused.any():
-        flat[torch.from_numpy(_bit_positions(refused[few_refused], rows[few_refused], vocab))] = float("-inf")
+        flat[torch.from_numpy(_bit_positions(refused[few_refused], rows[few_refused], vocab))] = value
     if few_allowed.any():
         keep = torch.from_numpy(_bit_positions(words[few_allowed], rows[few_allowed], vocab))
         kept = flat[keep]
-        _fill_rows(logits, rows[few_allowed], None)
+        _fill_rows(logits, rows[few_allowed], None, value)
         flat[keep] = kept
     if dense.any():
         refuse = np.unpackbits(refused[dense].view(np.uint8), axis=-1, count=vocab, bitorder="little")
-        _fill_rows(logits, rows[dense], torch.from_numpy(refuse.view(np.bool_)))
+        _fill_rows(logits, rows[dense], torch.from_numpy(refuse.view(np.bool_)), value)
 
 
 def _bit_positions(words: np.ndarray, rows: np.ndarray, vocab: int) -> np.ndarray:
@@ -151,26 +162,26 @@ def _bit_positions(words: np.ndarray, rows: np.ndarray, vocab: int) -> np.ndarra
     return positions[token < vocab] if n_words * 32 > vocab else positions
 
 
-def _fill_rows(logits: torch.Tensor, rows: np.ndarray, where: torch.Tensor | None) -> None:
-    """-inf over logits rows `rows` (ascending), everywhere or where `where` [len(rows), vocab] is set."""
+def _fill_rows(logits: torch.Tensor, rows: np.ndarray, where: torch.Tensor | None, value: float) -> None:
+    """`value` over logits rows `rows` (ascending), everywhere or where `where` [len(rows), vocab] is set."""
     if rows[-1] - rows[0] + 1 == len(rows):
         part = logits[int(rows[0]) : int(rows[-1]) + 1]
         if where is None:
-            part.fill_(float("-inf"))
+            part.fill_(value)
         else:
-            part.masked_fill_(where, float("-inf"))
+            part.masked_fill_(where, value)
         return
     index = torch.from_numpy(rows)
     if where is None:
-        logits.index_fill_(0, index, float("-inf"))
+        logits.index_fill_(0, index, value)
     else:
-        logits[index] = logits[index].masked_fill_(where, float("-inf"))
+        logits[index] = logits[index].masked_fill_(where, value)
 
 
-def _apply_dense(logits: torch.Tensor, bitmask: torch.Tensor, start: int) -> None:
+def _apply_dense(logits: torch.Tensor, bitmask: torch.Tensor, start: int, value: float) -> None:
     """`apply_bitmask` by unpacking the whole bitmask on the logits' device (one in-place masked fill)."""
     n, vocab = bitmask.shape[0], logits.shape[1]
     words = bitmask.to(logits.device, non_blocking=True)  # pinned where CUDA is: the copy overlaps
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     refuse = ((words.unsqueeze(-1) >> shifts) & 1).view(n, -1)[:, :vocab] == 0
-    logits[start : start + n].masked_fill_(refuse, float("-inf"))
+    logits[start : start + n].masked_fill_(refuse, value)
