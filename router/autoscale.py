@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.perf import PerfModel
-from router.planner import Dist, Workload, plan
+from router.planner import Dist, Workload, analytic, plan
 from shared.config import flag, knob_default
 
 AUTOSCALE_TTFT_MS, AUTOSCALE_TPOT_MS = 2000.0, 200.0  # the targets sized for when the router has none
@@ -31,6 +31,9 @@ class AutoscaleConfig:
     autoscale_period: float = flag(5.0, "seconds between autoscaling decisions", bounds=(0.5, None))
     autoscale_down_after: float = flag(30.0, "seconds the load must need fewer instances before one is drained",
                                        bounds=(0.0, None))
+    autoscale_window: float = flag(120.0, "seconds of load each decision looks back over (longer than the decision "
+                                          "period: a few heavy prompts in one period must not resize the pools)",
+                                   bounds=(0.5, None))
     autoscale_headroom: float = flag(1.3, "plan for this much more load than observed (arrivals are bursty)",
                                      bounds=(1.0, None))
 
@@ -93,10 +96,14 @@ class Autoscaler:
         w = Workload(obs.rate * self.headroom, Dist("fixed", max(1.0, obs.mean_prompt_tokens)),
                      Dist("fixed", max(1.0, obs.mean_output_tokens)), self.ttft_p90_s, self.tpot_p90_s)
         p = plan(self.perf, w, self.prefill.high, self.decode.high, self.ranks)
-        if p is None:
-            return Target(self.prefill.high, self.decode.high)
-        return Target(min(max(p.m, self.prefill.low), self.prefill.high),
-                      min(max(p.n, self.decode.low), self.decode.high))
+        if p is not None:
+            m, n = p.m, p.n
+        else:  # one side cannot make its target within its bound: that side at its maximum, the other as needed
+            m = next((m for m in range(1, self.prefill.high + 1)
+                      if analytic(self.perf, w, m, 1, self.ranks).ttft_p90_s <= w.ttft_p90_s), self.prefill.high)
+            n = next((n for n in range(1, self.decode.high + 1)
+                      if analytic(self.perf, w, 1, n, self.ranks).tpot_p90_s <= w.tpot_p90_s), self.decode.high)
+        return Target(min(max(m, self.prefill.low), self.prefill.high), min(max(n, self.decode.low), self.decode.high))
 
     def decide(self, now: float, obs: Observation, current: Target) -> Target:
         """The pools' sizes from now on, given the last window's load and the current sizes."""

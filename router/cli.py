@@ -411,7 +411,8 @@ def cluster_from_args(args: argparse.Namespace, log_dir: Path | None = None) -> 
         cluster.elastic = True
         cluster.extra_router += ["--autoscale", args.autoscale, "--autoscale-period", str(args.autoscale_period),
                                  "--autoscale-down-after", str(args.autoscale_down_after),
-                                 "--autoscale-headroom", str(args.autoscale_headroom)]
+                                 "--autoscale-headroom", str(args.autoscale_headroom),
+                                 "--autoscale-window", str(args.autoscale_window)]
     return cluster
 
 

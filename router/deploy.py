@@ -23,9 +23,9 @@ from typing import Any
 from router.server import RouterConfig
 from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, check_bounds, same_as
 
-KUBERNETES_ONLY = {"image", "auth", "lws", "autoscaling", "masterPort", "monitoring", "podDisruptionBudget", "resources",
-                   "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "replicas", "serviceType",
-                   "source", "pvc", "hostPath", "uri", "secretName", "rdmaResource", "hostNetwork"}
+KUBERNETES_ONLY = {"image", "auth", "lws", "autoscaling", "masterPort", "monitoring", "podDisruptionBudget",
+                   "resources", "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "replicas",
+                   "serviceType", "source", "pvc", "hostPath", "uri", "secretName", "rdmaResource", "hostNetwork"}
 SHARED_WEIGHTS_DIR = "/dev/shm/pdserve"  # engine.shareWeights: the chart mounts a memory emptyDir at /dev/shm
 _LAYERS = re.compile(r"\d+(-\d+)?")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -94,6 +95,7 @@ class RouterConfig(EndpointConfig):
     autoscale_period: float = same_as(AutoscaleConfig, "autoscale_period")
     autoscale_down_after: float = same_as(AutoscaleConfig, "autoscale_down_after")
     autoscale_headroom: float = same_as(AutoscaleConfig, "autoscale_headroom")
+    autoscale_window: float = same_as(AutoscaleConfig, "autoscale_window")
     load_interval: float = flag(0.25, "seconds between load reports polled from each instance")
     discovery_interval: float = flag(5.0, "seconds between DNS resolutions of dns:NAME:PORT instance addresses")
     http_port: int | None = flag(None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
@@ -791,18 +793,21 @@ async def _report_readiness(servicer: GenerationServicer, life: Lifecycle, perio
         await asyncio.sleep(period / 2)
 
 
-async def _autoscale(servicer: GenerationServicer, controller: Autoscaler, period: float) -> None:
-    """Every `period` s: the last window's load from this router's counters → the controller → each
-    pool's desired size, exported for whatever scales the pools (pdserve up, KEDA)."""
+async def _autoscale(servicer: GenerationServicer, controller: Autoscaler, period: float, window: float) -> None:
+    """Every `period` s: the load of the last `window` s from this router's counters → the controller →
+    each pool's desired size, exported for whatever scales the pools (pdserve up, KEDA)."""
     desired = Target(len(servicer.prefill.instances), len(servicer.decode.instances))
-    prev, t_prev = read_counters(metrics.REGISTRY.get_sample_value), time.monotonic()
+    readings = collections.deque([(time.monotonic(), read_counters(metrics.REGISTRY.get_sample_value))])
     while True:
         metrics.DESIRED.labels("prefill").set(desired.prefill)
         metrics.DESIRED.labels("decode").set(desired.decode)
         await asyncio.sleep(period)
-        cur, now = read_counters(metrics.REGISTRY.get_sample_value), time.monotonic()
+        now = time.monotonic()
+        readings.append((now, read_counters(metrics.REGISTRY.get_sample_value)))
+        while len(readings) > 2 and readings[1][0] <= now - window:
+            readings.popleft()
+        (t_prev, prev), cur = readings[0], readings[-1][1]
         obs = observe(prev, cur, now - t_prev)
-        prev, t_prev = cur, now
         wanted = controller.decide(now, obs, desired)
         if wanted != desired:
             log.info("autoscale: %.2f req/s (prompt %.0f, output %.0f tokens): prefill %d → %d, decode %d → %d",
@@ -821,7 +826,8 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
                  for pool in (servicer.prefill, servicer.decode) if pool.names or pool.files]
     watchers.append(asyncio.create_task(_report_readiness(servicer, life, cfg.load_interval)))
     if (controller := cfg.autoscaler(servicer.perf)) is not None:
-        watchers.append(asyncio.create_task(_autoscale(servicer, controller, cfg.autoscale_period)))
+        watchers.append(asyncio.create_task(_autoscale(servicer, controller, cfg.autoscale_period,
+                                                       cfg.autoscale_window)))
     servicer._background.update(watchers)  # referenced for the life of the process
     http = None
     if cfg.http_port is not None:  # up before the port file appears: a launcher may call both at once

@@ -56,8 +56,8 @@ def test_load_step_grows_and_shrinks_the_pools_without_losing_a_request(tmp_path
     """pdserve up --autoscale 1:3: the router decides, the cluster starts and drains instances."""
     SLOW_ROUTER.save(tmp_path / "profile.json")
     cluster = up_cluster(["--model", "models/demo-v32", "--port", "0", "--autoscale", "1:3", "--autoscale-period",
-                          "2", "--autoscale-down-after", "8", "--profile", str(tmp_path / "profile.json")],
-                         log_dir=tmp_path / "logs")
+                          "2", "--autoscale-window", "4", "--autoscale-down-after", "8", "--profile",
+                          str(tmp_path / "profile.json")], log_dir=tmp_path / "logs")
     assert cluster.elastic
     prompts = random_prompts(400, [64], 4000, seed=9)
     results: list[tuple[float, float | None, str | None]] = []  # (arrival, TTFT, error)
