@@ -28,6 +28,7 @@ from shared.rpc.service import (
     Credentials,
     Lifecycle,
     LoopQueue,
+    die_with_launcher,
     logprob_from_proto,
     logprob_to_proto,
     sampling_from_proto,
@@ -213,6 +214,7 @@ async def _serve_until_stopped(cfg: DecodeConfig, coordinator: DecodeHandle, tra
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
+    die_with_launcher()
     cfg = parse_args(argv)
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower

@@ -30,7 +30,15 @@ from shared.engine import LLMEngine
 from shared.engine.core import CommandError, follow
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Credentials, Lifecycle, logprob_to_proto, sampling_from_proto, start_server, wait_future
+from shared.rpc.service import (
+    Credentials,
+    Lifecycle,
+    die_with_launcher,
+    logprob_to_proto,
+    sampling_from_proto,
+    start_server,
+    wait_future,
+)
 from shared.transfer import Destination, TransferError
 
 log = logging.getLogger("pdserve.prefill")
@@ -164,6 +172,7 @@ async def _serve_until_stopped(cfg: PrefillConfig, servicer: PrefillServicer, fo
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
+    die_with_launcher()
     cfg = parse_args(argv)
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower

@@ -51,7 +51,7 @@ from shared.config import ServiceConfig, add_flags, same_as
 from shared.protocol.chat import EOS, split_reasoning
 from shared.rpc.certs import CertFiles, make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.rpc.service import TOKEN_ENV, Credentials, channel, die_with_parent
+from shared.rpc.service import LAUNCHER_ENV, TOKEN_ENV, Credentials, channel
 
 DEFAULT_MODEL = "models/demo-v32"  # the trained demo model (KJV English), committed
 TINY_MODEL = "models/tiny-v32"  # random weights, generated on first use where the demo model is absent
@@ -174,9 +174,10 @@ class Cluster:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "a")  # lives as long as the process
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}  # by environment: not in `ps`
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token,  # by environment: not in `ps`
+               LAUNCHER_ENV: str(os.getpid())}  # the service dies with the thread that starts it here
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, preexec_fn=die_with_parent)
+                                start_new_session=True)
         proc.pdserve_command = (name, args)  # type: ignore[attr-defined] - what restart() runs again
         self.procs.append(proc)
         return proc
@@ -243,7 +244,12 @@ class Cluster:
 
     def add_instance(self, kind: str, timeout: float = 240.0) -> str:
         """Start one more `kind` instance like the first of its pool and, once it serves, list it for the
-        router (elastic clusters); its address."""
+        router (elastic clusters); its address. It lives as long as the calling thread."""
+        return self.join_instance(kind, *self.start_instance(kind), timeout=timeout)
+
+    def start_instance(self, kind: str) -> tuple[subprocess.Popen, Path]:
+        """Spawn one more `kind` instance like the first of its pool (see join_instance); the process and
+        its port file."""
         addrs = self.prefill_addrs if kind == "prefill" else self.decode_addrs
         with self._lock:  # several may start at once
             name, args = self._commands[addrs[0]]
@@ -251,7 +257,11 @@ class Cluster:
             port_file = self._pool_dir / f"{kind}{index}.port"
             args = [("0" if prev == "--port" else str(port_file) if prev == "--port-file" else a)
                     for prev, a in zip(["", *args], args)]
-            proc = self._spawn(f"{kind}{index}", args)
+            return self._spawn(f"{kind}{index}", args), port_file
+
+    def join_instance(self, kind: str, proc: subprocess.Popen, port_file: Path, timeout: float = 240.0) -> str:
+        """Wait until a started instance serves, then list it for the router; its address."""
+        addrs = self.prefill_addrs if kind == "prefill" else self.decode_addrs
         address = f"{self.host}:{wait_port_file(port_file, timeout, proc)}"
         wait_serving(address, timeout, proc, self.credentials)
         with self._lock:
@@ -350,12 +360,19 @@ class LocalAutoscaler:
                   flush=True)
             adds = [kind for kind, n, m in (("prefill", have.prefill, want.prefill),
                                             ("decode", have.decode, want.decode)) for _ in range(m - n)]
-            with ThreadPoolExecutor(max(1, len(adds))) as pool:  # new instances load their models at once
-                for kind, address in zip(adds, pool.map(self.cluster.add_instance, adds), strict=True):
-                    print(f"autoscale: + {kind} {address}", flush=True)
-            for kind, n, m in (("prefill", have.prefill, want.prefill), ("decode", have.decode, want.decode)):
-                for _ in range(n - m):
-                    print(f"autoscale: - {kind} {self.cluster.remove_instance(kind)} (draining)", flush=True)
+            try:
+                # started here, on this long-lived thread (a service dies with the thread that started it),
+                # then waited for together: the new instances load their models at once
+                started = [(kind, *self.cluster.start_instance(kind)) for kind in adds]
+                with ThreadPoolExecutor(max(1, len(started))) as pool:
+                    for kind, address in zip(adds, pool.map(lambda s: self.cluster.join_instance(*s), started),
+                                             strict=True):
+                        print(f"autoscale: + {kind} {address}", flush=True)
+                for kind, n, m in (("prefill", have.prefill, want.prefill), ("decode", have.decode, want.decode)):
+                    for _ in range(n - m):
+                        print(f"autoscale: - {kind} {self.cluster.remove_instance(kind)} (draining)", flush=True)
+            except (RuntimeError, OSError, ValueError) as exc:  # an instance that failed to start: try again later
+                print(f"autoscale: {exc}", file=sys.stderr, flush=True)
             self.history.append((time.monotonic(), self.sizes()))
 
 

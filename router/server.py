@@ -51,7 +51,15 @@ from shared.protocol.structured import ConstraintCompiler, ConstraintKind, Struc
 from shared.protocol.tokenizer import Tokenizer
 from shared.protocol.tools import ToolCall, ToolFunction, tool_call_grammar
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
-from shared.rpc.service import Credentials, Lifecycle, aio_channel, sampling_from_proto, start_server, write_port_file
+from shared.rpc.service import (
+    Credentials,
+    Lifecycle,
+    aio_channel,
+    die_with_launcher,
+    sampling_from_proto,
+    start_server,
+    write_port_file,
+)
 
 log = logging.getLogger("pdserve.router")
 SERVICE = "pdserve.v1.Generation"
@@ -849,6 +857,7 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    die_with_launcher()
     cfg = parse_args(argv)
     metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
     asyncio.run(_serve_until_stopped(cfg))

@@ -368,6 +368,21 @@ def die_with_parent() -> None:
         pass
 
 
+LAUNCHER_ENV = "PDSERVE_LAUNCHER_PID"  # set by a launcher (pdserve up) whose services must not outlive it
+
+
+def die_with_launcher() -> None:
+    """At a service's start: when a launcher asked for it (LAUNCHER_ENV), die with the launcher's thread
+    that started this process (die_with_parent), and exit now if it is gone already. Done here, after
+    exec, rather than in a fork-time hook: running Python between fork and exec in a process with gRPC
+    threads can crash the child."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher:
+        die_with_parent()
+        if os.getppid() != int(launcher):
+            sys.exit(0)
+
+
 def write_port_file(path: str | None, port: int) -> None:
     """Report the port a service bound (port 0 = the OS picked one), atomically: a launcher reads it."""
     if path:
