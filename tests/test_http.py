@@ -318,7 +318,8 @@ def test_tool_call_round_trip(cluster, client):
 
 
 def test_no_instance_up_is_503(tmp_path):
-    """A router whose instances are all down answers 503 (and /health says so), not a hang or a 500."""
+    """A router whose instances are all down holds a request for them within its deadline (pdserve's
+    `timeout`), then answers 503 (and /health says so), not a hang or a 500."""
     port_file = tmp_path / "port"
     proc = subprocess.Popen([sys.executable, "-m", "router", "--model", DEMO, "--port", "0", "--http-port", "0",
                              "--port-file", str(port_file), "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
@@ -328,7 +329,8 @@ def test_no_instance_up_is_503(tmp_path):
         http = f"127.0.0.1:{int(port_file.with_name('port.http').read_text())}"
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.APIStatusError) as err:
-            client.completions.create(model="demo-v32", prompt="hi", max_tokens=4, timeout=60)
+            client.completions.create(model="demo-v32", prompt="hi", max_tokens=4, timeout=60,
+                                      extra_body={"timeout": 2.0})
         assert err.value.status_code == 503 and err.value.body["type"] == "service_unavailable"
         assert wait_for(lambda: httpx.get(f"http://{http}/health").status_code == 503, 30)
     finally:
