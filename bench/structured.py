@@ -17,8 +17,9 @@ over rounds); `/ free` is the median over rounds of that round's p50 ratio (the 
 runs masked by shared/engine/structured.py as of git revision REV (before/after in one run). During the
 constrained runs `Grammars.mask` (median ms per step, mean µs per constrained row) and
 `GrammarState.advance` (µs per token) are timed. The machine is shared: before each round the bench waits
-(--quiet-wait s at most) until other programs use under --quiet-below cores, and prints the cores they
-used during each round (bench/hostload).
+(--quiet-wait s at most) until other programs use under --quiet-below cores, measures the cores they
+used during each batch's runs (bench/hostload), and the table keeps the rounds in which they stayed
+under --quiet-below (all rounds when none did; the `quiet rounds` column says how many).
 
 Compile: 6 schemas of rising size, each compiled cold (`ConstraintCompiler.matcher` with an empty
 cache and llguidance's grammar text not cached: JSON schema → grammar → LLMatcher, checked by one
@@ -223,12 +224,12 @@ def bench_tpot(args, llm: LLM, baselines: dict[str, Grammars]) -> tuple[list[lis
         run_tpot(llm, prompts[batches[-1]][:4], dataclasses.replace(params, max_tokens=4), grammars)
     results: dict[tuple[int, str], list[dict]] = {(b, v): [] for b in batches for v in variants}
     ratios: dict[tuple[int, str], list[float]] = {(b, v): [] for b in batches for v in variants}
-    others: list[float] = []
+    others: dict[int, list[float]] = {b: [] for b in batches}  # other programs' cores, per round
     for r in range(args.rounds):
         if args.quiet_below > 0:
             wait_quiet(args.quiet_below, args.quiet_wait)
-        load = ForeignLoad()
         for b in batches:
+            load = ForeignLoad()
             order = list(variants) if r % 2 == 0 else list(variants)[::-1]  # ABBA over rounds
             for v in order:
                 res = run_tpot(llm, prompts[b], *variants[v])
@@ -238,25 +239,29 @@ def bench_tpot(args, llm: LLM, baselines: dict[str, Grammars]) -> tuple[list[lis
                       file=_sys.stderr, flush=True)
             for v in variants:
                 ratios[b, v].append(results[b, v][-1]["p50_ms"] / results[b, "free"][-1]["p50_ms"])
-        others.append(load.cores())
+            others[b].append(load.cores())
     rows, tpots, overhead = [], {v: [] for v in variants}, {}
     for b in batches:
+        # the rounds in which other programs stayed under --quiet-below cores; all when none did
+        quiet = [r for r, c in enumerate(others[b]) if c < args.quiet_below] or list(range(args.rounds))
         for v in variants:
-            res = results[b, v]
+            res, free_res, rat = ([xs[r] for r in quiet] for xs in (results[b, v], results[b, "free"], ratios[b, v]))
             tpots[v].append(statistics.median(x["p50_ms"] for x in res))
-            ratio = statistics.median(ratios[b, v])
+            ratio = statistics.median(rat)
             if v == "json":
                 overhead[b] = ratio - 1
-            mean_ratio = statistics.median(x["mean_ms"] / f["mean_ms"] for x, f in zip(res, results[b, "free"]))
-            rows.append([b, v, f"{tpots[v][-1]:.2f}", f"{statistics.median(x['mean_ms'] for x in res):.2f}",
-                         f"{ratio:.3f}", f"{min(ratios[b, v]):.2f}-{max(ratios[b, v]):.2f}",
+            mean_ratio = statistics.median(x["mean_ms"] / f["mean_ms"] for x, f in zip(res, free_res))
+            rows.append([b, v, f"{len(quiet)}/{args.rounds}", f"{tpots[v][-1]:.2f}",
+                         f"{statistics.median(x['mean_ms'] for x in res):.2f}",
+                         f"{ratio:.3f}", f"{min(rat):.2f}-{max(rat):.2f}",
                          f"{100 * (ratio - 1):+.1f}%", f"{mean_ratio:.3f}",
                          f"{statistics.median(x['mask_ms'] for x in res):.3f}" if v != "free" else "-",
                          f"{statistics.median(x['mask_us_row'] for x in res):.1f}" if v != "free" else "-",
                          f"{statistics.median(x['advance_us_token'] for x in res):.1f}" if v != "free" else "-",
                          "/".join(f"{lo}-{hi}" for lo, hi in sorted({x["lengths"] for x in res})),
                          ",".join(sorted(set().union(*(x["finish"] for x in res))))])
-    print(f"others' CPU during the rounds: {', '.join(f'{c:.2f}' for c in others)} cores", flush=True)
+    for b in batches:
+        print(f"batch {b}: others' CPU during each round {', '.join(f'{c:.2f}' for c in others[b])} cores", flush=True)
     return rows, tpots, overhead
 
 
@@ -388,8 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nDecode TPOT, free vs JSON schema ({args.new_tokens} tokens/request, greedy, ignore_eos, "
               f"{args.rounds} alternating rounds): TPOT p50 = median decode step (each gives every request a "
               "token), mean = decode time / tokens after the first; / free = median over rounds of the round's "
-              "p50 ratio")
-        print(table(["batch", "variant", "TPOT p50 ms", "mean ms", "/ free", "rounds", "overhead",
+              f"p50 ratio; over the rounds in which others used < {args.quiet_below} cores (all if none)")
+        print(table(["batch", "variant", "quiet rounds", "TPOT p50 ms", "mean ms", "/ free", "rounds", "overhead",
                      "mean / free", "mask ms/step", "mask µs/row", "advance µs/tok", "tokens", "finish"], rows))
         batches = [int(b) for b in args.batches.split(",")]
         path = bar_plot(OUT / "structured.png",
