@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.perf import PerfModel
-from router.planner import Dist, Workload, analytic, plan
+from router.planner import Dist, Observation, Target, Workload, analytic, plan
 from shared.config import flag, knob_default
 
 AUTOSCALE_TTFT_MS, AUTOSCALE_TPOT_MS = 2000.0, 200.0  # the targets sized for when the router has none
@@ -54,21 +54,6 @@ class Bounds:
         if not 1 <= low <= high:
             raise ValueError(f"--autoscale {text!r}: need 1 <= MIN <= MAX")
         return cls(low, high)
-
-
-@dataclass(frozen=True)
-class Observation:
-    """The load over the last window, as the router counts it."""
-
-    rate: float  # requests / s
-    mean_prompt_tokens: float
-    mean_output_tokens: float
-
-
-@dataclass(frozen=True)
-class Target:
-    prefill: int
-    decode: int
 
 
 @dataclass

@@ -73,6 +73,21 @@ class Dist:
         return 2 * self.a * self.a
 
 
+@dataclass(frozen=True)
+class Observation:
+    """The load over the last window, as the router counts it."""
+
+    rate: float  # requests / s
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+
+
+@dataclass(frozen=True)
+class Target:
+    prefill: int
+    decode: int
+
+
 @dataclass
 class Workload:
     rate: float  # requests / s
@@ -588,7 +603,6 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
       capacity (what the policy's room check sees).
 
     Instance-hours: ∫ (M + N) dt over instances booting, up or draining, until the last request ends."""
-    from router.autoscale import Observation, Target
 
     policy = policy or SlaPolicy(perf, seed=seed)
     static = isinstance(sizing, Target)
