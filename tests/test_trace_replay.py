@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from bench import trace_replay
-from bench.trace_replay import TRACE
 from router.autoscale import Autoscaler, Bounds, Target
 from router.perf import PerfModel
 from router.planner import TraceRequest, simulate_trace
+
+FIRST_MINUTES = Path(__file__).parent / "data" / "mooncake_conversation_first_2min.jsonl"
 
 # Prefill takes 100 ms whatever the prompt; a decode step takes 10 ms + 2 ms per running request; no transfer.
 FLAT = PerfModel(prefill_base_s=0.1, prefill_per_token_s=0.0, decode_base_s=0.01, decode_per_seq_s=0.002,
@@ -126,13 +128,12 @@ def test_a_removed_decode_instance_migrates_its_requests_and_a_removed_prefill_f
 
 
 def test_the_bench_runs_on_two_minutes(tmp_path, monkeypatch, capsys):
-    """bench/trace_replay.py's main on the first two minutes of the real trace, in-process (its plot is left
-    to tests/test_bench_smoke.py: matplotlib alone takes seconds)."""
-    if not TRACE.exists():
-        pytest.skip("the Mooncake trace is not beside the checkout")
+    """bench/trace_replay.py's main on the first two minutes of the real trace (346 requests, kept in
+    tests/data: Mooncake's FAST'25 trace, Apache-2.0, tests/data/LICENSE-mooncake-trace), in-process (its plot
+    is left to tests/test_bench_smoke.py: matplotlib alone takes seconds)."""
     monkeypatch.setattr(trace_replay, "OUT", tmp_path)
     monkeypatch.setattr(trace_replay, "_plot", lambda path, results, args: path.write_bytes(b""))
-    trace_replay.main(["--minutes", "2", "--max-m", "2", "--max-n", "1", "--jobs", "1"])
+    trace_replay.main(["--trace", str(FIRST_MINUTES), "--minutes", "2", "--max-m", "2", "--max-n", "1", "--jobs", "1"])
     out = capsys.readouterr().out
     assert "static 2P+1D" in out and "autoscaler, as shipped" in out
     assert (tmp_path / "trace_replay.png").exists() and (tmp_path / "trace_replay.json").exists()
