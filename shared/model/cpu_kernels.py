@@ -79,36 +79,39 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {flags}"
 
 
-def _source() -> str | None:
-    """The kernels' C source, read from the package (an installed wheel or the source tree); None, with a
+def _source(source_file: str) -> str | None:
+    """A kernel library's C source, read from the package (an installed wheel or the source tree); None, with a
     warning, where the file is missing (a broken install: the portable path runs)."""
     try:
-        return resources.files(__package__).joinpath(_SOURCE_FILE).read_text(encoding="utf-8")
+        return resources.files(__package__).joinpath(source_file).read_text(encoding="utf-8")
     except OSError as exc:
         warnings.warn(f"the CPU kernels' source is missing ({exc}); using the portable path", RuntimeWarning,
-                      stacklevel=4)
+                      stacklevel=5)
         return None
 
 
-def _build() -> ctypes.CDLL | None:
-    """Compile (or reuse) the kernel for this CPU; None, with a warning, where that is not possible."""
+def build_library(source_file: str) -> ctypes.CDLL | None:
+    """Compile (or reuse) the C file `source_file` (relative to shared.model) for this CPU; None, with a
+    warning, where that is not possible. Each file is its own shared object, cached by its source, flags,
+    compiler and CPU; the caller declares its functions' signatures."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         warnings.warn("no C compiler: the CPU kernels are off; the portable (slower) path runs", RuntimeWarning,
-                      stacklevel=3)
+                      stacklevel=4)
         return None
-    source = _source()
+    source = _source(source_file)
     if source is None:
         return None
     key = hashlib.sha256("\0".join([source, _march(), *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    stem = Path(source_file).stem
+    target = _cache_dir() / f"{stem}-{key}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                src = Path(tmp) / "cpu_kernels.c"
+                src = Path(tmp) / f"{stem}.c"
                 src.write_text(source)
-                built = Path(tmp) / "cpu_kernels.so"
+                built = Path(tmp) / f"{stem}.so"
                 result = subprocess.run([compiler, _march(), *_FLAGS, str(src), "-o", str(built), "-lm"],
                                         capture_output=True, text=True, timeout=120)
                 if result.returncode != 0:
@@ -117,7 +120,15 @@ def _build() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         warnings.warn(f"building the CPU kernels in {target.parent} failed ({exc}); using the portable "
-                      "path (set PDSERVE_KERNEL_CACHE to a writable directory)", RuntimeWarning, stacklevel=3)
+                      "path (set PDSERVE_KERNEL_CACHE to a writable directory)", RuntimeWarning, stacklevel=4)
+        return None
+    return lib
+
+
+def _build() -> ctypes.CDLL | None:
+    """Build (or reuse) this module's kernels and declare their signatures; None where they cannot be built."""
+    lib = build_library(_SOURCE_FILE)
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_mqa.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr,
