@@ -363,3 +363,16 @@ def test_decode_rows_are_batch_invariant(tmp_path, arch, monkeypatch):
     batched = decode(list(range(70)))[0]  # rewrites request 0's new row with the same bits
     assert torch.equal(alone, batched)
     assert torch.equal(decode([0, 69])[0], alone)
+
+
+def test_an_engine_builds_the_kernels_before_its_first_request(monkeypatch, tmp_path, ckpt):
+    """No cold start: constructing an engine (what a service does before it reports SERVING) builds the
+    kernels into an empty cache, so no request waits for the compiler."""
+    from shared.engine import LLM
+
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    llm = LLM(str(ckpt("v32_sparse")), block_size=4)
+    assert list(tmp_path.glob("cpu_kernels-*.so")), "the engine started without building its kernels"
+    assert cpu_kernels._library is not None and llm.engine.kernel_build_seconds > 0

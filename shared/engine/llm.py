@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+import shared.model.cpu_kernels as cpu_kernels
 from shared.config import EngineConfig
 from shared.device import compute_dtype, get_device
 from shared.engine.policy import policy_for
@@ -124,6 +125,7 @@ class LLMEngine:
         # parallel ranks keep one scratch block for dummy batches (DP idle ranks, empty CP shares)
         self.scratch_blocks: list[int] | None = self.kv.allocator.allocate(1) if self.parallel.is_parallel else None
         self.stepped = False  # whether the last step() ran a forward (a dummy one included)
+        self.kernel_build_seconds = cpu_kernels.prepare(next(self.model.parameters()))  # before any request
 
     @property
     def limits(self) -> RequestLimits:

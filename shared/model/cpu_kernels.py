@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -161,6 +162,17 @@ def library() -> ctypes.CDLL | None:
                     _library = _build()
                 _tried = True
     return _library
+
+
+def prepare(weights: torch.Tensor) -> float:
+    """Build (or load) the kernels now if the model whose `weights` these are lives in host memory, so the
+    first requests do not wait for the compiler (about a second per library on a cold cache): an engine
+    calls this before it reports ready. Returns the seconds it took (0 where kernels do not apply)."""
+    if not on_host(weights):
+        return 0.0
+    start = time.perf_counter()
+    library()
+    return time.perf_counter() - start
 
 
 def attention_usable(query: torch.Tensor, pool: torch.Tensor, out_dim: int) -> bool:
