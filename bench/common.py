@@ -1,9 +1,11 @@
-"""Helpers for benchmarks: output folder, markdown tables, matplotlib bar plots."""
+"""Helpers for benchmarks: output folder, markdown tables, matplotlib bar plots, the machine's limits."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,3 +75,99 @@ def line_plot(path: Path, title: str, xs: list[int], series: dict[str, list[floa
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel(xlabel)
     return _save(plt, fig, ax, path, title, ylabel)
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """What this machine can do at the bench's thread count: dense GEMM rates and memory copy bandwidth.
+    A bench prints its model's FLOP and KV bytes per token against these, so a table says how far the
+    engine is from the machine and not only from a peer."""
+
+    threads: int
+    fp32_gflops: float
+    bf16_gflops: float
+    copy_gbps: float  # bytes read + written per second by a large tensor copy
+
+    @classmethod
+    def measure(cls, gemm: int = 1024, copy_mib: int = 256, rounds: int = 5) -> MachineLimits:
+        """Best of `rounds` timings: a gemm³ matmul in fp32 and bf16, a copy of `copy_mib` MiB (past caches)."""
+        import torch
+
+        def best(fn) -> float:
+            fn()
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        flops = 2.0 * gemm**3
+        a32, b32 = torch.randn(gemm, gemm), torch.randn(gemm, gemm)
+        a16, b16 = a32.bfloat16(), b32.bfloat16()
+        src = torch.empty(copy_mib << 20, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        return cls(threads=torch.get_num_threads(), fp32_gflops=flops / best(lambda: a32 @ b32) / 1e9,
+                   bf16_gflops=flops / best(lambda: a16 @ b16) / 1e9,
+                   copy_gbps=2 * src.numel() / best(lambda: dst.copy_(src)) / 1e9)
+
+    def describe(self) -> str:
+        return (f"this machine at {self.threads} thread(s): GEMM {self.fp32_gflops:,.0f} GFLOP/s fp32, "
+                f"{self.bf16_gflops:,.0f} GFLOP/s bf16; copy {self.copy_gbps:,.1f} GB/s")
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    """One decode token's work in a model: matmul FLOP (2 per active weight; embeddings are lookups, routed
+    experts count top_k of E) plus attention FLOP over its context, and the KV bytes it reads."""
+
+    weight_flop: float
+    attention_flop_per_position: float  # FLOP per attended context position, all layers
+    attended: int | None  # positions attended at most (index_topk for V3.2's sparse attention; None: all)
+    index_flop_per_position: float  # the indexer scores every position, all layers
+    kv_bytes_per_position: int  # every layer's rows read per attended position
+
+    @classmethod
+    def of(cls, model, kv_bytes_per_token: int) -> TokenCost:
+        """From a built model (any device, meta included) and its KV layout's bytes per token (all layers)."""
+        cfg = model.config
+        routed_share = cfg.num_experts_per_tok / cfg.n_routed_experts if cfg.n_routed_experts else 1.0
+        active = 0.0
+        for name, p in model.named_parameters():
+            if p.dim() < 2 or "embed_tokens" in name:
+                continue
+            active += p.numel() * (routed_share if ".mlp.experts." in name else 1.0)
+        layers = cfg.num_hidden_layers
+        latent = cfg.kv_lora_rank
+        per_position = layers * cfg.num_attention_heads * 2.0 * ((latent + cfg.qk_rope_head_dim) + latent)
+        index = layers * cfg.index_n_heads * 2.0 * cfg.index_head_dim if cfg.has_indexer else 0.0
+        return cls(2.0 * active, per_position, cfg.index_topk or None, index, kv_bytes_per_token)
+
+    def flop(self, context: int) -> float:
+        attended = min(context, self.attended) if self.attended else context
+        return self.weight_flop + self.attention_flop_per_position * attended + self.index_flop_per_position * context
+
+    def kv_bytes(self, context: int) -> float:
+        return float(self.kv_bytes_per_position * context)
+
+    def sequence_flop(self, prompt_len: int, new_tokens: int) -> float:
+        """FLOP of one request: every prompt and generated token through the weights, each attending to the
+        positions before it (prefill counted in the absorbed form too: an upper bound of its attention)."""
+        return sum(self.flop(t) for t in range(1, prompt_len + new_tokens + 1))
+
+    def sequence_kv_read(self, prompt_len: int, new_tokens: int) -> float:
+        """KV bytes the decode steps of one request read (each generated token reads its whole context)."""
+        return sum(self.kv_bytes(t) for t in range(prompt_len + 1, prompt_len + new_tokens + 1))
+
+    def describe(self, context: int) -> str:
+        return (f"{self.flop(context) / 1e6:,.1f} MFLOP and {self.kv_bytes(context) / 1e3:,.1f} kB of KV per token "
+                f"at context {context}")
+
+
+def against_limits(limits: MachineLimits, flop_per_s: float, kv_bytes_per_s: float, dtype_name: str) -> str:
+    """The rates a measured run implies, as shares of the machine's GEMM rate in the dtype the model computes
+    in (`bfloat16` or `float32`) and of its copy bandwidth."""
+    peak = limits.bf16_gflops if dtype_name == "bfloat16" else limits.fp32_gflops
+    gflops, gbps = flop_per_s / 1e9, kv_bytes_per_s / 1e9
+    return (f"{gflops:,.1f} GFLOP/s ({100 * gflops / peak:.0f}% of the {dtype_name} GEMM rate), "
+            f"KV read {gbps:,.2f} GB/s ({100 * gbps / limits.copy_gbps:.1f}% of copy bandwidth)")

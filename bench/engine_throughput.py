@@ -9,7 +9,9 @@ The model is the embedded tiny DeepSeek (hidden 256, 4 layers, kv_lora 512, rope
 top-2), which vLLM's CPU MLA backend accepts; vLLM does not run the V3.2 indexer, so its rows use
 deepseek_v3 (`--model-type deepseek_v32` measures pdserve's sparse path alone). Greedy, ignore_eos.
 `--peer vllm` installs vLLM into its own venv on first use (bench/peers). Prints a table of tok/s
-and ratios and saves bench/out/engine_throughput.png.
+and ratios and saves bench/out/engine_throughput.png. Under the table: this machine's GEMM rate and copy
+bandwidth (bench.common.MachineLimits) and, per batch, the FLOP/s and KV bytes/s pdserve's runs imply
+as shares of them (every prompt and generated token's matmul and attention FLOP; KV read by decode).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, line_plot, table
+from bench.common import OUT, MachineLimits, TokenCost, against_limits, line_plot, table
 from bench.peers import VLLM_CONFIG, VllmOffline
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         path = write_checkpoint(Path(tmp) / args.model_type, args.model_type, tokenizer=False, **extra)
         llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(batches), compile=args.compile)
         run_pdserve(llm, [[5, 6, 7, 8]], 4)  # warm-up
+        cost = TokenCost.of(llm.engine.model, llm.engine.layout.bytes_per_token())
+        seconds: list[float] = []
         vllm = VllmOffline(str(path), args.dtype) if "vllm" in peers else None
         hf = None
         if "transformers" in peers:
@@ -82,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                 prompts = torch.randint(2, 1024, (batch, args.prompt_len)).tolist()
                 print(f"batch {batch}: pdserve ...", end="", flush=True)
                 results["pdserve"].append(run_pdserve(llm, prompts, args.new_tokens))
+                seconds.append(batch * args.new_tokens / results["pdserve"][-1])
                 print(f" {results['pdserve'][-1]:,.0f} tok/s", end="", flush=True)
                 if vllm is not None:
                     results["vllm"].append(vllm.run(prompts, args.new_tokens))
@@ -106,6 +111,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model_type}, {args.dtype}, {args.prompt_len}-token prompts → {args.new_tokens} tokens, "
           f"{torch.get_num_threads()} threads")
     print(table(headers, rows))
+    limits = MachineLimits.measure()
+    print(f"{limits.describe()}; the model: {cost.describe(args.prompt_len + args.new_tokens)}")
+    for batch, dt in zip(batches, seconds):
+        flop = batch * cost.sequence_flop(args.prompt_len, args.new_tokens)
+        kv = batch * cost.sequence_kv_read(args.prompt_len, args.new_tokens)
+        print(f"  pdserve batch {batch}: {against_limits(limits, flop / dt, kv / dt, args.dtype)}")
     png = line_plot(OUT / "engine_throughput.png", f"{args.model_type} {args.dtype}: {args.prompt_len} → "
                     f"{args.new_tokens} tokens", batches, results, "batch (prompts)", "output tokens/s")
     print(f"plot: {png}")
