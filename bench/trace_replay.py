@@ -136,10 +136,11 @@ def deepseek_v3_h800() -> PerfModel:
 
 
 SHIPPED_PERIOD = knob_default(AutoscaleConfig, "autoscale_period")
-AUTOSCALERS = {  # name: (period s, observation window s, headroom, down after s, observe uncached prompt tokens)
-    "autoscaler, as shipped": (SHIPPED_PERIOD, SHIPPED_PERIOD, None, None, False),  # `pdserve up --autoscale`
-    "autoscaler, 120 s window": (15.0, 120.0, None, None, False),
-    "autoscaler, 120 s window, uncached": (15.0, 120.0, None, None, True),
+SHIPPED_WINDOW = knob_default(AutoscaleConfig, "autoscale_window")
+AUTOSCALERS = {  # name: (period s, observation window s, headroom, down after s, observe cached prompt tokens)
+    "autoscaler, as shipped": (SHIPPED_PERIOD, SHIPPED_WINDOW, None, None, True),  # `pdserve up --autoscale`
+    "autoscaler, sized on all prompt tokens": (SHIPPED_PERIOD, SHIPPED_WINDOW, None, None, False),
+    "autoscaler, one-period window": (SHIPPED_PERIOD, SHIPPED_PERIOD, None, None, True),
 }
 
 
@@ -147,14 +148,14 @@ def _run(job: tuple) -> tuple[str, TraceResult]:
     name, requests, sizing, initial, args = job
     perf = deepseek_v3_h800()
     period = window = 15.0
-    uncached = False
+    cached = False
     if sizing in AUTOSCALERS:
-        period, window, headroom, down_after, uncached = AUTOSCALERS[sizing]
+        period, window, headroom, down_after, cached = AUTOSCALERS[sizing]
         knobs = {k: v for k, v in (("headroom", headroom), ("down_after_s", down_after)) if v is not None}
         sizing = Autoscaler(perf, args["ttft_s"], args["tpot_s"], Bounds(args["min_m"], args["max_m"]),
                             Bounds(1, args["max_n"]), **knobs)
     return name, simulate_trace(perf, requests, sizing, args["ttft_s"], args["tpot_s"], period=period, window=window,
-                                startup_s=args["startup_s"], initial=initial, observe_uncached=uncached,
+                                startup_s=args["startup_s"], initial=initial, observe_cached=cached,
                                 block_tokens=BLOCK_TOKENS, prefix_cache_blocks=args["cache_blocks"],
                                 decode_kv_tokens=args["decode_kv_tokens"], candidates=args["candidates"])
 

@@ -79,7 +79,8 @@ class Autoscaler:
         if obs.rate <= 0:
             return Target(self.prefill.low, self.decode.low)
         w = Workload(obs.rate * self.headroom, Dist("fixed", max(1.0, obs.mean_prompt_tokens)),
-                     Dist("fixed", max(1.0, obs.mean_output_tokens)), self.ttft_p90_s, self.tpot_p90_s)
+                     Dist("fixed", max(1.0, obs.mean_output_tokens)), self.ttft_p90_s, self.tpot_p90_s,
+                     cached_tokens=obs.mean_cached_prompt_tokens)
         p = plan(self.perf, w, self.prefill.high, self.decode.high, self.ranks)
         if p is not None:
             m, n = p.m, p.n
@@ -115,6 +116,7 @@ class Autoscaler:
 COUNTERS = {  # what `observe` reads of the router's metrics: (name, labels)
     "arrivals": ("pdserve_router_arrivals_total", {}),
     "prompt_tokens": ("pdserve_tokens_total", {"service": "router", "kind": "prompt"}),
+    "cached_prompt_tokens": ("pdserve_tokens_total", {"service": "router", "kind": "cached_prompt"}),
     "output_tokens": ("pdserve_tokens_total", {"service": "router", "kind": "output"}),
     "completed": ("pdserve_router_e2e_seconds_count", {}),
 }
@@ -128,12 +130,16 @@ def read_counters(sample: Callable[[str, dict[str, str]], float | None]) -> dict
 
 def observe(prev: dict[str, float], cur: dict[str, float], seconds: float) -> Observation:
     """The window's load from two readings of the router's counters: arrivals per second, mean prompt
-    tokens per arrival, mean output tokens per completed request."""
+    tokens per arrival, mean output tokens per completed request, mean prompt tokens per arrival found in a
+    prefill instance's prefix cache."""
     arrived = max(0.0, cur["arrivals"] - prev["arrivals"])
     completed = max(0.0, cur["completed"] - prev["completed"])
-    return Observation(arrived / seconds if seconds > 0 else 0.0,
-                       max(0.0, cur["prompt_tokens"] - prev["prompt_tokens"]) / max(arrived, 1.0),
-                       max(0.0, cur["output_tokens"] - prev["output_tokens"]) / max(completed, 1.0))
+
+    def per(key: str, count: float) -> float:
+        return max(0.0, cur[key] - prev[key]) / max(count, 1.0)
+
+    return Observation(arrived / seconds if seconds > 0 else 0.0, per("prompt_tokens", arrived),
+                       per("output_tokens", completed), per("cached_prompt_tokens", arrived))
 
 
 def instance_hours(samples: list[tuple[float, Target]], end: float) -> float:

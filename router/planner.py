@@ -80,6 +80,7 @@ class Observation:
     rate: float  # requests / s
     mean_prompt_tokens: float
     mean_output_tokens: float
+    mean_cached_prompt_tokens: float = 0.0  # of the prompt tokens, those a prefill instance found in its cache
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Workload:
     ttft_p90_s: float
     tpot_p90_s: float
     attainment: float = 0.9
+    cached_tokens: float = 0.0  # mean prompt tokens prefill finds in its prefix cache (not computed; still sent)
 
 
 @dataclass
@@ -145,7 +147,7 @@ def analytic(perf: PerfModel, w: Workload, m: int, n: int, ranks: int = 1) -> Pr
         pred = _analytic(perf.scaled(stretch_p, stretch_d), w, m, n, ranks)
         if math.isinf(pred.ttft_p90_s) or math.isinf(pred.tpot_p90_s):
             return pred
-        busy_p = min(1.0, w.rate * perf.prefill_seconds(w.isl.mean) * stretch_p / m)
+        busy_p = min(1.0, w.rate * perf.prefill_seconds(_computed(w)) * stretch_p / m)
         busy_d = 1 - math.exp(-w.rate / n * w.osl.mean * pred.tpot_p50_s)
         new_p = perf.prefill_slowdown(n * busy_d + (m - 1) * busy_p)
         new_d = perf.decode_slowdown(m * busy_p + (n - 1) * busy_d)
@@ -155,11 +157,17 @@ def analytic(perf: PerfModel, w: Workload, m: int, n: int, ranks: int = 1) -> Pr
     return pred
 
 
+def _computed(w: Workload) -> float:
+    """Mean prompt tokens a prefill instance computes: the prompt less what its prefix cache holds."""
+    return max(1.0, w.isl.mean - w.cached_tokens)
+
+
 def _analytic(perf: PerfModel, w: Workload, m: int, n: int, ranks: int = 1) -> Prediction:
     inf = math.inf
-    # prefill: M/G/m, service S = prefill(isl)
-    s_mean = perf.prefill_seconds(w.isl.mean)
-    s2 = (perf.prefill_base_s + perf.prefill_per_token_s * w.isl.mean) ** 2 \
+    # prefill: M/G/m, service S = prefill(computed tokens); the KV of the whole prompt is sent
+    computed = _computed(w)
+    s_mean = perf.prefill_seconds(computed)
+    s2 = (perf.prefill_base_s + perf.prefill_per_token_s * computed) ** 2 \
         + (perf.prefill_per_token_s ** 2) * (w.isl.second_moment - w.isl.mean ** 2)
     cs2 = max(0.0, s2 / (s_mean * s_mean) - 1) if s_mean else 0.0
     load = w.rate * s_mean
@@ -173,7 +181,7 @@ def _analytic(perf: PerfModel, w: Workload, m: int, n: int, ranks: int = 1) -> P
         def wait_quantile(q: float) -> float:
             return 0.0 if wait_prob <= 1 - q else math.log(wait_prob / (1 - q)) / decay
 
-        s90 = perf.prefill_seconds(w.isl.mean + Z90 * math.sqrt(max(0.0, w.isl.second_moment - w.isl.mean ** 2)))
+        s90 = perf.prefill_seconds(computed + Z90 * math.sqrt(max(0.0, w.isl.second_moment - w.isl.mean ** 2)))
         ttft50 = wait_quantile(0.5) + s_mean + transfer
         ttft90 = wait_quantile(0.9) + s90 + transfer
     # decode: Little's law per DP rank, B = λ·OSL·(a + B·(b + c·ctx))
@@ -395,7 +403,7 @@ def run_plan(perf: PerfModel, w: Workload, max_m: int, max_n: int, ranks: int = 
 
 
 def _at(w: Workload, rate: float) -> Workload:
-    return Workload(rate, w.isl, w.osl, w.ttft_p90_s, w.tpot_p90_s, w.attainment)
+    return Workload(rate, w.isl, w.osl, w.ttft_p90_s, w.tpot_p90_s, w.attainment, w.cached_tokens)
 
 
 def _plot(perf: PerfModel, w: Workload, m: int, n: int, ranks: int, requests: int, seed: int, path: str) -> None:
@@ -569,7 +577,7 @@ class _TDecode:
 
 def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object, ttft_s: float, tpot_s: float,
                    period: float = 15.0, window: float | None = None, startup_s: float = 60.0,
-                   initial: object | None = None, observe_uncached: bool = False,
+                   initial: object | None = None, observe_cached: bool = False,
                    block_tokens: int = 512, prefix_cache_blocks: int = 1 << 30, decode_kv_tokens: int = 1 << 40,
                    policy: SlaPolicy | None = None, candidates: int | None = None, bucket_s: float = 60.0,
                    seed: int = 0) -> TraceResult:
@@ -579,12 +587,12 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
     s of simulated time with the load of the last `window` s (default: the period) as the router counts it
     (arrivals / s, mean prompt tokens per arrival, mean output tokens per completed request). Every
     placement is the router's policy object (SlaPolicy, as `simulate`) over the instances that are up, with
-    `cached_by_prefill` from each prefill instance's prefix cache; a refusal is a miss. `observe_uncached`:
-    the observed prompt tokens leave out those the chosen prefill instance holds in its cache (what the
-    router could subtract with its cached-prompt token counter). `candidates`: show the policy only that
-    many prefill and decode instances, those its own curves predict fastest (on dedicated hardware a pair's
-    cost is a prefill term plus a decode term, so the best pair is among them; near-ties spread over fewer);
-    None: all, as the router does.
+    `cached_by_prefill` from each prefill instance's prefix cache; a refusal is a miss. `observe_cached`: the
+    observation also counts the prompt tokens the chosen prefill instance holds in its cache, as the router's
+    cached-prompt token counter does (the autoscaler then sizes prefill on the tokens it computes).
+    `candidates`: show the policy only that many prefill and decode instances, those its own curves predict
+    fastest (on dedicated hardware a pair's cost is a prefill term plus a decode term, so the best pair is
+    among them; near-ties spread over fewer); None: all, as the router does.
 
     * A new instance serves `startup_s` after it is asked for (booting, it counts in instance-hours); a
       static sizing's and `initial`'s instances are up from the start (`initial`: the controller's sizes
@@ -623,7 +631,7 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
     acct = {"t": 0.0, "m": 0, "n": 0, "hours": 0.0}
     sizes: list[tuple[float, int, int]] = []
     window = window or period
-    arrived: list[tuple[float, int]] = []  # (time, prompt tokens) of every arrival, for the observation window
+    arrived: list[tuple[float, int, int]] = []  # (time, prompt tokens, cached ones) of every arrival, to observe
     completed: list[tuple[float, int]] = []  # (time, output tokens) of every completion
     seen = [0, 0]  # the first entries of both still inside the window
     done_count = [0]
@@ -696,8 +704,8 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
         d.reserved += 1
         d.reserved_tokens += tokens + remaining
         uncached = tokens - cached[choice.prefill]
-        if observe_uncached and req.migrations == 0:
-            arrived[-1] = (now, uncached)
+        if observe_cached and req.migrations == 0:
+            arrived[-1] = (now, tokens, tokens - uncached)
         p.queue.append((req, tokens, uncached))
         if len(p.queue) - p.head == 1 and p.busy_until <= now:
             start_prefill(p, now)
@@ -811,7 +819,7 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
         end = now
         if kind == _ARRIVE:
             r = payload
-            arrived.append((now, r.isl))
+            arrived.append((now, r.isl, 0))
             if not place(r, now, r.isl, r.osl, must=False):
                 stats["rejected"] += 1
         elif kind == _PREFILLED:
@@ -854,8 +862,9 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
                 while seen[j] < len(xs) and xs[seen[j]][0] <= now - window:
                     seen[j] += 1
             ins, outs = arrived[seen[0]:], completed[seen[1]:]
-            obs = Observation(len(ins) / min(window, now), sum(x for _, x in ins) / max(1, len(ins)),
-                              sum(x for _, x in outs) / len(outs) if outs else 0.0)
+            obs = Observation(len(ins) / min(window, now), sum(x[1] for x in ins) / max(1, len(ins)),
+                              sum(x for _, x in outs) / len(outs) if outs else 0.0,
+                              sum(x[2] for x in ins) / max(1, len(ins)))
             m, n = provisioned()
             resize(sizing.decide(now, obs, Target(m, n)), now)
             account(now)

@@ -597,6 +597,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 claimed = True
                 if not progress.streamed:  # this try's first message is the client's first
                     progress.cached = 0 if first is None else first.cached_prompt_tokens
+                    metrics.TOKENS.labels("router", "cached_prompt").inc(progress.cached)
                     progress.echo = PromptEcho(progress.valid.ids, [] if first is None else list(
                         first.prompt_logprobs)) if params.prompt_logprobs is not None else None  # local: from decode
                 try:

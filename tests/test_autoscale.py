@@ -41,10 +41,20 @@ def test_controller_grows_at_once_and_shrinks_one_at_a_time_after_a_low_window()
 def test_observation_from_router_counters():
     samples = {("pdserve_router_arrivals_total", ()): 30.0, ("pdserve_router_e2e_seconds_count", ()): 28.0,
                ("pdserve_tokens_total", (("kind", "prompt"), ("service", "router"))): 1920.0,
-               ("pdserve_tokens_total", (("kind", "output"), ("service", "router"))): 896.0}
+               ("pdserve_tokens_total", (("kind", "output"), ("service", "router"))): 896.0,
+               ("pdserve_tokens_total", (("kind", "cached_prompt"), ("service", "router"))): 960.0}
     zero = read_counters(lambda name, labels: None)
     obs = observe(zero, read_counters(lambda name, labels: samples.get((name, tuple(sorted(labels.items()))))), 10.0)
-    assert obs == Observation(3.0, 64.0, 32.0)
+    assert obs == Observation(3.0, 64.0, 32.0, 32.0)
+
+
+def test_prefill_is_sized_on_the_tokens_it_computes():
+    """Prompts half found in prefill's prefix cache need the prefill of half-length prompts, and the decode of
+    whole ones (their KV is sent and held whole)."""
+    c = controller()
+    cached = c.needed(Observation(3.0, 128, 32, mean_cached_prompt_tokens=64))
+    assert cached.prefill == c.needed(Observation(3.0, 64, 32)).prefill < c.needed(Observation(3.0, 128, 32)).prefill
+    assert cached.decode == c.needed(Observation(3.0, 128, 32)).decode
 
 
 # The router's controller under its default targets (TTFT 2 s, TPOT 200 ms) with a model of a slow machine:
