@@ -7,14 +7,16 @@ query tiles × key tiles — whose working set fits `fb.workspace_bytes`:
 * long contexts stream the keys through in tiles, with an online softmax (dense attention) or a
   running top-k merge (indexer), so memory no longer depends on the context length;
 * sparse attention gathers each query's selected rows only: work O(S·k), not O(S·T);
-* dense prompt chunks may expand the latent rows into per-head keys and values (MHA form), only
-  where whole contexts fit the workspace; otherwise they take the absorbed, key-tiled path.
+* dense prompt chunks expand the latent rows into per-head keys and values (MHA form) where that is
+  cheaper (prompt_form), key tile by key tile with an online softmax: no context ceiling.
 These are the portable forms: shared.model.ops runs decode steps and indexer picks through the fused CPU
 kernel where it applies.
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,8 @@ from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, gather_blocks, gather_rows
 
 _MIN_QUERY_TILE = 16
+_KEY_TILE = 512  # expanded form: keys expanded per tile (whole blocks); 256-1024 measure alike
+_QUERY_TILE = 128  # expanded form: queries per scores tile
 
 
 @dataclass(frozen=True)
@@ -121,52 +125,197 @@ def _attend_online(q: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, rows: 
     return acc / run_sum[..., None]
 
 
+class PromptForm(enum.Enum):
+    """How a part's queries attend (see the module docstring)."""
+
+    EXPANDED = "expanded"  # per-head keys and values built from the latent rows, key tile by key tile
+    ABSORBED = "absorbed"  # queries taken into the latent space; decodes and sparse picks always
+
+
+@dataclass(frozen=True)
+class HeadDims:
+    """MLA's per-head dims: heads, the no-rope and rope parts of q·k, v, and the latent (kv_lora_rank)."""
+
+    heads: int
+    nope: int
+    rope: int
+    v: int
+    latent: int
+
+
+def prompt_form(fb: ForwardBatch, dims: HeadDims, sparse: bool) -> PromptForm:
+    """Expanded or absorbed attention for the queries of one attention part, by multiply-adds per head:
+    absorbed P·(2c + rope) + N·c·(nope + v) (W_UK into and W_UV out of latent space per query), expanded
+    P·(nope + rope + v) + K·c·(nope + v) (each key expanded once), for P visible query-key pairs, N queries
+    and K keys. Expanded wins once each key is seen by enough queries: every fresh prompt, a chunk after
+    cached context with more than ~171 queries at DeepSeek's dims, never a decode. It has no context
+    ceiling (keys stream through in tiles), so a dense prompt of any length, up to index_topk for
+    deepseek_v32 and at every length for deepseek_v3 (no indexer), takes it; sparse parts (each query
+    over its own top-k picks) and generated rows (decode, MTP verification) stay absorbed. It is exact for
+    chunked prefill, prefix-cache hits and context-parallel pieces alike: every query sees the cached keys
+    up to its own position (CP ranks hold the whole prefix, gathered before attention)."""
+    if sparse or fb.generated > 0:
+        return PromptForm.ABSORBED
+    c = dims.latent
+    pairs = int(((fb.query_pos + 1) * fb.query_valid).sum())
+    keys = int(fb.context_lens.sum())
+    absorbed = pairs * (2 * c + dims.rope) + fb.num_tokens * c * (dims.nope + dims.v)
+    expanded = pairs * (dims.nope + dims.rope + dims.v) + keys * c * (dims.nope + dims.v)
+    return PromptForm.EXPANDED if expanded < absorbed else PromptForm.ABSORBED
+
+
+def plan_expanded_tiles(num_requests: int, num_queries: int, context: int, block_size: int, per_pair: int,
+                        per_key: int, budget: int) -> Tiles:
+    """Tiles of the expanded form, whose working set r · (k · per_key + q · k · per_pair) fits `budget`:
+    whole contexts with every query for as many requests as fit (one batched matmul: small steps), else
+    one request at a time with key tiles of about _KEY_TILE (whole blocks) and query tiles of at most
+    _QUERY_TILE. The smallest tile is one block by one query: there is no context ceiling."""
+    whole = num_queries * context * per_pair + context * per_key
+    if whole <= budget:
+        return Tiles(min(num_requests, max(1, budget // whole)), num_queries, context)
+    keys = min(_KEY_TILE, budget // (2 * per_key)) // block_size * block_size
+    keys = min(context, max(block_size, keys))
+    queries = min(num_queries, _QUERY_TILE, max(1, (budget - keys * per_key) // (keys * per_pair)))
+    return Tiles(1, queries, keys)
+
+
 def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor,
                        w_uk: torch.Tensor, w_uv_t: torch.Tensor, scale: float,
-                       codec: RowCodec | None = None) -> torch.Tensor | None:
+                       codec: RowCodec | None = None) -> torch.Tensor:
     """Causal MLA attention of prompt rows in its MHA form, as vLLM and SGLang prefill dense MLA: each
     cached latent row is expanded once per head into a key [k_nope | k_pe] and a value (c_kv · W_UK^T,
     c_kv · W_UV), and queries [q_nope | q_pe] score against those. Per query-key pair that is
-    H·(nope + rope + v) multiply-adds instead of the absorbed H·(2·kv_lora + rope), so it wins once
-    each row is seen by many queries (a prompt chunk), not for decodes. q_nope [N, H, nope] and the
-    rotated q_pe [N, H, rope] are flat; returns [N, H, v] in the weights' dtype, or None where the
-    absorbed form is cheaper or a request's expanded context does not fit `fb.workspace_bytes` (the
-    caller then attends in absorbed form, which tiles keys)."""
+    H·(nope + rope + v) multiply-adds instead of the absorbed H·(2·kv_lora + rope) (prompt_form says
+    when that pays). Keys are expanded tile by tile (key tiles outer, so each row is expanded once per
+    call) and the softmax runs online over key tiles with fp32 running max / sum / output per query, so
+    the working set fits `fb.workspace_bytes` at any context; query tiles that see none of a key tile are
+    skipped and only tiles crossing the causal diagonal are masked. q_nope [N, H, nope] and the rotated
+    q_pe [N, H, rope] are flat; returns [N, H, v] in the weights' dtype."""
     r_all, s_all = fb.query_index.shape
     heads, nope, c = w_uk.shape
-    rope, v_dim, t_pad = q_pe.shape[-1], w_uv_t.shape[-1], fb.padded_context
-    qk = nope + rope
-    # Per request of S queries over T keys: absorbed S·T·(2c + rope), expanded T·(c·(nope + v) + S·(qk + v))
-    # (per head, each side's W_UK / W_UV matmuls included): expanded only pays with enough queries per
-    # request (34 at the tiny test dims, 171 at DeepSeek's), never for decodes.
-    if fb.num_tokens * (2 * c + rope - qk - v_dim) <= r_all * c * (nope + v_dim):
-        return None
-    cdt = w_uk.dtype
+    rope, v_dim = q_pe.shape[-1], w_uv_t.shape[-1]
+    qk, cdt = nope + rope, w_uk.dtype
     isz = torch.empty((), dtype=cdt).element_size()
-    per_key = pool.shape[-1] * pool.element_size() + (c + rope + heads * (qk + nope + 2 * v_dim)) * isz
-    tiles = plan_tiles(r_all, s_all, t_pad, fb.block_size, per_pair=heads * (4 + 4),
-                       per_query=heads * (qk * isz + v_dim * 4), per_key=per_key, budget=fb.workspace_bytes)
-    if tiles.keys < t_pad:
-        return None
-    query = fb.padded(torch.cat([q_nope.to(cdt), q_pe.to(cdt)], -1))  # [R, S, H, qk]
-    out = query.new_empty(r_all, s_all, heads, v_dim)
-    w_k = w_uk.view(heads * nope, c).t()  # [c, H·nope]: a view, no copy of the weights
+    per_key = pool.shape[-1] * pool.element_size() + (c + rope + heads * (qk + nope + v_dim)) * isz
+    per_pair = heads * (isz + (0 if cdt == torch.float32 else 4 + isz)) + 1
+    last = int(fb.query_pos.max()) + 1  # no query sees beyond this key
+    tiles = plan_expanded_tiles(r_all, s_all, -(-last // fb.block_size) * fb.block_size, fb.block_size,
+                                per_pair, per_key, fb.workspace_bytes)
+    out = q_nope.new_empty(r_all, s_all, heads, v_dim, dtype=cdt)
     for r0 in range(0, r_all, tiles.requests):
         rows = slice(r0, min(r_all, r0 + tiles.requests))
-        latent = _decode(codec, gather_blocks(pool, fb.block_tables[rows]), cdt)  # [r, T, c + rope]
-        r, t = latent.shape[:2]
-        c_kv = latent[..., :c].reshape(r * t, c)
-        keys = latent.new_empty(r, heads, t, qk)
-        keys[..., :nope] = (c_kv @ w_k).view(r, t, heads, nope).transpose(1, 2)
-        keys[..., nope:] = latent[:, None, :, c:]  # k_pe: one per row, shared by the heads
-        values = torch.stack([c_kv @ w_uv_t[h] for h in range(heads)], 1).view(r, t, heads, v_dim).transpose(1, 2)
-        for s0 in range(0, s_all, tiles.queries):
-            queries = slice(s0, min(s_all, s0 + tiles.queries))
-            scores = torch.matmul(query[rows, queries].transpose(1, 2), keys.transpose(2, 3)).mul_(scale)
-            scores.masked_fill_(~fb.visible(rows, queries, 0, t)[:, None], float("-inf"))  # [r, H, s, T]
-            probs = scores.softmax(-1, dtype=torch.float32).to(cdt)
-            out[rows, queries] = torch.matmul(probs, values).transpose(1, 2)
+        for queries, o in _expanded_group(fb.padded(q_nope), fb.padded(q_pe), scale, fb, pool, rows, tiles, w_uk,
+                                          w_uv_t, codec):
+            out[rows, queries] = o
     return fb.unpadded(out)
+
+
+@dataclass
+class _QueryTile:
+    """One query tile's queries [H·r, q, qk] and online-softmax state (fp32): running max and sum [H·r, q],
+    unnormalized output [H·r, q, v]; `first`/`last` are the lowest / highest query positions in the tile."""
+
+    queries: slice
+    q: torch.Tensor
+    first: int
+    last: int
+    run_max: torch.Tensor | None = None
+    run_sum: torch.Tensor | None = None
+    acc: torch.Tensor | None = None
+
+
+class _Scratch:
+    """Flat buffers reused by every tile of a call (a fresh tensor of tens of MB per tile costs its page
+    faults on every allocation); `take` views the first elements of one as a contiguous shape."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        n, dtype = math.prod(shape), dtype or like.dtype
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self.buffers[name] = like.new_empty(n, dtype=dtype)
+        return buf[:n].view(shape)
+
+
+def _expanded_group(q_nope: torch.Tensor, q_pe: torch.Tensor, scale: float, fb: ForwardBatch, pool: torch.Tensor,
+                    rows: slice, tiles: Tiles, w_uk: torch.Tensor, w_uv_t: torch.Tensor, codec: RowCodec | None,
+                    ) -> list[tuple[slice, torch.Tensor]]:
+    """Expanded attention of the padded queries [R, S, H, ·] of requests `rows`: (query slice, output
+    [r, q, H, v]) per query tile. Batches are head-major (H·r) throughout, so one matmul expands k_nope
+    for every request."""
+    s_all, heads, nope = q_nope.shape[1:]
+    c = w_uk.shape[-1]
+    v_dim, cdt, size = w_uv_t.shape[-1], w_uk.dtype, fb.block_size
+    qk = nope + q_pe.shape[-1]
+    r = rows.stop - rows.start
+    pos = fb.query_pos[rows]
+    qtiles = []
+    for s0 in range(0, s_all, tiles.queries):
+        queries = slice(s0, min(s_all, s0 + tiles.queries))
+        tile_pos = pos[:, queries]
+        q = q_nope.new_empty(heads, r, queries.stop - s0, qk, dtype=cdt)  # scaled [q_nope | q_pe], head-major
+        torch.mul(q_nope[rows, queries].permute(2, 0, 1, 3), scale, out=q[..., :nope])
+        torch.mul(q_pe[rows, queries].permute(2, 0, 1, 3), scale, out=q[..., nope:])
+        qtiles.append(_QueryTile(queries, q.view(heads * r, -1, qk), int(tile_pos.min()), int(tile_pos.max())))
+    w_k = w_uk.view(heads * nope, c)  # a view: no copy of the weights
+    scratch = _Scratch()
+    end = max(t.last for t in qtiles) + 1
+    for t0 in range(0, end, tiles.keys):
+        latent = _decode(codec, gather_blocks(pool, fb.block_tables[rows, t0 // size : (t0 + tiles.keys) // size]),
+                         cdt)  # [r, k, c + rope]
+        k = latent.shape[1]
+        c_kv = latent[..., :c].reshape(r * k, c)
+        k_nope = torch.mm(w_k, c_kv.t(), out=scratch.take("k_nope", (heads * nope, r * k), latent))
+        keys_t = scratch.take("keys", (heads, r, qk, k), latent)  # keys, transposed: [k_nope | k_pe]
+        keys_t[:, :, :nope] = k_nope.view(heads, nope, r, k).transpose(1, 2)
+        keys_t[:, :, nope:] = latent[..., c:].transpose(1, 2)  # k_pe: one per row, shared by the heads
+        values = scratch.take("values", (heads, r * k, v_dim), latent)
+        for h in range(heads):
+            torch.mm(c_kv, w_uv_t[h], out=values[h])
+        keys_t, values = keys_t.view(heads * r, qk, k), values.view(heads * r, k, v_dim)
+        for tile in qtiles:
+            if tile.last < t0:
+                continue  # every query of the tile comes before this key tile
+            n, seen = tile.q.shape[1], min(k, tile.last + 1 - t0)  # no query of the tile sees past `seen`
+            scores = torch.bmm(tile.q, keys_t[..., :seen], out=scratch.take("scores", (heads * r, n, seen), latent))
+            if cdt != torch.float32:
+                scores = scratch.take("scores32", scores.shape, latent, torch.float32).copy_(scores)
+            if tile.first < t0 + seen - 1:  # some query sees only part of the tile
+                visible = fb.visible(rows, tile.queries, t0, t0 + seen)  # [r, q, seen]
+                scores.view(heads, r, n, seen).masked_fill_(~visible, float("-inf"))
+            _online_update(tile, scores, values[:, :seen], scratch)
+    outs = []
+    for tile in qtiles:
+        o = tile.acc.div_(tile.run_sum[..., None]).to(cdt)
+        outs.append((tile.queries, o.view(heads, r, -1, v_dim).permute(1, 2, 0, 3)))
+    return outs
+
+
+def _online_update(tile: _QueryTile, scores: torch.Tensor, values: torch.Tensor, scratch: _Scratch) -> None:
+    """Fold one key tile's scores [H·r, q, k] (fp32, overwritten) into the tile's running softmax. Key
+    tiles come in order from key 0, which every query sees, so the running max is finite from the first."""
+    first = tile.acc is None
+    tile_max = scores.amax(-1)
+    new_max = tile_max if first else torch.maximum(tile.run_max, tile_max)
+    probs = scores.sub_(new_max[..., None]).exp_()
+    tile_sum = probs.sum(-1)
+    if values.dtype != torch.float32:
+        probs = scratch.take("probs", probs.shape, values).copy_(probs)
+    if first:
+        tile.run_sum = tile_sum
+        tile.acc = torch.bmm(probs, values).float()  # [H·r, q, v]
+    else:
+        alpha = tile.run_max.sub_(new_max).exp_()
+        tile.run_sum.mul_(alpha).add_(tile_sum)
+        tile.acc.mul_(alpha[..., None])
+        if values.dtype == torch.float32:
+            tile.acc.baddbmm_(probs, values)
+        else:
+            tile.acc.add_(torch.bmm(probs, values, out=scratch.take("pv", tile.acc.shape, values)))
+    tile.run_max = new_max
 
 
 def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, picks: torch.Tensor,

@@ -7,7 +7,8 @@ The same code runs prefill and decode: while the context fits index_topk (or wit
 a causal dense attention over the request's cached rows, beyond it each query gathers only its
 top-k rows. Both are tiled to a bounded working set (shared.model.attention). Dense prompt chunks
 with enough queries per request attend in the expanded (MHA) form instead, where that is cheaper
-(shared.model.attention.expanded_attention); the cache is the same either way.
+(shared.model.attention.prompt_form), at any context length: it too streams key tiles; the cache is
+the same either way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import shared.model.ops as ops
 from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
-from shared.model.attention import expanded_attention
+from shared.model.attention import HeadDims, PromptForm, expanded_attention, prompt_form
 from shared.model.batch import ForwardBatch
 from shared.model.indexer import DEFAULT_NUMERICS, Indexer, Selection
 from shared.model.layers import LinearFormats, RMSNorm, linear
@@ -53,6 +54,7 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg, dtype, indexer_numerics, fmts) if cfg.has_indexer else None
         self.w_uk: torch.Tensor | None = None  # [H, nope, c], set by absorb() after loading
         self.w_uv_t: torch.Tensor | None = None  # [H, c, v]
+        self.expanded_prompts = True  # see prompt_form
 
     def absorb(self) -> None:
         """Split kv_b_proj once, after loading, into the absorbed per-head matrices (as DeepSeek and
@@ -106,24 +108,31 @@ class MLA(nn.Module):
             if index_query is not None:
                 selection = self.indexer.select(index_query[0][tokens], index_query[1][tokens], part, index_pool,
                                                 index_codec)
-            out = None
-            if selection is None and part.generated == 0:  # prompt rows, dense: expanded (MHA) form
+            if self.prompt_form(part, selection is not None) is PromptForm.EXPANDED:
                 out = expanded_attention(q_nope[tokens], q_rot[tokens], part, mla_pool, self.w_uk, self.w_uv_t,
                                          self.scale, mla_codec)
-            if out is None:
-                absorbed.append((tokens, part, selection))
-            else:
                 o[tokens] = out.reshape(-1, self.n_heads * self.v_dim)
+            else:
+                absorbed.append((tokens, part, selection))
         if absorbed:
             self._attend_absorbed(q_nope, q_rot, absorbed, mla_pool, mla_codec, o, g)
         return self.o_proj(o, g)
 
+    def prompt_form(self, part: ForwardBatch, sparse: bool) -> PromptForm:
+        """The form one attention part takes (shared.model.attention.prompt_form): dense prompt rows where
+        expansion is cheaper, at any context length, in expanded form; decodes and sparse parts absorbed.
+        `expanded_prompts` False keeps every part absorbed (the benches' baseline)."""
+        if not self.expanded_prompts:
+            return PromptForm.ABSORBED
+        dims = HeadDims(self.n_heads, self.nope, self.rope_dim, self.v_dim, self.kv_lora_rank)
+        return prompt_form(part, dims, sparse)
+
     def _attend_absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor,
                          parts: list[tuple[slice, ForwardBatch, Selection | None]], pool: torch.Tensor,
                          codec: RowCodec | None, o: torch.Tensor, generated: int) -> None:
-        """Absorbed attention of the tokens of `parts` (decodes; sparse or long-context prompt rows):
-        q_nope goes into latent space through W_UK, the latent output back through W_UV, into o. A part is
-        all generated tokens (the step's first `generated`) or all prompt ones."""
+        """Absorbed attention of the tokens of `parts` (decodes; sparse prompt rows; short chunks after long
+        context): q_nope goes into latent space through W_UK, the latent output back through W_UV, into o. A
+        part is all generated tokens (the step's first `generated`) or all prompt ones."""
         c, cdt, heads = self.kv_lora_rank, self.w_uk.dtype, self.n_heads
         for tokens, part, selection in parts:
             rows, is_generated = tokens.stop - tokens.start, tokens.stop <= generated
