@@ -64,39 +64,44 @@ def test_expanded_over_c8_rows_and_small_workspaces():
     assert (tiled - want).abs().max().item() < 2e-5
 
 
-def test_expanded_declines_decodes_and_contexts_past_the_workspace():
-    """Few queries per request (decodes, verification) stay absorbed: expansion would cost more than it
-    saves; so does a request whose expanded context does not fit the workspace (the absorbed path
-    streams key tiles instead)."""
-    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(4, 32, 32, [(100, 1), (40, 1), (7, 1)], 3)
-    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.1) is None
-    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(4, 32, 32, [(0, 33), (0, 34)], 3)
-    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.1) is None  # 33.5 < 34 per request
+def test_expanded_declines_decodes_and_short_chunks_after_long_context():
+    """Few queries per request over a longer context (decodes, verification, a short chunk after a cached
+    prefix) stay absorbed: expanding every key would cost more than it saves. A context past the
+    workspace no longer sends a prompt to the absorbed form: the expanded form tiles its keys
+    (tests/test_tiled_prompt_attention.py)."""
+    dims = attention.HeadDims(4, 32, ROPE, 32, LATENT)
+    fb = _setup(4, 32, 32, [(100, 1), (40, 1), (7, 1)], 3)[0]
+    assert attention.prompt_form(fb, dims, sparse=False) is attention.PromptForm.ABSORBED
+    fb = _setup(4, 32, 32, [(300, 8), (200, 6)], 3)[0]
+    assert attention.prompt_form(fb, dims, sparse=False) is attention.PromptForm.ABSORBED
     fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(4, 32, 32, [(0, 200)], 4)
+    assert attention.prompt_form(fb, dims, sparse=False) is attention.PromptForm.EXPANDED
     fb.workspace_bytes = 200 * 4 * (96 + 32 + 64) * 4  # less than the expanded keys and values alone
-    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.1) is None
+    got = attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.1)
+    assert (got - _absorbed(fb, pool, w_uk, w_uv_t, q_nope, q_pe, 0.1)).abs().max().item() < 2e-5
 
 
 def test_expanded_at_real_head_dims():
-    """DeepSeek's per-layer dims (128 heads, nope 128, v 128): a 256-token prompt (more than the 171
-    queries per request where expansion starts to pay) takes the MHA form within the default 256 MiB
-    workspace and matches the absorbed form; 128 tokens stay absorbed, and so does a 2k-token prompt
-    (its expanded keys alone would be 600 MB: the absorbed path tiles them)."""
+    """DeepSeek's per-layer dims (128 heads, nope 128, v 128): a 256-token prompt takes the MHA form within
+    the default 256 MiB workspace and matches the absorbed form; a 2k-token prompt takes it too (its
+    expanded keys alone would be 600 MB: they are expanded key tile by key tile); 16 tokens after 2k of
+    cached context stay absorbed."""
+    dims = attention.HeadDims(128, 128, ROPE, 128, LATENT)
     fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(128, 128, 128, [(0, 256)], 5)
     plans = []
-    real = attention.plan_tiles
+    real = attention.plan_expanded_tiles
     try:
-        attention.plan_tiles = lambda *a, **k: plans.append((k, real(*a, **k))) or plans[-1][1]
+        attention.plan_expanded_tiles = lambda *a, **k: plans.append((a, real(*a, **k))) or plans[-1][1]
         got = attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.07)
     finally:
-        attention.plan_tiles = real
-    assert got is not None
-    cost, tiles = plans[0]
-    assert tiles.keys == 256 and tiles.requests * (tiles.queries * tiles.keys * cost["per_pair"] + tiles.queries
-                                                   * cost["per_query"] + tiles.keys * cost["per_key"]) <= 256 << 20
+        attention.plan_expanded_tiles = real
+    assert attention.prompt_form(fb, dims, sparse=False) is attention.PromptForm.EXPANDED
+    (_, _, _, _, per_pair, per_key, budget), tiles = plans[0]
+    assert tiles.keys == 256
+    assert tiles.requests * (tiles.queries * tiles.keys * per_pair + tiles.keys * per_key) <= budget
     want = _absorbed(fb, pool, w_uk, w_uv_t, q_nope, q_pe, 0.07)
     assert (got - want).abs().max().item() < 1e-4
-    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(128, 128, 128, [(0, 128)], 6)
-    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.07) is None
-    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(128, 128, 128, [(0, 2048)], 7)
-    assert attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.07) is None
+    for (start, n), form in (((0, 2048), attention.PromptForm.EXPANDED), ((2048, 16), attention.PromptForm.ABSORBED)):
+        fb = ForwardBatch.build([SeqChunk([1] * n, start, list(range(-(-(start + n) // BLOCK))))], BLOCK,
+                                torch.device("cpu"))
+        assert attention.prompt_form(fb, dims, sparse=False) is form
