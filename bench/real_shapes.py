@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.decode_batch.split(",")]
     workspace = args.workspace_mb << 20
+    limits = MachineLimits.measure() if not args.skip_prefill else None  # before the model: a quiet machine
     cfg = real_layer_config(model_type=args.model_type)
     print(f"building one layer at the 671B per-layer dims ({args.model_type}, {args.dtype}) ...", flush=True)
     model = random_model(cfg, getattr(torch, args.dtype))
@@ -194,7 +195,6 @@ def main(argv: list[str] | None = None) -> None:
             print(table(cols + ["speedup"], [r + [r[1 + 4] / r[1]] for r in pre]))
         else:
             print(table(cols, pre))
-        limits = MachineLimits.measure()
         cost = TokenCost.of(model, 0)
         peak = limits.bf16_gflops if args.dtype == "bfloat16" else limits.fp32_gflops
         print(limits.describe())
