@@ -24,6 +24,7 @@ positions are final and their MTP rows written, and no MTP or draft write ever l
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -113,48 +114,64 @@ class MtpSpeculator:
         return drafts
 
     def verify(self, chunks: list[ScheduledChunk], drafts: list[Draft | None], logits: torch.Tensor) -> list[list[int]]:
-        """Per completing chunk, the tokens the step yields: its accepted drafts, then the target's next."""
-        out, row = [], 0
-        for c, draft in zip(chunks, drafts, strict=True):
-            if not c.completes:
+        """Per completing chunk, the tokens the step yields: its accepted drafts, then the target's next.
+
+        Batched over the step, whatever the requests accept: one `sample` call for the requests without
+        drafts, one argmax and one tensor comparison for the greedy ones, one rejection pass for the sampled
+        ones (no per-request tensor ops: at batch 64 those cost more than the comparison itself)."""
+        done = [(c.seq, d) for c, d in zip(chunks, drafts, strict=True) if c.completes]
+        firsts = list(itertools.accumulate((1 + len(d.tokens) if d else 1 for _, d in done), initial=0))
+        out: list[list[int]] = [[] for _ in done]
+        plain, greedy, sampled = [], [], []
+        for i, (seq, d) in enumerate(done):
+            (plain if d is None else greedy if seq.params.greedy else sampled).append(i)
+        if plain:
+            rows = logits[_index([firsts[i] for i in plain], logits.device)]
+            tokens = sample(rows, [done[i][0].params for i in plain], [done[i][0].generator for i in plain])
+            for i, token in zip(plain, tokens, strict=True):
+                out[i] = [token]
+        for group in (greedy, sampled):
+            if not group:
                 continue
-            n_logits = 1 + len(draft.tokens) if draft else 1
-            accepted, last = self._verify(c.seq, logits[row : row + n_logits], draft)
-            row += n_logits
-            out.append([*accepted, last])
+            batch = VerifyBatch.of([done[i][1] for i in group], [firsts[i] for i in group], logits.device)
+            if group is greedy:
+                n, last = accept_greedy(logits, batch)
+            else:
+                n, last = self._accept_sampled(logits, batch, [done[i][0] for i in group])
+            for i, d, accepted, token in zip(group, batch.drafts, n, last, strict=True):
+                out[i] = [*d.tokens[:accepted], token]
+            self._count(batch.lengths, n)
         return out
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, draft: Draft | None) -> tuple[list[int], int]:
-        """(accepted drafts, the token after them) from the target's logits at positions m .. m+K."""
-        params = seq.params
-        if draft is None:
-            return [], sample(logits, [params], [seq.generator])[0]
-        k = len(draft.tokens)
-        for i in range(k):
-            self.stats.drafted[i] += 1
-        if params.greedy:
-            target = logits.argmax(-1).tolist()
-            n = 0
-            while n < k and draft.tokens[n] == target[n]:
-                n += 1
-            self._count(n)
-            return draft.tokens[:n], target[n]
-        p = probabilities(logits, [params] * (k + 1))
-        for i, (tok, q) in enumerate(zip(draft.tokens, draft.probs, strict=True)):
-            u = float(torch.rand((), generator=seq.generator))
-            if u * float(q[tok]) < float(p[i, tok]):  # accept with probability min(1, p/q)
-                continue
-            self._count(i)
-            residual = (p[i] - q).clamp_(min=0)
-            if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
-                residual = p[i]
-            return draft.tokens[:i], _draw_one(residual, seq.generator)
-        self._count(k)
-        return draft.tokens, _draw_one(p[k], seq.generator)
+    def _accept_sampled(self, logits: torch.Tensor, batch: VerifyBatch, seqs: list[Sequence]
+                        ) -> tuple[list[int], list[int]]:
+        """The standard rejection rule for sampled requests, batched: accept draft i with probability
+        min(1, p(d_i) / q(d_i)); at the first rejection draw from norm(max(p − q, 0)); all accepted: a bonus
+        draw from the last p. Each request takes K + 1 uniforms from its own generator per verification
+        (a seeded request replays)."""
+        params = [s.params for s in seqs]
+        k = batch.width
+        p = probabilities(logits[batch.rows.view(-1)], [q for q in params for _ in range(k + 1)])
+        p = p.view(len(seqs), k + 1, -1)
+        q = torch.zeros(len(seqs), k, p.shape[-1], dtype=p.dtype, device=p.device)
+        for r, d in enumerate(batch.drafts):
+            q[r, : len(d.tokens)] = torch.stack(d.probs).to(p.device, p.dtype)
+        u = uniform_rows([s.generator for s in seqs], k + 1).to(p.device)
+        tok = batch.tokens[:, :, None]
+        n = accepted_prefix(u[:, :k] * q.gather(2, tok)[..., 0] < p[:, :k].gather(2, tok)[..., 0], batch.lengths)
+        ar = torch.arange(len(seqs), device=p.device)
+        target = p[ar, n]
+        residual = torch.where((n < batch.lengths)[:, None], (target - q[ar, n.clamp(max=k - 1)]).clamp(min=0), target)
+        empty = residual.sum(-1) <= 0  # p == q up to rounding: any draw from p is exact
+        weights = torch.where(empty[:, None], target, residual)
+        return n.tolist(), inverse_cdf(weights, u[:, k]).tolist()
 
-    def _count(self, n: int) -> None:
-        for i in range(n):
-            self.stats.accepted[i] += 1
+    def _count(self, lengths: torch.Tensor, accepted: list[int]) -> None:
+        for length, n in zip(lengths.tolist(), accepted, strict=True):
+            for i in range(length):
+                self.stats.drafted[i] += 1
+            for i in range(n):
+                self.stats.accepted[i] += 1
 
     # -- drafting --------------------------------------------------------------------------------------
     def catch_up(self, entries: list[CatchUp], hidden: torch.Tensor, draft: bool = True) -> None:
@@ -170,63 +187,71 @@ class MtpSpeculator:
             if policy.lockstep:
                 self.dummy(1 + chain)
             return
-        chunks, rows, drafting = [], [], []
+        chunks: list[SeqChunk] = []
+        rows: list[int] = []  # each MTP input's row in the step's hidden states
+        drafting: list[Sequence] = []
+        ends: list[int] = []  # the drafting entries' last rows in the MTP batch
         for e in entries:
             seq, start, end = e.seq, e.start, e.seq.num_cached
             decodes = draft and e.drafts and seq.num_uncached == 1 and bool(seq.output_token_ids)
             chunks.append(SeqChunk(seq.token_slice(start + 1, end + 1), start, seq.block_table, need_logits=decodes,
                                    generated=seq.generated_from(start)))
-            rows.append(torch.arange(e.offset, e.offset + end - start))
+            rows.extend(range(e.offset, e.offset + end - start))
             if decodes:
                 drafting.append(seq)
-        logits, g = engine.model.forward_mtp(policy.batch(engine, chunks), engine.kv, policy.hidden_rows(hidden, rows))
-        ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-        last_g = g[ends[[i for i, c in enumerate(chunks) if c.need_logits]].to(g.device)] if drafting else None
+                ends.append(len(rows) - 1)
+        every = rows == list(range(hidden.shape[0]))  # all of the step's rows, in order: no gather
+        h = hidden if every else policy.hidden_rows(hidden, [_index(rows, hidden.device)])
+        logits, g = engine.model.forward_mtp(policy.batch(engine, chunks), engine.kv, h)
         budgets = [self._budget(seq) for seq in drafting]
-        state = {seq.request_id: Draft([], []) for seq in drafting}
-        active = list(range(len(drafting)))
+        state = [Draft([], []) for _ in drafting]
+        active = [i for i, b in enumerate(budgets) if b > 0]
+        if active:
+            rows_of_active = logits if len(active) == len(drafting) else logits[_index(active, logits.device)]
+            self._draw(drafting, active, rows_of_active, state)
+        last_g = g[_index(ends, g.device)] if drafting else None
         forwards = chain if policy.lockstep else min(chain, max(budgets, default=0) - 1)
-        for k in range(forwards + 1):  # k = 0 drafts from the catch-up forward's logits
-            active = [i for i in active if budgets[i] > k]
-            if k > 0:  # chained: position num_cached + k − 1, input the previous draft, h = its g
-                batch, keep = [], []
-                for i in active:
-                    seq = drafting[i]
-                    pos = seq.num_cached + k - 1
-                    if not engine.scheduler.ensure_blocks(seq, pos + 1):
-                        budgets[i] = k  # no room: stop drafting this request
-                        continue
-                    batch.append(SeqChunk([state[seq.request_id].tokens[-1]], pos, seq.block_table, generated=True))
-                    keep.append(i)
-                active = keep
-                if not keep:
-                    if not policy.lockstep:
-                        break
-                    self.dummy(1)
-                    continue
-                logits, g_new = engine.model.forward_mtp(policy.batch(engine, batch), engine.kv, last_g[keep])
+        for k in range(1, forwards + 1):  # chained: position num_cached + k − 1, input the previous draft, h = its g
+            batch, keep = [], []
+            for i in active:
+                seq = drafting[i]
+                pos = seq.num_cached + k - 1
+                if budgets[i] <= k or not engine.scheduler.ensure_blocks(seq, pos + 1):
+                    continue  # enough drafts, or no room for another: this request stops drafting
+                batch.append(SeqChunk([state[i].tokens[-1]], pos, seq.block_table, generated=True))
+                keep.append(i)
+            active = keep
+            if not keep:
+                if not policy.lockstep:
+                    break
+                self.dummy(1)
+                continue
+            # rows of last_g: the drafting requests in order; `keep` is a subset (usually all of them)
+            g_in = last_g if len(keep) == len(drafting) else last_g[_index(keep, last_g.device)]
+            logits, g_new = engine.model.forward_mtp(policy.batch(engine, batch), engine.kv, g_in)
+            if len(keep) == len(drafting):
+                last_g = g_new
+            else:
                 last_g = last_g.clone()
-                last_g[keep] = g_new
-                rows_of = {i: j for j, i in enumerate(keep)}
-            else:
-                rows_of = {i: i for i in active}
-            if active:
-                self._draw(drafting, active, logits[[rows_of[i] for i in active]], state)
-        self.drafts.update({rid: d for rid, d in state.items() if d.tokens})
+                last_g[_index(keep, last_g.device)] = g_new
+            self._draw(drafting, keep, logits, state)
+        self.drafts.update({seq.request_id: d for seq, d in zip(drafting, state, strict=True) if d.tokens})
 
-    def _draw(self, drafting: list[Sequence], active: list[int], logits: torch.Tensor,
-              state: dict[str, Draft]) -> None:
-        """Each active request's next draft from its MTP logits: argmax, or a draw kept with its q."""
+    def _draw(self, drafting: list[Sequence], active: list[int], logits: torch.Tensor, state: list[Draft]) -> None:
+        """Each active request's next draft from its MTP logits (row j for active[j]): the argmax, or a draw
+        kept with the q it came from."""
         params = [drafting[i].params for i in active]
-        probs = probabilities(logits, params) if any(not p.greedy for p in params) else None
         tokens = logits.argmax(-1).tolist()
-        for j, i in enumerate(active):
-            seq, d = drafting[i], state[drafting[i].request_id]
-            if seq.params.greedy:
-                d.tokens.append(tokens[j])
-            else:
-                d.probs.append(probs[j])
-                d.tokens.append(_draw_one(probs[j], seq.generator))
+        sampled = [j for j, p in enumerate(params) if not p.greedy]
+        if sampled:
+            rows = logits if len(sampled) == len(active) else logits[_index(sampled, logits.device)]
+            probs = probabilities(rows, [params[j] for j in sampled])
+            u = uniform_rows([drafting[active[j]].generator for j in sampled], 1)[:, 0]
+            for j, q, token in zip(sampled, probs, inverse_cdf(probs, u).tolist(), strict=True):
+                tokens[j] = token
+                state[active[j]].probs.append(q)
+        for i, token in zip(active, tokens, strict=True):
+            state[i].tokens.append(token)
 
     def dummy(self, forwards: int) -> None:
         """MTP forwards of one token in the scratch block: a lock-step rank with nothing to draft still
@@ -243,10 +268,69 @@ class MtpSpeculator:
         return max(0, min(self.k, left - 1))
 
 
-def _draw_one(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+@dataclass
+class VerifyBatch:
+    """Drafted requests of a step as tensors: each one's K + 1 logits rows (a shorter draft's padded with
+    its last row), its drafts (padded with token 0) and how many it has."""
+
+    drafts: list[Draft]
+    rows: torch.Tensor  # [R, K + 1] long, rows of the step's logits
+    tokens: torch.Tensor  # [R, K] long
+    lengths: torch.Tensor  # [R] long
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @classmethod
+    def of(cls, drafts: list[Draft], firsts: list[int], device: torch.device) -> VerifyBatch:
+        """`firsts[r]`: the logits row of request r's first verified position (its last token's)."""
+        k = max(len(d.tokens) for d in drafts)
+        rows = [[f + min(j, len(d.tokens)) for j in range(k + 1)] for d, f in zip(drafts, firsts, strict=True)]
+        tokens = [d.tokens + [0] * (k - len(d.tokens)) for d in drafts]
+        return cls(drafts, torch.tensor(rows, dtype=torch.long, device=device),
+                   torch.tensor(tokens, dtype=torch.long, device=device).view(len(drafts), k),
+                   torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long, device=device))
+
+
+def accepted_prefix(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per row of `accept` [R, K] (bool), how many leading drafts are accepted, never past `lengths` [R]."""
+    k = accept.shape[1]
+    valid = torch.arange(k, device=accept.device)[None, :] < lengths[:, None]
+    return (accept & valid).long().cumprod(1).sum(1)
+
+
+def accept_greedy(logits: torch.Tensor, batch: VerifyBatch) -> tuple[list[int], list[int]]:
+    """Greedy verification of every drafted request at once: drafts are accepted while they equal the
+    target's argmax; the token after them is the argmax at the first mismatch (or after the last draft),
+    so the output is bitwise the non-speculative greedy output. (accepted counts, next tokens)."""
+    target = logits.argmax(-1)[batch.rows]  # [R, K + 1]
+    n = accepted_prefix(batch.tokens == target[:, : batch.width], batch.lengths)
+    return n.tolist(), target.gather(1, n[:, None])[:, 0].tolist()
+
+
+def uniform_rows(generators: list[torch.Generator | None], n: int) -> torch.Tensor:
+    """[R, n] uniforms on the host, row r from generators[r]: rows sharing a generator (unseeded rows share
+    the default one) draw in one call, in row order; a seeded request's draws are its own."""
+    u = torch.empty(len(generators), n)
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(generators):
+        groups.setdefault(id(g), []).append(i)
+    for rows in groups.values():
+        u[rows] = torch.rand(len(rows), n, generator=generators[rows[0]])
+    return u
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `weights` [R, V] (unnormalized, ≥ 0), the first index whose cumulative weight exceeds
+    u · total (u [R] in [0, 1))."""
     cdf = weights.float().cumsum(-1)
-    u = torch.rand((), generator=generator) * cdf[-1]
-    return int(torch.searchsorted(cdf, u.view(1), right=True).clamp_(max=weights.shape[-1] - 1))
+    idx = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)[:, 0]
+    return idx.clamp_(max=weights.shape[-1] - 1)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def stats_table(stats: SpecStats, k: int) -> str:
