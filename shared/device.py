@@ -189,7 +189,7 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
     return out
 
 
-_INT8_PACK_MAX_ROWS = 64  # CPU: the int8-weight kernel wins while rows are few (decode); above, fp32 tiles
+_INT8_PACK_MAX_ROWS = 64  # CUDA's small shapes: the int8-weight kernel while rows are few; above, fp32 tiles
 _INT8_TILE_ELEMS = 1 << 24  # fp32 weight tile of the large-batch CPU path: 64 MiB, whatever the weight
 
 
@@ -205,15 +205,19 @@ def int8_matmul(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.
 
     * CUDA: `torch._int_mm` (int8 × int8 → int32, exact) when its shape rules hold.
     * Ascend: `torch_npu.npu_quant_matmul` with the per-token scale (not exercised on this CI).
-    * CPU: few rows → `torch._weight_int8pack_mm` on the int8 values held in bf16 (exact: |q| ≤ 127)
-      with fp32 accumulation, its result rounded to bf16 once; many rows → the int8 weight widened to
-      fp32 in bounded row tiles (this CPU's int8 GEMM is slower than its fp32 one), the integer sums
-      rounded to bf16 the same way, so a row's result does not depend on how many rows share the call
-      (a prompt gives the same tokens chunked or whole, batched or alone).
+    * CPU: `torch._int_mm` (oneDNN's int8 GEMM: exact int32 sums, any shape, no widened weight copy). The CPU
+      kernels (shared.model.int8_kernels) give the same bits with the quantization fused in; this is the path
+      without them (no compiler, kernels off, torch.compile, TP shards). Exact sums make a row's result
+      independent of how many rows share the call (a prompt gives the same tokens chunked or whole).
+    * CUDA outside _int_mm's shape rules: few rows → `torch._weight_int8pack_mm` on the int8 values held in
+      bf16 (exact: |q| ≤ 127) with fp32 accumulation, its result rounded to bf16 once; many rows → the int8
+      weight widened to fp32 in bounded row tiles, the integer sums rounded to bf16 the same way.
     """
     m, k = xq.shape
     n = wq.shape[0]
     dev = xq.device.type
+    if dev == _CPU:
+        return torch._int_mm(xq, wq.t()).float() * sx * sw
     if dev == _CUDA and m > 16 and k % 8 == 0 and n % 8 == 0:
         return torch._int_mm(xq, wq.t()).float() * sx * sw
     if dev == _NPU:  # pragma: no cover - needs Ascend CANN

@@ -17,11 +17,12 @@ from torch import nn
 import shared.model.ops as ops
 from shared.config import ModelConfig
 from shared.device import grouped_mm
+from shared.model import int8_kernels
 from shared.model.layers import MLP, LinearFormats, WeightFormat
 from shared.model.ops import matmul_input
 from shared.parallel.comm import all_to_all_v, exchange_counts
 from shared.quant.fp8 import grouped_fp8
-from shared.quant.int8 import grouped_w8a8
+from shared.quant.int8 import Int8Linear, grouped_w8a8
 
 
 class Gate(nn.Module):
@@ -114,9 +115,30 @@ class Experts(nn.Module):
         result[order] = out.to(rows.dtype)
         return result
 
+    def fused_w8a8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, padded: bool = False,
+                   shared: nn.Module | None = None) -> torch.Tensor | None:
+        """W8A8 experts on the host in one kernel call (shared.model.int8_kernels.moe): every expert's rows, no
+        per-expert loop, and with `shared` (an MLP of W8A8 linears) the shared expert added; the same sums as
+        forward (+ shared) computes, fp32 [N, D]. None where it does not apply (not int8, off the host, a
+        TP-sharded shared expert)."""
+        if self.fmt is None or self.fmt.kind != "int8":
+            return None
+        shared_w = None
+        if shared is not None:
+            linears = (shared.gate_proj, shared.up_proj, shared.down_proj)
+            if not all(isinstance(lin, Int8Linear) for lin in linears):
+                return None
+            shared_w = tuple(t for lin in linears for t in (lin.weight, lin.weight_scale))
+        local = ids - self.first_expert if self.first_expert else ids
+        return int8_kernels.moe(x, local, weights, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                self.down_proj_scale, x.dtype, padded, shared_w)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, padded: bool = False) -> torch.Tensor:
         """Weighted sum over each row's k picks [N, k] (global ids; with `padded`, foreign ids and their
         weight-0 picks contribute nothing): fp32 [N, D]."""
+        fused = self.fused_w8a8(x, ids, weights, padded)
+        if fused is not None:
+            return fused
         n, k = ids.shape
         out = self.run(x.repeat_interleave(k, 0), ids.flatten() - self.first_expert, padded)  # [N·k, D]
         return (out.view(n, k, x.shape[1]).float() * weights[..., None]).sum(1)
@@ -165,6 +187,9 @@ class MoE(nn.Module):
         """The portable MoE: router, grouped experts (over EP ranks with ep > 1), shared expert."""
         ids, weights = self.gate(x)
         if self.ep == 1:
+            fused = self.experts.fused_w8a8(x, ids, weights, shared=self.shared_experts)
+            if fused is not None:
+                return fused.to(x.dtype)
             y = self.experts(x, ids, weights)
             if self.shared_experts is not None:
                 y = y + self.shared_experts(x, generated).float()

@@ -63,7 +63,13 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x · Wᵀ under W8A8 for int8 `weight` [out, in] with per-channel `scale` [out]; output in
-    x's dtype."""
+    x's dtype. On the host the CPU kernel quantizes, multiplies in int32 and rescales in one call (the same
+    bits as the torch path below); elsewhere `quantize_activation` and `shared.device.int8_matmul`."""
+    from shared.model import int8_kernels  # here: shared.model's layers import this module
+
+    fused = int8_kernels.linear(x, weight, scale)
+    if fused is not None:
+        return fused
     shape = x.shape
     xq, sx = quantize_activation(x.reshape(-1, shape[-1]))
     y = int8_matmul(xq, sx, weight, scale)
@@ -98,7 +104,8 @@ def grouped_w8a8(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     """Grouped W8A8 matmul: rows [M, K] sorted by group (group g ends at offsets[g]) times int8
     weight[g] [N, K] with scale[g] [N] → fp32 [M, N]. Activations are quantized per token once;
     one int8 matmul per non-empty group (the offsets are read back to the host once: no device
-    kernel takes int8 groups here). Rows past the last offset are left zero."""
+    kernel takes int8 groups here). Rows past the last offset are left zero. The portable path: on the
+    host, moe.Experts runs all experts in one kernel call (shared.model.int8_kernels.moe)."""
     xq, sx = quantize_activation(rows)
     out = rows.new_zeros(rows.shape[0], weight.shape[1], dtype=torch.float32)
     start = 0
