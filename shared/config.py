@@ -455,6 +455,10 @@ class EngineConfig:
                                    choices=("", "mtp"))
     num_speculative_tokens: int = flag(1, "drafts per decode step with --speculative mtp",
                                        bounds=(1, MAX_SPECULATIVE_TOKENS))
+    speculative_max_draft_tokens: int = flag(16, "with --speculative mtp, drafts per step in all (0: no cap): B "
+                                                 "decoding requests draft min(K, this // B) each, none past it (a "
+                                                 "verified row costs about a decode row once a step has many)",
+                                             bounds=(0, None))
 
     def __post_init__(self) -> None:
         check_bounds(self)
@@ -582,6 +586,7 @@ class DecodeConfig(ServiceConfig):
     """The decode service's flags."""
 
     dp: int = flag(1, "attention data-parallel ranks")
+    speculative_max_draft_tokens: int = same_as(EngineConfig, "speculative_max_draft_tokens")
     kv_port: int = flag(0, "TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
     lease_seconds: float = flag(30.0, "unused reservations expire after this")
     max_num_seqs: int = same_as(EngineConfig, "max_num_seqs")

@@ -20,7 +20,7 @@ TINY_ARGS = {
     "real_shapes": ["--contexts", "64", "--chunk", "64", "--decode-batch", "1"],
     "quant": ["--batches", "1,2", "--prompt-len", "8", "--new-tokens", "2", "--repeat", "1"],
     "speculative": ["--random-mtp", "--batches", "1", "--k", "1,2", "--prompt-len", "8", "--new-tokens", "4",
-                    "--dtype", "float32"],
+                    "--rounds", "1", "--dtype", "float32"],
     "selective": ["--background", "2", "--probes", "2", "--prefill-load", "0", "--warmup", "0.5"],
     "sla_router": ["--decode", "1", "--requests", "3", "--isl", "8", "--osl", "2", "--loads", "1", "--quick-profile"],
     "trace_replay": ["--minutes", "2", "--max-m", "2", "--max-n", "1", "--jobs", "1"],

@@ -90,7 +90,7 @@ def test_sampled_mtp_keeps_the_output_distribution(tmp_path):
         return [o.token_ids for o in llm.generate(prompts, params)], llm.engine
 
     plain, _ = tokens()
-    spec, engine = tokens(speculative="mtp", num_speculative_tokens=2)
+    spec, engine = tokens(speculative="mtp", num_speculative_tokens=2, speculative_max_draft_tokens=0)  # all draft
     stats = engine.speculator.stats
     print(f"sampled K=2: drafted {stats.drafted[:2]}, accepted {stats.accepted[:2]} ({stats.acceptance()[:2]})")
     assert 0 < stats.accepted[0] < stats.drafted[0]  # both branches of the rejection rule ran
@@ -279,5 +279,165 @@ def test_mtp_with_prefix_cache_equals_without(mtp_model, monkeypatch):
     assert got == want
     assert [s.num_cached_prompt_tokens for s in seqs] == [20, 20]  # five full blocks of the prefix reused
     assert llm.engine.speculator.stats.accepted[1] > 0
+    kv = llm.engine.kv
+    assert kv.allocator.num_free == kv.num_blocks
+
+
+# --- batched verification: equal to the per-request rule, edge cases --------------------------------------
+
+def _reference_greedy(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+    """The per-request rule: walk each request's drafts while they equal the target argmax."""
+    out, row = [], 0
+    for d in drafts:
+        target = logits[row : row + len(d) + 1].argmax(-1).tolist()
+        n = 0
+        while n < len(d) and d[n] == target[n]:
+            n += 1
+        out.append([*d[:n], target[n]])
+        row += len(d) + 1
+    return out
+
+
+def test_batched_greedy_acceptance_equals_per_request():
+    """All rejected, all accepted, partly accepted, drafts of different lengths in one step: the tensor
+    comparison gives the per-request walk's tokens."""
+    from shared.engine.speculative import Draft, VerifyBatch, accept_greedy
+
+    g = torch.Generator().manual_seed(0)
+    vocab, lengths = 11, [3, 3, 3, 1, 2, 3, 2]
+    logits = torch.randn(sum(n + 1 for n in lengths), vocab, generator=g)
+    target = logits.argmax(-1).tolist()
+    drafts, row = [], 0
+    for i, n in enumerate(lengths):
+        truth = target[row : row + n]
+        wrong = [(t + 1) % vocab for t in truth]
+        right = {0: 0, 1: n, 2: 1}.get(i % 3, n)  # none, all, one right (then wrong)
+        drafts.append(truth[:right] + wrong[right:])
+        row += n + 1
+    firsts = [sum(n + 1 for n in lengths[:i]) for i in range(len(lengths))]
+    batch = VerifyBatch.of([Draft(d, []) for d in drafts], firsts, logits.device)
+    n, last = accept_greedy(logits, batch)
+    got = [[*d[:a], t] for d, a, t in zip(drafts, n, last)]
+    assert got == _reference_greedy(logits, drafts)
+    assert n[0] == 0 and n[1] == 3 and n[2] == 1  # all rejected, all accepted, one accepted
+
+
+def test_batched_sampled_acceptance_follows_the_rejection_rule(monkeypatch):
+    """With the uniforms fixed, the batched rejection pass takes each request's draft i exactly when
+    u_i · q(d_i) < p(d_i), and the token after the accepted ones is the inverse-CDF draw from max(p − q, 0)
+    (or from p after the last draft) with that request's last uniform."""
+    import shared.engine.speculative as spec
+    from shared.engine.sampler import probabilities
+    from shared.engine.speculative import Draft, VerifyBatch
+
+    vocab, k = 7, 2
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    logits = torch.randn(3 * (k + 1), vocab, generator=g)
+    q_logits = torch.randn(3 * k, vocab, generator=g)
+    q = probabilities(q_logits, [params] * (3 * k)).view(3, k, vocab)
+    p = probabilities(logits, [params] * (3 * (k + 1))).view(3, k + 1, vocab)
+    tokens = [[int(q[r, i].argmax()) for i in range(k)] for r in range(3)]
+    ratio = torch.tensor([[float(p[r, i, tokens[r][i]] / q[r, i, tokens[r][i]]) for i in range(k)] for r in range(3)])
+    # request 0 rejects its first draft, request 1 accepts both, request 2 accepts one then rejects
+    u = torch.tensor([[min(0.999, float(ratio[0, 0]) + 0.001), 0.5, 0.3],
+                      [max(0.0, float(ratio[1, 0]) - 0.001), max(0.0, float(ratio[1, 1]) - 0.001), 0.7],
+                      [max(0.0, float(ratio[2, 0]) - 0.001), min(0.999, float(ratio[2, 1]) + 0.001), 0.5]])
+    assert ratio[0, 0] < 0.999 and ratio[2, 1] < 0.999  # at this seed those drafts can be rejected (p < q)
+    monkeypatch.setattr(spec, "uniform_rows", lambda gens, n: u[:, :n])
+
+    class Seq:
+        def __init__(self):
+            self.params, self.generator = params, None
+
+    drafts = [Draft(tokens[r], [q[r, i] for i in range(k)]) for r in range(3)]
+    batch = VerifyBatch.of(drafts, [0, k + 1, 2 * (k + 1)], logits.device)
+    n, last = MtpSpeculator._accept_sampled(None, logits, batch, [Seq(), Seq(), Seq()])
+    assert n == [0, 2, 1]
+    for r, (a, token) in enumerate(zip(n, last)):
+        weights = (p[r, a] - q[r, a]).clamp(min=0) if a < k else p[r, a]
+        cdf = weights.cumsum(-1)
+        want = int(torch.searchsorted(cdf, (u[r, k] * cdf[-1]).view(1), right=True).clamp(max=vocab - 1))
+        assert token == want
+        if a < k:
+            assert float(weights[token]) > 0  # never a token where p ≤ q after a rejection
+
+
+def test_few_token_step_indices_equal_the_general_ones():
+    """MTP verification and catch-up steps (a few tokens per request, uniform or not) build their batch
+    metadata from host lists: the same tensors as the general path."""
+    from shared.model.batch import SeqChunk, _chunk_indices, _host_indices
+
+    g = torch.Generator().manual_seed(5)
+    block = 4
+    for lens in ([2, 2, 2], [1, 3, 2, 4], [4], [1, 2]):
+        chunks = []
+        for n in lens:
+            start = int(torch.randint(0, 30, (), generator=g))
+            table = torch.randperm(64, generator=g)[: -(-(start + n) // block) + 1].tolist()
+            chunks.append(SeqChunk([7] * n, start, table))
+        n_blocks = max(-(-(c.start_pos + n) // block) for c, n in zip(chunks, lens))
+        tables = torch.tensor([c.block_table[:n_blocks] + [0] * (n_blocks - len(c.block_table[:n_blocks]))
+                               for c in chunks])
+        for got, want in zip(_host_indices(chunks, lens, tables, block), _chunk_indices(chunks, lens, tables, block)):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+# --- the draft cap and stops inside drafts -----------------------------------------------------------------
+
+def test_drafts_per_request_under_the_cap(mtp_model):
+    """B requests decoding draft min(K, cap // B) each, none past the cap; no cap: always K."""
+    llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=3,
+              speculative_max_draft_tokens=16)
+    spec = llm.engine.speculator
+    assert [spec.drafts_per_request(b) for b in (1, 5, 6, 8, 9, 16, 17, 64)] == [3, 3, 2, 2, 1, 1, 0, 0]
+    spec.max_draft_tokens = 0
+    assert spec.drafts_per_request(64) == 3
+
+
+def test_capped_drafting_equals_plain_greedy_and_resumes(mtp_model, monkeypatch):
+    """More requests decode than the cap allows: those steps draft nothing and skip the MTP layer's decode
+    positions; as requests end the batch drops under the cap and drafting resumes (on MTP rows with gaps).
+    Greedy tokens are the plain ones throughout, every block comes back."""
+    prompts = random_prompts(5, [5, 17, 30, 9, 3], 512, seed=11)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 6, 16, 20, 24)]
+    llm = LLM(str(mtp_model), dtype="float32", block_size=4)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(MtpSpeculator, "catch_up", _oracle({tuple(p): w for p, w in zip(prompts, want)}, 5))
+    llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=2,
+              speculative_max_draft_tokens=6)  # 5 or 4 decoding: 1 draft each; 3: 2 each; never 0 ...
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    spec = llm.engine.speculator
+    assert spec.gated_steps == 0 and spec.stats.drafted[1] > 0
+    llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=2,
+              speculative_max_draft_tokens=3)  # ... here 5 or 4 decoding: none, then drafts again
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    spec = llm.engine.speculator
+    print(f"cap 3: {spec.gated_steps} steps without drafts, drafted {spec.stats.drafted[:2]}, "
+          f"accepted {spec.stats.accepted[:2]}")
+    assert spec.gated_steps > 0 and spec.stats.accepted[0] > 0 and spec.stats.accepted[1] > 0
+    kv = llm.engine.kv
+    assert kv.allocator.num_free == kv.num_blocks
+
+
+@pytest.mark.parametrize("end", ["stop_token", "max_tokens"])
+def test_a_request_ending_inside_accepted_drafts(mtp_model, monkeypatch, end):
+    """Drafts right (K = 3), so a stop token or max_tokens falls inside a run of accepted drafts: the output
+    ends exactly where plain decoding ends, the drafts past it are dropped and every block comes back."""
+    prompts = random_prompts(3, [6, 13, 21], 512, seed=12)
+    full = [o.token_ids for o in LLM(str(mtp_model), dtype="float32", block_size=4).generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
+    if end == "stop_token":
+        params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[f[6]]) for f in full]
+    else:
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 6, 7)]
+    want = [o.token_ids for o in LLM(str(mtp_model), dtype="float32", block_size=4).generate(prompts, params)]
+    monkeypatch.setattr(MtpSpeculator, "catch_up", _oracle({tuple(p): f for p, f in zip(prompts, full)}, 1 << 30))
+    llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=3)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert all(len(w) < 24 for w in want)
+    stats = llm.engine.speculator.stats
+    assert stats.accepted[2] > 0  # whole runs of drafts accepted
     kv = llm.engine.kv
     assert kv.allocator.num_free == kv.num_blocks

@@ -116,7 +116,8 @@ class LLMEngine:
         self.kv = KVCache(self.layout, num_blocks, self.device)
         self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
-        self.speculator = MtpSpeculator(self, config.num_speculative_tokens) if mtp else None
+        self.speculator = (MtpSpeculator(self, config.num_speculative_tokens, config.speculative_max_draft_tokens)
+                           if mtp else None)
         if mtp:  # a decode's drafts count against the step's token budget
             self.scheduler.decode_width = 1 + config.num_speculative_tokens
         self._requests: dict[str, Sequence] = {}

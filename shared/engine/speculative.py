@@ -90,12 +90,22 @@ class DraftingEngine(ForwardTarget, Protocol):
 
 
 class MtpSpeculator:
-    """The checkpoint's MTP layer drafts `num_tokens` per decode step; the engine's step verifies them."""
+    """The checkpoint's MTP layer drafts up to `num_tokens` per decode step; the engine's step verifies them.
 
-    def __init__(self, engine: DraftingEngine, num_tokens: int):
-        self.engine, self.k = engine, num_tokens
+    `max_draft_tokens` (0: no limit) caps the drafts of one step: with B requests decoding each drafts
+    min(K, max_draft_tokens // B), none once B exceeds the cap. A verified draft row costs about what a
+    decode row costs once a step's work grows with its rows (large batches), its draft brings less than one
+    token, and each draft position adds an MTP forward: past the cap a step costs more than the tokens it
+    gains. A step with no drafts is a plain decode step: the MTP layer skips its decode positions too
+    (their MTP rows stay unwritten: zeros or a freed block's rows), so a request that decoded past the cap
+    may draft less well once the batch shrinks, never with another output (verification decides). Under
+    lock-step ranks (attention DP) every rank drafts K: their MTP forwards must pair up."""
+
+    def __init__(self, engine: DraftingEngine, num_tokens: int, max_draft_tokens: int = 0):
+        self.engine, self.k, self.max_draft_tokens = engine, num_tokens, max_draft_tokens
         self.drafts: dict[str, Draft] = {}
         self.stats = SpecStats()
+        self.gated_steps = 0  # steps the cap left without drafts
 
     # -- the engine step's plug points (shared.engine.llm.LLMEngine.step_chunks) -----------------------
     def take_drafts(self, chunks: list[ScheduledChunk]) -> list[Draft | None]:
@@ -187,13 +197,21 @@ class MtpSpeculator:
             if policy.lockstep:
                 self.dummy(1 + chain)
             return
+        per_request = self.drafts_per_request(sum(map(self._decodes_next, entries))) if draft else 0
+        if draft and per_request == 0:  # a plain step: no drafts, and the decode positions are not caught up
+            self.gated_steps += 1
+            draft = False
+            entries = [e for e in entries if not e.seq.generated_from(e.start)]
+            if not entries:
+                return
+        chain = per_request - 1 if draft else 0
         chunks: list[SeqChunk] = []
         rows: list[int] = []  # each MTP input's row in the step's hidden states
         drafting: list[Sequence] = []
         ends: list[int] = []  # the drafting entries' last rows in the MTP batch
         for e in entries:
             seq, start, end = e.seq, e.start, e.seq.num_cached
-            decodes = draft and e.drafts and seq.num_uncached == 1 and bool(seq.output_token_ids)
+            decodes = draft and self._decodes_next(e)
             chunks.append(SeqChunk(seq.token_slice(start + 1, end + 1), start, seq.block_table, need_logits=decodes,
                                    generated=seq.generated_from(start)))
             rows.extend(range(e.offset, e.offset + end - start))
@@ -203,7 +221,7 @@ class MtpSpeculator:
         every = rows == list(range(hidden.shape[0]))  # all of the step's rows, in order: no gather
         h = hidden if every else policy.hidden_rows(hidden, [_index(rows, hidden.device)])
         logits, g = engine.model.forward_mtp(policy.batch(engine, chunks), engine.kv, h)
-        budgets = [self._budget(seq) for seq in drafting]
+        budgets = [min(per_request, self._budget(seq)) for seq in drafting]
         state = [Draft([], []) for _ in drafting]
         active = [i for i, b in enumerate(budgets) if b > 0]
         if active:
@@ -236,6 +254,18 @@ class MtpSpeculator:
                 last_g[_index(keep, last_g.device)] = g_new
             self._draw(drafting, keep, logits, state)
         self.drafts.update({seq.request_id: d for seq, d in zip(drafting, state, strict=True) if d.tokens})
+
+    @staticmethod
+    def _decodes_next(e: CatchUp) -> bool:
+        """The entry's request decodes in the next step (so it would draft for it)."""
+        return e.drafts and e.seq.num_uncached == 1 and bool(e.seq.output_token_ids)
+
+    def drafts_per_request(self, decoding: int) -> int:
+        """Drafts each of `decoding` requests makes for the next step under `max_draft_tokens` (K under
+        lock-step: see the class docstring)."""
+        if not self.max_draft_tokens or self.engine.policy.lockstep or decoding == 0:
+            return self.k
+        return min(self.k, self.max_draft_tokens // decoding)
 
     def _draw(self, drafting: list[Sequence], active: list[int], logits: torch.Tensor, state: list[Draft]) -> None:
         """Each active request's next draft from its MTP logits (row j for active[j]): the argmax, or a draw

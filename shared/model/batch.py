@@ -141,7 +141,8 @@ class ForwardBatch:
                                for c in chunks], dtype=torch.long)  # one tensor for the whole step
         ctx_t = torch.tensor(ctx, dtype=torch.long)
         uniform = min(lens) == s_max
-        indices = _decode_indices if s_max == 1 else _chunk_indices  # the same tensors; decode's in fewer ops
+        # the same tensors; decode's in fewer ops, a few-token step's (MTP verification, catch-up) from host lists
+        indices = _decode_indices if s_max == 1 else _host_indices if len(lens) * s_max <= 1024 else _chunk_indices
         positions, slot_mapping, token_request, query_index, query_valid, query_pos = indices(chunks, lens, tables,
                                                                                              block_size)
         ends = itertools.accumulate(lens)  # host-side: no per-request tensor indexing
@@ -212,6 +213,27 @@ def _decode_indices(chunks: list[SeqChunk], lens: list[int], tables: torch.Tenso
                                  for c, p in zip(chunks, starts)], dtype=torch.long)
     return (positions, slot_mapping, rows, rows.view(-1, 1), torch.ones(len(chunks), 1, dtype=torch.bool),
             positions.view(-1, 1))
+
+
+def _host_indices(chunks: list[SeqChunk], lens: list[int], tables: torch.Tensor, block_size: int) -> StepIndices:
+    """The same for a step of few tokens per request (MTP verification and catch-up), from host lists: six
+    tensors built, not a dozen tensor ops on tiny tensors."""
+    s_max = max(lens)
+    positions, slots, token_request, query_index, query_pos = [], [], [], [], []
+    offset = 0
+    for r, (c, n) in enumerate(zip(chunks, lens)):
+        table, start = c.block_table, c.start_pos
+        for p in range(start, start + n):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        positions.extend(range(start, start + n))
+        token_request.extend([r] * n)
+        query_index.extend([*range(offset, offset + n), *[0] * (s_max - n)])
+        query_pos.extend([*range(start, start + n), *[0] * (s_max - n)])
+        offset += n
+    query_valid = torch.arange(s_max)[None, :] < torch.tensor(lens)[:, None]
+    shape = (len(chunks), s_max)
+    return (torch.tensor(positions), torch.tensor(slots), torch.tensor(token_request),
+            torch.tensor(query_index).view(shape), query_valid, torch.tensor(query_pos).view(shape))
 
 
 def _similar_runs(lens: list[int], generated: list[bool]) -> list[tuple[int, int]]:
