@@ -12,7 +12,8 @@ With `kv_cache_dtype="int8"` (C8) both pools hold bytes, one row per token, pack
   in bf16 (rotary phases need the precision): 512 + 4·4 + 64·2 = 656 bytes instead of 1152 in bf16;
 * indexer key: FP8 e4m3 with one power-of-two fp32 scale per token (DeepSeek's ue8m0 rule, so keys
   the indexer already quantized that way are stored exactly): 128 + 4 bytes instead of 256.
-Attention decodes the rows it gathers (tile by tile) back to the compute dtype.
+The portable attention decodes the rows it gathers (tile by tile) back to the compute dtype; on CPUs the
+attention kernel (shared.model.cpu_kernels) reads C8 MLA rows and indexer keys in place instead.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Int8LatentRows:
     """C8 MLA row: int8 latent | fp32 scale per 128 latent dims | bf16 rope key, as bytes."""
 
     dtype = torch.uint8
+    group = _GROUP  # latent dims per scale (the CPU attention kernel reads rows by these facts)
 
     def __init__(self, latent: int, rope: int):
         self.latent, self.rope = latent, rope

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from shared.device import on_host
+from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows, RowCodec
 
 # Attention is fused for requests with at most this many queries (decode, MTP verification) and models
 # with at most this many heads: beyond, a batched matmul over the gathered rows reuses each row enough.
@@ -135,6 +136,12 @@ def _build() -> ctypes.CDLL | None:
     lib.paged_mqa.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr,
                               ptr, ctypes.c_float, i64, ptr, ctypes.c_int32]
     lib.paged_mqa.restype = ctypes.c_int32
+    lib.paged_mqa_c8.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr,
+                                 ptr, ptr, ctypes.c_float, i64, ptr, ctypes.c_int32]
+    lib.paged_mqa_c8.restype = ctypes.c_int32
+    lib.index_fp8.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64,
+                              ctypes.c_float, ptr, ctypes.c_int32]
+    lib.index_fp8.restype = ctypes.c_int32
     f32, i32 = ctypes.c_float, ctypes.c_int32
     lib.moe_routed.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i64, i32,
                                ptr, ptr, ptr, i64, ptr, ptr, i32]
@@ -175,29 +182,41 @@ def prepare(weights: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def attention_usable(query: torch.Tensor, pool: torch.Tensor, out_dim: int) -> bool:
-    """Whether the fused kernel can take this step: host tensors, fp32 queries, fp32/bf16 rows, query
-    dims a multiple of 8 and output dims of 16 (its register blocks; MLA's 576 / 512 are)."""
-    return (query.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16)
-            and query.shape[-1] % 8 == 0 and out_dim % 16 == 0 and _runnable(query, pool))
+def attention_usable(query: torch.Tensor, pool: torch.Tensor, out_dim: int, codec: RowCodec | None = None) -> bool:
+    """Whether the fused kernel can take this step: host tensors, fp32 queries, rows stored as they are
+    (fp32/bf16) or as C8 MLA rows (`codec` an Int8LatentRows matching the pool), query dims a multiple of 8
+    and output dims of 16 (its register blocks; MLA's 576 / 512 are)."""
+    if codec is None:
+        rows_ok = pool.dtype in (torch.float32, torch.bfloat16)
+    else:
+        rows_ok = (isinstance(codec, Int8LatentRows) and pool.dtype == torch.uint8 and pool.shape[-1] == codec.width
+                   and query.shape[-1] == codec.dim)
+    return (rows_ok and query.dtype == torch.float32 and query.shape[-1] % 8 == 0 and out_dim % 16 == 0
+            and _runnable(query, pool))
 
 
 def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, block_size: int,
               slot_row: torch.Tensor, counts: torch.Tensor, scale: float, out_dim: int,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """query [N, H, D] fp32 over pool rows [..., D] (fp32 or bf16, flat slots): query i attends to the
+              mask: torch.Tensor | None = None, codec: RowCodec | None = None) -> torch.Tensor:
+    """query [N, H, D] fp32 over pool rows [..., D] (fp32 or bf16, flat slots; or C8 rows [..., codec.width]
+    bytes with `codec` an Int8LatentRows, read and dequantized in place): query i attends to the
     context positions t < counts[i] of table row slot_row[i], whose rows sit at pool slot
     tables[r, t // block_size] * block_size + t % block_size (a block table; block_size 1 for a list of
     slots), skipping positions where `mask` [rows, ≥ counts] is False. Returns [N, H, out_dim] fp32 =
     softmax(scale · q·rowᵀ) · row[:out_dim]. Call only where attention_usable(). The kernel checks every
-    position and slot it reads against the table and the pool (ValueError if any is outside)."""
+    position and slot it reads against the table and the pool, and a C8 layout against the rows (ValueError
+    if any is outside or does not fit)."""
     n, heads, dim = query.shape
     flat = pool.view(-1, pool.shape[-1])
     rows, width = tables.shape
-    if (flat.shape[1] < dim or out_dim > dim or dim % 8 or out_dim % 16 or slot_row.shape != (n,)
-            or counts.shape != (n,) or (mask is not None and mask.shape[0] != rows)):
-        raise ValueError(f"paged_mqa: queries {tuple(query.shape)}, rows of {flat.shape[1]} dims, output {out_dim}, "
-                         f"slot_row {tuple(slot_row.shape)}, counts {tuple(counts.shape)}")
+    row_dim = flat.shape[1] if codec is None else codec.dim
+    if (row_dim < dim or out_dim > dim or dim % 8 or out_dim % 16 or slot_row.shape != (n,)
+            or counts.shape != (n,) or (mask is not None and mask.shape[0] != rows)
+            or (codec is not None and (not isinstance(codec, Int8LatentRows) or flat.dtype != torch.uint8
+                                       or flat.shape[1] != codec.width or dim != codec.dim))):
+        raise ValueError(f"paged_mqa: queries {tuple(query.shape)}, rows of {flat.shape[1]} {flat.dtype} "
+                         f"(codec {type(codec).__name__}), output {out_dim}, slot_row {tuple(slot_row.shape)}, "
+                         f"counts {tuple(counts.shape)}")
     query = query.contiguous()
     tables = tables.to(torch.int64).contiguous()
     slot_row = slot_row.to(torch.int64).contiguous()
@@ -205,14 +224,62 @@ def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, blo
     if mask is not None:
         mask = mask.to(torch.uint8).contiguous()
     out = torch.empty(n, heads, out_dim, dtype=torch.float32)
-    bad = library().paged_mqa(query.data_ptr(), n, heads, dim, flat.data_ptr(), int(pool.dtype == torch.bfloat16),
-                              flat.stride(0), flat.shape[0], tables.data_ptr(), rows, width, block_size,
-                              0 if mask is None else mask.shape[1], slot_row.data_ptr(), counts.data_ptr(),
-                              None if mask is None else mask.data_ptr(), scale, out_dim, out.data_ptr(),
-                              torch.get_num_threads())
+    lib = library()
+    where = (tables.data_ptr(), rows, width, block_size, 0 if mask is None else mask.shape[1], slot_row.data_ptr(),
+             counts.data_ptr(), None if mask is None else mask.data_ptr(), scale, out_dim, out.data_ptr(),
+             torch.get_num_threads())
+    if codec is None:
+        bad = lib.paged_mqa(query.data_ptr(), n, heads, dim, flat.data_ptr(), int(pool.dtype == torch.bfloat16),
+                            flat.stride(0), flat.shape[0], *where)
+    else:
+        bad = lib.paged_mqa_c8(query.data_ptr(), n, heads, dim, flat.data_ptr(), flat.stride(0), flat.shape[0],
+                               codec.latent, codec.group, codec.groups, codec.rope, *where)
+    if bad == 2:
+        raise ValueError(f"paged_mqa: the C8 layout (latent {codec.latent}, groups {codec.groups} of {codec.group}, "
+                         f"rope {codec.rope}) does not fit rows of {flat.stride(0)} bytes")
     if bad:
         raise ValueError("paged_mqa: a query's context runs past its table, names a missing table row, or a "
                          "table names a slot outside the pool")
+    return out
+
+
+def index_usable(query: torch.Tensor, pool: torch.Tensor, codec: RowCodec | None) -> bool:
+    """Whether index_scores can score these indexer queries (fp32 [N, H, D], D a multiple of 8) against this
+    key pool: C8 keys (`codec` an Fp8KeyRows matching the pool), host tensors."""
+    return (isinstance(codec, Fp8KeyRows) and pool.dtype == torch.uint8 and pool.shape[-1] == codec.width
+            and query.dim() == 3 and query.dtype == torch.float32 and query.shape[-1] == codec.dim
+            and codec.dim % 8 == 0 and _runnable(query, pool))
+
+
+def index_scores(query: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, codec: Fp8KeyRows,
+                 tables: torch.Tensor, block_size: int, slot_row: torch.Tensor, counts: torch.Tensor, columns: int,
+                 scale: float) -> torch.Tensor:
+    """Lightning-indexer scores of queries [N, H, D] fp32 with head weights [N, H] fp32 over C8 keys read in
+    place (FP8 e4m3 bytes and their fp32 scale, no decoded copy): [N, columns] fp32 with
+    I[i, t] = Σ_h w[i, h] · ReLU(q[i, h] · key_t · scale) for the positions t < counts[i] of table row
+    slot_row[i] (key_t at pool slot tables[r, t // block_size] * block_size + t % block_size) and -inf from
+    counts[i] on. Call only where index_usable(). Every position and slot is checked (ValueError)."""
+    n, heads, dim = query.shape
+    flat = pool.view(-1, pool.shape[-1])
+    rows, width = tables.shape
+    if (weights.shape != (n, heads) or slot_row.shape != (n,) or counts.shape != (n,) or dim != codec.dim
+            or flat.shape[1] != codec.width):
+        raise ValueError(f"index_scores: queries {tuple(query.shape)}, weights {tuple(weights.shape)}, key rows of "
+                         f"{flat.shape[1]} bytes, slot_row {tuple(slot_row.shape)}, counts {tuple(counts.shape)}")
+    query = query.contiguous()
+    weights = weights.float().contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    slot_row = slot_row.to(torch.int64).contiguous()
+    counts = counts.to(torch.int64).contiguous()
+    out = torch.empty(n, columns, dtype=torch.float32)
+    bad = library().index_fp8(query.data_ptr(), weights.data_ptr(), n, heads, dim, flat.data_ptr(), flat.stride(0),
+                              flat.shape[0], tables.data_ptr(), rows, width, block_size, slot_row.data_ptr(),
+                              counts.data_ptr(), columns, scale, out.data_ptr(), torch.get_num_threads())
+    if bad == 2:
+        raise ValueError(f"index_scores: keys of {dim} dims do not fit rows of {flat.stride(0)} bytes")
+    if bad:
+        raise ValueError("index_scores: a query's context runs past its table or the columns, names a missing "
+                         "table row, or a table names a slot outside the pool")
     return out
 
 

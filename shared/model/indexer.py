@@ -9,7 +9,8 @@ scoring is skipped (all causal keys are selected) but the keys are still cached 
 FP8 e4m3 quantization of q and k with power-of-two (ue8m0) scales, scores accumulated in fp32 —
 the numerics the released checkpoints were trained and evaluated with. `"transformers"` skips the
 rotation and quantization as transformers' port does (used to compare with it). Scoring is tiled
-(shared.model.attention.indexer_topk): memory stays bounded at any context length.
+(shared.model.attention.indexer_topk): memory stays bounded at any context length. Over C8 keys on a CPU,
+shared.model.ops scores them with a kernel that reads the FP8 bytes in place.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import shared.model.ops as ops
 from shared.config import EngineConfig, ModelConfig, knob_choices, knob_default
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
-from shared.model.attention import indexer_topk
 from shared.model.batch import ForwardBatch, write_rows
 from shared.model.layers import LinearFormats, linear
 from shared.model.rope import RopeAngles, rope_neox
@@ -88,6 +89,6 @@ class Indexer(nn.Module):
         # (the fake-quantized values are exact in the cache dtype). "transformers" scores in the cache dtype.
         stored = index_pool.dtype if codec is None else q.dtype
         compute = torch.float32 if self.numerics == "deepseek" else compute_dtype(stored, q.device)
-        picks, valid = indexer_topk(fb.padded(q), fb.padded(w), fb, index_pool, min(self.topk, fb.max_context),
-                                    self.scale, compute, codec)
-        return Selection(fb.unpadded(picks), fb.unpadded(valid))
+        picks, valid = ops.indexer_topk(q, w, fb, index_pool, min(self.topk, fb.max_context), self.scale, compute,
+                                        codec)
+        return Selection(picks, valid)

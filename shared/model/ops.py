@@ -128,18 +128,26 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
     return out
 
 
+def _kernel_query(query: torch.Tensor, codec: RowCodec | None) -> torch.Tensor:
+    """Queries in the dtype the fused attention computes in: the compute dtype over rows stored as they are,
+    fp32 over C8 rows (dequantized in fp32 inside the kernel)."""
+    return query.float() if codec is not None else query.to(compute_dtype(query.dtype, query.device))
+
+
 def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float, out_dim: int,
                     codec: RowCodec | None = None) -> torch.Tensor:
     """attention.dense_attention (padded queries [R, S, H, D] → [R, S, H, out_dim]). A step of generated
     tokens only, with few queries per request (decode, MTP verification) and few heads, attends in one kernel
-    call that reads each cached row once, in place, through the block table."""
+    call that reads each cached row once, in place, through the block table (C8 rows dequantized in registers
+    and tile scratch, never unpacked into a gathered copy)."""
     r_all, s_all, heads, dim = query.shape
-    if (codec is None and fb.generated == fb.num_tokens and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST
+    if (fb.generated == fb.num_tokens and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST
             and heads <= cpu_kernels.MAX_HEADS):
-        flat = query.reshape(r_all * s_all, heads, dim).to(compute_dtype(query.dtype, query.device))
-        if cpu_kernels.attention_usable(flat, pool, out_dim):
+        flat = _kernel_query(query.reshape(r_all * s_all, heads, dim), codec)
+        if cpu_kernels.attention_usable(flat, pool, out_dim, codec):
             requests, counts = fb.query_rows
-            out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, fb.block_size, requests, counts, scale, out_dim)
+            out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, fb.block_size, requests, counts, scale, out_dim,
+                                        codec=codec)
             return out.view(r_all, s_all, heads, out_dim).to(query.dtype)
     return attention.dense_attention(query, fb, pool, scale, out_dim, codec)
 
@@ -147,16 +155,53 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
 def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, picks: torch.Tensor,
                      valid: torch.Tensor, scale: float, out_dim: int, codec: RowCodec | None = None) -> torch.Tensor:
     """attention.sparse_attention (flat queries [N, H, D] over their picked positions [N, k]); with few heads,
-    one kernel call that reads each picked row in place (a one-row block table of slots per query)."""
+    one kernel call that reads each picked row in place (a one-row block table of slots per query). Over C8
+    rows only for a step's generated tokens, as dense attention: the kernel dequantizes in fp32 where the
+    portable path rounds rows to the compute dtype, so a prompt token attends alike, sparse or dense (its
+    chunk's context under index_topk), however its prompt is chunked."""
     n_all, heads, _ = query.shape
-    if codec is None and heads <= cpu_kernels.MAX_HEADS:
-        cq = query.to(compute_dtype(query.dtype, query.device))
-        if cpu_kernels.attention_usable(cq, pool, out_dim):
+    if heads <= cpu_kernels.MAX_HEADS and (codec is None or fb.generated == fb.num_tokens):
+        cq = _kernel_query(query, codec)
+        if cpu_kernels.attention_usable(cq, pool, out_dim, codec):
             slots = fb.slots_of(fb.token_request, picks)  # [N, k]
             rows = torch.arange(n_all, device=query.device)
             counts = torch.full((n_all,), picks.shape[1], dtype=torch.long, device=query.device)
-            return cpu_kernels.paged_mqa(cq, pool, slots, 1, rows, counts, scale, out_dim, mask=valid).to(query.dtype)
+            return cpu_kernels.paged_mqa(cq, pool, slots, 1, rows, counts, scale, out_dim, mask=valid,
+                                         codec=codec).to(query.dtype)
     return attention.sparse_attention(query, fb, pool, picks, valid, scale, out_dim, codec)
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, k: int, scale: float,
+                 compute: torch.dtype, codec: RowCodec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention.indexer_topk for flat queries q [N, H, D] and head weights [N, H]: the top-k context
+    positions [N, k] of each and which are real picks. Over C8 keys with fp32 scoring (DeepSeek's numerics)
+    the scores come from one kernel call per query tile that reads the FP8 keys in place (each query computed
+    on its own: every token takes it); the top-k is the same ordering (value, then earliest position)."""
+    if compute == torch.float32 and cpu_kernels.index_usable(q.float(), pool, codec):
+        return _indexer_topk_kernel(q.float(), weights, fb, pool, k, scale, codec)
+    picks, valid = attention.indexer_topk(fb.padded(q), fb.padded(weights), fb, pool, k, scale, compute, codec)
+    return fb.unpadded(picks), fb.unpadded(valid)
+
+
+def _indexer_topk_kernel(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, k: int,
+                         scale: float, codec: RowCodec) -> tuple[torch.Tensor, torch.Tensor]:
+    n_all = q.shape[0]
+    picks = torch.zeros(n_all, k, dtype=torch.long, device=q.device)
+    valid = torch.zeros(n_all, k, dtype=torch.bool, device=q.device)
+    counts_all = fb.positions + 1  # the causal keys of each query
+    columns = int(counts_all.max())
+    # scores, their sort and its indices: about 24 bytes per (query, key), tiled to the workspace
+    step = max(1, fb.workspace_bytes // (24 * columns))
+    for n0 in range(0, n_all, step):
+        tile = slice(n0, min(n_all, n0 + step))
+        counts = counts_all[tile]
+        width = int(counts.max())
+        scores = cpu_kernels.index_scores(q[tile], weights[tile], pool, codec, fb.block_tables, fb.block_size,
+                                          fb.token_request[tile], counts, width, scale)
+        best, order = scores.sort(dim=-1, descending=True, stable=True)  # ties to the earliest position
+        m = min(k, width)
+        picks[tile, :m], valid[tile, :m] = order[:, :m], torch.isfinite(best[:, :m])
+    return picks, valid
 
 
 @dataclass(frozen=True)

@@ -35,22 +35,67 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));
 /* Fused multiply-adds are written out, never left to the compiler (built with -ffp-contract=off): whether
    GCC contracts `acc += a * b` depends on the loop around it and the target, so one row computed by two
    code paths (alone, or in a four-row pass beside other requests) could round differently. Spelled out,
-   a row's bits are the source's on every compiler and ISA. fmaf is exact by C99; GCC turns a lane loop
-   of them into one vfmadd where the CPU has FMA. */
+   a row's bits are the source's on every compiler and ISA. fmaf is exact by C99, as is x86's vfmadd (the same
+   bits): where the CPU has FMA the intrinsic is spelled out, since GCC turns the lane loop into one vfmadd
+   only in simple loops and into 8 scalar ones inside the kernels' register blocks (measured: 3-4x slower). */
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+#if defined(__FMA__) && defined(__AVX__)
+static inline v8 vfma(v8 a, v8 b, v8 c) {  /* a * b + c, rounded once per lane */
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+#else
 static inline v8 vfma(v8 a, v8 b, v8 c) {  /* a * b + c, rounded once per lane */
     v8 r;
     for (int e = 0; e < DW; e++) r[e] = fmaf(a[e], b[e], c[e]);
     return r;
 }
+#endif
 static inline v8 splat(float f) { v8 r = {f, f, f, f, f, f, f, f}; return r; }
 
-/* Rows of a tile as fp32: fp32 pools are read in place, bf16 pools widened into `buf`. */
-static const float *row_of(const void *pool, int bf16, int64_t slot, int64_t stride, int64_t dim, float *buf) {
-    if (!bf16) return (const float *)pool + slot * stride;
-    const uint16_t *src = (const uint16_t *)pool + slot * stride;
+/* How pool rows are stored: fp32 or bf16 rows as they are, or C8 MLA rows (shared.kvcache.layout.Int8LatentRows,
+   bytes: int8 latent [latent] | fp32 scale per `group` latent dims [groups] | bf16 rope key [rope]). */
+enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_C8 = 2 };
+typedef struct {
+    int kind;
+    int64_t latent, group, groups, rope;  /* C8 rows only */
+    int64_t elem, bytes;  /* bytes per stride element (4, 2, 1) and per row */
+} RowFormat;
+
+/* Ask for a row's cache lines ahead of its use (the rows of the next tile while this one computes): rows sit in
+   scattered blocks, past what the hardware prefetcher follows. */
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
+}
+
+/* Rows of a tile as fp32: fp32 pools are read in place, bf16 pools widened and C8 rows dequantized into `buf`
+   (TILE rows: the tile's scratch, in cache; no copy of the context). A C8 value is its int8 times its group's
+   scale, one fp32 rounding: the bits of Int8LatentRows.decode in fp32. Strides count pool elements (bytes
+   for C8). */
+static const float *row_of(const void *pool, const RowFormat *f, int64_t slot, int64_t stride, int64_t dim,
+                           float *buf) {
+    if (f->kind == ROWS_F32) return (const float *)pool + slot * stride;
     uint32_t *dst = (uint32_t *)buf;
+    if (f->kind == ROWS_BF16) {
+        const uint16_t *src = (const uint16_t *)pool + slot * stride;
+        #pragma omp simd
+        for (int64_t d = 0; d < dim; d++) dst[d] = (uint32_t)src[d] << 16;
+        return buf;
+    }
+    const uint8_t *src = (const uint8_t *)pool + slot * stride;
+    const int8_t *lat = (const int8_t *)src;
+    for (int64_t g = 0; g < f->groups; g++) {
+        float s;
+        memcpy(&s, src + f->latent + 4 * g, sizeof s);  /* scales sit at any byte offset */
+        int64_t d1 = (g + 1) * f->group < f->latent ? (g + 1) * f->group : f->latent;
+        #pragma omp simd
+        for (int64_t d = g * f->group; d < d1; d++) buf[d] = (float)lat[d] * s;
+    }
+    const uint8_t *rope = src + f->latent + 4 * f->groups;
+    dst += f->latent;
     #pragma omp simd
-    for (int64_t d = 0; d < dim; d++) dst[d] = (uint32_t)src[d] << 16;
+    for (int64_t d = 0; d < f->rope; d++) dst[d] = (uint32_t)(rope[2 * d] | rope[2 * d + 1] << 8) << 16;
     return buf;
 }
 
@@ -60,11 +105,11 @@ static const float *row_of(const void *pool, int bf16, int64_t slot, int64_t str
    dim % DW == 0 and out_dim % CW == 0 (the caller checks). Every index is checked against the table
    (table_rows x table_width, mask_width) and the pool (num_slots rows): a query naming anything
    outside them gets no output and the call returns 1 (0: all good). */
-int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
-                  const void *pool, int32_t pool_bf16, int64_t row_stride, int64_t num_slots,
-                  const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs, int64_t mask_width,
-                  const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
-                  float scale, int64_t out_dim, float *out, int32_t threads) {
+static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
+                   int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows,
+                   int64_t table_width, int64_t bs, int64_t mask_width, const int64_t *slot_row,
+                   const int64_t *counts, const uint8_t *mask, float scale, int64_t out_dim, float *out,
+                   int32_t threads) {
     const int64_t hp = (heads + HB - 1) / HB * HB;  /* heads padded to whole blocks (zero queries) */
     int32_t bad = 0;
     #pragma omp parallel num_threads(threads)
@@ -74,7 +119,7 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
         float *mx = xmalloc(sizeof(float) * hp);
         float *sum = xmalloc(sizeof(float) * hp);
         float *score = xmalloc(sizeof(float) * hp * TILE);
-        float *buf = pool_bf16 ? xmalloc(sizeof(float) * TILE * dim) : NULL;
+        float *buf = fmt->kind != ROWS_F32 ? xmalloc(sizeof(float) * TILE * dim) : NULL;
         const float *rows[TILE];
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
@@ -101,10 +146,15 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                         bad = 1;
                         continue;
                     }
-                    rows[used] = row_of(pool, pool_bf16, slot, row_stride, dim, buf ? buf + used * dim : NULL);
+                    rows[used] = row_of(pool, fmt, slot, row_stride, dim, buf ? buf + used * dim : NULL);
                     used++;
                 }
                 if (!used) continue;
+                for (int64_t t = t0 + TILE; t < t0 + 2 * TILE && t < counts[i]; t++) {  /* the next tile's rows */
+                    int64_t blk = trow[t / bs], slot = blk * bs + t % bs;
+                    if (blk >= 0 && slot < num_slots && !(mrow && !mrow[t]))
+                        prefetch_row((const char *)pool + slot * row_stride * fmt->elem, fmt->bytes);
+                }
                 for (int64_t h0 = 0; h0 < hp; h0 += HB) {
                     /* scores of HB heads against the tile's rows: each row chunk loaded once for HB heads */
                     for (int j = 0; j < used; j++) {
@@ -166,6 +216,176 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
         }
         free(qp); free(acc); free(mx); free(sum); free(score); free(buf);
     }
+    return bad;
+}
+
+/* mqa over fp32 or bf16 rows (row_stride in elements). */
+int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
+                  const void *pool, int32_t pool_bf16, int64_t row_stride, int64_t num_slots,
+                  const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs, int64_t mask_width,
+                  const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
+                  float scale, int64_t out_dim, float *out, int32_t threads) {
+    RowFormat fmt = {pool_bf16 ? ROWS_BF16 : ROWS_F32, 0, 0, 0, 0, pool_bf16 ? 2 : 4, dim * (pool_bf16 ? 2 : 4)};
+    return mqa(q, n, heads, dim, pool, &fmt, row_stride, num_slots, tables, table_rows, table_width, bs, mask_width,
+               slot_row, counts, mask, scale, out_dim, out, threads);
+}
+
+/* mqa over C8 MLA rows read in place (row_stride in bytes), each row dequantized once per tile in cache. The
+   layout is checked first: dim = latent + rope, groups = ceil(latent / group), and a row of
+   latent + 4 groups + 2 rope bytes fits the stride; else nothing is read and the call returns 2. */
+int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
+                     const uint8_t *pool, int64_t row_stride, int64_t num_slots, int64_t latent, int64_t group,
+                     int64_t groups, int64_t rope,
+                     const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs, int64_t mask_width,
+                     const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
+                     float scale, int64_t out_dim, float *out, int32_t threads) {
+    if (latent <= 0 || group <= 0 || rope < 0 || groups != (latent + group - 1) / group || dim != latent + rope
+            || latent + 4 * groups + 2 * rope > row_stride)
+        return 2;
+    RowFormat fmt = {ROWS_C8, latent, group, groups, rope, 1, latent + 4 * groups + 2 * rope};
+    return mqa(q, n, heads, dim, pool, &fmt, row_stride, num_slots, tables, table_rows, table_width, bs, mask_width,
+               slot_row, counts, mask, scale, out_dim, out, threads);
+}
+
+/* ---- Lightning-indexer scores over C8 keys (shared.kvcache.layout.Fp8KeyRows) ---- */
+
+#define KT 64    /* keys decoded per tile, shared by the queries of a run */
+#define IH 4     /* indexer heads per register block */
+#define IK 4     /* keys per register block */
+#define RUN 16   /* at most this many consecutive queries of one table row share a decoded tile */
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef float v4u __attribute__((vector_size(16), aligned(4)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+/* The sums of four 8-lane vectors, each as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): AVX's horizontal
+   adds where the CPU has them, the same additions in the same order elsewhere (the same bits on every ISA). */
+static inline v4 sum4(v8 a, v8 b, v8 c, v8 d) {
+#if defined(__AVX__)
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a, (__m256)b), _mm256_hadd_ps((__m256)c, (__m256)d));
+    return (v4)_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+#else
+    v8 x[4] = {a, b, c, d};
+    v4 r;
+    for (int k = 0; k < 4; k++)
+        r[k] = ((x[k][0] + x[k][1]) + (x[k][2] + x[k][3])) + ((x[k][4] + x[k][5]) + (x[k][6] + x[k][7]));
+    return r;
+#endif
+}
+typedef uint8_t v8b __attribute__((vector_size(8)));
+
+/* Eight FP8 e4m3 bytes as fp32, exactly and without branches: exponent and mantissa moved to fp32's places and
+   rebiased (7 -> 127); subnormals (exponent 0) are mantissa * 2^-9; the sign bit moved. The codec never stores
+   NaN (it saturates at 448). */
+static inline v8 e4m3x8(const uint8_t *p) {
+#if defined(__AVX2__)
+    v8i x = (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));  /* GCC scalarizes the generic form */
+#else
+    v8b bytes;
+    memcpy(&bytes, p, sizeof bytes);
+    v8i x = __builtin_convertvector(bytes, v8i);
+#endif
+    v8i m = x & 0x7f;
+    v8i normal = (m << 20) + (120 << 23);
+    v8 sub = __builtin_convertvector(m, v8) * splat(0x1p-9f);
+    v8i is_normal = m >= 8;  /* all ones where true */
+    return (v8)((is_normal & normal) | (~is_normal & (v8i)sub) | ((x & 0x80) << 24));
+}
+
+/* out[i, t] = sum_h w[i, h] * relu(dot(q[i, h], key_t) * scale) for the positions t < counts[i] of table row
+   slot_row[i] (key_t: row tables[row, t / bs] * bs + t % bs of the pool, FP8 e4m3 [dim] | fp32 scale, the
+   scale applied to the dot), -inf for counts[i] <= t < t_out. Each key is decoded once per run of up to RUN
+   consecutive queries with the same table row (a prompt chunk's, a verification's). Checks as paged_mqa:
+   returns 1 where a query names a row, position or slot outside the table or the pool (its output is then
+   incomplete), 2 where dim % DW or the row (dim + 4 bytes) does not fit the stride (nothing read). */
+int32_t index_fp8(const float *q, const float *w, int64_t n, int64_t heads, int64_t dim,
+                  const uint8_t *pool, int64_t row_stride, int64_t num_slots,
+                  const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs,
+                  const int64_t *slot_row, const int64_t *counts, int64_t t_out, float scale, float *out,
+                  int32_t threads) {
+    if (dim <= 0 || dim % DW || dim + 4 > row_stride || heads <= 0) return 2;
+    const int64_t hp = (heads + IH - 1) / IH * IH;
+    int64_t *start = xmalloc(sizeof(int64_t) * (n + 1)), runs = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!runs || slot_row[i] != slot_row[i - 1] || i - start[runs - 1] >= RUN) start[runs++] = i;
+    start[runs] = n;
+    int32_t bad = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *keys = xcalloc(KT * dim, sizeof(float));  /* rows past a tile's end stay finite */
+        float *ks = xcalloc(KT, sizeof(float));
+        float *qp = xcalloc(hp * dim, sizeof(float));  /* a query's heads padded with zeros (weight 0) */
+        float *wp = xcalloc(hp, sizeof(float));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < runs; r++) {
+            int64_t i0 = start[r], i1 = start[r + 1], row = slot_row[i0], cmax = 0;
+            int64_t limit = table_width * bs < t_out ? table_width * bs : t_out;
+            int ok = row >= 0 && row < table_rows;
+            for (int64_t i = i0; i < i1; i++) {
+                ok &= counts[i] >= 0 && counts[i] <= limit;
+                cmax = counts[i] > cmax ? counts[i] : cmax;
+            }
+            if (!ok) {
+                #pragma omp atomic write
+                bad = 1;
+                continue;
+            }
+            for (int64_t i = i0; i < i1; i++)
+                for (int64_t t = counts[i]; t < t_out; t++) out[i * t_out + t] = -INFINITY;
+            const int64_t *trow = tables + row * table_width;
+            for (int64_t t0 = 0; t0 < cmax; t0 += KT) {
+                int64_t used = cmax - t0 < KT ? cmax - t0 : KT;
+                for (int64_t t = t0 + KT; t < t0 + 2 * KT && t < cmax; t++) {  /* the next tile's keys */
+                    int64_t blk = trow[t / bs], slot = blk * bs + t % bs;
+                    if (blk >= 0 && slot < num_slots) prefetch_row(pool + slot * row_stride, dim + 4);
+                }
+                for (int64_t j = 0; j < used; j++) {
+                    int64_t t = t0 + j, slot = trow[t / bs] * bs + t % bs;
+                    if (trow[t / bs] < 0 || slot >= num_slots) {
+                        #pragma omp atomic write
+                        bad = 1;
+                        used = j;
+                        break;
+                    }
+                    const uint8_t *src = pool + slot * row_stride;
+                    float *kr = keys + j * dim;
+                    for (int64_t d0 = 0; d0 < dim; d0 += DW) STORE(kr + d0, e4m3x8(src + d0));
+                    memcpy(ks + j, src + dim, sizeof(float));
+                }
+                for (int64_t i = i0; i < i1; i++) {
+                    int64_t end = counts[i] - t0 < used ? counts[i] - t0 : used;
+                    if (end <= 0) continue;
+                    memcpy(qp, q + i * heads * dim, sizeof(float) * heads * dim);
+                    memcpy(wp, w + i * heads, sizeof(float) * heads);
+                    float *oi = out + i * t_out + t0;
+                    for (int64_t j0 = 0; j0 < end; j0 += IK) {
+                        v4 tot = {0}, zero = {0};
+                        v4 kscale = *(const v4u *)(ks + j0) * (v4){scale, scale, scale, scale};
+                        for (int64_t h0 = 0; h0 < hp; h0 += IH) {
+                            v8 acc[IH][IK] = {{{0}}};
+                            for (int64_t d0 = 0; d0 < dim; d0 += DW) {
+                                v8 kv[IK];
+                                for (int kk = 0; kk < IK; kk++) kv[kk] = LOAD(keys + (j0 + kk) * dim + d0);
+                                for (int hh = 0; hh < IH; hh++) {
+                                    v8 qv = LOAD(qp + (h0 + hh) * dim + d0);
+                                    for (int kk = 0; kk < IK; kk++) acc[hh][kk] = vfma(qv, kv[kk], acc[hh][kk]);
+                                }
+                            }
+                            for (int hh = 0; hh < IH; hh++) {  /* four keys at once: dot * key scale * scale */
+                                v4 sc = sum4(acc[hh][0], acc[hh][1], acc[hh][2], acc[hh][3]) * kscale;
+                                float wh = wp[h0 + hh];
+                                tot += (v4){wh, wh, wh, wh} * (v4)((v4i)sc & (sc > zero));  /* ReLU */
+                            }
+                        }
+                        for (int kk = 0; kk < IK && j0 + kk < end; kk++) oi[j0 + kk] = tot[kk];
+                    }
+                }
+            }
+        }
+        free(keys); free(ks); free(qp); free(wp);
+    }
+    free(start);
     return bad;
 }
 

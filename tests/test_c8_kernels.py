@@ -1,0 +1,269 @@
+"""C8 rows read in place by the CPU kernels (shared.model.cpu_kernels: paged_mqa over int8 MLA rows, index_scores
+over FP8 indexer keys), as shared.model.ops chooses them, against the portable dequantize-then-attend path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine import LLM, SamplingParams
+from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows
+from shared.loader.tiny import write_checkpoint
+from shared.model import cpu_kernels, ops
+from shared.model.batch import ForwardBatch, SeqChunk
+
+BLOCK = 16
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """kernels(False) forces the portable path (the library off), kernels(True) the built kernels."""
+    lib = cpu_kernels.library()
+    assert lib is not None, "the kernel must build here (a C compiler is part of the install)"
+
+    def use(on: bool) -> None:
+        monkeypatch.setattr(cpu_kernels, "_library", lib if on else None)
+        monkeypatch.setattr(cpu_kernels, "_tried", True)
+
+    return use
+
+
+def _batch(contexts: list[int], queries: int, gen: torch.Generator, generated: bool = True) -> tuple[ForwardBatch, int]:
+    """Requests with the given contexts (after this step), `queries` new tokens each, blocks scattered."""
+    need = [-(-c // BLOCK) for c in contexts]
+    num_blocks = sum(need) + 3
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    chunks, used = [], 0
+    for c, n in zip(contexts, need):
+        chunks.append(SeqChunk([1] * queries, c - queries, order[used : used + n], generated=generated))
+        used += n
+    return ForwardBatch.build(chunks, BLOCK, torch.device("cpu")), num_blocks
+
+
+def _c8_pool(codec: Int8LatentRows | Fp8KeyRows, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """A pool of encoded rows (latents with a spread of magnitudes per group, so scales differ)."""
+    rows = torch.randn(num_blocks * BLOCK, codec.dim, generator=gen)
+    rows *= torch.rand(num_blocks * BLOCK, 1, generator=gen) * 4 + 0.1
+    return codec.encode(rows).view(num_blocks, BLOCK, -1)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal to fp32 rounding: sums in another order, relative to the outputs' magnitude."""
+    return (got.float() - want.float()).abs().max().item() <= 1e-5 * want.abs().max().item() + 1e-6
+
+
+def _counting(monkeypatch, name: str) -> list[int]:
+    calls: list[int] = []
+    real = getattr(cpu_kernels, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, name, counted)
+    return calls
+
+
+# (latent, rope): DeepSeek's 512 + 64 (query 576, output 512), and a latent whose last scale group is partial
+LAYOUTS = [(512, 64), (208, 16)]
+
+
+@pytest.mark.parametrize(("latent", "rope"), LAYOUTS)
+@pytest.mark.parametrize(("heads", "queries"), [(1, 1), (4, 1), (6, 3), (cpu_kernels.MAX_HEADS, 2)])
+def test_dense_c8_kernel_matches_dequantize_then_attend(kernels, monkeypatch, latent, rope, heads, queries):
+    """Decode and verification steps (queries per request ≤ MAX_QUERIES_PER_REQUEST) over scattered blocks,
+    odd contexts, heads up to MAX_HEADS: the kernel reading int8 rows gives the portable path's output
+    (rows decoded to fp32, then attended) to fp32 rounding, causal masking within a step included."""
+    gen = torch.Generator().manual_seed(heads * 10 + queries + latent)
+    codec = Int8LatentRows(latent, rope)
+    fb, num_blocks = _batch([max(c, queries) for c in (1, 37, 130, 16, 64, 301)], queries, gen)
+    pool = _c8_pool(codec, num_blocks, gen)
+    query = torch.randn(fb.query_index.shape[0], queries, heads, codec.dim, generator=gen)
+    kernels(False)
+    want = ops.dense_attention(query, fb, pool, 0.07, latent, codec)
+    kernels(True)
+    calls = _counting(monkeypatch, "paged_mqa")
+    got = ops.dense_attention(query, fb, pool, 0.07, latent, codec)
+    assert calls, "the decode step did not take the C8 kernel"
+    assert got.shape == want.shape == (fb.query_index.shape[0], queries, heads, latent)
+    assert _close(got, want)
+    # bf16 queries (the model's compute dtype on bf16 CPUs) take it too, and come back in bf16
+    got16 = ops.dense_attention(query.bfloat16(), fb, pool, 0.07, latent, codec)
+    assert got16.dtype == torch.bfloat16 and len(calls) == 2
+
+
+@pytest.mark.parametrize(("latent", "rope"), LAYOUTS)
+@pytest.mark.parametrize("heads", [4, cpu_kernels.MAX_HEADS])
+def test_sparse_c8_kernel_matches_dequantize_then_attend(kernels, monkeypatch, latent, rope, heads):
+    """Indexer picks (a slot list per query, invalid picks masked anywhere in the list) over C8 rows."""
+    gen = torch.Generator().manual_seed(3 + heads)
+    codec = Int8LatentRows(latent, rope)
+    fb, num_blocks = _batch([40, 90, 75, 133], 1, gen)
+    pool = _c8_pool(codec, num_blocks, gen)
+    n, k = fb.num_tokens, 24
+    picks = torch.stack([torch.randperm(int(c), generator=gen)[:k] for c in fb.context_lens])
+    valid = torch.rand(n, k, generator=gen) > 0.3
+    valid[:, 0] = True
+    query = torch.randn(n, heads, codec.dim, generator=gen)
+    kernels(False)
+    want = ops.sparse_attention(query, fb, pool, picks, valid, 0.1, latent, codec)
+    kernels(True)
+    calls = _counting(monkeypatch, "paged_mqa")
+    got = ops.sparse_attention(query, fb, pool, picks, valid, 0.1, latent, codec)
+    assert calls
+    assert _close(got, want)
+
+
+def test_c8_rows_and_layout_are_checked():
+    """Hostile table entries (a context past the table, a missing table row, a slot outside the pool) and a
+    layout that does not fit the rows are refused before anything is read."""
+    codec = Int8LatentRows(512, 64)
+    gen = torch.Generator().manual_seed(5)
+    pool = _c8_pool(codec, 4, gen)
+    tables = torch.tensor([[1, 2]])
+    q = torch.randn(1, 4, 576)
+
+    def run(tables: torch.Tensor, row: int, count: int, c=codec) -> torch.Tensor:
+        return cpu_kernels.paged_mqa(q, pool, tables, BLOCK, torch.tensor([row]), torch.tensor([count]), 0.1, 512,
+                                     codec=c)
+
+    ok = run(tables, 0, 20)
+    assert ok.shape == (1, 4, 512) and torch.isfinite(ok).all()
+    with pytest.raises(ValueError, match="context runs past"):
+        run(tables, 0, 33)
+    with pytest.raises(ValueError, match="missing table row"):
+        run(tables, 1, 3)
+    with pytest.raises(ValueError, match="outside the pool"):
+        run(torch.tensor([[1, 4]]), 0, 20)
+    with pytest.raises(ValueError, match="outside the pool"):
+        run(torch.tensor([[-1, 2]]), 0, 3)
+    lying = Int8LatentRows(512, 64)
+    lying.groups = 2  # a width that matches the pool, groups that do not match the latent: the kernel refuses
+    with pytest.raises(ValueError, match="C8 layout"):
+        run(tables, 0, 20, lying)
+    with pytest.raises(ValueError):  # rows of another width
+        run(tables, 0, 20, Int8LatentRows(256, 64))
+    assert not cpu_kernels.attention_usable(q, pool, 512, Int8LatentRows(256, 64))
+    assert not cpu_kernels.attention_usable(q, pool, 512, Fp8KeyRows(576))
+
+
+def _index_case(heads: int, queries: int, generated: bool, gen: torch.Generator):
+    codec = Fp8KeyRows(128)
+    fb, num_blocks = _batch([max(c, queries) for c in (5, 77, 160, 33, 250)], queries, gen, generated)
+    pool = _c8_pool(codec, num_blocks, gen)
+    q = torch.randn(fb.num_tokens, heads, 128, generator=gen)
+    w = torch.randn(fb.num_tokens, heads, generator=gen)
+    return codec, fb, pool, q, w
+
+
+@pytest.mark.parametrize(("heads", "queries", "generated"), [(16, 1, True), (2, 3, True), (5, 40, False)])
+def test_indexer_scores_over_fp8_keys_match_the_portable_path(kernels, monkeypatch, heads, queries, generated):
+    """The indexer's scores over FP8 keys read in place equal the portable (decode keys, q·k, ReLU, head
+    weights) scores to fp32 rounding, and the top-k picks are the same positions in the same order, ties
+    (two heads: many scores are exactly 0 after the ReLU) to the earliest position; decodes, verification
+    and prompt chunks (runs of queries that share decoded keys)."""
+    gen = torch.Generator().manual_seed(heads + queries)
+    codec, fb, pool, q, w = _index_case(heads, queries, generated, gen)
+    counts = fb.positions + 1
+    columns = int(counts.max())
+    got = cpu_kernels.index_scores(q, w, pool, codec, fb.block_tables, BLOCK, fb.token_request, counts, columns, 0.09)
+    keys = codec.decode(pool.view(-1, codec.width), torch.float32)
+    slots = fb.slots_of(fb.token_request, torch.arange(columns).expand(fb.num_tokens, -1))
+    dots = torch.einsum("nhd,ntd->nht", q, keys[slots])
+    want = torch.einsum("nh,nht->nt", w, torch.relu(dots * 0.09))
+    want.masked_fill_(torch.arange(columns) >= counts[:, None], float("-inf"))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert _close(got[finite], want[finite])
+
+    k = min(64, fb.max_context)
+    kernels(False)
+    want_picks, want_valid = ops.indexer_topk(q, w, fb, pool, k, 0.09, torch.float32, codec)
+    kernels(True)
+    calls = _counting(monkeypatch, "index_scores")
+    got_picks, got_valid = ops.indexer_topk(q, w, fb, pool, k, 0.09, torch.float32, codec)
+    assert calls
+    assert torch.equal(got_valid, want_valid)
+    assert torch.equal(got_picks[got_valid], want_picks[want_valid])
+    if heads == 2:
+        assert (want == 0).sum() > 10  # the ties the ordering is about
+
+
+def test_indexer_scores_are_checked():
+    codec = Fp8KeyRows(128)
+    gen = torch.Generator().manual_seed(7)
+    pool = _c8_pool(codec, 4, gen)
+    q, w = torch.randn(1, 4, 128), torch.randn(1, 4)
+
+    def run(tables: list[list[int]], row: int, count: int, columns: int = 32) -> torch.Tensor:
+        return cpu_kernels.index_scores(q, w, pool, codec, torch.tensor(tables), BLOCK, torch.tensor([row]),
+                                        torch.tensor([count]), columns, 0.1)
+
+    assert torch.isfinite(run([[1, 2]], 0, 32)).all()
+    for tables, row, count, columns in (([[1, 2]], 0, 33, 40), ([[1, 2]], 0, 20, 19), ([[1, 2]], 1, 3, 32),
+                                        ([[1, 4]], 0, 20, 32), ([[-1, 2]], 0, 3, 32)):
+        with pytest.raises(ValueError, match="index_scores"):
+            run(tables, row, count, columns)
+
+
+def test_portable_c_build_and_disabled_kernels(monkeypatch, tmp_path):
+    """PDSERVE_KERNEL_ARCH=x86-64 (SSE2 only: no AVX, no FMA unit) builds the same kernels, with the same
+    results; PDSERVE_CPU_KERNELS=0 takes the torch path (nothing usable)."""
+    gen = torch.Generator().manual_seed(11)
+    codec = Int8LatentRows(512, 64)
+    fb, num_blocks = _batch([3, 70, 129], 2, gen)
+    pool = _c8_pool(codec, num_blocks, gen)
+    query = torch.randn(3, 2, 6, 576, generator=gen)
+    icodec, ifb, ipool, iq, iw = _index_case(16, 1, True, gen)
+
+    def results() -> tuple[torch.Tensor, ...]:
+        dense = ops.dense_attention(query, fb, pool, 0.05, 512, codec)
+        picks, valid = ops.indexer_topk(iq, iw, ifb, ipool, 64, 0.09, torch.float32, icodec)
+        return dense, picks, valid
+
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    native = results()
+    monkeypatch.setenv("PDSERVE_KERNEL_ARCH", "x86-64")
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    assert cpu_kernels.library() is not None
+    assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 2  # a second build, for the portable ISA
+    generic = results()
+    assert _close(generic[0], native[0])
+    assert torch.equal(generic[1][generic[2]], native[1][native[2]]) and torch.equal(generic[2], native[2])
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    assert not cpu_kernels.attention_usable(query[0], pool, 512, codec)
+    assert not cpu_kernels.index_usable(iq, ipool, icodec)
+    monkeypatch.setattr(cpu_kernels, "paged_mqa", lambda *a, **k: pytest.fail("kernel used"))
+    monkeypatch.setattr(cpu_kernels, "index_scores", lambda *a, **k: pytest.fail("kernel used"))
+    torch_path = results()
+    assert _close(torch_path[0], native[0])
+    assert torch.equal(torch_path[2], native[2])
+
+
+def test_c8_engine_tokens_match_the_portable_c8_path(tmp_path, monkeypatch):
+    """A C8 engine (fp32 model: the portable path decodes rows to fp32, as the kernels do) gives the same
+    greedy tokens with the C8 kernels as with the portable C8 path: prompts past index_topk (indexer scoring
+    over FP8 keys, sparse attention over int8 rows) and under it (dense decode)."""
+    path = write_checkpoint(tmp_path / "m", "deepseek_v32", tokenizer=False, index_topk=24, num_hidden_layers=2)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 1000, (n,), generator=gen).tolist() for n in (5, 17, 40, 90, 23)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    calls = {name: _counting(monkeypatch, name) for name in ("paged_mqa", "index_scores")}
+    llm = LLM(str(path), dtype="float32", kv_cache_dtype="int8", block_size=BLOCK, enable_prefix_caching=False)
+    with_kernels = [o.token_ids for o in llm.generate(prompts, params)]
+    assert all(calls.values()), "the C8 kernels did not run"
+    real = cpu_kernels.attention_usable
+    monkeypatch.setattr(cpu_kernels, "attention_usable",
+                        lambda q, pool, out_dim, codec=None: codec is None and real(q, pool, out_dim))
+    monkeypatch.setattr(cpu_kernels, "index_usable", lambda *a: False)
+    for c in calls.values():
+        c.clear()
+    portable = [o.token_ids for o in llm.generate(prompts, params)]
+    assert not any(calls.values())
+    assert with_kernels == portable
+
