@@ -21,7 +21,8 @@ on a tiny model — and the throughput of W8A8 and C8 vs bf16 on this machine.
    prompt has its first token) and decode tok/s (median step of the rest). Greedy, ignore_eos, no prefix
    cache. One torch thread by default: the ratios are what this measures, and on a shared 2-core machine a
    second OpenMP thread makes every op wait for whichever core another process holds (steps 10-20x slower,
-   measured); `--threads 0` for torch's default. The 1-minute load average before and after is printed.
+   measured); `--threads 0` for torch's default. The 1-minute load average before and after is printed, and
+   the instruction set the W8A8 kernels multiply with (AVX-512 VNNI, AVX2 or portable C).
    Prints the tables and saves bench/out/quant.png (quant_h{H}.png with --hidden).
 """
 
@@ -48,7 +49,7 @@ from shared.engine import LLM, SamplingParams
 from shared.kvcache import KVLayout
 from shared.loader.synthetic import REAL_671B
 from shared.loader.tiny import _FP8_SKIP, ensure_tiny_model, write_checkpoint
-from shared.model import DeepseekForCausalLM
+from shared.model import DeepseekForCausalLM, int8_kernels
 from shared.quant.int8 import is_w8a8_target
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -329,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
           f"best of {args.repeat}, {_threads()}, load average {load}")
     print(table(["batch", "config", "prefill tok/s", "vs bf16", "decode tok/s", "vs bf16"],
                 throughput_rows(results, batches)))
+    print(f"W8A8 CPU kernels (shared.model.int8_kernels): {int8_kernels.isa() or 'off (portable torch path)'}")
     png = plot(OUT / (f"quant_h{args.hidden}.png" if args.hidden else "quant.png"),
                f"{model_name}: {args.prompt_len} → {args.new_tokens} tokens, {_threads()}",
                results, batches)

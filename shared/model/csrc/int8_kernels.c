@@ -63,8 +63,8 @@ static inline float widen(const void *p, int bf16, int64_t i) {
 static inline uint16_t narrow(float f) {  /* fp32 -> bf16 bits, round to nearest even (as torch) */
     uint32_t u;
     memcpy(&u, &f, 4);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    uint16_t r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)0x7fc0 : r;
 }
 
 static inline float round_bf16(float f) {
@@ -474,7 +474,28 @@ void w8a8_rescale(const int32_t *acc, int64_t m, int64_t n, const float *sx, con
 
 /* ---- W8A8 MoE: routed experts (and the shared expert) of rows x in one call ---- */
 
-static inline float silu(float g) { return g / (1.f + expf(-g)); }
+/* e^x with Cephes' expf polynomial (about 1 ulp), in + - * and bit operations only, so that the compiler
+   vectorizes it and every ISA build (no FMA contraction: -ffp-contract=off) computes the same bits; libm's
+   expf is a call per element here. */
+static inline float exp_poly(float x) {
+    x = x > 88.3762626647949f ? 88.3762626647949f : x < -87.3365447504f ? -87.3365447504f : x;
+    float fx = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - fx * 0.693359375f;
+    r = r - fx * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r) + r + 1.f;
+    int32_t bits = ((int32_t)fx + 127) << 23;
+    float two;
+    memcpy(&two, &bits, 4);
+    return y * two;
+}
+
+static inline float silu(float g) { return g / (1.f + exp_poly(-g)); }
 
 /* y [n, dim] fp32 = sum_j w_ij * round?(down_e . q(silu(gate_e . q(x_i)) * (up_e . q(x_i)))) over the picks
    (ids [n, top_k] local expert ids, wts [n, top_k]), as moe.Experts computes W8A8 experts (gate/up/down
@@ -552,17 +573,18 @@ int32_t moe_w8a8(const void *x, int32_t bf16, int64_t n, int64_t dim, const int6
     run_groups(groups, count, dim, inter, OUT_F32, threads);
 
     #pragma omp parallel for num_threads(threads) schedule(static) if (n * dim >= 65536)
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t d = 0; d < dim; d++) {
-            float acc = 0.f;
-            for (int64_t j = 0; j < top_k; j++) {
-                int64_t s = pos[i * top_k + j];
-                if (s < 0) continue;
-                float v = o[s * dim + d];
-                acc += (round_out ? round_bf16(v) : v) * wts[i * top_k + j];
-            }
-            y[i * dim + d] = acc;
+    for (int64_t i = 0; i < n; i++) {  /* y_i = ((0 + p_0) + p_1) + ..., picks in order */
+        float *yi = y + i * dim;
+        memset(yi, 0, sizeof(float) * dim);
+        for (int64_t j = 0; j < top_k; j++) {
+            int64_t s = pos[i * top_k + j];
+            if (s < 0) continue;
+            const float *os = o + s * dim;
+            float wj = wts[i * top_k + j];
+            if (round_out) for (int64_t d = 0; d < dim; d++) yi[d] += round_bf16(os[d]) * wj;
+            else for (int64_t d = 0; d < dim; d++) yi[d] += os[d] * wj;
         }
+    }
 
     if (shared_gate) {  /* layers.MLP with W8A8 linears: outputs and elementwise results in the model dtype */
         int64_t ks = padded(shared_inter);
