@@ -365,14 +365,19 @@ def test_decode_rows_are_batch_invariant(tmp_path, arch, monkeypatch):
     assert torch.equal(decode([0, 69])[0], alone)
 
 
-def test_an_engine_builds_the_kernels_before_its_first_request(monkeypatch, tmp_path, ckpt):
+@pytest.mark.parametrize("quantization", ["none", "w8a8"])
+def test_an_engine_builds_the_kernels_before_its_first_request(monkeypatch, tmp_path, ckpt, quantization):
     """No cold start: constructing an engine (what a service does before it reports SERVING) builds the
-    kernels into an empty cache, so no request waits for the compiler."""
+    kernels it will call into an empty cache, the int8 ones for W8A8 weights, so no request waits for the
+    compiler."""
     from shared.engine import LLM
+    from shared.model import int8_kernels
 
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_library", None)
-    llm = LLM(str(ckpt("v32_sparse")), block_size=4)
+    for module in (cpu_kernels, int8_kernels):
+        monkeypatch.setattr(module, "_tried", False)
+        monkeypatch.setattr(module, "_library", None)
+    llm = LLM(str(ckpt("v32_sparse")), block_size=4, quantization=quantization)
     assert list(tmp_path.glob("cpu_kernels-*.so")), "the engine started without building its kernels"
-    assert cpu_kernels._library is not None and llm.engine.kernel_build_seconds > 0
+    assert bool(list(tmp_path.glob("int8_kernels-*.so"))) == (quantization == "w8a8")
+    assert llm.engine.kernel_build_seconds > 0

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 import shared.model.cpu_kernels as cpu_kernels
+import shared.model.int8_kernels as int8_kernels
 from shared.config import EngineConfig
 from shared.device import compute_dtype, get_device
 from shared.engine.policy import policy_for
@@ -126,7 +127,8 @@ class LLMEngine:
         # parallel ranks keep one scratch block for dummy batches (DP idle ranks, empty CP shares)
         self.scratch_blocks: list[int] | None = self.kv.allocator.allocate(1) if self.parallel.is_parallel else None
         self.stepped = False  # whether the last step() ran a forward (a dummy one included)
-        self.kernel_build_seconds = cpu_kernels.prepare(next(self.model.parameters()))  # before any request
+        int8 = any(p.dtype == torch.int8 for p in self.model.parameters())  # W8A8 weights take the int8 kernels
+        self.kernel_build_seconds = cpu_kernels.prepare(self.model, *([int8_kernels.library] if int8 else []))
 
     @property
     def limits(self) -> RequestLimits:

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -142,6 +143,8 @@ def _build() -> ctypes.CDLL | None:
     lib.index_fp8.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64,
                               ctypes.c_float, ptr, ctypes.c_int32]
     lib.index_fp8.restype = ctypes.c_int32
+    lib.topk_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int32]
+    lib.topk_rows.restype = None
     f32, i32 = ctypes.c_float, ctypes.c_int32
     lib.moe_routed.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i64, i32,
                                ptr, ptr, ptr, i64, ptr, ptr, i32]
@@ -171,14 +174,16 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
-def prepare(weights: torch.Tensor) -> float:
-    """Build (or load) the kernels now if the model whose `weights` these are lives in host memory, so the
-    first requests do not wait for the compiler (about a second per library on a cold cache): an engine
-    calls this before it reports ready. Returns the seconds it took (0 where kernels do not apply)."""
-    if not on_host(weights):
+def prepare(model: torch.nn.Module, *more: Callable[[], ctypes.CDLL | None]) -> float:
+    """Build (or load) the kernels now if `model` lives in host memory, so the first requests do not wait for
+    the compiler (about a second per library on a cold cache): an engine calls this before it reports ready.
+    `more`: other kernel libraries' getters the model uses (int8_kernels.library for W8A8 weights). Returns
+    the seconds it took (0 where kernels do not apply)."""
+    if not on_host(next(model.parameters())):
         return 0.0
     start = time.perf_counter()
-    library()
+    for get in (library, *more):
+        get()
     return time.perf_counter() - start
 
 
@@ -281,6 +286,22 @@ def index_scores(query: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor,
         raise ValueError("index_scores: a query's context runs past its table or the columns, names a missing "
                          "table row, or a table names a slot outside the pool")
     return out
+
+
+def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's top-k of host score rows [N, W] fp32 (W < 2^32) in one call: (positions [N, k], valid
+    [N, k]), the min(k, W) largest by value, ties to the earliest position, in that order (a stable descending
+    sort's first k: the portable path's picks); valid where the score is finite; positions past W are 0, not
+    valid. A selection and a sort of k per row instead of a sort of W. Call only where the kernels run
+    (index_usable)."""
+    if scores.dtype != torch.float32 or scores.dim() != 2 or scores.shape[1] >= 1 << 32 or k < 0:
+        raise ValueError(f"topk_rows: scores {tuple(scores.shape)} {scores.dtype}, k {k}")
+    scores = scores.contiguous()
+    n, width = scores.shape
+    picks = torch.empty(n, k, dtype=torch.int64)
+    valid = torch.empty(n, k, dtype=torch.bool)
+    library().topk_rows(scores.data_ptr(), n, width, k, picks.data_ptr(), valid.data_ptr(), torch.get_num_threads())
+    return picks, valid
 
 
 def moe_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
