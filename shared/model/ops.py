@@ -177,8 +177,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool:
     positions [N, k] of each and which are real picks. Over C8 keys with fp32 scoring (DeepSeek's numerics)
     the scores come from one kernel call per query tile that reads the FP8 keys in place (each query computed
     on its own: every token takes it); the top-k is the same ordering (value, then earliest position)."""
-    if compute == torch.float32 and cpu_kernels.index_usable(q.float(), pool, codec):
-        return _indexer_topk_kernel(q.float(), weights, fb, pool, k, scale, codec)
+    if compute == torch.float32 and cpu_kernels.index_usable(qf := q.float(), pool, codec):
+        return _indexer_topk_kernel(qf, weights, fb, pool, k, scale, codec)
     picks, valid = attention.indexer_topk(fb.padded(q), fb.padded(weights), fb, pool, k, scale, compute, codec)
     return fb.unpadded(picks), fb.unpadded(valid)
 
@@ -186,21 +186,19 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool:
 def _indexer_topk_kernel(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, k: int,
                          scale: float, codec: RowCodec) -> tuple[torch.Tensor, torch.Tensor]:
     n_all = q.shape[0]
-    picks = torch.zeros(n_all, k, dtype=torch.long, device=q.device)
-    valid = torch.zeros(n_all, k, dtype=torch.bool, device=q.device)
+    picks = torch.empty(n_all, k, dtype=torch.long, device=q.device)
+    valid = torch.empty(n_all, k, dtype=torch.bool, device=q.device)
     counts_all = fb.positions + 1  # the causal keys of each query
     columns = int(counts_all.max())
-    # scores, their sort and its indices: about 24 bytes per (query, key), tiled to the workspace
-    step = max(1, fb.workspace_bytes // (24 * columns))
+    # the scores, 4 bytes per (query, key), tiled to the workspace (the top-k's scratch is one row per thread)
+    step = max(1, fb.workspace_bytes // (4 * columns))
     for n0 in range(0, n_all, step):
         tile = slice(n0, min(n_all, n0 + step))
         counts = counts_all[tile]
         width = int(counts.max())
         scores = cpu_kernels.index_scores(q[tile], weights[tile], pool, codec, fb.block_tables, fb.block_size,
                                           fb.token_request[tile], counts, width, scale)
-        best, order = scores.sort(dim=-1, descending=True, stable=True)  # ties to the earliest position
-        m = min(k, width)
-        picks[tile, :m], valid[tile, :m] = order[:, :m], torch.isfinite(best[:, :m])
+        picks[tile], valid[tile] = cpu_kernels.topk_rows(scores, k)  # by value, ties to the earliest position
     return picks, valid
 
 

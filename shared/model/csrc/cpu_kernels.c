@@ -156,20 +156,25 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
                         prefetch_row((const char *)pool + slot * row_stride * fmt->elem, fmt->bytes);
                 }
                 for (int64_t h0 = 0; h0 < hp; h0 += HB) {
-                    /* scores of HB heads against the tile's rows: each row chunk loaded once for HB heads */
-                    for (int j = 0; j < used; j++) {
-                        const float *r = rows[j];
-                        v8 part[HB] = {0};
+                    /* scores of HB heads against the tile's rows, two rows at a time: each query chunk loaded
+                       once for two rows, each row chunk once for HB heads (a row's sums are the same alone) */
+                    for (int j = 0; j < used; j += 2) {
+                        const float *r0 = rows[j], *r1 = rows[j + 1 < used ? j + 1 : j];
+                        v8 part[2][HB] = {{{0}}};
                         for (int64_t d0 = 0; d0 < dim; d0 += DW) {
-                            v8 rv = LOAD(r + d0);
-                            for (int hh = 0; hh < HB; hh++)
-                                part[hh] = vfma(LOAD(qp + (h0 + hh) * dim + d0), rv, part[hh]);
+                            v8 rv0 = LOAD(r0 + d0), rv1 = LOAD(r1 + d0);
+                            for (int hh = 0; hh < HB; hh++) {
+                                v8 qv = LOAD(qp + (h0 + hh) * dim + d0);
+                                part[0][hh] = vfma(qv, rv0, part[0][hh]);
+                                part[1][hh] = vfma(qv, rv1, part[1][hh]);
+                            }
                         }
-                        for (int hh = 0; hh < HB; hh++) {
-                            float sc = 0.f;
-                            for (int dd = 0; dd < DW; dd++) sc += part[hh][dd];
-                            score[(h0 + hh) * TILE + j] = sc * scale;
-                        }
+                        for (int jj = 0; jj < 2 && j + jj < used; jj++)
+                            for (int hh = 0; hh < HB; hh++) {
+                                float sc = 0.f;
+                                for (int dd = 0; dd < DW; dd++) sc += part[jj][hh][dd];
+                                score[(h0 + hh) * TILE + j + jj] = sc * scale;
+                            }
                     }
                     /* online softmax: rescale what was accumulated if the running max grew */
                     for (int hh = 0; hh < HB; hh++) {
@@ -387,6 +392,65 @@ int32_t index_fp8(const float *q, const float *w, int64_t n, int64_t heads, int6
     }
     free(start);
     return bad;
+}
+
+/* ---- Top-k of score rows: by value, ties to the earliest position (the indexer's picks) ---- */
+
+/* One (value, position) pair as a key whose ascending order is value descending, then position ascending
+   (-0 ranks as +0, as the portable path's stable sort, which sees them equal). */
+static inline uint64_t rank_key(float v, uint32_t t) {
+    uint32_t u;
+    v = v == 0.f ? 0.f : v;
+    memcpy(&u, &v, sizeof u);
+    uint32_t ascending = u & 0x80000000u ? ~u : u | 0x80000000u;
+    return (uint64_t)~ascending << 32 | t;
+}
+
+static int cmp_key(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Quickselect: afterwards a[0..k) hold the k smallest of a[0..n) (keys are distinct), in any order. */
+static void smallest(uint64_t *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        uint64_t x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi];
+        uint64_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] < pivot) i++;
+            while (a[j] > pivot) j--;
+            if (i <= j) { uint64_t s = a[i]; a[i] = a[j]; a[j] = s; i++; j--; }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+}
+
+/* picks[i, :m] = the positions of the m = min(k, width) largest scores[i, :] (value descending, ties to the
+   earliest position), valid[i, j] = that score is finite; picks[i, m:] = 0, valid 0. Width < 2^32. */
+void topk_rows(const float *scores, int64_t n, int64_t width, int64_t k, int64_t *picks, uint8_t *valid,
+               int32_t threads) {
+    const int64_t m = k < width ? k : width;
+    #pragma omp parallel num_threads(threads)
+    {
+        uint64_t *keys = xmalloc(sizeof(uint64_t) * (width ? width : 1));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; i++) {
+            const float *row = scores + i * width;
+            for (int64_t t = 0; t < width; t++) keys[t] = rank_key(row[t], (uint32_t)t);
+            if (m < width) smallest(keys, width, m);
+            qsort(keys, m, sizeof *keys, cmp_key);
+            for (int64_t j = 0; j < k; j++) {
+                int64_t t = j < m ? (int64_t)(keys[j] & 0xffffffffu) : 0;
+                picks[i * k + j] = t;
+                valid[i * k + j] = j < m && isfinite(row[t]);
+            }
+        }
+        free(keys);
+    }
 }
 
 /* ---- MoE: routing + routed experts for a few rows ---- */
