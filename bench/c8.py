@@ -11,7 +11,8 @@ long contexts slow here (an 8k prompt's tokens each attend to 2,048 picks throug
 per request on 2 cores), so the `--batch` prompts of a context share all but their last `--tail` tokens, and
 every engine prefills one of them first: the others, and every timed round, take the shared blocks from the
 prefix cache. `--repeat` rounds, configurations alternating (order reversed every round), each submit the
-batch and time every decode step: decode tok/s is batch / the median step, best round of each. (Requests
+batch and time every decode step: decode tok/s is batch / the median step, best round of each, and the ratio of
+the rounds' medians (steadier on a loaded machine). (Requests
 reading the same prefix blocks find them in cache more often than distinct contexts would: C8's smaller
 rows matter less here than in a real batch.) KV bytes per token are the allocated pools'. Greedy, ignore_eos, one torch
 thread by default (a second thread waits on whatever else holds the other core). Prints the machine's GEMM
@@ -101,11 +102,13 @@ def main(argv: list[str] | None = None) -> None:
                 decode_step_seconds(llm, prompts[:1], 2)
                 print(f"context {context}: {name} prefill + 2 tokens {time.perf_counter() - t0:.1f} s", flush=True)
             best: dict[str, float] = {}
+            runs: dict[str, list[float]] = {name: [] for name in engines}
             for r in range(args.repeat):
                 order = list(engines) if r % 2 == 0 else list(engines)[::-1]
                 for name in order:
                     step = decode_step_seconds(engines[name], prompts, args.new_tokens)
                     best[name] = min(best.get(name, step), step)
+                    runs[name].append(step)
                     print(f"  context {context} round {r + 1}: {name:4s} decode step {step * 1e3:7.2f} ms "
                           f"({args.batch / step:7.1f} tok/s)", flush=True)
             mode = "dense" if context + args.new_tokens <= args.index_topk else "indexer + sparse"
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                 ctx = context + args.new_tokens // 2
                 rows.append([context, mode, name, f"{per_token[name]:,.0f}",
                              f"{per_token[name] / per_token['bf16']:.2f}x", best[name] * 1e3, tok_s,
-                             f"{best['bf16'] / best[name]:.2f}x"])
+                             f"{best['bf16'] / best[name]:.2f}x",
+                             f"{statistics.median(runs['bf16']) / statistics.median(runs[name]):.2f}x"])
                 notes.append(f"context {context} {name}: " + against_limits(
                     limits, costs[name].flop(ctx) * tok_s, costs[name].kv_bytes(ctx) * tok_s, "bfloat16"))
     print(f"\n## C8 vs bf16 KV cache, decode at long contexts: generated V3.2 (hidden {args.hidden}, 4 layers, "
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
           f"index_topk {args.index_topk}), batch {args.batch}, {args.new_tokens} new tokens, best of {args.repeat} "
           f"rounds, {torch.get_num_threads()} thread(s)")
     print(table(["context", "attention", "KV cache", "KV B/token", "vs bf16", "decode step ms", "decode tok/s",
-                 "vs bf16"], rows))
+                 "vs bf16", "median round vs bf16"], rows))
     print(limits.describe())
     for note in notes:
         print("  " + note)
