@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import MachineLimits, TokenCost, against_limits, table
+from bench.common import OUT, MachineLimits, TokenCost, against_limits, bar_plot, table
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
 
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     limits = MachineLimits.measure()
     gen = torch.Generator().manual_seed(0)
     rows, notes = [], []
+    plotted: list[str] = []  # contexts, the plot's groups
+    series: dict[str, list[float]] = {}  # decode tok/s per KV cache, by context
     with tempfile.TemporaryDirectory() as tmp:
         longest = max(contexts) + args.new_tokens
         path = write_checkpoint(Path(tmp) / "m", "deepseek_v32", tokenizer=False, hidden_size=args.hidden,
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"context {context}: {name} prefill + 2 tokens {time.perf_counter() - t0:.1f} s", flush=True)
             best: dict[str, float] = {}
             runs: dict[str, list[float]] = {name: [] for name in engines}
+            plotted.append(str(context))
             for r in range(args.repeat):
                 order = list(engines) if r % 2 == 0 else list(engines)[::-1]
                 for name in order:
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             mode = "dense" if context + args.new_tokens <= args.index_topk else "indexer + sparse"
             for name in engines:
                 tok_s = args.batch / best[name]
+                series.setdefault(name, []).append(tok_s)
                 ctx = context + args.new_tokens // 2
                 rows.append([context, mode, name, f"{per_token[name]:,.0f}",
                              f"{per_token[name] / per_token['bf16']:.2f}x", best[name] * 1e3, tok_s,
@@ -130,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     print(limits.describe())
     for note in notes:
         print("  " + note)
+    png = bar_plot(OUT / "c8.png", f"decode tok/s, batch {args.batch}: bf16 vs C8 KV cache", plotted, series,
+                   "decode tokens/s")
+    print(f"plot: {png}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,10 @@ TINY_ARGS = {
                     "--rounds", "1", "--dtype", "float32"],
     "selective": ["--background", "2", "--probes", "2", "--prefill-load", "0", "--warmup", "0.5"],
     "sla_router": ["--decode", "1", "--requests", "3", "--isl", "8", "--osl", "2", "--loads", "1", "--quick-profile"],
-    "trace_replay": ["--minutes", "2", "--max-m", "2", "--max-n", "1", "--jobs", "1"],
+    "trace_replay": ["--trace", str(ROOT / "tests" / "data" / "mooncake_conversation_first_2min.jsonl"), "--minutes",
+                     "2", "--max-m", "2", "--max-n", "1", "--jobs", "1"],
+    "c8": ["--contexts", "64", "--batch", "1", "--tail", "4", "--new-tokens", "2", "--repeat", "1",
+           "--index-topk", "32"],
 }
 # Benches whose smallest run still starts several clusters or a peer's server (minutes each): run by hand.
 BY_HAND = {"elastic", "structured", "profile_router", "hostload"}
