@@ -34,9 +34,9 @@ def test_real_dims_8k_prefill_in_2k_chunks_bounded_memory():
     """One layer at the real dims (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, indexer
     64 × 128, index_topk 2048, four 7168×2048 experts) prefills 8,192 tokens in 2,048-token chunks
     (fp32: this CPU has no bf16 arithmetic). Untiled, the last chunk's scores alone would be
-    2048 × 128 × 8192 × 4 B = 8 GiB; here the chunks at context 2k and 8k (the rows between them
-    filled, not computed: half the time) stay under the stated budget, and the chunk at context 8k
-    needs no more than the chunk at context 2k."""
+    2048 × 128 × 8192 × 4 B = 8 GiB; here the chunks at context 2k, 4k and 8k (the rows between
+    them filled, not computed) stay under the stated budget, and the chunk at context 8k needs no more
+    than the one at 4k (both sparse; the first, dense, takes the expanded form)."""
     script = Path(__file__).with_name("real_dims_child.py")
     out = subprocess.run([sys.executable, str(script), "8192", str(CHUNK), str(WORKSPACE_MB), "float32", "ends"],
                          capture_output=True, text=True, timeout=1100, check=True)
@@ -51,9 +51,9 @@ def test_real_dims_8k_prefill_in_2k_chunks_bounded_memory():
         assert c["finite"]
         assert c["peak"] <= report["baseline_model"] + budget, c  # runtime + weights + KV + budget
         assert grow <= budget, c
-    first, last = report["chunks"][0], report["chunks"][-1]
-    assert last["context"] == 8192
-    assert (last["peak"] - last["baseline"]) <= (first["peak"] - first["baseline"]) + 256 * (1 << 20)
+    second, last = report["chunks"][1], report["chunks"][-1]  # both sparse (the first is dense, expanded)
+    assert second["context"] == 4096 and last["context"] == 8192
+    assert (last["peak"] - last["baseline"]) <= (second["peak"] - second["baseline"]) + 256 * (1 << 20)
     # tiled (1 MiB workspace: key tiles + online softmax) == untiled, at the same dims, on a short prompt
     assert report["tiled_vs_untiled_cos"] >= 0.99999 and report["tiled_vs_untiled_maxabs"] < 1e-3
 
@@ -88,12 +88,14 @@ def _logits(model, prompts, workspace: int, bs: int = 4) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["sparse", "dense", "v3"])
 def test_tiled_equals_untiled(tiny, name, monkeypatch):
     """Workspaces from 'everything in one tile' down to 'one block of keys per tile' give the same
-    logits (online softmax, query tiles, running top-k merge across key tiles)."""
+    logits (online softmax, query tiles, running top-k merge across key tiles), in the absorbed form and
+    in the expanded form (which these prompts take where the model's dims make expansion pay)."""
     model, _ = load_model(tiny[name], "float32")
     prompts = random_prompts(3, [40, 23, 31], model.config.vocab_size, seed=50)
     plans = []
-    real_plan = attention.plan_tiles
-    monkeypatch.setattr(attention, "plan_tiles", lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1])
+    for planner in ("plan_tiles", "plan_expanded_tiles"):
+        real = getattr(attention, planner)
+        monkeypatch.setattr(attention, planner, lambda *a, _real=real, **k: plans.append(_real(*a, **k)) or plans[-1])
     whole = _logits(model, prompts, 1 << 34)
     assert all(p.keys >= 40 for p in plans)  # one tile
     for workspace in (60_000, 4_000):

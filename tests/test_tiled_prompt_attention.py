@@ -109,15 +109,16 @@ def test_a_2k_dense_prompt_at_real_dims_takes_the_expanded_form():
 
 
 TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4, q_lora_rank=32,
-            kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=32,
+            kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=48,
             index_head_dim=16, index_n_heads=2, vocab_size=97)
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "deepseek_v3"])
 def test_model_routes_dense_chunks_expanded_and_matches_absorbed(model_type, monkeypatch):
-    """A 56-token prompt in chunks of 28 through a one-layer model with index_topk 32: the first chunk is
-    dense and expanded for both model types; the second (context 56 > 32) is sparse (absorbed) for V3.2
-    and dense, expanded, for V3. The logits equal those of the all-absorbed layer to fp32 rounding."""
+    """A 96-token prompt in chunks of 48 (over the 32 queries per request from which expansion pays at
+    these dims) through a one-layer model with index_topk 48: the first chunk is dense and expanded for
+    both model types; the second (context 96 > 48) is sparse (absorbed) for V3.2 and dense, expanded, for
+    V3. The logits equal those of the all-absorbed layer to fp32 rounding."""
     import shared.model.mla as mla_module
 
     cfg = real_layer_config(model_type=model_type, **TINY)
@@ -126,16 +127,16 @@ def test_model_routes_dense_chunks_expanded_and_matches_absorbed(model_type, mon
     real = mla_module.expanded_attention
     monkeypatch.setattr(mla_module, "expanded_attention",
                         lambda *a, **k: calls.append(a[2].max_context) or real(*a, **k))
-    ids = torch.randint(2, 97, (56,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.randint(2, 97, (96,), generator=torch.Generator().manual_seed(4)).tolist()
     logits = {}
     for expanded in (True, False):
         for m in model.modules():
             if isinstance(m, MLA):
                 m.expanded_prompts = expanded
-        kv = KVCache(KVLayout.from_model_config(cfg, 4, model.dtype), 20, torch.device("cpu"))
-        table = kv.allocator.allocate(kv.blocks_needed(56))
+        kv = KVCache(KVLayout.from_model_config(cfg, 4, model.dtype), 30, torch.device("cpu"))
+        table = kv.allocator.allocate(kv.blocks_needed(96))
         with torch.inference_mode():
-            logits[expanded] = torch.cat([model(ForwardBatch.build([SeqChunk(ids[s : s + 28], s, table)], 4,
-                                                                   torch.device("cpu")), kv) for s in (0, 28)])
-    assert calls == ([28] if model_type == "deepseek_v32" else [28, 56])
+            logits[expanded] = torch.cat([model(ForwardBatch.build([SeqChunk(ids[s : s + 48], s, table)], 4,
+                                                                   torch.device("cpu")), kv) for s in (0, 48)])
+    assert calls == ([48] if model_type == "deepseek_v32" else [48, 96])
     assert (logits[True] - logits[False]).abs().max().item() < 1e-4

@@ -144,24 +144,25 @@ class HeadDims:
 
 
 def prompt_form(fb: ForwardBatch, dims: HeadDims, sparse: bool) -> PromptForm:
-    """Expanded or absorbed attention for the queries of one attention part, by multiply-adds per head:
-    absorbed P·(2c + rope) + N·c·(nope + v) (W_UK into and W_UV out of latent space per query), expanded
-    P·(nope + rope + v) + K·c·(nope + v) (each key expanded once), for P visible query-key pairs, N queries
-    and K keys. Expanded wins once each key is seen by enough queries: every fresh prompt, a chunk after
-    cached context with more than ~171 queries at DeepSeek's dims, never a decode. It has no context
-    ceiling (keys stream through in tiles), so a dense prompt of any length, up to index_topk for
-    deepseek_v32 and at every length for deepseek_v3 (no indexer), takes it; sparse parts (each query
-    over its own top-k picks) and generated rows (decode, MTP verification) stay absorbed. It is exact for
-    chunked prefill, prefix-cache hits and context-parallel pieces alike: every query sees the cached keys
-    up to its own position (CP ranks hold the whole prefix, gathered before attention)."""
+    """Expanded or absorbed attention for the queries of one attention part. Per request of S queries over
+    T keys and per head, absorbed costs S·T·(2c + rope) multiply-adds, expanded T·(c·(nope + v) + S·(qk +
+    v)) (each side's W_UK / W_UV matmuls included), so expanded pays once a request has enough queries: 34
+    at the tiny test dims, 171 at DeepSeek's, whatever its context (a chunk of a 2k prompt, a long dense
+    prompt), never a decode. The rule looks at queries per request only, as it did before the expanded
+    form was tiled: a request's form does not move with how long its context is, and the tests that compare
+    served and in-process tokens across batchings keep their forms. It has no context ceiling (keys stream
+    through in tiles), so a dense prompt of any length, up to index_topk for deepseek_v32 and at every
+    length for deepseek_v3 (no indexer), takes it; sparse parts (each query over its own top-k picks) and
+    generated rows (decode, MTP verification) stay absorbed. It is exact for chunked prefill, prefix-cache
+    hits and context-parallel pieces alike: every query sees the cached keys up to its own position (CP
+    ranks hold the whole prefix, gathered before attention)."""
     if sparse or fb.generated > 0:
         return PromptForm.ABSORBED
-    c = dims.latent
-    pairs = int(((fb.query_pos + 1) * fb.query_valid).sum())
-    keys = int(fb.context_lens.sum())
-    absorbed = pairs * (2 * c + dims.rope) + fb.num_tokens * c * (dims.nope + dims.v)
-    expanded = pairs * (dims.nope + dims.rope + dims.v) + keys * c * (dims.nope + dims.v)
-    return PromptForm.EXPANDED if expanded < absorbed else PromptForm.ABSORBED
+    c, qk = dims.latent, dims.nope + dims.rope
+    requests = fb.query_index.shape[0]
+    if fb.num_tokens * (2 * c + dims.rope - qk - dims.v) <= requests * c * (dims.nope + dims.v):
+        return PromptForm.ABSORBED
+    return PromptForm.EXPANDED
 
 
 def plan_expanded_tiles(num_requests: int, num_queries: int, context: int, block_size: int, per_pair: int,
