@@ -27,6 +27,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -34,6 +35,7 @@ import warnings
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -162,16 +164,22 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
+def built_once(module: ModuleType, build: Callable[[], ctypes.CDLL | None]) -> ctypes.CDLL | None:
+    """A kernel module's library, `build()` run once per process (None where kernels cannot or should not
+    run: PDSERVE_CPU_KERNELS=0, no compiler). The state lives on the module (`_tried`, `_library`), where
+    tests reset it."""
+    if not module._tried:
+        with _lock:
+            if not module._tried:
+                if os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0":
+                    module._library = build()
+                module._tried = True
+    return module._library
+
+
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot or should not run (built once per process)."""
-    global _library, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                if os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0":
-                    _library = _build()
-                _tried = True
-    return _library
+    return built_once(sys.modules[__name__], _build)
 
 
 def prepare(model: torch.nn.Module, *more: Callable[[], ctypes.CDLL | None]) -> float:

@@ -13,8 +13,7 @@ take) every function here returns None and the caller keeps the portable path.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
+import sys
 
 import torch
 
@@ -34,7 +33,6 @@ SMALL_K = 256
 # split into row chunks of at least one row (rows are independent, so chunking changes no result)
 MOE_SCRATCH_BYTES = 64 << 20
 
-_lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -59,14 +57,7 @@ def _build() -> ctypes.CDLL | None:
 
 def library() -> ctypes.CDLL | None:
     """The built library, or None where it cannot or should not run (built once per process)."""
-    global _library, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                if os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0":
-                    _library = _build()
-                _tried = True
-    return _library
+    return cpu_kernels.built_once(sys.modules[__name__], _build)
 
 
 def isa() -> str | None:
