@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, ROOT, table
+from bench.common import OUT, ROOT, MachineLimits, TokenCost, against_limits, table
 from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.engine import LLM, SamplingParams
@@ -306,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
         load = _load()
         results = throughput(engines, batches, args.prompt_len, args.new_tokens, args.repeat, vocab)
         load += f" before / {_load()} after"
+        costs = {name: TokenCost.of(llm.engine.model, llm.engine.layout.bytes_per_token())
+                 for name, llm in engines.items()}
 
     cpu_fp32 = compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32
     print(f"\n## Real DeepSeek-V3.2 config: weights (analytic; {info['params']:.1f}B parameters without the MTP "
@@ -331,6 +333,13 @@ def main(argv: list[str] | None = None) -> None:
     print(table(["batch", "config", "prefill tok/s", "vs bf16", "decode tok/s", "vs bf16"],
                 throughput_rows(results, batches)))
     print(f"W8A8 CPU kernels (shared.model.int8_kernels): {int8_kernels.isa() or 'off (portable torch path)'}")
+    limits = MachineLimits.measure()
+    context = args.prompt_len + args.new_tokens // 2
+    print(f"{limits.describe()}; the model: {costs['bf16'].describe(context)} in bf16")
+    for name, cost in costs.items():  # the largest batch's decode against the machine
+        dec = results[name][batches[-1]][1]
+        print(f"  {name} decode at batch {batches[-1]}: "
+              f"{against_limits(limits, cost.flop(context) * dec, cost.kv_bytes(context) * dec, 'bfloat16')}")
     png = plot(OUT / (f"quant_h{args.hidden}.png" if args.hidden else "quant.png"),
                f"{model_name}: {args.prompt_len} → {args.new_tokens} tokens, {_threads()}",
                results, batches)

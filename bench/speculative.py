@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, bar_plot, table
+from bench.common import OUT, MachineLimits, TokenCost, against_limits, bar_plot, table
 from shared.engine import LLM, SamplingParams
 from shared.engine.speculative import SpecStats
 
@@ -173,6 +173,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"median of {args.rounds} rounds, while the whole batch decodes (until a request ends); 'to the end': "
           f"tok/s ratio to the last request's end; step cost: ms per step relative to plain decode at the same "
           f"batch; torch threads {torch.get_num_threads()}")
+    plain = configs["no MTP"].engine
+    cost, context = TokenCost.of(plain.model, plain.layout.bytes_per_token()), args.prompt_len + args.new_tokens // 2
+    limits = MachineLimits.measure()
+    print(f"{limits.describe()}; the model: {cost.describe(context)} (main model; a draft adds its MTP layer)")
+    for b, rate in zip(batches, rates["no MTP"]):
+        print(f"  plain decode at batch {b}: "
+              f"{against_limits(limits, cost.flop(context) * rate, cost.kv_bytes(context) * rate, args.dtype)}")
     path = bar_plot(OUT / "speculative.png", f"MTP speculative decoding ({_Path(args.model).name}, {args.dtype})",
                     [f"batch {b}" for b in batches], rates, "decode tok/s")
     print(f"plot: {path}")
