@@ -14,6 +14,7 @@ from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows
 from shared.loader.checkpoint import load_model
 from shared.loader.tiny import ensure_tiny_model
 from shared.model.batch import ForwardBatch, SeqChunk, write_rows
+from shared.model.layers import W8A8Linear
 from shared.model.ops import dense_attention, sparse_attention
 from shared.quant.fp8 import fake_quant_ue8m0
 from shared.quant.int8 import Int8Linear, is_w8a8_target, quantize_activation
@@ -33,8 +34,9 @@ def test_w8a8_linear_error_is_within_the_int8_bound(rows, k):
     w = torch.randn(96, k, generator=g) * 0.05
     x = torch.randn(rows, k, generator=g)
     x[0, 3] = 40.0  # an outlier channel: per-token scales keep the other tokens' precision
-    layer = Int8Linear.from_float(w)
+    layer = W8A8Linear.from_float(w)  # the model's W8A8 linear: the int8 kernel here
     y, ref = layer(x), x @ w.T
+    assert torch.equal(y, Int8Linear.from_float(w)(x))  # the portable path's bits
     # |x·w − x̂·ŵ| ≤ Σ_k (|x̂_k|·|Δw_k| + |Δx_k|·|w_k|) with |Δw| ≤ s_w/2, |Δx| ≤ s_x/2; the integer sum is exact
     # (int32), then two fp32 roundings of the rescale.
     _, sx = quantize_activation(x)

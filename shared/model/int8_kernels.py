@@ -17,8 +17,8 @@ import sys
 
 import torch
 
+import shared.model.cpu_kernels as cpu_kernels
 from shared.device import on_host
-from shared.model import cpu_kernels
 
 _SOURCE_FILE = "csrc/int8_kernels.c"
 _ISA_NAMES = {2: "avx512-vnni", 1: "avx2", 0: "portable C"}

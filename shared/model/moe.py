@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import shared.model.int8_kernels as int8_kernels
 import shared.model.ops as ops
 from shared.config import ModelConfig
 from shared.device import grouped_mm
-from shared.model import int8_kernels
 from shared.model.layers import MLP, LinearFormats, WeightFormat
 from shared.model.ops import matmul_input
 from shared.parallel.comm import all_to_all_v, exchange_counts

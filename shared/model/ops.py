@@ -22,9 +22,11 @@ import torch.nn.functional as F
 
 import shared.model.attention as attention
 import shared.model.cpu_kernels as cpu_kernels
+import shared.model.int8_kernels as int8_kernels
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, write_rows
+from shared.quant import int8
 
 
 def _generated_first(x: torch.Tensor, generated: int, kernel: Callable[[torch.Tensor], torch.Tensor | None],
@@ -51,6 +53,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, generated: int = 0) -> torch.T
         return F.linear(matmul_input(rows, weight), weight).to(rows.dtype)
 
     return _generated_first(x, generated, lambda rows: cpu_kernels.linear(rows, weight), portable)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 x · weightᵀ (shared.quant.int8) in x's dtype: on the host one kernel call quantizes each row,
+    multiplies in int32 and rescales (the portable path's bits: integer sums are exact, so every row alike
+    whatever its batch); elsewhere the portable quantize + int8_matmul."""
+    fused = int8_kernels.linear(x, weight, scale)
+    return fused if fused is not None else int8.w8a8_linear(x, weight, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

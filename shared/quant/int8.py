@@ -63,13 +63,8 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x · Wᵀ under W8A8 for int8 `weight` [out, in] with per-channel `scale` [out]; output in
-    x's dtype. On the host the CPU kernel quantizes, multiplies in int32 and rescales in one call (the same
-    bits as the torch path below); elsewhere `quantize_activation` and `shared.device.int8_matmul`."""
-    from shared.model import int8_kernels  # here: shared.model's layers import this module
-
-    fused = int8_kernels.linear(x, weight, scale)
-    if fused is not None:
-        return fused
+    x's dtype: `quantize_activation` and `shared.device.int8_matmul` (the portable path; the model's
+    layers take the fused CPU kernel where it applies, shared.model.ops.w8a8_linear)."""
     shape = x.shape
     xq, sx = quantize_activation(x.reshape(-1, shape[-1]))
     y = int8_matmul(xq, sx, weight, scale)
