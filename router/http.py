@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
 import uvicorn
@@ -37,6 +37,10 @@ from shared.protocol.chat import ROLES
 from shared.rpc.pdserve.v1 import generation_pb2
 
 MAX_N = 16  # samples per prompt in one request
+# Integers that travel as proto int32 / int64 (generation.proto): out of range is a 400 naming the field, not a
+# proto assignment error (a 500) after parsing.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # Fields OpenAI or vLLM define that this server does not implement, with the values that ask for nothing.
 UNIMPLEMENTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "use_beam_search": (None, False), "suffix": (None, ""), "prompt_logprobs": (None,),
@@ -114,19 +118,19 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI's server and vLLM do
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM's extra
-    seed: int | None = None
+    top_k: Int32 | None = None  # vLLM's extra
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM's extra
+    stop_token_ids: list[Int32] | None = None  # vLLM's extra
     ignore_eos: bool = False  # vLLM's extra
     skip_special_tokens: bool = True  # vLLM's extra
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    priority: int = 0  # vLLM's extra: lower is more urgent
+    priority: Int32 = 0  # vLLM's extra: lower is more urgent
     sla: Sla | None = None  # pdserve's extra: this request's own latency targets
     timeout: float | None = Field(default=None, description="seconds; pdserve's extra (504 after it)")
     presence_penalty: float = 0.0
@@ -134,8 +138,8 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None  # vLLM's extra
     min_p: float = 0.0  # vLLM's extra
-    min_tokens: int = 0  # vLLM's extra
-    top_logprobs: int | None = None  # chat: alternatives per token, with logprobs: true
+    min_tokens: Int32 = 0  # vLLM's extra
+    top_logprobs: Int32 | None = None  # chat: alternatives per token, with logprobs: true
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extra
     guided_json: dict[str, Any] | str | None = None  # vLLM's older extras, still in wide use
@@ -171,9 +175,9 @@ class StructuredOutputsParams(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int32] | list[str] | list[list[Int32]]
     echo: bool = False
-    logprobs: int | None = None  # the legacy API's: this many alternatives per token (0..20)
+    logprobs: Int32 | None = None  # the legacy API's: this many alternatives per token (0..20)
 
 
 class FunctionCallIn(BaseModel):
@@ -219,7 +223,7 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn]
     logprobs: bool = False
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     tools: list[ToolIn] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None

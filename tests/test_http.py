@@ -112,6 +112,9 @@ def test_chat_and_thinking_mode(cluster, client):
     ({"extra_body": {"min_tokens": 9}}, 400, "min_tokens"),
     ({"prompt": [99999]}, 400, "prompt_token_ids"),
     ({"max_tokens": 10**7}, 400, "max_tokens"),
+    ({"max_tokens": 10**12}, 400, "max_tokens"),  # past int32: refused where parsed, not a 500
+    ({"seed": 2**64}, 400, "seed"),
+    ({"extra_body": {"priority": -(2**40)}}, 400, "priority"),
     ({"best_of": 3}, 400, "best_of"),
     ({"extra_body": {"response_format": {"type": "json_schema"}}}, 400, "response_format.json_schema"),
 ])
