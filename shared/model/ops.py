@@ -23,7 +23,6 @@ import torch.nn.functional as F
 import shared.model.attention as attention
 import shared.model.cpu_kernels as cpu_kernels
 import shared.model.int8_kernels as int8_kernels
-from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, write_rows
 from shared.quant import int8
@@ -139,9 +138,9 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
 
 
 def _kernel_query(query: torch.Tensor, codec: RowCodec | None) -> torch.Tensor:
-    """Queries in the dtype the fused attention computes in: the compute dtype over rows stored as they are,
-    fp32 over C8 rows (dequantized in fp32 inside the kernel)."""
-    return query.float() if codec is not None else query.to(compute_dtype(query.dtype, query.device))
+    """Queries in the dtype the fused attention computes in: fp32 (rows are read in place as they are stored,
+    bf16 / fp32 / C8, and accumulated in fp32), on CPUs with bf16 arithmetic too."""
+    return query.float()
 
 
 def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float, out_dim: int,
