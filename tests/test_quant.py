@@ -50,13 +50,16 @@ def test_w8a8_linear_error_is_within_the_int8_bound(rows, k):
     assert layer.weight.dtype == torch.int8 and layer.weight.element_size() == 1
 
 
-def test_w8a8_targets_are_the_cann_practice_linears():
+def test_w8a8_targets_are_ascends_practice_linears():
+    """MLA W8A8 (kv_b_proj excepted: absorbed at load), dense MLPs, shared and routed experts, indexer wq_b."""
     yes = ["model.layers.3.self_attn.q_b_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+           "model.layers.3.self_attn.q_a_proj.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+           "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight",
            "model.layers.3.self_attn.indexer.wq_b.weight", "model.layers.3.mlp.shared_experts.down_proj.weight",
            "model.layers.3.mlp.experts.17.gate_proj.weight", "model.layers.3.mlp.experts.gate_up_proj"]
-    no = ["model.embed_tokens.weight", "lm_head.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
-          "model.layers.3.self_attn.kv_b_proj.weight", "model.layers.3.self_attn.q_a_proj.weight",
-          "model.layers.3.mlp.gate.weight", "model.layers.0.mlp.gate_proj.weight",
+    no = ["model.embed_tokens.weight", "lm_head.weight", "model.layers.3.self_attn.kv_b_proj.weight",
+          "model.layers.3.mlp.gate.weight", "model.layers.3.mlp.gate.e_score_correction_bias",
+          "model.layers.3.self_attn.kv_a_layernorm.weight", "model.layers.0.mlp.gate_proj.bias",
           "model.layers.3.self_attn.indexer.wk.weight", "model.layers.3.self_attn.indexer.weights_proj.weight"]
     assert all(is_w8a8_target(n) for n in yes) and not any(is_w8a8_target(n) for n in no)
 
@@ -80,7 +83,9 @@ def test_w8a8_model_tracks_bf16_layer_by_layer(tiny):
     assert attn.o_proj.weight.dtype == attn.q_b_proj.weight.dtype == attn.indexer.wq_b.weight.dtype == torch.int8
     assert w8a8.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.int8
     assert w8a8.model.layers[1].mlp.shared_experts.up_proj.weight.dtype == torch.int8
-    assert w8a8.model.layers[0].mlp.gate_proj.weight.dtype != torch.int8  # dense MLP stays bf16
+    assert attn.q_a_proj.weight.dtype == attn.kv_a_proj_with_mqa.weight.dtype == torch.int8
+    assert w8a8.model.layers[0].mlp.gate_proj.weight.dtype == torch.int8  # the dense layers' MLP too
+    assert torch.int8 not in (attn.indexer.wk.weight.dtype, w8a8.lm_head.weight.dtype)
     ids = random_prompts(1, [96], 1024, seed=5)[0]  # beyond index_topk: sparse attention too
     cosines = [F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
                for a, b in zip(_layer_outputs(bf16, ids), _layer_outputs(w8a8, ids), strict=True)]

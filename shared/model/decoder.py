@@ -27,7 +27,7 @@ class DecoderLayer(nn.Module):
         if cfg.is_moe_layer(layer_idx):
             self.mlp = MoE(cfg, dtype, parallel.config.ep, parallel.ep_rank, parallel.ep_group, fmts)
         else:  # dense MLPs: bf16 under W8A8 (the practice), FP8 when FP8 is kept
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fmts.other if fmts else None)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fmts.target if fmts else None)
 
     def forward(self, h: torch.Tensor, rope: RopeAngles, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
         index_pool = kv.index[self.layer_idx] if kv.index is not None else None

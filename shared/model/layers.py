@@ -29,8 +29,9 @@ class WeightFormat:
 
 @dataclass(frozen=True)
 class LinearFormats:
-    """The formats of a layer's linears: `target` for the ones W8A8 quantizes (q_b/o_proj, indexer wq_b,
-    experts), `other` for the rest (kv projections, q_a, indexer wk, dense MLPs). None: the model dtype."""
+    """The formats of a layer's linears: `target` for the ones W8A8 quantizes (shared.quant.int8: MLA's
+    projections but kv_b, the indexer's wq_b, dense MLPs, experts), `other` for the rest (the indexer's wk).
+    None: the model dtype."""
 
     target: WeightFormat | None = None
     other: WeightFormat | None = None

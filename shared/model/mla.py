@@ -32,7 +32,7 @@ class MLA(nn.Module):
                  fmts: LinearFormats | None = None):
         super().__init__()
         fmts = fmts or LinearFormats()
-        target, other = fmts.target, fmts.other
+        target = fmts.target
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = cfg.kv_lora_rank, cfg.q_lora_rank
@@ -41,12 +41,12 @@ class MLA(nn.Module):
         self.rotate = rope_interleaved if cfg.rope_interleave else rope_neox
         qk = self.nope + self.rope_dim
         if self.q_lora_rank:
-            self.q_a_proj = linear(cfg.hidden_size, self.q_lora_rank, dtype, other)
+            self.q_a_proj = linear(cfg.hidden_size, self.q_lora_rank, dtype, target)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps, dtype)
             self.q_b_proj = linear(self.q_lora_rank, self.n_heads * qk, dtype, target)
         else:
-            self.q_proj = linear(cfg.hidden_size, self.n_heads * qk, dtype, other)
-        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, dtype, other)
+            self.q_proj = linear(cfg.hidden_size, self.n_heads * qk, dtype, target)
+        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, dtype, target)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, dtype)
         # absorbed after loading into per-head matrices in the compute dtype (absorb): never kept as FP8/int8
         self.kv_b_proj = linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), dtype)

@@ -4,8 +4,12 @@ Ascend has no FP8 arithmetic; its natural precision is W8A8 (the CANN DeepSeek-V
 Weights are quantized once (symmetric, one fp32 scale per output channel, |q| ≤ 127); activations
 are quantized dynamically before each matmul (one scale per token: amax / 127). The integer
 product is rescaled by s_x · s_w and returned in the activation dtype. Which linears are quantized
-follows the practice: MLA q_b_proj and o_proj, the indexer's wq_b, the routed and the shared
-experts; everything else (embeddings, norms, router, kv projections, lm_head) stays bf16.
+follows Ascend's DeepSeek practice (MindIE / msModelSlim: MLA W8A8, the dense layers' MLPs and the shared
+experts W8A8, routed experts W8A8 dynamic): MLA's q_a_proj (q_proj without a q LoRA), kv_a_proj_with_mqa,
+q_b_proj and o_proj, the indexer's wq_b, the dense layers' MLPs, the routed and the shared experts.
+Everything else stays bf16: embeddings, norms, the router, kv_b_proj (absorbed into per-head matrices at
+load), the indexer's wk and weights_proj, lm_head. A W8A8 checkpoint that holds one of these linears in
+bf16 (converted by a release with a narrower set) loads: the loader quantizes it as it reads it.
 
 Checkpoint layout (what `pdserve convert --format w8a8` writes and the loader reads): `X.weight`
 int8 [out, in] plus `X.weight_scale` fp32 [out], and `quantization_config` =
@@ -28,7 +32,8 @@ SCALE_SUFFIX = "_scale"  # X.weight → X.weight_scale
 # Checkpoint names (Hugging Face layout) of the weights W8A8 quantizes.
 _TARGET = re.compile(
     r"^model\.layers\.\d+\.("
-    r"self_attn\.(q_b_proj|o_proj|indexer\.wq_b)"
+    r"self_attn\.(q_a_proj|q_proj|kv_a_proj_with_mqa|q_b_proj|o_proj|indexer\.wq_b)"
+    r"|mlp\.(gate_proj|up_proj|down_proj)"
     r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj)"
     r"|mlp\.experts\.(\d+\.(gate_proj|up_proj|down_proj)|gate_up_proj|down_proj)"
     r")(\.weight)?$"
