@@ -319,6 +319,43 @@ def test_fused_mla_cache_row_write(portable, dtype, pool_dtype):
                                  torch.tensor([3, 17, 0, 64, 41, 9]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_mla_cache_row_write_as_c8(portable, dtype):
+    """The same rows stored as C8 (Int8LatentRows: int8 latent, fp32 scale per 128, bf16 rope key), encoded in
+    the call: the same bytes as the norm and rope kernels followed by codec.encode and the scatter, for a latent
+    that is not a whole number of groups too, an all-zero row (the scale's floor) and values that round half
+    way; a slot outside the pool is refused."""
+    from shared.kvcache.layout import Int8LatentRows
+    from shared.model.batch import write_rows
+    from shared.model.layers import RMSNorm
+    from shared.model.rope import RopeAngles, rope_interleaved
+
+    gen = torch.Generator().manual_seed(14)
+    n, r = 6, 64
+    for c in (512, 200):
+        codec = Int8LatentRows(c, r)
+        kv = torch.randn(n, c + r, generator=gen).to(dtype)
+        kv[2, :c] = 0.0
+        kv[4, :c] = torch.arange(c) % 7 - 3.0  # few distinct values: x / s lands half way between integers
+        norm = RMSNorm(c, 1e-6, dtype)
+        norm.weight.data.copy_(torch.rand(c, generator=gen) + 0.5)
+        angles = torch.rand(n, r // 2, generator=gen) * 6
+        rope = RopeAngles.of(angles.cos().to(dtype), angles.sin().to(dtype))
+        slots = torch.tensor([3, 17, 0, 40, 41, 9])
+        fb = type("Step", (), {"slot_mapping": slots, "cp": None})()
+        portable(False)
+        unfused = torch.zeros(4, 16, codec.width, dtype=torch.uint8)
+        row = torch.cat([norm(kv[:, :c]), rope_interleaved(kv[:, c:], rope)], -1)
+        write_rows(unfused, fb, codec.encode(row))
+        fused = torch.zeros_like(unfused)
+        assert cpu_kernels.mla_kv_write(kv, norm.weight, 1e-6, rope.inter_cos, rope.inter_sin, True, fused, slots,
+                                        codec)
+        assert torch.equal(fused, unfused)
+        with pytest.raises(ValueError, match="outside the KV pool"):
+            cpu_kernels.mla_kv_write(kv, norm.weight, 1e-6, rope.inter_cos, rope.inter_sin, True, fused,
+                                     torch.tensor([3, 17, 0, 64, 41, 9]), codec)
+
+
 def _cpu_runs(arch: str) -> bool:
     """This machine can run code built with -march=arch (x86 only: the ISA levels below)."""
     import platform

@@ -157,6 +157,8 @@ def _build() -> ctypes.CDLL | None:
     lib.rope.restype = None
     lib.mla_kv_write.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i32, i64, ptr]
     lib.mla_kv_write.restype = ctypes.c_int32
+    lib.mla_kv_write_c8.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i64, i64, ptr, i64, i64]
+    lib.mla_kv_write_c8.restype = ctypes.c_int32
     lib.linear_rows.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
     lib.linear_rows.restype = None
     lib.head_matmul.argtypes = [ptr, i32, i64, i64, ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i32]
@@ -426,24 +428,37 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> boo
 
 
 def mla_kv_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                 interleaved: bool, pool: torch.Tensor, slots: torch.Tensor) -> bool:
+                 interleaved: bool, pool: torch.Tensor, slots: torch.Tensor, codec: RowCodec | None = None) -> bool:
     """MLA's new cache rows in one call: row i = [RMSNorm(kv[i, :c]) | RoPE(kv[i, c:])] (the same bits as
     rms_norm and rope here), written at pool slot slots[i]. kv [N, c + r] and norm_weight in the model
-    dtype (bf16/fp32), cos/sin [N, r], pool [blocks, block_size, c + r] (bf16/fp32). False (nothing
-    written) where it does not apply."""
-    bf16, pool_bf16 = _BF16_FLAG.get(kv.dtype), _BF16_FLAG.get(pool.dtype)
+    dtype (bf16/fp32), cos/sin [N, r], pool [blocks, block_size, c + r] (bf16/fp32), or with `codec` an
+    Int8LatentRows, pool [blocks, block_size, codec.width] bytes and each row encoded as codec.encode does
+    (the same bits). False (nothing written) where it does not apply."""
+    bf16 = _BF16_FLAG.get(kv.dtype)
+    pool_bf16 = _BF16_FLAG.get(pool.dtype) if codec is None else 0
     if bf16 is None or pool_bf16 is None or kv.dim() != 2 or not kv.is_contiguous():
         return False
     (n, width), c = kv.shape, norm_weight.shape[0]
+    if codec is None:
+        row_width = width
+    elif (isinstance(codec, Int8LatentRows) and pool.dtype == torch.uint8 and codec.latent == c
+          and codec.dim == width):
+        row_width = codec.width
+    else:
+        return False
     if (norm_weight.dtype != kv.dtype or cos.dtype != kv.dtype or sin.dtype != kv.dtype
-            or cos.shape != (n, width - c) or sin.shape != (n, width - c) or pool.shape[-1] != width
+            or cos.shape != (n, width - c) or sin.shape != (n, width - c) or pool.shape[-1] != row_width
             or slots.shape != (n,) or slots.dtype != torch.int64 or not pool.is_contiguous()
             or not norm_weight.is_contiguous() or not _runnable(kv, pool)):
         return False
-    cos, sin = cos.contiguous(), sin.contiguous()
-    bad = library().mla_kv_write(kv.data_ptr(), bf16, n, c, width - c, norm_weight.data_ptr(), eps, cos.data_ptr(),
-                           sin.data_ptr(), interleaved, pool.data_ptr(), pool_bf16, pool.numel() // width,
-                           slots.contiguous().data_ptr())
+    cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.contiguous()
+    where = (kv.data_ptr(), bf16, n, c, width - c, norm_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+             interleaved, pool.data_ptr())
+    if codec is None:
+        bad = library().mla_kv_write(*where, pool_bf16, pool.numel() // width, slots.data_ptr())
+    else:
+        bad = library().mla_kv_write_c8(*where, row_width, pool.numel() // row_width, slots.data_ptr(),
+                                        codec.group, codec.groups)
     if bad:
         raise ValueError("mla_kv_write: a slot is outside the KV pool")
     return True

@@ -110,10 +110,11 @@ class Norm(Protocol):
 def write_mla_rows(kv: torch.Tensor, norm: Norm, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
                    pool: torch.Tensor, fb: ForwardBatch, codec: RowCodec | None = None) -> None:
     """MLA's new cache rows, row i = [norm(c_kv) | rope(k_pe)] of kv [N, c + r] (kv_a_proj's output), written
-    at the step's slots: straight into the pool in one kernel call where rows are stored as they are and no
-    CP gather follows; else norm, rotation, concatenation, the codec and write_rows."""
-    if codec is None and fb.cp is None and cpu_kernels.mla_kv_write(kv, norm.weight, norm.eps, cos, sin,
-                                                                     interleaved, pool, fb.slot_mapping):
+    at the step's slots: straight into the pool in one kernel call where rows are stored as they are or as C8
+    rows (encoded in the call) and no CP gather follows; else norm, rotation, concatenation, the codec and
+    write_rows."""
+    if fb.cp is None and cpu_kernels.mla_kv_write(kv, norm.weight, norm.eps, cos, sin, interleaved, pool,
+                                                  fb.slot_mapping, codec):
         return
     c = norm.weight.shape[0]
     c_kv, k_pe = kv.split([c, kv.shape[-1] - c], -1)

@@ -703,6 +703,44 @@ int32_t mla_kv_write(const void *kv, int32_t bf16, int64_t n, int64_t c, int64_t
     return bad;
 }
 
+/* The same rows stored as C8 (shared.kvcache.layout.Int8LatentRows; rows of `width` bytes: int8 latent [c] |
+   fp32 scale per `group` latent dims [groups] | bf16 rope key [r]): each row is made in x's dtype as above, then
+   encoded as Int8LatentRows.encode does, bit for bit: per group s = max(amax / 127, 1e-12), q = round half to
+   even (x / s) clamped to +-127, the rope key rounded to bf16. Returns 1 if a slot is outside the pool. */
+int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int64_t r, const void *norm_w,
+                        float eps, const void *cos, const void *sin, int32_t interleaved, uint8_t *pool,
+                        int64_t width, int64_t num_slots, const int64_t *slots, int64_t group, int64_t groups) {
+    int32_t bad = 0;
+    void *row = xmalloc(sizeof(float) * (c + r));
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= num_slots) { bad = 1; continue; }
+        norm_row(kv, i * (c + r), bf16, norm_w, c, eps, row, 0, bf16);
+        rope_row(kv, i * (c + r) + c, bf16, cos, sin, i * r, r, interleaved, row, c, bf16);
+        uint8_t *dst = pool + slots[i] * width;
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t d0 = g * group, d1 = d0 + group < c ? d0 + group : c;
+            float amax = 0.f;
+            for (int64_t d = d0; d < d1; d++) {
+                float a = fabsf(widen(row, bf16, d));
+                amax = a > amax ? a : amax;
+            }
+            float scale = amax / 127.0f;
+            if (!(scale >= 1e-12f)) scale = 1e-12f;
+            for (int64_t d = d0; d < d1; d++) {
+                float q = nearbyintf(widen(row, bf16, d) / scale);
+                ((int8_t *)dst)[d] = (int8_t)(q > 127.f ? 127.f : q < -127.f ? -127.f : q);
+            }
+            memcpy(dst + c + 4 * g, &scale, sizeof scale);
+        }
+        for (int64_t k = 0; k < r; k++) {
+            uint16_t b = bf16 ? ((const uint16_t *)row)[c + k] : narrow(((const float *)row)[c + k]);
+            memcpy(dst + c + 4 * groups + 2 * k, &b, sizeof b);
+        }
+    }
+    free(row);
+    return bad;
+}
+
 /* ---- Small matmuls of decode steps ---- */
 
 /* y[i] = w . x[i] for a few rows: w [m, k] fp32, x [n, k] (bf16 or fp32), y [n, m] rounded to x's dtype
