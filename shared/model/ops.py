@@ -138,12 +138,6 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
     return out
 
 
-def _kernel_query(query: torch.Tensor, codec: RowCodec | None) -> torch.Tensor:
-    """Queries in the dtype the fused attention computes in: fp32 (rows are read in place as they are stored,
-    bf16 / fp32 / C8, and accumulated in fp32), on CPUs with bf16 arithmetic too."""
-    return query.float()
-
-
 def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float, out_dim: int,
                     codec: RowCodec | None = None) -> torch.Tensor:
     """attention.dense_attention (padded queries [R, S, H, D] → [R, S, H, out_dim]). A step of generated
@@ -153,7 +147,7 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
     r_all, s_all, heads, dim = query.shape
     if (fb.generated == fb.num_tokens and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST
             and heads <= cpu_kernels.MAX_HEADS):
-        flat = _kernel_query(query.reshape(r_all * s_all, heads, dim), codec)
+        flat = query.reshape(r_all * s_all, heads, dim).float()  # the kernel's dtype, on bf16 CPUs too
         if cpu_kernels.attention_usable(flat, pool, out_dim, codec):
             requests, counts = fb.query_rows
             out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, fb.block_size, requests, counts, scale, out_dim,
@@ -171,7 +165,7 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
     chunk's context under index_topk), however its prompt is chunked."""
     n_all, heads, _ = query.shape
     if heads <= cpu_kernels.MAX_HEADS and (codec is None or fb.generated == fb.num_tokens):
-        cq = _kernel_query(query, codec)
+        cq = query.float()
         if cpu_kernels.attention_usable(cq, pool, out_dim, codec):
             slots = fb.slots_of(fb.token_request, picks)  # [N, k]
             rows = torch.arange(n_all, device=query.device)
