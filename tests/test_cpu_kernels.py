@@ -279,6 +279,21 @@ def test_fused_linear_and_head_matmul_match_torch(portable):
     assert (o.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
+def _mla_row_inputs(gen: torch.Generator, c: int, r: int, dtype: torch.dtype):
+    """kv_a outputs [6, c + r], the kv norm (random weight), RoPE angles and the step's slots (a fake step)."""
+    from shared.model.layers import RMSNorm
+    from shared.model.rope import RopeAngles
+
+    n = 6
+    kv = torch.randn(n, c + r, generator=gen).to(dtype)
+    norm = RMSNorm(c, 1e-6, dtype)
+    norm.weight.data.copy_(torch.rand(c, generator=gen) + 0.5)
+    angles = torch.rand(n, r // 2, generator=gen) * 6
+    rope = RopeAngles.of(angles.cos().to(dtype), angles.sin().to(dtype))
+    slots = torch.tensor([3, 17, 0, 40, 41, 9])
+    return kv, norm, rope, slots, type("Step", (), {"slot_mapping": slots, "cp": None})()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
 def test_fused_mla_cache_row_write(portable, dtype, pool_dtype):
@@ -286,18 +301,10 @@ def test_fused_mla_cache_row_write(portable, dtype, pool_dtype):
     and rope kernels followed by the cat + scatter, and the portable torch ops' result to a rounding step;
     a slot outside the pool is refused."""
     from shared.model.batch import write_rows
-    from shared.model.layers import RMSNorm
-    from shared.model.rope import RopeAngles, rope_interleaved
+    from shared.model.rope import rope_interleaved
 
-    gen = torch.Generator().manual_seed(13)
-    n, c, r = 6, 512, 64
-    kv = torch.randn(n, c + r, generator=gen).to(dtype)
-    norm = RMSNorm(c, 1e-6, dtype)
-    norm.weight.data.copy_(torch.rand(c, generator=gen) + 0.5)
-    angles = torch.rand(n, r // 2, generator=gen) * 6
-    rope = RopeAngles.of(angles.cos().to(dtype), angles.sin().to(dtype))
-    slots = torch.tensor([3, 17, 0, 40, 41, 9])
-    fb = type("Step", (), {"slot_mapping": slots, "cp": None})()
+    c, r = 512, 64
+    kv, norm, rope, slots, fb = _mla_row_inputs(torch.Generator().manual_seed(13), c, r, dtype)
 
     def unfused() -> torch.Tensor:
         pool = torch.zeros(4, 16, c + r, dtype=pool_dtype)
@@ -327,22 +334,15 @@ def test_fused_mla_cache_row_write_as_c8(portable, dtype):
     way; a slot outside the pool is refused."""
     from shared.kvcache.layout import Int8LatentRows
     from shared.model.batch import write_rows
-    from shared.model.layers import RMSNorm
-    from shared.model.rope import RopeAngles, rope_interleaved
+    from shared.model.rope import rope_interleaved
 
     gen = torch.Generator().manual_seed(14)
-    n, r = 6, 64
+    r = 64
     for c in (512, 200):
         codec = Int8LatentRows(c, r)
-        kv = torch.randn(n, c + r, generator=gen).to(dtype)
+        kv, norm, rope, slots, fb = _mla_row_inputs(gen, c, r, dtype)
         kv[2, :c] = 0.0
         kv[4, :c] = torch.arange(c) % 7 - 3.0  # few distinct values: x / s lands half way between integers
-        norm = RMSNorm(c, 1e-6, dtype)
-        norm.weight.data.copy_(torch.rand(c, generator=gen) + 0.5)
-        angles = torch.rand(n, r // 2, generator=gen) * 6
-        rope = RopeAngles.of(angles.cos().to(dtype), angles.sin().to(dtype))
-        slots = torch.tensor([3, 17, 0, 40, 41, 9])
-        fb = type("Step", (), {"slot_mapping": slots, "cp": None})()
         portable(False)
         unfused = torch.zeros(4, 16, codec.width, dtype=torch.uint8)
         row = torch.cat([norm(kv[:, :c]), rope_interleaved(kv[:, c:], rope)], -1)
