@@ -437,9 +437,10 @@ class EngineConfig:
     progress: bool = False
     compile: bool = False  # torch.compile (inductor) the per-token layer parts (norms, MLPs, router); see README
     quantization: str = flag("auto", "weights: w8a8 quantizes MLA's projections (kv_b aside), the indexer's "
-                                     "wq_b, dense MLPs and the experts to INT8 while loading; fp8 keeps an FP8 checkpoint's weights FP8 (1 byte/param, "
-                                     "dequantized per block on the fly); auto: the checkpoint's own (FP8 "
-                                     "dequantized)", choices=("auto", "none", "w8a8", "fp8"))
+                                     "wq_b, dense MLPs and the experts to INT8 while loading; fp8 keeps an "
+                                     "FP8 checkpoint's weights FP8 (1 byte/param, dequantized per block on the "
+                                     "fly); auto: the checkpoint's own (FP8 dequantized)",
+                             choices=("auto", "none", "w8a8", "fp8"))
     kv_cache_dtype: str = flag("auto", "KV cache: int8 stores the latent as int8 + per-128 scales and the indexer "
                                        "key as FP8 + one scale (C8); prefill and decode must agree",
                                choices=("auto", "int8"))

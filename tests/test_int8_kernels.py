@@ -162,6 +162,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     whole = int8_kernels.linear(x, w, sw)
     assert torch.equal(torch.cat([int8_kernels.linear(x[i : i + 1], w, sw) for i in range(70)]), whole)
     assert torch.equal(torch.cat([int8_kernels.linear(c, w, sw) for c in x.split(13)]), whole)
+    # a prompt-sized step (>= MANY_ROWS rows) takes oneDNN's int8 GEMM in row tiles (64 rows at N 4096): the
+    # kernel's bits, row by row
+    wide, swide = quantize_weight(torch.randn(4096, 512, generator=g))
+    prompt = torch.randn(int8_kernels.MANY_ROWS + 100, 512, generator=g).bfloat16()
+    assert torch.equal(int8_kernels.linear(prompt, wide, swide),
+                       torch.cat([int8_kernels.linear(c, wide, swide) for c in prompt.split(50)]))
     mw = _moe_weights(8, 512, 128, g)
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(70)])
     wts = torch.rand(70, 2, generator=g)

@@ -29,6 +29,12 @@ _INT8_KIND, _INT32_KIND = 2, 2
 # 64 x 64 x 2048: 175 us vs 53 us); quantization and rescaling stay fused either way. DeepSeek's W8A8 linears
 # have K >= 1536; the tiny models' q_b / wq_b / o_proj have 64-128.
 SMALL_K = 256
+# From this many rows on (prompt chunks) oneDNN's int8 GEMM beats the kernel at every K (measured 4096 rows:
+# 3.7 vs 5.5 ms at K 256, 12.2 vs 13.0 ms at K 1024), so prompt rows take it too, a tile of rows at a time whose
+# int32 products (INT32_TILE_BYTES) stay in cache until they are rescaled: untiled, 4096 x 2048 products
+# (32 MiB) made K 64 3.5x slower than bf16. Exact either way: the tiles' results are the kernel's bits.
+MANY_ROWS = 128
+INT32_TILE_BYTES = 1 << 20
 # bytes of the MoE call's scratch per call (fp32 expert activations and outputs of its picks): longer steps are
 # split into row chunks of at least one row (rows are independent, so chunking changes no result)
 MOE_SCRATCH_BYTES = 64 << 20
@@ -106,11 +112,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=out_dtype)
     lib, threads = library(), torch.get_num_threads()
-    if k < SMALL_K and m:
-        xq, sx = quantize(rows.contiguous())
-        acc = torch._int_mm(xq, weight.t())
-        lib.w8a8_rescale(acc.data_ptr(), m, n, sx.data_ptr(), scale.data_ptr(), y.data_ptr(), _FLOAT_KIND[out_dtype],
-                         threads)
+    if (k < SMALL_K or m >= MANY_ROWS) and m:
+        tile = max(32, INT32_TILE_BYTES // (4 * n))
+        rows = rows.contiguous()
+        for r0 in range(0, m, tile):
+            part, out = rows[r0 : r0 + tile], y[r0 : r0 + tile]
+            xq, sx = quantize(part)
+            acc = torch._int_mm(xq, weight.t())
+            lib.w8a8_rescale(acc.data_ptr(), part.shape[0], n, sx.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                             _FLOAT_KIND[out_dtype], threads)
     else:
         lib.w8a8_matmul(rows.data_ptr(), _FLOAT_KIND[x.dtype], rows.stride(0), None, m, k, weight.data_ptr(),
                         scale.data_ptr(), n, y.data_ptr(), _FLOAT_KIND[out_dtype], threads)
