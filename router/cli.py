@@ -47,7 +47,7 @@ from router.deploy import Deployment, EngineSpec
 from router.perf import PerfModel, profile_engine, profile_served
 from router.planner import Dist, Workload, run_plan
 from router.server import RouterConfig
-from shared.config import ServiceConfig, add_flags, same_as
+from shared.config import DecodeConfig, ServiceConfig, add_flags, same_as
 from shared.protocol.chat import EOS, split_reasoning
 from shared.rpc.certs import CertFiles, make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -390,7 +390,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         "prefill": {"instances": args.num_prefill, "cp": args.prefill_cp, "tp": args.prefill_tp,
                     "ep": args.prefill_ep, "layerSharding": args.layer_sharding},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
-                   "layerSharding": args.layer_sharding},
+                   "layerSharding": args.layer_sharding,
+                   "speculativeMaxDraftTokens": args.speculative_max_draft_tokens},
         "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port,
                    "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms},
         "tls": {"enabled": args.tls}})
@@ -630,6 +631,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-tp", type=int, default=1, help="local-TP ranks per decode instance (with dp 1)")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
+    add_flags(up, DecodeConfig, only=("speculative_max_draft_tokens",))  # decode's own flag, with --speculative
     add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "api_key_file", "ttft_slo_ms",
                                       "tpot_slo_ms", "profile"))
     add_flags(up, AutoscaleConfig)  # passed to the router, which decides

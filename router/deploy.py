@@ -150,6 +150,10 @@ class DecodeSpec:
     max_num_seqs: int = same_as(DecodeConfig, "max_num_seqs")
     kv_cache_tokens: int = same_as(DecodeConfig, "kv_cache_tokens")
     lease_seconds: float = same_as(DecodeConfig, "lease_seconds")
+    speculative_max_draft_tokens: int = same_as(DecodeConfig, "speculative_max_draft_tokens")  # with MTP
+
+    def __post_init__(self) -> None:
+        check_bounds(self, lambda name: f"decode.{_camel(name)}")
 
 
 @dataclass
@@ -206,6 +210,8 @@ class Deployment:
             d = self.decode
             out += ["--dp", _s(d.dp), "--kv-port", _s(d.kv_port), "--lease-seconds", _s(d.lease_seconds),
                     "--max-num-seqs", _s(d.max_num_seqs)]
+            if e.speculative:
+                out += ["--speculative-max-draft-tokens", _s(d.speculative_max_draft_tokens)]
         return out
 
 

@@ -72,6 +72,12 @@ def test_engine_quantization_offload_and_shared_weights_render_into_both_service
         assert _flag(flags, "--offload-layers") == "2-10,12" and _flag(flags, "--offload-buffers") == "3", role
         assert _flag(flags, "--share-weights-dir") == "/dev/shm/pdserve", role
         assert _flag(flags, "--speculative") == "mtp" and _flag(flags, "--num-speculative-tokens") == "2", role
+    assert _flag(dep.flags("decode"), "--speculative-max-draft-tokens") == "16"  # decode's own, its default
+    assert "--speculative-max-draft-tokens" not in dep.flags("prefill")
+    capped = Deployment.from_dict({"engine": ENGINE, "decode": {"speculativeMaxDraftTokens": 0}})
+    assert _flag(capped.flags("decode"), "--speculative-max-draft-tokens") == "0"
+    with pytest.raises(ValueError, match="speculativeMaxDraftTokens"):
+        Deployment.from_dict({"decode": {"speculativeMaxDraftTokens": -1}})
     assert "--quantization" not in dep.flags("router")
     assert "--speculative" not in Deployment().flags("decode")
     explicit = Deployment.from_dict({"engine": {"shareWeightsDir": "/tmp/w"}})  # a directory implies sharing

@@ -216,17 +216,21 @@ def test_chart_choices_are_the_services_choices():
 
 
 def test_speculative_renders_into_both_services():
-    """engine.speculative: mtp with numSpeculativeTokens reaches prefill (the MTP layer's cache) and decode."""
+    """engine.speculative: mtp with numSpeculativeTokens reaches prefill (the MTP layer's cache) and decode, and
+    decode.speculativeMaxDraftTokens reaches decode (only with speculative set)."""
     from decode_service.server import parse_args as decode_args
     from prefill_service.server import parse_args as prefill_args
 
     parsers = {"prefill": prefill_args, "decode": decode_args}
-    for role, specs in _engine_pods(_render({"engine": {"speculative": "mtp", "numSpeculativeTokens": 3}})).items():
+    values = {"engine": {"speculative": "mtp", "numSpeculativeTokens": 3}, "decode": {"speculativeMaxDraftTokens": 5}}
+    for role, specs in _engine_pods(_render(values)).items():
         for spec in specs:
             cfg = parsers[role](_args(spec["containers"][0]))
             assert (cfg.speculative, cfg.num_speculative_tokens) == ("mtp", 3), role
+            if role == "decode":
+                assert cfg.speculative_max_draft_tokens == 5
     for specs in _engine_pods(_render({})).values():
-        assert all("--speculative" not in _args(s["containers"][0]) for s in specs)
+        assert all("--speculative" not in " ".join(_args(s["containers"][0])) for s in specs)
 
 
 @pytest.mark.parametrize(("engine", "message"), [

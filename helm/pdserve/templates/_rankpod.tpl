@@ -44,6 +44,10 @@ spec:
         - {{ $spec.leaseSeconds | quote }}
         - --max-num-seqs
         - {{ $spec.maxNumSeqs | quote }}
+        {{- if $root.Values.engine.speculative }}
+        - --speculative-max-draft-tokens
+        - {{ $spec.speculativeMaxDraftTokens | quote }}
+        {{- end }}
         {{- end }}
       env:
         {{- include "pdserve.env" $root | nindent 8 }}
