@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import shared.model.attention as attention
 import shared.model.cpu_kernels as cpu_kernels
 import shared.model.int8_kernels as int8_kernels
+from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, write_rows
 from shared.quant import int8
@@ -138,6 +139,17 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
     return out
 
 
+def _kernel_query(query: torch.Tensor, codec: RowCodec | None) -> torch.Tensor:
+    """Queries for the fused attention: fp32 over C8 rows (dequantized in fp32 inside the kernel); over rows
+    stored as they are, the compute dtype, so on CPUs with bf16 arithmetic (compute dtype bf16) the kernel,
+    which takes fp32 queries, declines and bf16 decodes take the portable bf16 matmuls. Handing it fp32 queries
+    there made decode 2.4x faster at batch 256, but a request re-prefilled after its decode instance died
+    (prompt rows: oneDNN bf16) then continued with other bits than decoding had made, and migrated streams
+    stopped matching the unfaulted run (tests/test_migration.py, 3 runs of 3); kept off until prompt rows can
+    take the kernel's arithmetic too."""
+    return query.float() if codec is not None else query.to(compute_dtype(query.dtype, query.device))
+
+
 def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float, out_dim: int,
                     codec: RowCodec | None = None) -> torch.Tensor:
     """attention.dense_attention (padded queries [R, S, H, D] → [R, S, H, out_dim]). A step of generated
@@ -147,7 +159,7 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
     r_all, s_all, heads, dim = query.shape
     if (fb.generated == fb.num_tokens and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST
             and heads <= cpu_kernels.MAX_HEADS):
-        flat = query.reshape(r_all * s_all, heads, dim).float()  # the kernel's dtype, on bf16 CPUs too
+        flat = _kernel_query(query.reshape(r_all * s_all, heads, dim), codec)
         if cpu_kernels.attention_usable(flat, pool, out_dim, codec):
             requests, counts = fb.query_rows
             out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, fb.block_size, requests, counts, scale, out_dim,
@@ -165,7 +177,7 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
     chunk's context under index_topk), however its prompt is chunked."""
     n_all, heads, _ = query.shape
     if heads <= cpu_kernels.MAX_HEADS and (codec is None or fb.generated == fb.num_tokens):
-        cq = query.float()
+        cq = _kernel_query(query, codec)
         if cpu_kernels.attention_usable(cq, pool, out_dim, codec):
             slots = fb.slots_of(fb.token_request, picks)  # [N, k]
             rows = torch.arange(n_all, device=query.device)
