@@ -141,12 +141,10 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
 
 def _kernel_query(query: torch.Tensor, codec: RowCodec | None) -> torch.Tensor:
     """Queries for the fused attention: fp32 over C8 rows (dequantized in fp32 inside the kernel); over rows
-    stored as they are, the compute dtype, so on CPUs with bf16 arithmetic (compute dtype bf16) the kernel,
-    which takes fp32 queries, declines and bf16 decodes take the portable bf16 matmuls. Handing it fp32 queries
-    there made decode 2.4x faster at batch 256, but a request re-prefilled after its decode instance died
-    (prompt rows: oneDNN bf16) then continued with other bits than decoding had made, and migrated streams
-    stopped matching the unfaulted run (tests/test_migration.py, 3 runs of 3); kept off until prompt rows can
-    take the kernel's arithmetic too."""
+    stored as they are, the compute dtype. So on CPUs with bf16 arithmetic the kernel (fp32 queries only)
+    declines bf16 decodes on purpose: their rows must match the rows a re-prefill makes with the portable bf16
+    matmuls, or a migrated request continues with other tokens (README, Benchmarks: measured 2.4x faster at
+    batch 256, not shipped for that reason)."""
     return query.float() if codec is not None else query.to(compute_dtype(query.dtype, query.device))
 
 
