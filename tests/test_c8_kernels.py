@@ -71,7 +71,7 @@ LAYOUTS = [(512, 64), (208, 16)]
 @pytest.mark.parametrize(("latent", "rope"), LAYOUTS)
 @pytest.mark.parametrize(("heads", "queries"), [(1, 1), (4, 1), (6, 3), (cpu_kernels.MAX_HEADS, 2)])
 def test_dense_c8_kernel_matches_dequantize_then_attend(kernels, monkeypatch, latent, rope, heads, queries):
-    """Decode and verification steps (queries per request ≤ MAX_QUERIES_PER_REQUEST) over scattered blocks,
+    """Decode and verification steps (few queries per request) over scattered blocks,
     odd contexts, heads up to MAX_HEADS: the kernel reading int8 rows gives the portable path's output
     (rows decoded to fp32, then attended) to fp32 rounding, causal masking within a step included."""
     gen = torch.Generator().manual_seed(heads * 10 + queries + latent)

@@ -84,11 +84,12 @@ def test_sparse_picks_with_a_mask_match_the_portable_path(portable):
 
 
 def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
-    """Where a gathered row is reused enough (many queries per request, or many heads), and for prompt
-    chunks, the batched matmul path runs: the kernel is never called."""
+    """Prompt chunks (a gathered row reused by many queries) and many heads take the batched matmul path:
+    the kernel is never called."""
     monkeypatch.setattr(cpu_kernels, "paged_mqa", lambda *a, **k: pytest.fail("fused kernel used"))
     gen = torch.Generator().manual_seed(4)
-    fb, num_blocks = _batch([40, 60], cpu_kernels.MAX_QUERIES_PER_REQUEST + 1, gen)
+    fb, num_blocks = _batch([40, 60], 9, gen)
+    fb.generated = 0  # prompt chunks
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
     ops.dense_attention(torch.randn(2, fb.query_index.shape[1], 4, 576), fb, pool, 0.1, 512)
     fb, num_blocks = _batch([40, 60], 1, gen)
@@ -96,6 +97,27 @@ def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
     ops.dense_attention(torch.randn(2, 1, cpu_kernels.MAX_HEADS + 1, 576), fb, pool, 0.1, 512)
     fb.generated = 0  # the same one-query step, as prompt tokens
     ops.dense_attention(torch.randn(2, 1, 4, 576), fb, pool, 0.1, 512)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_generated_queries_attend_alike_however_they_are_batched(monkeypatch, pool_dtype):
+    """A step of many generated queries per request (a request recomputing its outputs after a migration or a
+    preemption) takes the kernel, and each query's output is bit for bit the one it gets alone (its decode):
+    the kernel computes every query on its own."""
+    gen = torch.Generator().manual_seed(6)
+    fb, num_blocks = _batch([40, 60], 12, gen)
+    pool = torch.randn(num_blocks, BLOCK, 576, generator=gen).to(pool_dtype)
+    query = torch.randn(2, 12, 4, 576, generator=gen).to(pool_dtype)
+    calls = []
+    kernel = cpu_kernels.paged_mqa
+    monkeypatch.setattr(cpu_kernels, "paged_mqa", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    together = ops.dense_attention(query, fb, pool, 0.1, 512)
+    assert calls
+    flat = query.reshape(24, 4, 576).float()
+    requests, counts = fb.query_rows
+    for i in range(24):
+        alone = kernel(flat[i : i + 1], pool, fb.block_tables, BLOCK, requests[i : i + 1], counts[i : i + 1], 0.1, 512)
+        assert torch.equal(together.reshape(24, 4, 512)[i], alone[0].to(pool_dtype))
 
 
 def test_positions_and_slots_are_checked():

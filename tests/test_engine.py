@@ -239,3 +239,58 @@ def test_decode_step_indices_equal_the_general_ones():
         general = batch._chunk_indices(chunks, [1] * len(chunks), tables, bs)
         for a, b in zip(fast, general):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _cache_rows(engine, seq, positions: int) -> list[torch.Tensor]:
+    """The request's MLA and indexer cache rows of every layer at positions 0 .. positions-1."""
+    bs = engine.layout.block_size
+    slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(positions)])
+    pools = [p for p in (engine.kv.mla, engine.kv.index) if p is not None]
+    return [pool.flatten(1, 2)[:, slots].clone() for pool in pools]
+
+
+def _run_until(engine, seq, outputs: int) -> list[torch.Tensor]:
+    """Step until `seq` has `outputs` tokens; its cache rows then (every position its outputs computed)."""
+    while len(seq.output_token_ids) < outputs:
+        engine.step()
+    return _cache_rows(engine, seq, len(seq.prompt_token_ids) + outputs - 1)
+
+
+def _decoded_then_resumed(path: str, dtype: str, mixed: bool, resumed_k: int = 7) -> None:
+    """A request decodes 14 tokens beside another; sent again with its first `resumed_k` outputs (a
+    migration: num_resumed) to a second engine, it recomputes them as generated rows: every cache row of
+    every layer is bit for bit the row its decode steps wrote, and it goes on with the same tokens. With
+    `mixed`, the second engine chunks at 20 tokens a step beside a third request's prompt; else its prompt
+    step is the first engine's (the same two prompts)."""
+    prompt, beside, later = random_prompts(3, [23, 31, 40], 512, seed=30)
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    decoded = LLM(path, block_size=4, dtype=dtype).engine
+    seq = decoded.add_request(prompt, params)
+    decoded.add_request(beside, params)
+    want = _run_until(decoded, seq, 12)
+    while decoded.has_work:
+        decoded.step()
+    again = LLM(path, block_size=4, dtype=dtype, max_num_batched_tokens=20 if mixed else 4096).engine
+    if mixed:
+        again.add_request(later, params)
+        again.step()
+    resumed = again.add_request(prompt + seq.output_token_ids[:resumed_k], params, num_resumed=resumed_k)
+    if not mixed:
+        again.add_request(beside, params)
+    got = _run_until(again, resumed, 12)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    while again.has_work:
+        again.step()
+    assert resumed.output_token_ids == seq.output_token_ids
+
+
+@pytest.mark.parametrize("name", ["v32_sparse", "v32_dense"])
+def test_resumed_outputs_are_recomputed_as_they_were_decoded(ckpt, name):
+    _decoded_then_resumed(str(ckpt(name)), "float32", mixed=False)
+
+
+def test_resumed_outputs_recompute_alike_in_mixed_chunked_steps(sparse_path):
+    """bf16 (DeepSeek's dtype): its prompt rows, sparse past index_topk, are the same however they are chunked
+    and batched, so a recompute in other steps than the decode's still gives every row bit for bit."""
+    _decoded_then_resumed(sparse_path, "bfloat16", mixed=True)

@@ -205,9 +205,9 @@ class LLMEngine:
 
     def add_prefilled(self, seq: Sequence, first_token: int, first_logprob: TokenLogprob | None = None,
                       ) -> list[StepEvent]:
-        """Admit a request whose prompt KV is already in its blocks (disaggregated decode); the prefill's
-        first token (and its logprob, when asked for)."""
-        seq.num_cached = len(seq.prompt_token_ids)
+        """Admit a request whose KV is already in its blocks (disaggregated decode: its prompt's, and a migrated
+        request's earlier outputs', all pushed); the prefill's first token (and its logprob, when asked for)."""
+        seq.num_cached = seq.num_tokens
         if first_logprob is not None:
             seq.logprobs.append(first_logprob)
         events = self.append_token(seq, first_token)

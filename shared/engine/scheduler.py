@@ -153,7 +153,10 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """The next step: decodes first (oldest first), then prompt chunks, within one token budget."""
         chunks = self._schedule_decode(self.max_num_batched_tokens)
-        return chunks + self._schedule_prefill(self.max_num_batched_tokens - self.decode_width * len(chunks))
+        prefill = self._schedule_prefill(self.max_num_batched_tokens - self.decode_width * len(chunks))
+        # recomputed outputs beside the decodes: a step lists its generated chunks first (ForwardBatch.generated)
+        prefill.sort(key=lambda c: not c.seq.generated_from(c.seq.num_cached))
+        return chunks + prefill
 
     def _schedule_prefill(self, budget: int) -> list[ScheduledChunk]:
         chunks = []
@@ -249,8 +252,13 @@ class Scheduler:
 
 def _chunk_cap(seq: Sequence) -> int:
     """The most tokens one step may compute of the request: a prompt-logprobs chunk takes logits rows of
-    the whole vocabulary per token (129,280 fp32 values, 0.5 MB, at DeepSeek's), so it is bounded."""
-    return PROMPT_LOGPROBS_CHUNK_TOKENS if seq.wants_prompt_logprobs(seq.num_cached) else seq.num_uncached
+    the whole vocabulary per token (129,280 fp32 values, 0.5 MB, at DeepSeek's), so it is bounded. A
+    request that recomputes its outputs (preempted, or migrated from a failed instance) computes its prompt
+    first, then its outputs as generated rows, which take the CPU kernels their decode steps took: their
+    KV rows and the next token are the ones the request would have had, not a prompt row's near miss."""
+    start, prompt = seq.num_cached, len(seq.prompt_token_ids)
+    cap = PROMPT_LOGPROBS_CHUNK_TOKENS if seq.wants_prompt_logprobs(start) else seq.num_uncached
+    return min(cap, prompt - start) if start < prompt < seq.num_tokens else cap
 
 
 def _urgency(seq: Sequence) -> tuple[int, int]:

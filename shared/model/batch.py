@@ -68,6 +68,9 @@ class ForwardBatch:
     # take the CPU kernels whose results could differ from the portable path's (shared.model.ops): a
     # prompt token is computed alike however it is chunked, and a generated token however it is batched.
     generated: int = 0
+    # Leading rows of the logits selection (x[logits_index]) that are generated tokens: the wanted rows of
+    # the leading generated chunks (a decode's one, a verification's 1 + drafts), whatever follows them.
+    logits_generated: int = 0
 
     def attention_parts(self) -> list[tuple[slice, ForwardBatch]]:
         """(flat token range, batch) pairs that attention and the indexer run on: the whole step, or
@@ -97,13 +100,6 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def logits_generated(self) -> int:
-        """Leading rows of the logits selection (x[logits_index]) that are generated tokens, as `generated`
-        counts them for a step's own rows: all of `generated` where every token wants logits (decode,
-        verification), else none."""
-        return self.generated if self.logits_index.shape[0] == self.num_tokens else 0
 
     @property
     def padded_context(self) -> int:
@@ -152,7 +148,8 @@ class ForwardBatch:
         def dev(x: torch.Tensor) -> torch.Tensor:
             return x.to(device, non_blocking=True)
 
-        generated = sum(itertools.takewhile(bool, (n if c.generated else 0 for c, n in zip(chunks, lens))))
+        leading = list(itertools.takewhile(lambda c: c.generated, chunks))  # a step lists generated chunks first
+        generated = sum(len(c.token_ids) for c in leading)
         parts = None
         if split and (num_seqs * s_max > 2 * len(input_ids) or 0 < generated < len(input_ids)):
             parts, token = [], 0
@@ -179,6 +176,7 @@ class ForwardBatch:
             uniform=uniform,
             workspace_bytes=workspace_bytes,
             generated=generated,
+            logits_generated=sum(c.num_logits for c in leading if c.need_logits),
         )
 
 

@@ -56,6 +56,7 @@ def build_cp_batch(chunks: list[SeqChunk], rank: int, cp: int, block_size: int, 
     fb = ForwardBatch.build(mine, block_size, device, **extra)
     if all_logits and local_rows:
         fb.logits_index = torch.arange(local_rows, device=device)
+        fb.logits_generated = fb.generated
     flat = torch.tensor([s for per_rank in slots for s in per_rank], dtype=torch.long)
     fb.cp = CPGather(group, sizes, flat.to(device), local_rows)
     return fb

@@ -44,7 +44,6 @@ from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows, RowCodec
 
 # Attention is fused for requests with at most this many queries (decode, MTP verification) and models
 # with at most this many heads: beyond, a batched matmul over the gathered rows reuses each row enough.
-MAX_QUERIES_PER_REQUEST = 8
 MAX_HEADS = 32
 MOE_CHUNK_ROWS = 64  # the fused MoE runs this many tokens per call: its scratch stays bounded
 _BF16_FLAG = {torch.bfloat16: 1, torch.float32: 0}  # the storage types the kernels take, as their bf16 flag
@@ -198,7 +197,8 @@ def prepare(model: torch.nn.Module, *more: Callable[[], ctypes.CDLL | None]) -> 
 
 
 def attention_usable(query: torch.Tensor, pool: torch.Tensor, out_dim: int, codec: RowCodec | None = None) -> bool:
-    """Whether the fused kernel can take this step: host tensors, fp32 queries, rows stored as they are
+    """Whether the fused kernel can take this step: host tensors, fp32 or bf16 queries (paged_mqa takes them in
+    fp32: the caller converts once this holds), rows stored as they are
     (fp32/bf16) or as C8 MLA rows (`codec` an Int8LatentRows matching the pool), query dims a multiple of 8
     and output dims of 16 (its register blocks; MLA's 576 / 512 are)."""
     if codec is None:
@@ -206,7 +206,7 @@ def attention_usable(query: torch.Tensor, pool: torch.Tensor, out_dim: int, code
     else:
         rows_ok = (isinstance(codec, Int8LatentRows) and pool.dtype == torch.uint8 and pool.shape[-1] == codec.width
                    and query.shape[-1] == codec.dim)
-    return (rows_ok and query.dtype == torch.float32 and query.shape[-1] % 8 == 0 and out_dim % 16 == 0
+    return (rows_ok and query.dtype in _BF16_FLAG and query.shape[-1] % 8 == 0 and out_dim % 16 == 0
             and _runnable(query, pool))
 
 

@@ -139,28 +139,20 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
     return out
 
 
-def _kernel_query(query: torch.Tensor, codec: RowCodec | None) -> torch.Tensor:
-    """Queries for the fused attention: fp32 over C8 rows (dequantized in fp32 inside the kernel); over rows
-    stored as they are, the compute dtype. So on CPUs with bf16 arithmetic the kernel (fp32 queries only)
-    declines bf16 decodes on purpose: their rows must match the rows a re-prefill makes with the portable bf16
-    matmuls, or a migrated request continues with other tokens (README, Benchmarks: measured 2.4x faster at
-    batch 256, not shipped for that reason)."""
-    return query.float() if codec is not None else query.to(compute_dtype(query.dtype, query.device))
-
-
 def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float, out_dim: int,
                     codec: RowCodec | None = None) -> torch.Tensor:
-    """attention.dense_attention (padded queries [R, S, H, D] → [R, S, H, out_dim]). A step of generated
-    tokens only, with few queries per request (decode, MTP verification) and few heads, attends in one kernel
-    call that reads each cached row once, in place, through the block table (C8 rows dequantized in registers
-    and tile scratch, never unpacked into a gathered copy)."""
+    """attention.dense_attention (padded queries [R, S, H, D] → [R, S, H, out_dim]). Generated tokens
+    (decodes, MTP verification, a recompute of a request's earlier outputs) with few heads attend in one
+    kernel call that reads each cached row in place through the block table (C8 rows dequantized in registers
+    and tile scratch, never unpacked into a gathered copy), each query on its own with fp32 queries and sums:
+    a generated token's row is the same however it is batched, which a migrated or preempted request's
+    recompute relies on (its outputs are recomputed as generated rows: shared.engine.scheduler)."""
     r_all, s_all, heads, dim = query.shape
-    if (fb.generated == fb.num_tokens and s_all <= cpu_kernels.MAX_QUERIES_PER_REQUEST
-            and heads <= cpu_kernels.MAX_HEADS):
-        flat = _kernel_query(query.reshape(r_all * s_all, heads, dim), codec)
+    if fb.generated == fb.num_tokens and heads <= cpu_kernels.MAX_HEADS:
+        flat = query.reshape(r_all * s_all, heads, dim)
         if cpu_kernels.attention_usable(flat, pool, out_dim, codec):
             requests, counts = fb.query_rows
-            out = cpu_kernels.paged_mqa(flat, pool, fb.block_tables, fb.block_size, requests, counts, scale, out_dim,
+            out = cpu_kernels.paged_mqa(flat.float(), pool, fb.block_tables, fb.block_size, requests, counts, scale, out_dim,
                                         codec=codec)
             return out.view(r_all, s_all, heads, out_dim).to(query.dtype)
     return attention.dense_attention(query, fb, pool, scale, out_dim, codec)
@@ -169,18 +161,20 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
 def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, picks: torch.Tensor,
                      valid: torch.Tensor, scale: float, out_dim: int, codec: RowCodec | None = None) -> torch.Tensor:
     """attention.sparse_attention (flat queries [N, H, D] over their picked positions [N, k]); with few heads,
-    one kernel call that reads each picked row in place (a one-row block table of slots per query). Over C8
-    rows only for a step's generated tokens, as dense attention: the kernel dequantizes in fp32 where the
-    portable path rounds rows to the compute dtype, so a prompt token attends alike, sparse or dense (its
-    chunk's context under index_topk), however its prompt is chunked."""
+    one kernel call that reads each picked row in place (a one-row block table of slots per query), for a
+    step's generated tokens as dense attention does. Prompt tokens take it only where the kernel's arithmetic
+    is the portable path's kind (rows stored as they are, fp32 compute): over C8 rows the kernel dequantizes
+    in fp32 where the portable path rounds rows to the compute dtype, and on CPUs with bf16 arithmetic the
+    portable path multiplies in bf16, so a prompt token attends alike, sparse or dense (its chunk's context
+    under index_topk), however its prompt is chunked."""
     n_all, heads, _ = query.shape
-    if heads <= cpu_kernels.MAX_HEADS and (codec is None or fb.generated == fb.num_tokens):
-        cq = _kernel_query(query, codec)
-        if cpu_kernels.attention_usable(cq, pool, out_dim, codec):
+    prompt_ok = codec is None and compute_dtype(query.dtype, query.device) == torch.float32
+    if heads <= cpu_kernels.MAX_HEADS and (prompt_ok or fb.generated == fb.num_tokens):
+        if cpu_kernels.attention_usable(query, pool, out_dim, codec):
             slots = fb.slots_of(fb.token_request, picks)  # [N, k]
             rows = torch.arange(n_all, device=query.device)
             counts = torch.full((n_all,), picks.shape[1], dtype=torch.long, device=query.device)
-            return cpu_kernels.paged_mqa(cq, pool, slots, 1, rows, counts, scale, out_dim, mask=valid,
+            return cpu_kernels.paged_mqa(query.float(), pool, slots, 1, rows, counts, scale, out_dim, mask=valid,
                                          codec=codec).to(query.dtype)
     return attention.sparse_attention(query, fb, pool, picks, valid, scale, out_dim, codec)
 
