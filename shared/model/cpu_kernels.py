@@ -42,7 +42,7 @@ import torch
 from shared.device import on_host
 from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows, RowCodec
 
-# Attention is fused for requests with at most this many queries (decode, MTP verification) and models
+# Attention is fused for generated tokens (decode, MTP verification, a recompute of earlier outputs) of models
 # with at most this many heads: beyond, a batched matmul over the gathered rows reuses each row enough.
 MAX_HEADS = 32
 MOE_CHUNK_ROWS = 64  # the fused MoE runs this many tokens per call: its scratch stays bounded

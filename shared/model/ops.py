@@ -152,8 +152,8 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
         flat = query.reshape(r_all * s_all, heads, dim)
         if cpu_kernels.attention_usable(flat, pool, out_dim, codec):
             requests, counts = fb.query_rows
-            out = cpu_kernels.paged_mqa(flat.float(), pool, fb.block_tables, fb.block_size, requests, counts, scale, out_dim,
-                                        codec=codec)
+            out = cpu_kernels.paged_mqa(flat.float(), pool, fb.block_tables, fb.block_size, requests, counts, scale,
+                                        out_dim, codec=codec)
             return out.view(r_all, s_all, heads, out_dim).to(query.dtype)
     return attention.dense_attention(query, fb, pool, scale, out_dim, codec)
 
