@@ -8,7 +8,7 @@ import torch
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
 from shared.model.batch import SeqChunk
-from tests.helpers import random_prompts
+from tests.helpers import make_hf_checkpoint, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -294,3 +294,24 @@ def test_resumed_outputs_recompute_alike_in_mixed_chunked_steps(sparse_path):
     """bf16 (DeepSeek's dtype): its prompt rows, sparse past index_topk, are the same however they are chunked
     and batched, so a recompute in other steps than the decode's still gives every row bit for bit."""
     _decoded_then_resumed(sparse_path, "bfloat16", mixed=True)
+
+
+def test_a_decode_attends_alike_beside_longer_contexts(tmp_path):
+    """A step part goes sparse once any of its requests' contexts passes index_topk; a request whose context
+    has not (all of it picked) must still get the rows of its dense attention, bit for bit, so that a
+    decode's rows do not depend on which requests share its steps (and a migrated request's recompute, in
+    other steps, gives the same rows)."""
+    path = str(make_hf_checkpoint(tmp_path, "deepseek_v32", index_topk=30))
+    short, longer = random_prompts(2, [12, 60], 512, seed=31)
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    rows = []
+    for alone in (False, True):
+        engine = LLM(path, block_size=4).engine
+        seq = engine.add_request(short, params)
+        other = engine.add_request(longer, params)
+        engine.step()  # both prompts in one step: the same prompt rows either way
+        if alone:
+            engine.abort(other.request_id)  # the short request then decodes alone: dense, not sparse
+        rows.append(_run_until(engine, seq, 12))
+    for a, b in zip(*rows, strict=True):
+        assert torch.equal(a, b)

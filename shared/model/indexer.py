@@ -91,4 +91,18 @@ class Indexer(nn.Module):
         compute = torch.float32 if self.numerics == "deepseek" else compute_dtype(stored, q.device)
         picks, valid = ops.indexer_topk(q, w, fb, index_pool, min(self.topk, fb.max_context), self.scale, compute,
                                         codec)
+        short = fb.positions < picks.shape[1]  # queries whose whole context is picked
+        if bool(short.any()):
+            picks[short], valid[short] = _in_position_order(picks[short], valid[short])
         return Selection(picks, valid)
+
+
+def _in_position_order(picks: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Picks [n, k] in context order, the real ones first. A query whose whole context is picked (context
+    ≤ index_topk, in a step part that goes sparse because another request's context is longer) then attends
+    over the same rows in the same order as dense attention, so its output does not depend on which
+    requests share its step (generated rows bit for bit, through the fused kernel). Longer contexts always
+    go sparse: their picks keep the top-k's order."""
+    key = torch.where(valid, picks, torch.iinfo(picks.dtype).max)
+    order = key.argsort(-1)
+    return picks.gather(-1, order), valid.gather(-1, order)
