@@ -315,3 +315,26 @@ def test_a_decode_attends_alike_beside_longer_contexts(tmp_path):
         rows.append(_run_until(engine, seq, 12))
     for a, b in zip(*rows, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_prompt_takes_its_own_attention_form_whatever_shares_its_step(ckpt):
+    """A dense prompt long enough for the expanded form keeps it beside a short prompt (the step splits them
+    into parts): its cache rows are the ones it gets alone, bit for bit, so a re-prefill batched otherwise
+    (a migration) computes the same prompt rows. In bf16, DeepSeek's dtype, whose matmuls here give a row
+    the same bits whatever rows sit beside it (fp32's do not for a few rows: MoE experts' row counts
+    change with the batch)."""
+    dtype = "bfloat16"
+    path = str(ckpt("v32_dense"))
+    llm = LLM(path, block_size=4, dtype=dtype)
+    longer, short = random_prompts(2, [llm.engine.expand_from + 8, 5], 512, seed=32)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    rows = []
+    for beside in (False, True):
+        engine = LLM(path, block_size=4, dtype=dtype).engine
+        seq = engine.add_request(longer, params)
+        if beside:
+            engine.add_request(short, params)
+        engine.step()  # the prompts, in one step
+        rows.append(_cache_rows(engine, seq, len(longer)))
+    for a, b in zip(*rows, strict=True):
+        assert torch.equal(a, b)

@@ -98,6 +98,7 @@ class LLMEngine:
                                                   share_weights_dir=config.share_weights_dir, mtp=mtp)
         self.model_config = self.model.config
         self.dtype = self.model.dtype
+        self.expand_from = self.model.expand_from()  # steps' parts split there (ForwardBatch.build)
         if config.offload_layers:
             self.model.enable_offload(parse_layers(config.offload_layers, self.model_config.num_hidden_layers),
                                       config.offload_buffers)

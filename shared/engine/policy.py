@@ -35,6 +35,7 @@ class ForwardTarget(Protocol):
     layout: KVLayout
     device: torch.device
     scratch_blocks: list[int] | None
+    expand_from: int  # prompt chunks this long or longer take parts of their own (ForwardBatch.build)
 
     @property
     def workspace_bytes(self) -> int: ...
@@ -59,7 +60,8 @@ class Solo:
         return has_chunks
 
     def batch(self, engine: ForwardTarget, chunks: list[SeqChunk]) -> ForwardBatch:
-        return ForwardBatch.build(chunks, engine.layout.block_size, engine.device, engine.workspace_bytes)
+        return ForwardBatch.build(chunks, engine.layout.block_size, engine.device, engine.workspace_bytes,
+                                  expand_from=engine.expand_from)
 
     def logits(self, chunks: list[SeqChunk], logits: torch.Tensor) -> torch.Tensor:
         """The completing chunks' logits, the same on every rank that samples them."""
@@ -113,7 +115,7 @@ class ContextSplit(Mirror):
         # a rank with no piece of the step runs a dummy token in the scratch block every parallel engine has
         return build_cp_batch(chunks, self.state.rank, self.state.config.cp, engine.layout.block_size,
                               engine.device, self.state.world_group, engine.scratch_blocks[0],
-                              workspace_bytes=engine.workspace_bytes)
+                              workspace_bytes=engine.workspace_bytes, expand_from=engine.expand_from)
 
     def logits(self, chunks: list[SeqChunk], logits: torch.Tensor) -> torch.Tensor:
         """Each wanted row lives on the rank that computed its token (a completing chunk's on the rank of

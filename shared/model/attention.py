@@ -165,6 +165,15 @@ def prompt_form(fb: ForwardBatch, dims: HeadDims, sparse: bool) -> PromptForm:
     return PromptForm.EXPANDED
 
 
+def expand_from(dims: HeadDims) -> int:
+    """The fewest queries a request needs in a step for prompt_form to expand it: steps put requests on either
+    side of this count in separate parts (ForwardBatch.build), so a request's form is its own, whichever
+    requests share the step (batch-invariant prompt rows: a migrated request's re-prefill matches)."""
+    c, qk = dims.latent, dims.nope + dims.rope
+    per_query = 2 * c + dims.rope - qk - dims.v  # absorbed minus expanded multiply-adds per (query, key, head)
+    return 1 if per_query <= 0 else c * (dims.nope + dims.v) // per_query + 1
+
+
 def plan_expanded_tiles(num_requests: int, num_queries: int, context: int, block_size: int, per_pair: int,
                         per_key: int, budget: int) -> Tiles:
     """Tiles of the expanded form, whose working set r · (k · per_key + q · k · per_pair) fits `budget`:

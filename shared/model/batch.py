@@ -9,6 +9,7 @@ Everything here is computed once per step, not once per layer.
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 from dataclasses import dataclass
@@ -118,7 +119,10 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int, device: torch.device,
-              workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, split: bool = True) -> ForwardBatch:
+              workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, split: bool = True,
+              expand_from: int | None = None) -> ForwardBatch:
+        """The step's metadata. `expand_from` (shared.model.attention.expand_from): prompt chunks of at least
+        this many tokens and shorter ones go in separate parts, so each takes its own attention form."""
         if not chunks:
             raise ValueError("a step needs at least one request")
         lens = [len(c.token_ids) for c in chunks]
@@ -150,10 +154,12 @@ class ForwardBatch:
 
         leading = list(itertools.takewhile(lambda c: c.generated, chunks))  # a step lists generated chunks first
         generated = sum(len(c.token_ids) for c in leading)
+        kinds = [_PartKind.GENERATED if c.generated else _PartKind.LONG_PROMPT
+                 if expand_from is not None and n >= expand_from else _PartKind.PROMPT for c, n in zip(chunks, lens)]
         parts = None
-        if split and (num_seqs * s_max > 2 * len(input_ids) or 0 < generated < len(input_ids)):
+        if split and (num_seqs * s_max > 2 * len(input_ids) or len(set(kinds)) > 1):
             parts, token = [], 0
-            for i0, i1 in _similar_runs(lens, [c.generated for c in chunks]):
+            for i0, i1 in _similar_runs(lens, kinds):
                 n = sum(lens[i0:i1])
                 parts.append((slice(token, token + n),
                               cls.build(chunks[i0:i1], block_size, device, workspace_bytes, split=False)))
@@ -234,12 +240,20 @@ def _host_indices(chunks: list[SeqChunk], lens: list[int], tables: torch.Tensor,
             torch.tensor(query_index).view(shape), query_valid, torch.tensor(query_pos).view(shape))
 
 
-def _similar_runs(lens: list[int], generated: list[bool]) -> list[tuple[int, int]]:
+class _PartKind(enum.Enum):
+    """What a chunk is, for the parts of a step: kinds never share a part."""
+
+    GENERATED = "generated"  # decode, verification, recomputed outputs: the CPU kernels
+    PROMPT = "prompt"  # prompt chunks too short for the expanded form
+    LONG_PROMPT = "long prompt"  # prompt chunks of at least `expand_from` tokens
+
+
+def _similar_runs(lens: list[int], kinds: list[_PartKind]) -> list[tuple[int, int]]:
     """Consecutive runs of requests whose padded view wastes at most half, r · max(len) ≤ 2 · Σ len, and
-    that are all generated or all prompt chunks."""
+    that are all of one kind."""
     runs, start, longest, total = [], 0, 0, 0
     for i, n in enumerate(lens):
-        if i > start and ((i - start + 1) * max(longest, n) > 2 * (total + n) or generated[i] != generated[start]):
+        if i > start and ((i - start + 1) * max(longest, n) > 2 * (total + n) or kinds[i] != kinds[start]):
             runs.append((start, i))
             start, longest, total = i, 0, 0
         longest, total = max(longest, n), total + n

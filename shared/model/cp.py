@@ -29,7 +29,7 @@ def piece_logits(chunk: SeqChunk, a: int, b: int) -> int:
 
 def build_cp_batch(chunks: list[SeqChunk], rank: int, cp: int, block_size: int, device: torch.device,
                    group, scratch_block: int, all_logits: bool = False,
-                   workspace_bytes: int | None = None) -> ForwardBatch:
+                   workspace_bytes: int | None = None, expand_from: int | None = None) -> ForwardBatch:
     """This rank's part of a CP step over `chunks` (each a request's new tokens at start_pos..). Its
     logits rows are the wanted ones (see piece_logits) of the tokens it computed, in chunk and piece
     order (every row it computed with `all_logits`). A rank with no tokens runs one dummy token in
@@ -53,7 +53,7 @@ def build_cp_batch(chunks: list[SeqChunk], rank: int, cp: int, block_size: int, 
     if not mine:
         mine = [SeqChunk([0], 0, [scratch_block], need_logits=False)]
     extra = {} if workspace_bytes is None else {"workspace_bytes": workspace_bytes}
-    fb = ForwardBatch.build(mine, block_size, device, **extra)
+    fb = ForwardBatch.build(mine, block_size, device, expand_from=expand_from, **extra)
     if all_logits and local_rows:
         fb.logits_index = torch.arange(local_rows, device=device)
         fb.logits_generated = fb.generated

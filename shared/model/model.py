@@ -11,9 +11,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+import shared.model.attention as attention
 from shared.config import EngineConfig, ModelConfig, knob_choices
 from shared.device import compute_dtype
 from shared.kvcache import KVCache
+from shared.model.attention import HeadDims
 from shared.model.batch import ForwardBatch
 from shared.model.decoder import DecoderLayer
 from shared.model.indexer import DEFAULT_NUMERICS
@@ -164,6 +166,13 @@ class DeepseekForCausalLM(nn.Module):
         return out
 
     @torch.inference_mode()
+    def expand_from(self) -> int:
+        """The fewest queries a request needs in a step to take the expanded prompt form (per request: steps
+        split their parts there, see ForwardBatch.build)."""
+        cfg = self.config
+        return attention.expand_from(HeadDims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                              cfg.v_head_dim, cfg.kv_lora_rank))
+
     def forward(self, fb: ForwardBatch, kv: KVCache, layer_done: Callable[[int], None] | None = None,
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one step; writes every layer's KV for the new tokens; returns fp32 logits
