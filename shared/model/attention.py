@@ -146,11 +146,11 @@ class HeadDims:
 def prompt_form(fb: ForwardBatch, dims: HeadDims, sparse: bool) -> PromptForm:
     """Expanded or absorbed attention for the queries of one attention part. Per request of S queries over
     T keys and per head, absorbed costs S·T·(2c + rope) multiply-adds, expanded T·(c·(nope + v) + S·(qk +
-    v)) (each side's W_UK / W_UV matmuls included), so expanded pays once a request has enough queries: 34
-    at the tiny test dims, 171 at DeepSeek's, whatever its context (a chunk of a 2k prompt, a long dense
-    prompt), never a decode. The rule looks at queries per request only, as it did before the expanded
-    form was tiled: a request's form does not move with how long its context is, and the tests that compare
-    served and in-process tokens across batchings keep their forms. It has no context ceiling (keys stream
+    v)) (each side's W_UK / W_UV matmuls included), so expanded pays once a request has enough queries
+    (expand_from: 22 at the tiny test dims, 171 at DeepSeek's), whatever its context (a chunk of a 2k prompt,
+    a long dense prompt), never a decode. The rule looks at queries per request only: a request's form does
+    not move with how long its context is, and since steps put requests on either side of expand_from in
+    separate parts, not with which requests share its step either. It has no context ceiling (keys stream
     through in tiles), so a dense prompt of any length, up to index_topk for deepseek_v32 and at every
     length for deepseek_v3 (no indexer), takes it; sparse parts (each query over its own top-k picks) and
     generated rows (decode, MTP verification) stay absorbed. It is exact for chunked prefill, prefix-cache
