@@ -154,8 +154,7 @@ class ForwardBatch:
 
         leading = list(itertools.takewhile(lambda c: c.generated, chunks))  # a step lists generated chunks first
         generated = sum(len(c.token_ids) for c in leading)
-        kinds = [_PartKind.GENERATED if c.generated else _PartKind.LONG_PROMPT
-                 if expand_from is not None and n >= expand_from else _PartKind.PROMPT for c, n in zip(chunks, lens)]
+        kinds = [_PartKind.of(c, expand_from) for c in chunks]
         parts = None
         if split and (num_seqs * s_max > 2 * len(input_ids) or len(set(kinds)) > 1):
             parts, token = [], 0
@@ -246,6 +245,12 @@ class _PartKind(enum.Enum):
     GENERATED = "generated"  # decode, verification, recomputed outputs: the CPU kernels
     PROMPT = "prompt"  # prompt chunks too short for the expanded form
     LONG_PROMPT = "long prompt"  # prompt chunks of at least `expand_from` tokens
+
+    @classmethod
+    def of(cls, chunk: SeqChunk, expand_from: int | None) -> _PartKind:
+        if chunk.generated:
+            return cls.GENERATED
+        return cls.LONG_PROMPT if expand_from is not None and len(chunk.token_ids) >= expand_from else cls.PROMPT
 
 
 def _similar_runs(lens: list[int], kinds: list[_PartKind]) -> list[tuple[int, int]]:
