@@ -158,20 +158,25 @@ def prompt_form(fb: ForwardBatch, dims: HeadDims, sparse: bool) -> PromptForm:
     ranks hold the whole prefix, gathered before attention)."""
     if sparse or fb.generated > 0:
         return PromptForm.ABSORBED
-    c, qk = dims.latent, dims.nope + dims.rope
-    requests = fb.query_index.shape[0]
-    if fb.num_tokens * (2 * c + dims.rope - qk - dims.v) <= requests * c * (dims.nope + dims.v):
+    per_query, per_request = _expansion_costs(dims)
+    if fb.num_tokens * per_query <= fb.query_index.shape[0] * per_request:
         return PromptForm.ABSORBED
     return PromptForm.EXPANDED
+
+
+def _expansion_costs(dims: HeadDims) -> tuple[int, int]:
+    """Per key and head, in multiply-adds: what the expanded form saves per query over the absorbed one, and
+    what expanding costs per request (its W_UK / W_UV matmuls): prompt_form's rule in two numbers."""
+    c, qk = dims.latent, dims.nope + dims.rope
+    return 2 * c + dims.rope - qk - dims.v, c * (dims.nope + dims.v)
 
 
 def expand_from(dims: HeadDims) -> int:
     """The fewest queries a request needs in a step for prompt_form to expand it: steps put requests on either
     side of this count in separate parts (ForwardBatch.build), so a request's form is its own, whichever
     requests share the step (batch-invariant prompt rows: a migrated request's re-prefill matches)."""
-    c, qk = dims.latent, dims.nope + dims.rope
-    per_query = 2 * c + dims.rope - qk - dims.v  # absorbed minus expanded multiply-adds per (query, key, head)
-    return 1 if per_query <= 0 else c * (dims.nope + dims.v) // per_query + 1
+    per_query, per_request = _expansion_costs(dims)
+    return 1 if per_query <= 0 else per_request // per_query + 1
 
 
 def plan_expanded_tiles(num_requests: int, num_queries: int, context: int, block_size: int, per_pair: int,
