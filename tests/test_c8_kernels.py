@@ -1,5 +1,6 @@
 """C8 rows read in place by the CPU kernels (shared.model.cpu_kernels: paged_mqa over int8 MLA rows, index_scores
-over FP8 indexer keys), as shared.model.ops chooses them, against the portable dequantize-then-attend path."""
+over FP8 indexer keys, and over plain bf16 / fp32 ones), as shared.model.ops chooses them, against the portable
+dequantize-then-attend path."""
 
 from __future__ import annotations
 
@@ -147,27 +148,36 @@ def test_c8_rows_and_layout_are_checked():
     assert not cpu_kernels.attention_usable(q, pool, 512, Fp8KeyRows(576))
 
 
-def _index_case(heads: int, queries: int, generated: bool, gen: torch.Generator):
-    codec = Fp8KeyRows(128)
+def _index_case(heads: int, queries: int, generated: bool, gen: torch.Generator, keys: str = "fp8"):
+    """Indexer queries, head weights and a key pool stored as `keys` says (C8's FP8 rows, or plain bf16 / fp32
+    rows: codec None, as the model passes them)."""
     fb, num_blocks = _batch([max(c, queries) for c in (5, 77, 160, 33, 250)], queries, gen, generated)
-    pool = _c8_pool(codec, num_blocks, gen)
+    if keys == "fp8":
+        codec = Fp8KeyRows(128)
+        pool = _c8_pool(codec, num_blocks, gen)
+    else:
+        codec = None
+        pool = torch.randn(num_blocks, BLOCK, 128, generator=gen).to(getattr(torch, keys))
     q = torch.randn(fb.num_tokens, heads, 128, generator=gen)
     w = torch.randn(fb.num_tokens, heads, generator=gen)
     return codec, fb, pool, q, w
 
 
+@pytest.mark.parametrize("keys", ["fp8", "bfloat16", "float32"])
 @pytest.mark.parametrize(("heads", "queries", "generated"), [(16, 1, True), (2, 3, True), (5, 40, False)])
-def test_indexer_scores_over_fp8_keys_match_the_portable_path(kernels, monkeypatch, heads, queries, generated):
-    """The indexer's scores over FP8 keys read in place equal the portable (decode keys, q·k, ReLU, head
-    weights) scores to fp32 rounding, and the top-k picks are the same positions in the same order, ties
-    (two heads: many scores are exactly 0 after the ReLU) to the earliest position; decodes, verification
-    and prompt chunks (runs of queries that share decoded keys)."""
+def test_indexer_scores_match_the_portable_path(kernels, monkeypatch, heads, queries, generated, keys):
+    """The indexer's scores over keys read in place (C8's FP8 rows, plain bf16 or fp32 rows) equal the portable
+    (decode keys, q·k, ReLU, head weights) scores to fp32 rounding, and the top-k picks are the same positions
+    in the same order, ties (two heads: many scores are exactly 0 after the ReLU) to the earliest position;
+    decodes, verification and prompt chunks (runs of queries that share decoded keys)."""
     gen = torch.Generator().manual_seed(heads + queries)
-    codec, fb, pool, q, w = _index_case(heads, queries, generated, gen)
+    codec, fb, pool, q, w = _index_case(heads, queries, generated, gen, keys)
+    assert cpu_kernels.index_usable(q, pool, codec)
     counts = fb.positions + 1
     columns = int(counts.max())
     got = cpu_kernels.index_scores(q, w, pool, codec, fb.block_tables, BLOCK, fb.token_request, counts, columns, 0.09)
-    keys = codec.decode(pool.view(-1, codec.width), torch.float32)
+    flat = pool.view(-1, pool.shape[-1])
+    keys = flat.float() if codec is None else codec.decode(flat, torch.float32)
     slots = fb.slots_of(fb.token_request, torch.arange(columns).expand(fb.num_tokens, -1))
     dots = torch.einsum("nhd,ntd->nht", q, keys[slots])
     want = torch.einsum("nh,nht->nt", w, torch.relu(dots * 0.09))
@@ -189,11 +199,17 @@ def test_indexer_scores_over_fp8_keys_match_the_portable_path(kernels, monkeypat
         assert (want == 0).sum() > 10  # the ties the ordering is about
 
 
-def test_indexer_scores_are_checked():
-    codec = Fp8KeyRows(128)
+@pytest.mark.parametrize("keys", ["fp8", "bfloat16"])
+def test_indexer_scores_are_checked(keys):
     gen = torch.Generator().manual_seed(7)
-    pool = _c8_pool(codec, 4, gen)
+    if keys == "fp8":
+        codec = Fp8KeyRows(128)
+        pool = _c8_pool(codec, 4, gen)
+    else:
+        codec, pool = None, torch.randn(4, BLOCK, 128, generator=gen).to(torch.bfloat16)
     q, w = torch.randn(1, 4, 128), torch.randn(1, 4)
+    assert not cpu_kernels.index_usable(torch.randn(1, 4, 64), pool, codec)  # keys of another width
+    assert not cpu_kernels.index_usable(q, pool.to(torch.float16) if codec is None else pool[..., :-4], codec)
 
     def run(tables: list[list[int]], row: int, count: int, columns: int = 32) -> torch.Tensor:
         return cpu_kernels.index_scores(q, w, pool, codec, torch.tensor(tables), BLOCK, torch.tensor([row]),

@@ -40,7 +40,7 @@ from types import ModuleType
 import torch
 
 from shared.device import on_host
-from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows, RowCodec
+from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows, PlainRows, RowCodec
 
 # Attention is fused for generated tokens (decode, MTP verification, a recompute of earlier outputs) of models
 # with at most this many heads: beyond, a batched matmul over the gathered rows reuses each row enough.
@@ -141,9 +141,9 @@ def _build() -> ctypes.CDLL | None:
     lib.paged_mqa_c8.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr,
                                  ptr, ptr, ctypes.c_float, i64, ptr, ctypes.c_int32]
     lib.paged_mqa_c8.restype = ctypes.c_int32
-    lib.index_fp8.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64,
-                              ctypes.c_float, ptr, ctypes.c_int32]
-    lib.index_fp8.restype = ctypes.c_int32
+    lib.index_keys.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, ptr, ptr,
+                               i64, ctypes.c_float, ptr, ctypes.c_int32]
+    lib.index_keys.restype = ctypes.c_int32
     lib.topk_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int32]
     lib.topk_rows.restype = None
     f32, i32 = ctypes.c_float, ctypes.c_int32
@@ -258,40 +258,55 @@ def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, blo
     return out
 
 
+_KEY_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # index_keys' kinds of plain keys; 2: FP8 keys (C8)
+
+
+def _key_kind(pool: torch.Tensor, codec: RowCodec | None, dim: int) -> int | None:
+    """How index_keys reads this key pool for keys of `dim` values (None: it cannot): plain fp32 / bf16 rows, or
+    C8's FP8 rows (`codec` an Fp8KeyRows matching the pool)."""
+    if isinstance(codec, Fp8KeyRows):
+        fits = pool.dtype == torch.uint8 and pool.shape[-1] == codec.width and codec.dim == dim
+        return 2 if fits else None
+    if codec is not None and not isinstance(codec, PlainRows):
+        return None
+    return _KEY_KINDS.get(pool.dtype) if pool.shape[-1] == dim else None
+
+
 def index_usable(query: torch.Tensor, pool: torch.Tensor, codec: RowCodec | None) -> bool:
     """Whether index_scores can score these indexer queries (fp32 [N, H, D], D a multiple of 8) against this
-    key pool: C8 keys (`codec` an Fp8KeyRows matching the pool), host tensors."""
-    return (isinstance(codec, Fp8KeyRows) and pool.dtype == torch.uint8 and pool.shape[-1] == codec.width
-            and query.dim() == 3 and query.dtype == torch.float32 and query.shape[-1] == codec.dim
-            and codec.dim % 8 == 0 and _runnable(query, pool))
+    key pool: plain fp32 / bf16 keys or C8's FP8 ones (`codec` an Fp8KeyRows matching the pool), host tensors."""
+    return (query.dim() == 3 and query.dtype == torch.float32 and query.shape[-1] % 8 == 0
+            and _key_kind(pool, codec, query.shape[-1]) is not None and _runnable(query, pool))
 
 
-def index_scores(query: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, codec: Fp8KeyRows,
+def index_scores(query: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, codec: RowCodec | None,
                  tables: torch.Tensor, block_size: int, slot_row: torch.Tensor, counts: torch.Tensor, columns: int,
                  scale: float) -> torch.Tensor:
-    """Lightning-indexer scores of queries [N, H, D] fp32 with head weights [N, H] fp32 over C8 keys read in
-    place (FP8 e4m3 bytes and their fp32 scale, no decoded copy): [N, columns] fp32 with
-    I[i, t] = Σ_h w[i, h] · ReLU(q[i, h] · key_t · scale) for the positions t < counts[i] of table row
+    """Lightning-indexer scores of queries [N, H, D] fp32 with head weights [N, H] fp32 over the cached keys read
+    in place (bf16 widened in registers; FP8 e4m3 bytes and their fp32 scale; no decoded copy): [N, columns]
+    fp32 with I[i, t] = Σ_h w[i, h] · ReLU(q[i, h] · key_t · scale) for the positions t < counts[i] of table row
     slot_row[i] (key_t at pool slot tables[r, t // block_size] * block_size + t % block_size) and -inf from
     counts[i] on. Call only where index_usable(). Every position and slot is checked (ValueError)."""
     n, heads, dim = query.shape
     flat = pool.view(-1, pool.shape[-1])
     rows, width = tables.shape
-    if (weights.shape != (n, heads) or slot_row.shape != (n,) or counts.shape != (n,) or dim != codec.dim
-            or flat.shape[1] != codec.width):
+    kind = _key_kind(pool, codec, dim)
+    if weights.shape != (n, heads) or slot_row.shape != (n,) or counts.shape != (n,) or kind is None:
         raise ValueError(f"index_scores: queries {tuple(query.shape)}, weights {tuple(weights.shape)}, key rows of "
-                         f"{flat.shape[1]} bytes, slot_row {tuple(slot_row.shape)}, counts {tuple(counts.shape)}")
+                         f"{flat.shape[1]} {flat.dtype}, slot_row {tuple(slot_row.shape)}, "
+                         f"counts {tuple(counts.shape)}")
     query = query.contiguous()
     weights = weights.float().contiguous()
     tables = tables.to(torch.int64).contiguous()
     slot_row = slot_row.to(torch.int64).contiguous()
     counts = counts.to(torch.int64).contiguous()
     out = torch.empty(n, columns, dtype=torch.float32)
-    bad = library().index_fp8(query.data_ptr(), weights.data_ptr(), n, heads, dim, flat.data_ptr(), flat.stride(0),
-                              flat.shape[0], tables.data_ptr(), rows, width, block_size, slot_row.data_ptr(),
-                              counts.data_ptr(), columns, scale, out.data_ptr(), torch.get_num_threads())
+    stride = flat.stride(0) * flat.element_size()  # bytes
+    bad = library().index_keys(query.data_ptr(), weights.data_ptr(), n, heads, dim, flat.data_ptr(), kind, stride,
+                               flat.shape[0], tables.data_ptr(), rows, width, block_size, slot_row.data_ptr(),
+                               counts.data_ptr(), columns, scale, out.data_ptr(), torch.get_num_threads())
     if bad == 2:
-        raise ValueError(f"index_scores: keys of {dim} dims do not fit rows of {flat.stride(0)} bytes")
+        raise ValueError(f"index_scores: keys of {dim} dims do not fit rows of {stride} bytes")
     if bad:
         raise ValueError("index_scores: a query's context runs past its table or the columns, names a missing "
                          "table row, or a table names a slot outside the pool")

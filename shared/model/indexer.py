@@ -9,8 +9,8 @@ scoring is skipped (all causal keys are selected) but the keys are still cached 
 FP8 e4m3 quantization of q and k with power-of-two (ue8m0) scales, scores accumulated in fp32 —
 the numerics the released checkpoints were trained and evaluated with. `"transformers"` skips the
 rotation and quantization as transformers' port does (used to compare with it). Scoring is tiled
-(shared.model.attention.indexer_topk): memory stays bounded at any context length. Over C8 keys on a CPU,
-shared.model.ops scores them with a kernel that reads the FP8 bytes in place.
+(shared.model.attention.indexer_topk): memory stays bounded at any context length. On a CPU, shared.model.ops
+scores with a kernel that reads the cached keys (bf16, or C8's FP8 bytes) in place.
 """
 
 from __future__ import annotations

@@ -182,9 +182,10 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, k: int, scale: float,
                  compute: torch.dtype, codec: RowCodec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """attention.indexer_topk for flat queries q [N, H, D] and head weights [N, H]: the top-k context
-    positions [N, k] of each and which are real picks. Over C8 keys with fp32 scoring (DeepSeek's numerics)
-    the scores come from one kernel call per query tile that reads the FP8 keys in place (each query computed
-    on its own: every token takes it); the top-k is the same ordering (value, then earliest position)."""
+    positions [N, k] of each and which are real picks. With fp32 scoring (DeepSeek's numerics) on a CPU the
+    scores come from one kernel call per query tile that reads the keys in place, bf16 or C8's FP8 (each
+    query computed on its own: every token takes it; no fp32 copy of the contexts' keys); the top-k is the
+    same ordering (value, then earliest position)."""
     if compute == torch.float32 and cpu_kernels.index_usable(qf := q.float(), pool, codec):
         return _indexer_topk_kernel(qf, weights, fb, pool, k, scale, codec)
     picks, valid = attention.indexer_topk(fb.padded(q), fb.padded(weights), fb, pool, k, scale, compute, codec)

@@ -298,18 +298,37 @@ static inline v8 e4m3x8(const uint8_t *p) {
     return (v8)((is_normal & normal) | (~is_normal & (v8i)sub) | ((x & 0x80) << 24));
 }
 
-/* out[i, t] = sum_h w[i, h] * relu(dot(q[i, h], key_t) * scale) for the positions t < counts[i] of table row
-   slot_row[i] (key_t: row tables[row, t / bs] * bs + t % bs of the pool, FP8 e4m3 [dim] | fp32 scale, the
-   scale applied to the dot), -inf for counts[i] <= t < t_out. Each key is decoded once per run of up to RUN
-   consecutive queries with the same table row (a prompt chunk's, a verification's). Checks as paged_mqa:
-   returns 1 where a query names a row, position or slot outside the table or the pool (its output is then
-   incomplete), 2 where dim % DW or the row (dim + 4 bytes) does not fit the stride (nothing read). */
-int32_t index_fp8(const float *q, const float *w, int64_t n, int64_t heads, int64_t dim,
-                  const uint8_t *pool, int64_t row_stride, int64_t num_slots,
-                  const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs,
-                  const int64_t *slot_row, const int64_t *counts, int64_t t_out, float scale, float *out,
-                  int32_t threads) {
-    if (dim <= 0 || dim % DW || dim + 4 > row_stride || heads <= 0) return 2;
+/* Index keys as the kernel reads them: fp32 or bf16 values as they are (the pool's `PlainRows`), or C8
+   (shared.kvcache.layout.Fp8KeyRows: FP8 e4m3 [dim] | fp32 scale, the scale applied to the dot). */
+enum { KEYS_F32 = 0, KEYS_BF16 = 1, KEYS_FP8 = 2 };
+
+/* Eight bf16 values as fp32 (exact: the bits moved up). */
+static inline v8 bf16x8(const uint8_t *p) {
+#if defined(__AVX2__)
+    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    uint16_t h[8];
+    memcpy(h, p, sizeof h);
+    v8i x = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]};
+    return (v8)(x << 16);
+#endif
+}
+
+/* out[i, t] = sum_h w[i, h] * relu(dot(q[i, h], key_t) * key_scale_t * scale) for the positions t < counts[i]
+   of table row slot_row[i] (key_t: row tables[row, t / bs] * bs + t % bs of the pool, rows `row_stride` bytes
+   apart, stored as `kind` says; key_scale_t is 1 but for FP8 keys), -inf for counts[i] <= t < t_out. Each
+   key is widened once per run of up to RUN consecutive queries with the same table row (a prompt chunk's, a
+   verification's). Checks as paged_mqa: returns 1 where a query names a row, position or slot outside the
+   table or the pool (its output is then incomplete), 2 where dim % DW, the kind, or the row (its values, and
+   an FP8 key's 4-byte scale) does not fit the stride (nothing read). */
+int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int64_t dim,
+                   const uint8_t *pool, int32_t kind, int64_t row_stride, int64_t num_slots,
+                   const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs,
+                   const int64_t *slot_row, const int64_t *counts, int64_t t_out, float scale, float *out,
+                   int32_t threads) {
+    const int64_t row_bytes = kind == KEYS_FP8 ? dim + 4 : kind == KEYS_BF16 ? 2 * dim : 4 * dim;
+    if (dim <= 0 || dim % DW || kind < KEYS_F32 || kind > KEYS_FP8 || row_bytes > row_stride || heads <= 0)
+        return 2;
     const int64_t hp = (heads + IH - 1) / IH * IH;
     int64_t *start = xmalloc(sizeof(int64_t) * (n + 1)), runs = 0;
     for (int64_t i = 0; i < n; i++)
@@ -343,7 +362,7 @@ int32_t index_fp8(const float *q, const float *w, int64_t n, int64_t heads, int6
                 int64_t used = cmax - t0 < KT ? cmax - t0 : KT;
                 for (int64_t t = t0 + KT; t < t0 + 2 * KT && t < cmax; t++) {  /* the next tile's keys */
                     int64_t blk = trow[t / bs], slot = blk * bs + t % bs;
-                    if (blk >= 0 && slot < num_slots) prefetch_row(pool + slot * row_stride, dim + 4);
+                    if (blk >= 0 && slot < num_slots) prefetch_row(pool + slot * row_stride, row_bytes);
                 }
                 for (int64_t j = 0; j < used; j++) {
                     int64_t t = t0 + j, slot = trow[t / bs] * bs + t % bs;
@@ -355,8 +374,16 @@ int32_t index_fp8(const float *q, const float *w, int64_t n, int64_t heads, int6
                     }
                     const uint8_t *src = pool + slot * row_stride;
                     float *kr = keys + j * dim;
-                    for (int64_t d0 = 0; d0 < dim; d0 += DW) STORE(kr + d0, e4m3x8(src + d0));
-                    memcpy(ks + j, src + dim, sizeof(float));
+                    if (kind == KEYS_FP8) {
+                        for (int64_t d0 = 0; d0 < dim; d0 += DW) STORE(kr + d0, e4m3x8(src + d0));
+                        memcpy(ks + j, src + dim, sizeof(float));
+                    } else if (kind == KEYS_BF16) {
+                        for (int64_t d0 = 0; d0 < dim; d0 += DW) STORE(kr + d0, bf16x8(src + 2 * d0));
+                        ks[j] = 1.0f;
+                    } else {
+                        memcpy(kr, src, sizeof(float) * dim);
+                        ks[j] = 1.0f;
+                    }
                 }
                 for (int64_t i = i0; i < i1; i++) {
                     int64_t end = counts[i] - t0 < used ? counts[i] - t0 : used;
