@@ -262,6 +262,49 @@ def test_fused_rope_is_bitwise_torch(portable, dtype, layout):
     assert torch.equal(buf[..., 64:], want_q.float()) and not buf[..., :64].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_indexer_rows_match_rope_hadamard_fp8(portable, dtype):
+    """The indexer's query / key rows in one call (ops.index_rows): the NeoX rope alone is torch's bits; with
+    DeepSeek's rotation and FP8 round trip, every block is FP8 values times one power-of-two scale, a row
+    whose rotation is exact either way (one nonzero value) is the portable path's bit for bit at every
+    magnitude, and random rows (their rotated values spread over six decades: FP8 subnormals included) are
+    the portable path's but where the rotation's other summation order moves a value across an FP8
+    rounding boundary (one FP8 step). Strided [N, H, D] views, as the model's."""
+    from shared.model.rope import RopeAngles
+    from shared.quant.fp8 import _hadamard
+
+    def rows(x: torch.Tensor, rope: RopeAngles, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(portable, kernel)"""
+        portable(True)
+        want = ops.index_rows(x, rope.neox_cos, rope.neox_sin, block)
+        portable(False)
+        return want, ops.index_rows(x, rope.neox_cos, rope.neox_sin, block)
+
+    def strided(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.zeros(*x.shape[:-1], 16)], -1).to(dtype)[..., :128]
+
+    gen = torch.Generator().manual_seed(21)
+    angles = torch.rand(40, 32, generator=gen) * 6
+    turned = RopeAngles.of(angles.cos().to(dtype), angles.sin().to(dtype))
+    still = RopeAngles.of(torch.ones(40, 32, dtype=dtype), torch.zeros(40, 32, dtype=dtype))
+    want, got = rows(strided(torch.randn(40, 4, 128, generator=gen)), turned, None)
+    assert torch.equal(got, want)
+    spread = torch.randn(40, 4, 128, generator=gen) * 10 ** (torch.rand(40, 4, 128, generator=gen) * 6 - 4)
+    want, got = rows(strided(spread @ _hadamard(128, torch.device("cpu"))), still, 128)  # rotated back: ≈ spread
+    assert got.dtype == dtype and got.shape == (40, 4, 128) and got.is_contiguous()
+    scale = torch.exp2(torch.ceil(torch.log2(got.float().abs().amax(-1, keepdim=True) / 448)))
+    on_grid = got.float() / scale
+    assert torch.equal(on_grid.to(torch.float8_e4m3fn).float(), on_grid)
+    assert ((on_grid != 0) & (on_grid.abs() < 2**-6)).any()  # FP8 subnormals among them
+    same = got == want
+    assert same.float().mean() >= 0.999
+    assert ((got.float() - want.float()).abs() <= scale * 32).all()  # at most one FP8 step (32·s near 448·s)
+    one_hot = torch.zeros(13, 1, 128)
+    one_hot[:, 0, 64] = 10.0 ** torch.arange(-8, 5, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(7)[:13]
+    want, got = rows(one_hot.to(dtype), RopeAngles.of(still.neox_cos[:13, :32], still.neox_sin[:13, :32]), 128)
+    assert torch.equal(got, want)
+
+
 def test_fused_linear_and_head_matmul_match_torch(portable):
     """The generated rows of a step's linears, and MLA's per-head absorbed matmuls, in one call each:
     torch's result to a bf16 rounding step (fp32 sums in another order), strided views included; the

@@ -17,7 +17,7 @@ import torch
 from shared.engine.sampler import SamplingParams, sample
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
-from shared.model import ForwardBatch, SeqChunk, attention
+from shared.model import ForwardBatch, SeqChunk, attention, cpu_kernels
 from tests.helpers import make_hf_checkpoint, random_prompts
 
 GiB = 1 << 30
@@ -89,7 +89,9 @@ def _logits(model, prompts, workspace: int, bs: int = 4) -> torch.Tensor:
 def test_tiled_equals_untiled(tiny, name, monkeypatch):
     """Workspaces from 'everything in one tile' down to 'one block of keys per tile' give the same
     logits (online softmax, query tiles, running top-k merge across key tiles), in the absorbed form and
-    in the expanded form (which these prompts take where the model's dims make expansion pay)."""
+    in the expanded form (which these prompts take where the model's dims make expansion pay). The sparse
+    model's indexer scores through the CPU kernel (query tiles) and, on the portable path accelerators
+    take, through key tiles merged into a running top-k."""
     model, _ = load_model(tiny[name], "float32")
     prompts = random_prompts(3, [40, 23, 31], model.config.vocab_size, seed=50)
     plans = []
@@ -98,13 +100,16 @@ def test_tiled_equals_untiled(tiny, name, monkeypatch):
         monkeypatch.setattr(attention, planner, lambda *a, _real=real, **k: plans.append(_real(*a, **k)) or plans[-1])
     whole = _logits(model, prompts, 1 << 34)
     assert all(p.keys >= 40 for p in plans)  # one tile
-    for workspace in (60_000, 4_000):
-        plans.clear()
-        tiled = _logits(model, prompts, workspace)
-        assert any(p.keys < 40 for p in plans) or name == "sparse"  # key tiles really used
-        assert (tiled - whole).abs().max().item() < 2e-5, workspace
-    if name == "sparse":
-        assert any(p.keys < 40 for p in plans)  # the indexer merged top-k across key tiles
+    for index_kernel in (True, False) if name == "sparse" else (True,):
+        if not index_kernel:
+            monkeypatch.setattr(cpu_kernels, "index_usable", lambda *a: False)
+        for workspace in (60_000, 4_000):
+            plans.clear()
+            tiled = _logits(model, prompts, workspace)
+            assert any(p.keys < 40 for p in plans) or name == "sparse"  # key tiles really used
+            assert (tiled - whole).abs().max().item() < 2e-5, workspace
+        if not index_kernel:
+            assert any(p.keys < 40 for p in plans)  # the indexer merged top-k across key tiles
 
 
 def test_sampler_real_vocab_256_rows_one_pass():

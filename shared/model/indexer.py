@@ -26,8 +26,7 @@ from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, write_rows
 from shared.model.layers import LinearFormats, linear
-from shared.model.rope import RopeAngles, rope_neox
-from shared.quant.fp8 import fake_quant_ue8m0, hadamard_transform
+from shared.model.rope import RopeAngles
 
 NUMERICS = knob_choices(EngineConfig, "indexer_numerics")  # declared on EngineConfig
 DEFAULT_NUMERICS = knob_default(EngineConfig, "indexer_numerics")
@@ -48,7 +47,7 @@ class Indexer(nn.Module):
         if numerics not in NUMERICS:
             raise ValueError(f"indexer_numerics must be one of {NUMERICS}, got {numerics!r}")
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.rope_dim, self.topk = cfg.qk_rope_head_dim, cfg.index_topk
+        self.rope_dim, self.topk = cfg.qk_rope_head_dim, cfg.index_topk  # the rope width: rope.neox_cos
         self.numerics = numerics
         fmts = fmts or LinearFormats()
         self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, fmts.target)
@@ -58,25 +57,22 @@ class Indexer(nn.Module):
         self.weights_proj = linear(cfg.hidden_size, self.n_heads, torch.float32)  # fp32 (spec [UPD] 2)
         self.scale = self.head_dim**-0.5
 
-    def _rope(self, x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
-        return torch.cat([rope_neox(x[..., : self.rope_dim], rope), x[..., self.rope_dim :]], -1)
-
-    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """DeepSeek: Hadamard rotation, then e4m3 with one power-of-two scale per 128 dims."""
-        if self.numerics != "deepseek":
-            return x
-        return fake_quant_ue8m0(hadamard_transform(x), min(128, self.head_dim))
+    def _rows(self, x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
+        """Queries or keys rotated (NeoX rope on the first rope_dim values); with DeepSeek's numerics then
+        Hadamard-rotated and FP8 e4m3-rounded with one power-of-two scale per 128 dims."""
+        block = min(128, self.head_dim) if self.numerics == "deepseek" else None
+        return ops.index_rows(x, rope.neox_cos, rope.neox_sin, block)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeAngles, fb: ForwardBatch,
                 index_pool: torch.Tensor, codec: RowCodec | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Write the new tokens' keys; return the step's indexer queries and head weights ([N, H, D],
         [N, H] fp32) for select(), or None when no request's context exceeds index_topk."""
         n, g = x.shape[0], fb.generated  # g: the leading rows that are generated tokens (shared.model.ops)
-        k = self._quantize(self._rope(self.k_norm(self.wk(x, g)), rope))
+        k = self._rows(self.k_norm(self.wk(x, g)), rope)
         write_rows(index_pool, fb, k if codec is None else codec.encode(k))
         if fb.max_context <= self.topk:
             return None  # every causal key is selected: dense MLA
-        q = self._quantize(self._rope(self.wq_b(qr, g).view(n, self.n_heads, self.head_dim), rope))
+        q = self._rows(self.wq_b(qr, g).view(n, self.n_heads, self.head_dim), rope)
         w = self.weights_proj(x.float(), g) * self.n_heads**-0.5  # [N, H]
         return q, w
 

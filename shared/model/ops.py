@@ -26,7 +26,7 @@ import shared.model.int8_kernels as int8_kernels
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, write_rows
-from shared.quant import int8
+from shared.quant import fp8, int8
 
 
 def _generated_first(x: torch.Tensor, generated: int, kernel: Callable[[torch.Tensor], torch.Tensor | None],
@@ -92,6 +92,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         return y
     out.copy_(y)
     return out
+
+
+def index_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, quantize_block: int | None) -> torch.Tensor:
+    """The lightning indexer's query or key rows x [N, ..., D]: the first cos.shape[-1] values rotated (NeoX
+    halves), then, with a quantize_block, DeepSeek's Hadamard rotation and FP8 e4m3 round trip per block
+    (shared.quant.fp8). The kernel computes each row on its own (the rotation as a fast transform: its sums in
+    another order than the portable matmul's, within a rounding of it), for every token."""
+    rope_dim = cos.shape[-1]
+    fused = cpu_kernels.index_rows(x, cos, sin, rope_dim, quantize_block)
+    if fused is not None:
+        return fused
+    y = torch.cat([rope(x[..., :rope_dim], cos, sin, False), x[..., rope_dim:]], -1)
+    return y if quantize_block is None else fp8.fake_quant_ue8m0(fp8.hadamard_transform(y), quantize_block)
 
 
 def _bcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

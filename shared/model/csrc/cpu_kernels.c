@@ -712,6 +712,66 @@ void rope(const void *x, int64_t xs_row, int64_t xs_head, void *y, int64_t ys_ro
                      y_bf16);
 }
 
+/* ---- The lightning indexer's query and key rows: rope, Hadamard rotation, FP8 (ue8m0) fake quantization ---- */
+
+/* v rounded to FP8 e4m3 (round to nearest even, |v| <= 448: the caller clamps), back as fp32: 3 mantissa bits
+   for normals (|v| >= 2^-6), multiples of 2^-9 below; torch's .to(float8_e4m3fn) then .float(). */
+static inline float e4m3_round(float v) {
+    if (fabsf(v) < 0x1p-6f) return nearbyintf(v * 512.f) * 0x1p-9f;  /* subnormals: default rounding is RNE */
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7ffffu + ((u >> 20) & 1u)) & ~0xfffffu;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* Rows [n, heads, dim] of x (strides xs_row, xs_head in elements; the last dim contiguous; bf16 or fp32, and
+   y the same dtype, contiguous [n, heads, dim]) as the indexer's Indexer._quantize(_rope(x)) computes them:
+   the first rope_dim values rotated (NeoX halves, cos/sin [n, rope_dim], as rope_row), then, with `quantize`,
+   an orthonormal Hadamard rotation of the row (a fast Walsh-Hadamard transform in fp32, scaled by dim^-0.5,
+   rounded to x's dtype: DeepSeek's rotate_activation) and an FP8 e4m3 round trip per `block` values with a
+   power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) (act_quant_ue8m0, then dequantized: exact in bf16).
+   dim a power of two, divisible by block. */
+void index_rows(const void *x, int64_t xs_row, int64_t xs_head, int32_t bf16, int64_t n, int64_t heads,
+                int64_t dim, const void *cos, const void *sin, int64_t rope_dim, int32_t quantize, int64_t block,
+                void *y, int32_t threads) {
+    #pragma omp parallel num_threads(threads) if (n * heads * dim >= 65536)
+    {
+        float *row = xmalloc(sizeof(float) * dim);
+        const float norm = (float)(1.0 / sqrt((double)dim));  /* dim^-0.5 as fp32: the portable matrix's entry */
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < n * heads; r++) {
+            int64_t i = r / heads, off = i * xs_row + (r % heads) * xs_head;
+            rope_row(x, off, bf16, cos, sin, i * rope_dim, rope_dim, 0, row, 0, 0);
+            for (int64_t d = rope_dim; d < dim; d++) row[d] = widen(x, bf16, off + d);
+            if (quantize) {
+                for (int64_t len = 1; len < dim; len <<= 1)  /* Sylvester order: H = [[H, H], [H, -H]] */
+                    for (int64_t b = 0; b < dim; b += 2 * len)
+                        for (int64_t k = b; k < b + len; k++) {
+                            float a = row[k], c = row[k + len];
+                            row[k] = a + c;
+                            row[k + len] = a - c;
+                        }
+                for (int64_t d = 0; d < dim; d++) row[d] = bf16 ? round_bf16(row[d] * norm) : row[d] * norm;
+                for (int64_t b = 0; b < dim; b += block) {
+                    float amax = 1e-4f;
+                    for (int64_t d = b; d < b + block; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
+                    int e;  /* the scale: the least power of two >= amax / 448, exactly (ceil of log2) */
+                    float m = frexpf(amax / 448.f, &e);  /* amax / 448 = m * 2^e, m in [0.5, 1) */
+                    float scale = ldexpf(1.f, m == 0.5f ? e - 1 : e);
+                    for (int64_t d = b; d < b + block; d++) {
+                        float v = row[d] / scale;
+                        v = v > 448.f ? 448.f : v < -448.f ? -448.f : v;
+                        row[d] = e4m3_round(v) * scale;
+                    }
+                }
+            }
+            for (int64_t d = 0; d < dim; d++) put(y, bf16, r * dim + d, row[d]);
+        }
+        free(row);
+    }
+}
+
 /* ---- MLA's cache row: [kv_norm(c_kv) | rope(k_pe)] of each new token, stored straight at its slot ---- */
 
 /* kv [n, c + r] (x's dtype: bf16 or fp32, contiguous): the kv_a projection of the step's tokens; the row
