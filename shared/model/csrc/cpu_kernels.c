@@ -482,12 +482,16 @@ void topk_rows(const float *scores, int64_t n, int64_t width, int64_t k, int64_t
 
 /* ---- MoE: routing + routed experts for a few rows ---- */
 
+/* An 8-lane vector's sum as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): sum4's order for one vector. */
+static inline float hsum8(v8 a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
 static float dot(const float *a, const float *b, int64_t n) {
     v8 acc = {0};
     int64_t d = 0;
     for (; d + DW <= n; d += DW) acc = vfma(LOAD(a + d), LOAD(b + d), acc);
-    float s = 0.f;
-    for (int k = 0; k < DW; k++) s += acc[k];
+    float s = hsum8(acc);
     for (; d < n; d++) s = fmaf(a[d], b[d], s);
     return s;
 }
@@ -831,72 +835,92 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
 /* ---- Small matmuls of decode steps ---- */
 
 /* y[i] = w . x[i] for a few rows: w [m, k] fp32, x [n, k] (bf16 or fp32), y [n, m] rounded to x's dtype
-   (as layers.Linear: fp32 products, the output in the input's dtype). Each weight row is read once. */
+   (as layers.Linear: fp32 products, the output in the input's dtype). Weight rows are read once per four
+   input rows, two at a time: eight independent sums in registers. Every output is dot()'s sum, whichever
+   pass computes it (a row's bits do not depend on the rows beside it). */
 void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t n, int64_t k, int64_t m,
                  int32_t threads) {
     float *xf = xmalloc(sizeof(float) * n * k);
     for (int64_t e = 0; e < n * k; e++) xf[e] = widen(x, x_bf16, e);
     int64_t blocks = (m + RB - 1) / RB;
     #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t r = b * RB; r < (b + 1) * RB && r < m; r++) {
-            const float *wr = w + r * k;
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t r1 = (b + 1) * RB < m ? (b + 1) * RB : m;
+        for (int64_t r = b * RB; r < r1; r += 2) {
+            const float *w0 = w + r * k, *w1 = r + 1 < r1 ? w0 + k : w0;  /* an odd last row computed twice */
             int64_t i = 0;
-            for (; i + 4 <= n && k % DW == 0; i += 4) {  /* four rows per pass: each weight chunk loaded once */
+            for (; i + 4 <= n && k % DW == 0; i += 4) {
                 const float *x0 = xf + i * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
-                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                v8 a[2][4] = {{{0}}};
                 for (int64_t d = 0; d < k; d += DW) {
-                    v8 wv = LOAD(wr + d);
-                    a0 = vfma(LOAD(x0 + d), wv, a0);  /* the same op per row as dot(): a row's bits */
-                    a1 = vfma(LOAD(x1 + d), wv, a1);  /* do not depend on the rows beside it */
-                    a2 = vfma(LOAD(x2 + d), wv, a2);
-                    a3 = vfma(LOAD(x3 + d), wv, a3);
+                    v8 wv0 = LOAD(w0 + d), wv1 = LOAD(w1 + d);
+                    v8 xv[4] = {LOAD(x0 + d), LOAD(x1 + d), LOAD(x2 + d), LOAD(x3 + d)};
+                    for (int q = 0; q < 4; q++) {
+                        a[0][q] = vfma(xv[q], wv0, a[0][q]);  /* the same op per row as dot() */
+                        a[1][q] = vfma(xv[q], wv1, a[1][q]);
+                    }
                 }
-                v8 *acc[4] = {&a0, &a1, &a2, &a3};
-                for (int q = 0; q < 4; q++) {
-                    float v = 0.f;
-                    for (int e = 0; e < DW; e++) v += (*acc[q])[e];
-                    put(y, x_bf16, (i + q) * m + r, v);
+                for (int o = 0; o < 2 && r + o < r1; o++) {
+                    v4 sums = sum4(a[o][0], a[o][1], a[o][2], a[o][3]);  /* hsum8's order, four at once */
+                    for (int q = 0; q < 4; q++) put(y, x_bf16, (i + q) * m + r + o, sums[q]);
                 }
             }
-            for (; i < n; i++) put(y, x_bf16, i * m + r, dot(wr, xf + i * k, k));
+            for (; i < n; i++) {
+                put(y, x_bf16, i * m + r, dot(w0, xf + i * k, k));
+                if (r + 1 < r1) put(y, x_bf16, i * m + r + 1, dot(w1, xf + i * k, k));
+            }
         }
+    }
     free(xf);
 }
 
 /* y[i, h, :] = x[i, h, :] @ w[h] per head: x [n, heads, k] (strides xs_row, xs_head; bf16 or fp32),
    w [heads, k, m] fp32, y [n, heads, m] (strides ys_row, ys_head; fp32, or bf16 rounded once at the end).
-   MLA's absorbed matmuls (q_nope . W_UK, o_lat . W_UV^T) for a few rows. */
+   MLA's absorbed matmuls (q_nope . W_UK, o_lat . W_UV^T) for a few rows. Each output is one chain of fused
+   multiply-adds over k in order (fmaf's bits in every lane); up to HR rows of a head share each weight load. */
+#define HR 4
 void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head, const float *w,
                  void *y, int32_t y_bf16, int64_t ys_row, int64_t ys_head, int64_t n, int64_t heads,
                  int64_t k, int64_t m, int32_t threads) {
+    const int64_t groups = (n + HR - 1) / HR;
     #pragma omp parallel num_threads(threads) if (n * heads * k * m >= 262144)
     {
-        float *xr = xmalloc(sizeof(float) * k), *acc = xmalloc(sizeof(float) * m);
+        float *xr = xmalloc(sizeof(float) * HR * k), *acc = xmalloc(sizeof(float) * HR * m);
         #pragma omp for schedule(static)
-        for (int64_t t = 0; t < n * heads; t++) {
-            int64_t i = t / heads, h = t % heads;
-            for (int64_t j = 0; j < k; j++) xr[j] = widen(x, x_bf16, i * xs_row + h * xs_head + j);
+        for (int64_t t = 0; t < groups * heads; t++) {
+            int64_t h = t / groups, i0 = t % groups * HR, rows = n - i0 < HR ? n - i0 : HR;
+            for (int q = 0; q < rows; q++)
+                for (int64_t j = 0; j < k; j++) xr[q * k + j] = widen(x, x_bf16, (i0 + q) * xs_row + h * xs_head + j);
             const float *wh = w + h * k * m;
             int64_t c0 = 0;
-            for (; c0 + 2 * DW <= m; c0 += 2 * DW) {  /* 16 outputs in two registers, w streamed once */
-                v8 a0 = {0}, a1 = {0};
+            for (; c0 + 2 * DW <= m; c0 += 2 * DW) {  /* 16 outputs of up to HR rows in registers */
+                v8 a[HR][2] = {{{0}}};
                 for (int64_t j = 0; j < k; j++) {
-                    a0 = vfma(splat(xr[j]), LOAD(wh + j * m + c0), a0);
-                    a1 = vfma(splat(xr[j]), LOAD(wh + j * m + c0 + DW), a1);
+                    v8 w0 = LOAD(wh + j * m + c0), w1 = LOAD(wh + j * m + c0 + DW);
+                    for (int q = 0; q < HR; q++) {
+                        if (q >= rows) break;
+                        v8 xv = splat(xr[q * k + j]);
+                        a[q][0] = vfma(xv, w0, a[q][0]);
+                        a[q][1] = vfma(xv, w1, a[q][1]);
+                    }
                 }
-                STORE(acc + c0, a0);
-                STORE(acc + c0 + DW, a1);
+                for (int q = 0; q < rows; q++) {
+                    STORE(acc + q * m + c0, a[q][0]);
+                    STORE(acc + q * m + c0 + DW, a[q][1]);
+                }
             }
-            for (; c0 < m; c0++) {
-                float a = 0.f;
-                for (int64_t j = 0; j < k; j++) a = fmaf(xr[j], wh[j * m + c0], a);
-                acc[c0] = a;
-            }
-            for (int64_t c = 0; c < m; c++) {
-                if (y_bf16) ((uint16_t *)y)[i * ys_row + h * ys_head + c] = narrow(acc[c]);
-                else ((float *)y)[i * ys_row + h * ys_head + c] = acc[c];
-            }
+            for (; c0 < m; c0++)
+                for (int q = 0; q < rows; q++) {
+                    float a = 0.f;
+                    for (int64_t j = 0; j < k; j++) a = fmaf(xr[q * k + j], wh[j * m + c0], a);
+                    acc[q * m + c0] = a;
+                }
+            for (int q = 0; q < rows; q++)
+                for (int64_t c = 0; c < m; c++) {
+                    int64_t at = (i0 + q) * ys_row + h * ys_head + c;
+                    if (y_bf16) ((uint16_t *)y)[at] = narrow(acc[q * m + c]);
+                    else ((float *)y)[at] = acc[q * m + c];
+                }
         }
         free(xr);
         free(acc);
