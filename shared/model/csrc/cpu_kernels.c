@@ -54,6 +54,26 @@ static inline v8 vfma(v8 a, v8 b, v8 c) {  /* a * b + c, rounded once per lane *
 #endif
 static inline v8 splat(float f) { v8 r = {f, f, f, f, f, f, f, f}; return r; }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* Eight bf16 values as fp32 (exact: the bits moved up). */
+static inline v8 bf16x8(const uint8_t *p) {
+#if defined(__AVX2__)
+    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    uint16_t h[8];
+    memcpy(h, p, sizeof h);
+    v8i x = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]};
+    return (v8)(x << 16);
+#endif
+}
+
+/* Weights stored fp32 or bf16 (a bf16 model's, widened exactly in registers: the same products as its fp32
+   copies'). */
+static inline v8 wload(const void *w, int bf16, int64_t i) {
+    return bf16 ? bf16x8((const uint8_t *)w + 2 * i) : LOAD((const float *)w + i);
+}
+
 /* How pool rows are stored: fp32 or bf16 rows as they are, or C8 MLA rows (shared.kvcache.layout.Int8LatentRows,
    bytes: int8 latent [latent] | fp32 scale per `group` latent dims [groups] | bf16 rope key [rope]). */
 enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_C8 = 2 };
@@ -69,20 +89,14 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
 }
 
-/* Rows of a tile as fp32: fp32 pools are read in place, bf16 pools widened and C8 rows dequantized into `buf`
-   (TILE rows: the tile's scratch, in cache; no copy of the context). A C8 value is its int8 times its group's
-   scale, one fp32 rounding: the bits of Int8LatentRows.decode in fp32. Strides count pool elements (bytes
-   for C8). */
+/* Rows of a tile as fp32: fp32 pools are read in place, C8 rows dequantized into `buf` (TILE rows: the tile's
+   scratch, in cache; no copy of the context); bf16 rows are widened where they are read (mqa). A C8 value is
+   its int8 times its group's scale, one fp32 rounding: the bits of Int8LatentRows.decode in fp32. Strides
+   count pool elements (bytes for C8). */
 static const float *row_of(const void *pool, const RowFormat *f, int64_t slot, int64_t stride, int64_t dim,
                            float *buf) {
     if (f->kind == ROWS_F32) return (const float *)pool + slot * stride;
     uint32_t *dst = (uint32_t *)buf;
-    if (f->kind == ROWS_BF16) {
-        const uint16_t *src = (const uint16_t *)pool + slot * stride;
-        #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) dst[d] = (uint32_t)src[d] << 16;
-        return buf;
-    }
     const uint8_t *src = (const uint8_t *)pool + slot * stride;
     const int8_t *lat = (const int8_t *)src;
     for (int64_t g = 0; g < f->groups; g++) {
@@ -105,11 +119,11 @@ static const float *row_of(const void *pool, const RowFormat *f, int64_t slot, i
    dim % DW == 0 and out_dim % CW == 0 (the caller checks). Every index is checked against the table
    (table_rows x table_width, mask_width) and the pool (num_slots rows): a query naming anything
    outside them gets no output and the call returns 1 (0: all good). */
-static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
-                   int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows,
-                   int64_t table_width, int64_t bs, int64_t mask_width, const int64_t *slot_row,
-                   const int64_t *counts, const uint8_t *mask, float scale, int64_t out_dim, float *out,
-                   int32_t threads) {
+static inline __attribute__((always_inline)) int32_t
+mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
+         int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows, int64_t table_width,
+         int64_t bs, int64_t mask_width, const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
+         float scale, int64_t out_dim, float *out, int32_t threads, const int bf16) {
     const int64_t hp = (heads + HB - 1) / HB * HB;  /* heads padded to whole blocks (zero queries) */
     int32_t bad = 0;
     #pragma omp parallel num_threads(threads)
@@ -119,8 +133,8 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
         float *mx = xmalloc(sizeof(float) * hp);
         float *sum = xmalloc(sizeof(float) * hp);
         float *score = xmalloc(sizeof(float) * hp * TILE);
-        float *buf = fmt->kind != ROWS_F32 ? xmalloc(sizeof(float) * TILE * dim) : NULL;
-        const float *rows[TILE];
+        float *buf = fmt->kind == ROWS_C8 ? xmalloc(sizeof(float) * TILE * dim) : NULL;
+        const void *rows[TILE];  /* fp32 rows (in place, or C8 ones decoded into buf), or bf16 rows in place */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
             int64_t limit = table_width * bs < (mask ? mask_width : INT64_MAX) ? table_width * bs : mask_width;
@@ -146,7 +160,8 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
                         bad = 1;
                         continue;
                     }
-                    rows[used] = row_of(pool, fmt, slot, row_stride, dim, buf ? buf + used * dim : NULL);
+                    rows[used] = bf16 ? (const void *)((const uint16_t *)pool + slot * row_stride)
+                                      : row_of(pool, fmt, slot, row_stride, dim, buf ? buf + used * dim : NULL);
                     used++;
                 }
                 if (!used) continue;
@@ -159,10 +174,10 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
                     /* scores of HB heads against the tile's rows, two rows at a time: each query chunk loaded
                        once for two rows, each row chunk once for HB heads (a row's sums are the same alone) */
                     for (int j = 0; j < used; j += 2) {
-                        const float *r0 = rows[j], *r1 = rows[j + 1 < used ? j + 1 : j];
+                        const void *r0 = rows[j], *r1 = rows[j + 1 < used ? j + 1 : j];
                         v8 part[2][HB] = {{{0}}};
                         for (int64_t d0 = 0; d0 < dim; d0 += DW) {
-                            v8 rv0 = LOAD(r0 + d0), rv1 = LOAD(r1 + d0);
+                            v8 rv0 = wload(r0, bf16, d0), rv1 = wload(r1, bf16, d0);  /* bf16: widened here */
                             for (int hh = 0; hh < HB; hh++) {
                                 v8 qv = LOAD(qp + (h0 + hh) * dim + d0);
                                 part[0][hh] = vfma(qv, rv0, part[0][hh]);
@@ -199,7 +214,7 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
                             a[hh][1] = LOAD(acc + (h0 + hh) * out_dim + c0 + 8);
                         }
                         for (int j = 0; j < used; j++) {
-                            v8 r0 = LOAD(rows[j] + c0), r1 = LOAD(rows[j] + c0 + 8);
+                            v8 r0 = wload(rows[j], bf16, c0), r1 = wload(rows[j], bf16, c0 + 8);
                             for (int hh = 0; hh < HB; hh++) {
                                 v8 p = splat(score[(h0 + hh) * TILE + j]);
                                 a[hh][0] = vfma(p, r0, a[hh][0]);
@@ -222,6 +237,21 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
         free(qp); free(acc); free(mx); free(sum); free(score); free(buf);
     }
     return bad;
+}
+
+/* bf16 rows are widened in registers as they are read (no fp32 copy of the tile: twice its bytes, past L1 at
+   576 dims); fp32 rows are read in place and C8 rows decoded into the tile's scratch. The same values, so the
+   same bits, either way. */
+static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
+                   int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows,
+                   int64_t table_width, int64_t bs, int64_t mask_width, const int64_t *slot_row,
+                   const int64_t *counts, const uint8_t *mask, float scale, int64_t out_dim, float *out,
+                   int32_t threads) {
+    if (fmt->kind == ROWS_BF16)
+        return mqa_rows(q, n, heads, dim, pool, fmt, row_stride, num_slots, tables, table_rows, table_width, bs,
+                        mask_width, slot_row, counts, mask, scale, out_dim, out, threads, 1);
+    return mqa_rows(q, n, heads, dim, pool, fmt, row_stride, num_slots, tables, table_rows, table_width, bs,
+                    mask_width, slot_row, counts, mask, scale, out_dim, out, threads, 0);
 }
 
 /* mqa over fp32 or bf16 rows (row_stride in elements). */
@@ -259,7 +289,6 @@ int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
 #define IK 4     /* keys per register block */
 #define RUN 16   /* at most this many consecutive queries of one table row share a decoded tile */
 
-typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef float v4u __attribute__((vector_size(16), aligned(4)));
 typedef int32_t v4i __attribute__((vector_size(16)));
@@ -301,18 +330,6 @@ static inline v8 e4m3x8(const uint8_t *p) {
 /* Index keys as the kernel reads them: fp32 or bf16 values as they are (the pool's `PlainRows`), or C8
    (shared.kvcache.layout.Fp8KeyRows: FP8 e4m3 [dim] | fp32 scale, the scale applied to the dot). */
 enum { KEYS_F32 = 0, KEYS_BF16 = 1, KEYS_FP8 = 2 };
-
-/* Eight bf16 values as fp32 (exact: the bits moved up). */
-static inline v8 bf16x8(const uint8_t *p) {
-#if defined(__AVX2__)
-    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-#else
-    uint16_t h[8];
-    memcpy(h, p, sizeof h);
-    v8i x = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]};
-    return (v8)(x << 16);
-#endif
-}
 
 /* out[i, t] = sum_h w[i, h] * relu(dot(q[i, h], key_t) * key_scale_t * scale) for the positions t < counts[i]
    of table row slot_row[i] (key_t: row tables[row, t / bs] * bs + t % bs of the pool, rows `row_stride` bytes
@@ -496,12 +513,7 @@ static float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* Weights stored fp32 or bf16 (a bf16 model's, widened exactly in registers: the same products as its fp32
-   copies'). */
-static inline v8 wload(const void *w, int bf16, int64_t i) {
-    return bf16 ? bf16x8((const uint8_t *)w + 2 * i) : LOAD((const float *)w + i);
-}
-
+/* One weight, fp32 or bf16. */
 static inline float wget(const void *w, int bf16, int64_t i) {
     if (!bf16) return ((const float *)w)[i];
     uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
