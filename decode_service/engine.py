@@ -315,7 +315,8 @@ def build_engine_core(cfg: DecodeConfig, sink: Callable[[list[Event]], None] | N
                       on_report: ReportHook | None = None,
                       on_fatal: Callable[[str], None] | None = None) -> DecodeEngineCore:
     """Rank 0's worker and its engine core."""
-    return DecodeEngineCore(DecodeWorker(cfg, 0, service_state(cfg.parallel(), 0)), sink, on_report, on_fatal)
+    worker = DecodeWorker(cfg, 0, service_state(cfg.parallel(), 0, cfg.cpu_threads))
+    return DecodeEngineCore(worker, sink, on_report, on_fatal)
 
 
 # -- the core in its own process ------------------------------------------------------------------------

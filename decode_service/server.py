@@ -43,7 +43,7 @@ SERVICE = "pdserve.v1.Decode"
 def follower_main(rank: int, cfg: DecodeConfig) -> None:
     """Entry point of DP ranks 1..N-1."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s decode[{rank}] %(levelname)s %(message)s")
-    state = service_state(cfg.parallel(), rank)
+    state = service_state(cfg.parallel(), rank, cfg.cpu_threads)
     follow(DecodeWorker(cfg, rank, state), state)
 
 

@@ -132,7 +132,7 @@ class PrefillEngineCore(EngineCore):
 def build_engine_core(cfg: PrefillConfig, on_report: ReportHook | None = None,
                       on_fatal: Callable[[str], None] | None = None) -> PrefillEngineCore:
     """Rank 0's engine and loop."""
-    engine = LLMEngine(cfg.engine_config(), service_state(cfg.parallel(), 0))
+    engine = LLMEngine(cfg.engine_config(), service_state(cfg.parallel(), 0, cfg.cpu_threads))
     return PrefillEngineCore(engine, sender_factory(cfg, engine), on_report, on_fatal)
 
 

@@ -535,6 +535,9 @@ class ServiceConfig(EndpointConfig):
     advertise_host: str | None = flag(None, "address peers reach this instance at (needed with --host 0.0.0.0)")
     engine_in_process: bool = flag(False, "run the engine loop in the gRPC process (default: its own process, "
                                           "so handlers and the engine never share a GIL)")
+    cpu_threads: int = flag(0, "CPU threads of the instance's engine ranks on this host, shared out among them (0: "
+                               "OMP_NUM_THREADS if set, else the usable cores less one, left to the front ends)",
+                            bounds=(0, None))
 
     @property
     def public_host(self) -> str:

@@ -142,7 +142,7 @@ def test_cancel_frees_decode_blocks(cluster):
     initial = decode_load(cluster).total_blocks
     with grpc.insecure_channel(cluster.address) as ch:
         call = generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
-            prompt_token_ids=[5, 6, 7], sampling_params=greedy(400)), timeout=60)
+            prompt_token_ids=[5, 6, 7], sampling_params=greedy(505)), timeout=60)
         got = 0
         for msg in call:
             got += len(msg.token_ids)
@@ -242,7 +242,9 @@ def test_two_by_two_instances_and_failover(model_dir, local_llm, tmp_path):
 def test_deadline_frees_decode_blocks(cluster):
     initial = decode_load(cluster).total_blocks
     with pytest.raises(grpc.RpcError) as err:
-        generate(cluster.address, timeout=1.5, prompt_token_ids=[5, 6, 7], sampling_params=greedy(480))
+        # the most the 512-token context takes, still decoding at a 0.4 s deadline (480 tokens came to finish
+        # inside the 1.5 s this test used to give)
+        generate(cluster.address, timeout=0.4, prompt_token_ids=[5, 6, 7], sampling_params=greedy(505))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_for(lambda: decode_load(cluster).free_blocks == initial)
     assert decode_load(cluster).running == 0 and decode_load(cluster).active_leases == 0

@@ -4,10 +4,12 @@ the environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) so one instance can
 from __future__ import annotations
 
 import io
+import math
 import os
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,10 +32,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def service_state(config: ParallelConfig, rank: int) -> ParallelState:
-    """A service rank's process group; the host's threads are split between the ranks on it."""
-    local_ranks = 1 if env_rank_world() else config.world
-    torch.set_num_threads(max(1, torch.get_num_threads() // local_ranks))
+def usable_cores() -> int:
+    """CPUs this process may run on: its affinity set, capped by a cgroup v2 CPU quota (a container's CPU
+    limit, which the affinity set does not show)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def engine_threads(cpu_threads: int, local_ranks: int) -> int:
+    """Threads of each engine rank of a service on this host (torch's and the CPU kernels'): `cpu_threads`
+    (--cpu-threads) or OMP_NUM_THREADS where given, else this host's cores less one, which the service's
+    front ends (its gRPC process, the router, an HTTP server) get: an engine step that runs on every core
+    waits for whichever thread a front end has preempted (measured on 2 cores: 64 served streams 1,856 →
+    2,026 tok/s, 16 streams 1,056 → 1,447). Shared out among the host's ranks, at least one each."""
+    total = cpu_threads
+    if total <= 0 and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        total = int(os.environ["OMP_NUM_THREADS"])
+    if total <= 0:
+        total = min(torch.get_num_threads(), usable_cores()) - 1
+    return max(1, total // local_ranks)
+
+
+def service_state(config: ParallelConfig, rank: int, cpu_threads: int) -> ParallelState:
+    """A service rank's process group, its threads set (engine_threads)."""
+    torch.set_num_threads(engine_threads(cpu_threads, 1 if env_rank_world() else config.world))
     return ParallelState.initialize(config, rank, get_device(None), timeout_s=SERVICE_TIMEOUT_S)
 
 
