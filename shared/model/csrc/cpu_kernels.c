@@ -81,36 +81,40 @@ typedef struct {
     int kind;
     int64_t latent, group, groups, rope;  /* C8 rows only */
     int64_t elem, bytes;  /* bytes per stride element (4, 2, 1) and per row */
+    int gshift;  /* C8: log2(group) (a power of two; latent, group and rope whole 8-value vectors) */
 } RowFormat;
+
+/* Eight int8 values as fp32 (exact). */
+static inline v8 i8x8(const uint8_t *p) {
+#if defined(__AVX2__)
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    int8_t b[8];
+    memcpy(b, p, sizeof b);
+    v8 r = {b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]};
+    return r;
+#endif
+}
+
+/* Eight values d..d+7 of a pool row as fp32, read in place: fp32 as stored, bf16 widened, a C8 row's latent
+   as its int8 times its group's scale (one rounding: Int8LatentRows.decode's bits in fp32) and its rope key
+   widened from bf16. */
+static inline v8 row_load(const void *row, const int kind, const RowFormat *f, int64_t d) {
+    if (kind == ROWS_F32) return LOAD((const float *)row + d);
+    if (kind == ROWS_BF16) return bf16x8((const uint8_t *)row + 2 * d);
+    const uint8_t *r = row;
+    if (d < f->latent) {
+        float s;
+        memcpy(&s, r + f->latent + 4 * (d >> f->gshift), sizeof s);
+        return i8x8(r + d) * splat(s);
+    }
+    return bf16x8(r + f->latent + 4 * f->groups + 2 * (d - f->latent));
+}
 
 /* Ask for a row's cache lines ahead of its use (the rows of the next tile while this one computes): rows sit in
    scattered blocks, past what the hardware prefetcher follows. */
 static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
-}
-
-/* Rows of a tile as fp32: fp32 pools are read in place, C8 rows dequantized into `buf` (TILE rows: the tile's
-   scratch, in cache; no copy of the context); bf16 rows are widened where they are read (mqa). A C8 value is
-   its int8 times its group's scale, one fp32 rounding: the bits of Int8LatentRows.decode in fp32. Strides
-   count pool elements (bytes for C8). */
-static const float *row_of(const void *pool, const RowFormat *f, int64_t slot, int64_t stride, int64_t dim,
-                           float *buf) {
-    if (f->kind == ROWS_F32) return (const float *)pool + slot * stride;
-    uint32_t *dst = (uint32_t *)buf;
-    const uint8_t *src = (const uint8_t *)pool + slot * stride;
-    const int8_t *lat = (const int8_t *)src;
-    for (int64_t g = 0; g < f->groups; g++) {
-        float s;
-        memcpy(&s, src + f->latent + 4 * g, sizeof s);  /* scales sit at any byte offset */
-        int64_t d1 = (g + 1) * f->group < f->latent ? (g + 1) * f->group : f->latent;
-        #pragma omp simd
-        for (int64_t d = g * f->group; d < d1; d++) buf[d] = (float)lat[d] * s;
-    }
-    const uint8_t *rope = src + f->latent + 4 * f->groups;
-    dst += f->latent;
-    #pragma omp simd
-    for (int64_t d = 0; d < f->rope; d++) dst[d] = (uint32_t)(rope[2 * d] | rope[2 * d + 1] << 8) << 16;
-    return buf;
 }
 
 /* out[i, h, :out_dim] = softmax_t(scale * q[i, h] . row_t) @ row_t[:out_dim] over the context positions
@@ -123,7 +127,7 @@ static inline __attribute__((always_inline)) int32_t
 mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
          int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows, int64_t table_width,
          int64_t bs, int64_t mask_width, const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
-         float scale, int64_t out_dim, float *out, int32_t threads, const int bf16) {
+         float scale, int64_t out_dim, float *out, int32_t threads, const int kind) {
     const int64_t hp = (heads + HB - 1) / HB * HB;  /* heads padded to whole blocks (zero queries) */
     int32_t bad = 0;
     #pragma omp parallel num_threads(threads)
@@ -133,8 +137,7 @@ mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool
         float *mx = xmalloc(sizeof(float) * hp);
         float *sum = xmalloc(sizeof(float) * hp);
         float *score = xmalloc(sizeof(float) * hp * TILE);
-        float *buf = fmt->kind == ROWS_C8 ? xmalloc(sizeof(float) * TILE * dim) : NULL;
-        const void *rows[TILE];  /* fp32 rows (in place, or C8 ones decoded into buf), or bf16 rows in place */
+        const void *rows[TILE];  /* the tile's rows, in place */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
             int64_t limit = table_width * bs < (mask ? mask_width : INT64_MAX) ? table_width * bs : mask_width;
@@ -160,8 +163,7 @@ mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool
                         bad = 1;
                         continue;
                     }
-                    rows[used] = bf16 ? (const void *)((const uint16_t *)pool + slot * row_stride)
-                                      : row_of(pool, fmt, slot, row_stride, dim, buf ? buf + used * dim : NULL);
+                    rows[used] = (const char *)pool + slot * row_stride * fmt->elem;
                     used++;
                 }
                 if (!used) continue;
@@ -177,7 +179,7 @@ mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool
                         const void *r0 = rows[j], *r1 = rows[j + 1 < used ? j + 1 : j];
                         v8 part[2][HB] = {{{0}}};
                         for (int64_t d0 = 0; d0 < dim; d0 += DW) {
-                            v8 rv0 = wload(r0, bf16, d0), rv1 = wload(r1, bf16, d0);  /* bf16: widened here */
+                            v8 rv0 = row_load(r0, kind, fmt, d0), rv1 = row_load(r1, kind, fmt, d0);
                             for (int hh = 0; hh < HB; hh++) {
                                 v8 qv = LOAD(qp + (h0 + hh) * dim + d0);
                                 part[0][hh] = vfma(qv, rv0, part[0][hh]);
@@ -214,7 +216,7 @@ mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool
                             a[hh][1] = LOAD(acc + (h0 + hh) * out_dim + c0 + 8);
                         }
                         for (int j = 0; j < used; j++) {
-                            v8 r0 = wload(rows[j], bf16, c0), r1 = wload(rows[j], bf16, c0 + 8);
+                            v8 r0 = row_load(rows[j], kind, fmt, c0), r1 = row_load(rows[j], kind, fmt, c0 + 8);
                             for (int hh = 0; hh < HB; hh++) {
                                 v8 p = splat(score[(h0 + hh) * TILE + j]);
                                 a[hh][0] = vfma(p, r0, a[hh][0]);
@@ -234,14 +236,13 @@ mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool
                 for (int64_t c = 0; c < out_dim; c++) oi[h * out_dim + c] = acc[h * out_dim + c] * inv;
             }
         }
-        free(qp); free(acc); free(mx); free(sum); free(score); free(buf);
+        free(qp); free(acc); free(mx); free(sum); free(score);
     }
     return bad;
 }
 
-/* bf16 rows are widened in registers as they are read (no fp32 copy of the tile: twice its bytes, past L1 at
-   576 dims); fp32 rows are read in place and C8 rows decoded into the tile's scratch. The same values, so the
-   same bits, either way. */
+/* Rows are read in place and widened (bf16) or dequantized (C8) in registers as they are read: no fp32 copy of
+   the tile (twice a bf16 tile's bytes, past L1 at 576 dims). One copy of the loop per row format. */
 static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
                    int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows,
                    int64_t table_width, int64_t bs, int64_t mask_width, const int64_t *slot_row,
@@ -249,9 +250,12 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
                    int32_t threads) {
     if (fmt->kind == ROWS_BF16)
         return mqa_rows(q, n, heads, dim, pool, fmt, row_stride, num_slots, tables, table_rows, table_width, bs,
-                        mask_width, slot_row, counts, mask, scale, out_dim, out, threads, 1);
+                        mask_width, slot_row, counts, mask, scale, out_dim, out, threads, ROWS_BF16);
+    if (fmt->kind == ROWS_C8)
+        return mqa_rows(q, n, heads, dim, pool, fmt, row_stride, num_slots, tables, table_rows, table_width, bs,
+                        mask_width, slot_row, counts, mask, scale, out_dim, out, threads, ROWS_C8);
     return mqa_rows(q, n, heads, dim, pool, fmt, row_stride, num_slots, tables, table_rows, table_width, bs,
-                    mask_width, slot_row, counts, mask, scale, out_dim, out, threads, 0);
+                    mask_width, slot_row, counts, mask, scale, out_dim, out, threads, ROWS_F32);
 }
 
 /* mqa over fp32 or bf16 rows (row_stride in elements). */
@@ -260,7 +264,7 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                   const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs, int64_t mask_width,
                   const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
                   float scale, int64_t out_dim, float *out, int32_t threads) {
-    RowFormat fmt = {pool_bf16 ? ROWS_BF16 : ROWS_F32, 0, 0, 0, 0, pool_bf16 ? 2 : 4, dim * (pool_bf16 ? 2 : 4)};
+    RowFormat fmt = {pool_bf16 ? ROWS_BF16 : ROWS_F32, 0, 0, 0, 0, pool_bf16 ? 2 : 4, dim * (pool_bf16 ? 2 : 4), 0};
     return mqa(q, n, heads, dim, pool, &fmt, row_stride, num_slots, tables, table_rows, table_width, bs, mask_width,
                slot_row, counts, mask, scale, out_dim, out, threads);
 }
@@ -275,9 +279,11 @@ int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
                      const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
                      float scale, int64_t out_dim, float *out, int32_t threads) {
     if (latent <= 0 || group <= 0 || rope < 0 || groups != (latent + group - 1) / group || dim != latent + rope
-            || latent + 4 * groups + 2 * rope > row_stride)
+            || latent + 4 * groups + 2 * rope > row_stride || group & (group - 1) || group % DW || latent % DW)
         return 2;
-    RowFormat fmt = {ROWS_C8, latent, group, groups, rope, 1, latent + 4 * groups + 2 * rope};
+    int gshift = 0;
+    while ((1L << gshift) < group) gshift++;
+    RowFormat fmt = {ROWS_C8, latent, group, groups, rope, 1, latent + 4 * groups + 2 * rope, gshift};
     return mqa(q, n, heads, dim, pool, &fmt, row_stride, num_slots, tables, table_rows, table_width, bs, mask_width,
                slot_row, counts, mask, scale, out_dim, out, threads);
 }
