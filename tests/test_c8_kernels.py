@@ -222,6 +222,34 @@ def test_indexer_scores_are_checked(keys):
             run(tables, row, count, columns)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_c8_index_keys_are_written_as_the_codec_encodes_them(kernels, dtype):
+    """The indexer's new keys stored as C8 rows in one call: the bytes of Fp8KeyRows.encode (FP8 e4m3 values,
+    ties to even, subnormals, the power-of-two scale; rows the indexer makes, already FP8-rounded, rows spread
+    over decades, rows under the 1e-4 floor, zeros and negative zeros) at exactly the given slots."""
+    from shared.quant.fp8 import fake_quant_ue8m0
+
+    codec = Fp8KeyRows(128)
+    gen = torch.Generator().manual_seed(3)
+    spread = torch.randn(6, 128, generator=gen) * 10 ** (torch.rand(6, 128, generator=gen) * 8 - 5)
+    tiny = torch.randn(2, 128, generator=gen) * 1e-6
+    zeros = torch.zeros(2, 128)
+    zeros[1, ::3] = -0.0
+    keys = torch.cat([fake_quant_ue8m0(torch.randn(6, 128, generator=gen) * 3, 128), spread, tiny, zeros]).to(dtype)
+    pool = torch.full((4, BLOCK, codec.width), 7, dtype=torch.uint8)
+    slots = torch.randperm(4 * BLOCK, generator=gen)[: keys.shape[0]]
+    assert cpu_kernels.index_key_write(keys, pool, slots, codec)
+    flat = pool.view(-1, codec.width)
+    assert torch.equal(flat[slots], codec.encode(keys))
+    untouched = torch.ones(4 * BLOCK, dtype=torch.bool)
+    untouched[slots] = False
+    assert (flat[untouched] == 7).all()
+    with pytest.raises(ValueError, match="index_key_write"):
+        cpu_kernels.index_key_write(keys[:1], pool, torch.tensor([4 * BLOCK]), codec)
+    assert not cpu_kernels.index_key_write(keys, pool, slots, None)  # plain keys: write_rows
+    assert not cpu_kernels.index_key_write(keys[:, :64], pool, slots, codec)  # another width
+
+
 def test_portable_c_build_and_disabled_kernels(monkeypatch, tmp_path):
     """PDSERVE_KERNEL_ARCH=x86-64 (SSE2 only: no AVX, no FMA unit) builds the same kernels, with the same
     results; PDSERVE_CPU_KERNELS=0 takes the torch path (nothing usable)."""
@@ -269,7 +297,7 @@ def test_c8_engine_tokens_match_the_portable_c8_path(tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, 1000, (n,), generator=gen).tolist() for n in (5, 17, 40, 90, 23)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    calls = {name: _counting(monkeypatch, name) for name in ("paged_mqa", "index_scores")}
+    calls = {name: _counting(monkeypatch, name) for name in ("paged_mqa", "index_scores", "index_key_write")}
     llm = LLM(str(path), dtype="float32", kv_cache_dtype="int8", block_size=BLOCK, enable_prefix_caching=False)
     with_kernels = [o.token_ids for o in llm.generate(prompts, params)]
     assert all(calls.values()), "the C8 kernels did not run"
@@ -277,6 +305,7 @@ def test_c8_engine_tokens_match_the_portable_c8_path(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "attention_usable",
                         lambda q, pool, out_dim, codec=None: codec is None and real(q, pool, out_dim))
     monkeypatch.setattr(cpu_kernels, "index_usable", lambda *a: False)
+    monkeypatch.setattr(cpu_kernels, "index_key_write", lambda *a: False)  # keys through codec.encode
     for c in calls.values():
         c.clear()
     portable = [o.token_ids for o in llm.generate(prompts, params)]

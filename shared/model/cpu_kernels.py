@@ -160,6 +160,8 @@ def _build() -> ctypes.CDLL | None:
     lib.mla_kv_write.restype = ctypes.c_int32
     lib.mla_kv_write_c8.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i64, i64, ptr, i64, i64]
     lib.mla_kv_write_c8.restype = ctypes.c_int32
+    lib.index_key_write_fp8.argtypes = [ptr, i32, i64, i64, ptr, i64, i64, ptr]
+    lib.index_key_write_fp8.restype = ctypes.c_int32
     lib.linear_rows.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
     lib.linear_rows.restype = None
     lib.head_matmul.argtypes = [ptr, i32, i64, i64, ptr, ptr, i32, i64, i64, i64, i64, i64, i64, i32]
@@ -468,6 +470,22 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> boo
         return False
     library().head_matmul(x.data_ptr(), x_bf16, x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(),
                           out_bf16, out.stride(0), out.stride(1), n, heads, k, m, torch.get_num_threads())
+    return True
+
+
+def index_key_write(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, codec: RowCodec | None) -> bool:
+    """C8 indexer keys in one call: row i of keys [N, D] (bf16/fp32) encoded as codec.encode does (an
+    Fp8KeyRows: FP8 e4m3 bytes | fp32 scale; the same bytes) and written at pool slot slots[i] (pool
+    [blocks, block_size, codec.width] bytes). False (nothing written) where it does not apply."""
+    bf16 = _BF16_FLAG.get(keys.dtype)
+    if (bf16 is None or not isinstance(codec, Fp8KeyRows) or keys.dim() != 2 or keys.shape[1] != codec.dim
+            or pool.dtype != torch.uint8 or pool.shape[-1] != codec.width or not pool.is_contiguous()
+            or slots.shape != (keys.shape[0],) or slots.dtype != torch.int64 or not _runnable(keys, pool)):
+        return False
+    keys, slots = keys.contiguous(), slots.contiguous()
+    if library().index_key_write_fp8(keys.data_ptr(), bf16, keys.shape[0], codec.dim, pool.data_ptr(), codec.width,
+                                     pool.numel() // codec.width, slots.data_ptr()):
+        raise ValueError("index_key_write: a slot is outside the key pool")
     return True
 
 

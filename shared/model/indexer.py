@@ -24,7 +24,7 @@ import shared.model.ops as ops
 from shared.config import EngineConfig, ModelConfig, knob_choices, knob_default
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
-from shared.model.batch import ForwardBatch, write_rows
+from shared.model.batch import ForwardBatch
 from shared.model.layers import LinearFormats, linear
 from shared.model.rope import RopeAngles
 
@@ -69,7 +69,7 @@ class Indexer(nn.Module):
         [N, H] fp32) for select(), or None when no request's context exceeds index_topk."""
         n, g = x.shape[0], fb.generated  # g: the leading rows that are generated tokens (shared.model.ops)
         k = self._rows(self.k_norm(self.wk(x, g)), rope)
-        write_rows(index_pool, fb, k if codec is None else codec.encode(k))
+        ops.write_index_keys(k, index_pool, fb, codec)
         if fb.max_context <= self.topk:
             return None  # every causal key is selected: dense MLA
         q = self._rows(self.wq_b(qr, g).view(n, self.n_heads, self.head_dim), rope)

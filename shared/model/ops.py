@@ -136,6 +136,14 @@ def write_mla_rows(kv: torch.Tensor, norm: Norm, cos: torch.Tensor, sin: torch.T
     write_rows(pool, fb, row if codec is None else codec.encode(row))
 
 
+def write_index_keys(keys: torch.Tensor, pool: torch.Tensor, fb: ForwardBatch, codec: RowCodec | None) -> None:
+    """The indexer's new keys [N, D] at the step's slots, as the codec stores them: C8's FP8 rows encoded and
+    written in one kernel call where no CP gather follows (the bytes of codec.encode), else write_rows."""
+    if fb.cp is None and cpu_kernels.index_key_write(keys, pool, fb.slot_mapping, codec):
+        return
+    write_rows(pool, fb, keys if codec is None else codec.encode(keys))
+
+
 def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Per head, x[i, h] @ weight[h]: x [N, H, K] and weight [H, K, M] (MLA's absorbed W_UK, W_UV^T) give

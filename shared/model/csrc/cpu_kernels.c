@@ -849,6 +849,39 @@ void index_rows(const void *x, int64_t xs_row, int64_t xs_head, int32_t bf16, in
     }
 }
 
+/* C8 indexer keys (shared.kvcache.layout.Fp8KeyRows): row i of x [n, dim] (bf16 or fp32) stored at pool slot
+   slots[i] (rows of `width` bytes) as FP8 e4m3 bytes | its fp32 scale, as Fp8KeyRows.encode (act_quant_ue8m0,
+   one block per row): s = 2^ceil(log2(max(amax, 1e-4) / 448)) (the ceiling taken exactly), q = e4m3(clamp(x / s,
+   +-448)) rounded to nearest even. Returns 1 if a slot is outside the pool (that row is not written). */
+int32_t index_key_write_fp8(const void *x, int32_t bf16, int64_t n, int64_t dim, uint8_t *pool, int64_t width,
+                            int64_t num_slots, const int64_t *slots) {
+    int32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= num_slots) { bad = 1; continue; }
+        float amax = 1e-4f;
+        for (int64_t d = 0; d < dim; d++) {
+            float a = fabsf(widen(x, bf16, i * dim + d));
+            amax = a > amax ? a : amax;
+        }
+        int e;
+        float m = frexpf(amax / 448.f, &e);
+        float scale = ldexpf(1.f, m == 0.5f ? e - 1 : e);
+        uint8_t *dst = pool + slots[i] * width;
+        for (int64_t d = 0; d < dim; d++) {
+            float v = widen(x, bf16, i * dim + d) / scale;
+            v = e4m3_round(v > 448.f ? 448.f : v < -448.f ? -448.f : v);
+            uint32_t u;
+            memcpy(&u, &v, sizeof u);
+            float a = fabsf(v);
+            uint8_t mag = a >= 0x1p-6f ? (uint8_t)(((((u >> 23) & 0xff) - 120) << 3) | ((u >> 20) & 7))
+                                       : (uint8_t)(a * 512.f);  /* subnormal: multiples of 2^-9 */
+            dst[d] = (uint8_t)(mag | (u >> 31) << 7);
+        }
+        memcpy(dst + dim, &scale, sizeof scale);
+    }
+    return bad;
+}
+
 /* ---- MLA's cache row: [kv_norm(c_kv) | rope(k_pe)] of each new token, stored straight at its slot ---- */
 
 /* kv [n, c + r] (x's dtype: bf16 or fp32, contiguous): the kv_a projection of the step's tokens; the row
