@@ -47,7 +47,7 @@ class Indexer(nn.Module):
         if numerics not in NUMERICS:
             raise ValueError(f"indexer_numerics must be one of {NUMERICS}, got {numerics!r}")
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.rope_dim, self.topk = cfg.qk_rope_head_dim, cfg.index_topk  # the rope width: rope.neox_cos
+        self.rope_dim, self.topk = cfg.qk_rope_head_dim, cfg.index_topk
         self.numerics = numerics
         fmts = fmts or LinearFormats()
         self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, fmts.target)

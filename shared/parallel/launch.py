@@ -49,8 +49,8 @@ def engine_threads(cpu_threads: int, local_ranks: int) -> int:
     """Threads of each engine rank of a service on this host (torch's and the CPU kernels'): `cpu_threads`
     (--cpu-threads) or OMP_NUM_THREADS where given, else this host's cores less one, which the service's
     front ends (its gRPC process, the router, an HTTP server) get: an engine step that runs on every core
-    waits for whichever thread a front end has preempted (measured on 2 cores: 64 served streams 1,856 →
-    2,026 tok/s, 16 streams 1,056 → 1,447). Shared out among the host's ranks, at least one each."""
+    waits for whichever thread a front end has preempted (measured on 2 cores: 16 / 64 served streams 1,056 /
+    1,856 → 1,252 / 2,021 tok/s). Shared out among the host's ranks, at least one each."""
     total = cpu_threads
     if total <= 0 and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         total = int(os.environ["OMP_NUM_THREADS"])

@@ -56,6 +56,15 @@ static inline v8 splat(float f) { v8 r = {f, f, f, f, f, f, f, f}; return r; }
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
+/* One value of a bf16 or fp32 array as fp32. */
+static inline float widen(const void *p, int bf16, int64_t k) {
+    if (!bf16) return ((const float *)p)[k];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[k] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* Eight bf16 values as fp32 (exact: the bits moved up). */
 static inline v8 bf16x8(const uint8_t *p) {
 #if defined(__AVX2__)
@@ -519,22 +528,13 @@ static float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* One weight, fp32 or bf16. */
-static inline float wget(const void *w, int bf16, int64_t i) {
-    if (!bf16) return ((const float *)w)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* dot() of weight row w[off:off + n] (fp32 or bf16) and b: the same operations, the same bits. */
 static float wdot(const void *w, int bf16, int64_t off, const float *b, int64_t n) {
     v8 acc = {0};
     int64_t d = 0;
     for (; d + DW <= n; d += DW) acc = vfma(wload(w, bf16, off + d), LOAD(b + d), acc);
     float s = hsum8(acc);
-    for (; d < n; d++) s = fmaf(wget(w, bf16, off + d), b[d], s);
+    for (; d < n; d++) s = fmaf(widen(w, bf16, off + d), b[d], s);
     return s;
 }
 
@@ -721,14 +721,6 @@ int32_t moe_routed(const float *x, int64_t n, int64_t dim, const void *gate_w, c
 }
 
 /* ---- RMSNorm: y = w * (x / rms(x)), the normalized x rounded to x's dtype before the weight ---- */
-
-static inline float widen(const void *p, int bf16, int64_t k) {
-    if (!bf16) return ((const float *)p)[k];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[k] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static inline uint16_t narrow(float f) {  /* fp32 -> bf16 bits, round to nearest even (as torch) */
     uint32_t u;
