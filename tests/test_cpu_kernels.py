@@ -216,11 +216,11 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
             assert err <= (1e-5 if dtype == torch.float32 else 2 ** -7) * want.float().abs().max().item(), err
 
 
-def test_fused_moe_reads_a_bf16_models_weights_in_place(portable):
-    """A bf16 model's MoE (weights bf16, as it keeps them on CPUs with bf16 arithmetic) takes the fused kernel
-    for its generated rows, the weights widened in registers: the bits of the same kernel over fp32 copies of
-    them (the form CPUs without bf16 arithmetic keep), the portable bf16 path's output within two
-    rounding steps."""
+def test_a_bf16_models_moe_keeps_the_portable_path(portable):
+    """A bf16 model's MoE (weights bf16, as it keeps them on CPUs with bf16 arithmetic) computes its generated
+    rows with the portable grouped matmuls, as EP ranks do (they never fuse): bit for bit the portable path,
+    so a decode does not depend on the instance shape that serves it (tests/test_selective.py and
+    tests/test_mtp_served.py compare a DP2/EP2 decode with a one-rank engine)."""
     from shared.config import ModelConfig
     from shared.loader.tiny import make_config
     from shared.model.moe import MoE
@@ -232,32 +232,14 @@ def test_fused_moe_reads_a_bf16_models_weights_in_place(portable):
     for p in moe.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     weights = moe.fused_weights()
-    assert weights is not None and weights.gate_up.dtype == torch.bfloat16
-    calls = []
-    real = cpu_kernels.moe_routed
-
-    def counting(x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
+    assert weights is not None and not cpu_kernels.moe_usable(torch.zeros(1, cfg.hidden_size).bfloat16(),
+                                                              weights.gate_up, weights.down)
     with torch.inference_mode():
         x = torch.randn(13, cfg.hidden_size, generator=gen).bfloat16()
         portable(True)
         want = moe(x)
         portable(False)
-        cpu_kernels.moe_routed = counting
-        try:
-            got = moe(x, 9)
-        finally:
-            cpu_kernels.moe_routed = real
-        w = weights
-        copies = real(x[:9], w.gate.float(), w.bias, w.n_group, w.topk_group, w.top_k, w.norm_topk_prob, w.scaling,
-                      w.gate_up.float(), w.down.float(), tuple(t.float() for t in w.shared))[0]
-    assert calls == [9]
-    assert torch.equal(got[:9], copies.bfloat16())
-    assert torch.equal(got[9:], want[9:])  # prompt rows: the portable path
-    # sums in another order under five bf16 roundings (gate, up, product, expert output, weighted sum)
-    assert (got.float() - want.float()).abs().max() <= 2**-6 * want.float().abs().max()
+        assert torch.equal(moe(x, 9), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

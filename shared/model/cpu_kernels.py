@@ -148,7 +148,7 @@ def _build() -> ctypes.CDLL | None:
     lib.topk_rows.restype = None
     f32, i32 = ctypes.c_float, ctypes.c_int32
     lib.moe_routed.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i64, i32,
-                               ptr, ptr, ptr, i64, i32, ptr, ptr, i32]
+                               ptr, ptr, ptr, i64, ptr, ptr, i32]
     lib.moe_routed.restype = ctypes.c_int32
     lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32, i32]
     lib.rms_norm.restype = None
@@ -334,11 +334,11 @@ def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def moe_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether the fused MoE can take these rows: host rows in bf16/fp32 and contiguous weights, all fp32 or all
-    bf16 (a bf16 model's own, widened in registers)."""
-    return (x.dtype in (torch.bfloat16, torch.float32) and len({w.dtype for w in weights}) == 1
-            and weights[0].dtype in (torch.bfloat16, torch.float32)
-            and all(w.is_contiguous() for w in weights) and _runnable(x, *weights))
+    """Whether the fused MoE can take these rows: host rows in bf16/fp32 and contiguous fp32 weights. A bf16
+    model's bf16 weights (kept so on CPUs with bf16 arithmetic) keep the portable grouped matmuls, as EP ranks
+    do: a decode is then the same bits in every instance shape (the kernel's sums would round differently)."""
+    return (x.dtype in (torch.bfloat16, torch.float32)
+            and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights) and _runnable(x, *weights))
 
 
 def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
@@ -349,8 +349,7 @@ def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n
     normalized unbiased weights × scaling), the picked experts gate_up [E, 2I, D] / down [E, D, I] (each
     expert's output rounded to x's dtype before the weighted sum, as moe.Experts does) and, given as
     (gate [Is, D], up [Is, D], down [D, Is]), the shared expert with layers.MLP's roundings. Returns
-    (fp32 [N, D], picked expert ids [N, top_k]). Call only where moe_usable() holds for x and every weight
-    (the router's bias aside: any dtype)."""
+    (fp32 [N, D], picked expert ids [N, top_k]). Call only where moe_usable() holds for x and every weight."""
     n, dim = x.shape
     experts, two_inter, _ = gate_up.shape
     shared_inter = shared[0].shape[0] if shared is not None else 0
@@ -372,8 +371,7 @@ def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n
         library().moe_routed(rows[r0].data_ptr(), m, dim, gate_weight.data_ptr(), bias.data_ptr(), experts, n_group,
                              topk_group, top_k, int(norm_topk_prob), scaling, gate_up.data_ptr(), down.data_ptr(),
                              two_inter // 2, int(x.dtype == torch.bfloat16), sg, su, sd, shared_inter,
-                             int(gate_up.dtype == torch.bfloat16), y[r0].data_ptr(), ids[r0].data_ptr(),
-                             torch.get_num_threads())
+                             y[r0].data_ptr(), ids[r0].data_ptr(), torch.get_num_threads())
     return y, ids
 
 

@@ -77,12 +77,6 @@ static inline v8 bf16x8(const uint8_t *p) {
 #endif
 }
 
-/* Weights stored fp32 or bf16 (a bf16 model's, widened exactly in registers: the same products as its fp32
-   copies'). */
-static inline v8 wload(const void *w, int bf16, int64_t i) {
-    return bf16 ? bf16x8((const uint8_t *)w + 2 * i) : LOAD((const float *)w + i);
-}
-
 /* How pool rows are stored: fp32 or bf16 rows as they are, or C8 MLA rows (shared.kvcache.layout.Int8LatentRows,
    bytes: int8 latent [latent] | fp32 scale per `group` latent dims [groups] | bf16 rope key [rope]). */
 enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_C8 = 2 };
@@ -297,7 +291,7 @@ int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
                slot_row, counts, mask, scale, out_dim, out, threads);
 }
 
-/* ---- Lightning-indexer scores over C8 keys (shared.kvcache.layout.Fp8KeyRows) ---- */
+/* ---- Lightning-indexer scores over the cached keys (fp32, bf16 or C8's FP8) ---- */
 
 #define KT 64    /* keys decoded per tile, shared by the queries of a run */
 #define IH 4     /* indexer heads per register block */
@@ -519,35 +513,26 @@ static inline float hsum8(v8 a) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
-static float dot(const float *a, const float *b, int64_t n) {
+/* The dot product of weight row w[off:off + n] and b: fused multiply-adds in 8 lanes, summed in hsum8's order,
+   then the tail in order. */
+static float dot(const float *w, int64_t off, const float *b, int64_t n) {
     v8 acc = {0};
     int64_t d = 0;
-    for (; d + DW <= n; d += DW) acc = vfma(LOAD(a + d), LOAD(b + d), acc);
+    for (; d + DW <= n; d += DW) acc = vfma(LOAD(w + off + d), LOAD(b + d), acc);
     float s = hsum8(acc);
-    for (; d < n; d++) s = fmaf(a[d], b[d], s);
+    for (; d < n; d++) s = fmaf(w[off + d], b[d], s);
     return s;
 }
 
-/* dot() of weight row w[off:off + n] (fp32 or bf16) and b: the same operations, the same bits. */
-static float wdot(const void *w, int bf16, int64_t off, const float *b, int64_t n) {
-    v8 acc = {0};
-    int64_t d = 0;
-    for (; d + DW <= n; d += DW) acc = vfma(wload(w, bf16, off + d), LOAD(b + d), acc);
-    float s = hsum8(acc);
-    for (; d < n; d++) s = fmaf(widen(w, bf16, off + d), b[d], s);
-    return s;
-}
-
-/* out[o][q] = wdot(w, bf16, w_off[o], x[q], k) for two weight rows and four input rows (k % DW == 0) in one
-   pass: each weight chunk loaded once for the four rows, eight independent sums in registers, each summed in
-   hsum8's order (sum4): the bits of wdot() one row at a time. */
-static inline __attribute__((always_inline)) void tile_2x4(const void *w, int bf16, const int64_t w_off[2],
-                                                            const float *const x[4], int64_t k, float out[2][4]) {
+/* out[o][q] = dot(w, w_off[o], x[q], k) for two weight rows and four input rows (k % DW == 0) in one pass: each
+   weight chunk loaded once for the four rows, eight independent sums in registers, each summed in hsum8's
+   order (sum4): the bits of dot() one row at a time. */
+static void tile_2x4(const float *w, const int64_t w_off[2], const float *const x[4], int64_t k, float out[2][4]) {
     /* named accumulators: GCC keeps a 2-D array of them in memory (measured: half the speed) */
     v8 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
     const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
     for (int64_t d = 0; d < k; d += DW) {
-        v8 wv0 = wload(w, bf16, w_off[0] + d), wv1 = wload(w, bf16, w_off[1] + d);
+        v8 wv0 = LOAD(w + w_off[0] + d), wv1 = LOAD(w + w_off[1] + d);
         v8 xv0 = LOAD(x0 + d), xv1 = LOAD(x1 + d), xv2 = LOAD(x2 + d), xv3 = LOAD(x3 + d);
         a00 = vfma(wv0, xv0, a00); a01 = vfma(wv0, xv1, a01); a02 = vfma(wv0, xv2, a02); a03 = vfma(wv0, xv3, a03);
         a10 = vfma(wv1, xv0, a10); a11 = vfma(wv1, xv1, a11); a12 = vfma(wv1, xv2, a12); a13 = vfma(wv1, xv3, a13);
@@ -568,11 +553,11 @@ static float round_bf16(float f) {  /* round to nearest even at bf16 precision, 
 /* DeepSeek's router for one row (spec 7.2): s = sigmoid(x.Wg); choose by s + bias within the
    topk_group groups of best top-2 sums; weights are the unbiased s of the picks, normalized, x scaling.
    Ties go to the lower index. */
-static void route(const float *x, int64_t dim, const void *gate_w, int w_bf16, const float *bias, int64_t experts,
+static void route(const float *x, int64_t dim, const float *gate_w, const float *bias, int64_t experts,
                   int64_t n_group, int64_t topk_group, int64_t top_k, int norm, float scaling,
                   float *score, float *biased, int64_t *ids, float *wts) {
     for (int64_t e = 0; e < experts; e++) {
-        score[e] = 1.f / (1.f + expf(-wdot(gate_w, w_bf16, e * dim, x, dim)));
+        score[e] = 1.f / (1.f + expf(-dot(gate_w, e * dim, x, dim)));
         biased[e] = score[e] + bias[e];
     }
     if (n_group > 1) {
@@ -613,7 +598,7 @@ static void route(const float *x, int64_t dim, const void *gate_w, int w_bf16, c
 /* out[q, r] = W[e, r, :] . in[q, :] for the picks q of expert e (rows of W in blocks of RB): each
    weight row is read once for all the picks that use it. */
 #define RB 16
-static void expert_gemm(const void *w, int w_bf16, int64_t rows, int64_t cols, const int64_t *order,
+static void expert_gemm(const float *w, int64_t rows, int64_t cols, const int64_t *order,
                         const int64_t *start, const int64_t *active, int64_t num_active, const float *in,
                         int64_t in_ld, float *out, int64_t out_ld, int threads) {
     int64_t blocks = (rows + RB - 1) / RB;
@@ -627,14 +612,13 @@ static void expert_gemm(const void *w, int w_bf16, int64_t rows, int64_t cols, c
                 const float *x[4];
                 float sums[2][4];
                 for (int q = 0; q < 4; q++) x[q] = in + order[k + q] * in_ld;
-                if (w_bf16) tile_2x4(w, 1, off, x, cols, sums);  /* the weight format constant in each copy */
-                else tile_2x4(w, 0, off, x, cols, sums);
+                tile_2x4(w, off, x, cols, sums);
                 for (int o = 0; o < 2 && r + o < r1; o++)
                     for (int q = 0; q < 4; q++) out[order[k + q] * out_ld + r + o] = sums[o][q];
             }
             for (; k < start[e + 1]; k++)
                 for (int o = 0; o < 2 && r + o < r1; o++)
-                    out[order[k] * out_ld + r + o] = wdot(w, w_bf16, off[o], in + order[k] * in_ld, cols);
+                    out[order[k] * out_ld + r + o] = dot(w, off[o], in + order[k] * in_ld, cols);
         }
     }
 }
@@ -642,20 +626,20 @@ static void expert_gemm(const void *w, int w_bf16, int64_t rows, int64_t cols, c
 /* The shared expert, as layers.MLP computes it in a bf16 model when round_out (every linear's output and
    every elementwise result rounded to bf16): adds round(down . (round(silu(round(gate . x))) * round(up . x)))
    to y. gate/up [I, D], down [D, I]. */
-static void shared_expert(const float *x, int64_t n, int64_t dim, const void *gate, const void *up,
-                          const void *down, int w_bf16, int64_t inter, int round_out, float *y, int threads) {
+static void shared_expert(const float *x, int64_t n, int64_t dim, const float *gate, const float *up,
+                          const float *down, int64_t inter, int round_out, float *y, int threads) {
     float *g = xmalloc(sizeof(float) * n * inter), *u = xmalloc(sizeof(float) * n * inter);
     float *o = xmalloc(sizeof(float) * n * dim);
     int64_t *order = xmalloc(sizeof(int64_t) * n), start[2] = {0, n}, active[1] = {0};
     for (int64_t i = 0; i < n; i++) order[i] = i;
-    expert_gemm(gate, w_bf16, inter, dim, order, start, active, 1, x, dim, g, inter, threads);
-    expert_gemm(up, w_bf16, inter, dim, order, start, active, 1, x, dim, u, inter, threads);
+    expert_gemm(gate, inter, dim, order, start, active, 1, x, dim, g, inter, threads);
+    expert_gemm(up, inter, dim, order, start, active, 1, x, dim, u, inter, threads);
     for (int64_t k = 0; k < n * inter; k++) {
         float gv = round_out ? round_bf16(g[k]) : g[k], uv = round_out ? round_bf16(u[k]) : u[k];
         float s = gv / (1.f + expf(-gv));
         g[k] = round_out ? round_bf16(round_bf16(s) * uv) : s * uv;
     }
-    expert_gemm(down, w_bf16, dim, inter, order, start, active, 1, g, inter, o, dim, threads);
+    expert_gemm(down, dim, inter, order, start, active, 1, g, inter, o, dim, threads);
     for (int64_t k = 0; k < n * dim; k++) y[k] += round_out ? round_bf16(o[k]) : o[k];
     free(g); free(u); free(o); free(order);
 }
@@ -663,13 +647,12 @@ static void shared_expert(const float *x, int64_t n, int64_t dim, const void *ga
 /* y[i] = sum_j w_ij * round?(down_e . (silu(gate_e . x_i) * (up_e . x_i))) over the top_k experts e the
    router picks for row i (fp32; round_out rounds each expert's output to bf16 first, as a bf16 model's
    experts do), plus the shared expert when shared_gate is given. gate_up [E, 2I, D] (gate rows first),
-   down [E, D, I]; every weight but the bias fp32, or every one bf16 (w_bf16). ids_out [n, top_k] gets the
-   picks. */
-int32_t moe_routed(const float *x, int64_t n, int64_t dim, const void *gate_w, const float *bias,
+   down [E, D, I]. ids_out [n, top_k] gets the picks. */
+int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, const float *bias,
                    int64_t experts, int64_t n_group, int64_t topk_group, int64_t top_k, int32_t norm,
-                   float scaling, const void *gate_up, const void *down, int64_t inter, int32_t round_out,
-                   const void *shared_gate, const void *shared_up, const void *shared_down, int64_t shared_inter,
-                   int32_t w_bf16, float *y, int64_t *ids_out, int32_t threads) {
+                   float scaling, const float *gate_up, const float *down, int64_t inter, int32_t round_out,
+                   const float *shared_gate, const float *shared_up, const float *shared_down, int64_t shared_inter,
+                   float *y, int64_t *ids_out, int32_t threads) {
     int64_t picks = n * top_k;
     float *wts = xmalloc(sizeof(float) * picks);
     float *gu = xmalloc(sizeof(float) * picks * 2 * inter);
@@ -682,7 +665,7 @@ int32_t moe_routed(const float *x, int64_t n, int64_t dim, const void *gate_w, c
         float *score = xmalloc(sizeof(float) * experts), *biased = xmalloc(sizeof(float) * experts);
         #pragma omp for
         for (int64_t i = 0; i < n; i++)
-            route(x + i * dim, dim, gate_w, w_bf16, bias, experts, n_group, topk_group, top_k, norm, scaling,
+            route(x + i * dim, dim, gate_w, bias, experts, n_group, topk_group, top_k, norm, scaling,
                   score, biased, ids_out + i * top_k, wts + i * top_k);
         free(score); free(biased);
     }
@@ -698,13 +681,13 @@ int32_t moe_routed(const float *x, int64_t n, int64_t dim, const void *gate_w, c
     /* the gemms address inputs by pick: row p of x is x[p / top_k] */
     float *xp = xmalloc(sizeof(float) * picks * dim);
     for (int64_t p = 0; p < picks; p++) memcpy(xp + p * dim, x + (p / top_k) * dim, sizeof(float) * dim);
-    expert_gemm(gate_up, w_bf16, 2 * inter, dim, order, start, active, num_active, xp, dim, gu, 2 * inter, threads);
+    expert_gemm(gate_up, 2 * inter, dim, order, start, active, num_active, xp, dim, gu, 2 * inter, threads);
     for (int64_t p = 0; p < picks; p++)
         for (int64_t c = 0; c < inter; c++) {
             float g = gu[p * 2 * inter + c];
             act[p * inter + c] = g / (1.f + expf(-g)) * gu[p * 2 * inter + inter + c];
         }
-    expert_gemm(down, w_bf16, dim, inter, order, start, active, num_active, act, inter, o, dim, threads);
+    expert_gemm(down, dim, inter, order, start, active, num_active, act, inter, o, dim, threads);
     for (int64_t i = 0; i < n; i++)
         for (int64_t d = 0; d < dim; d++) {
             float acc = 0.f;
@@ -714,8 +697,7 @@ int32_t moe_routed(const float *x, int64_t n, int64_t dim, const void *gate_w, c
             }
             y[i * dim + d] = acc;
         }
-    if (shared_gate)
-        shared_expert(x, n, dim, shared_gate, shared_up, shared_down, w_bf16, shared_inter, round_out, y, threads);
+    if (shared_gate) shared_expert(x, n, dim, shared_gate, shared_up, shared_down, shared_inter, round_out, y, threads);
     free(wts); free(gu); free(act); free(o); free(order); free(start); free(active); free(xp);
     return 0;
 }
@@ -950,12 +932,13 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
             for (; i + 4 <= n && k % DW == 0; i += 4) {
                 const float *rows[4] = {xf + i * k, xf + (i + 1) * k, xf + (i + 2) * k, xf + (i + 3) * k};
                 float sums[2][4];
-                tile_2x4(w, 0, off, rows, k, sums);
+                tile_2x4(w, off, rows, k, sums);
                 for (int o = 0; o < 2 && r + o < r1; o++)
                     for (int q = 0; q < 4; q++) put(y, x_bf16, (i + q) * m + r + o, sums[o][q]);
             }
             for (; i < n; i++)
-                for (int o = 0; o < 2 && r + o < r1; o++) put(y, x_bf16, i * m + r + o, dot(w + off[o], xf + i * k, k));
+                for (int o = 0; o < 2 && r + o < r1; o++)
+                    put(y, x_bf16, i * m + r + o, dot(w, off[o], xf + i * k, k));
         }
     }
     free(xf);
