@@ -776,6 +776,20 @@ static inline float e4m3_round(float v) {
     return v;
 }
 
+/* DeepSeek's ue8m0 scale of a block whose largest magnitude is amax: 2^ceil(log2(max(amax, 1e-4) / 448)), the
+   ceiling taken exactly (amax / 448 = m * 2^e with m in [0.5, 1)). */
+static inline float ue8m0_scale(float amax) {
+    int e;
+    float m = frexpf((amax > 1e-4f ? amax : 1e-4f) / 448.f, &e);
+    return ldexpf(1.f, m == 0.5f ? e - 1 : e);
+}
+
+/* x / scale clamped to +-448 and rounded to FP8 e4m3 (as fp32): act_quant_ue8m0's value before its scale. */
+static inline float e4m3_scaled(float x, float scale) {
+    float v = x / scale;
+    return e4m3_round(v > 448.f ? 448.f : v < -448.f ? -448.f : v);
+}
+
 /* Rows [n, heads, dim] of x (strides xs_row, xs_head in elements; the last dim contiguous; bf16 or fp32, and
    y the same dtype, contiguous [n, heads, dim]) as the indexer's Indexer._quantize(_rope(x)) computes them:
    the first rope_dim values rotated (NeoX halves, cos/sin [n, rope_dim], as rope_row), then, with `quantize`,
@@ -805,16 +819,10 @@ void index_rows(const void *x, int64_t xs_row, int64_t xs_head, int32_t bf16, in
                         }
                 for (int64_t d = 0; d < dim; d++) row[d] = bf16 ? round_bf16(row[d] * norm) : row[d] * norm;
                 for (int64_t b = 0; b < dim; b += block) {
-                    float amax = 1e-4f;
+                    float amax = 0.f;
                     for (int64_t d = b; d < b + block; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
-                    int e;  /* the scale: the least power of two >= amax / 448, exactly (ceil of log2) */
-                    float m = frexpf(amax / 448.f, &e);  /* amax / 448 = m * 2^e, m in [0.5, 1) */
-                    float scale = ldexpf(1.f, m == 0.5f ? e - 1 : e);
-                    for (int64_t d = b; d < b + block; d++) {
-                        float v = row[d] / scale;
-                        v = v > 448.f ? 448.f : v < -448.f ? -448.f : v;
-                        row[d] = e4m3_round(v) * scale;
-                    }
+                    float scale = ue8m0_scale(amax);
+                    for (int64_t d = b; d < b + block; d++) row[d] = e4m3_scaled(row[d], scale) * scale;
                 }
             }
             for (int64_t d = 0; d < dim; d++) put(y, bf16, r * dim + d, row[d]);
@@ -832,18 +840,15 @@ int32_t index_key_write_fp8(const void *x, int32_t bf16, int64_t n, int64_t dim,
     int32_t bad = 0;
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) { bad = 1; continue; }
-        float amax = 1e-4f;
+        float amax = 0.f;
         for (int64_t d = 0; d < dim; d++) {
             float a = fabsf(widen(x, bf16, i * dim + d));
             amax = a > amax ? a : amax;
         }
-        int e;
-        float m = frexpf(amax / 448.f, &e);
-        float scale = ldexpf(1.f, m == 0.5f ? e - 1 : e);
+        float scale = ue8m0_scale(amax);
         uint8_t *dst = pool + slots[i] * width;
         for (int64_t d = 0; d < dim; d++) {
-            float v = widen(x, bf16, i * dim + d) / scale;
-            v = e4m3_round(v > 448.f ? 448.f : v < -448.f ? -448.f : v);
+            float v = e4m3_scaled(widen(x, bf16, i * dim + d), scale);
             uint32_t u;
             memcpy(&u, &v, sizeof u);
             float a = fabsf(v);
