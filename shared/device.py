@@ -189,6 +189,7 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> 
     return out
 
 
+_INT_MM_MIN_ROWS = 32  # CUDA's _int_mm needs more than 16 rows: fewer are padded to this many zero-filled rows
 _INT8_PACK_MAX_ROWS = 64  # CUDA's small shapes: the int8-weight kernel while rows are few; above, fp32 tiles
 _INT8_TILE_ELEMS = 1 << 24  # fp32 weight tile of the large-batch CPU path: 64 MiB, whatever the weight
 
@@ -203,13 +204,15 @@ def int8_matmul(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.
     """W8A8 product (xq · wqᵀ) · sx · sw in fp32 for int8 xq [M, K] with per-row scales sx [M, 1] and int8
     wq [N, K] with per-channel scales sw [N].
 
-    * CUDA: `torch._int_mm` (int8 × int8 → int32, exact) when its shape rules hold.
+    * CUDA: `torch._int_mm` (int8 × int8 → int32, exact) when K and N are multiples of 8; fewer than 17 rows are
+      padded with zero rows to its minimum (a lent H100 showed the bf16-rounded path below made W8A8 decode
+      tokens differ from the CPU's and depend on the batch).
     * Ascend: `torch_npu.npu_quant_matmul` with the per-token scale (not exercised on this CI).
     * CPU: `torch._int_mm` (oneDNN's int8 GEMM: exact int32 sums, any shape, no widened weight copy). The CPU
       kernels (shared.model.int8_kernels) give the same bits with the quantization fused in; this is the path
       without them (no compiler, kernels off, torch.compile, TP shards). Exact sums make a row's result
       independent of how many rows share the call (a prompt gives the same tokens chunked or whole).
-    * CUDA outside _int_mm's shape rules: few rows → `torch._weight_int8pack_mm` on the int8 values held in
+    * CUDA with K or N not a multiple of 8: few rows → `torch._weight_int8pack_mm` on the int8 values held in
       bf16 (exact: |q| ≤ 127) with fp32 accumulation, its result rounded to bf16 once; many rows → the int8
       weight widened to fp32 in bounded row tiles, the integer sums rounded to bf16 the same way.
     """
@@ -218,8 +221,10 @@ def int8_matmul(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.
     dev = xq.device.type
     if dev == _CPU:
         return torch._int_mm(xq, wq.t()).float() * sx * sw
-    if dev == _CUDA and m > 16 and k % 8 == 0 and n % 8 == 0:
-        return torch._int_mm(xq, wq.t()).float() * sx * sw
+    if dev == _CUDA and k % 8 == 0 and n % 8 == 0:
+        pad = _INT_MM_MIN_ROWS - m
+        xp = torch.cat([xq, xq.new_zeros(pad, k)]) if pad > 0 else xq
+        return torch._int_mm(xp, wq.t())[:m].float() * sx * sw
     if dev == _NPU:  # pragma: no cover - needs Ascend CANN
         import torch_npu
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import shared.model.int8_kernels as int8_kernels
+from shared.device import accelerator, int8_matmul
 from shared.quant.int8 import grouped_w8a8, quantize_activation, quantize_weight
 
 # W8A8 logits vs the fp32 model on the tiny random model (near-flat logits, so the bound is on the cosine and
@@ -271,3 +272,18 @@ def test_w8a8_model_logits_against_fp32_and_the_portable_path(tmp_path, monkeypa
             # by 0 to 0.0054 (0.4% of the largest logit) as the near-ties of that rounding come and go
             cos = F.cosine_similarity(got.flatten(), portable.flatten(), dim=0).item()
             assert cos >= 0.9999 and (got - portable).abs().max() <= 0.02 * portable.abs().max()
+
+
+@pytest.mark.skipif(accelerator() is None, reason="needs an accelerator")
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64])
+def test_accelerator_w8a8_matmul_is_exact_at_every_row_count(m):
+    """A decode step's few rows on the accelerator get the host's exact int32 sums: the same bits, so a row's
+    result does not depend on its batch (a lent H100 once rounded few-row sums to bf16)."""
+    dev = accelerator()
+    g = _gen(m)
+    x, w = _int8((m, 256), g, low=-128), _int8((48, 256), g)
+    x[-1], w[0] = 127, 127  # the largest sums: beyond bf16's 8-bit mantissa
+    sx, sw = torch.rand(m, 1, generator=g) + 1e-3, torch.rand(48, generator=g) + 1e-3
+    want = int8_matmul(x, sx, w, sw)
+    got = int8_matmul(x.to(dev), sx.to(dev), w.to(dev), sw.to(dev)).cpu()
+    assert torch.equal(got, want)
