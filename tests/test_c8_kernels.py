@@ -250,6 +250,31 @@ def test_c8_index_keys_are_written_as_the_codec_encodes_them(kernels, dtype):
     assert not cpu_kernels.index_key_write(keys[:, :64], pool, slots, codec)  # another width
 
 
+def test_every_fp8_key_byte_is_read_exactly(monkeypatch, tmp_path):
+    """Each of the 254 e4m3 bytes a C8 key can hold (all but NaN: subnormals, ±0, ±448) is read as its exact value
+    by the native build (F16C's converter where the CPU has it) and by the SSE2-only build (integer arithmetic):
+    one-hot queries of either sign (ReLU keeps one sign each) against keys holding the byte in every dimension."""
+    dim = 128
+    codec = Fp8KeyRows(dim)
+    values = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    pool = torch.zeros(1, len(values), codec.width, dtype=torch.uint8)
+    pool[0, :, :dim] = values[:, None]
+    pool[0, :, dim:] = torch.ones(len(values), 1).view(torch.uint8)  # scale 1.0
+    want = values.view(torch.float8_e4m3fn).float()
+    q = torch.zeros(2, 1, dim)
+    q[0, 0, 5], q[1, 0, 77] = 1.0, -1.0
+    one_row = torch.zeros(2, dtype=torch.long)
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    for arch in (None, "x86-64"):
+        if arch:
+            monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
+        monkeypatch.setattr(cpu_kernels, "_tried", False)
+        monkeypatch.setattr(cpu_kernels, "_library", None)
+        got = cpu_kernels.index_scores(q, torch.ones(2, 1), pool, codec, torch.zeros(1, 1, dtype=torch.long),
+                                       len(values), one_row, torch.full((2,), len(values)), len(values), 1.0)
+        assert torch.equal(got[0], want.clamp(min=0)) and torch.equal(got[1], (-want).clamp(min=0)), arch
+
+
 def test_portable_c_build_and_disabled_kernels(monkeypatch, tmp_path):
     """PDSERVE_KERNEL_ARCH=x86-64 (SSE2 only: no AVX, no FMA unit) builds the same kernels, with the same
     results; PDSERVE_CPU_KERNELS=0 takes the torch path (nothing usable)."""

@@ -318,22 +318,27 @@ static inline v4 sum4(v8 a, v8 b, v8 c, v8 d) {
 }
 typedef uint8_t v8b __attribute__((vector_size(8)));
 
-/* Eight FP8 e4m3 bytes as fp32, exactly and without branches: exponent and mantissa moved to fp32's places and
-   rebiased (7 -> 127); subnormals (exponent 0) are mantissa * 2^-9; the sign bit moved. The codec never stores
-   NaN (it saturates at 448). */
+/* Eight FP8 e4m3 bytes as fp32, exactly and without branches. With F16C: each byte sign-extended to 16 bits and
+   shifted by 7 puts its exponent and mantissa in fp16's places and a copy of the sign in bit 15 (bit 14, another
+   copy, cleared): an fp16 of the value times 2^-8 (e4m3's subnormals fp16's), widened by the converter (exact,
+   whatever the denormal mode) and scaled back by an exact multiply. Elsewhere the same values by integer
+   arithmetic: exponent and mantissa moved to fp32's places and rebiased (7 -> 127), subnormals (exponent 0)
+   mantissa * 2^-9, the sign bit moved. The codec never stores NaN (it saturates at 448). */
 static inline v8 e4m3x8(const uint8_t *p) {
-#if defined(__AVX2__)
-    v8i x = (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));  /* GCC scalarizes the generic form */
+#if defined(__AVX2__) && defined(__F16C__)
+    __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i half = _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16((short)0xbf80));
+    return (v8)_mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
 #else
     v8b bytes;
     memcpy(&bytes, p, sizeof bytes);
     v8i x = __builtin_convertvector(bytes, v8i);
-#endif
     v8i m = x & 0x7f;
     v8i normal = (m << 20) + (120 << 23);
     v8 sub = __builtin_convertvector(m, v8) * splat(0x1p-9f);
     v8i is_normal = m >= 8;  /* all ones where true */
     return (v8)((is_normal & normal) | (~is_normal & (v8i)sub) | ((x & 0x80) << 24));
+#endif
 }
 
 /* Index keys as the kernel reads them: fp32 or bf16 values as they are (the pool's `PlainRows`), or C8
