@@ -120,17 +120,121 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
 }
 
+/* The rows of the context positions [t0, t0 + TILE) of table row trow that count (below `count`, kept by the
+   mask), in place: how many. A position naming no block or a slot outside the pool sets *bad and is skipped. */
+static inline int tile_rows(const void *pool, const RowFormat *fmt, int64_t row_stride, int64_t num_slots,
+                            const int64_t *trow, int64_t bs, const uint8_t *mrow, int64_t t0, int64_t count,
+                            const void **rows, int32_t *bad) {
+    int64_t end = count - t0 < TILE ? count - t0 : TILE;
+    int used = 0;
+    for (int64_t j = 0; j < end; j++) {
+        int64_t t = t0 + j;
+        if (mrow && !mrow[t]) continue;
+        int64_t slot = trow[t / bs] * bs + t % bs;
+        if (trow[t / bs] < 0 || slot >= num_slots) {
+            *bad = 1;
+            continue;
+        }
+        rows[used++] = (const char *)pool + slot * row_stride * fmt->elem;
+    }
+    return used;
+}
+
+/* The context tiles of one query (its heads padded to hp, in qp): the running max, sum and p.V accumulators
+   (mx, sum, acc) over the count positions of table row trow. `tiles` holds two tiles' row pointers: the next
+   tile's are found first and their cache lines asked for two rows at a time while this tile's scores are
+   computed (rows sit in scattered blocks, past what the hardware prefetcher follows; all of a tile asked for at
+   once waited on the few misses a core keeps in flight). Its own always-inlined function, called with a
+   constant row format: the outlined OpenMP region would otherwise get one copy of the loops that tests the
+   format at every 8-value step. */
+static inline __attribute__((always_inline)) void
+attend_tiles(const float *qp, int64_t hp, int64_t dim, const void *pool, const RowFormat *fmt, int64_t row_stride,
+             int64_t num_slots, const int64_t *trow, int64_t bs, const uint8_t *mrow, int64_t count, float scale,
+             int64_t out_dim, float *acc, float *mx, float *sum, float *score, const void **tiles, int32_t *bad,
+             const int kind) {
+    int cur = 0;
+    int used = tile_rows(pool, fmt, row_stride, num_slots, trow, bs, mrow, 0, count, tiles, bad);
+    for (int64_t t0 = 0; t0 < count; t0 += TILE, cur ^= 1) {
+        const void **rows = tiles + cur * TILE, **next = tiles + (cur ^ 1) * TILE;
+        int next_used = t0 + TILE < count
+            ? tile_rows(pool, fmt, row_stride, num_slots, trow, bs, mrow, t0 + TILE, count, next, bad) : 0;
+        if (!used) { used = next_used; continue; }
+        for (int64_t h0 = 0; h0 < hp; h0 += HB) {
+            /* scores of HB heads against the tile's rows, two rows at a time: each query chunk loaded
+               once for two rows, each row chunk once for HB heads (a row's sums are the same alone) */
+            for (int j = 0; j < used; j += 2) {
+                const void *r0 = rows[j], *r1 = rows[j + 1 < used ? j + 1 : j];
+                for (int f = j; h0 == 0 && f < j + 2 && f < next_used; f++) prefetch_row(next[f], fmt->bytes);
+                v8 part[2][HB] = {{{0}}};
+                for (int64_t d0 = 0; d0 < dim; d0 += DW) {
+                    v8 rv0 = row_load(r0, kind, fmt, d0), rv1 = row_load(r1, kind, fmt, d0);
+                    for (int hh = 0; hh < HB; hh++) {
+                        v8 qv = LOAD(qp + (h0 + hh) * dim + d0);
+                        part[0][hh] = vfma(qv, rv0, part[0][hh]);
+                        part[1][hh] = vfma(qv, rv1, part[1][hh]);
+                    }
+                }
+                for (int jj = 0; jj < 2 && j + jj < used; jj++)
+                    for (int hh = 0; hh < HB; hh++) {
+                        float sc = 0.f;
+                        for (int dd = 0; dd < DW; dd++) sc += part[jj][hh][dd];
+                        score[(h0 + hh) * TILE + j + jj] = sc * scale;
+                    }
+            }
+            /* online softmax: rescale what was accumulated if the running max grew */
+            for (int hh = 0; hh < HB; hh++) {
+                int64_t h = h0 + hh;
+                float *sh = score + h * TILE, tile_max = -INFINITY;
+                for (int j = 0; j < used; j++) tile_max = sh[j] > tile_max ? sh[j] : tile_max;
+                float new_max = tile_max > mx[h] ? tile_max : mx[h];
+                float alpha = expf(mx[h] - new_max);  /* 0 on the first tile */
+                if (alpha != 1.f) {
+                    float *ah = acc + h * out_dim;
+                    for (int64_t c = 0; c < out_dim; c++) ah[c] *= alpha;
+                }
+                sum[h] *= alpha;
+                mx[h] = new_max;
+                for (int j = 0; j < used; j++) { sh[j] = expf(sh[j] - new_max); sum[h] += sh[j]; }
+            }
+            /* acc[h, c] += sum_j p[h, j] row_j[c], HB x CW accumulators held in registers */
+            for (int64_t c0 = 0; c0 < out_dim; c0 += CW) {
+                v8 a[HB][2];
+                for (int hh = 0; hh < HB; hh++) {
+                    a[hh][0] = LOAD(acc + (h0 + hh) * out_dim + c0);
+                    a[hh][1] = LOAD(acc + (h0 + hh) * out_dim + c0 + 8);
+                }
+                for (int j = 0; j < used; j++) {
+                    v8 r0 = row_load(rows[j], kind, fmt, c0), r1 = row_load(rows[j], kind, fmt, c0 + 8);
+                    for (int hh = 0; hh < HB; hh++) {
+                        v8 p = splat(score[(h0 + hh) * TILE + j]);
+                        a[hh][0] = vfma(p, r0, a[hh][0]);
+                        a[hh][1] = vfma(p, r1, a[hh][1]);
+                    }
+                }
+                for (int hh = 0; hh < HB; hh++) {
+                    STORE(acc + (h0 + hh) * out_dim + c0, a[hh][0]);
+                    STORE(acc + (h0 + hh) * out_dim + c0 + 8, a[hh][1]);
+                }
+            }
+        }
+        for (int f = (used + 1) / 2 * 2; f < next_used; f++) prefetch_row(next[f], fmt->bytes);
+        used = next_used;
+    }
+}
+
 /* out[i, h, :out_dim] = softmax_t(scale * q[i, h] . row_t) @ row_t[:out_dim] over the context positions
    t < counts[i] of table row slot_row[i]: row_t is pool slot tables[slot_row[i], t / bs] * bs + t % bs
    (a block table; a list of slots with bs = 1); mask [rows, mask_width], if given, drops positions.
    dim % DW == 0 and out_dim % CW == 0 (the caller checks). Every index is checked against the table
    (table_rows x table_width, mask_width) and the pool (num_slots rows): a query naming anything
-   outside them gets no output and the call returns 1 (0: all good). */
-static inline __attribute__((always_inline)) int32_t
-mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
-         int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows, int64_t table_width,
-         int64_t bs, int64_t mask_width, const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
-         float scale, int64_t out_dim, float *out, int32_t threads, const int kind) {
+   outside them gets no output and the call returns 1 (0: all good). Rows are read in place and widened (bf16)
+   or dequantized (C8) in registers as they are read: no fp32 copy of the tile (twice a bf16 tile's bytes, past
+   L1 at 576 dims). */
+static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
+                   int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows,
+                   int64_t table_width, int64_t bs, int64_t mask_width, const int64_t *slot_row,
+                   const int64_t *counts, const uint8_t *mask, float scale, int64_t out_dim, float *out,
+                   int32_t threads) {
     const int64_t hp = (heads + HB - 1) / HB * HB;  /* heads padded to whole blocks (zero queries) */
     int32_t bad = 0;
     #pragma omp parallel num_threads(threads)
@@ -140,13 +244,13 @@ mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool
         float *mx = xmalloc(sizeof(float) * hp);
         float *sum = xmalloc(sizeof(float) * hp);
         float *score = xmalloc(sizeof(float) * hp * TILE);
-        const void *rows[TILE];  /* the tile's rows, in place */
+        const void *rows[2 * TILE];  /* two tiles' rows, in place */
+        int32_t local_bad = 0;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
             int64_t limit = table_width * bs < (mask ? mask_width : INT64_MAX) ? table_width * bs : mask_width;
             if (slot_row[i] < 0 || slot_row[i] >= table_rows || counts[i] < 0 || counts[i] > limit) {
-                #pragma omp atomic write
-                bad = 1;
+                local_bad = 1;
                 continue;
             }
             memcpy(qp, q + i * heads * dim, sizeof(float) * heads * dim);
@@ -154,111 +258,28 @@ mqa_rows(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool
             const uint8_t *mrow = mask ? mask + slot_row[i] * mask_width : NULL;
             for (int64_t h = 0; h < hp; h++) { mx[h] = -INFINITY; sum[h] = 0.f; }
             memset(acc, 0, sizeof(float) * hp * out_dim);
-            for (int64_t t0 = 0; t0 < counts[i]; t0 += TILE) {
-                int64_t end = counts[i] - t0 < TILE ? counts[i] - t0 : TILE;
-                int used = 0;
-                for (int64_t j = 0; j < end; j++) {
-                    int64_t t = t0 + j;
-                    if (mrow && !mrow[t]) continue;
-                    int64_t slot = trow[t / bs] * bs + t % bs;
-                    if (trow[t / bs] < 0 || slot >= num_slots) {
-                        #pragma omp atomic write
-                        bad = 1;
-                        continue;
-                    }
-                    rows[used] = (const char *)pool + slot * row_stride * fmt->elem;
-                    used++;
-                }
-                if (!used) continue;
-                for (int64_t t = t0 + TILE; t < t0 + 2 * TILE && t < counts[i]; t++) {  /* the next tile's rows */
-                    int64_t blk = trow[t / bs], slot = blk * bs + t % bs;
-                    if (blk >= 0 && slot < num_slots && !(mrow && !mrow[t]))
-                        prefetch_row((const char *)pool + slot * row_stride * fmt->elem, fmt->bytes);
-                }
-                for (int64_t h0 = 0; h0 < hp; h0 += HB) {
-                    /* scores of HB heads against the tile's rows, two rows at a time: each query chunk loaded
-                       once for two rows, each row chunk once for HB heads (a row's sums are the same alone) */
-                    for (int j = 0; j < used; j += 2) {
-                        const void *r0 = rows[j], *r1 = rows[j + 1 < used ? j + 1 : j];
-                        v8 part[2][HB] = {{{0}}};
-                        for (int64_t d0 = 0; d0 < dim; d0 += DW) {
-                            v8 rv0 = row_load(r0, kind, fmt, d0), rv1 = row_load(r1, kind, fmt, d0);
-                            for (int hh = 0; hh < HB; hh++) {
-                                v8 qv = LOAD(qp + (h0 + hh) * dim + d0);
-                                part[0][hh] = vfma(qv, rv0, part[0][hh]);
-                                part[1][hh] = vfma(qv, rv1, part[1][hh]);
-                            }
-                        }
-                        for (int jj = 0; jj < 2 && j + jj < used; jj++)
-                            for (int hh = 0; hh < HB; hh++) {
-                                float sc = 0.f;
-                                for (int dd = 0; dd < DW; dd++) sc += part[jj][hh][dd];
-                                score[(h0 + hh) * TILE + j + jj] = sc * scale;
-                            }
-                    }
-                    /* online softmax: rescale what was accumulated if the running max grew */
-                    for (int hh = 0; hh < HB; hh++) {
-                        int64_t h = h0 + hh;
-                        float *sh = score + h * TILE, tile_max = -INFINITY;
-                        for (int j = 0; j < used; j++) tile_max = sh[j] > tile_max ? sh[j] : tile_max;
-                        float new_max = tile_max > mx[h] ? tile_max : mx[h];
-                        float alpha = expf(mx[h] - new_max);  /* 0 on the first tile */
-                        if (alpha != 1.f) {
-                            float *ah = acc + h * out_dim;
-                            for (int64_t c = 0; c < out_dim; c++) ah[c] *= alpha;
-                        }
-                        sum[h] *= alpha;
-                        mx[h] = new_max;
-                        for (int j = 0; j < used; j++) { sh[j] = expf(sh[j] - new_max); sum[h] += sh[j]; }
-                    }
-                    /* acc[h, c] += sum_j p[h, j] row_j[c], HB x CW accumulators held in registers */
-                    for (int64_t c0 = 0; c0 < out_dim; c0 += CW) {
-                        v8 a[HB][2];
-                        for (int hh = 0; hh < HB; hh++) {
-                            a[hh][0] = LOAD(acc + (h0 + hh) * out_dim + c0);
-                            a[hh][1] = LOAD(acc + (h0 + hh) * out_dim + c0 + 8);
-                        }
-                        for (int j = 0; j < used; j++) {
-                            v8 r0 = row_load(rows[j], kind, fmt, c0), r1 = row_load(rows[j], kind, fmt, c0 + 8);
-                            for (int hh = 0; hh < HB; hh++) {
-                                v8 p = splat(score[(h0 + hh) * TILE + j]);
-                                a[hh][0] = vfma(p, r0, a[hh][0]);
-                                a[hh][1] = vfma(p, r1, a[hh][1]);
-                            }
-                        }
-                        for (int hh = 0; hh < HB; hh++) {
-                            STORE(acc + (h0 + hh) * out_dim + c0, a[hh][0]);
-                            STORE(acc + (h0 + hh) * out_dim + c0 + 8, a[hh][1]);
-                        }
-                    }
-                }
-            }
+            if (fmt->kind == ROWS_BF16)
+                attend_tiles(qp, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale, out_dim,
+                             acc, mx, sum, score, rows, &local_bad, ROWS_BF16);
+            else if (fmt->kind == ROWS_C8)
+                attend_tiles(qp, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale, out_dim,
+                             acc, mx, sum, score, rows, &local_bad, ROWS_C8);
+            else
+                attend_tiles(qp, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale, out_dim,
+                             acc, mx, sum, score, rows, &local_bad, ROWS_F32);
             float *oi = out + i * heads * out_dim;
             for (int64_t h = 0; h < heads; h++) {
                 float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
                 for (int64_t c = 0; c < out_dim; c++) oi[h * out_dim + c] = acc[h * out_dim + c] * inv;
             }
         }
+        if (local_bad) {
+            #pragma omp atomic write
+            bad = 1;
+        }
         free(qp); free(acc); free(mx); free(sum); free(score);
     }
     return bad;
-}
-
-/* Rows are read in place and widened (bf16) or dequantized (C8) in registers as they are read: no fp32 copy of
-   the tile (twice a bf16 tile's bytes, past L1 at 576 dims). One copy of the loop per row format. */
-static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
-                   int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows,
-                   int64_t table_width, int64_t bs, int64_t mask_width, const int64_t *slot_row,
-                   const int64_t *counts, const uint8_t *mask, float scale, int64_t out_dim, float *out,
-                   int32_t threads) {
-    if (fmt->kind == ROWS_BF16)
-        return mqa_rows(q, n, heads, dim, pool, fmt, row_stride, num_slots, tables, table_rows, table_width, bs,
-                        mask_width, slot_row, counts, mask, scale, out_dim, out, threads, ROWS_BF16);
-    if (fmt->kind == ROWS_C8)
-        return mqa_rows(q, n, heads, dim, pool, fmt, row_stride, num_slots, tables, table_rows, table_width, bs,
-                        mask_width, slot_row, counts, mask, scale, out_dim, out, threads, ROWS_C8);
-    return mqa_rows(q, n, heads, dim, pool, fmt, row_stride, num_slots, tables, table_rows, table_width, bs,
-                    mask_width, slot_row, counts, mask, scale, out_dim, out, threads, ROWS_F32);
 }
 
 /* mqa over fp32 or bf16 rows (row_stride in elements). */
@@ -391,12 +412,12 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
             const int64_t *trow = tables + row * table_width;
             for (int64_t t0 = 0; t0 < cmax; t0 += KT) {
                 int64_t used = cmax - t0 < KT ? cmax - t0 : KT;
-                for (int64_t t = t0 + KT; t < t0 + 2 * KT && t < cmax; t++) {  /* the next tile's keys */
-                    int64_t blk = trow[t / bs], slot = blk * bs + t % bs;
-                    if (blk >= 0 && slot < num_slots) prefetch_row(pool + slot * row_stride, row_bytes);
-                }
                 for (int64_t j = 0; j < used; j++) {
                     int64_t t = t0 + j, slot = trow[t / bs] * bs + t % bs;
+                    if (t + KT < cmax) {  /* the next tile's key j, asked for while this one is decoded */
+                        int64_t blk = trow[(t + KT) / bs], ahead = blk * bs + (t + KT) % bs;
+                        if (blk >= 0 && ahead < num_slots) prefetch_row(pool + ahead * row_stride, row_bytes);
+                    }
                     if (trow[t / bs] < 0 || slot >= num_slots) {
                         #pragma omp atomic write
                         bad = 1;
