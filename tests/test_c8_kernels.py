@@ -10,8 +10,8 @@ import torch
 from shared.engine import LLM, SamplingParams
 from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows
 from shared.loader.tiny import write_checkpoint
-from shared.model import cpu_kernels, ops
-from shared.model.batch import ForwardBatch, SeqChunk
+from shared.model import attention, cpu_kernels, ops
+from shared.model.batch import ForwardBatch, SeqChunk, gather_rows
 
 BLOCK = 16
 
@@ -248,6 +248,35 @@ def test_c8_index_keys_are_written_as_the_codec_encodes_them(kernels, dtype):
         cpu_kernels.index_key_write(keys[:1], pool, torch.tensor([4 * BLOCK]), codec)
     assert not cpu_kernels.index_key_write(keys, pool, slots, None)  # plain keys: write_rows
     assert not cpu_kernels.index_key_write(keys[:, :64], pool, slots, codec)  # another width
+
+
+@pytest.mark.parametrize(("latent", "rope"), LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_c8_rows_decode_in_one_pass_as_the_codec(kernels, latent, rope, dtype):
+    """The portable sparse attention's C8 rows gathered and decoded in one kernel call: the bits of
+    codec.decode(gather_rows(...)) (bf16: the scale rounded to bf16, the product once), including a zero row
+    (the 1e-12 scale floor) and a last partial scale group; prompt rows' sparse attention is unchanged by it;
+    a slot outside the pool raises."""
+    gen = torch.Generator().manual_seed(latent + rope)
+    codec = Int8LatentRows(latent, rope)
+    pool = _c8_pool(codec, 9, gen)
+    pool[0, 0] = codec.encode(torch.zeros(1, codec.dim))[0]
+    slots = torch.randint(0, 9 * BLOCK, (5, 37), generator=gen)
+    slots[0, 0] = 0
+    got = cpu_kernels.c8_rows(pool, slots, codec, dtype)
+    assert got is not None and torch.equal(got, codec.decode(gather_rows(pool, slots), dtype))
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_kernels.c8_rows(pool, torch.tensor([9 * BLOCK]), codec, dtype)
+    assert cpu_kernels.c8_rows(pool, slots, None, dtype) is None
+
+    fb, num_blocks = _batch([40, 90], 6, gen, generated=False)
+    pool = _c8_pool(codec, num_blocks, gen)
+    query = torch.randn(fb.num_tokens, 4, codec.dim, generator=gen).to(dtype)
+    picks = torch.randint(0, 34, (fb.num_tokens, 16), generator=gen)
+    valid = torch.rand(fb.num_tokens, 16, generator=gen) > 0.2
+    fused = attention.sparse_attention(query, fb, pool, picks, valid, 0.05, latent, codec)
+    kernels(False)
+    assert torch.equal(fused, attention.sparse_attention(query, fb, pool, picks, valid, 0.05, latent, codec))
 
 
 def test_every_fp8_key_byte_is_read_exactly(monkeypatch, tmp_path):

@@ -23,6 +23,7 @@ import torch
 
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
+from shared.model import cpu_kernels
 from shared.model.batch import ForwardBatch, gather_blocks, gather_rows
 
 _MIN_QUERY_TILE = 16
@@ -61,6 +62,13 @@ def plan_tiles(num_requests: int, num_queries: int, context: int, block_size: in
 def _decode(codec: RowCodec | None, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gathered pool rows → rows in `dtype` (C8 rows are unpacked here, one tile at a time)."""
     return stored.to(dtype) if codec is None else codec.decode(stored, dtype)
+
+
+def _rows_at(pool: torch.Tensor, slots: torch.Tensor, codec: RowCodec | None, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows at flat slots in `dtype`: C8 rows gathered and decoded in one kernel pass on the host (the bits
+    of the torch decode, which takes five passes over them), else gathered and decoded."""
+    fused = cpu_kernels.c8_rows(pool, slots, codec, dtype)
+    return fused if fused is not None else _decode(codec, gather_rows(pool, slots), dtype)
 
 
 def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float,
@@ -347,7 +355,7 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
     out = query.new_empty(n_all, heads, out_dim)
     for n0 in range(0, n_all, step):
         tile = slice(n0, min(n_all, n0 + step))
-        keys = _decode(codec, gather_rows(pool, fb.slots_of(fb.token_request[tile], picks[tile])), cdt)  # [n, k, D]
+        keys = _rows_at(pool, fb.slots_of(fb.token_request[tile], picks[tile]), codec, cdt)  # [n, k, D]
         scores = torch.bmm(query[tile].to(cdt), keys.transpose(1, 2)).mul_(scale)  # [n, H, k]
         scores.masked_fill_(~valid[tile, None, :], float("-inf"))
         probs = scores.softmax(-1, dtype=torch.float32).to(cdt)

@@ -141,6 +141,8 @@ def _build() -> ctypes.CDLL | None:
     lib.paged_mqa_c8.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr,
                                  ptr, ptr, ctypes.c_float, i64, ptr, ctypes.c_int32]
     lib.paged_mqa_c8.restype = ctypes.c_int32
+    lib.c8_rows_decode.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ctypes.c_int32, ctypes.c_int32]
+    lib.c8_rows_decode.restype = ctypes.c_int32
     lib.index_keys.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, ptr, ptr,
                                i64, ctypes.c_float, ptr, ctypes.c_int32]
     lib.index_keys.restype = ctypes.c_int32
@@ -263,6 +265,28 @@ def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, blo
 
 
 _KEY_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # index_keys' kinds of plain keys; 2: FP8 keys (C8)
+
+
+def c8_rows(pool: torch.Tensor, slots: torch.Tensor, codec: RowCodec | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """C8 MLA rows of a [blocks, block_size, width] pool at flat `slots` (any shape) decoded to `dtype` (bf16 or
+    fp32) in one call: the bits of codec.decode(gather_rows(pool, slots), dtype), [*slots.shape, codec.dim]. None
+    where the kernel does not apply (not C8 rows, another dtype, off the host, kernels off). A slot outside the
+    pool raises ValueError."""
+    if (not isinstance(codec, Int8LatentRows) or dtype not in (torch.bfloat16, torch.float32)
+            or pool.dtype != torch.uint8 or pool.shape[-1] != codec.width or not pool.is_contiguous()
+            or not _runnable(pool, slots)):
+        return None
+    flat = pool.view(-1, codec.width)
+    index = slots.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(index.numel(), codec.dim, dtype=dtype)
+    bad = library().c8_rows_decode(flat.data_ptr(), codec.width, flat.shape[0], codec.latent, codec.group,
+                                   codec.groups, codec.rope, index.data_ptr(), index.numel(), out.data_ptr(),
+                                   int(dtype == torch.bfloat16), torch.get_num_threads())
+    if bad:
+        raise ValueError(f"c8_rows: a slot is outside the pool of {flat.shape[0]} rows" if bad == 1 else
+                         f"c8_rows: the C8 layout (latent {codec.latent}, rope {codec.rope}) does not fit "
+                         f"{codec.width}-byte rows")
+    return out.view(*slots.shape, codec.dim)
 
 
 def _key_kind(pool: torch.Tensor, codec: RowCodec | None, dim: int) -> int | None:

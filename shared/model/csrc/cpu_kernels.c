@@ -65,6 +65,13 @@ static inline float widen(const void *p, int bf16, int64_t k) {
     return f;
 }
 
+static inline uint16_t narrow(float f) {  /* fp32 -> bf16 bits, round to nearest even (as torch) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* Eight bf16 values as fp32 (exact: the bits moved up). */
 static inline v8 bf16x8(const uint8_t *p) {
 #if defined(__AVX2__)
@@ -310,6 +317,49 @@ int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
     RowFormat fmt = {ROWS_C8, latent, group, groups, rope, 1, latent + 4 * groups + 2 * rope, gshift};
     return mqa(q, n, heads, dim, pool, &fmt, row_stride, num_slots, tables, table_rows, table_width, bs, mask_width,
                slot_row, counts, mask, scale, out_dim, out, threads);
+}
+
+/* C8 MLA rows at `slots` (pool rows `row_stride` bytes apart, num_slots of them) decoded into out [n, latent + rope]
+   as Int8LatentRows.decode computes them in torch: to bf16 (out_bf16) -- int8 times its group's scale rounded to
+   bf16, the exact product rounded to bf16 once; the bf16 rope key as stored -- or to fp32 (int8 times the fp32
+   scale, rounded once; the rope key widened). One pass instead of a gather and five tensor passes (the portable
+   sparse attention of prompt rows decodes k rows per query). Returns 1 (nothing trusted) where a slot is outside
+   the pool, 2 where the layout does not fit the stride. */
+int32_t c8_rows_decode(const uint8_t *pool, int64_t row_stride, int64_t num_slots, int64_t latent, int64_t group,
+                       int64_t groups, int64_t rope, const int64_t *slots, int64_t n, void *out, int32_t out_bf16,
+                       int32_t threads) {
+    if (latent <= 0 || group <= 0 || rope < 0 || groups != (latent + group - 1) / group
+            || latent + 4 * groups + 2 * rope > row_stride)
+        return 2;
+    const int64_t dim = latent + rope;
+    int32_t bad = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n * dim >= (1 << 18))
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= num_slots) {
+            #pragma omp atomic write
+            bad = 1;
+            continue;
+        }
+        const uint8_t *r = pool + slots[i] * row_stride;
+        const uint8_t *sc = r + latent, *rk = r + latent + 4 * groups;
+        for (int64_t g = 0; g < groups; g++) {
+            float s;
+            memcpy(&s, sc + 4 * g, sizeof s);
+            int64_t c0 = g * group, c1 = c0 + group < latent ? c0 + group : latent;
+            if (out_bf16) {
+                uint16_t sh = narrow(s);
+                float sb = widen(&sh, 1, 0);
+                uint16_t *o = (uint16_t *)out + i * dim;
+                for (int64_t c = c0; c < c1; c++) o[c] = narrow((float)(int8_t)r[c] * sb);
+            } else {
+                float *o = (float *)out + i * dim;
+                for (int64_t c = c0; c < c1; c++) o[c] = (float)(int8_t)r[c] * s;
+            }
+        }
+        if (out_bf16) memcpy((uint16_t *)out + i * dim + latent, rk, 2 * (size_t)rope);
+        else for (int64_t c = 0; c < rope; c++) ((float *)out)[i * dim + latent + c] = widen(rk, 1, c);
+    }
+    return bad;
 }
 
 /* ---- Lightning-indexer scores over the cached keys (fp32, bf16 or C8's FP8) ---- */
@@ -729,13 +779,6 @@ int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, 
 }
 
 /* ---- RMSNorm: y = w * (x / rms(x)), the normalized x rounded to x's dtype before the weight ---- */
-
-static inline uint16_t narrow(float f) {  /* fp32 -> bf16 bits, round to nearest even (as torch) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline void put(void *y, int y_bf16, int64_t k, float v) {  /* store as bf16 bits or as fp32 */
     if (y_bf16) ((uint16_t *)y)[k] = narrow(v);
