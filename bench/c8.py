@@ -1,7 +1,7 @@
 """C8 KV cache vs bf16 at long contexts: decode speed where attention and the indexer dominate.
 
     python bench/c8.py [--contexts 2000,8000] [--batch 4] [--new-tokens 12] [--repeat 3] [--index-topk 2048]
-                       [--hidden 256] [--threads 1]
+                       [--hidden 256] [--threads 1] [--distinct]
 
 A generated DeepSeek-V3.2-shaped tiny model (hidden `--hidden`, 4 layers, 4 heads, kv_lora_rank 512, rope 64,
 indexer 16 heads × 128; index_topk DeepSeek's 2048, so a 2,000-token context decodes with dense attention and
@@ -14,7 +14,8 @@ prefix cache. `--repeat` rounds, configurations alternating (order reversed ever
 batch and time every decode step: decode tok/s is batch / the median step, best round of each, and the ratio of
 the rounds' medians (steadier on a loaded machine). (Requests
 reading the same prefix blocks find them in cache more often than distinct contexts would: C8's smaller
-rows matter less here than in a real batch.) KV bytes per token are the allocated pools'. Greedy, ignore_eos, one torch
+rows matter less here than in a real batch; `--distinct` gives every request its own context, prefilled once
+per engine before the timed rounds.) KV bytes per token are the allocated pools'. Greedy, ignore_eos, one torch
 thread by default (a second thread waits on whatever else holds the other core). Prints the machine's GEMM
 rate and copy bandwidth and each run's FLOP and KV bytes per second against them.
 """
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", default="2000,8000", help="prompt lengths (tokens in cache when decode starts)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--tail", type=int, default=16, help="tokens of each prompt after the shared prefix")
+    p.add_argument("--distinct", action="store_true",
+                   help="no shared prefix: every prompt its own context (rows out of cache, as in a real batch; "
+                        "the prefill takes --batch times longer)")
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--repeat", type=int, default=3, help="timed rounds per (context, configuration); the best counts")
     p.add_argument("--index-topk", type=int, default=2048, help="the model's index_topk (DeepSeek-V3.2: 2048)")
@@ -96,12 +100,13 @@ def main(argv: list[str] | None = None) -> None:
         costs = {name: TokenCost.of(llm.engine.model, int(per_token[name])) for name, llm in engines.items()}
         vocab = engines["bf16"].engine.model_config.vocab_size
         for context in contexts:
-            prefix = torch.randint(2, vocab, (context - args.tail,), generator=gen).tolist()
-            tails = torch.randint(2, vocab, (args.batch, args.tail), generator=gen).tolist()
+            tail = context if args.distinct else args.tail
+            prefix = torch.randint(2, vocab, (context - tail,), generator=gen).tolist()
+            tails = torch.randint(2, vocab, (args.batch, tail), generator=gen).tolist()
             prompts = [prefix + tail for tail in tails]
-            for name, llm in engines.items():  # prefill the prefix once; the batch and the rounds find it cached
+            for name, llm in engines.items():  # prefill once; the batch and the rounds find the prompts cached
                 t0 = time.perf_counter()
-                decode_step_seconds(llm, prompts[:1], 2)
+                decode_step_seconds(llm, prompts if args.distinct else prompts[:1], 2)
                 print(f"context {context}: {name} prefill + 2 tokens {time.perf_counter() - t0:.1f} s", flush=True)
             best: dict[str, float] = {}
             runs: dict[str, list[float]] = {name: [] for name in engines}
@@ -128,13 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n## C8 vs bf16 KV cache, decode at long contexts: generated V3.2 (hidden {args.hidden}, 4 layers, "
           f"4 heads, "
           f"index_topk {args.index_topk}), batch {args.batch}, {args.new_tokens} new tokens, best of {args.repeat} "
-          f"rounds, {torch.get_num_threads()} thread(s)")
+          f"rounds, {torch.get_num_threads()} thread(s), "
+          f"{'distinct contexts' if args.distinct else f'contexts sharing all but {args.tail} tokens'}")
     print(table(["context", "attention", "KV cache", "KV B/token", "vs bf16", "decode step ms", "decode tok/s",
                  "vs bf16", "median round vs bf16"], rows))
     print(limits.describe())
     for note in notes:
         print("  " + note)
-    png = bar_plot(OUT / "c8.png", f"decode tok/s, batch {args.batch}: bf16 vs C8 KV cache", plotted, series,
+    png = bar_plot(OUT / ("c8_distinct.png" if args.distinct else "c8.png"),
+                   f"decode tok/s, batch {args.batch}: bf16 vs C8 KV cache", plotted, series,
                    "decode tokens/s")
     print(f"plot: {png}")
 
