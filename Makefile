@@ -62,7 +62,7 @@ demo-model: $(STAMP) corpus
 # The corpus is a test input (tests/test_train_demo.py): fetching it is part of the install, and under
 # `make test` its tests run or fail, never skip (PDSERVE_REQUIRE_CORPUS).
 test: $(STAMP) corpus
-	PDSERVE_REQUIRE_CORPUS=1 $(PY) -m pytest -q
+	PDSERVE_REQUIRE_CORPUS=1 $(PY) -m pytest -q --durations=20
 
 demo: $(STAMP)
 	$(PY) -m router.demo --model $(DEMO_MODEL) --max-tokens 64

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+import shared.model.cpu_kernels as cpu_kernels
 from shared.device import compute_dtype
 from shared.kvcache.layout import RowCodec
-from shared.model import cpu_kernels
 from shared.model.batch import ForwardBatch, gather_blocks, gather_rows
 
 _MIN_QUERY_TILE = 16
