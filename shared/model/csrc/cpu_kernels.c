@@ -289,6 +289,13 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
     return bad;
 }
 
+/* Whether a C8 MLA row (int8 latent | fp32 scale per `group` latent dims | bf16 rope key) is a sane layout that
+   fits `row_stride` bytes. */
+static int c8_layout_fits(int64_t latent, int64_t group, int64_t groups, int64_t rope, int64_t row_stride) {
+    return latent > 0 && group > 0 && rope >= 0 && groups == (latent + group - 1) / group
+           && latent + 4 * groups + 2 * rope <= row_stride;
+}
+
 /* mqa over fp32 or bf16 rows (row_stride in elements). */
 int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                   const void *pool, int32_t pool_bf16, int64_t row_stride, int64_t num_slots,
@@ -309,8 +316,8 @@ int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
                      const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs, int64_t mask_width,
                      const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
                      float scale, int64_t out_dim, float *out, int32_t threads) {
-    if (latent <= 0 || group <= 0 || rope < 0 || groups != (latent + group - 1) / group || dim != latent + rope
-            || latent + 4 * groups + 2 * rope > row_stride || group & (group - 1) || group % DW || latent % DW)
+    if (!c8_layout_fits(latent, group, groups, rope, row_stride) || dim != latent + rope || group & (group - 1)
+            || group % DW || latent % DW)
         return 2;
     int gshift = 0;
     while ((1L << gshift) < group) gshift++;
@@ -328,9 +335,7 @@ int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
 int32_t c8_rows_decode(const uint8_t *pool, int64_t row_stride, int64_t num_slots, int64_t latent, int64_t group,
                        int64_t groups, int64_t rope, const int64_t *slots, int64_t n, void *out, int32_t out_bf16,
                        int32_t threads) {
-    if (latent <= 0 || group <= 0 || rope < 0 || groups != (latent + group - 1) / group
-            || latent + 4 * groups + 2 * rope > row_stride)
-        return 2;
+    if (!c8_layout_fits(latent, group, groups, rope, row_stride)) return 2;
     const int64_t dim = latent + rope;
     int32_t bad = 0;
     #pragma omp parallel for num_threads(threads) schedule(static) if (n * dim >= (1 << 18))
