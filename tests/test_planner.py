@@ -3,6 +3,7 @@ request with the router's own policy objects) against a synthetic profile whose 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -201,3 +202,25 @@ def test_refusals_caused_only_by_calibration_ease_it_back():
     with pytest.raises(Rejected):
         policy.choose(Request(16, 8, 0.0, 0.015), pre, dec)  # below the curve itself
     assert perf.tpot_factors == before
+
+
+def test_the_sla_bench_targets_are_met_at_low_rates_even_on_a_noisy_fit():
+    """CI once profiled a decode whose batch-1 step fit near zero and whose per-sequence slope was steep (two noisy
+    samples): 2× the batch-1 TPOT was below the planner's own idle p90 (its p90 batch is above 1), so no rate met
+    the targets and the bench divided by a zero capacity. Targets on the planner's idle p90s always leave one."""
+    from bench.sla_router import idle_targets
+
+    noisy = PerfModel(prefill_base_s=0.018, prefill_per_token_s=6e-5, decode_base_s=-0.004, decode_per_seq_s=0.0045,
+                      decode_per_context_token_s=1e-5, transfer_bytes_per_s=math.inf, prefill_interference=0.65)
+    isl, osl = Dist.parse("8"), Dist.parse("2")
+
+    def meets_at(perf: PerfModel, w: Workload, rate: float) -> bool:
+        return analytic(perf, Workload(rate, isl, osl, w.ttft_p90_s, w.tpot_p90_s), 1, 1).meets(w)
+
+    batch1 = Workload(1.0, isl, osl, 3 * noisy.ttft(0, 8), 2 * noisy.tpot(1, 10))
+    assert goodput(lambda r: meets_at(noisy, batch1, r), 200.0) == 0.0
+    for perf in (noisy, SYNTHETIC):
+        w = idle_targets(perf, isl, osl, decode=1)
+        capacity = goodput(functools.partial(meets_at, perf, w), 200.0)
+        assert capacity > 0.5
+        assert not meets_at(perf, w, 2 * capacity)
