@@ -109,6 +109,7 @@ class RouterSpec:
     max_concurrent_requests: int = same_as(RouterConfig, "max_concurrent_requests")
     max_prompt_bytes: int = same_as(RouterConfig, "max_prompt_bytes")
     request_timeout: float = same_as(RouterConfig, "request_timeout")
+    instance_wait: float = same_as(RouterConfig, "instance_wait")
     policy: str = same_as(RouterConfig, "policy")
     ttft_slo_ms: float = same_as(RouterConfig, "ttft_slo_ms")
     tpot_slo_ms: float = same_as(RouterConfig, "tpot_slo_ms")
@@ -192,7 +193,8 @@ class Deployment:
         e = self.engine
         if role == "router":
             r = self.router
-            return ["--request-timeout", _s(r.request_timeout), "--max-prompt-bytes", _s(r.max_prompt_bytes),
+            return ["--request-timeout", _s(r.request_timeout), "--instance-wait", _s(r.instance_wait),
+                    "--max-prompt-bytes", _s(r.max_prompt_bytes),
                     "--max-concurrent-requests", _s(r.max_concurrent_requests), "--drain-seconds",
                     _s(e.drain_seconds), "--policy", r.policy, "--ttft-slo-ms", _s(r.ttft_slo_ms),
                     "--tpot-slo-ms", _s(r.tpot_slo_ms), "--admission-wait-ms", _s(r.admission_wait_ms),

@@ -78,6 +78,9 @@ class RouterConfig(EndpointConfig):
     decode: list[str] = flag(REQUIRED, "comma-separated decode instance addresses (dns:NAME:PORT as for --prefill)")
     port: int = flag(50051, "public gRPC port (0 = pick a free one, reported with --port-file)")
     request_timeout: float = flag(600.0, "longest a Generate call may run, in seconds")
+    instance_wait: float = flag(10.0, "longest a request waits, within its deadline, for a prefill and a decode "
+                                      "instance to be reachable (starting, reconnecting, restarting) before it "
+                                      "fails with UNAVAILABLE, in seconds", bounds=(0, None))
     max_prompt_bytes: int = flag(0, "largest text prompt / messages accepted (0: 32 bytes per context token, "
                                     "at most 8 MiB)")
     max_concurrent_requests: int = flag(1024, "Generate calls in flight beyond this get RESOURCE_EXHAUSTED at once")
@@ -613,7 +616,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _reachable(self, context, t_end: float) -> tuple[list[Instance], list[Instance]]:
         """The pools' instances once at least one of each is up: a request that arrives while they start
-        or reconnect waits for them (within its deadline) instead of failing."""
+        or reconnect waits for them (up to --instance-wait, within its deadline) instead of failing, and a
+        request to a dead pool fails that soon, not when its deadline ends (600 s for a client without one)."""
+        t_end = min(t_end, time.perf_counter() + self.cfg.instance_wait)
         while True:
             prefills, decodes = list(self.prefill.instances), list(self.decode.instances)  # discovery may change
             if any(i.view.up for i in prefills) and any(i.view.up for i in decodes):

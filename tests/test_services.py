@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import urllib.request
@@ -193,18 +194,28 @@ def test_health_and_reflection(cluster):
 
 
 def test_dead_peer_is_unavailable_fast(model_dir, tmp_path):
+    """A request to a dead pool fails after --instance-wait, not at its deadline (before: a client without one
+    waited the 600 s request timeout). The calls here have no deadline; the test waits for them 30× the
+    instance wait (a bound on a hang, not a speed check); the details say what is down."""
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there (a port taken meanwhile would still refuse gRPC)
     port_file = tmp_path / "router.port"
     proc = subprocess.Popen([sys.executable, "-m", "router", "--model", str(model_dir), "--prefill", dead,
-                             "--decode", dead, "--port", "0", "--port-file", str(port_file), "--insecure"])
-    try:  # a bounded wait, not a timing assertion: a hang would end as DEADLINE_EXCEEDED and fail
+                             "--decode", dead, "--port", "0", "--port-file", str(port_file), "--insecure",
+                             "--instance-wait", "2", "--request-timeout", "600"])
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
         port = wait_port_file(port_file, 120, proc)
-        with pytest.raises(grpc.RpcError) as err:
-            generate(f"127.0.0.1:{port}", timeout=30, prompt_token_ids=[5, 6], sampling_params=greedy(2))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        request = generation_pb2.GenerateRequest(prompt_token_ids=[5, 6], sampling_params=greedy(2))
+        calls = [pool.submit(lambda: list(stub.Generate(request))) for _ in range(2)]  # neither's wait frees the other
+        for call in calls:
+            err = call.exception(timeout=60)
+            assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
+            assert "decode up: 0 of 1" in err.details()
     finally:
-        proc.kill()
+        proc.kill()  # ends a call still waiting, so the pool's threads end too
         proc.wait()
+        pool.shutdown()
 
 
 def test_metrics_endpoint(model_dir):
