@@ -216,14 +216,16 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
             assert err <= (1e-5 if dtype == torch.float32 else 2 ** -7) * want.float().abs().max().item(), err
 
 
-def test_a_bf16_models_moe_keeps_the_portable_path(portable):
-    """A bf16 model's MoE (weights bf16, as it keeps them on CPUs with bf16 arithmetic) computes its generated
-    rows with the portable grouped matmuls, as EP ranks do (they never fuse): bit for bit the portable path,
-    so a decode does not depend on the instance shape that serves it (tests/test_selective.py and
-    tests/test_mtp_served.py compare a DP2/EP2 decode with a one-rank engine)."""
+def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_and_over_ep(portable):
+    """A bf16 model's MoE (weights bf16, as it keeps them on CPUs with bf16 arithmetic): the router and the shared
+    expert stay portable; the routed experts of a step's generated rows run in moe_experts, on one rank and on
+    each EP rank alike (EP ranks pass each received row's generated flag), so a decode does not depend on the
+    instance shape that serves it (tests/test_selective.py and tests/test_mtp_served.py compare a DP2/EP2
+    decode with a one-rank engine). Prompt rows keep the portable grouped matmuls bit for bit; a generated
+    row's bits do not depend on the rows beside it; bf16 weights give their fp32 copies' bits."""
     from shared.config import ModelConfig
     from shared.loader.tiny import make_config
-    from shared.model.moe import MoE
+    from shared.model.moe import Experts, MoE
 
     cfg = ModelConfig.from_dict(make_config("deepseek_v3", n_group=2, topk_group=1, num_experts_per_tok=2,
                                             n_routed_experts=8))
@@ -237,9 +239,35 @@ def test_a_bf16_models_moe_keeps_the_portable_path(portable):
     with torch.inference_mode():
         x = torch.randn(13, cfg.hidden_size, generator=gen).bfloat16()
         portable(True)
-        want = moe(x)
+        want = moe(x, 9)
         portable(False)
-        assert torch.equal(moe(x, 9), want)
+        got = moe(x, 9)
+        assert torch.equal(got[9:], want[9:])  # prompt rows: the portable path itself
+        assert not torch.equal(got[:9], want[:9])  # generated rows: the kernel's sums (rounded otherwise)
+        err = (got[:9].float() - want[:9].float()).abs().max().item()
+        assert err <= 2 ** -6 * want.float().abs().max().item(), err
+        ids, w = moe.gate(x)
+        routed = cpu_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj, moe.experts.down_proj)
+        assert torch.equal(got[:9], (routed + moe.shared_experts(x[:9], 9).float()).to(torch.bfloat16))
+        assert torch.equal(moe(x[3:4], 1), got[3:4])  # alone or beside others
+        assert torch.equal(routed, cpu_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj.float(),
+                                                           moe.experts.down_proj.float()))
+        # two EP ranks of four experts each: partial sums of the picks each holds (foreign ones masked to -1,
+        # as _forward_ep sends them), added as the combine does
+        generated = torch.arange(13) < 9
+        one_rank = moe.experts(x, ids, w, generated=generated)
+        total = torch.zeros_like(one_rank)
+        for rank in range(2):
+            held = Experts(8, cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16, first_expert=4 * rank,
+                           num_local=4)
+            held.gate_up_proj.data.copy_(moe.experts.gate_up_proj[4 * rank:4 * rank + 4])
+            held.down_proj.data.copy_(moe.experts.down_proj[4 * rank:4 * rank + 4])
+            mine = ids // 4 == rank
+            total += held(x, torch.where(mine, ids, -1), torch.where(mine, w, 0.0), padded=True, generated=generated)
+        one_side = (ids // 4 == ids[:, :1] // 4).all(1)  # rows whose picks one rank holds: nothing to reorder
+        assert one_side[:9].any() and torch.equal(total[one_side], one_rank[one_side])
+        err = (total - one_rank).abs().max().item()
+        assert err <= 1e-6 * one_rank.abs().max().item(), err
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -6,7 +6,8 @@ request's rows out of the paged pool into [R, T, 576] (151 MB per layer at batch
 and runs two batched matmuls over the copy. The kernels here:
 * paged_mqa: attention of decode / verification queries and of indexer picks that reads every row
   once, straight from the pool through the block table or pick list (online softmax, fp32);
-* moe_routed: DeepSeek's router, the picked experts and the shared expert in one call;
+* moe_routed: DeepSeek's router, the picked experts and the shared expert in one call; moe_experts: the
+  routed experts alone for picks made elsewhere (a bf16 model's, an EP rank's);
 * linear / head_matmul: decode rows of the linears and of MLA's absorbed per-head matmuls;
 * rms_norm, rope, mla_kv_write: RMSNorm, RoPE and the cache-row write (norm + rope stored at the slot).
 
@@ -152,6 +153,8 @@ def _build() -> ctypes.CDLL | None:
     lib.moe_routed.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i64, i32,
                                ptr, ptr, ptr, i64, ptr, ptr, i32]
     lib.moe_routed.restype = ctypes.c_int32
+    lib.moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, i32]
+    lib.moe_experts.restype = ctypes.c_int32
     lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32, i32]
     lib.rms_norm.restype = None
     lib.rope.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i32, i32]
@@ -397,6 +400,40 @@ def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n
                              two_inter // 2, int(x.dtype == torch.bfloat16), sg, su, sd, shared_inter,
                              y[r0].data_ptr(), ids[r0].data_ptr(), torch.get_num_threads())
     return y, ids
+
+
+def experts_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether moe_experts can take these rows: host rows in bf16/fp32 and contiguous expert weights, both fp32
+    or both bf16 (a bf16 model's own, widened in registers: its fp32 copies' products)."""
+    return (x.dtype in _BF16_FLAG and gate_up.dtype == down.dtype and gate_up.dtype in _BF16_FLAG
+            and gate_up.is_contiguous() and down.is_contiguous() and _runnable(x, gate_up, down))
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """The routed experts for picks a router made: y[i] = sum_j weights[i, j] · round(expert_ids[i, j](x[i]))
+    in j's order (each expert's output rounded to x's dtype, as moe.Experts does), skipping ids outside
+    0..E-1 (an EP rank's picks held by other ranks). x [N, D]; ids [N, k] local to gate_up [E, 2I, D] /
+    down [E, D, I]; weights [N, k]. fp32 [N, D]. A row's sum depends on that row and its picks only (not on
+    the rows beside it), so a token's experts give the same bits on one rank as over EP ranks' partial sums
+    (up to the order those partials are added). Call only where experts_usable() holds."""
+    n, dim = x.shape
+    experts, two_inter, _ = gate_up.shape
+    if (ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != n or gate_up.shape[2] != dim
+            or down.shape != (experts, dim, two_inter // 2) or two_inter % 2):
+        raise ValueError(f"moe_experts: x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, "
+                         f"gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
+    rows = x.float().contiguous()
+    picks = ids.to(torch.int64).contiguous()
+    wts = weights.float().contiguous()
+    y = torch.empty(n, dim, dtype=torch.float32)
+    for r0 in range(0, n, MOE_CHUNK_ROWS):  # rows are independent: chunks only bound the scratch
+        m = min(MOE_CHUNK_ROWS, n - r0)
+        library().moe_experts(rows[r0].data_ptr(), m, dim, picks[r0].data_ptr(), wts[r0].data_ptr(), ids.shape[1],
+                              experts, gate_up.data_ptr(), down.data_ptr(), two_inter // 2,
+                              _BF16_FLAG[gate_up.dtype], int(x.dtype == torch.bfloat16), y[r0].data_ptr(),
+                              torch.get_num_threads())
+    return y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ grouped matmul over the stacked weights with device-side offsets (no host read-b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -133,14 +134,23 @@ class Experts(nn.Module):
         return int8_kernels.moe(x, local, weights, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
                                 self.down_proj_scale, x.dtype, padded, shared_w)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, padded: bool = False,
+                generated: torch.Tensor | None = None) -> torch.Tensor:
         """Weighted sum over each row's k picks [N, k] (global ids; with `padded`, foreign ids and their
-        weight-0 picks contribute nothing): fp32 [N, D]."""
+        weight-0 picks contribute nothing): fp32 [N, D]. `generated` ([N] bool) marks the rows that are a step's
+        generated tokens: unquantized experts compute them with the CPU kernel's arithmetic where it runs
+        (ops.routed_experts), on one rank and on EP ranks alike."""
         fused = self.fused_w8a8(x, ids, weights, padded)
         if fused is not None:
             return fused
-        n, k = ids.shape
-        out = self.run(x.repeat_interleave(k, 0), ids.flatten() - self.first_expert, padded)  # [N·k, D]
+        local = ids - self.first_expert if self.first_expert else ids
+        return ops.routed_experts(x, local, weights, generated if self.fmt is None else None, self.gate_up_proj,
+                                  self.down_proj, functools.partial(self._weighted, padded=padded))
+
+    def _weighted(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, padded: bool) -> torch.Tensor:
+        """The portable weighted sum: every pick through run() (grouped matmuls), then summed in pick order."""
+        n, k = local_ids.shape
+        out = self.run(x.repeat_interleave(k, 0), local_ids.flatten(), padded)  # [N·k, D]
         return (out.view(n, k, x.shape[1]).float() * weights[..., None]).sum(1)
 
 
@@ -190,7 +200,7 @@ class MoE(nn.Module):
             fused = self.experts.fused_w8a8(x, ids, weights, shared=self.shared_experts)
             if fused is not None:
                 return fused.to(x.dtype)
-            y = self.experts(x, ids, weights)
+            y = self.experts(x, ids, weights, generated=_leading(x.shape[0], generated))
             if self.shared_experts is not None:
                 y = y + self.shared_experts(x, generated).float()
             return y.to(x.dtype)
@@ -215,7 +225,8 @@ class MoE(nn.Module):
         trace = self.trace or _untraced
         trace("dispatch_start")
         rows, work_rows = all_to_all_v(x[pair_token], send_l, recv_l, self.ep_group, async_op=True)
-        meta = torch.cat([pair_ids.float(), pair_w], 1)  # ids are small integers: exact in fp32
+        # ids are small integers, exact in fp32; the last column says whether the row is a generated token
+        meta = torch.cat([pair_ids.float(), pair_w, (pair_token < generated).float()[:, None]], 1)
         got_meta, work_meta = all_to_all_v(meta, send_l, recv_l, self.ep_group, async_op=True)
         trace("dispatch_issued")
         trace("shared_start")
@@ -226,14 +237,20 @@ class MoE(nn.Module):
         work_rows.wait()
         work_meta.wait()
         trace("dispatch_done")
-        got_ids, got_w = got_meta[:, :k].long(), got_meta[:, k:]
-        partial = self.experts(rows, got_ids, got_w, padded=True)  # [received, D] fp32, foreign picks masked
+        got_ids, got_w, got_generated = got_meta[:, :k].long(), got_meta[:, k:2 * k], got_meta[:, 2 * k] > 0.5
+        # [received, D] fp32, foreign picks masked
+        partial = self.experts(rows, got_ids, got_w, padded=True, generated=got_generated)
         back, _ = all_to_all_v(partial, recv_l, send_l, self.ep_group)  # combine: partial sums return
         y = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
         y.index_add_(0, pair_token, back)
         if shared is not None:
             y = y + shared
         return y.to(x.dtype)
+
+
+def _leading(n: int, generated: int) -> torch.Tensor | None:
+    """The mask of the leading `generated` of n rows (a step's generated tokens come first); None for none."""
+    return torch.arange(n) < generated if generated else None
 
 
 def _untraced(event: str) -> None:

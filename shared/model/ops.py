@@ -249,6 +249,28 @@ class MoEWeights:
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, generated: torch.Tensor | None,
+                   gate_up: torch.Tensor, down: torch.Tensor,
+                   portable: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed experts of rows x [N, D] for picks made by a router (ids local to gate_up / down, [N, k]; on
+    an EP rank the foreign ones out of range): the rows `generated` marks ([N] bool: a step's generated tokens,
+    wherever they came from) in one kernel call where it takes them, `portable(rows, ids, weights)` for the
+    rest. fp32 [N, D]. One rank and every EP rank call this, so a generated token's experts have the kernel's
+    arithmetic in every instance shape."""
+    if generated is None or not cpu_kernels.experts_usable(x, gate_up, down):
+        return portable(x, ids, weights)
+    rows = generated.nonzero().squeeze(1)
+    if rows.numel() == x.shape[0]:
+        return cpu_kernels.moe_experts(x, ids, weights, gate_up, down)
+    if rows.numel() == 0:
+        return portable(x, ids, weights)
+    rest = (~generated).nonzero().squeeze(1)
+    y = torch.empty(x.shape, dtype=torch.float32)
+    y[rows] = cpu_kernels.moe_experts(x[rows], ids[rows], weights[rows], gate_up, down)
+    y[rest] = portable(x[rest], ids[rest], weights[rest])
+    return y
+
+
 def moe(x: torch.Tensor, generated: int, weights: MoEWeights | None,
         portable: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """DeepSeek's MoE of rows x in x's dtype: the leading `generated` rows in one kernel call (router, routed

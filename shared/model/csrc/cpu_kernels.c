@@ -84,6 +84,12 @@ static inline v8 bf16x8(const uint8_t *p) {
 #endif
 }
 
+/* Weights stored fp32 or bf16 (a bf16 model's, widened exactly in registers: the same products as its fp32
+   copies'). */
+static inline v8 wload(const void *w, int bf16, int64_t i) {
+    return bf16 ? bf16x8((const uint8_t *)w + 2 * i) : LOAD((const float *)w + i);
+}
+
 /* How pool rows are stored: fp32 or bf16 rows as they are, or C8 MLA rows (shared.kvcache.layout.Int8LatentRows,
    bytes: int8 latent [latent] | fp32 scale per `group` latent dims [groups] | bf16 rope key [rope]). */
 enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_C8 = 2 };
@@ -594,26 +600,31 @@ static inline float hsum8(v8 a) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
-/* The dot product of weight row w[off:off + n] and b: fused multiply-adds in 8 lanes, summed in hsum8's order,
-   then the tail in order. */
-static float dot(const float *w, int64_t off, const float *b, int64_t n) {
+/* The dot product of weight row w[off:off + n] (fp32, or bf16 with w_bf16) and b: fused multiply-adds in 8
+   lanes, summed in hsum8's order, then the tail in order (a bf16 weight: the bits of its fp32 copy's). */
+static inline __attribute__((always_inline)) float wdot(const void *w, int w_bf16, int64_t off, const float *b,
+                                                        int64_t n) {
     v8 acc = {0};
     int64_t d = 0;
-    for (; d + DW <= n; d += DW) acc = vfma(LOAD(w + off + d), LOAD(b + d), acc);
+    for (; d + DW <= n; d += DW) acc = vfma(wload(w, w_bf16, off + d), LOAD(b + d), acc);
     float s = hsum8(acc);
-    for (; d < n; d++) s = fmaf(w[off + d], b[d], s);
+    for (; d < n; d++) s = fmaf(widen(w, w_bf16, off + d), b[d], s);
     return s;
 }
 
-/* out[o][q] = dot(w, w_off[o], x[q], k) for two weight rows and four input rows (k % DW == 0) in one pass: each
-   weight chunk loaded once for the four rows, eight independent sums in registers, each summed in hsum8's
-   order (sum4): the bits of dot() one row at a time. */
-static void tile_2x4(const float *w, const int64_t w_off[2], const float *const x[4], int64_t k, float out[2][4]) {
+static float dot(const float *w, int64_t off, const float *b, int64_t n) { return wdot(w, 0, off, b, n); }
+
+/* out[o][q] = wdot(w, w_bf16, w_off[o], x[q], k) for two weight rows and four input rows (k % DW == 0) in one
+   pass: each weight chunk loaded once for the four rows, eight independent sums in registers, each summed in
+   hsum8's order (sum4): the bits of wdot() one row at a time. Inlined, so each caller's weight format is a
+   constant in its copy. */
+static inline __attribute__((always_inline)) void tile_2x4(const void *w, int w_bf16, const int64_t w_off[2],
+                                                            const float *const x[4], int64_t k, float out[2][4]) {
     /* named accumulators: GCC keeps a 2-D array of them in memory (measured: half the speed) */
     v8 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
     const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
     for (int64_t d = 0; d < k; d += DW) {
-        v8 wv0 = LOAD(w + w_off[0] + d), wv1 = LOAD(w + w_off[1] + d);
+        v8 wv0 = wload(w, w_bf16, w_off[0] + d), wv1 = wload(w, w_bf16, w_off[1] + d);
         v8 xv0 = LOAD(x0 + d), xv1 = LOAD(x1 + d), xv2 = LOAD(x2 + d), xv3 = LOAD(x3 + d);
         a00 = vfma(wv0, xv0, a00); a01 = vfma(wv0, xv1, a01); a02 = vfma(wv0, xv2, a02); a03 = vfma(wv0, xv3, a03);
         a10 = vfma(wv1, xv0, a10); a11 = vfma(wv1, xv1, a11); a12 = vfma(wv1, xv2, a12); a13 = vfma(wv1, xv3, a13);
@@ -677,9 +688,9 @@ static void route(const float *x, int64_t dim, const float *gate_w, const float 
 }
 
 /* out[q, r] = W[e, r, :] . in[q, :] for the picks q of expert e (rows of W in blocks of RB): each
-   weight row is read once for all the picks that use it. */
+   weight row is read once for all the picks that use it. W fp32, or bf16 with w_bf16 (the same sums). */
 #define RB 16
-static void expert_gemm(const float *w, int64_t rows, int64_t cols, const int64_t *order,
+static void expert_gemm(const void *w, int w_bf16, int64_t rows, int64_t cols, const int64_t *order,
                         const int64_t *start, const int64_t *active, int64_t num_active, const float *in,
                         int64_t in_ld, float *out, int64_t out_ld, int threads) {
     int64_t blocks = (rows + RB - 1) / RB;
@@ -693,13 +704,14 @@ static void expert_gemm(const float *w, int64_t rows, int64_t cols, const int64_
                 const float *x[4];
                 float sums[2][4];
                 for (int q = 0; q < 4; q++) x[q] = in + order[k + q] * in_ld;
-                tile_2x4(w, off, x, cols, sums);
+                if (w_bf16) tile_2x4(w, 1, off, x, cols, sums);  /* the weight format constant in each copy */
+                else tile_2x4(w, 0, off, x, cols, sums);
                 for (int o = 0; o < 2 && r + o < r1; o++)
                     for (int q = 0; q < 4; q++) out[order[k + q] * out_ld + r + o] = sums[o][q];
             }
             for (; k < start[e + 1]; k++)
                 for (int o = 0; o < 2 && r + o < r1; o++)
-                    out[order[k] * out_ld + r + o] = dot(w, off[o], in + order[k] * in_ld, cols);
+                    out[order[k] * out_ld + r + o] = wdot(w, w_bf16, off[o], in + order[k] * in_ld, cols);
         }
     }
 }
@@ -713,34 +725,79 @@ static void shared_expert(const float *x, int64_t n, int64_t dim, const float *g
     float *o = xmalloc(sizeof(float) * n * dim);
     int64_t *order = xmalloc(sizeof(int64_t) * n), start[2] = {0, n}, active[1] = {0};
     for (int64_t i = 0; i < n; i++) order[i] = i;
-    expert_gemm(gate, inter, dim, order, start, active, 1, x, dim, g, inter, threads);
-    expert_gemm(up, inter, dim, order, start, active, 1, x, dim, u, inter, threads);
+    expert_gemm(gate, 0, inter, dim, order, start, active, 1, x, dim, g, inter, threads);
+    expert_gemm(up, 0, inter, dim, order, start, active, 1, x, dim, u, inter, threads);
     for (int64_t k = 0; k < n * inter; k++) {
         float gv = round_out ? round_bf16(g[k]) : g[k], uv = round_out ? round_bf16(u[k]) : u[k];
         float s = gv / (1.f + expf(-gv));
         g[k] = round_out ? round_bf16(round_bf16(s) * uv) : s * uv;
     }
-    expert_gemm(down, dim, inter, order, start, active, 1, g, inter, o, dim, threads);
+    expert_gemm(down, 0, dim, inter, order, start, active, 1, g, inter, o, dim, threads);
     for (int64_t k = 0; k < n * dim; k++) y[k] += round_out ? round_bf16(o[k]) : o[k];
     free(g); free(u); free(o); free(order);
 }
 
-/* y[i] = sum_j w_ij * round?(down_e . (silu(gate_e . x_i) * (up_e . x_i))) over the top_k experts e the
-   router picks for row i (fp32; round_out rounds each expert's output to bf16 first, as a bf16 model's
-   experts do), plus the shared expert when shared_gate is given. gate_up [E, 2I, D] (gate rows first),
-   down [E, D, I]. ids_out [n, top_k] gets the picks. */
+/* y[i] = sum_j w_ij * round?(down_e . (silu(gate_e . x_i) * (up_e . x_i))) over row i's picks ids[i, j] in j's
+   order, skipping ids outside 0..experts-1 (EP: picks another rank holds): fp32; round_out rounds each
+   expert's output to bf16 first, as a bf16 model's experts do. gate_up [E, 2I, D] (gate rows first),
+   down [E, D, I], fp32 or bf16 (w_bf16). A row's sum depends only on that row and its picks. */
+static void experts_sum(const float *x, int64_t n, int64_t dim, const int64_t *ids, const float *wts, int64_t top_k,
+                        int64_t experts, const void *gate_up, const void *down, int64_t inter, int w_bf16,
+                        int round_out, float *y, int threads) {
+    int64_t picks = n * top_k;
+    int64_t *order = xmalloc(sizeof(int64_t) * (picks + 1)), *start = xcalloc(experts + 1, sizeof(int64_t));
+    int64_t *active = xmalloc(sizeof(int64_t) * (experts + 1)), num_active = 0, valid = 0;
+    for (int64_t p = 0; p < picks; p++)  /* picks grouped by expert */
+        if (ids[p] >= 0 && ids[p] < experts) { start[ids[p] + 1]++; valid++; }
+    for (int64_t e = 0; e < experts; e++) {
+        if (start[e + 1]) active[num_active++] = e;
+        start[e + 1] += start[e];
+    }
+    int64_t *fill = xmalloc(sizeof(int64_t) * (experts + 1));
+    memcpy(fill, start, sizeof(int64_t) * experts);
+    /* the gemms address inputs by slot: a valid pick p gets slot[p], whose input row is x[p / top_k] */
+    int64_t *slot = xmalloc(sizeof(int64_t) * (picks + 1));
+    float *xs = xmalloc(sizeof(float) * (valid + 1) * dim);
+    for (int64_t p = 0, v = 0; p < picks; p++) {
+        slot[p] = -1;
+        if (ids[p] < 0 || ids[p] >= experts) continue;
+        slot[p] = v;
+        order[fill[ids[p]]++] = v;
+        memcpy(xs + v * dim, x + (p / top_k) * dim, sizeof(float) * dim);
+        v++;
+    }
+    free(fill);
+    float *gu = xmalloc(sizeof(float) * (valid + 1) * 2 * inter), *act = xmalloc(sizeof(float) * (valid + 1) * inter);
+    float *o = xmalloc(sizeof(float) * (valid + 1) * dim);
+    expert_gemm(gate_up, w_bf16, 2 * inter, dim, order, start, active, num_active, xs, dim, gu, 2 * inter, threads);
+    for (int64_t v = 0; v < valid; v++)
+        for (int64_t c = 0; c < inter; c++) {
+            float g = gu[v * 2 * inter + c];
+            act[v * inter + c] = g / (1.f + expf(-g)) * gu[v * 2 * inter + inter + c];
+        }
+    expert_gemm(down, w_bf16, dim, inter, order, start, active, num_active, act, inter, o, dim, threads);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < dim; d++) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < top_k; j++) {
+                int64_t v = slot[i * top_k + j];
+                if (v < 0) continue;
+                float e = o[v * dim + d];
+                acc += (round_out ? round_bf16(e) : e) * wts[i * top_k + j];
+            }
+            y[i * dim + d] = acc;
+        }
+    free(order); free(start); free(active); free(slot); free(xs); free(gu); free(act); free(o);
+}
+
+/* experts_sum over the top_k experts the router picks for each row, plus the shared expert when shared_gate is
+   given; every weight fp32. ids_out [n, top_k] gets the picks. */
 int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, const float *bias,
                    int64_t experts, int64_t n_group, int64_t topk_group, int64_t top_k, int32_t norm,
                    float scaling, const float *gate_up, const float *down, int64_t inter, int32_t round_out,
                    const float *shared_gate, const float *shared_up, const float *shared_down, int64_t shared_inter,
                    float *y, int64_t *ids_out, int32_t threads) {
-    int64_t picks = n * top_k;
-    float *wts = xmalloc(sizeof(float) * picks);
-    float *gu = xmalloc(sizeof(float) * picks * 2 * inter);
-    float *act = xmalloc(sizeof(float) * picks * inter);
-    float *o = xmalloc(sizeof(float) * picks * dim);
-    int64_t *order = xmalloc(sizeof(int64_t) * picks), *start = xcalloc(experts + 1, sizeof(int64_t));
-    int64_t *active = xmalloc(sizeof(int64_t) * experts), num_active = 0;
+    float *wts = xmalloc(sizeof(float) * n * top_k);
     #pragma omp parallel num_threads(threads)
     {
         float *score = xmalloc(sizeof(float) * experts), *biased = xmalloc(sizeof(float) * experts);
@@ -750,36 +807,18 @@ int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, 
                   score, biased, ids_out + i * top_k, wts + i * top_k);
         free(score); free(biased);
     }
-    for (int64_t p = 0; p < picks; p++) start[ids_out[p] + 1]++;  /* picks grouped by expert */
-    for (int64_t e = 0; e < experts; e++) {
-        if (start[e + 1]) active[num_active++] = e;
-        start[e + 1] += start[e];
-    }
-    int64_t *fill = xmalloc(sizeof(int64_t) * experts);
-    memcpy(fill, start, sizeof(int64_t) * experts);
-    for (int64_t p = 0; p < picks; p++) order[fill[ids_out[p]]++] = p;
-    free(fill);
-    /* the gemms address inputs by pick: row p of x is x[p / top_k] */
-    float *xp = xmalloc(sizeof(float) * picks * dim);
-    for (int64_t p = 0; p < picks; p++) memcpy(xp + p * dim, x + (p / top_k) * dim, sizeof(float) * dim);
-    expert_gemm(gate_up, 2 * inter, dim, order, start, active, num_active, xp, dim, gu, 2 * inter, threads);
-    for (int64_t p = 0; p < picks; p++)
-        for (int64_t c = 0; c < inter; c++) {
-            float g = gu[p * 2 * inter + c];
-            act[p * inter + c] = g / (1.f + expf(-g)) * gu[p * 2 * inter + inter + c];
-        }
-    expert_gemm(down, dim, inter, order, start, active, num_active, act, inter, o, dim, threads);
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t d = 0; d < dim; d++) {
-            float acc = 0.f;
-            for (int64_t j = 0; j < top_k; j++) {
-                float v = o[(i * top_k + j) * dim + d];
-                acc += (round_out ? round_bf16(v) : v) * wts[i * top_k + j];
-            }
-            y[i * dim + d] = acc;
-        }
+    experts_sum(x, n, dim, ids_out, wts, top_k, experts, gate_up, down, inter, 0, round_out, y, threads);
     if (shared_gate) shared_expert(x, n, dim, shared_gate, shared_up, shared_down, shared_inter, round_out, y, threads);
-    free(wts); free(gu); free(act); free(o); free(order); free(start); free(active); free(xp);
+    free(wts);
+    return 0;
+}
+
+/* The routed experts alone, for picks a router made elsewhere (ids [n, top_k] local to these experts; others
+   skipped, as an EP rank's foreign picks): experts_sum. Weights fp32 or bf16 (w_bf16). */
+int32_t moe_experts(const float *x, int64_t n, int64_t dim, const int64_t *ids, const float *wts, int64_t top_k,
+                    int64_t experts, const void *gate_up, const void *down, int64_t inter, int32_t w_bf16,
+                    int32_t round_out, float *y, int32_t threads) {
+    experts_sum(x, n, dim, ids, wts, top_k, experts, gate_up, down, inter, w_bf16, round_out, y, threads);
     return 0;
 }
 
@@ -1011,7 +1050,7 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
             for (; i + 4 <= n && k % DW == 0; i += 4) {
                 const float *rows[4] = {xf + i * k, xf + (i + 1) * k, xf + (i + 2) * k, xf + (i + 3) * k};
                 float sums[2][4];
-                tile_2x4(w, off, rows, k, sums);
+                tile_2x4(w, 0, off, rows, k, sums);
                 for (int o = 0; o < 2 && r + o < r1; o++)
                     for (int q = 0; q < 4; q++) put(y, x_bf16, (i + q) * m + r + o, sums[o][q]);
             }
