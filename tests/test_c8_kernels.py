@@ -279,6 +279,40 @@ def test_c8_rows_decode_in_one_pass_as_the_codec(kernels, latent, rope, dtype):
     assert torch.equal(fused, attention.sparse_attention(query, fb, pool, picks, valid, 0.05, latent, codec))
 
 
+@pytest.mark.parametrize("rows", ["bf16", "c8"])
+def test_sparse_attention_tiles_reuse_their_rows_buffer(rows, monkeypatch):
+    """Prompt rows' sparse attention in many tiles (a small workspace) reads each tile's rows into the first
+    tile's buffer (bf16 pool: index_select into it; C8: the decode kernel writes it), with the bits of one tile
+    over the whole batch; c8_rows refuses an `out` of the wrong shape."""
+    gen = torch.Generator().manual_seed(11)
+    codec = Int8LatentRows(512, 64) if rows == "c8" else None
+    fb, num_blocks = _batch([40, 90, 70], 9, gen, generated=False)
+    if codec is None:
+        pool = torch.randn(num_blocks, BLOCK, 576, generator=gen).bfloat16()
+    else:
+        pool = _c8_pool(codec, num_blocks, gen)
+    query = torch.randn(fb.num_tokens, 4, 576, generator=gen).bfloat16()
+    picks = torch.randint(0, 31, (fb.num_tokens, 16), generator=gen)
+    valid = torch.rand(fb.num_tokens, 16, generator=gen) > 0.2
+    whole = attention.sparse_attention(query, fb, pool, picks, valid, 0.05, 512, codec)
+    buffers: list[int] = []
+    real = attention._rows_at
+
+    def rows_at(*args, **kwargs):
+        got = real(*args, **kwargs)
+        buffers.append(got.untyped_storage().data_ptr())
+        return got
+
+    monkeypatch.setattr(attention, "_rows_at", rows_at)
+    fb.workspace_bytes = 3 * 16 * 576 * 4  # a few queries per tile
+    tiled = attention.sparse_attention(query, fb, pool, picks, valid, 0.05, 512, codec)
+    assert len(buffers) >= 5 and len(set(buffers)) == 1  # every tile in the first one's rows
+    assert torch.equal(tiled, whole)
+    if codec is not None:
+        with pytest.raises(ValueError, match="out"):
+            cpu_kernels.c8_rows(pool, picks[:2], codec, torch.bfloat16, torch.empty(3, 16, 576).bfloat16())
+
+
 def test_every_fp8_key_byte_is_read_exactly(monkeypatch, tmp_path):
     """Each of the 254 e4m3 bytes a C8 key can hold (all but NaN: subnormals, ±0, ±448) is read as its exact value
     by the native build (F16C's converter where the CPU has it) and by the SSE2-only build (integer arithmetic):

@@ -270,18 +270,21 @@ def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, blo
 _KEY_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # index_keys' kinds of plain keys; 2: FP8 keys (C8)
 
 
-def c8_rows(pool: torch.Tensor, slots: torch.Tensor, codec: RowCodec | None, dtype: torch.dtype) -> torch.Tensor | None:
+def c8_rows(pool: torch.Tensor, slots: torch.Tensor, codec: RowCodec | None, dtype: torch.dtype,
+            out: torch.Tensor | None = None) -> torch.Tensor | None:
     """C8 MLA rows of a [blocks, block_size, width] pool at flat `slots` (any shape) decoded to `dtype` (bf16 or
-    fp32) in one call: the bits of codec.decode(gather_rows(pool, slots), dtype), [*slots.shape, codec.dim]. None
-    where the kernel does not apply (not C8 rows, another dtype, off the host, kernels off). A slot outside the
-    pool raises ValueError."""
+    fp32) in one call: the bits of codec.decode(gather_rows(pool, slots), dtype), [*slots.shape, codec.dim], into
+    `out` where given (contiguous, that shape and dtype). None where the kernel does not apply (not C8 rows,
+    another dtype, off the host, kernels off). A slot outside the pool raises ValueError."""
     if (not isinstance(codec, Int8LatentRows) or dtype not in (torch.bfloat16, torch.float32)
             or pool.dtype != torch.uint8 or pool.shape[-1] != codec.width or not pool.is_contiguous()
             or not _runnable(pool, slots)):
         return None
     flat = pool.view(-1, codec.width)
     index = slots.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(index.numel(), codec.dim, dtype=dtype)
+    if out is not None and (out.shape != (*slots.shape, codec.dim) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"c8_rows: out {tuple(out.shape)} {out.dtype}, want {(*slots.shape, codec.dim)} {dtype}")
+    out = torch.empty(index.numel(), codec.dim, dtype=dtype) if out is None else out.view(index.numel(), codec.dim)
     bad = library().c8_rows_decode(flat.data_ptr(), codec.width, flat.shape[0], codec.latent, codec.group,
                                    codec.groups, codec.rope, index.data_ptr(), index.numel(), out.data_ptr(),
                                    int(dtype == torch.bfloat16), torch.get_num_threads())
