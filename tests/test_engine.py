@@ -58,6 +58,34 @@ def test_blocks_freed_after_generate(sparse_path):
     assert llm.engine.kv.allocator.num_free == 64 and not llm.engine.has_work
 
 
+def test_the_warm_up_request_leaves_nothing_behind(sparse_path, monkeypatch):
+    """A single-rank engine runs one short greedy request before it serves (its first calls, off the first
+    users' TTFT) and keeps nothing of it: every block free, no cached prefix, no request, no request id taken,
+    the default generator where its seed put it; an unseeded sampled request then draws what it would have."""
+    from shared.engine.llm import LLMEngine
+
+    steps: list[int] = []
+    real_step = LLMEngine.step
+
+    def counted(self, observer=None):
+        steps.append(1)
+        return real_step(self, observer)
+
+    monkeypatch.setattr(LLMEngine, "step", counted)
+    warmed = LLM(sparse_path, dtype="float32", block_size=4, seed=3)
+    engine = warmed.engine
+    assert len(steps) >= 3  # a prefill and decode steps ran
+    assert engine.kv.allocator.num_free == engine.kv.num_blocks and engine.kv.allocator.cached_hashes() == []
+    assert not engine.has_work and not engine._requests
+    assert torch.equal(engine.default_generator.get_state(), torch.Generator().manual_seed(3).get_state())
+    monkeypatch.setattr(LLMEngine, "warm_up", lambda self: None)
+    cold = LLM(sparse_path, dtype="float32", block_size=4, seed=3)
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    assert [o.token_ids for o in warmed.generate([[5, 6, 7], [9, 8]], params)] == \
+        [o.token_ids for o in cold.generate([[5, 6, 7], [9, 8]], params)]
+    assert engine.add_request([5], GREEDY).request_id == cold.engine.add_request([5], GREEDY).request_id
+
+
 def test_sampling_seeded_and_filters(sparse_path):
     llm = LLM(sparse_path, block_size=4)
     prompt = random_prompts(1, [10], 512, seed=15)
