@@ -365,8 +365,9 @@ def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def moe_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether the fused MoE can take these rows: host rows in bf16/fp32 and contiguous fp32 weights. A bf16
-    model's bf16 weights (kept so on CPUs with bf16 arithmetic) keep the portable grouped matmuls, as EP ranks
-    do: a decode is then the same bits in every instance shape (the kernel's sums would round differently)."""
+    model's bf16 weights (kept so on CPUs with bf16 arithmetic) take moe_experts instead, with the router and
+    the shared expert portable, as every EP rank does: a decode then has the same arithmetic in every instance
+    shape (a one-rank kernel that fused the router and the shared expert rounded them otherwise)."""
     return (x.dtype in (torch.bfloat16, torch.float32)
             and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights) and _runnable(x, *weights))
 
