@@ -171,6 +171,18 @@ def test_the_router_imports_no_torch():
     assert out.stdout.strip() == "", f"the router pulled in: {out.stdout.strip()[:300]}"
 
 
+def test_a_service_process_loads_no_compiler_stack():
+    """The services and the engine load without torch's compiler stack (dynamo, inductor): importing it costs
+    2-3 s of every process start (each service runs two: its gRPC front end and its engine core), and only
+    `--compile` uses it. llguidance.torch imported it with a torch.compile kernel the engine never calls."""
+    code = ("import sys\nfor m in ('prefill_service.server', 'decode_service.server', 'shared.engine'):\n"
+            "    __import__(m)\n"
+            "print(','.join(k for k in ('torch._dynamo', 'torch._inductor') if k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"a service process pulled in: {out.stdout.strip()}"
+
+
 def layout_entries(block: str) -> list[tuple[str, str, str]]:
     """(parent, path, text) per entry of the layout block: an entry starts with a path at column 0 (a
     top-level folder) or 2 (inside the last top-level one); deeper-indented lines continue its text."""

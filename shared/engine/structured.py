@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# llguidance.numpy, not llguidance.torch: importing that one compiles a torch.compile kernel we do not use, which
+# imports dynamo and inductor (2-3 s in every process that imports the engine)
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -90,13 +92,15 @@ class Grammars:
             return
         lo = min(first for _, first, _ in jobs)
         hi = max(first + len(drafts) for _, first, drafts in jobs) + 1
-        bitmask = llguidance.torch.allocate_token_bitmask(hi - lo, self.compiler.vocab_size)
+        bitmask = torch.full(llguidance.numpy.get_bitmask_shape(hi - lo, self.compiler.vocab_size), -1,
+                             dtype=torch.int32)
+        words = bitmask.numpy()  # the same memory: llguidance writes the masks into it
         plain = [(m, first - lo) for m, first, drafts in jobs if not drafts]
         drafted = [(m, first - lo, drafts) for m, first, drafts in jobs if drafts]
         if plain:
-            llguidance.torch.fill_next_token_bitmask_par(self.executor, plain, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, plain, words)
         if drafted:
-            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, words)
         apply_bitmask(logits, bitmask, lo, refused_logit(logits.dtype))
 
 
