@@ -72,6 +72,11 @@ static inline uint16_t narrow(float f) {  /* fp32 -> bf16 bits, round to nearest
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+static inline float round_bf16(float f) {  /* f rounded to bf16 precision, kept fp32: torch's .to(bfloat16) */
+    uint16_t h = narrow(f);
+    return widen(&h, 1, 0);
+}
+
 /* Eight bf16 values as fp32 (exact: the bits moved up). */
 static inline v8 bf16x8(const uint8_t *p) {
 #if defined(__AVX2__)
@@ -358,8 +363,7 @@ int32_t c8_rows_decode(const uint8_t *pool, int64_t row_stride, int64_t num_slot
             memcpy(&s, sc + 4 * g, sizeof s);
             int64_t c0 = g * group, c1 = c0 + group < latent ? c0 + group : latent;
             if (out_bf16) {
-                uint16_t sh = narrow(s);
-                float sb = widen(&sh, 1, 0);
+                float sb = round_bf16(s);
                 uint16_t *o = (uint16_t *)out + i * dim;
                 for (int64_t c = c0; c < c1; c++) o[c] = narrow((float)(int8_t)r[c] * sb);
             } else {
@@ -631,15 +635,6 @@ static inline __attribute__((always_inline)) void tile_2x4(const void *w, int w_
     }
     v4 s0 = sum4(a00, a01, a02, a03), s1 = sum4(a10, a11, a12, a13);
     for (int q = 0; q < 4; q++) { out[0][q] = s0[q]; out[1][q] = s1[q]; }
-}
-
-static float round_bf16(float f) {  /* round to nearest even at bf16 precision, as torch's .to(bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) u = 0x7fc00000u;
-    else u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 /* DeepSeek's router for one row (spec 7.2): s = sigmoid(x.Wg); choose by s + bias within the
