@@ -4,6 +4,7 @@ decode step time vs context, and the sampler at the real vocabulary.
     python bench/real_shapes.py [--contexts 2048,8192,32768] [--chunk 2048] [--dtype float32]
                                 [--decode-batch 1,16] [--workspace-mb 256] [--threads 1]
                                 [--model-type deepseek_v32|deepseek_v3] [--absorbed-baseline]
+                                [--quantization w8a8]
 
 Prefill runs the longest prompt once in `--chunk`-token chunks; the time and peak RSS to prefill a
 C-token prompt are those of its first C / chunk chunks (the peak is reset before every chunk through
@@ -13,7 +14,9 @@ prompts past a few hundred tokens took before the expanded form was tiled over k
 goes first, and prints both. deepseek_v32 attends densely up to index_topk (2048) and sparsely beyond;
 deepseek_v3 (no indexer) densely at every length. Decode steps run over KV rows filled with random
 values (a step's cost depends on the context length, not on the values). On CPUs without bf16
-arithmetic use float32 (the default): bf16 matmuls are emulated there and 10-250x slower.
+arithmetic use float32 (the default): bf16 matmuls are emulated there and 10-250x slower. `--quantization
+w8a8` gives the layer W8A8 linears (random int8 weights; int8 x int8 -> int32 kernels) to compare with
+`--dtype bfloat16`.
 """
 
 from __future__ import annotations
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="deepseek_v3 has no indexer: dense attention at every context")
     p.add_argument("--absorbed-baseline", action="store_true",
                    help="also prefill every chunk with the absorbed form only, alternating, and print both")
+    p.add_argument("--quantization", default=None, choices=["w8a8"],
+                   help="W8A8 linears (random int8 weights) instead of --dtype ones")
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     args = p.parse_args(argv)
@@ -174,8 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     workspace = args.workspace_mb << 20
     limits = MachineLimits.measure() if not args.skip_prefill else None  # before the model: a quiet machine
     cfg = real_layer_config(model_type=args.model_type)
-    print(f"building one layer at the 671B per-layer dims ({args.model_type}, {args.dtype}) ...", flush=True)
-    model = random_model(cfg, getattr(torch, args.dtype))
+    weights_kind = f"{args.dtype}, W8A8" if args.quantization else args.dtype
+    print(f"building one layer at the 671B per-layer dims ({args.model_type}, {weights_kind}) ...", flush=True)
+    model = random_model(cfg, getattr(torch, args.dtype), quantization=args.quantization)
     weights = sum(x.numel() * x.element_size() for x in model.parameters())
     print(f"weights {weights / GiB:.2f} GiB; {torch.get_num_threads()} threads", flush=True)
 
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
 
     index = "indexer 64x128, index_topk 2048" if cfg.has_indexer else "no indexer: dense at every context"
     head = (f"one layer at the 671B per-layer dims ({args.model_type}: hidden 7168, 128 heads, kv_lora 512, {index}, "
-            f"4 experts), {args.dtype}, workspace {args.workspace_mb} MiB, {torch.get_num_threads()} threads")
+            f"4 experts), {weights_kind}, workspace {args.workspace_mb} MiB, {torch.get_num_threads()} threads")
     print("\n" + head)
     if pre:
         cols = ["prompt tokens", "prefill s", "tok/s", "peak RSS GiB", "peak over model GiB"]

@@ -163,10 +163,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     whole = int8_kernels.linear(x, w, sw)
     assert torch.equal(torch.cat([int8_kernels.linear(x[i : i + 1], w, sw) for i in range(70)]), whole)
     assert torch.equal(torch.cat([int8_kernels.linear(c, w, sw) for c in x.split(13)]), whole)
-    # a prompt-sized step (>= MANY_ROWS rows) takes oneDNN's int8 GEMM in row tiles (64 rows at N 4096): the
-    # kernel's bits, row by row
+    # a prompt-sized step (>= MANY_ROWS rows) takes oneDNN's int8 GEMM in row tiles (256 rows at K 512, N 4096),
+    # here two and a part: the kernel's bits, row by row
     wide, swide = quantize_weight(torch.randn(4096, 512, generator=g))
-    prompt = torch.randn(int8_kernels.MANY_ROWS + 100, 512, generator=g).bfloat16()
+    tile = int8_kernels.row_tile(512, 4096)
+    assert int8_kernels.MANY_ROWS <= tile
+    prompt = torch.randn(2 * tile + 100, 512, generator=g).bfloat16()
     assert torch.equal(int8_kernels.linear(prompt, wide, swide),
                        torch.cat([int8_kernels.linear(c, wide, swide) for c in prompt.split(50)]))
     mw = _moe_weights(8, 512, 128, g)

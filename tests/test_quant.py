@@ -12,7 +12,8 @@ from shared.engine import LLM, SamplingParams
 from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows
 from shared.loader.checkpoint import load_model
-from shared.loader.tiny import ensure_tiny_model
+from shared.loader.synthetic import random_model
+from shared.loader.tiny import TINY, ensure_tiny_model
 from shared.model.batch import ForwardBatch, SeqChunk, write_rows
 from shared.model.layers import W8A8Linear
 from shared.model.ops import dense_attention, sparse_attention
@@ -92,6 +93,22 @@ def test_w8a8_model_tracks_bf16_layer_by_layer(tiny):
     print("W8A8 vs bf16 cosine per layer output (last: logits):", ", ".join(f"{c:.5f}" for c in cosines))
     assert min(cosines) >= 0.99
 
+
+
+def test_random_w8a8_model_spreads_like_the_float_one():
+    """bench/real_shapes.py --quantization w8a8 builds its layer this way: int8 weights over the whole ±127
+    range with scales giving the float model's spread, so its activations (and cost) are a real model's."""
+    cfg = ModelConfig.from_dict({**TINY, "model_type": "deepseek_v32"})
+    bf16, w8a8 = random_model(cfg, torch.bfloat16), random_model(cfg, torch.bfloat16, quantization="w8a8")
+    q, scale = w8a8.model.layers[1].self_attn.o_proj.weight, w8a8.model.layers[1].self_attn.o_proj.weight_scale
+    assert q.dtype == torch.int8 and q.min() == -127 and q.max() == 127
+    spread = (q.float() * scale[:, None]).std().item()
+    assert 0.018 < spread < 0.022 and 0.018 < bf16.model.layers[1].self_attn.o_proj.weight.float().std() < 0.022
+    assert w8a8.model.layers[1].mlp.experts.gate_up_proj.float().abs().mean() > 30  # experts filled too
+    ids = random_prompts(1, [40], cfg.vocab_size, seed=2)[0]
+    out_bf16, out_w8a8 = _layer_outputs(bf16, ids), _layer_outputs(w8a8, ids)
+    ratio = out_w8a8[1].float().norm() / out_bf16[1].float().norm()  # a layer's output of the same scale
+    assert 0.5 < ratio < 2
 
 KJV = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
        "darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God "

@@ -14,6 +14,7 @@ import torch
 from shared.config import ModelConfig
 from shared.model import DeepseekForCausalLM
 from shared.model.indexer import DEFAULT_NUMERICS
+from shared.quant.int8 import INT8_MAX, SCALE_SUFFIX
 
 REAL_671B: dict[str, Any] = {
     "model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
@@ -37,15 +38,22 @@ def real_layer_config(num_experts: int = 4, vocab_size: int = 1024, **overrides:
 
 @torch.inference_mode()
 def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 indexer_numerics: str = DEFAULT_NUMERICS) -> DeepseekForCausalLM:
-    """Weights ~ N(0, 0.02) (norms 1), filled parameter by parameter in place (no fp32 copy of the model)."""
-    model = DeepseekForCausalLM(cfg, dtype, indexer_numerics=indexer_numerics)
+                 indexer_numerics: str = DEFAULT_NUMERICS, quantization: str | None = None) -> DeepseekForCausalLM:
+    """Weights ~ N(0, 0.02) (norms 1), filled parameter by parameter in place (no fp32 copy of the model).
+    With quantization "w8a8" the W8A8 linears hold uniform int8 values in ±127 with per-channel scales
+    0.02 · √3 / 127 (the same spread as the float weights)."""
+    model = DeepseekForCausalLM(cfg, dtype, indexer_numerics=indexer_numerics, quantization=quantization)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith(("norm.weight", "layernorm.weight")):
             p.fill_(1.0)
         elif name.endswith(("k_norm.bias", "e_score_correction_bias")):
             p.zero_()
+        elif p.dtype == torch.int8:
+            for row in p.view(-1, p.shape[-1]).split(1024):
+                row.copy_(torch.randint(-int(INT8_MAX), int(INT8_MAX) + 1, row.shape, generator=gen, dtype=torch.int8))
+        elif name.endswith(SCALE_SUFFIX):
+            p.fill_(0.02 * 3**0.5 / INT8_MAX)
         else:
             for row in p.view(-1, p.shape[-1]).split(1024):  # bounded fp32 temporaries
                 row.copy_(torch.randn(row.shape, generator=gen) * 0.02)

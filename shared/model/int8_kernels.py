@@ -95,6 +95,12 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return q, s
 
 
+def row_tile(k: int, n: int) -> int:
+    """Rows per oneDNN int8 GEMM call: few enough that their int32 products stay in cache (INT32_TILE_BYTES),
+    and at least K / 2, so the products of a tile outweigh the weight bytes that each tile reads again."""
+    return max(32, INT32_TILE_BYTES // (4 * n), k // 2)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None,
            ) -> torch.Tensor | None:
     """W8A8 y = x · Wᵀ: x [..., K] bf16/fp32 quantized per token inside the kernel, weight int8 [N, K] with
@@ -113,7 +119,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype
     y = torch.empty(m, n, dtype=out_dtype)
     lib, threads = library(), torch.get_num_threads()
     if (k < SMALL_K or m >= MANY_ROWS) and m:
-        tile = max(32, INT32_TILE_BYTES // (4 * n))
+        tile = row_tile(k, n)
         rows = rows.contiguous()
         for r0 in range(0, m, tile):
             part, out = rows[r0 : r0 + tile], y[r0 : r0 + tile]
