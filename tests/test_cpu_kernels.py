@@ -270,6 +270,32 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
         assert err <= 1e-6 * one_rank.abs().max().item(), err
 
 
+
+def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
+    """moe_experts multiplies in fp32: past BF16_EXPERT_MAX (hidden × moe_intermediate) a bf16 model's experts
+    keep the portable grouped GEMMs (oneDNN's bf16 arithmetic, 2-4x faster there at 16-256 rows) for every row;
+    the choice depends on the expert's shape only, so it is the same at every batch size and on an EP rank
+    holding a slice of the experts. fp32 weights take the kernel at any size."""
+    from shared.model.moe import Experts
+
+    gen = torch.Generator().manual_seed(8)
+    small_d, small_i = 256, cpu_kernels.BF16_EXPERT_MAX // 256
+    big_d, big_i = 512, 2 * cpu_kernels.BF16_EXPERT_MAX // 512
+    for d, i, takes in ((small_d, small_i, True), (big_d, big_i, False)):
+        for local in (8, 4):  # one rank, an EP rank
+            ex = Experts(8, d, i, torch.bfloat16, num_local=local)
+            x = torch.zeros(1, d).bfloat16()
+            assert cpu_kernels.experts_usable(x, ex.gate_up_proj, ex.down_proj) is takes
+            assert cpu_kernels.experts_usable(x, ex.gate_up_proj.float(), ex.down_proj.float())
+    ex = Experts(8, big_d, big_i, torch.bfloat16)
+    for p in ex.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    x = torch.randn(6, big_d, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=gen)
+    with torch.inference_mode():
+        assert torch.equal(ex(x, ids, w, generated=torch.ones(6, dtype=torch.bool)), ex._weighted(x, ids, w, False))
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_rms_norm_matches_torch(portable, dtype):
     """RMSNorm in one call: the portable ops' result (bf16: bit for bit on nearly every element, a

@@ -47,6 +47,11 @@ from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows, PlainRows, RowCode
 # with at most this many heads: beyond, a batched matmul over the gathered rows reuses each row enough.
 MAX_HEADS = 32
 MOE_CHUNK_ROWS = 64  # the fused MoE runs this many tokens per call: its scratch stays bounded
+# Largest bf16 expert (hidden × moe_intermediate) moe_experts takes: its fp32 arithmetic (~50 GFLOP/s a core)
+# beats oneDNN's bf16 grouped GEMMs (~200 with AVX512-BF16) only while per-call costs dominate. Measured one
+# thread, 8 experts top-2, kernel / portable time: 256 × 128 0.14 / 0.29 / 0.91 at 1 / 16 / 64 rows; 512 × 256
+# 0.34 / 0.76 / 1.45; 1024 × 512 0.43 / 1.04 / 2.05; DeepSeek's 7168 × 2048 0.79 / 1.84 / 2.44 (4 experts).
+BF16_EXPERT_MAX = 512 * 128
 _BF16_FLAG = {torch.bfloat16: 1, torch.float32: 0}  # the storage types the kernels take, as their bf16 flag
 _SOURCE_FILE = "csrc/cpu_kernels.c"  # package data of shared.model (pyproject.toml), found in a source tree too
 
@@ -407,9 +412,12 @@ def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n
 
 
 def experts_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether moe_experts can take these rows: host rows in bf16/fp32 and contiguous expert weights, both fp32
-    or both bf16 (a bf16 model's own, widened in registers: its fp32 copies' products)."""
+    """Whether moe_experts takes these rows: host rows in bf16/fp32 and contiguous expert weights, both fp32
+    or both bf16 (a bf16 model's own, widened in registers: its fp32 copies' products), bf16 ones no larger
+    than BF16_EXPERT_MAX (hidden × moe_intermediate). A property of the model, not of the step: every step's
+    generated rows (and every EP rank's) take the same path."""
     return (x.dtype in _BF16_FLAG and gate_up.dtype == down.dtype and gate_up.dtype in _BF16_FLAG
+            and (gate_up.dtype != torch.bfloat16 or down.shape[1] * down.shape[2] <= BF16_EXPERT_MAX)
             and gate_up.is_contiguous() and down.is_contiguous() and _runnable(x, gate_up, down))
 
 
