@@ -547,6 +547,32 @@ def test_decode_rows_are_batch_invariant(tmp_path, arch, monkeypatch):
     assert torch.equal(decode([0, 69])[0], alone)
 
 
+
+def test_bf16_rows_through_onednn_are_batch_invariant_alone_too():
+    """bf16 linears (and large bf16 experts) run in oneDNN, whose one-row product (a GEMV) rounds otherwise than
+    its GEMM at some shapes (on this Zen 4: 6 of 8 rows at K 4096, N 1024; at DeepSeek's q_a_proj, q_b_proj,
+    o_proj and experts): a single row is computed as two, and an expert picked by one row gets it twice, so a
+    row's bits are the same alone, beside others, and in an expert group of any size."""
+    from shared.model import ops
+    from shared.model.moe import Experts
+
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(1024, 4096, generator=gen) * 0.02).bfloat16()
+    x = torch.randn(8, 4096, generator=gen).bfloat16()
+    batched = ops.linear(x, w)
+    assert all(torch.equal(ops.linear(x[i : i + 1], w), batched[i : i + 1]) for i in range(8))
+    ex = Experts(2, 4096, 512, torch.bfloat16)
+    for p in ex.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    with torch.inference_mode():
+        many = ex.run(x, torch.zeros(8, dtype=torch.long))  # one group of 8
+        for i in range(8):
+            assert torch.equal(ex.run(x[i : i + 1], torch.zeros(1, dtype=torch.long)), many[i : i + 1])
+        ids = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1])  # row 0 alone in expert 0, beside others in expert 1
+        mixed = ex.run(x, ids)
+        assert torch.equal(mixed[:1], many[:1]) and torch.equal(mixed[1:], ex.run(x[1:], ids[1:]))
+        assert mixed.shape == x.shape
+
 @pytest.mark.parametrize("quantization", ["none", "w8a8"])
 def test_an_engine_builds_the_kernels_before_its_first_request(monkeypatch, tmp_path, ckpt, quantization):
     """No cold start: constructing an engine (what a service does before it reports SERVING) builds the

@@ -18,7 +18,7 @@ from torch import nn
 import shared.model.int8_kernels as int8_kernels
 import shared.model.ops as ops
 from shared.config import ModelConfig
-from shared.device import grouped_mm
+from shared.device import grouped_mm, on_host
 from shared.model.layers import MLP, LinearFormats, WeightFormat
 from shared.model.ops import matmul_input
 from shared.parallel.comm import all_to_all_v, exchange_counts
@@ -89,14 +89,25 @@ class Experts(nn.Module):
     def run(self, rows: torch.Tensor, local_ids: torch.Tensor, padded: bool = False) -> torch.Tensor:
         """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]. With
         `padded`, ids outside 0..E_local-1 mark padding slots (EP: picks held by other ranks): their
-        output is zero; without, every id must be local (one rank holds every expert)."""
+        output is zero; without, every id must be local (one rank holds every expert). On the host a row alone
+        in its expert's group goes in twice (see below): a row's result does not depend on the other rows."""
         valid = (local_ids >= 0) & (local_ids < self.num_local) if padded else None
         key = local_ids if valid is None else torch.where(valid, local_ids, self.num_local)  # padding sorts last
-        order = key.argsort(stable=True)
         counts = torch.zeros(self.num_local + 1, dtype=torch.long, device=rows.device)
         counts.index_add_(0, key, torch.ones_like(key))  # bincount would read the max back on accelerators
-        offsets = counts[: self.num_local].cumsum(0).to(torch.int32)
         kind = self.fmt.kind if self.fmt is not None else None
+        wanted = rows.shape[0]
+        if kind is None and on_host(rows):
+            # oneDNN multiplies a group of one row by another routine (a GEMV) that rounds otherwise than its
+            # GEMM at some shapes (DeepSeek's experts): such a row goes in twice, so a token's expert output
+            # does not depend on how many others picked the same expert
+            lone = (counts[key] == 1) & (key < self.num_local)
+            if bool(lone.any()):
+                rows, key = torch.cat([rows, rows[lone]]), torch.cat([key, key[lone]])
+                valid = None if valid is None else torch.cat([valid, valid[lone]])
+                counts[: self.num_local] += counts[: self.num_local] == 1
+        order = key.argsort(stable=True)
+        offsets = counts[: self.num_local].cumsum(0).to(torch.int32)
         if kind == "int8":
             gate_up = grouped_w8a8(rows[order], self.gate_up_proj, self.gate_up_proj_scale, offsets)
             gate, up = gate_up.split(self.inter, -1)
@@ -114,7 +125,7 @@ class Experts(nn.Module):
             out = out.masked_fill(~valid[order, None], 0)  # rows past the last group are undefined
         result = torch.empty_like(out, dtype=rows.dtype)
         result[order] = out.to(rows.dtype)
-        return result
+        return result[:wanted]
 
     def fused_w8a8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, padded: bool = False,
                    shared: nn.Module | None = None) -> torch.Tensor | None:
