@@ -555,12 +555,16 @@ def test_bf16_rows_through_onednn_are_batch_invariant_alone_too():
     row's bits are the same alone, beside others, and in an expert group of any size."""
     from shared.model import ops
     from shared.model.moe import Experts
+    from shared.model.tensor_parallel import AllToShardedLinear
 
     gen = torch.Generator().manual_seed(4)
     w = (torch.randn(1024, 4096, generator=gen) * 0.02).bfloat16()
     x = torch.randn(8, 4096, generator=gen).bfloat16()
     batched = ops.linear(x, w)
     assert all(torch.equal(ops.linear(x[i : i + 1], w), batched[i : i + 1]) for i in range(8))
+    assert torch.equal(ops.linear(x[3], w), batched[3])  # one row without a batch dimension
+    tp_shard = AllToShardedLinear(w, 1, 0, None)  # a TP rank's column slice (here all of it)
+    assert all(torch.equal(tp_shard(x[i : i + 1]), batched[i : i + 1]) for i in range(8))
     ex = Experts(2, 4096, 512, torch.bfloat16)
     for p in ex.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)

@@ -36,7 +36,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids [N, k], weights [N, k] fp32)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = ops.matmul_rows(x.float(), self.weight.float()).sigmoid()
         biased = scores + self.e_score_correction_bias
         n, e = biased.shape
         if self.n_group > 1:

@@ -60,8 +60,8 @@ def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (a GEMV) that rounds otherwise than its GEMM at some shapes (DeepSeek's q_a_proj, q_b_proj and o_proj), so a
     token decoded alone would differ from the same token in a batch. Two rows cost no more (10-20% less at
     those shapes)."""
-    if x.dim() == 2 and x.shape[0] == 1 and on_host(x):
-        return F.linear(x.expand(2, -1), weight)[:1]
+    if x.numel() == x.shape[-1] and on_host(x):
+        return F.linear(x.reshape(1, -1).expand(2, -1), weight)[:1].view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 

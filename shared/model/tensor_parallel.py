@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.device import int8_matmul
-from shared.model.ops import matmul_input
+from shared.model.ops import matmul_input, matmul_rows
 from shared.parallel.comm import all_reduce_sum
 from shared.quant.int8 import Int8Linear, quantize_activation
 
@@ -37,7 +37,7 @@ class AllToShardedLinear(nn.Module):
         self.tp, self.group, self.gather_output = tp, group, gather_output
 
     def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
-        y = F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype)
+        y = matmul_rows(matmul_input(x, self.weight), self.weight).to(x.dtype)
         if not self.gather_output:
             return y
         parts = [torch.empty_like(y) for _ in range(self.tp)]
@@ -63,7 +63,7 @@ class ShardedToAllLinear(nn.Module):
             return all_reduce_sum(self._w8a8(x), self.group)
         if x.shape[-1] == self.in_features:  # replicated input: take our slice, no communication
             x = x[..., self.lo : self.hi]
-        return all_reduce_sum(F.linear(matmul_input(x, self.weight), self.weight).to(x.dtype), self.group)
+        return all_reduce_sum(matmul_rows(matmul_input(x, self.weight), self.weight).to(x.dtype), self.group)
 
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
