@@ -3,6 +3,8 @@ in chunks; prints JSON with the peak RSS of each computed chunk (the peak is res
 through /proc/self/clear_refs), the weights' and the KV pool's bytes, and a tiled-vs-untiled comparison.
 
     python tests/real_dims_child.py PROMPT_TOKENS CHUNK WORKSPACE_MB [DTYPE] [all|ends]
+    python tests/real_dims_child.py decode-alone-vs-batched
+
 
 `ends` computes only the first two chunks and the last, and fills the cache rows in between with random
 values (what attention and the indexer read there does not change how much memory they take), so the
@@ -43,7 +45,31 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def decode_alone_vs_batched() -> None:
+    """A bf16 layer at the real dims decodes one token alone and beside three others (generated rows, random
+    KV rows at context 300): prints JSON with whether its logits are the same bits."""
+    torch.manual_seed(0)
+    cfg = real_layer_config()
+    model = random_model(cfg, torch.bfloat16)
+    bs, context = 64, 300
+    kv = KVCache(KVLayout.from_model_config(cfg, bs, model.dtype), 4 * (context // bs + 2), torch.device("cpu"))
+    for pool in (kv.mla, kv.index):
+        pool.normal_(0, 1)
+    tables = [kv.allocator.allocate(kv.blocks_needed(context + 1)) for _ in range(4)]
+
+    def decode(requests: list[int]) -> torch.Tensor:
+        chunks = [SeqChunk([5 + i], context, tables[i], generated=True) for i in requests]
+        with torch.inference_mode():
+            return model(ForwardBatch.build(chunks, bs, torch.device("cpu")), kv)
+
+    alone, batched = decode([0])[0], decode([0, 1, 2, 3])[0]
+    print(json.dumps({"equal": torch.equal(alone, batched), "maxabs": (alone - batched).abs().max().item()}))
+
+
 def main() -> None:
+    if sys.argv[1] == "decode-alone-vs-batched":
+        decode_alone_vs_batched()
+        return
     prompt_tokens, chunk, workspace_mb = (int(a) for a in sys.argv[1:4])
     dtype = getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.float32
     torch.manual_seed(0)

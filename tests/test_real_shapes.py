@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.device import compute_dtype
 from shared.engine.sampler import SamplingParams, sample
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
@@ -57,6 +58,19 @@ def test_real_dims_8k_prefill_in_2k_chunks_bounded_memory():
     # tiled (1 MiB workspace: key tiles + online softmax) == untiled, at the same dims, on a short prompt
     assert report["tiled_vs_untiled_cos"] >= 0.99999 and report["tiled_vs_untiled_maxabs"] < 1e-3
 
+
+
+@pytest.mark.skipif(compute_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16,
+                    reason="bf16 matmuls are emulated on this CPU (10-250x slower): the layer runs in fp32 there")
+def test_real_dims_bf16_decode_of_a_token_alone_equals_it_batched():
+    """At DeepSeek's dims oneDNN's one-row products round otherwise than its GEMMs (q_a_proj, q_b_proj, o_proj,
+    experts picked by one row): single rows go in as two, so a token decoded alone gets the bits it gets beside
+    three other requests (before: the logits differed by ~0.04)."""
+    script = Path(__file__).with_name("real_dims_child.py")
+    out = subprocess.run([sys.executable, str(script), "decode-alone-vs-batched"], capture_output=True, text=True,
+                         timeout=600, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["equal"], report
 
 def test_plan_tiles_fits_budget_at_real_dims():
     """Tile plans at 128 heads, 576-d rows and contexts up to 128k stay within the workspace."""
