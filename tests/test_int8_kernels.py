@@ -168,6 +168,9 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     wide, swide = quantize_weight(torch.randn(4096, 512, generator=g))
     tile = int8_kernels.row_tile(512, 4096)
     assert int8_kernels.MANY_ROWS <= tile
+    # at DeepSeek's o_proj (K 16,384, N 7,168) a tile's int32 products stay bounded (64 MiB)
+    o_proj = int8_kernels.row_tile(16384, 7168)
+    assert o_proj >= 1024 and o_proj * 7168 * 4 <= int8_kernels.INT32_TILE_MAX_BYTES
     prompt = torch.randn(2 * tile + 100, 512, generator=g).bfloat16()
     assert torch.equal(int8_kernels.linear(prompt, wide, swide),
                        torch.cat([int8_kernels.linear(c, wide, swide) for c in prompt.split(50)]))

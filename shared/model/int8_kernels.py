@@ -35,6 +35,7 @@ SMALL_K = 256
 # (32 MiB) made K 64 3.5x slower than bf16. Exact either way: the tiles' results are the kernel's bits.
 MANY_ROWS = 128
 INT32_TILE_BYTES = 1 << 20
+INT32_TILE_MAX_BYTES = 64 << 20
 # bytes of the MoE call's scratch per call (fp32 expert activations and outputs of its picks): longer steps are
 # split into row chunks of at least one row (rows are independent, so chunking changes no result)
 MOE_SCRATCH_BYTES = 64 << 20
@@ -97,8 +98,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def row_tile(k: int, n: int) -> int:
     """Rows per oneDNN int8 GEMM call: few enough that their int32 products stay in cache (INT32_TILE_BYTES),
-    and at least K / 2, so the products of a tile outweigh the weight bytes that each tile reads again."""
-    return max(32, INT32_TILE_BYTES // (4 * n), k // 2)
+    and at least K / 2, so the products of a tile outweigh the weight bytes that each tile reads again, up to
+    INT32_TILE_MAX_BYTES of products (DeepSeek's o_proj, K 16,384: 2,340 rows, not 8,192)."""
+    return max(32, min(max(INT32_TILE_BYTES // (4 * n), k // 2), INT32_TILE_MAX_BYTES // (4 * n)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None,
