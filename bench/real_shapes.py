@@ -120,9 +120,8 @@ def decode(model, cfg, contexts: list[int], batches: list[int], workspace: int, 
             tables = [kv.allocator.allocate(kv.blocks_needed(ctx + steps)) for _ in range(batch)]
             times = []
             for step in range(steps):
-                fb = ForwardBatch.build([SeqChunk([5], ctx + step, t, generated=True) for t in tables], bs,
-                                        torch.device("cpu"),
-                                        workspace)
+                chunks = [SeqChunk([5], ctx + step, t, generated=True) for t in tables]  # decodes, as the engine's
+                fb = ForwardBatch.build(chunks, bs, torch.device("cpu"), workspace)
                 t0 = time.perf_counter()
                 model(fb, kv)
                 times.append(time.perf_counter() - t0)

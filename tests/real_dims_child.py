@@ -5,7 +5,6 @@ through /proc/self/clear_refs), the weights' and the KV pool's bytes, and a tile
     python tests/real_dims_child.py PROMPT_TOKENS CHUNK WORKSPACE_MB [DTYPE] [all|ends]
     python tests/real_dims_child.py decode-alone-vs-batched
 
-
 `ends` computes only the first two chunks and the last, and fills the cache rows in between with random
 values (what attention and the indexer read there does not change how much memory they take), so the
 chunk at the full context is measured in a fraction of the time. (The first chunk of a V3.2 prompt is

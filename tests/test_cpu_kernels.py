@@ -270,7 +270,6 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
         assert err <= 1e-6 * one_rank.abs().max().item(), err
 
 
-
 def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
     """moe_experts multiplies in fp32: past BF16_EXPERT_MAX (hidden × moe_intermediate) a bf16 model's experts
     keep the portable grouped GEMMs (oneDNN's bf16 arithmetic, 2-4x faster there at 16-256 rows) for every row;
@@ -295,6 +294,7 @@ def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
     w = torch.rand(6, 2, generator=gen)
     with torch.inference_mode():
         assert torch.equal(ex(x, ids, w, generated=torch.ones(6, dtype=torch.bool)), ex._weighted(x, ids, w, False))
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_rms_norm_matches_torch(portable, dtype):
@@ -547,7 +547,6 @@ def test_decode_rows_are_batch_invariant(tmp_path, arch, monkeypatch):
     assert torch.equal(decode([0, 69])[0], alone)
 
 
-
 def test_bf16_rows_through_onednn_are_batch_invariant_alone_too():
     """bf16 linears (and large bf16 experts) run in oneDNN, whose one-row product (a GEMV) rounds otherwise than
     its GEMM at some shapes (on this Zen 4: 6 of 8 rows at K 4096, N 1024; at DeepSeek's q_a_proj, q_b_proj,
@@ -576,6 +575,7 @@ def test_bf16_rows_through_onednn_are_batch_invariant_alone_too():
         mixed = ex.run(x, ids)
         assert torch.equal(mixed[:1], many[:1]) and torch.equal(mixed[1:], ex.run(x[1:], ids[1:]))
         assert mixed.shape == x.shape
+
 
 @pytest.mark.parametrize("quantization", ["none", "w8a8"])
 def test_an_engine_builds_the_kernels_before_its_first_request(monkeypatch, tmp_path, ckpt, quantization):

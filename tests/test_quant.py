@@ -94,7 +94,6 @@ def test_w8a8_model_tracks_bf16_layer_by_layer(tiny):
     assert min(cosines) >= 0.99
 
 
-
 def test_random_w8a8_model_spreads_like_the_float_one():
     """bench/real_shapes.py --quantization w8a8 builds its layer this way: int8 weights over the whole ±127
     range with scales giving the float model's spread, so its activations (and cost) are a real model's."""
@@ -109,6 +108,7 @@ def test_random_w8a8_model_spreads_like_the_float_one():
     out_bf16, out_w8a8 = _layer_outputs(bf16, ids), _layer_outputs(w8a8, ids)
     ratio = out_w8a8[1].float().norm() / out_bf16[1].float().norm()  # a layer's output of the same scale
     assert 0.5 < ratio < 2
+
 
 KJV = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
        "darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God "

@@ -59,7 +59,6 @@ def test_real_dims_8k_prefill_in_2k_chunks_bounded_memory():
     assert report["tiled_vs_untiled_cos"] >= 0.99999 and report["tiled_vs_untiled_maxabs"] < 1e-3
 
 
-
 @pytest.mark.skipif(compute_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16,
                     reason="bf16 matmuls are emulated on this CPU (10-250x slower): the layer runs in fp32 there")
 def test_real_dims_bf16_decode_of_a_token_alone_equals_it_batched():
@@ -71,6 +70,7 @@ def test_real_dims_bf16_decode_of_a_token_alone_equals_it_batched():
                          timeout=600, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["equal"], report
+
 
 def test_plan_tiles_fits_budget_at_real_dims():
     """Tile plans at 128 heads, 576-d rows and contexts up to 128k stay within the workspace."""
