@@ -3,7 +3,7 @@ in chunks; prints JSON with the peak RSS of each computed chunk (the peak is res
 through /proc/self/clear_refs), the weights' and the KV pool's bytes, and a tiled-vs-untiled comparison.
 
     python tests/real_dims_child.py PROMPT_TOKENS CHUNK WORKSPACE_MB [DTYPE] [all|ends]
-    python tests/real_dims_child.py decode-alone-vs-batched
+    python tests/real_dims_child.py decode-alone-vs-batched [native|fp32-copies]
 
 `ends` computes only the first two chunks and the last, and fills the cache rows in between with random
 values (what attention and the indexer read there does not change how much memory they take), so the
@@ -44,13 +44,18 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def decode_alone_vs_batched() -> None:
+def decode_alone_vs_batched(arithmetic: str) -> None:
     """A bf16 layer at the real dims decodes one token alone and beside three others (generated rows, random
-    KV rows at context 300): prints JSON with whether its logits are the same bits."""
+    KV rows at context 2,300: past index_topk, so sparse attention): prints JSON with whether its logits are the
+    same bits. `fp32-copies` runs it as a CPU without bf16 arithmetic does (fp32 weight copies, fp32 compute)."""
+    if arithmetic == "fp32-copies":
+        import shared.device
+
+        shared.device._cpu_has_native_bf16 = lambda: False
     torch.manual_seed(0)
     cfg = real_layer_config()
     model = random_model(cfg, torch.bfloat16)
-    bs, context = 64, 300
+    bs, context = 64, 2300
     kv = KVCache(KVLayout.from_model_config(cfg, bs, model.dtype), 4 * (context // bs + 2), torch.device("cpu"))
     for pool in (kv.mla, kv.index):
         pool.normal_(0, 1)
@@ -67,7 +72,7 @@ def decode_alone_vs_batched() -> None:
 
 def main() -> None:
     if sys.argv[1] == "decode-alone-vs-batched":
-        decode_alone_vs_batched()
+        decode_alone_vs_batched(sys.argv[2] if len(sys.argv) > 2 else "native")
         return
     prompt_tokens, chunk, workspace_mb = (int(a) for a in sys.argv[1:4])
     dtype = getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.float32

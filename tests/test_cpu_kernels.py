@@ -417,6 +417,24 @@ def test_fused_linear_and_head_matmul_match_torch(portable):
     assert (o.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
+
+def test_head_matmul_rows_are_batch_invariant_at_many_heads():
+    """MLA's absorbed matmuls for generated rows take the kernel at any head count (DeepSeek's 128 included):
+    a row gets the same bits alone as in any group of rows (row groups of 8 and their remainders), over k and
+    m that are not multiples of the kernel's steps."""
+    gen = torch.Generator().manual_seed(13)
+    for heads, k, m in ((40, 30, 37), (128, 64, 48)):
+        x = torch.randn(11, heads, k, generator=gen).bfloat16()
+        w = torch.randn(heads, k, m, generator=gen)
+        batched = torch.empty(11, heads, m)
+        assert cpu_kernels.head_matmul(x, w, batched)
+        for i in (0, 7, 8, 10):
+            alone = torch.empty(1, heads, m)
+            assert cpu_kernels.head_matmul(x[i : i + 1], w, alone)
+            assert torch.equal(alone[0], batched[i]), (heads, i)
+        want = torch.bmm(x.double().transpose(0, 1), w.double()).transpose(0, 1)
+        assert (batched.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
 def _mla_row_inputs(gen: torch.Generator, c: int, r: int, dtype: torch.dtype):
     """kv_a outputs [6, c + r], the kv norm (random weight), RoPE angles and the step's slots (a fake step)."""
     from shared.model.layers import RMSNorm

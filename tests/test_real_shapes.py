@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.device import compute_dtype
 from shared.engine.sampler import SamplingParams, sample
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
@@ -59,19 +58,17 @@ def test_real_dims_8k_prefill_in_2k_chunks_bounded_memory():
     assert report["tiled_vs_untiled_cos"] >= 0.99999 and report["tiled_vs_untiled_maxabs"] < 1e-3
 
 
-@pytest.mark.skipif(compute_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16,
-                    reason="no bf16 arithmetic: the model keeps fp32 weight copies, whose 128-head absorbed matmuls "
-                           "(portable fp32 bmm) are not yet batch-invariant (README, CPU kernels)")
-def test_real_dims_bf16_decode_of_a_token_alone_equals_it_batched():
+@pytest.mark.parametrize("arithmetic", ["native", "fp32-copies"])
+def test_real_dims_bf16_decode_of_a_token_alone_equals_it_batched(arithmetic):
     """At DeepSeek's dims oneDNN's one-row products round otherwise than its GEMMs (q_a_proj, q_b_proj, o_proj,
     experts picked by one row): single rows go in as two, so a token decoded alone gets the bits it gets beside
-    three other requests (before: the logits differed by ~0.04). Runs wherever the CPU has bf16 arithmetic (this
-    machine, CI). Without it the model keeps fp32 weight copies (store_for_compute), and there the absorbed
-    per-head matmuls of more than MAX_HEADS heads go through torch's fp32 bmm, whose rows depend on the batch:
-    forcing that path here gives logits 0.009-0.014 apart (o_proj's input differs first), a gap not yet closed."""
+    three other requests (before: the logits differed by ~0.04). `fp32-copies` runs the same layer as a CPU
+    without bf16 arithmetic does (fp32 weight copies): there the absorbed per-head matmuls of 128 heads went
+    through torch's fp32 bmm, whose rows depend on the batch (logits 0.009-0.014 apart), and now take the
+    head_matmul kernel, each row on its own."""
     script = Path(__file__).with_name("real_dims_child.py")
-    out = subprocess.run([sys.executable, str(script), "decode-alone-vs-batched"], capture_output=True, text=True,
-                         timeout=600, check=True)
+    out = subprocess.run([sys.executable, str(script), "decode-alone-vs-batched", arithmetic], capture_output=True,
+                         text=True, timeout=600, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["equal"], report
 

@@ -536,7 +536,7 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> boo
     if x_bf16 is None or out_bf16 is None or weight.dtype != torch.float32 or x.dim() != 3:
         return False
     (n, heads, k), (_, _, m) = x.shape, weight.shape
-    if (heads > MAX_HEADS or weight.shape != (heads, k, m) or out.shape != (n, heads, m)
+    if (weight.shape != (heads, k, m) or out.shape != (n, heads, m)
             or x.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous() or not _runnable(x, weight, out)):
         return False
     library().head_matmul(x.data_ptr(), x_bf16, x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(),

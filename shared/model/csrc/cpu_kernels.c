@@ -1059,9 +1059,46 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
 
 /* y[i, h, :] = x[i, h, :] @ w[h] per head: x [n, heads, k] (strides xs_row, xs_head; bf16 or fp32),
    w [heads, k, m] fp32, y [n, heads, m] (strides ys_row, ys_head; fp32, or bf16 rounded once at the end).
-   MLA's absorbed matmuls (q_nope . W_UK, o_lat . W_UV^T) for a few rows. Each output is one chain of fused
-   multiply-adds over k in order (fmaf's bits in every lane); up to HR rows of a head share each weight load. */
-#define HR 4
+   MLA's absorbed matmuls (q_nope . W_UK, o_lat . W_UV^T) for generated rows, at any head count. Each output
+   is one chain of fused multiply-adds over k in order (fmaf's bits in every lane); up to HR rows of a head
+   share each weight load. */
+#define HR 8
+
+/* acc[q, :] = xr[q, :] @ wh for ROWS rows (a constant where inlined). The weight is streamed in order, four
+   of its rows at a time (their pages are read as sequential streams, which strided column blocks were not:
+   latency-bound at 8 GFLOP/s); each output's chain of fused multiply-adds still runs over k in order. */
+static inline __attribute__((always_inline)) void
+head_rows(const float *xr, const float *wh, float *acc, int64_t k, int64_t m, const int ROWS) {
+    memset(acc, 0, sizeof(float) * ROWS * m);
+    for (int64_t j = 0; j < k; j += 4) {
+        const int steps = k - j < 4 ? (int)(k - j) : 4;
+        if (steps == 4) {
+            const float *w0 = wh + j * m, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
+            int64_t c = 0;
+            for (; c + DW <= m; c += DW) {
+                v8 r0 = LOAD(w0 + c), r1 = LOAD(w1 + c), r2 = LOAD(w2 + c), r3 = LOAD(w3 + c);
+                for (int q = 0; q < ROWS; q++) {
+                    const float *xq = xr + q * k + j;
+                    v8 a = LOAD(acc + q * m + c);
+                    a = vfma(splat(xq[0]), r0, a);
+                    a = vfma(splat(xq[1]), r1, a);
+                    a = vfma(splat(xq[2]), r2, a);
+                    a = vfma(splat(xq[3]), r3, a);
+                    STORE(acc + q * m + c, a);
+                }
+            }
+            for (; c < m; c++)
+                for (int q = 0; q < ROWS; q++)
+                    for (int u = 0; u < 4; u++) acc[q * m + c] = fmaf(xr[q * k + j + u], wh[(j + u) * m + c], acc[q * m + c]);
+        } else {
+            for (int u = 0; u < steps; u++)
+                for (int q = 0; q < ROWS; q++)
+                    for (int64_t c = 0; c < m; c++)
+                        acc[q * m + c] = fmaf(xr[q * k + j + u], wh[(j + u) * m + c], acc[q * m + c]);
+        }
+    }
+}
+
 void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head, const float *w,
                  void *y, int32_t y_bf16, int64_t ys_row, int64_t ys_head, int64_t n, int64_t heads,
                  int64_t k, int64_t m, int32_t threads) {
@@ -1075,29 +1112,16 @@ void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head,
             for (int q = 0; q < rows; q++)
                 for (int64_t j = 0; j < k; j++) xr[q * k + j] = widen(x, x_bf16, (i0 + q) * xs_row + h * xs_head + j);
             const float *wh = w + h * k * m;
-            int64_t c0 = 0;
-            for (; c0 + 2 * DW <= m; c0 += 2 * DW) {  /* 16 outputs of up to HR rows in registers */
-                v8 a[HR][2] = {{{0}}};
-                for (int64_t j = 0; j < k; j++) {
-                    v8 w0 = LOAD(wh + j * m + c0), w1 = LOAD(wh + j * m + c0 + DW);
-                    for (int q = 0; q < HR; q++) {
-                        if (q >= rows) break;
-                        v8 xv = splat(xr[q * k + j]);
-                        a[q][0] = vfma(xv, w0, a[q][0]);
-                        a[q][1] = vfma(xv, w1, a[q][1]);
-                    }
-                }
-                for (int q = 0; q < rows; q++) {
-                    STORE(acc + q * m + c0, a[q][0]);
-                    STORE(acc + q * m + c0 + DW, a[q][1]);
-                }
+            switch (rows) {
+                case 1: head_rows(xr, wh, acc, k, m, 1); break;
+                case 2: head_rows(xr, wh, acc, k, m, 2); break;
+                case 3: head_rows(xr, wh, acc, k, m, 3); break;
+                case 4: head_rows(xr, wh, acc, k, m, 4); break;
+                case 5: head_rows(xr, wh, acc, k, m, 5); break;
+                case 6: head_rows(xr, wh, acc, k, m, 6); break;
+                case 7: head_rows(xr, wh, acc, k, m, 7); break;
+                default: head_rows(xr, wh, acc, k, m, HR); break;
             }
-            for (; c0 < m; c0++)
-                for (int q = 0; q < rows; q++) {
-                    float a = 0.f;
-                    for (int64_t j = 0; j < k; j++) a = fmaf(xr[q * k + j], wh[j * m + c0], a);
-                    acc[q * m + c0] = a;
-                }
             for (int q = 0; q < rows; q++)
                 for (int64_t c = 0; c < m; c++) {
                     int64_t at = (i0 + q) * ys_row + h * ys_head + c;
