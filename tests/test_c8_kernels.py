@@ -199,6 +199,83 @@ def test_indexer_scores_match_the_portable_path(kernels, monkeypatch, heads, que
         assert (want == 0).sum() > 10  # the ties the ordering is about
 
 
+def _pair_order_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_scale: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """The kernel's scores in torch for values whose products are exact in fp32 (so a fused multiply-add is an
+    add): per 16-dim block, lane j adds dims 8 + j then j; the lanes summed ((0+1)+(2+3))+((4+5)+(6+7)); times
+    key scale · scale; ReLU; head weights summed over heads in order. q [N, H, D], keys [N, T, D] -> [N, T]."""
+    n, heads, dim = q.shape
+    pad = -dim % 16
+    prod = torch.nn.functional.pad(q, (0, pad))[:, :, None] * torch.nn.functional.pad(keys, (0, pad))[:, None]
+    blocks = prod.view(*prod.shape[:3], -1, 2, 8)
+    acc = torch.zeros(*prod.shape[:3], 8)
+    for b in range(blocks.shape[3]):
+        acc = acc + blocks[..., b, 1, :]
+        acc = acc + blocks[..., b, 0, :]
+    lane = acc.unbind(-1)
+    dots = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))
+    scores = dots * (key_scale * scale)[:, None]
+    total = torch.zeros(n, keys.shape[1])
+    for h in range(heads):
+        total = total + w[:, h, None] * torch.relu(scores[:, h])
+    return total
+
+
+@pytest.mark.parametrize("keys", ["fp8", "bfloat16"])
+def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(monkeypatch, tmp_path, keys):
+    """bf16 queries and keys (DeepSeek's indexer values, on the FP8 grid times a power of two, are such) have
+    exact products, so the kernel's pair-order dots (AVX512-BF16's vdpbf16ps where the build has it, fused
+    multiply-adds elsewhere) are the torch pair-order scores bit for bit (queries spread over 2^-8 .. 2^8 so
+    that the sums round: another order gives other bits), on builds for this CPU, for AVX2 + FMA and SSE2 alike,
+    over C8's FP8 keys and bf16 ones, prompt runs, a 72-dim key (a half block of padding) included. A query that is
+    not bf16 (one value off the grid) takes the FMA path alone, with the same bits on every build, and leaves
+    the others' bits as they were; a key tile with a value below 2^-50 takes it for every query (still exact)."""
+    gen = torch.Generator().manual_seed(31)
+    heads, dim = 5, 128 if keys == "fp8" else 72
+    fb, num_blocks = _batch([40, 95, 3, 150], 3, gen, generated=False)
+    if keys == "fp8":
+        codec = Fp8KeyRows(dim)
+        pool = _c8_pool(codec, num_blocks, gen)
+        flat = pool.view(-1, codec.width)
+        values = flat[:, :dim].contiguous().view(torch.float8_e4m3fn).float()
+        key_scale = flat[:, dim:].contiguous().view(torch.float32)[:, 0]
+    else:
+        codec = None
+        rows = torch.randn(num_blocks * BLOCK, dim, generator=gen) * 2.0**-4
+        rows[5, 3] = 2.0**-60  # slot 5 is in the first request's first tile: that tile takes the FMA path
+        pool = rows.to(torch.bfloat16).view(num_blocks, BLOCK, dim)
+        values, key_scale = pool.view(-1, dim).float(), torch.ones(num_blocks * BLOCK)
+    # bf16 queries with magnitudes spread over 2^-8 .. 2^8: exact products whose sums round (the order shows)
+    spread = torch.exp2(torch.randint(-8, 9, (fb.num_tokens, heads, dim), generator=gen).float())
+    q = (torch.randn(fb.num_tokens, heads, dim, generator=gen) * spread).bfloat16().float()
+    off_grid = fb.num_tokens - 2  # the last request's second query
+    q[off_grid, 1, 9] = 1.1
+    w = torch.randn(fb.num_tokens, heads, generator=gen)
+    counts = fb.positions + 1
+    columns = int(counts.max())
+    slots = fb.slots_of(fb.token_request, torch.arange(columns).expand(fb.num_tokens, -1)).clamp(min=0)
+    want = _pair_order_scores(q, w, values[slots], key_scale[slots], 0.09)
+    real = torch.arange(columns) < counts[:, None]
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    results = {}
+    for arch in (None, "haswell", "x86-64"):
+        if arch:
+            monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
+        monkeypatch.setattr(cpu_kernels, "_tried", False)
+        monkeypatch.setattr(cpu_kernels, "_library", None)
+        if arch is None and "avx512_bf16" in open("/proc/cpuinfo").read():
+            assert cpu_kernels.index_dots_in_bf16()  # this CPU: the vdpbf16ps path is built and runs
+        got = cpu_kernels.index_scores(q, w, pool, codec, fb.block_tables, BLOCK, fb.token_request, counts,
+                                       columns, 0.09)
+        results[arch] = got
+        exact = torch.ones(fb.num_tokens, dtype=torch.bool)
+        exact[off_grid] = False
+        assert torch.equal(got[exact][real[exact]], want[exact][real[exact]]), arch
+        assert _close(got[off_grid][real[off_grid]], want[off_grid][real[off_grid]])
+        assert torch.isinf(got[~real]).all()
+    assert torch.equal(results[None], results["haswell"]) and torch.equal(results[None], results["x86-64"])
+
+
 @pytest.mark.parametrize("keys", ["fp8", "bfloat16"])
 def test_indexer_scores_are_checked(keys):
     gen = torch.Generator().manual_seed(7)

@@ -431,13 +431,96 @@ static inline v8 e4m3x8(const uint8_t *p) {
    (shared.kvcache.layout.Fp8KeyRows: FP8 e4m3 [dim] | fp32 scale, the scale applied to the dot). */
 enum { KEYS_F32 = 0, KEYS_BF16 = 1, KEYS_FP8 = 2 };
 
+/* The indexer's dot products run in pair order: in each 16-dim block, lane j of an 8-lane sum adds the product
+   of dims 8 + j, then that of dims j, one rounding each, block after block; the lanes are then summed as sum4
+   does. That is what AVX512-BF16's vdpbf16ps computes on rows stored as pairs (dim j, dim 8 + j) when every
+   value is a bf16 (its products are exact in fp32; measured on Zen 4: a pair's second product first, 0 of 1.6M
+   lanes otherwise) and no value or sum is subnormal (it flushes those). DeepSeek's numerics give such values:
+   queries and keys on the FP8 grid times a power of two, C8's FP8 keys with their scale applied after the dot.
+   Where every value of a query and of a key tile is a bf16 within 2^-50 .. 2^51 (products exact, every partial
+   sum a multiple of 2^-114: never subnormal) and the CPU has the instruction, it computes the dots (16
+   products per instruction: ~1.5x the fp32 FMA rate on Zen 4); elsewhere fused multiply-adds over the rows as
+   they are (a block's second 8 dims, then its first) compute them: the same bits whichever runs, on every ISA,
+   so a query's scores depend neither on its batch nor on the CPU. */
+#define DP 16  /* dims per pair block (vdpbf16ps: 8 lanes of 2) */
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+typedef uint32_t v8ui __attribute__((vector_size(32)));
+typedef uint32_t v8uiu __attribute__((vector_size(32), aligned(4)));
+
+/* Lanes whose fp32 bits are a bf16 of magnitude 0 or 2^-50 .. 2^51 (all ones), as the fast path needs. */
+static inline v8ui pair_exact(v8ui u) {
+    v8ui e = (u >> 23) & 0xff;
+    return (v8ui)(((u & 0xffff) == 0) & (((u & 0x7fffffff) == 0) | ((e - 77) <= 100)));
+}
+
+/* Values d0 .. d0 + 7 of a key row stored as `kind` (zeros past dim). */
+static inline v8 key_values(const uint8_t *src, int32_t kind, int64_t d0, int64_t dim) {
+    if (d0 >= dim) return splat(0.f);
+    if (kind == KEYS_FP8) return e4m3x8(src + d0);
+    if (kind == KEYS_BF16) return bf16x8(src + 2 * d0);
+    return LOAD((const float *)src + d0);
+}
+
+/* A row stored as `kind` (a key's, or a query's fp32) as bf16 pairs b [dp / 2] (word j of block d0: dim
+   d0 + j low, dim d0 + 8 + j high, truncated); whether every value is pair_exact (then they are exact). */
+static inline int key_pairs(const uint8_t *src, int32_t kind, int64_t dim, int64_t dp, uint32_t *b) {
+    v8ui all = {0};
+    all = ~all;
+    for (int64_t d0 = 0; d0 < dp; d0 += DP) {
+        v8ui lo = (v8ui)key_values(src, kind, d0, dim), hi = (v8ui)key_values(src, kind, d0 + DW, dim);
+        all &= pair_exact(lo) & pair_exact(hi);
+        *(v8uiu *)(b + d0 / 2) = (hi & 0xffff0000u) | (lo >> 16);
+    }
+    for (int l = 0; l < DW; l++)
+        if (!all[l]) return 0;
+    return 1;
+}
+
+/* acc[hh][kk] (IH heads of q, IK keys; rows dp apart, zero padded) over dp dims in pair order. */
+static inline __attribute__((always_inline)) void
+pair_dots(const float *q, const float *keys, int64_t dp, v8 acc[IH][IK]) {
+    for (int64_t d0 = 0; d0 < dp; d0 += DP)
+        for (int64_t half = DW; half >= 0; half -= DW) {  /* dims 8..15 of the block, then 0..7 */
+            v8 kv[IK];
+            for (int kk = 0; kk < IK; kk++) kv[kk] = LOAD(keys + kk * dp + d0 + half);
+            for (int hh = 0; hh < IH; hh++) {
+                v8 qv = LOAD(q + hh * dp + d0 + half);
+                for (int kk = 0; kk < IK; kk++) acc[hh][kk] = vfma(qv, kv[kk], acc[hh][kk]);
+            }
+        }
+}
+
+#if HAVE_DPBF16
+/* pair_dots by vdpbf16ps, on rows as key_pairs stores them (dp / 2 words apart): the same bits where every
+   value is pair_exact. */
+static inline __attribute__((always_inline)) void
+pair_dots_bf16(const uint32_t *q, const uint32_t *keys, int64_t dp, v8 acc[IH][IK]) {
+    const int64_t words = dp / 2;
+    for (int64_t w0 = 0; w0 < words; w0 += DW) {
+        __m256bh kv[IK];
+        for (int kk = 0; kk < IK; kk++) kv[kk] = (__m256bh)_mm256_loadu_si256((const __m256i *)(keys + kk * words + w0));
+        for (int hh = 0; hh < IH; hh++) {
+            __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(q + hh * words + w0));
+            for (int kk = 0; kk < IK; kk++) acc[hh][kk] = (v8)_mm256_dpbf16_ps((__m256)acc[hh][kk], qv, kv[kk]);
+        }
+    }
+}
+#endif
+
+/* Whether this build computes the indexer's exact dots by vdpbf16ps (else by fused multiply-adds alone). */
+int32_t index_dots_bf16(void) { return HAVE_DPBF16; }
+
 /* out[i, t] = sum_h w[i, h] * relu(dot(q[i, h], key_t) * key_scale_t * scale) for the positions t < counts[i]
    of table row slot_row[i] (key_t: row tables[row, t / bs] * bs + t % bs of the pool, rows `row_stride` bytes
-   apart, stored as `kind` says; key_scale_t is 1 but for FP8 keys), -inf for counts[i] <= t < t_out. Each
-   key is widened once per run of up to RUN consecutive queries with the same table row (a prompt chunk's, a
-   verification's). Checks as paged_mqa: returns 1 where a query names a row, position or slot outside the
-   table or the pool (its output is then incomplete), 2 where dim % DW, the kind, or the row (its values, and
-   an FP8 key's 4-byte scale) does not fit the stride (nothing read). */
+   apart, stored as `kind` says; key_scale_t is 1 but for FP8 keys), -inf for counts[i] <= t < t_out; the dots
+   in pair order (above). Each key is widened once per run of up to RUN consecutive queries with the same table
+   row (a prompt chunk's, a verification's). Checks as paged_mqa: returns 1 where a query names a row, position
+   or slot outside the table or the pool (its output is then incomplete), 2 where dim % DW, the kind, or the row
+   (its values, and an FP8 key's 4-byte scale) does not fit the stride (nothing read). */
 int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int64_t dim,
                    const uint8_t *pool, int32_t kind, int64_t row_stride, int64_t num_slots,
                    const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs,
@@ -446,7 +529,7 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
     const int64_t row_bytes = kind == KEYS_FP8 ? dim + 4 : kind == KEYS_BF16 ? 2 * dim : 4 * dim;
     if (dim <= 0 || dim % DW || kind < KEYS_F32 || kind > KEYS_FP8 || row_bytes > row_stride || heads <= 0)
         return 2;
-    const int64_t hp = (heads + IH - 1) / IH * IH;
+    const int64_t hp = (heads + IH - 1) / IH * IH, dp = (dim + DP - 1) / DP * DP;  /* zero padded */
     int64_t *start = xmalloc(sizeof(int64_t) * (n + 1)), runs = 0;
     for (int64_t i = 0; i < n; i++)
         if (!runs || slot_row[i] != slot_row[i - 1] || i - start[runs - 1] >= RUN) start[runs++] = i;
@@ -454,15 +537,19 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
     int32_t bad = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *keys = xcalloc(KT * dim, sizeof(float));  /* rows past a tile's end stay finite */
-        float *ks = xcalloc(KT, sizeof(float));
-        float *qp = xcalloc(hp * dim, sizeof(float));  /* a query's heads padded with zeros (weight 0) */
-        float *wp = xcalloc(hp, sizeof(float));
+        /* a tile's keys (fp32, dp apart, zero padded; as bf16 pairs where a query may take the fast path) and a
+           run's queries (heads padded with zeros, weight 0; fp32 and bf16 pairs). Rows past a tile's end stay
+           finite. */
+        float *keys = xcalloc(KT * dp, sizeof(float)), *ks = xcalloc(KT, sizeof(float));
+        uint32_t *keys_b = xcalloc(KT * dp / 2, sizeof(uint32_t)), *qb = xcalloc(RUN * hp * dp / 2, sizeof(uint32_t));
+        float *qf = xcalloc(RUN * hp * dp, sizeof(float)), *wp = xcalloc(RUN * hp, sizeof(float));
+        int q_exact[RUN];
+        const uint8_t *rows_at[KT];
         #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < runs; r++) {
-            int64_t i0 = start[r], i1 = start[r + 1], row = slot_row[i0], cmax = 0;
+            int64_t i0 = start[r], i1 = start[r + 1], trow_i = slot_row[i0], cmax = 0;
             int64_t limit = table_width * bs < t_out ? table_width * bs : t_out;
-            int ok = row >= 0 && row < table_rows;
+            int ok = trow_i >= 0 && trow_i < table_rows;
             for (int64_t i = i0; i < i1; i++) {
                 ok &= counts[i] >= 0 && counts[i] <= limit;
                 cmax = counts[i] > cmax ? counts[i] : cmax;
@@ -472,9 +559,22 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
                 bad = 1;
                 continue;
             }
-            for (int64_t i = i0; i < i1; i++)
+            int any_fast = 0, all_fast = 1;
+            for (int64_t i = i0; i < i1; i++) {
                 for (int64_t t = counts[i]; t < t_out; t++) out[i * t_out + t] = -INFINITY;
-            const int64_t *trow = tables + row * table_width;
+                float *qfi = qf + (i - i0) * hp * dp;
+                q_exact[i - i0] = HAVE_DPBF16;
+                for (int64_t h = 0; h < hp; h++) {
+                    if (h < heads) memcpy(qfi + h * dp, q + (i * heads + h) * dim, sizeof(float) * dim);
+                    if (q_exact[i - i0])
+                        q_exact[i - i0] = key_pairs((const uint8_t *)(qfi + h * dp), KEYS_F32, dp, dp,
+                                                    qb + ((i - i0) * hp + h) * dp / 2);
+                    wp[(i - i0) * hp + h] = h < heads ? w[i * heads + h] : 0.f;
+                }
+                any_fast |= q_exact[i - i0];
+                all_fast &= q_exact[i - i0];
+            }
+            const int64_t *trow = tables + trow_i * table_width;
             for (int64_t t0 = 0; t0 < cmax; t0 += KT) {
                 int64_t used = cmax - t0 < KT ? cmax - t0 : KT;
                 for (int64_t j = 0; j < used; j++) {
@@ -489,41 +589,39 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
                         used = j;
                         break;
                     }
-                    const uint8_t *src = pool + slot * row_stride;
-                    float *kr = keys + j * dim;
-                    if (kind == KEYS_FP8) {
-                        for (int64_t d0 = 0; d0 < dim; d0 += DW) STORE(kr + d0, e4m3x8(src + d0));
-                        memcpy(ks + j, src + dim, sizeof(float));
-                    } else if (kind == KEYS_BF16) {
-                        for (int64_t d0 = 0; d0 < dim; d0 += DW) STORE(kr + d0, bf16x8(src + 2 * d0));
-                        ks[j] = 1.0f;
-                    } else {
-                        memcpy(kr, src, sizeof(float) * dim);
-                        ks[j] = 1.0f;
-                    }
+                    rows_at[j] = pool + slot * row_stride;
+                    if (kind == KEYS_FP8) memcpy(ks + j, rows_at[j] + dim, sizeof(float));
+                    else ks[j] = 1.0f;
                 }
+                int tile_exact = any_fast;  /* bf16 pairs for the fast path, fp32 rows for the others */
+                for (int64_t j = 0; j < used && tile_exact; j++)
+                    tile_exact = key_pairs(rows_at[j], kind, dim, dp, keys_b + j * dp / 2);
+                if (!tile_exact || !all_fast)
+                    for (int64_t j = 0; j < used; j++)
+                        for (int64_t d0 = 0; d0 < dim; d0 += DW)
+                            STORE(keys + j * dp + d0, key_values(rows_at[j], kind, d0, dim));
                 for (int64_t i = i0; i < i1; i++) {
                     int64_t end = counts[i] - t0 < used ? counts[i] - t0 : used;
                     if (end <= 0) continue;
-                    memcpy(qp, q + i * heads * dim, sizeof(float) * heads * dim);
-                    memcpy(wp, w + i * heads, sizeof(float) * heads);
+#if HAVE_DPBF16
+                    int fast = tile_exact && q_exact[i - i0];
+#endif
+                    const float *qfi = qf + (i - i0) * hp * dp, *wi = wp + (i - i0) * hp;
                     float *oi = out + i * t_out + t0;
                     for (int64_t j0 = 0; j0 < end; j0 += IK) {
                         v4 tot = {0}, zero = {0};
                         v4 kscale = *(const v4u *)(ks + j0) * (v4){scale, scale, scale, scale};
                         for (int64_t h0 = 0; h0 < hp; h0 += IH) {
                             v8 acc[IH][IK] = {{{0}}};
-                            for (int64_t d0 = 0; d0 < dim; d0 += DW) {
-                                v8 kv[IK];
-                                for (int kk = 0; kk < IK; kk++) kv[kk] = LOAD(keys + (j0 + kk) * dim + d0);
-                                for (int hh = 0; hh < IH; hh++) {
-                                    v8 qv = LOAD(qp + (h0 + hh) * dim + d0);
-                                    for (int kk = 0; kk < IK; kk++) acc[hh][kk] = vfma(qv, kv[kk], acc[hh][kk]);
-                                }
-                            }
+#if HAVE_DPBF16
+                            if (fast)
+                                pair_dots_bf16(qb + ((i - i0) * hp + h0) * dp / 2, keys_b + j0 * dp / 2, dp, acc);
+                            else
+#endif
+                                pair_dots(qfi + h0 * dp, keys + j0 * dp, dp, acc);
                             for (int hh = 0; hh < IH; hh++) {  /* four keys at once: dot * key scale * scale */
                                 v4 sc = sum4(acc[hh][0], acc[hh][1], acc[hh][2], acc[hh][3]) * kscale;
-                                float wh = wp[h0 + hh];
+                                float wh = wi[h0 + hh];
                                 tot += (v4){wh, wh, wh, wh} * (v4)((v4i)sc & (sc > zero));  /* ReLU */
                             }
                         }
@@ -532,7 +630,7 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
                 }
             }
         }
-        free(keys); free(ks); free(qp); free(wp);
+        free(keys); free(keys_b); free(ks); free(qf); free(qb); free(wp);
     }
     free(start);
     return bad;
