@@ -3,7 +3,7 @@ in chunks; prints JSON with the peak RSS of each computed chunk (the peak is res
 through /proc/self/clear_refs), the weights' and the KV pool's bytes, and a tiled-vs-untiled comparison.
 
     python tests/real_dims_child.py PROMPT_TOKENS CHUNK WORKSPACE_MB [DTYPE] [all|ends]
-    python tests/real_dims_child.py decode-alone-vs-batched [native|fp32-copies]
+    python tests/real_dims_child.py decode-alone-vs-batched [native|fp32-copies] [bf16|w8a8-c8]
 
 `ends` computes only the first two chunks and the last, and fills the cache rows in between with random
 values (what attention and the indexer read there does not change how much memory they take), so the
@@ -44,21 +44,25 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def decode_alone_vs_batched(arithmetic: str) -> None:
+def decode_alone_vs_batched(arithmetic: str, options: str) -> None:
     """A bf16 layer at the real dims decodes one token alone and beside three others (generated rows, random
     KV rows at context 2,300: past index_topk, so sparse attention): prints JSON with whether its logits are the
-    same bits. `fp32-copies` runs it as a CPU without bf16 arithmetic does (fp32 weight copies, fp32 compute)."""
+    same bits. `fp32-copies` runs it as a CPU without bf16 arithmetic does (fp32 weight copies, fp32 compute);
+    options `w8a8-c8`: W8A8 weights and a C8 KV cache (rows encoded as the codecs store them)."""
     if arithmetic == "fp32-copies":
         import shared.device
 
         shared.device._cpu_has_native_bf16 = lambda: False
     torch.manual_seed(0)
     cfg = real_layer_config()
-    model = random_model(cfg, torch.bfloat16)
+    quantized = options == "w8a8-c8"
+    model = random_model(cfg, torch.bfloat16, quantization="w8a8" if quantized else None)
     bs, context = 64, 2300
-    kv = KVCache(KVLayout.from_model_config(cfg, bs, model.dtype), 4 * (context // bs + 2), torch.device("cpu"))
-    for pool in (kv.mla, kv.index):
-        pool.normal_(0, 1)
+    layout = KVLayout.from_model_config(cfg, bs, model.dtype, kv_cache_dtype="int8" if quantized else "auto")
+    kv = KVCache(layout, 4 * (context // bs + 2), torch.device("cpu"))
+    for pool, codec in ((kv.mla, kv.mla_codec), (kv.index, kv.index_codec)):
+        rows = torch.randn(pool[..., 0].numel(), codec.dim)
+        pool.copy_(codec.encode(rows).view(pool.shape))
     tables = [kv.allocator.allocate(kv.blocks_needed(context + 1)) for _ in range(4)]
 
     def decode(requests: list[int]) -> torch.Tensor:
@@ -72,7 +76,8 @@ def decode_alone_vs_batched(arithmetic: str) -> None:
 
 def main() -> None:
     if sys.argv[1] == "decode-alone-vs-batched":
-        decode_alone_vs_batched(sys.argv[2] if len(sys.argv) > 2 else "native")
+        args = sys.argv[2:]
+        decode_alone_vs_batched(args[0] if args else "native", args[1] if len(args) > 1 else "bf16")
         return
     prompt_tokens, chunk, workspace_mb = (int(a) for a in sys.argv[1:4])
     dtype = getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.float32

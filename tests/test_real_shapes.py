@@ -58,17 +58,18 @@ def test_real_dims_8k_prefill_in_2k_chunks_bounded_memory():
     assert report["tiled_vs_untiled_cos"] >= 0.99999 and report["tiled_vs_untiled_maxabs"] < 1e-3
 
 
-@pytest.mark.parametrize("arithmetic", ["native", "fp32-copies"])
-def test_real_dims_bf16_decode_of_a_token_alone_equals_it_batched(arithmetic):
+@pytest.mark.parametrize(("arithmetic", "options"), [("native", "bf16"), ("fp32-copies", "bf16"),
+                                                     ("native", "w8a8-c8")])
+def test_real_dims_bf16_decode_of_a_token_alone_equals_it_batched(arithmetic, options):
     """At DeepSeek's dims oneDNN's one-row products round otherwise than its GEMMs (q_a_proj, q_b_proj, o_proj,
     experts picked by one row): single rows go in as two, so a token decoded alone gets the bits it gets beside
     three other requests (before: the logits differed by ~0.04). `fp32-copies` runs the same layer as a CPU
     without bf16 arithmetic does (fp32 weight copies): there the absorbed per-head matmuls of 128 heads went
     through torch's fp32 bmm, whose rows depend on the batch (logits 0.009-0.014 apart), and now take the
-    head_matmul kernel, each row on its own."""
+    head_matmul kernel, each row on its own. `w8a8-c8`: the same with W8A8 weights and a C8 KV cache."""
     script = Path(__file__).with_name("real_dims_child.py")
-    out = subprocess.run([sys.executable, str(script), "decode-alone-vs-batched", arithmetic], capture_output=True,
-                         text=True, timeout=600, check=True)
+    out = subprocess.run([sys.executable, str(script), "decode-alone-vs-batched", arithmetic, options],
+                         capture_output=True, text=True, timeout=600, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["equal"], report
 
