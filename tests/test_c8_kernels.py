@@ -221,17 +221,17 @@ def _pair_order_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key
     return total
 
 
-@pytest.mark.parametrize("keys", ["fp8", "bfloat16"])
-def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(monkeypatch, tmp_path, keys):
+@pytest.mark.parametrize(("keys", "dim"), [("fp8", 128), ("bfloat16", 128), ("bfloat16", 72)])
+def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(monkeypatch, tmp_path, keys, dim):
     """bf16 queries and keys (DeepSeek's indexer values, on the FP8 grid times a power of two, are such) have
     exact products, so the kernel's pair-order dots (AVX512-BF16's vdpbf16ps where the build has it, fused
     multiply-adds elsewhere) are the torch pair-order scores bit for bit (queries spread over 2^-8 .. 2^8 so
     that the sums round: another order gives other bits), on builds for this CPU, for AVX2 + FMA and SSE2 alike,
     over C8's FP8 keys and bf16 ones, prompt runs, a 72-dim key (a half block of padding) included. A query that is
     not bf16 (one value off the grid) takes the FMA path alone, with the same bits on every build, and leaves
-    the others' bits as they were; a key tile with a value below 2^-50 takes it for every query (still exact)."""
+    the others' bits as they were; a key tile with a subnormal value takes it for every query."""
     gen = torch.Generator().manual_seed(31)
-    heads, dim = 5, 128 if keys == "fp8" else 72
+    heads = 5
     fb, num_blocks = _batch([40, 95, 3, 150], 3, gen, generated=False)
     if keys == "fp8":
         codec = Fp8KeyRows(dim)
@@ -242,7 +242,9 @@ def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(monkeypatch, tm
     else:
         codec = None
         rows = torch.randn(num_blocks * BLOCK, dim, generator=gen) * 2.0**-4
-        rows[5, 3] = 2.0**-60  # slot 5 is in the first request's first tile: that tile takes the FMA path
+        tiny = int(fb.block_tables[0, 0]) * BLOCK + 5  # a key of the first request's first tile: one subnormal
+        rows[tiny] = 0.0  # value, which vdpbf16ps would read as 0; that tile takes the FMA path, which keeps it
+        rows[tiny, 3] = 2.0**-130
         pool = rows.to(torch.bfloat16).view(num_blocks, BLOCK, dim)
         values, key_scale = pool.view(-1, dim).float(), torch.ones(num_blocks * BLOCK)
     # bf16 queries with magnitudes spread over 2^-8 .. 2^8: exact products whose sums round (the order shows)

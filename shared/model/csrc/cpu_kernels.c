@@ -465,14 +465,31 @@ static inline v8 key_values(const uint8_t *src, int32_t kind, int64_t d0, int64_
     return LOAD((const float *)src + d0);
 }
 
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint16_t v16hu __attribute__((vector_size(32), aligned(2)));
+
 /* A row stored as `kind` (a key's, or a query's fp32) as bf16 pairs b [dp / 2] (word j of block d0: dim
-   d0 + j low, dim d0 + 8 + j high, truncated); whether every value is pair_exact (then they are exact). */
+   d0 + j low, dim d0 + 8 + j high, truncated); whether every value is pair_exact (then they are exact). FP8
+   values always are (e4m3: 4 significant bits, 2^-9 .. 448); bf16 rows are checked and paired as 16-bit
+   lanes. */
 static inline int key_pairs(const uint8_t *src, int32_t kind, int64_t dim, int64_t dp, uint32_t *b) {
+    if (kind == KEYS_BF16 && dim % DP == 0) {
+        v16h bad = {0};
+        for (int64_t d0 = 0; d0 < dp; d0 += DP) {
+            v16h h = *(const v16hu *)(src + 2 * d0), e = (h >> 7) & 0xff;
+            bad |= (v16h)(((h & 0x7fff) != 0) & ((v16h)(e - 77) > 100));
+            v16h pairs = __builtin_shufflevector(h, h, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+            *(v16hu *)(b + d0 / 2) = pairs;
+        }
+        for (int l = 0; l < 16; l++)
+            if (bad[l]) return 0;
+        return 1;
+    }
     v8ui all = {0};
     all = ~all;
     for (int64_t d0 = 0; d0 < dp; d0 += DP) {
         v8ui lo = (v8ui)key_values(src, kind, d0, dim), hi = (v8ui)key_values(src, kind, d0 + DW, dim);
-        all &= pair_exact(lo) & pair_exact(hi);
+        if (kind != KEYS_FP8) all &= pair_exact(lo) & pair_exact(hi);
         *(v8uiu *)(b + d0 / 2) = (hi & 0xffff0000u) | (lo >> 16);
     }
     for (int l = 0; l < DW; l++)
