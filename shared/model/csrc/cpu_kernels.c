@@ -439,9 +439,9 @@ enum { KEYS_F32 = 0, KEYS_BF16 = 1, KEYS_FP8 = 2 };
    queries and keys on the FP8 grid times a power of two, C8's FP8 keys with their scale applied after the dot.
    Where every value of a query and of a key tile is a bf16 within 2^-50 .. 2^51 (products exact, every partial
    sum a multiple of 2^-114: never subnormal) and the CPU has the instruction, it computes the dots (16
-   products per instruction: ~1.5x the fp32 FMA rate on Zen 4); elsewhere fused multiply-adds over the rows as
-   they are (a block's second 8 dims, then its first) compute them: the same bits whichever runs, on every ISA,
-   so a query's scores depend neither on its batch nor on the CPU. */
+   products an instruction: 1.5-2x the fp32 kernel at 16-64 heads on Zen 4); elsewhere fused multiply-adds over
+   the rows as they are (a block's second 8 dims, then its first) compute them: the same bits whichever runs,
+   on every ISA, so a query's scores depend neither on its batch nor on the CPU. */
 #define DP 16  /* dims per pair block (vdpbf16ps: 8 lanes of 2) */
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define HAVE_DPBF16 1
@@ -1185,33 +1185,29 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
 static inline __attribute__((always_inline)) void
 head_rows(const float *xr, const float *wh, float *acc, int64_t k, int64_t m, const int ROWS) {
     memset(acc, 0, sizeof(float) * ROWS * m);
-    for (int64_t j = 0; j < k; j += 4) {
-        const int steps = k - j < 4 ? (int)(k - j) : 4;
-        if (steps == 4) {
-            const float *w0 = wh + j * m, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
-            int64_t c = 0;
-            for (; c + DW <= m; c += DW) {
-                v8 r0 = LOAD(w0 + c), r1 = LOAD(w1 + c), r2 = LOAD(w2 + c), r3 = LOAD(w3 + c);
-                for (int q = 0; q < ROWS; q++) {
-                    const float *xq = xr + q * k + j;
-                    v8 a = LOAD(acc + q * m + c);
-                    a = vfma(splat(xq[0]), r0, a);
-                    a = vfma(splat(xq[1]), r1, a);
-                    a = vfma(splat(xq[2]), r2, a);
-                    a = vfma(splat(xq[3]), r3, a);
-                    STORE(acc + q * m + c, a);
-                }
+    int64_t j = 0;
+    for (; j + 4 <= k; j += 4) {
+        const float *w0 = wh + j * m, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
+        int64_t c = 0;
+        for (; c + DW <= m; c += DW) {
+            v8 r0 = LOAD(w0 + c), r1 = LOAD(w1 + c), r2 = LOAD(w2 + c), r3 = LOAD(w3 + c);
+            for (int q = 0; q < ROWS; q++) {
+                const float *xq = xr + q * k + j;
+                v8 a = LOAD(acc + q * m + c);
+                a = vfma(splat(xq[0]), r0, a);
+                a = vfma(splat(xq[1]), r1, a);
+                a = vfma(splat(xq[2]), r2, a);
+                a = vfma(splat(xq[3]), r3, a);
+                STORE(acc + q * m + c, a);
             }
-            for (; c < m; c++)
-                for (int q = 0; q < ROWS; q++)
-                    for (int u = 0; u < 4; u++) acc[q * m + c] = fmaf(xr[q * k + j + u], wh[(j + u) * m + c], acc[q * m + c]);
-        } else {
-            for (int u = 0; u < steps; u++)
-                for (int q = 0; q < ROWS; q++)
-                    for (int64_t c = 0; c < m; c++)
-                        acc[q * m + c] = fmaf(xr[q * k + j + u], wh[(j + u) * m + c], acc[q * m + c]);
         }
+        for (; c < m; c++)
+            for (int q = 0; q < ROWS; q++)
+                for (int u = 0; u < 4; u++) acc[q * m + c] = fmaf(xr[q * k + j + u], wh[(j + u) * m + c], acc[q * m + c]);
     }
+    for (; j < k; j++)  /* the last k % 4 weight rows */
+        for (int q = 0; q < ROWS; q++)
+            for (int64_t c = 0; c < m; c++) acc[q * m + c] = fmaf(xr[q * k + j], wh[j * m + c], acc[q * m + c]);
 }
 
 void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head, const float *w,
