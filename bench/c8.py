@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, MachineLimits, TokenCost, against_limits, bar_plot, table
+from bench.common import OUT, MachineLimits, TokenCost, against_limits, bar_plot, kernels_used, table
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
 
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(["context", "attention", "KV cache", "KV B/token", "vs bf16", "decode step ms", "decode tok/s",
                  "vs bf16", "median round vs bf16"], rows))
     print(limits.describe())
+    print(kernels_used())
     for note in notes:
         print("  " + note)
     png = bar_plot(OUT / ("c8_distinct.png" if args.distinct else "c8.png"),

@@ -42,14 +42,14 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, ROOT, MachineLimits, TokenCost, against_limits, table
+from bench.common import OUT, ROOT, MachineLimits, TokenCost, against_limits, kernels_used, table
 from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.engine import LLM, SamplingParams
 from shared.kvcache import KVLayout
 from shared.loader.synthetic import REAL_671B
 from shared.loader.tiny import _FP8_SKIP, ensure_tiny_model, write_checkpoint
-from shared.model import DeepseekForCausalLM, int8_kernels
+from shared.model import DeepseekForCausalLM
 from shared.quant.int8 import is_w8a8_target
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
           f"best of {args.repeat}, {_threads()}, load average {load}")
     print(table(["batch", "config", "prefill tok/s", "vs bf16", "decode tok/s", "vs bf16"],
                 throughput_rows(results, batches)))
-    print(f"W8A8 CPU kernels (shared.model.int8_kernels): {int8_kernels.isa() or 'off (portable torch path)'}")
+    print(kernels_used())
     limits = MachineLimits.measure()
     context = args.prompt_len + args.new_tokens // 2
     print(f"{limits.describe()}; the model: {costs['bf16'].describe(context)} in bf16")

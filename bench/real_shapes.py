@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import OUT, MachineLimits, TokenCost, table
+from bench.common import OUT, MachineLimits, TokenCost, kernels_used, table
 from shared.engine.sampler import SamplingParams, sample
 from shared.kvcache import KVCache, KVLayout
 from shared.loader.synthetic import random_model, real_layer_config
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     if dec:
         print(table(["decode batch", "context", "ms/step", "tok/s"], dec))
     print(table(["sampler", "rows", "vocab", "ms"], smp))
+    print(kernels_used())
 
     import matplotlib
 
