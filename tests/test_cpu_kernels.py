@@ -417,7 +417,6 @@ def test_fused_linear_and_head_matmul_match_torch(portable):
     assert (o.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
-
 def test_head_matmul_rows_are_batch_invariant_at_many_heads():
     """MLA's absorbed matmuls for generated rows take the kernel at any head count (DeepSeek's 128 included):
     a row gets the same bits alone as in any group of rows (row groups of 8 and their remainders), over k and
