@@ -25,6 +25,7 @@ TINY_ARGS = {
     "sla_router": ["--decode", "1", "--requests", "3", "--isl", "8", "--osl", "2", "--loads", "1", "--quick-profile"],
     "trace_replay": ["--trace", str(ROOT / "tests" / "data" / "mooncake_conversation_first_2min.jsonl"), "--minutes",
                      "2", "--max-m", "2", "--max-n", "1", "--jobs", "1"],
+    "indexer": ["--heads", "4", "--contexts", "128", "--queries", "2", "--repeat", "2"],
     "c8": ["--contexts", "64", "--batch", "1", "--tail", "4", "--new-tokens", "2", "--repeat", "1",
            "--index-topk", "32"],
 }
