@@ -25,6 +25,17 @@ def kernels_used() -> str:
     return f"CPU kernels: indexer dots {dots}; W8A8 int8 {int8_kernels.isa() or 'off'}"
 
 
+def best_seconds(fn, rounds: int) -> float:
+    """The fastest of `rounds` timed calls of `fn`, after one untimed call (warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-quantile of `values` (nearest rank; nan when there are none)."""
     values = sorted(values)
@@ -104,23 +115,14 @@ class MachineLimits:
         """Best of `rounds` timings: a gemm³ matmul in fp32 and bf16, a copy of `copy_mib` MiB (past caches)."""
         import torch
 
-        def best(fn) -> float:
-            fn()
-            times = []
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
         flops = 2.0 * gemm**3
         a32, b32 = torch.randn(gemm, gemm), torch.randn(gemm, gemm)
         a16, b16 = a32.bfloat16(), b32.bfloat16()
         src = torch.empty(copy_mib << 20, dtype=torch.uint8)
         dst = torch.empty_like(src)
-        return cls(threads=torch.get_num_threads(), fp32_gflops=flops / best(lambda: a32 @ b32) / 1e9,
-                   bf16_gflops=flops / best(lambda: a16 @ b16) / 1e9,
-                   copy_gbps=2 * src.numel() / best(lambda: dst.copy_(src)) / 1e9)
+        return cls(threads=torch.get_num_threads(), fp32_gflops=flops / best_seconds(lambda: a32 @ b32, rounds) / 1e9,
+                   bf16_gflops=flops / best_seconds(lambda: a16 @ b16, rounds) / 1e9,
+                   copy_gbps=2 * src.numel() / best_seconds(lambda: dst.copy_(src), rounds) / 1e9)
 
     def describe(self) -> str:
         return (f"this machine at {self.threads} thread(s): GEMM {self.fp32_gflops:,.0f} GFLOP/s fp32, "

@@ -22,11 +22,10 @@ from pathlib import Path as _Path
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
 import argparse
-import time
 
 import torch
 
-from bench.common import OUT, MachineLimits, bar_plot, kernels_used, table
+from bench.common import OUT, MachineLimits, bar_plot, best_seconds, kernels_used, table
 from shared.kvcache.layout import Fp8KeyRows
 from shared.model import cpu_kernels
 
@@ -41,16 +40,6 @@ def key_pool(kind: str, keys: int, gen: torch.Generator) -> tuple[torch.Tensor, 
         return codec.encode(rows).view(keys // BLOCK, BLOCK, -1), codec
     on_grid = rows.to(torch.float8_e4m3fn).float() * 2.0**-4
     return on_grid.to(torch.bfloat16).view(keys // BLOCK, BLOCK, DIM), None
-
-
-def best_seconds(call, repeat: int) -> float:
-    call()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def measure(kind: str, heads: int, context: int, n: int, repeat: int, gen: torch.Generator) -> dict[str, float]:

@@ -61,7 +61,7 @@ def decode_alone_vs_batched(arithmetic: str, options: str) -> None:
     layout = KVLayout.from_model_config(cfg, bs, model.dtype, kv_cache_dtype="int8" if quantized else "auto")
     kv = KVCache(layout, 4 * (context // bs + 2), torch.device("cpu"))
     for pool, codec in ((kv.mla, kv.mla_codec), (kv.index, kv.index_codec)):
-        rows = torch.randn(pool[..., 0].numel(), codec.dim)
+        rows = torch.randn(pool.shape[:-1].numel(), codec.dim)
         pool.copy_(codec.encode(rows).view(pool.shape))
     tables = [kv.allocator.allocate(kv.blocks_needed(context + 1)) for _ in range(4)]
 

@@ -29,6 +29,21 @@ def kernels(monkeypatch):
     return use
 
 
+@pytest.fixture
+def build_for(monkeypatch, tmp_path):
+    """build_for(arch) rebuilds the kernels for another -march (PDSERVE_KERNEL_ARCH; None: this CPU) into a
+    fresh cache; the module's state is restored afterwards."""
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+
+    def build(arch: str | None) -> None:
+        if arch:
+            monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
+        monkeypatch.setattr(cpu_kernels, "_tried", False)
+        monkeypatch.setattr(cpu_kernels, "_library", None)
+
+    return build
+
+
 def _batch(contexts: list[int], queries: int, gen: torch.Generator, generated: bool = True) -> tuple[ForwardBatch, int]:
     """Requests with the given contexts (after this step), `queries` new tokens each, blocks scattered."""
     need = [-(-c // BLOCK) for c in contexts]
@@ -222,7 +237,7 @@ def _pair_order_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key
 
 
 @pytest.mark.parametrize(("keys", "dim"), [("fp8", 128), ("bfloat16", 128), ("bfloat16", 72)])
-def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(monkeypatch, tmp_path, keys, dim):
+def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(build_for, keys, dim):
     """bf16 queries and keys (DeepSeek's indexer values, on the FP8 grid times a power of two, are such) have
     exact products, so the kernel's pair-order dots (AVX512-BF16's vdpbf16ps where the build has it, fused
     multiply-adds elsewhere) are the torch pair-order scores bit for bit (queries spread over 2^-8 .. 2^8 so
@@ -258,13 +273,9 @@ def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(monkeypatch, tm
     slots = fb.slots_of(fb.token_request, torch.arange(columns).expand(fb.num_tokens, -1)).clamp(min=0)
     want = _pair_order_scores(q, w, values[slots], key_scale[slots], 0.09)
     real = torch.arange(columns) < counts[:, None]
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     results = {}
     for arch in (None, "haswell", "x86-64"):
-        if arch:
-            monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
-        monkeypatch.setattr(cpu_kernels, "_tried", False)
-        monkeypatch.setattr(cpu_kernels, "_library", None)
+        build_for(arch)
         if arch is None and "avx512_bf16" in open("/proc/cpuinfo").read():
             assert cpu_kernels.index_dots_in_bf16()  # this CPU: the vdpbf16ps path is built and runs
         got = cpu_kernels.index_scores(q, w, pool, codec, fb.block_tables, BLOCK, fb.token_request, counts,
@@ -392,7 +403,7 @@ def test_sparse_attention_tiles_reuse_their_rows_buffer(rows, monkeypatch):
             cpu_kernels.c8_rows(pool, picks[:2], codec, torch.bfloat16, torch.empty(3, 16, 576).bfloat16())
 
 
-def test_every_fp8_key_byte_is_read_exactly(monkeypatch, tmp_path):
+def test_every_fp8_key_byte_is_read_exactly(build_for):
     """Each of the 254 e4m3 bytes a C8 key can hold (all but NaN: subnormals, ±0, ±448) is read as its exact value
     by the native build (F16C's converter where the CPU has it) and by the SSE2-only build (integer arithmetic):
     one-hot queries of either sign (ReLU keeps one sign each) against keys holding the byte in every dimension."""
@@ -406,12 +417,8 @@ def test_every_fp8_key_byte_is_read_exactly(monkeypatch, tmp_path):
     q = torch.zeros(2, 1, dim)
     q[0, 0, 5], q[1, 0, 77] = 1.0, -1.0
     one_row = torch.zeros(2, dtype=torch.long)
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     for arch in (None, "x86-64"):
-        if arch:
-            monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
-        monkeypatch.setattr(cpu_kernels, "_tried", False)
-        monkeypatch.setattr(cpu_kernels, "_library", None)
+        build_for(arch)
         got = cpu_kernels.index_scores(q, torch.ones(2, 1), pool, codec, torch.zeros(1, 1, dtype=torch.long),
                                        len(values), one_row, torch.full((2,), len(values)), len(values), 1.0)
         assert torch.equal(got[0], want.clamp(min=0)) and torch.equal(got[1], (-want).clamp(min=0)), arch
