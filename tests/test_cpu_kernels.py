@@ -217,8 +217,9 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
 
 
 def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_and_over_ep(portable):
-    """A bf16 model's MoE (weights bf16, as it keeps them on CPUs with bf16 arithmetic): the router and the shared
-    expert stay portable; the routed experts of a step's generated rows run in moe_experts, on one rank and on
+    """A bf16 model's MoE (weights bf16, as it keeps them on CPUs with bf16 arithmetic): the shared expert stays
+    portable, a step's generated rows are routed by the router kernel (route); the routed experts of a step's
+    generated rows run in moe_experts, on one rank and on
     each EP rank alike (EP ranks pass each received row's generated flag), so a decode does not depend on the
     instance shape that serves it (tests/test_selective.py and tests/test_mtp_served.py compare a DP2/EP2
     decode with a one-rank engine). Prompt rows keep the portable grouped matmuls bit for bit; a generated
@@ -246,7 +247,7 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
         assert not torch.equal(got[:9], want[:9])  # generated rows: the kernel's sums (rounded otherwise)
         err = (got[:9].float() - want[:9].float()).abs().max().item()
         assert err <= 2 ** -6 * want.float().abs().max().item(), err
-        ids, w = moe.gate(x)
+        ids, w = moe.gate(x, 9)
         routed = cpu_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj, moe.experts.down_proj)
         assert torch.equal(got[:9], (routed + moe.shared_experts(x[:9], 9).float()).to(torch.bfloat16))
         assert torch.equal(moe(x[3:4], 1), got[3:4])  # alone or beside others
@@ -268,6 +269,47 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
         assert one_side[:9].any() and torch.equal(total[one_side], one_rank[one_side])
         err = (total - one_rank).abs().max().item()
         assert err <= 1e-6 * one_rank.abs().max().item(), err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_kernel_routes_generated_rows_as_the_gate_alone_or_batched(portable, dtype):
+    """moe.Gate's generated rows through cpu_kernels.route: the portable router's experts and weights (to fp32
+    rounding), the fused MoE's picks bit for bit (the same row function), a row's picks and weights the same
+    alone as beside others; the step's prompt rows keep the portable router; a gate the kernel does not take
+    (a bias of the wrong length) is refused by name."""
+    from shared.config import ModelConfig
+    from shared.loader.tiny import make_config
+    from shared.model.moe import Gate
+
+    cfg = ModelConfig.from_dict(make_config("deepseek_v3", n_group=4, topk_group=2, num_experts_per_tok=4,
+                                            n_routed_experts=16))
+    gate = Gate(cfg, dtype)
+    gen = torch.Generator().manual_seed(11)
+    gate.weight.data.copy_(torch.randn(gate.weight.shape, generator=gen) * 0.05)
+    gate.e_score_correction_bias.data.copy_(torch.randn(16, generator=gen) * 0.01)
+    x = torch.randn(40, cfg.hidden_size, generator=gen).to(dtype)
+    with torch.inference_mode():
+        portable(True)
+        want_ids, want_w = gate(x, 40)
+        portable(False)
+        ids, w = gate(x, 40)
+        order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+        assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+        err = (w.gather(1, order) - want_w.gather(1, want_order)).abs().max().item()
+        assert err <= 1e-6, err
+        for r in (0, 17, 39):
+            alone = gate(x[r:r + 1], 1)
+            assert torch.equal(alone[0], ids[r:r + 1]) and torch.equal(alone[1], w[r:r + 1])
+        mixed_ids, mixed_w = gate(x, 10)
+        assert torch.equal(mixed_ids[:10], ids[:10]) and torch.equal(mixed_w[:10], w[:10])
+        assert torch.equal(mixed_ids[10:], want_ids[10:]) and torch.equal(mixed_w[10:], want_w[10:])
+        inter = cfg.moe_intermediate_size
+        _, fused_ids = cpu_kernels.moe_routed(x, gate.weight.float(), gate.e_score_correction_bias, 4, 2, 4, True,
+                                              gate.scaling, torch.zeros(16, 2 * inter, cfg.hidden_size),
+                                              torch.zeros(16, cfg.hidden_size, inter))
+        assert torch.equal(fused_ids, ids)
+        with pytest.raises(ValueError, match="route"):
+            cpu_kernels.route(x, gate.weight, torch.zeros(15), 4, 2, 4, True, 1.0)
 
 
 def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):

@@ -7,7 +7,8 @@ and runs two batched matmuls over the copy. The kernels here:
 * paged_mqa: attention of decode / verification queries and of indexer picks that reads every row
   once, straight from the pool through the block table or pick list (online softmax, fp32);
 * moe_routed: DeepSeek's router, the picked experts and the shared expert in one call; moe_experts: the
-  routed experts alone for picks made elsewhere (a bf16 model's, an EP rank's);
+  routed experts alone for picks made elsewhere (a bf16 model's, an EP rank's); route: the router alone
+  (a bf16 model's decode rows, an EP rank's);
 * linear / head_matmul: decode rows of the linears and of MLA's absorbed per-head matmuls;
 * rms_norm, rope, mla_kv_write: RMSNorm, RoPE and the cache-row write (norm + rope stored at the slot).
 
@@ -160,6 +161,8 @@ def _build() -> ctypes.CDLL | None:
     lib.moe_routed.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i64, i32,
                                ptr, ptr, ptr, i64, ptr, ptr, i32]
     lib.moe_routed.restype = ctypes.c_int32
+    lib.moe_route.argtypes = [ptr, i64, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i32]
+    lib.moe_route.restype = ctypes.c_int32
     lib.moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, i32]
     lib.moe_experts.restype = ctypes.c_int32
     lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32, i32]
@@ -385,6 +388,38 @@ def moe_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
             and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights) and _runnable(x, *weights))
 
 
+def _router_fits(gate_weight: torch.Tensor, bias: torch.Tensor, dim: int, top_k: int, n_group: int,
+                 topk_group: int) -> bool:
+    """Whether a router's weights and settings are ones the kernel's `route` takes (experts in whole groups of
+    at least two, top_k within them)."""
+    experts = gate_weight.shape[0] if gate_weight.dim() == 2 else 0
+    return (gate_weight.shape == (experts, dim) and bias.shape == (experts,) and 0 < top_k <= experts
+            and not (n_group > 1 and (experts % n_group or experts // n_group < 2 or not 0 < topk_group <= n_group)))
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+          norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSeek's router (moe.Gate) for rows x [N, D] in one call, as moe_routed routes: (expert ids [N, top_k],
+    weights [N, top_k] fp32). Each row's scores are its own dot products with the gate weight (bf16 or fp32,
+    read in place), so a token is routed alike whatever rows share its step and whatever MoE shape follows
+    (one rank, EP). None where the kernels do not take these tensors."""
+    n, dim = x.shape
+    if (x.dtype not in _BF16_FLAG or gate_weight.dtype not in _BF16_FLAG or not gate_weight.is_contiguous()
+            or not _runnable(x, gate_weight, bias)):
+        return None
+    if not _router_fits(gate_weight, bias, dim, top_k, n_group, topk_group):
+        raise ValueError(f"route: x {tuple(x.shape)}, gate {tuple(gate_weight.shape)}, bias {tuple(bias.shape)}, "
+                         f"top_k {top_k}, groups {n_group}/{topk_group}")
+    rows = x.float().contiguous()
+    bias = bias.float().contiguous()
+    ids = torch.empty(n, top_k, dtype=torch.int64)
+    weights = torch.empty(n, top_k, dtype=torch.float32)
+    library().moe_route(rows.data_ptr(), n, dim, gate_weight.data_ptr(), _BF16_FLAG[gate_weight.dtype],
+                        bias.data_ptr(), gate_weight.shape[0], n_group, topk_group, top_k, int(norm_topk_prob),
+                        scaling, ids.data_ptr(), weights.data_ptr(), torch.get_num_threads())
+    return ids, weights
+
+
 def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
                top_k: int, norm_topk_prob: bool, scaling: float, gate_up: torch.Tensor, down: torch.Tensor,
                shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -397,9 +432,8 @@ def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n
     n, dim = x.shape
     experts, two_inter, _ = gate_up.shape
     shared_inter = shared[0].shape[0] if shared is not None else 0
-    if (gate_weight.shape != (experts, dim) or bias.shape != (experts,) or down.shape != (experts, dim, two_inter // 2)
-            or not 0 < top_k <= experts
-            or (n_group > 1 and (experts % n_group or experts // n_group < 2 or not 0 < topk_group <= n_group))
+    if (not _router_fits(gate_weight, bias, dim, top_k, n_group, topk_group) or gate_weight.shape[0] != experts
+            or down.shape != (experts, dim, two_inter // 2)
             or (shared is not None and [tuple(w.shape) for w in shared]
                 != [(shared_inter, dim), (shared_inter, dim), (dim, shared_inter)])):
         raise ValueError(f"moe_routed: x {tuple(x.shape)}, gate {tuple(gate_weight.shape)}, gate_up "

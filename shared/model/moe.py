@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import shared.model.cpu_kernels as cpu_kernels
 import shared.model.int8_kernels as int8_kernels
 import shared.model.ops as ops
 from shared.config import ModelConfig
@@ -34,8 +35,21 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids [N, k], weights [N, k] fp32)."""
+    def forward(self, x: torch.Tensor, generated: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (expert ids [N, k], weights [N, k] fp32). The leading `generated` rows (a step's decodes)
+        take the kernel router where it runs (cpu_kernels.route: one call instead of a dozen ops, each row's
+        scores its own dot products, as the fused one-rank MoE routes them); the other rows are routed here."""
+        if generated:
+            routed = cpu_kernels.route(x[:generated], self.weight, self.e_score_correction_bias, self.n_group,
+                                       self.topk_group, self.top_k, self.norm_topk_prob, self.scaling)
+            if routed is not None:
+                if generated == x.shape[0]:
+                    return routed
+                ids, weights = self._route(x[generated:])
+                return torch.cat([routed[0], ids]), torch.cat([routed[1], weights])
+        return self._route(x)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = ops.matmul_rows(x.float(), self.weight.float()).sigmoid()
         biased = scores + self.e_score_correction_bias
         n, e = biased.shape
@@ -206,7 +220,7 @@ class MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, generated: int) -> torch.Tensor:
         """The portable MoE: router, grouped experts (over EP ranks with ep > 1), shared expert."""
-        ids, weights = self.gate(x)
+        ids, weights = self.gate(x, generated)
         if self.ep == 1:
             fused = self.experts.fused_w8a8(x, ids, weights, shared=self.shared_experts)
             if fused is not None:

@@ -754,12 +754,12 @@ static inline __attribute__((always_inline)) void tile_2x4(const void *w, int w_
 
 /* DeepSeek's router for one row (spec 7.2): s = sigmoid(x.Wg); choose by s + bias within the
    topk_group groups of best top-2 sums; weights are the unbiased s of the picks, normalized, x scaling.
-   Ties go to the lower index. */
-static void route(const float *x, int64_t dim, const float *gate_w, const float *bias, int64_t experts,
+   Ties go to the lower index. The gate weight fp32, or bf16 with w_bf16 (its fp32 copy's products). */
+static void route(const float *x, int64_t dim, const void *gate_w, int w_bf16, const float *bias, int64_t experts,
                   int64_t n_group, int64_t topk_group, int64_t top_k, int norm, float scaling,
                   float *score, float *biased, int64_t *ids, float *wts) {
     for (int64_t e = 0; e < experts; e++) {
-        score[e] = 1.f / (1.f + expf(-dot(gate_w, e * dim, x, dim)));
+        score[e] = 1.f / (1.f + expf(-wdot(gate_w, w_bf16, e * dim, x, dim)));
         biased[e] = score[e] + bias[e];
     }
     if (n_group > 1) {
@@ -900,6 +900,24 @@ static void experts_sum(const float *x, int64_t n, int64_t dim, const int64_t *i
     free(order); free(start); free(active); free(slot); free(xs); free(gu); free(act); free(o);
 }
 
+/* The router alone (route, row by row): ids [n, top_k] and their weights wts [n, top_k] for rows x [n, dim],
+   gate weight [experts, dim] fp32 or bf16 (w_bf16). A decode step's rows, routed as moe_routed routes them,
+   whatever shape the MoE after it takes (one rank, EP). */
+int32_t moe_route(const float *x, int64_t n, int64_t dim, const void *gate_w, int32_t w_bf16, const float *bias,
+                  int64_t experts, int64_t n_group, int64_t topk_group, int64_t top_k, int32_t norm, float scaling,
+                  int64_t *ids, float *wts, int32_t threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        float *score = xmalloc(sizeof(float) * experts), *biased = xmalloc(sizeof(float) * experts);
+        #pragma omp for
+        for (int64_t i = 0; i < n; i++)
+            route(x + i * dim, dim, gate_w, w_bf16, bias, experts, n_group, topk_group, top_k, norm, scaling,
+                  score, biased, ids + i * top_k, wts + i * top_k);
+        free(score); free(biased);
+    }
+    return 0;
+}
+
 /* experts_sum over the top_k experts the router picks for each row, plus the shared expert when shared_gate is
    given; every weight fp32. ids_out [n, top_k] gets the picks. */
 int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, const float *bias,
@@ -908,15 +926,7 @@ int32_t moe_routed(const float *x, int64_t n, int64_t dim, const float *gate_w, 
                    const float *shared_gate, const float *shared_up, const float *shared_down, int64_t shared_inter,
                    float *y, int64_t *ids_out, int32_t threads) {
     float *wts = xmalloc(sizeof(float) * n * top_k);
-    #pragma omp parallel num_threads(threads)
-    {
-        float *score = xmalloc(sizeof(float) * experts), *biased = xmalloc(sizeof(float) * experts);
-        #pragma omp for
-        for (int64_t i = 0; i < n; i++)
-            route(x + i * dim, dim, gate_w, bias, experts, n_group, topk_group, top_k, norm, scaling,
-                  score, biased, ids_out + i * top_k, wts + i * top_k);
-        free(score); free(biased);
-    }
+    moe_route(x, n, dim, gate_w, 0, bias, experts, n_group, topk_group, top_k, norm, scaling, ids_out, wts, threads);
     experts_sum(x, n, dim, ids_out, wts, top_k, experts, gate_up, down, inter, 0, round_out, y, threads);
     if (shared_gate) shared_expert(x, n, dim, shared_gate, shared_up, shared_down, shared_inter, round_out, y, threads);
     free(wts);
