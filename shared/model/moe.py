@@ -39,15 +39,11 @@ class Gate(nn.Module):
         """Returns (expert ids [N, k], weights [N, k] fp32). The leading `generated` rows (a step's decodes)
         take the kernel router where it runs (cpu_kernels.route: one call instead of a dozen ops, each row's
         scores its own dot products, as the fused one-rank MoE routes them); the other rows are routed here."""
-        if generated:
-            routed = cpu_kernels.route(x[:generated], self.weight, self.e_score_correction_bias, self.n_group,
-                                       self.topk_group, self.top_k, self.norm_topk_prob, self.scaling)
-            if routed is not None:
-                if generated == x.shape[0]:
-                    return routed
-                ids, weights = self._route(x[generated:])
-                return torch.cat([routed[0], ids]), torch.cat([routed[1], weights])
-        return self._route(x)
+        def kernel(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+            return cpu_kernels.route(rows, self.weight, self.e_score_correction_bias, self.n_group, self.topk_group,
+                                     self.top_k, self.norm_topk_prob, self.scaling)
+
+        return ops.generated_first(x, generated, kernel, lambda rows, _: self._route(rows))
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = ops.matmul_rows(x.float(), self.weight.float()).sigmoid()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +28,24 @@ from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, write_rows
 from shared.quant import fp8, int8
 
+Rows = TypeVar("Rows", torch.Tensor, tuple[torch.Tensor, torch.Tensor])  # one result per row, or two
 
-def _generated_first(x: torch.Tensor, generated: int, kernel: Callable[[torch.Tensor], torch.Tensor | None],
-                     portable: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+
+def generated_first(x: torch.Tensor, generated: int, kernel: Callable[[torch.Tensor], Rows | None],
+                    portable: Callable[[torch.Tensor, int], Rows]) -> Rows:
     """kernel(the leading `generated` rows of x) joined with portable(the other rows, 0); portable(x, generated)
     where there are no generated rows or the kernel does not apply (returns None). `portable` takes the
-    generated count of its rows too, for the ops it calls in turn."""
+    generated count of its rows too, for the ops it calls in turn. Results are a tensor or a pair of them (the
+    router's ids and weights), joined row-wise."""
     y = kernel(x[:generated]) if generated else None
     if y is None:
         return portable(x, generated)
-    return y if generated == x.shape[0] else torch.cat([y, portable(x[generated:], 0)])
+    if generated == x.shape[0]:
+        return y
+    rest = portable(x[generated:], 0)
+    if isinstance(y, tuple):
+        return torch.cat([y[0], rest[0]]), torch.cat([y[1], rest[1]])
+    return torch.cat([y, rest])
 
 
 def matmul_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -52,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, generated: int = 0) -> torch.T
     def portable(rows: torch.Tensor, _: int) -> torch.Tensor:
         return matmul_rows(matmul_input(rows, weight), weight).to(rows.dtype)
 
-    return _generated_first(x, generated, lambda rows: cpu_kernels.linear(rows, weight), portable)
+    return generated_first(x, generated, lambda rows: cpu_kernels.linear(rows, weight), portable)
 
 
 def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -297,4 +305,4 @@ def moe(x: torch.Tensor, generated: int, weights: MoEWeights | None,
                                       w.scaling, w.gate_up, w.down, w.shared)
         return y.to(rows.dtype)
 
-    return _generated_first(x, generated, fused, portable)
+    return generated_first(x, generated, fused, portable)
