@@ -364,24 +364,26 @@ def test_fused_rms_norm_matches_torch(portable, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["interleaved", "neox"])
-def test_fused_rope_is_bitwise_torch(portable, dtype, layout):
+@pytest.mark.parametrize("width", [64, 20])
+def test_fused_rope_is_bitwise_torch(portable, dtype, layout, width):
     """RoPE in one call gives torch's bits (bf16: each product and the sum rounded), for a strided
-    [N, H, d] slice (MLA's q_pe, the indexer's rope part), a flat [N, d] and into an fp32 buffer."""
+    [N, H, d] slice (MLA's q_pe, the indexer's rope part), a flat [N, d] and into an fp32 buffer; at
+    DeepSeek's width (64: whole 8-value steps) and at one whose halves end in a partial step (20)."""
     from shared.model.rope import RopeAngles, rope_interleaved, rope_neox
 
     rotate = rope_interleaved if layout == "interleaved" else rope_neox
     gen = torch.Generator().manual_seed(11)
-    angles = torch.rand(7, 32, generator=gen) * 6
+    angles = torch.rand(7, width // 2, generator=gen) * 6
     rope = RopeAngles.of(angles.cos().to(dtype), angles.sin().to(dtype))
-    q = torch.randn(7, 4, 96, generator=gen).to(dtype)[..., 32:]  # strided, last dim contiguous
-    k = torch.randn(7, 64, generator=gen).to(dtype)
+    q = torch.randn(7, 4, width + 32, generator=gen).to(dtype)[..., 32:]  # strided, last dim contiguous
+    k = torch.randn(7, width, generator=gen).to(dtype)
     portable(True)
     want_q, want_k = rotate(q, rope), rotate(k, rope)
     portable(False)
     assert torch.equal(rotate(q, rope), want_q) and torch.equal(rotate(k, rope), want_k)
-    buf = torch.zeros(7, 4, 128)
-    rotate(q, rope, out=buf[..., 64:])
-    assert torch.equal(buf[..., 64:], want_q.float()) and not buf[..., :64].any()
+    buf = torch.zeros(7, 4, 2 * width)
+    rotate(q, rope, out=buf[..., width:])
+    assert torch.equal(buf[..., width:], want_q.float()) and not buf[..., :width].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -424,6 +426,13 @@ def test_fused_indexer_rows_match_rope_hadamard_fp8(portable, dtype):
     one_hot = torch.zeros(13, 1, 128)
     one_hot[:, 0, 64] = 10.0 ** torch.arange(-8, 5, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(7)[:13]
     want, got = rows(one_hot.to(dtype), RopeAngles.of(still.neox_cos[:13, :32], still.neox_sin[:13, :32]), 128)
+    assert torch.equal(got, want)
+    # shapes below the kernel's 8-value steps are refused (None) and take the portable path
+    x = strided(torch.randn(5, 2, 128, generator=gen))
+    assert cpu_kernels.index_rows(x, turned.neox_cos[:5], turned.neox_sin[:5], 64, 4) is None  # 4-value blocks
+    small, ones = torch.randn(5, 2, 4, generator=gen).to(dtype), torch.ones(5, 2, dtype=dtype)
+    assert cpu_kernels.index_rows(small, ones, ones - 1, 2, 4) is None  # 4-value rows
+    want, got = rows(small, RopeAngles.of(ones[:, :1], ones[:, :1] - 1), 4)
     assert torch.equal(got, want)
 
 

@@ -170,7 +170,7 @@ def _build() -> ctypes.CDLL | None:
     lib.rope.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i32, i32]
     lib.rope.restype = None
     lib.index_rows.argtypes = [ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i64, i32, i64, ptr, i32]
-    lib.index_rows.restype = None
+    lib.index_rows.restype = ctypes.c_int32
     lib.mla_kv_write.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i32, i64, ptr]
     lib.mla_kv_write.restype = ctypes.c_int32
     lib.mla_kv_write_c8.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i64, i64, ptr, i64, i64]
@@ -534,9 +534,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
 def index_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
                quantize_block: int | None) -> torch.Tensor | None:
     """ops.index_rows in one call: indexer rows x [N, H, D] or [N, D] (bf16/fp32, last dim contiguous, D a power
-    of two), the first rope_dim values rotated (NeoX; cos/sin [N, rope_dim] in x's dtype), then, with a
-    quantize_block, Hadamard-rotated (a fast transform in fp32) and FP8-rounded per block with a power-of-two
-    scale. A new contiguous tensor of x's shape and dtype; None where it does not apply."""
+    of two of at least 8, a quantize block a multiple of 8), the first rope_dim values rotated (NeoX; cos/sin
+    [N, rope_dim] in x's dtype), then, with a quantize_block, Hadamard-rotated (a fast transform in fp32) and
+    FP8-rounded per block with a power-of-two scale. A new contiguous tensor of x's shape and dtype; None where
+    it does not apply."""
     bf16 = _BF16_FLAG.get(x.dtype)
     if bf16 is None or x.dim() not in (2, 3) or x.stride(-1) != 1 or not _runnable(x, cos, sin):
         return None
@@ -548,10 +549,10 @@ def index_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: 
         return None
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    library().index_rows(x.data_ptr(), x.stride(0), x.stride(1) if x.dim() == 3 else dim, bf16, n, heads, dim,
-                         cos.data_ptr(), sin.data_ptr(), rope_dim, quantize_block is not None, block, out.data_ptr(),
-                         torch.get_num_threads())
-    return out
+    status = library().index_rows(x.data_ptr(), x.stride(0), x.stride(1) if x.dim() == 3 else dim, bf16, n, heads,
+                                  dim, cos.data_ptr(), sin.data_ptr(), rope_dim, quantize_block is not None, block,
+                                  out.data_ptr(), torch.get_num_threads())
+    return out if status == 0 else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

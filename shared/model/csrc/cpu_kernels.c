@@ -971,18 +971,45 @@ void rms_norm(const void *x, const void *w, void *y, int64_t n, int64_t dim, flo
 
 /* ---- RoPE: y = x * cos + swap(x) * sin (rope.RopeAngles' widened tables, sign folded into sin) ---- */
 
+/* Rows handled eight values at a time, each lane computing exactly what the scalar code computes for its value. */
+typedef uint16_t v8h __attribute__((vector_size(16)));
+static inline v8 vsel(v8i m, v8 a, v8 b) { return (v8)((m & (v8i)a) | (~m & (v8i)b)); }  /* m ? a : b per lane */
+
+static inline v8 round_bf16x8(v8 f) {  /* round_bf16 of each lane (NaN: the canonical one, as narrow) */
+    v8ui u = (v8ui)f, r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return vsel(f != f, (v8)((v8ui){0} + 0x7fc00000u), (v8)r);
+}
+
+static inline void put8(void *y, int y_bf16, int64_t k, v8 v) {  /* put of eight values */
+    if (!y_bf16) {
+        STORE((float *)y + k, v);
+        return;
+    }
+    v8h h = __builtin_convertvector((v8ui)round_bf16x8(v) >> 16, v8h);
+    memcpy((uint16_t *)y + k, &h, sizeof h);
+}
+
 /* One rotary vector of d values at x[xoff..] with cos/sin[coff..]; interleaved: swap(x) exchanges pairs
    (2i, 2i+1), else the halves (NeoX). In bf16 each product and the sum is rounded, as torch's bf16 ops
-   do; fp32 products are not fused (no fmaf here), so both match torch bit for bit. */
+   do; fp32 products are not fused (no fmaf here), so both match torch bit for bit. Eight values a step (a
+   NeoX half at a time, so a step's partners are contiguous), one at a time past the last whole step. */
 static void rope_row(const void *x, int64_t xoff, int bf16, const void *cos, const void *sin, int64_t coff,
                      int64_t d, int interleaved, void *y, int64_t yoff, int y_bf16) {
-    int64_t half = d / 2;
-    for (int64_t k = 0; k < d; k++) {
-        int64_t other = interleaved ? (k ^ 1) : (k < half ? k + half : k - half);
-        float xv = widen(x, bf16, xoff + k), sv = widen(x, bf16, xoff + other);
-        float c = widen(cos, bf16, coff + k), s = widen(sin, bf16, coff + k);
-        float a = xv * c, b = sv * s;
-        put(y, y_bf16, yoff + k, bf16 ? round_bf16(round_bf16(a) + round_bf16(b)) : a + b);
+    int64_t half = d / 2, k = 0;
+    for (int64_t end = interleaved ? d : half; k < d; end = d) {
+        for (; k + DW <= end; k += DW) {
+            v8 xv = wload(x, bf16, xoff + k);
+            v8 sv = interleaved ? __builtin_shufflevector(xv, xv, 1, 0, 3, 2, 5, 4, 7, 6)
+                                : wload(x, bf16, xoff + (k < half ? k + half : k - half));
+            v8 a = xv * wload(cos, bf16, coff + k), b = sv * wload(sin, bf16, coff + k);
+            put8(y, y_bf16, yoff + k, bf16 ? round_bf16x8(round_bf16x8(a) + round_bf16x8(b)) : a + b);
+        }
+        for (; k < end; k++) {
+            int64_t other = interleaved ? (k ^ 1) : (k < half ? k + half : k - half);
+            float xv = widen(x, bf16, xoff + k), sv = widen(x, bf16, xoff + other);
+            float a = xv * widen(cos, bf16, coff + k), b = sv * widen(sin, bf16, coff + k);
+            put(y, y_bf16, yoff + k, bf16 ? round_bf16(round_bf16(a) + round_bf16(b)) : a + b);
+        }
     }
 }
 
@@ -1023,16 +1050,67 @@ static inline float e4m3_scaled(float x, float scale) {
     return e4m3_round(v > 448.f ? 448.f : v < -448.f ? -448.f : v);
 }
 
+/* e4m3_scaled(x, scale) of each lane: the same division, clamp and rounding (nearbyintf's round to nearest even
+   for the subnormals, the sign of a zero kept). */
+static inline v8 e4m3_scaled8(v8 x, float scale) {
+    v8 v = x / splat(scale);
+    v = vsel(v > splat(448.f), splat(448.f), vsel(v < splat(-448.f), splat(-448.f), v));
+    v8 t = v * splat(512.f), whole;
+#if defined(__AVX__)
+    whole = (v8)_mm256_round_ps((__m256)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    for (int e = 0; e < DW; e++) whole[e] = nearbyintf(t[e]);
+#endif
+    v8ui u = (v8ui)v, normal = (u + 0x7ffffu + ((u >> 20) & 1u)) & ~0xfffffu;
+    v8 mag = (v8)((v8ui)v & 0x7fffffffu);
+    return vsel(mag < splat(0x1p-6f), whole * splat(0x1p-9f), (v8)normal);
+}
+
+/* One step of the fast Walsh-Hadamard transform (Sylvester order: H = [[H, H], [H, -H]]) on a row of dim fp32
+   values, pairs `len` apart: row[k] = a + c, row[k + len] = a - c. Steps of 1, 2 and 4 within each eight-value
+   vector, longer ones across vectors: each value the scalar butterfly's. */
+static inline void hadamard_step(float *row, int64_t dim, int64_t len) {
+    if (len >= DW) {
+        for (int64_t b = 0; b < dim; b += 2 * len)
+            for (int64_t k = b; k < b + len; k += DW) {
+                v8 a = LOAD(row + k), c = LOAD(row + k + len);
+                STORE(row + k, a + c);
+                STORE(row + k + len, a - c);
+            }
+        return;
+    }
+    for (int64_t k = 0; k < dim; k += DW) {
+        v8 v = LOAD(row + k), a, c, out;
+        if (len == 1) {
+            a = __builtin_shufflevector(v, v, 0, 0, 2, 2, 4, 4, 6, 6);
+            c = __builtin_shufflevector(v, v, 1, 1, 3, 3, 5, 5, 7, 7);
+            out = __builtin_shufflevector(a + c, a - c, 0, 9, 2, 11, 4, 13, 6, 15);
+        } else if (len == 2) {
+            a = __builtin_shufflevector(v, v, 0, 1, 0, 1, 4, 5, 4, 5);
+            c = __builtin_shufflevector(v, v, 2, 3, 2, 3, 6, 7, 6, 7);
+            out = __builtin_shufflevector(a + c, a - c, 0, 1, 10, 11, 4, 5, 14, 15);
+        } else {
+            a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 0, 1, 2, 3);
+            c = __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
+            out = __builtin_shufflevector(a + c, a - c, 0, 1, 2, 3, 12, 13, 14, 15);
+        }
+        STORE(row + k, out);
+    }
+}
+
 /* Rows [n, heads, dim] of x (strides xs_row, xs_head in elements; the last dim contiguous; bf16 or fp32, and
    y the same dtype, contiguous [n, heads, dim]) as the indexer's Indexer._quantize(_rope(x)) computes them:
    the first rope_dim values rotated (NeoX halves, cos/sin [n, rope_dim], as rope_row), then, with `quantize`,
    an orthonormal Hadamard rotation of the row (a fast Walsh-Hadamard transform in fp32, scaled by dim^-0.5,
    rounded to x's dtype: DeepSeek's rotate_activation) and an FP8 e4m3 round trip per `block` values with a
    power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) (act_quant_ue8m0, then dequantized: exact in bf16).
-   dim a power of two, divisible by block. */
-void index_rows(const void *x, int64_t xs_row, int64_t xs_head, int32_t bf16, int64_t n, int64_t heads,
-                int64_t dim, const void *cos, const void *sin, int64_t rope_dim, int32_t quantize, int64_t block,
-                void *y, int32_t threads) {
+   Eight values of a row at a time. dim a power of two of at least 8, block a multiple of 8 dividing it, else
+   nothing is written and the call returns 2 (0: done). */
+int32_t index_rows(const void *x, int64_t xs_row, int64_t xs_head, int32_t bf16, int64_t n, int64_t heads,
+                   int64_t dim, const void *cos, const void *sin, int64_t rope_dim, int32_t quantize, int64_t block,
+                   void *y, int32_t threads) {
+    if (dim < DW || dim & (dim - 1) || block < DW || block % DW || dim % block || rope_dim < 0 || rope_dim > dim)
+        return 2;
     #pragma omp parallel num_threads(threads) if (n * heads * dim >= 65536)
     {
         float *row = xmalloc(sizeof(float) * dim);
@@ -1041,27 +1119,33 @@ void index_rows(const void *x, int64_t xs_row, int64_t xs_head, int32_t bf16, in
         for (int64_t r = 0; r < n * heads; r++) {
             int64_t i = r / heads, off = i * xs_row + (r % heads) * xs_head;
             rope_row(x, off, bf16, cos, sin, i * rope_dim, rope_dim, 0, row, 0, 0);
-            for (int64_t d = rope_dim; d < dim; d++) row[d] = widen(x, bf16, off + d);
+            int64_t d = rope_dim;
+            for (; d + DW <= dim; d += DW) STORE(row + d, wload(x, bf16, off + d));
+            for (; d < dim; d++) row[d] = widen(x, bf16, off + d);
             if (quantize) {
-                for (int64_t len = 1; len < dim; len <<= 1)  /* Sylvester order: H = [[H, H], [H, -H]] */
-                    for (int64_t b = 0; b < dim; b += 2 * len)
-                        for (int64_t k = b; k < b + len; k++) {
-                            float a = row[k], c = row[k + len];
-                            row[k] = a + c;
-                            row[k + len] = a - c;
-                        }
-                for (int64_t d = 0; d < dim; d++) row[d] = bf16 ? round_bf16(row[d] * norm) : row[d] * norm;
+                for (int64_t len = 1; len < dim; len <<= 1) hadamard_step(row, dim, len);
+                for (int64_t d = 0; d < dim; d += DW) {
+                    v8 v = LOAD(row + d) * splat(norm);
+                    STORE(row + d, bf16 ? round_bf16x8(v) : v);
+                }
                 for (int64_t b = 0; b < dim; b += block) {
+                    v8 top = splat(0.f);  /* per lane as the scalar loop: |v| > amax ? |v| : amax (NaN skipped) */
+                    for (int64_t d = b; d < b + block; d += DW) {
+                        v8 mag = (v8)((v8ui)LOAD(row + d) & 0x7fffffffu);
+                        top = vsel(mag > top, mag, top);
+                    }
                     float amax = 0.f;
-                    for (int64_t d = b; d < b + block; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
+                    for (int e = 0; e < DW; e++) amax = top[e] > amax ? top[e] : amax;
                     float scale = ue8m0_scale(amax);
-                    for (int64_t d = b; d < b + block; d++) row[d] = e4m3_scaled(row[d], scale) * scale;
+                    for (int64_t d = b; d < b + block; d += DW)
+                        STORE(row + d, e4m3_scaled8(LOAD(row + d), scale) * splat(scale));
                 }
             }
-            for (int64_t d = 0; d < dim; d++) put(y, bf16, r * dim + d, row[d]);
+            for (int64_t d = 0; d < dim; d += DW) put8(y, bf16, r * dim + d, LOAD(row + d));
         }
         free(row);
     }
+    return 0;
 }
 
 /* C8 indexer keys (shared.kvcache.layout.Fp8KeyRows): row i of x [n, dim] (bf16 or fp32) stored at pool slot
