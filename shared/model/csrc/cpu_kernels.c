@@ -517,18 +517,35 @@ pair_dots(const float *q, const float *keys, int64_t dp, v8 acc[IH][IK]) {
 
 #if HAVE_DPBF16
 /* pair_dots by vdpbf16ps, on rows as key_pairs stores them (dp / 2 words apart): the same bits where every
-   value is pair_exact. */
+   value is pair_exact. The 16 accumulators are named (as the int8 tile's): held in an array, GCC kept one of
+   them on the stack, a store and a load on every step's chain (measured: 1.3x slower). */
+#define DPB(acc, qv, kv) acc = _mm256_dpbf16_ps(acc, qv, kv)
+#define DPB_HEAD(h, qv) DPB(a##h##0, qv, k0); DPB(a##h##1, qv, k1); DPB(a##h##2, qv, k2); DPB(a##h##3, qv, k3);
 static inline __attribute__((always_inline)) void
 pair_dots_bf16(const uint32_t *q, const uint32_t *keys, int64_t dp, v8 acc[IH][IK]) {
     const int64_t words = dp / 2;
+    __m256 a00 = (__m256)acc[0][0], a01 = (__m256)acc[0][1], a02 = (__m256)acc[0][2], a03 = (__m256)acc[0][3];
+    __m256 a10 = (__m256)acc[1][0], a11 = (__m256)acc[1][1], a12 = (__m256)acc[1][2], a13 = (__m256)acc[1][3];
+    __m256 a20 = (__m256)acc[2][0], a21 = (__m256)acc[2][1], a22 = (__m256)acc[2][2], a23 = (__m256)acc[2][3];
+    __m256 a30 = (__m256)acc[3][0], a31 = (__m256)acc[3][1], a32 = (__m256)acc[3][2], a33 = (__m256)acc[3][3];
     for (int64_t w0 = 0; w0 < words; w0 += DW) {
-        __m256bh kv[IK];
-        for (int kk = 0; kk < IK; kk++) kv[kk] = (__m256bh)_mm256_loadu_si256((const __m256i *)(keys + kk * words + w0));
-        for (int hh = 0; hh < IH; hh++) {
-            __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(q + hh * words + w0));
-            for (int kk = 0; kk < IK; kk++) acc[hh][kk] = (v8)_mm256_dpbf16_ps((__m256)acc[hh][kk], qv, kv[kk]);
-        }
+#define WORDS(p) ((__m256bh)_mm256_loadu_si256((const __m256i *)(p)))
+        __m256bh k0 = WORDS(keys + w0), k1 = WORDS(keys + words + w0), k2 = WORDS(keys + 2 * words + w0),
+                 k3 = WORDS(keys + 3 * words + w0);
+        __m256bh q0 = WORDS(q + w0);
+        DPB_HEAD(0, q0)
+        __m256bh q1 = WORDS(q + words + w0);
+        DPB_HEAD(1, q1)
+        __m256bh q2 = WORDS(q + 2 * words + w0);
+        DPB_HEAD(2, q2)
+        __m256bh q3 = WORDS(q + 3 * words + w0);
+        DPB_HEAD(3, q3)
+#undef WORDS
     }
+    acc[0][0] = (v8)a00; acc[0][1] = (v8)a01; acc[0][2] = (v8)a02; acc[0][3] = (v8)a03;
+    acc[1][0] = (v8)a10; acc[1][1] = (v8)a11; acc[1][2] = (v8)a12; acc[1][3] = (v8)a13;
+    acc[2][0] = (v8)a20; acc[2][1] = (v8)a21; acc[2][2] = (v8)a22; acc[2][3] = (v8)a23;
+    acc[3][0] = (v8)a30; acc[3][1] = (v8)a31; acc[3][2] = (v8)a32; acc[3][3] = (v8)a33;
 }
 #endif
 
