@@ -472,6 +472,28 @@ static inline v8 key_values(const uint8_t *src, int32_t kind, int64_t d0, int64_
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint16_t v16hu __attribute__((vector_size(32), aligned(2)));
 
+#if HAVE_DPBF16 && defined(__AVX512BW__)
+#define FP8_PAIRS 1
+/* 32 FP8 e4m3 values (two pair blocks) as key_pairs stores them, straight to bf16 bits in 16-bit lanes: the bytes
+   put in pair order, widened, and each magnitude's bits moved to bf16's places (exponent rebiased 7 -> 127:
+   mag << 4 + 120 << 7), zeros and subnormals (m * 2^-9) from a table, the sign moved up. The same bits as
+   through fp32 (e4m3x8), about a third of the operations. */
+static inline void fp8_pairs32(const uint8_t *src, uint32_t *b) {
+    static const uint16_t small_bits[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+    const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                           0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)src), order));
+    __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
+    __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3c00));
+    __mmask32 small = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));  /* exponent 0 */
+    if (small) bits = _mm512_mask_permutexvar_epi16(bits, small, mag, _mm512_loadu_si512(small_bits));
+    bits = _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+    _mm512_storeu_si512(b, bits);
+}
+#else
+#define FP8_PAIRS 0
+#endif
+
 /* A row stored as `kind` (a key's, or a query's fp32) as bf16 pairs b [dp / 2] (word j of block d0: dim
    d0 + j low, dim d0 + 8 + j high, truncated); whether every value is pair_exact (then they are exact). FP8
    values always are (e4m3: 4 significant bits, 2^-9 .. 448); bf16 rows are checked and paired as 16-bit
@@ -489,9 +511,14 @@ static inline int key_pairs(const uint8_t *src, int32_t kind, int64_t dim, int64
             if (bad[l]) return 0;
         return 1;
     }
+    int64_t d0 = 0;
+#if FP8_PAIRS
+    if (kind == KEYS_FP8)
+        for (; d0 + 2 * DP <= dim; d0 += 2 * DP) fp8_pairs32(src + d0, b + d0 / 2);
+#endif
     v8ui all = {0};
     all = ~all;
-    for (int64_t d0 = 0; d0 < dp; d0 += DP) {
+    for (; d0 < dp; d0 += DP) {
         v8ui lo = (v8ui)key_values(src, kind, d0, dim), hi = (v8ui)key_values(src, kind, d0 + DW, dim);
         if (kind != KEYS_FP8) all &= pair_exact(lo) & pair_exact(hi);
         *(v8uiu *)(b + d0 / 2) = (hi & 0xffff0000u) | (lo >> 16);
