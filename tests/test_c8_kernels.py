@@ -405,8 +405,9 @@ def test_sparse_attention_tiles_reuse_their_rows_buffer(rows, monkeypatch):
 
 def test_every_fp8_key_byte_is_read_exactly(build_for):
     """Each of the 254 e4m3 bytes a C8 key can hold (all but NaN: subnormals, ±0, ±448) is read as its exact value
-    by the native build (F16C's converter where the CPU has it) and by the SSE2-only build (integer arithmetic):
-    one-hot queries of either sign (ReLU keeps one sign each) against keys holding the byte in every dimension."""
+    by the native build (on a CPU with AVX512-BF16 and BW: straight to bf16 bits in 16-bit lanes), the AVX2 build
+    (F16C's converter) and the SSE2-only build (integer arithmetic): one-hot queries of either sign (ReLU keeps
+    one sign each) against keys holding the byte in every dimension."""
     dim = 128
     codec = Fp8KeyRows(dim)
     values = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
@@ -417,7 +418,7 @@ def test_every_fp8_key_byte_is_read_exactly(build_for):
     q = torch.zeros(2, 1, dim)
     q[0, 0, 5], q[1, 0, 77] = 1.0, -1.0
     one_row = torch.zeros(2, dtype=torch.long)
-    for arch in (None, "x86-64"):
+    for arch in (None, "haswell", "x86-64"):
         build_for(arch)
         got = cpu_kernels.index_scores(q, torch.ones(2, 1), pool, codec, torch.zeros(1, 1, dtype=torch.long),
                                        len(values), one_row, torch.full((2,), len(values)), len(values), 1.0)
