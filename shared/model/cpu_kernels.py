@@ -218,13 +218,14 @@ def prepare(model: torch.nn.Module, *more: Callable[[], ctypes.CDLL | None]) -> 
 def attention_usable(query: torch.Tensor, pool: torch.Tensor, out_dim: int, codec: RowCodec | None = None) -> bool:
     """Whether the fused kernel can take this step: host tensors, fp32 or bf16 queries (paged_mqa takes them in
     fp32: the caller converts once this holds), rows stored as they are
-    (fp32/bf16) or as C8 MLA rows (`codec` an Int8LatentRows matching the pool), query dims a multiple of 8
-    and output dims of 16 (its register blocks; MLA's 576 / 512 are)."""
+    (fp32/bf16) or as C8 MLA rows (`codec` an Int8LatentRows matching the pool, the output within its latent,
+    scale groups of whole 16-value blocks), query dims a multiple of 8 and output dims of 16 (its register blocks;
+    MLA's 576 / 512 are)."""
     if codec is None:
         rows_ok = pool.dtype in (torch.float32, torch.bfloat16)
     else:
         rows_ok = (isinstance(codec, Int8LatentRows) and pool.dtype == torch.uint8 and pool.shape[-1] == codec.width
-                   and query.shape[-1] == codec.dim)
+                   and query.shape[-1] == codec.dim and out_dim <= codec.latent and codec.group % 16 == 0)
     return (rows_ok and query.dtype in _BF16_FLAG and query.shape[-1] % 8 == 0 and out_dim % 16 == 0
             and _runnable(query, pool))
 

@@ -117,19 +117,19 @@ static inline v8 i8x8(const uint8_t *p) {
 #endif
 }
 
-/* Eight values d..d+7 of a pool row as fp32, read in place: fp32 as stored, bf16 widened, a C8 row's latent
-   as its int8 times its group's scale (one rounding: Int8LatentRows.decode's bits in fp32) and its rope key
-   widened from bf16. */
+/* Eight values d..d+7 of a pool row as fp32, read in place: fp32 as stored, bf16 widened; of a C8 row the rope
+   key's (d >= latent), widened from bf16 (its int8 latent is read by attend_tiles, scale per group). */
 static inline v8 row_load(const void *row, const int kind, const RowFormat *f, int64_t d) {
     if (kind == ROWS_F32) return LOAD((const float *)row + d);
     if (kind == ROWS_BF16) return bf16x8((const uint8_t *)row + 2 * d);
-    const uint8_t *r = row;
-    if (d < f->latent) {
-        float s;
-        memcpy(&s, r + f->latent + 4 * (d >> f->gshift), sizeof s);
-        return i8x8(r + d) * splat(s);
-    }
-    return bf16x8(r + f->latent + 4 * f->groups + 2 * (d - f->latent));
+    return bf16x8((const uint8_t *)row + f->latent + 4 * f->groups + 2 * (d - f->latent));
+}
+
+/* The scale of the C8 latent group holding dim d of a row. */
+static inline float c8_scale(const void *row, const RowFormat *f, int64_t d) {
+    float s;
+    memcpy(&s, (const uint8_t *)row + f->latent + 4 * (d >> f->gshift), sizeof s);
+    return s;
 }
 
 /* Ask for a row's cache lines ahead of its use (the rows of the next tile while this one computes): rows sit in
@@ -171,8 +171,8 @@ static inline int tile_rows(const void *pool, const RowFormat *fmt, int64_t row_
 static inline __attribute__((always_inline)) void
 attend_tiles(const float *qp, int64_t hp, int64_t dim, const void *pool, const RowFormat *fmt, int64_t row_stride,
              int64_t num_slots, const int64_t *trow, int64_t bs, const uint8_t *mrow, int64_t count, float scale,
-             int64_t out_dim, float *acc, float *mx, float *sum, float *score, const void **tiles, int32_t *bad,
-             const int kind) {
+             int64_t out_dim, float *acc, float *mx, float *sum, float *score, float *scaled, const void **tiles,
+             int32_t *bad, const int kind) {
     int cur = 0;
     int used = tile_rows(pool, fmt, row_stride, num_slots, trow, bs, mrow, 0, count, tiles, bad);
     for (int f = 0; f < AHEAD && f < used; f++) prefetch_row(tiles[f], fmt->bytes);
@@ -189,7 +189,27 @@ attend_tiles(const float *qp, int64_t hp, int64_t dim, const void *pool, const R
                 for (int f = j + AHEAD; h0 == 0 && f < j + AHEAD + 2; f++)  /* this tile's, then the next's */
                     if (f < used || f - used < next_used) prefetch_row(f < used ? rows[f] : next[f - used], fmt->bytes);
                 v8 part[2][HB] = {{{0}}};
-                for (int64_t d0 = 0; d0 < dim; d0 += DW) {
+                int64_t d0 = 0;
+                for (int64_t g0 = 0; kind == ROWS_C8 && g0 < fmt->latent; g0 += fmt->group) {
+                    /* per group: the int8 dots, then times the group's scale (one multiply); the rope key after */
+                    int64_t g1 = g0 + fmt->group < fmt->latent ? g0 + fmt->group : fmt->latent;
+                    v8 grp[2][HB] = {{{0}}};
+                    for (int64_t d = g0; d < g1; d += DW) {
+                        v8 rv0 = i8x8((const uint8_t *)r0 + d), rv1 = i8x8((const uint8_t *)r1 + d);
+                        for (int hh = 0; hh < HB; hh++) {
+                            v8 qv = LOAD(qp + (h0 + hh) * dim + d);
+                            grp[0][hh] = vfma(qv, rv0, grp[0][hh]);
+                            grp[1][hh] = vfma(qv, rv1, grp[1][hh]);
+                        }
+                    }
+                    v8 s0 = splat(c8_scale(r0, fmt, g0)), s1 = splat(c8_scale(r1, fmt, g0));
+                    for (int hh = 0; hh < HB; hh++) {
+                        part[0][hh] = vfma(grp[0][hh], s0, part[0][hh]);
+                        part[1][hh] = vfma(grp[1][hh], s1, part[1][hh]);
+                    }
+                    d0 = g1;
+                }
+                for (; d0 < dim; d0 += DW) {
                     v8 rv0 = row_load(r0, kind, fmt, d0), rv1 = row_load(r1, kind, fmt, d0);
                     for (int hh = 0; hh < HB; hh++) {
                         v8 qv = LOAD(qp + (h0 + hh) * dim + d0);
@@ -219,17 +239,33 @@ attend_tiles(const float *qp, int64_t hp, int64_t dim, const void *pool, const R
                 mx[h] = new_max;
                 for (int j = 0; j < used; j++) { sh[j] = expf(sh[j] - new_max); sum[h] += sh[j]; }
             }
-            /* acc[h, c] += sum_j p[h, j] row_j[c], HB x CW accumulators held in registers */
+            /* C8: each probability times its row's group scales, once a tile (scaled [HB][groups][TILE]) */
+            for (int hh = 0; kind == ROWS_C8 && hh < HB; hh++)
+                for (int64_t g = 0; g < fmt->groups; g++)
+                    for (int j = 0; j < used; j++)
+                        scaled[(hh * fmt->groups + g) * TILE + j] =
+                            score[(h0 + hh) * TILE + j] * c8_scale(rows[j], fmt, g << fmt->gshift);
+            /* acc[h, c] += sum_j p[h, j] row_j[c], HB x CW accumulators held in registers (C8: int8 values, the
+               scale in p; a CW block lies in one group) */
             for (int64_t c0 = 0; c0 < out_dim; c0 += CW) {
                 v8 a[HB][2];
                 for (int hh = 0; hh < HB; hh++) {
                     a[hh][0] = LOAD(acc + (h0 + hh) * out_dim + c0);
                     a[hh][1] = LOAD(acc + (h0 + hh) * out_dim + c0 + 8);
                 }
+                const float *pj = kind == ROWS_C8 ? scaled + (c0 >> fmt->gshift) * TILE : score + h0 * TILE;
+                const int64_t p_head = kind == ROWS_C8 ? fmt->groups * TILE : TILE;  /* p's stride per head */
                 for (int j = 0; j < used; j++) {
-                    v8 r0 = row_load(rows[j], kind, fmt, c0), r1 = row_load(rows[j], kind, fmt, c0 + 8);
+                    v8 r0, r1;
+                    if (kind == ROWS_C8) {
+                        r0 = i8x8((const uint8_t *)rows[j] + c0);
+                        r1 = i8x8((const uint8_t *)rows[j] + c0 + 8);
+                    } else {
+                        r0 = row_load(rows[j], kind, fmt, c0);
+                        r1 = row_load(rows[j], kind, fmt, c0 + 8);
+                    }
                     for (int hh = 0; hh < HB; hh++) {
-                        v8 p = splat(score[(h0 + hh) * TILE + j]);
+                        v8 p = splat(pj[hh * p_head + j]);
                         a[hh][0] = vfma(p, r0, a[hh][0]);
                         a[hh][1] = vfma(p, r1, a[hh][1]);
                     }
@@ -249,9 +285,9 @@ attend_tiles(const float *qp, int64_t hp, int64_t dim, const void *pool, const R
    (a block table; a list of slots with bs = 1); mask [rows, mask_width], if given, drops positions.
    dim % DW == 0 and out_dim % CW == 0 (the caller checks). Every index is checked against the table
    (table_rows x table_width, mask_width) and the pool (num_slots rows): a query naming anything
-   outside them gets no output and the call returns 1 (0: all good). Rows are read in place and widened (bf16)
-   or dequantized (C8) in registers as they are read: no fp32 copy of the tile (twice a bf16 tile's bytes, past
-   L1 at 576 dims). */
+   outside them gets no output and the call returns 1 (0: all good). Rows are read in place and widened (bf16,
+   C8's int8) in registers as they are read: no fp32 copy of the tile (twice a bf16 tile's bytes, past L1 at 576
+   dims). */
 static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
                    int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows,
                    int64_t table_width, int64_t bs, int64_t mask_width, const int64_t *slot_row,
@@ -266,6 +302,7 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
         float *mx = xmalloc(sizeof(float) * hp);
         float *sum = xmalloc(sizeof(float) * hp);
         float *score = xmalloc(sizeof(float) * hp * TILE);
+        float *scaled = xmalloc(sizeof(float) * HB * (fmt->kind == ROWS_C8 ? fmt->groups : 1) * TILE);
         const void *rows[2 * TILE];  /* two tiles' rows, in place */
         int32_t local_bad = 0;
         #pragma omp for schedule(dynamic, 1)
@@ -282,13 +319,13 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
             memset(acc, 0, sizeof(float) * hp * out_dim);
             if (fmt->kind == ROWS_BF16)
                 attend_tiles(qp, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale, out_dim,
-                             acc, mx, sum, score, rows, &local_bad, ROWS_BF16);
+                             acc, mx, sum, score, scaled, rows, &local_bad, ROWS_BF16);
             else if (fmt->kind == ROWS_C8)
                 attend_tiles(qp, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale, out_dim,
-                             acc, mx, sum, score, rows, &local_bad, ROWS_C8);
+                             acc, mx, sum, score, scaled, rows, &local_bad, ROWS_C8);
             else
                 attend_tiles(qp, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale, out_dim,
-                             acc, mx, sum, score, rows, &local_bad, ROWS_F32);
+                             acc, mx, sum, score, scaled, rows, &local_bad, ROWS_F32);
             float *oi = out + i * heads * out_dim;
             for (int64_t h = 0; h < heads; h++) {
                 float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
@@ -299,7 +336,7 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
             #pragma omp atomic write
             bad = 1;
         }
-        free(qp); free(acc); free(mx); free(sum); free(score);
+        free(qp); free(acc); free(mx); free(sum); free(score); free(scaled);
     }
     return bad;
 }
@@ -322,9 +359,12 @@ int32_t paged_mqa(const float *q, int64_t n, int64_t heads, int64_t dim,
                slot_row, counts, mask, scale, out_dim, out, threads);
 }
 
-/* mqa over C8 MLA rows read in place (row_stride in bytes), each row dequantized once per tile in cache. The
-   layout is checked first: dim = latent + rope, groups = ceil(latent / group), and a row of
-   latent + 4 groups + 2 rope bytes fits the stride; else nothing is read and the call returns 2. */
+/* mqa over C8 MLA rows read in place (row_stride in bytes): a score sums each latent group's int8 dot times the
+   group's scale (one multiply a group), p.V multiplies the int8 values by p times the row's group scale (once a
+   tile), the rope key widened from bf16: dequantize-then-attend to fp32 rounding, no value dequantized on its
+   own. The layout is checked first: dim = latent + rope, groups = ceil(latent / group), a power-of-two group of
+   whole CW blocks, the output within the latent, and a row of latent + 4 groups + 2 rope bytes fits the stride;
+   else nothing is read and the call returns 2. */
 int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
                      const uint8_t *pool, int64_t row_stride, int64_t num_slots, int64_t latent, int64_t group,
                      int64_t groups, int64_t rope,
@@ -332,7 +372,7 @@ int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
                      const int64_t *slot_row, const int64_t *counts, const uint8_t *mask,
                      float scale, int64_t out_dim, float *out, int32_t threads) {
     if (!c8_layout_fits(latent, group, groups, rope, row_stride) || dim != latent + rope || group & (group - 1)
-            || group % DW || latent % DW)
+            || group % CW || latent % DW || out_dim > latent)
         return 2;
     int gshift = 0;
     while ((1L << gshift) < group) gshift++;
