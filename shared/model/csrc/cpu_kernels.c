@@ -54,7 +54,18 @@ static inline v8 vfma(v8 a, v8 b, v8 c) {  /* a * b + c, rounded once per lane *
 #endif
 static inline v8 splat(float f) { v8 r = {f, f, f, f, f, f, f, f}; return r; }
 
+/* AVX512-BF16's vdpbf16ps: 16 bf16 products an instruction, summed into 8 fp32 lanes (the attention scores of
+   bf16 queries over bf16 rows; the indexer's dots). */
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8ui __attribute__((vector_size(32)));
+typedef uint32_t v8uiu __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
 
 /* One value of a bf16 or fp32 array as fp32. */
 static inline float widen(const void *p, int bf16, int64_t k) {
@@ -169,7 +180,8 @@ static inline int tile_rows(const void *pool, const RowFormat *fmt, int64_t row_
    get one copy of the loops that tests the format at every 8-value step. */
 #define AHEAD 8
 static inline __attribute__((always_inline)) void
-attend_tiles(const float *qp, int64_t hp, int64_t dim, const void *pool, const RowFormat *fmt, int64_t row_stride,
+attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const void *pool, const RowFormat *fmt,
+             int64_t row_stride,
              int64_t num_slots, const int64_t *trow, int64_t bs, const uint8_t *mrow, int64_t count, float scale,
              int64_t out_dim, float *acc, float *mx, float *sum, float *score, float *scaled, const void **tiles,
              int32_t *bad, const int kind) {
@@ -190,6 +202,18 @@ attend_tiles(const float *qp, int64_t hp, int64_t dim, const void *pool, const R
                     if (f < used || f - used < next_used) prefetch_row(f < used ? rows[f] : next[f - used], fmt->bytes);
                 v8 part[2][HB] = {{{0}}};
                 int64_t d0 = 0;
+#if HAVE_DPBF16
+                if (kind == ROWS_BF16 && qb)  /* bf16 query and rows: 16 dims a vdpbf16ps, pairs as stored */
+                    for (; d0 < dim; d0 += 2 * DW) {
+                        __m256bh rv0 = (__m256bh)_mm256_loadu_si256((const __m256i *)((const uint16_t *)r0 + d0));
+                        __m256bh rv1 = (__m256bh)_mm256_loadu_si256((const __m256i *)((const uint16_t *)r1 + d0));
+                        for (int hh = 0; hh < HB; hh++) {
+                            __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + (h0 + hh) * dim + d0));
+                            part[0][hh] = (v8)_mm256_dpbf16_ps((__m256)part[0][hh], qv, rv0);
+                            part[1][hh] = (v8)_mm256_dpbf16_ps((__m256)part[1][hh], qv, rv1);
+                        }
+                    }
+#endif
                 for (int64_t g0 = 0; kind == ROWS_C8 && g0 < fmt->latent; g0 += fmt->group) {
                     /* per group: the int8 dots, then times the group's scale (one multiply); the rope key after */
                     int64_t g1 = g0 + fmt->group < fmt->latent ? g0 + fmt->group : fmt->latent;
@@ -287,7 +311,9 @@ attend_tiles(const float *qp, int64_t hp, int64_t dim, const void *pool, const R
    (table_rows x table_width, mask_width) and the pool (num_slots rows): a query naming anything
    outside them gets no output and the call returns 1 (0: all good). Rows are read in place and widened (bf16,
    C8's int8) in registers as they are read: no fp32 copy of the tile (twice a bf16 tile's bytes, past L1 at 576
-   dims). */
+   dims). A query whose every value is a bf16 (a bf16 model's) scores bf16 rows by vdpbf16ps where the CPU has it:
+   the products exact, summed in pairs as stored (another order than the FMA chain's, to fp32 rounding; the
+   choice is the query's own, so its row does not depend on its batch). */
 static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
                    int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows,
                    int64_t table_width, int64_t bs, int64_t mask_width, const int64_t *slot_row,
@@ -298,6 +324,7 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
     #pragma omp parallel num_threads(threads)
     {
         float *qp = xcalloc(hp * dim, sizeof(float));
+        uint16_t *qb = xcalloc(hp * dim, sizeof(uint16_t));  /* qp as bf16, where every value is one */
         float *acc = xmalloc(sizeof(float) * hp * out_dim);
         float *mx = xmalloc(sizeof(float) * hp);
         float *sum = xmalloc(sizeof(float) * hp);
@@ -313,19 +340,31 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
                 continue;
             }
             memcpy(qp, q + i * heads * dim, sizeof(float) * heads * dim);
+            int q_bf16 = HAVE_DPBF16 && fmt->kind == ROWS_BF16 && dim % (2 * DW) == 0;
+            if (q_bf16) {  /* every value a bf16 (a bf16 model's query): its bf16 copy */
+                v8ui low = {0};
+                for (int64_t e = 0; e < heads * dim; e += DW) {
+                    v8ui u = (v8ui)LOAD(qp + e);
+                    low |= u & 0xffffu;
+                    v8h h = __builtin_convertvector(u >> 16, v8h);
+                    memcpy(qb + e, &h, sizeof h);
+                }
+                for (int l = 0; l < DW; l++) q_bf16 &= low[l] == 0;
+            }
+            const uint16_t *qbf = q_bf16 ? qb : NULL;
             const int64_t *trow = tables + slot_row[i] * table_width;
             const uint8_t *mrow = mask ? mask + slot_row[i] * mask_width : NULL;
             for (int64_t h = 0; h < hp; h++) { mx[h] = -INFINITY; sum[h] = 0.f; }
             memset(acc, 0, sizeof(float) * hp * out_dim);
             if (fmt->kind == ROWS_BF16)
-                attend_tiles(qp, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale, out_dim,
-                             acc, mx, sum, score, scaled, rows, &local_bad, ROWS_BF16);
+                attend_tiles(qp, qbf, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale,
+                             out_dim, acc, mx, sum, score, scaled, rows, &local_bad, ROWS_BF16);
             else if (fmt->kind == ROWS_C8)
-                attend_tiles(qp, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale, out_dim,
-                             acc, mx, sum, score, scaled, rows, &local_bad, ROWS_C8);
+                attend_tiles(qp, qbf, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale,
+                             out_dim, acc, mx, sum, score, scaled, rows, &local_bad, ROWS_C8);
             else
-                attend_tiles(qp, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale, out_dim,
-                             acc, mx, sum, score, scaled, rows, &local_bad, ROWS_F32);
+                attend_tiles(qp, qbf, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale,
+                             out_dim, acc, mx, sum, score, scaled, rows, &local_bad, ROWS_F32);
             float *oi = out + i * heads * out_dim;
             for (int64_t h = 0; h < heads; h++) {
                 float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
@@ -336,7 +375,7 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
             #pragma omp atomic write
             bad = 1;
         }
-        free(qp); free(acc); free(mx); free(sum); free(score); free(scaled);
+        free(qp); free(qb); free(acc); free(mx); free(sum); free(score); free(scaled);
     }
     return bad;
 }
@@ -487,13 +526,6 @@ enum { KEYS_F32 = 0, KEYS_BF16 = 1, KEYS_FP8 = 2 };
    the rows as they are (a block's second 8 dims, then its first) compute them: the same bits whichever runs,
    on every ISA, so a query's scores depend neither on its batch nor on the CPU. */
 #define DP 16  /* dims per pair block (vdpbf16ps: 8 lanes of 2) */
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-#define HAVE_DPBF16 1
-#else
-#define HAVE_DPBF16 0
-#endif
-typedef uint32_t v8ui __attribute__((vector_size(32)));
-typedef uint32_t v8uiu __attribute__((vector_size(32), aligned(4)));
 
 /* Lanes whose fp32 bits are a bf16 of magnitude 0 or 2^-50 .. 2^51 (all ones), as the fast path needs. */
 static inline v8ui pair_exact(v8ui u) {
@@ -1087,7 +1119,6 @@ void rms_norm(const void *x, const void *w, void *y, int64_t n, int64_t dim, flo
 /* ---- RoPE: y = x * cos + swap(x) * sin (rope.RopeAngles' widened tables, sign folded into sin) ---- */
 
 /* Rows handled eight values at a time, each lane computing exactly what the scalar code computes for its value. */
-typedef uint16_t v8h __attribute__((vector_size(16)));
 static inline v8 vsel(v8i m, v8 a, v8 b) { return (v8)((m & (v8i)a) | (~m & (v8i)b)); }  /* m ? a : b per lane */
 
 static inline v8 round_bf16x8(v8 f) {  /* round_bf16 of each lane (NaN: the canonical one, as narrow) */
