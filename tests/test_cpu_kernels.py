@@ -36,16 +36,21 @@ def _batch(contexts: list[int], queries: int, gen: torch.Generator) -> tuple[For
     return ForwardBatch.build(chunks, BLOCK, torch.device("cpu")), num_blocks
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, "bfloat16 + bf16 queries"])
 @pytest.mark.parametrize(("heads", "queries"), [(4, 1), (6, 1), (16, 3)])
 def test_dense_decode_matches_the_portable_path(portable, pool_dtype, heads, queries):
     """Decode (and few-query verification) steps over scattered blocks: the fused kernel gives the
     portable path's output to fp32 rounding, for heads that are not a whole register block too, and
-    causal masking within a multi-query step holds."""
+    causal masking within a multi-query step holds; with bf16-valued queries over bf16 rows (a bf16 model's:
+    their scores by vdpbf16ps where the CPU has it) too."""
+    bf16_queries = pool_dtype == "bfloat16 + bf16 queries"
+    pool_dtype = torch.bfloat16 if bf16_queries else pool_dtype
     gen = torch.Generator().manual_seed(heads * 10 + queries)
     fb, num_blocks = _batch([max(c, queries) for c in (1, 37, 130, 16, 64)], queries, gen)
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen).to(pool_dtype)
     query = torch.randn(fb.query_index.shape[0], queries, heads, 576, generator=gen)
+    if bf16_queries:
+        query = query.bfloat16().float()
     calls = []
     real = cpu_kernels.paged_mqa
 
@@ -99,15 +104,21 @@ def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
     ops.dense_attention(torch.randn(2, 1, 4, 576), fb, pool, 0.1, 512)
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, "bfloat16 + mixed queries"])
 def test_generated_queries_attend_alike_however_they_are_batched(monkeypatch, pool_dtype):
     """A step of many generated queries per request (a request recomputing its outputs after a migration or a
     preemption) takes the kernel, and each query's output is bit for bit the one it gets alone (its decode):
-    the kernel computes every query on its own."""
+    the kernel computes every query on its own, also where some queries are bf16-valued (their scores by
+    vdpbf16ps over bf16 rows, where the CPU has it) and others are not."""
+    mixed = pool_dtype == "bfloat16 + mixed queries"
+    pool_dtype = torch.bfloat16 if mixed else pool_dtype
     gen = torch.Generator().manual_seed(6)
     fb, num_blocks = _batch([40, 60], 12, gen)
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen).to(pool_dtype)
     query = torch.randn(2, 12, 4, 576, generator=gen).to(pool_dtype)
+    if mixed:  # fp32 queries, every other one off the bf16 grid in one value
+        query = query.float()
+        query[:, ::2, 1, 7] += 2.0**-12
     calls = []
     kernel = cpu_kernels.paged_mqa
     monkeypatch.setattr(cpu_kernels, "paged_mqa", lambda *a, **k: calls.append(1) or kernel(*a, **k))
@@ -117,7 +128,7 @@ def test_generated_queries_attend_alike_however_they_are_batched(monkeypatch, po
     requests, counts = fb.query_rows
     for i in range(24):
         alone = kernel(flat[i : i + 1], pool, fb.block_tables, BLOCK, requests[i : i + 1], counts[i : i + 1], 0.1, 512)
-        assert torch.equal(together.reshape(24, 4, 512)[i], alone[0].to(pool_dtype))
+        assert torch.equal(together.reshape(24, 4, 512)[i], alone[0].to(query.dtype))
 
 
 def test_positions_and_slots_are_checked():
