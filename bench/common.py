@@ -16,13 +16,14 @@ if str(ROOT) not in sys.path:
 
 def kernels_used() -> str:
     """Which instruction sets the built CPU kernels multiply with on this machine (a bench prints it under its
-    tables): the indexer's dot products and the W8A8 int8 kernels."""
+    tables): the bf16 dot products (indexer, bf16 attention scores and experts) and the W8A8 int8 kernels."""
     from shared.model import cpu_kernels, int8_kernels
 
     if cpu_kernels.library() is None:
         return "CPU kernels: off (portable torch path)"
-    dots = "vdpbf16ps (AVX512-BF16) for bf16 values, FMA otherwise" if cpu_kernels.index_dots_in_bf16() else "FMA"
-    return f"CPU kernels: indexer dots {dots}; W8A8 int8 {int8_kernels.isa() or 'off'}"
+    dots = "vdpbf16ps (AVX512-BF16) for bf16 values, FMA otherwise" if cpu_kernels.bf16_dots() else "FMA"
+    return (f"CPU kernels: dots (indexer, bf16 attention scores and experts) {dots}; "
+            f"W8A8 int8 {int8_kernels.isa() or 'off'}")
 
 
 def best_seconds(fn, rounds: int) -> float:

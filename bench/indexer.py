@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(["keys", "heads", "context", "bf16 dots ms", "GFLOP/s", "FMA ms", "GFLOP/s", "speedup"], rows))
     print(MachineLimits.measure().describe())
     print(kernels_used())
-    if not cpu_kernels.index_dots_in_bf16():
+    if not cpu_kernels.bf16_dots():
         print("(this build has no vdpbf16ps: both columns are the fused multiply-adds)")
     png = bar_plot(OUT / "indexer.png", "indexer scores: bf16 dots vs FMA", labels, series, "GFLOP/s")
     print(f"plot: {png}")

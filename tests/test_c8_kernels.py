@@ -277,7 +277,7 @@ def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(build_for, keys
     for arch in (None, "haswell", "x86-64"):
         build_for(arch)
         if arch is None and "avx512_bf16" in open("/proc/cpuinfo").read():
-            assert cpu_kernels.index_dots_in_bf16()  # this CPU: the vdpbf16ps path is built and runs
+            assert cpu_kernels.bf16_dots()  # this CPU: the vdpbf16ps path is built and runs
         got = cpu_kernels.index_scores(q, w, pool, codec, fb.block_tables, BLOCK, fb.token_request, counts,
                                        columns, 0.09)
         results[arch] = got

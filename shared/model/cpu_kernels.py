@@ -153,8 +153,8 @@ def _build() -> ctypes.CDLL | None:
     lib.index_keys.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, ptr, ptr,
                                i64, ctypes.c_float, ptr, ctypes.c_int32]
     lib.index_keys.restype = ctypes.c_int32
-    lib.index_dots_bf16.argtypes = []
-    lib.index_dots_bf16.restype = ctypes.c_int32
+    lib.dots_bf16.argtypes = []
+    lib.dots_bf16.restype = ctypes.c_int32
     lib.topk_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int32]
     lib.topk_rows.restype = None
     f32, i32 = ctypes.c_float, ctypes.c_int32
@@ -358,10 +358,12 @@ def index_scores(query: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor,
     return out
 
 
-def index_dots_in_bf16() -> bool:
-    """Whether the built kernels score the indexer's bf16-exact values by AVX512-BF16 dot products (the same
-    bits as their fused multiply-adds, faster): built for a CPU with that instruction set."""
-    return library() is not None and bool(library().index_dots_bf16())
+def bf16_dots() -> bool:
+    """Whether the built kernels multiply bf16 values by AVX512-BF16 dot products (built for a CPU with that
+    instruction set): the indexer's bf16-exact values (the same bits as their fused multiply-adds, faster), a bf16
+    query's attention scores over bf16 rows and a bf16 model's experts' gate / up products (their sums in pairs:
+    to fp32 rounding of the fused multiply-adds')."""
+    return library() is not None and bool(library().dots_bf16())
 
 
 def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

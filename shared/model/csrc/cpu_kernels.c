@@ -648,8 +648,9 @@ pair_dots_bf16(const uint32_t *q, const uint32_t *keys, int64_t dp, v8 acc[IH][I
 }
 #endif
 
-/* Whether this build computes the indexer's exact dots by vdpbf16ps (else by fused multiply-adds alone). */
-int32_t index_dots_bf16(void) { return HAVE_DPBF16; }
+/* Whether this build has vdpbf16ps: the indexer's exact dots, a bf16 query's attention scores over bf16 rows and
+   a bf16 model's experts' gate / up products take it (else fused multiply-adds alone). */
+int32_t dots_bf16(void) { return HAVE_DPBF16; }
 
 /* out[i, t] = sum_h w[i, h] * relu(dot(q[i, h], key_t) * key_scale_t * scale) for the positions t < counts[i]
    of table row slot_row[i] (key_t: row tables[row, t / bs] * bs + t % bs of the pool, rows `row_stride` bytes
@@ -973,6 +974,46 @@ static void expert_gemm(const void *w, int w_bf16, int64_t rows, int64_t cols, c
     }
 }
 
+#if HAVE_DPBF16
+/* expert_gemm for bf16 inputs (bf16 bits, in_ld apart) and bf16 weights by vdpbf16ps: each output's products in
+   pairs as stored (lane l of a 16-dim block: dims 2l, 2l + 1), the lanes summed as sum4 does. Two weight rows by
+   four picks a pass, the last 1-3 picks padded with copies of one: every output the same sum whichever pass
+   computes it. cols % 16 == 0. */
+static void expert_gemm_bf16(const uint16_t *w, int64_t rows, int64_t cols, const int64_t *order,
+                             const int64_t *start, const int64_t *active, int64_t num_active, const uint16_t *in,
+                             int64_t in_ld, float *out, int64_t out_ld, int threads) {
+    int64_t blocks = (rows + RB - 1) / RB;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_active * blocks; t++) {
+        int64_t e = active[t / blocks], r0 = (t % blocks) * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
+        for (int64_t r = r0; r < r1; r += 2) {  /* two weight rows (an odd last one twice) */
+            const uint16_t *w0 = w + (e * rows + r) * cols, *w1 = w + (e * rows + (r + 1 < r1 ? r + 1 : r)) * cols;
+            for (int64_t k = start[e], end = start[e + 1]; k < end; k += 4) {
+                const uint16_t *x[4];
+                for (int q = 0; q < 4; q++) x[q] = in + order[k + q < end ? k + q : end - 1] * in_ld;
+                __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+                       a13 = a00;
+                for (int64_t d = 0; d < cols; d += 2 * DW) {
+#define BF16S(p) ((__m256bh)_mm256_loadu_si256((const __m256i *)(p)))
+                    __m256bh v0 = BF16S(w0 + d), v1 = BF16S(w1 + d);
+                    __m256bh x0 = BF16S(x[0] + d), x1 = BF16S(x[1] + d), x2 = BF16S(x[2] + d), x3 = BF16S(x[3] + d);
+#undef BF16S
+                    a00 = _mm256_dpbf16_ps(a00, v0, x0); a01 = _mm256_dpbf16_ps(a01, v0, x1);
+                    a02 = _mm256_dpbf16_ps(a02, v0, x2); a03 = _mm256_dpbf16_ps(a03, v0, x3);
+                    a10 = _mm256_dpbf16_ps(a10, v1, x0); a11 = _mm256_dpbf16_ps(a11, v1, x1);
+                    a12 = _mm256_dpbf16_ps(a12, v1, x2); a13 = _mm256_dpbf16_ps(a13, v1, x3);
+                }
+                v4 s0 = sum4((v8)a00, (v8)a01, (v8)a02, (v8)a03), s1 = sum4((v8)a10, (v8)a11, (v8)a12, (v8)a13);
+                for (int q = 0; q < 4 && k + q < end; q++) {
+                    out[order[k + q] * out_ld + r] = s0[q];
+                    if (r + 1 < r1) out[order[k + q] * out_ld + r + 1] = s1[q];
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* The shared expert, as layers.MLP computes it in a bf16 model when round_out (every linear's output and
    every elementwise result rounded to bf16): adds round(down . (round(silu(round(gate . x))) * round(up . x)))
    to y. gate/up [I, D], down [D, I]. */
@@ -1026,6 +1067,18 @@ static void experts_sum(const float *x, int64_t n, int64_t dim, const int64_t *i
     free(fill);
     float *gu = xmalloc(sizeof(float) * (valid + 1) * 2 * inter), *act = xmalloc(sizeof(float) * (valid + 1) * inter);
     float *o = xmalloc(sizeof(float) * (valid + 1) * dim);
+#if HAVE_DPBF16
+    if (w_bf16 && round_out && dim % (2 * DW) == 0) {  /* a bf16 model's rows (bf16 values) and weights */
+        uint16_t *xb = xmalloc(sizeof(uint16_t) * (valid + 1) * dim);
+        for (int64_t e = 0; e < valid * dim; e++) {
+            uint32_t u;
+            memcpy(&u, xs + e, sizeof u);
+            xb[e] = (uint16_t)(u >> 16);
+        }
+        expert_gemm_bf16(gate_up, 2 * inter, dim, order, start, active, num_active, xb, dim, gu, 2 * inter, threads);
+        free(xb);
+    } else
+#endif
     expert_gemm(gate_up, w_bf16, 2 * inter, dim, order, start, active, num_active, xs, dim, gu, 2 * inter, threads);
     for (int64_t v = 0; v < valid; v++)
         for (int64_t c = 0; c < inter; c++) {
