@@ -491,16 +491,22 @@ def test_c8_engine_tokens_match_the_portable_c8_path(tmp_path, monkeypatch):
 
 def test_topk_rows_is_a_stable_descending_sort_prefix():
     """The indexer's top-k in C: the first k of a stable descending sort (ties, many exact zeros, to the earliest
-    position), -inf ranked last and not valid, rows narrower than k padded with invalid picks."""
+    position), -inf ranked last and not valid, rows narrower than k padded with invalid picks; in rows under
+    1,024 keys (a quickselect) and wider ones (a radix select, thousands of equal scores among them)."""
     gen = torch.Generator().manual_seed(17)
     scores = torch.relu(torch.randn(6, 300, generator=gen)).round(decimals=1)  # many ties, zeros among them
     scores[1, 50:] = float("-inf")
     scores[2] = 0.0
     scores[3, ::7] = -0.0
-    for k in (1, 64, 299, 300):
-        picks, valid = cpu_kernels.topk_rows(scores, k)
-        best, order = scores.sort(dim=-1, descending=True, stable=True)
-        assert torch.equal(picks, order[:, :k]) and torch.equal(valid, torch.isfinite(best[:, :k]))
+    wide = torch.relu(torch.randn(4, 5000, generator=gen)).round(decimals=1)
+    wide[1, ::3] = float("-inf")
+    wide[2, 100:] = 0.5
+    wide[3, ::2] = -0.0
+    for rows, ks in ((scores, (1, 64, 299, 300)), (wide, (1, 2048, 4000, 4999))):
+        for k in ks:
+            picks, valid = cpu_kernels.topk_rows(rows, k)
+            best, order = rows.sort(dim=-1, descending=True, stable=True)
+            assert torch.equal(picks, order[:, :k]) and torch.equal(valid, torch.isfinite(best[:, :k]))
     picks, valid = cpu_kernels.topk_rows(scores[:, :40], 64)
     best, order = scores[:, :40].sort(dim=-1, descending=True, stable=True)
     assert torch.equal(picks[:, :40], order) and torch.equal(valid[:, :40], torch.isfinite(best))
