@@ -185,6 +185,7 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
              int64_t num_slots, const int64_t *trow, int64_t bs, const uint8_t *mrow, int64_t count, float scale,
              int64_t out_dim, float *acc, float *mx, float *sum, float *score, float *scaled, const void **tiles,
              int32_t *bad, const int kind) {
+    (void)qb;  /* read where the build has vdpbf16ps */
     int cur = 0;
     int used = tile_rows(pool, fmt, row_stride, num_slots, trow, bs, mrow, 0, count, tiles, bad);
     for (int f = 0; f < AHEAD && f < used; f++) prefetch_row(tiles[f], fmt->bytes);
@@ -979,18 +980,58 @@ static void route(const float *x, int64_t dim, const void *gate_w, int w_bf16, c
     for (int64_t j = 0; j < top_k; j++) wts[j] = (norm ? wts[j] / (total + 1e-20f) : wts[j]) * scaling;
 }
 
+#if HAVE_DPBF16
+/* out[q, r], out[q, r + 1] (r + 1 where two_rows) = weight rows w0, w1 . in[q] for the picks order[k0 .. k1) by
+   vdpbf16ps, inputs as bf16 bits (in_ld apart) and bf16 weights: each output's products in pairs as stored (lane
+   l of a 16-dim block: dims 2l, 2l + 1), the lanes summed as sum4 does. Four picks a pass, the last 1-3 padded
+   with copies of one: every output the same sum whichever pass computes it. cols % 16 == 0. */
+static void picks_bf16(const uint16_t *w0, const uint16_t *w1, int two_rows, int64_t r, int64_t cols,
+                       const int64_t *order, int64_t k0, int64_t k1, const uint16_t *in, int64_t in_ld, float *out,
+                       int64_t out_ld) {
+    for (int64_t k = k0; k < k1; k += 4) {
+        const uint16_t *x[4];
+        for (int q = 0; q < 4; q++) x[q] = in + order[k + q < k1 ? k + q : k1 - 1] * in_ld;
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+        for (int64_t d = 0; d < cols; d += 2 * DW) {
+#define BF16S(p) ((__m256bh)_mm256_loadu_si256((const __m256i *)(p)))
+            __m256bh v0 = BF16S(w0 + d), v1 = BF16S(w1 + d);
+            __m256bh x0 = BF16S(x[0] + d), x1 = BF16S(x[1] + d), x2 = BF16S(x[2] + d), x3 = BF16S(x[3] + d);
+#undef BF16S
+            a00 = _mm256_dpbf16_ps(a00, v0, x0); a01 = _mm256_dpbf16_ps(a01, v0, x1);
+            a02 = _mm256_dpbf16_ps(a02, v0, x2); a03 = _mm256_dpbf16_ps(a03, v0, x3);
+            a10 = _mm256_dpbf16_ps(a10, v1, x0); a11 = _mm256_dpbf16_ps(a11, v1, x1);
+            a12 = _mm256_dpbf16_ps(a12, v1, x2); a13 = _mm256_dpbf16_ps(a13, v1, x3);
+        }
+        v4 s0 = sum4((v8)a00, (v8)a01, (v8)a02, (v8)a03), s1 = sum4((v8)a10, (v8)a11, (v8)a12, (v8)a13);
+        for (int q = 0; q < 4 && k + q < k1; q++) {
+            out[order[k + q] * out_ld + r] = s0[q];
+            if (two_rows) out[order[k + q] * out_ld + r + 1] = s1[q];
+        }
+    }
+}
+#endif
+
 /* out[q, r] = W[e, r, :] . in[q, :] for the picks q of expert e (rows of W in blocks of RB): each
-   weight row is read once for all the picks that use it. W fp32, or bf16 with w_bf16 (the same sums). */
+   weight row is read once for all the picks that use it. W fp32, or bf16 with w_bf16 (the same sums); with
+   in_bf16 (the inputs as bf16 bits, in_ld apart: a bf16 model's rows) and bf16 weights, by picks_bf16. */
 #define RB 16
 static void expert_gemm(const void *w, int w_bf16, int64_t rows, int64_t cols, const int64_t *order,
                         const int64_t *start, const int64_t *active, int64_t num_active, const float *in,
-                        int64_t in_ld, float *out, int64_t out_ld, int threads) {
+                        const uint16_t *in_bf16, int64_t in_ld, float *out, int64_t out_ld, int threads) {
+    (void)in_bf16;  /* read where the build has vdpbf16ps */
     int64_t blocks = (rows + RB - 1) / RB;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < num_active * blocks; t++) {
         int64_t e = active[t / blocks], r0 = (t % blocks) * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
         for (int64_t r = r0; r < r1; r += 2) {  /* two weight rows (an odd last one twice) by four picks */
             int64_t off[2] = {(e * rows + r) * cols, (e * rows + (r + 1 < r1 ? r + 1 : r)) * cols};
+#if HAVE_DPBF16
+            if (in_bf16 && w_bf16) {
+                picks_bf16((const uint16_t *)w + off[0], (const uint16_t *)w + off[1], r + 1 < r1, r, cols, order,
+                           start[e], start[e + 1], in_bf16, in_ld, out, out_ld);
+                continue;
+            }
+#endif
             int64_t k = start[e];
             for (; k + 4 <= start[e + 1] && cols % DW == 0; k += 4) {
                 const float *x[4];
@@ -1008,46 +1049,6 @@ static void expert_gemm(const void *w, int w_bf16, int64_t rows, int64_t cols, c
     }
 }
 
-#if HAVE_DPBF16
-/* expert_gemm for bf16 inputs (bf16 bits, in_ld apart) and bf16 weights by vdpbf16ps: each output's products in
-   pairs as stored (lane l of a 16-dim block: dims 2l, 2l + 1), the lanes summed as sum4 does. Two weight rows by
-   four picks a pass, the last 1-3 picks padded with copies of one: every output the same sum whichever pass
-   computes it. cols % 16 == 0. */
-static void expert_gemm_bf16(const uint16_t *w, int64_t rows, int64_t cols, const int64_t *order,
-                             const int64_t *start, const int64_t *active, int64_t num_active, const uint16_t *in,
-                             int64_t in_ld, float *out, int64_t out_ld, int threads) {
-    int64_t blocks = (rows + RB - 1) / RB;
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t t = 0; t < num_active * blocks; t++) {
-        int64_t e = active[t / blocks], r0 = (t % blocks) * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
-        for (int64_t r = r0; r < r1; r += 2) {  /* two weight rows (an odd last one twice) */
-            const uint16_t *w0 = w + (e * rows + r) * cols, *w1 = w + (e * rows + (r + 1 < r1 ? r + 1 : r)) * cols;
-            for (int64_t k = start[e], end = start[e + 1]; k < end; k += 4) {
-                const uint16_t *x[4];
-                for (int q = 0; q < 4; q++) x[q] = in + order[k + q < end ? k + q : end - 1] * in_ld;
-                __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
-                       a13 = a00;
-                for (int64_t d = 0; d < cols; d += 2 * DW) {
-#define BF16S(p) ((__m256bh)_mm256_loadu_si256((const __m256i *)(p)))
-                    __m256bh v0 = BF16S(w0 + d), v1 = BF16S(w1 + d);
-                    __m256bh x0 = BF16S(x[0] + d), x1 = BF16S(x[1] + d), x2 = BF16S(x[2] + d), x3 = BF16S(x[3] + d);
-#undef BF16S
-                    a00 = _mm256_dpbf16_ps(a00, v0, x0); a01 = _mm256_dpbf16_ps(a01, v0, x1);
-                    a02 = _mm256_dpbf16_ps(a02, v0, x2); a03 = _mm256_dpbf16_ps(a03, v0, x3);
-                    a10 = _mm256_dpbf16_ps(a10, v1, x0); a11 = _mm256_dpbf16_ps(a11, v1, x1);
-                    a12 = _mm256_dpbf16_ps(a12, v1, x2); a13 = _mm256_dpbf16_ps(a13, v1, x3);
-                }
-                v4 s0 = sum4((v8)a00, (v8)a01, (v8)a02, (v8)a03), s1 = sum4((v8)a10, (v8)a11, (v8)a12, (v8)a13);
-                for (int q = 0; q < 4 && k + q < end; q++) {
-                    out[order[k + q] * out_ld + r] = s0[q];
-                    if (r + 1 < r1) out[order[k + q] * out_ld + r + 1] = s1[q];
-                }
-            }
-        }
-    }
-}
-#endif
-
 /* The shared expert, as layers.MLP computes it in a bf16 model when round_out (every linear's output and
    every elementwise result rounded to bf16): adds round(down . (round(silu(round(gate . x))) * round(up . x)))
    to y. gate/up [I, D], down [D, I]. */
@@ -1057,14 +1058,14 @@ static void shared_expert(const float *x, int64_t n, int64_t dim, const float *g
     float *o = xmalloc(sizeof(float) * n * dim);
     int64_t *order = xmalloc(sizeof(int64_t) * n), start[2] = {0, n}, active[1] = {0};
     for (int64_t i = 0; i < n; i++) order[i] = i;
-    expert_gemm(gate, 0, inter, dim, order, start, active, 1, x, dim, g, inter, threads);
-    expert_gemm(up, 0, inter, dim, order, start, active, 1, x, dim, u, inter, threads);
+    expert_gemm(gate, 0, inter, dim, order, start, active, 1, x, NULL, dim, g, inter, threads);
+    expert_gemm(up, 0, inter, dim, order, start, active, 1, x, NULL, dim, u, inter, threads);
     for (int64_t k = 0; k < n * inter; k++) {
         float gv = round_out ? round_bf16(g[k]) : g[k], uv = round_out ? round_bf16(u[k]) : u[k];
         float s = gv / (1.f + expf(-gv));
         g[k] = round_out ? round_bf16(round_bf16(s) * uv) : s * uv;
     }
-    expert_gemm(down, 0, dim, inter, order, start, active, 1, g, inter, o, dim, threads);
+    expert_gemm(down, 0, dim, inter, order, start, active, 1, g, NULL, inter, o, dim, threads);
     for (int64_t k = 0; k < n * dim; k++) y[k] += round_out ? round_bf16(o[k]) : o[k];
     free(g); free(u); free(o); free(order);
 }
@@ -1101,25 +1102,24 @@ static void experts_sum(const float *x, int64_t n, int64_t dim, const int64_t *i
     free(fill);
     float *gu = xmalloc(sizeof(float) * (valid + 1) * 2 * inter), *act = xmalloc(sizeof(float) * (valid + 1) * inter);
     float *o = xmalloc(sizeof(float) * (valid + 1) * dim);
-#if HAVE_DPBF16
-    if (w_bf16 && round_out && dim % (2 * DW) == 0) {  /* a bf16 model's rows (bf16 values) and weights */
-        uint16_t *xb = xmalloc(sizeof(uint16_t) * (valid + 1) * dim);
+    uint16_t *xb = NULL;  /* a bf16 model's rows (bf16 values) as bf16, for bf16 weights' vdpbf16ps */
+    if (HAVE_DPBF16 && w_bf16 && round_out && dim % (2 * DW) == 0) {
+        xb = xmalloc(sizeof(uint16_t) * (valid + 1) * dim);
         for (int64_t e = 0; e < valid * dim; e++) {
             uint32_t u;
             memcpy(&u, xs + e, sizeof u);
             xb[e] = (uint16_t)(u >> 16);
         }
-        expert_gemm_bf16(gate_up, 2 * inter, dim, order, start, active, num_active, xb, dim, gu, 2 * inter, threads);
-        free(xb);
-    } else
-#endif
-    expert_gemm(gate_up, w_bf16, 2 * inter, dim, order, start, active, num_active, xs, dim, gu, 2 * inter, threads);
+    }
+    expert_gemm(gate_up, w_bf16, 2 * inter, dim, order, start, active, num_active, xs, xb, dim, gu, 2 * inter,
+                threads);
+    free(xb);
     for (int64_t v = 0; v < valid; v++)
         for (int64_t c = 0; c < inter; c++) {
             float g = gu[v * 2 * inter + c];
             act[v * inter + c] = g / (1.f + expf(-g)) * gu[v * 2 * inter + inter + c];
         }
-    expert_gemm(down, w_bf16, dim, inter, order, start, active, num_active, act, inter, o, dim, threads);
+    expert_gemm(down, w_bf16, dim, inter, order, start, active, num_active, act, NULL, inter, o, dim, threads);
     for (int64_t i = 0; i < n; i++)
         for (int64_t d = 0; d < dim; d++) {
             float acc = 0.f;
