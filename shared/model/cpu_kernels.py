@@ -593,17 +593,20 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> boo
 def index_key_write(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, codec: RowCodec | None) -> bool:
     """C8 indexer keys in one call: row i of keys [N, D] (bf16/fp32) encoded as codec.encode does (an
     Fp8KeyRows: FP8 e4m3 bytes | fp32 scale; the same bytes) and written at pool slot slots[i] (pool
-    [blocks, block_size, codec.width] bytes). False (nothing written) where it does not apply."""
+    [blocks, block_size, codec.width] bytes). False (nothing written) where it does not apply (keys of a dim that
+    is not a multiple of 8 among them)."""
     bf16 = _BF16_FLAG.get(keys.dtype)
     if (bf16 is None or not isinstance(codec, Fp8KeyRows) or keys.dim() != 2 or keys.shape[1] != codec.dim
+            or codec.dim % 8
             or pool.dtype != torch.uint8 or pool.shape[-1] != codec.width or not pool.is_contiguous()
             or slots.shape != (keys.shape[0],) or slots.dtype != torch.int64 or not _runnable(keys, pool)):
         return False
     keys, slots = keys.contiguous(), slots.contiguous()
-    if library().index_key_write_fp8(keys.data_ptr(), bf16, keys.shape[0], codec.dim, pool.data_ptr(), codec.width,
-                                     pool.numel() // codec.width, slots.data_ptr()):
+    status = library().index_key_write_fp8(keys.data_ptr(), bf16, keys.shape[0], codec.dim, pool.data_ptr(),
+                                           codec.width, pool.numel() // codec.width, slots.data_ptr())
+    if status == 1:
         raise ValueError("index_key_write: a slot is outside the key pool")
-    return True
+    return status == 0
 
 
 def mla_kv_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

@@ -1259,17 +1259,6 @@ void rope(const void *x, int64_t xs_row, int64_t xs_head, void *y, int64_t ys_ro
 
 /* ---- The lightning indexer's query and key rows: rope, Hadamard rotation, FP8 (ue8m0) fake quantization ---- */
 
-/* v rounded to FP8 e4m3 (round to nearest even, |v| <= 448: the caller clamps), back as fp32: 3 mantissa bits
-   for normals (|v| >= 2^-6), multiples of 2^-9 below; torch's .to(float8_e4m3fn) then .float(). */
-static inline float e4m3_round(float v) {
-    if (fabsf(v) < 0x1p-6f) return nearbyintf(v * 512.f) * 0x1p-9f;  /* subnormals: default rounding is RNE */
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    u = (u + 0x7ffffu + ((u >> 20) & 1u)) & ~0xfffffu;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
-
 /* DeepSeek's ue8m0 scale of a block whose largest magnitude is amax: 2^ceil(log2(max(amax, 1e-4) / 448)), the
    ceiling taken exactly (amax / 448 = m * 2^e with m in [0.5, 1)). */
 static inline float ue8m0_scale(float amax) {
@@ -1278,14 +1267,10 @@ static inline float ue8m0_scale(float amax) {
     return ldexpf(1.f, m == 0.5f ? e - 1 : e);
 }
 
-/* x / scale clamped to +-448 and rounded to FP8 e4m3 (as fp32): act_quant_ue8m0's value before its scale. */
-static inline float e4m3_scaled(float x, float scale) {
-    float v = x / scale;
-    return e4m3_round(v > 448.f ? 448.f : v < -448.f ? -448.f : v);
-}
-
-/* e4m3_scaled(x, scale) of each lane: the same division, clamp and rounding (nearbyintf's round to nearest even
-   for the subnormals, the sign of a zero kept). */
+/* x / scale clamped to +-448 and rounded to FP8 e4m3 (round to nearest even), back as fp32, eight lanes at a time:
+   act_quant_ue8m0's value before its scale, torch's .to(float8_e4m3fn).float(). Normals (|v| >= 2^-6) keep 3
+   mantissa bits (rounded in the bits), subnormals are multiples of 2^-9 (nearbyintf's rounding, the sign of a zero
+   kept). */
 static inline v8 e4m3_scaled8(v8 x, float scale) {
     v8 v = x / splat(scale);
     v = vsel(v > splat(448.f), splat(448.f), vsel(v < splat(-448.f), splat(-448.f), v));
@@ -1298,6 +1283,19 @@ static inline v8 e4m3_scaled8(v8 x, float scale) {
     v8ui u = (v8ui)v, normal = (u + 0x7ffffu + ((u >> 20) & 1u)) & ~0xfffffu;
     v8 mag = (v8)((v8ui)v & 0x7fffffffu);
     return vsel(mag < splat(0x1p-6f), whole * splat(0x1p-9f), (v8)normal);
+}
+
+/* The largest magnitude of n values (n % DW == 0), as a scalar loop of |v| > amax ? |v| : amax takes it (NaN
+   skipped, 0 for none): lane by lane, then over the lanes (the maximum does not depend on the order). */
+static inline float amax8(const float *row, int64_t n) {
+    v8 top = splat(0.f);
+    for (int64_t d = 0; d < n; d += DW) {
+        v8 mag = (v8)((v8ui)LOAD(row + d) & 0x7fffffffu);
+        top = vsel(mag > top, mag, top);
+    }
+    float amax = 0.f;
+    for (int e = 0; e < DW; e++) amax = top[e] > amax ? top[e] : amax;
+    return amax;
 }
 
 /* One step of the fast Walsh-Hadamard transform (Sylvester order: H = [[H, H], [H, -H]]) on a row of dim fp32
@@ -1363,14 +1361,7 @@ int32_t index_rows(const void *x, int64_t xs_row, int64_t xs_head, int32_t bf16,
                     STORE(row + d, bf16 ? round_bf16x8(v) : v);
                 }
                 for (int64_t b = 0; b < dim; b += block) {
-                    v8 top = splat(0.f);  /* per lane as the scalar loop: |v| > amax ? |v| : amax (NaN skipped) */
-                    for (int64_t d = b; d < b + block; d += DW) {
-                        v8 mag = (v8)((v8ui)LOAD(row + d) & 0x7fffffffu);
-                        top = vsel(mag > top, mag, top);
-                    }
-                    float amax = 0.f;
-                    for (int e = 0; e < DW; e++) amax = top[e] > amax ? top[e] : amax;
-                    float scale = ue8m0_scale(amax);
+                    float scale = ue8m0_scale(amax8(row + b, block));
                     for (int64_t d = b; d < b + block; d += DW)
                         STORE(row + d, e4m3_scaled8(LOAD(row + d), scale) * splat(scale));
                 }
@@ -1385,30 +1376,32 @@ int32_t index_rows(const void *x, int64_t xs_row, int64_t xs_head, int32_t bf16,
 /* C8 indexer keys (shared.kvcache.layout.Fp8KeyRows): row i of x [n, dim] (bf16 or fp32) stored at pool slot
    slots[i] (rows of `width` bytes) as FP8 e4m3 bytes | its fp32 scale, as Fp8KeyRows.encode (act_quant_ue8m0,
    one block per row): s = 2^ceil(log2(max(amax, 1e-4) / 448)) (the ceiling taken exactly), q = e4m3(clamp(x / s,
-   +-448)) rounded to nearest even. Returns 1 if a slot is outside the pool (that row is not written). */
+   +-448)) rounded to nearest even, eight values at a time. Returns 1 if a slot is outside the pool (that row is not
+   written), 2 where dim is not a multiple of 8 (nothing written). */
 int32_t index_key_write_fp8(const void *x, int32_t bf16, int64_t n, int64_t dim, uint8_t *pool, int64_t width,
                             int64_t num_slots, const int64_t *slots) {
+    if (dim <= 0 || dim % DW) return 2;
     int32_t bad = 0;
+    float *row = xmalloc(sizeof(float) * dim);
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) { bad = 1; continue; }
-        float amax = 0.f;
-        for (int64_t d = 0; d < dim; d++) {
-            float a = fabsf(widen(x, bf16, i * dim + d));
-            amax = a > amax ? a : amax;
-        }
-        float scale = ue8m0_scale(amax);
+        for (int64_t d = 0; d < dim; d += DW) STORE(row + d, wload(x, bf16, i * dim + d));
+        float scale = ue8m0_scale(amax8(row, dim));
         uint8_t *dst = pool + slots[i] * width;
-        for (int64_t d = 0; d < dim; d++) {
-            float v = e4m3_scaled(widen(x, bf16, i * dim + d), scale);
-            uint32_t u;
-            memcpy(&u, &v, sizeof u);
-            float a = fabsf(v);
-            uint8_t mag = a >= 0x1p-6f ? (uint8_t)(((((u >> 23) & 0xff) - 120) << 3) | ((u >> 20) & 7))
-                                       : (uint8_t)(a * 512.f);  /* subnormal: multiples of 2^-9 */
-            dst[d] = (uint8_t)(mag | (u >> 31) << 7);
+        for (int64_t d0 = 0; d0 < dim; d0 += DW) {
+            v8 q = e4m3_scaled8(LOAD(row + d0), scale);
+            for (int e = 0; e < DW; e++) {
+                float v = q[e], a = fabsf(v);
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                uint8_t mag = a >= 0x1p-6f ? (uint8_t)(((((u >> 23) & 0xff) - 120) << 3) | ((u >> 20) & 7))
+                                           : (uint8_t)(a * 512.f);  /* subnormal: multiples of 2^-9 */
+                dst[d0 + e] = (uint8_t)(mag | (u >> 31) << 7);
+            }
         }
         memcpy(dst + dim, &scale, sizeof scale);
     }
+    free(row);
     return bad;
 }
 
