@@ -1091,27 +1091,28 @@ static void experts_sum(const float *x, int64_t n, int64_t dim, const int64_t *i
     memcpy(fill, start, sizeof(int64_t) * experts);
     /* the gemms address inputs by slot: a valid pick p gets slot[p], whose input row is x[p / top_k] */
     int64_t *slot = xmalloc(sizeof(int64_t) * (picks + 1));
-    float *xs = xmalloc(sizeof(float) * (valid + 1) * dim);
+    /* the slots' input rows: a bf16 model's rows (bf16 values) as bf16 for bf16 weights' vdpbf16ps, else fp32 */
+    const int dots = HAVE_DPBF16 && w_bf16 && round_out && dim % (2 * DW) == 0;
+    float *xs = dots ? NULL : xmalloc(sizeof(float) * (valid + 1) * dim);
+    uint16_t *xb = dots ? xmalloc(sizeof(uint16_t) * (valid + 1) * dim) : NULL;
     for (int64_t p = 0, v = 0; p < picks; p++) {
         slot[p] = -1;
         if (ids[p] < 0 || ids[p] >= experts) continue;
         slot[p] = v;
         order[fill[ids[p]]++] = v;
-        memcpy(xs + v * dim, x + (p / top_k) * dim, sizeof(float) * dim);
+        const float *row = x + (p / top_k) * dim;
+        if (dots)
+            for (int64_t d = 0; d < dim; d += DW) {
+                v8h h = __builtin_convertvector((v8ui)LOAD(row + d) >> 16, v8h);
+                memcpy(xb + v * dim + d, &h, sizeof h);
+            }
+        else
+            memcpy(xs + v * dim, row, sizeof(float) * dim);
         v++;
     }
     free(fill);
     float *gu = xmalloc(sizeof(float) * (valid + 1) * 2 * inter), *act = xmalloc(sizeof(float) * (valid + 1) * inter);
     float *o = xmalloc(sizeof(float) * (valid + 1) * dim);
-    uint16_t *xb = NULL;  /* a bf16 model's rows (bf16 values) as bf16, for bf16 weights' vdpbf16ps */
-    if (HAVE_DPBF16 && w_bf16 && round_out && dim % (2 * DW) == 0) {
-        xb = xmalloc(sizeof(uint16_t) * (valid + 1) * dim);
-        for (int64_t e = 0; e < valid * dim; e++) {
-            uint32_t u;
-            memcpy(&u, xs + e, sizeof u);
-            xb[e] = (uint16_t)(u >> 16);
-        }
-    }
     expert_gemm(gate_up, w_bf16, 2 * inter, dim, order, start, active, num_active, xs, xb, dim, gu, 2 * inter,
                 threads);
     free(xb);
