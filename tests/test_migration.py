@@ -132,7 +132,8 @@ def test_decode_sigterm_drains_at_once(cluster, unfaulted):
     victim = cluster.decode_addrs[0]
     stopped: list[float] = []
 
-    def term() -> None:
+    def term() -> None:  # once the victim runs streams: SIGTERM must hand them back (counted as "drain")
+        wait_for(lambda: load(cluster, victim, "decode").running > 0, timeout=10)
         proc = cluster.process(victim)
         t = time.monotonic()
         proc.send_signal(signal.SIGTERM)
