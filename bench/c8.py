@@ -17,7 +17,9 @@ reading the same prefix blocks find them in cache more often than distinct conte
 rows matter less here than in a real batch; `--distinct` gives every request its own context, prefilled once
 per engine before the timed rounds.) KV bytes per token are the allocated pools'. Greedy, ignore_eos, one torch
 thread by default (a second thread waits on whatever else holds the other core). Prints the machine's GEMM
-rate and copy bandwidth and each run's FLOP and KV bytes per second against them.
+rate and copy bandwidth and each run's FLOP and KV bytes per second against them, and per context the share of
+a bf16 step in attention and the indexer's top-k (one more run each, bench.common.decode_parts) with what C8
+could gain at most were those bound by bytes alone.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, MachineLimits, TokenCost, against_limits, bar_plot, kernels_used, table
+from bench.common import OUT, MachineLimits, TokenCost, against_limits, bar_plot, decode_parts, kernels_used, table
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
 
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     limits = MachineLimits.measure()
     gen = torch.Generator().manual_seed(0)
-    rows, notes = [], []
+    rows, notes, bounds = [], [], []
     plotted: list[str] = []  # contexts, the plot's groups
     series: dict[str, list[float]] = {}  # decode tok/s per KV cache, by context
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,6 +121,15 @@ def main(argv: list[str] | None = None) -> None:
                     runs[name].append(step)
                     print(f"  context {context} round {r + 1}: {name:4s} decode step {step * 1e3:7.2f} ms "
                           f"({args.batch / step:7.1f} tok/s)", flush=True)
+            parts = {name: decode_parts(llm, prompts, args.new_tokens) for name, llm in engines.items()}
+            (bf16_ms, b), c8_ms = parts["bf16"], parts["C8"][0]
+            read = b["sparse attention"] + b["dense attention"] + b["indexer top-k"]
+            ratio = per_token["C8"] / per_token["bf16"]
+            most = bf16_ms / (bf16_ms - (1 - ratio) * read)
+            bounds.append(f"context {context}: attention and the indexer's top-k (what C8 changes) {read:.2f} ms of a "
+                          f"{bf16_ms:.2f} ms bf16 step ({100 * read / bf16_ms:.0f}%); were they bound by bytes alone, "
+                          f"C8's {ratio:.2f}x bytes would make it at most {most:.2f}x bf16 (this run: "
+                          f"{bf16_ms / c8_ms:.2f}x)")
             mode = "dense" if context + args.new_tokens <= args.index_topk else "indexer + sparse"
             for name in engines:
                 tok_s = args.batch / best[name]
@@ -137,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{'distinct contexts' if args.distinct else f'contexts sharing all but {args.tail} tokens'}")
     print(table(["context", "attention", "KV cache", "KV B/token", "vs bf16", "decode step ms", "decode tok/s",
                  "vs bf16", "median round vs bf16"], rows))
+    for bound in bounds:
+        print(bound)
     print(limits.describe())
     print(kernels_used())
     for note in notes:

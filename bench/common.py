@@ -37,6 +37,76 @@ def best_seconds(fn, rounds: int) -> float:
     return best
 
 
+class OpTimes:
+    """Seconds spent in chosen functions while active, each exclusive of the other chosen functions it calls:
+    where a step's time goes, at the cost of one timer per chosen call (a profiler would slow every call).
+    `targets`: label → (module or object, attribute name); the attributes are replaced on entry, restored on
+    exit."""
+
+    def __init__(self, targets: dict[str, tuple[object, str]]):
+        self.targets = targets
+        self.seconds = dict.fromkeys(targets, 0.0)
+        self._callees: list[float] = []  # per open timed call: seconds inside the timed calls it made
+        self._saved: list[tuple[object, str, object, bool]] = []
+
+    def _timed(self, label: str, fn):
+        def timed(*args, **kwargs):
+            self._callees.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                self.seconds[label] += dt - self._callees.pop()
+                if self._callees:
+                    self._callees[-1] += dt
+        return timed
+
+    def __enter__(self) -> OpTimes:
+        for label, (owner, name) in self.targets.items():
+            own = name in vars(owner)
+            fn = getattr(owner, name)
+            self._saved.append((owner, name, fn, own))
+            setattr(owner, name, self._timed(label, fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, fn, own in reversed(self._saved):
+            if own:
+                setattr(owner, name, fn)
+            else:  # a method found on the class: drop the instance's wrapper
+                delattr(owner, name)
+        self._saved.clear()
+
+
+# where a decode step's time goes: label → the shared.model.ops function timed (decode_parts)
+STEP_PARTS = {"linears (bf16 / fp32)": "linear", "W8A8 linears": "w8a8_linear", "MoE": "moe",
+              "sparse attention": "sparse_attention", "dense attention": "dense_attention",
+              "indexer top-k": "indexer_topk", "absorbed heads": "head_matmul"}
+
+
+def decode_parts(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict[str, float]]:
+    """(ms per decode step, ms per step in each of STEP_PARTS, each exclusive of the others) over one greedy
+    run's decode steps (the steps after every request has its first token) of an LLM."""
+    import shared.model.ops as ops
+    from shared.engine import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [eng.add_request(p, params) for p in prompts]
+    while any(not s.output_token_ids for s in seqs):
+        eng.step()
+    steps, seconds = 0, 0.0
+    with OpTimes({label: (ops, name) for label, name in STEP_PARTS.items()}) as parts:
+        while eng.has_work:
+            t0 = time.perf_counter()
+            eng.step()
+            seconds += time.perf_counter() - t0
+            steps += 1
+    steps = max(steps, 1)
+    return 1e3 * seconds / steps, {k: 1e3 * v / steps for k, v in parts.seconds.items()}
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-quantile of `values` (nearest rank; nan when there are none)."""
     values = sorted(values)

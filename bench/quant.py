@@ -2,7 +2,7 @@
 on a tiny model — and the throughput of W8A8 and C8 vs bf16 on this machine.
 
     python bench/quant.py [--batches 1,16,64] [--prompt-len 64] [--new-tokens 64] [--repeat 3]
-                          [--hidden 1024] [--threads N] [--ep 32] [--context 131072]
+                          [--hidden 1024] [--threads N] [--ep 32] [--context 131072] [--no-breakdown]
 
 1. Analytic, real DeepSeek-V3.2 config (shared.loader.synthetic.REAL_671B, main model without the MTP
    layer): every tensor's shape comes from the model built on the meta device (nothing allocated).
@@ -24,6 +24,11 @@ on a tiny model — and the throughput of W8A8 and C8 vs bf16 on this machine.
    measured); `--threads 0` for torch's default. The 1-minute load average before and after is printed, and
    the instruction set the W8A8 kernels multiply with (AVX-512 VNNI, AVX2 or portable C).
    Prints the tables and saves bench/out/quant.png (quant_h{H}.png with --hidden).
+4. Where a decode step goes (`--no-breakdown` skips it): at the largest batch, each configuration once more
+   (alternating, twice, the faster kept) with timers on the model's ops (bench.common.decode_parts: linears,
+   W8A8 linears, MoE, attention, the indexer's top-k, the absorbed heads, the rest), and from the bf16 step
+   what each option can gain at most: W8A8 with its linears and experts free, C8 with attention and the
+   indexer bound by bytes alone (its KV bytes ratio applied to them).
 """
 
 from __future__ import annotations
@@ -42,7 +47,17 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, ROOT, MachineLimits, TokenCost, against_limits, kernels_used, table
+from bench.common import (
+    OUT,
+    ROOT,
+    STEP_PARTS,
+    MachineLimits,
+    TokenCost,
+    against_limits,
+    decode_parts,
+    kernels_used,
+    table,
+)
 from shared.config import ModelConfig
 from shared.device import compute_dtype
 from shared.engine import LLM, SamplingParams
@@ -196,6 +211,40 @@ def run_once(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float
     return sum(map(len, prompts)) / prefill_s, statistics.median(decode) if decode else 0.0
 
 
+def breakdown(engines: dict[str, LLM], batch: int, prompt_len: int, new_tokens: int, vocab: int
+              ) -> tuple[list[list[object]], list[str]]:
+    """The decode step's parts per configuration (configurations alternating, twice, the faster run kept) and
+    what each option could gain at most: W8A8 rewrites the quantized linears and the experts, C8 what attention
+    and the indexer read."""
+    prompts = torch.randint(2, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(1)).tolist()
+    runs: dict[str, tuple[float, dict[str, float]]] = {}
+    for r in range(2):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            run = decode_parts(engines[name], prompts, new_tokens)
+            if name not in runs or run[0] < runs[name][0]:
+                runs[name] = run
+    rows = []
+    for name, (step, parts) in runs.items():
+        rest = step - sum(parts.values())
+        rows.append([name, f"{step:.2f}", *(f"{ms:.2f} ({100 * ms / step:.0f}%)" for ms in parts.values()),
+                     f"{rest:.2f} ({100 * rest / step:.0f}%)"])
+    (bf16, b), (w8, w) = runs["bf16"], runs["W8A8"]
+    linears = "linears (bf16 / fp32)"
+    touched = b[linears] - w[linears] + b["MoE"]  # W8A8 leaves the other linears (fp32 head, indexer wk) as they are
+    own = w["W8A8 linears"] + w["MoE"]
+    kv_ratio = engines["C8"].engine.layout.bytes_per_token() / engines["bf16"].engine.layout.bytes_per_token()
+    read = b["sparse attention"] + b["dense attention"] + b["indexer top-k"]
+    notes = [
+        f"W8A8 replaces {touched:.2f} ms of the {bf16:.2f} ms bf16 step ({100 * touched / bf16:.0f}%: the quantized "
+        f"linears and the experts). Were they free, W8A8 would decode at most {bf16 / (bf16 - touched):.2f}x bf16; "
+        f"they take {own:.2f} ms in int8 ({touched / own:.2f}x faster than in bf16), and the step "
+        f"{w8:.2f} ms: {bf16 / w8:.2f}x.",
+        f"C8 changes what attention and the indexer's top-k read: {read:.2f} ms of the bf16 step "
+        f"({100 * read / bf16:.0f}%). Were those bound by bytes alone, C8's {kv_ratio:.2f}x bytes would make it at "
+        f"most {bf16 / (bf16 - (1 - kv_ratio) * read):.2f}x bf16; measured here {bf16 / runs['C8'][0]:.2f}x."]
+    return rows, notes
+
+
 def throughput(engines: dict[str, LLM], batches: list[int], prompt_len: int, new_tokens: int, repeat: int,
                vocab: int) -> dict[str, dict[int, tuple[float, float]]]:
     results: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in engines}
@@ -275,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default, one per core)")
     p.add_argument("--ep", type=int, default=32, help="expert-parallel ranks of the per-rank column")
     p.add_argument("--context", type=int, default=131072, help="tokens per request of the KV GiB column")
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the parts of a decode step at the largest batch, and what W8A8 / C8 can gain at most")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.threads:
@@ -306,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         load = _load()
         results = throughput(engines, batches, args.prompt_len, args.new_tokens, args.repeat, vocab)
         load += f" before / {_load()} after"
+        parts = breakdown(engines, batches[-1], args.prompt_len, args.new_tokens, vocab) if args.breakdown else None
         costs = {name: TokenCost.of(llm.engine.model, llm.engine.layout.bytes_per_token())
                  for name, llm in engines.items()}
 
@@ -340,6 +392,12 @@ def main(argv: list[str] | None = None) -> None:
         dec = results[name][batches[-1]][1]
         print(f"  {name} decode at batch {batches[-1]}: "
               f"{against_limits(limits, cost.flop(context) * dec, cost.kv_bytes(context) * dec, 'bfloat16')}")
+    if parts is not None:
+        rows, notes = parts
+        print(f"\n## Where a decode step goes at batch {batches[-1]} (ms per step, each part exclusive of the others; "
+              f"the faster of two runs)")
+        print(table(["config", "step ms", *STEP_PARTS, "rest"], rows))
+        print("\n".join(notes))
     png = plot(OUT / (f"quant_h{args.hidden}.png" if args.hidden else "quant.png"),
                f"{model_name}: {args.prompt_len} → {args.new_tokens} tokens, {_threads()}",
                results, batches)

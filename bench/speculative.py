@@ -11,7 +11,10 @@ configuration once in a rotated order; a configuration's figure is its median ro
 generated tokens after the first over the time after the first token; TPOT is its inverse per request.
 Per configuration: acceptance per draft position and tokens per verification step (the engine's counters,
 this batch size only), ms per step, and `speedup = tokens per step / step cost`, with the step cost
-relative to a plain decode step of the same batch. Prints a table and saves bench/out/speculative.png.
+relative to a plain decode step of the same batch. Then, from one more run of each, the MTP layer's forwards'
+share of a step (catch-up and chained drafts) and what MTP could gain at most were its verification rows
+free: tokens per step x plain step / (plain step + MTP layer). Prints the tables and saves
+bench/out/speculative.png.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, MachineLimits, TokenCost, against_limits, bar_plot, table
+from bench.common import OUT, MachineLimits, OpTimes, TokenCost, against_limits, bar_plot, table
 from shared.engine import LLM, SamplingParams
 from shared.engine.speculative import SpecStats
 
@@ -99,6 +102,15 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Ru
     return Run(count() - first, dt, steps, len(seqs), *full)
 
 
+def mtp_share(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
+    """(ms per decode step, ms per step in the MTP layer's forwards: catch-up and chained drafts) of one run."""
+    model = llm.engine.model
+    with OpTimes({"mtp": (model, "forward_mtp")}) as parts:
+        run = decode_run(llm, prompts, params)
+    steps = max(run.steps, 1)
+    return 1e3 * run.seconds / steps, 1e3 * parts.seconds["mtp"] / steps
+
+
 def _stats_delta(after: SpecStats, before: SpecStats) -> SpecStats:
     return SpecStats([a - b for a, b in zip(after.drafted, before.drafted, strict=True)],
                      [a - b for a, b in zip(after.accepted, before.accepted, strict=True)])
@@ -138,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     names = list(configs)
     vocab = configs["no MTP"].engine.model_config.vocab_size
     rates: dict[str, list[float]] = {name: [] for name in names}
-    rows = []
+    rows, ceilings = [], []
     for b in batches:
         prompts = prompts_for(configs["no MTP"], b, args.prompt_len, vocab)
         runs: dict[str, list[Run]] = {name: [] for name in names}
@@ -164,9 +176,22 @@ def main(argv: list[str] | None = None) -> None:
                 r.completion_rate for r in runs["no MTP"])
             rows.append([b, name, f"{m.rate:.0f}", f"{m.rate / base.rate:.2f}x", f"{to_end:.2f}x", f"{m.tpot_ms:.1f}",
                          f"{m.step_ms:.2f}", acc, f"{per_step:.2f}", f"{cost:.2f}", f"{per_step / cost:.2f}"])
+            if spec is not None:  # the MTP layer's own share: what verification rows for free would still cost
+                plain_ms = mtp_share(configs["no MTP"], prompts, params)[0]
+                step_ms, mtp_ms = mtp_share(configs[name], prompts, params)
+                ceilings.append([b, name, f"{plain_ms:.2f}", f"{step_ms:.2f}", f"{mtp_ms:.2f}",
+                                 f"{step_ms - mtp_ms - plain_ms:.2f}", f"{per_step:.2f}",
+                                 f"{per_step * plain_ms / (plain_ms + mtp_ms):.2f}x"])
     headers = ["batch", "config", "tok/s", "vs plain", "to the end", "TPOT ms", "ms/step", "acceptance per position",
                "tokens/step", "step cost", "tokens/step / cost"]
     print(table(headers, rows))
+    if ceilings:
+        print("\nWhere an MTP step goes (one more run each, whole run: ms per step): the MTP layer's forwards "
+              "(catch-up over the accepted positions, chained drafts) and the verification rows (the step's main "
+              "forward beyond a plain step's). Were the verification rows free, MTP would still pay its own layer: "
+              "at most tokens/step x plain / (plain + MTP layer).")
+        print(table(["batch", "config", "plain step ms", "MTP step ms", "MTP layer ms", "verification rows ms",
+                     "tokens/step", "at most"], ceilings))
     spec = configs[names[-1]].engine.speculator if len(names) > 1 else None
     if spec is not None:
         print(f"drafts per step capped at {spec.max_draft_tokens or 'no cap'} (speculative_max_draft_tokens)")
