@@ -18,7 +18,8 @@ rows matter less here than in a real batch; `--distinct` gives every request its
 per engine before the timed rounds.) KV bytes per token are the allocated pools'. Greedy, ignore_eos, one torch
 thread by default (a second thread waits on whatever else holds the other core). Prints the machine's GEMM
 rate and copy bandwidth and each run's FLOP and KV bytes per second against them, and per context the share of
-a bf16 step in attention and the indexer's top-k (one more run each, bench.common.decode_parts) with what C8
+a bf16 step in attention and the indexer's top-k (two more runs each, alternating, the faster kept:
+bench.common.fastest_parts) with what C8
 could gain at most were those bound by bytes alone.
 """
 
@@ -37,7 +38,17 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, MachineLimits, TokenCost, against_limits, bar_plot, decode_parts, kernels_used, table
+from bench.common import (
+    OUT,
+    MachineLimits,
+    TokenCost,
+    against_limits,
+    bar_plot,
+    fastest_parts,
+    kernels_used,
+    kv_read_bound,
+    table,
+)
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
 
@@ -121,11 +132,10 @@ def main(argv: list[str] | None = None) -> None:
                     runs[name].append(step)
                     print(f"  context {context} round {r + 1}: {name:4s} decode step {step * 1e3:7.2f} ms "
                           f"({args.batch / step:7.1f} tok/s)", flush=True)
-            parts = {name: decode_parts(llm, prompts, args.new_tokens) for name, llm in engines.items()}
+            parts = fastest_parts(engines, prompts, args.new_tokens)
             (bf16_ms, b), c8_ms = parts["bf16"], parts["C8"][0]
-            read = b["sparse attention"] + b["dense attention"] + b["indexer top-k"]
             ratio = per_token["C8"] / per_token["bf16"]
-            most = bf16_ms / (bf16_ms - (1 - ratio) * read)
+            read, most = kv_read_bound(bf16_ms, b, ratio)
             bounds.append(f"context {context}: attention and the indexer's top-k (what C8 changes) {read:.2f} ms of a "
                           f"{bf16_ms:.2f} ms bf16 step ({100 * read / bf16_ms:.0f}%); were they bound by bytes alone, "
                           f"C8's {ratio:.2f}x bytes would make it at most {most:.2f}x bf16 (this run: "

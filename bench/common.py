@@ -107,6 +107,26 @@ def decode_parts(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     return 1e3 * seconds / steps, {k: 1e3 * v / steps for k, v in parts.seconds.items()}
 
 
+def fastest_parts(engines: dict, prompts: list[list[int]], new_tokens: int, runs: int = 2
+                  ) -> dict[str, tuple[float, dict[str, float]]]:
+    """decode_parts of each engine, `runs` times, engines alternating (order reversed every run), the fastest
+    run of each kept: a burst of another process on a shared machine hits one run, not the figure."""
+    best: dict[str, tuple[float, dict[str, float]]] = {}
+    for r in range(runs):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            run = decode_parts(engines[name], prompts, new_tokens)
+            if name not in best or run[0] < best[name][0]:
+                best[name] = run
+    return best
+
+
+def kv_read_bound(step_ms: float, parts: dict[str, float], kv_ratio: float) -> tuple[float, float]:
+    """(ms of a decode step in the parts that read the KV cache: attention and the indexer's top-k; the step's
+    speedup at most were those parts bound by bytes alone and the KV bytes scaled by kv_ratio, e.g. C8's)."""
+    read = parts["sparse attention"] + parts["dense attention"] + parts["indexer top-k"]
+    return read, step_ms / (step_ms - (1 - kv_ratio) * read)
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-quantile of `values` (nearest rank; nan when there are none)."""
     values = sorted(values)
