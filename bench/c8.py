@@ -19,8 +19,7 @@ per engine before the timed rounds.) KV bytes per token are the allocated pools'
 thread by default (a second thread waits on whatever else holds the other core). Prints the machine's GEMM
 rate and copy bandwidth and each run's FLOP and KV bytes per second against them, and per context the share of
 a bf16 step in attention and the indexer's top-k (two more runs each, alternating, the faster kept:
-bench.common.fastest_parts) with what C8
-could gain at most were those bound by bytes alone.
+bench.common.fastest_parts) with what C8 could gain at most were those bound by bytes alone.
 """
 
 from __future__ import annotations
