@@ -4,7 +4,7 @@ decode step time vs context, and the sampler at the real vocabulary.
     python bench/real_shapes.py [--contexts 2048,8192,32768] [--chunk 2048] [--dtype float32]
                                 [--decode-batch 1,16] [--workspace-mb 256] [--threads 1]
                                 [--model-type deepseek_v32|deepseek_v3] [--absorbed-baseline]
-                                [--quantization w8a8]
+                                [--quantization w8a8] [--kv-cache-dtype int8]
 
 Prefill runs the longest prompt once in `--chunk`-token chunks; the time and peak RSS to prefill a
 C-token prompt are those of its first C / chunk chunks (the peak is reset before every chunk through
@@ -13,7 +13,8 @@ prompt_form); `--absorbed-baseline` also runs every chunk with the absorbed form
 prompts past a few hundred tokens took before the expanded form was tiled over keys), alternating which
 goes first, and prints both. deepseek_v32 attends densely up to index_topk (2048) and sparsely beyond;
 deepseek_v3 (no indexer) densely at every length. Decode steps run over KV rows filled with random
-values (a step's cost depends on the context length, not on the values). On CPUs without bf16
+values (a step's cost depends on the context length, not on the values), stored as `--kv-cache-dtype` says
+(int8: C8, encoded by its codecs). On CPUs without bf16
 arithmetic use float32 (the default): bf16 matmuls are emulated there and 10-250x slower. `--quantization
 w8a8` gives the layer W8A8 linears (random int8 weights; int8 x int8 -> int32 kernels) to compare with
 `--dtype bfloat16`.
@@ -110,13 +111,27 @@ def prefill_flop(cfg, cost: TokenCost, tokens: int, chunk: int) -> float:
     return total
 
 
-def decode(model, cfg, contexts: list[int], batches: list[int], workspace: int, steps: int = 3) -> list[list]:
+def fill_rows(kv: KVCache, gen: torch.Generator, distinct: int = 4096) -> None:
+    """Every slot of the pools holds a row as its codec stores it: `distinct` random rows encoded (C8: int8
+    latents with their scales, FP8 keys), repeated (a step's cost depends on the context length, not the values)."""
+    for pool, codec in ((kv.mla, kv.mla_codec), (kv.index, kv.index_codec)):
+        if pool is None:
+            continue
+        rows = codec.encode(torch.randn(distinct, codec.dim, generator=gen))
+        flat = pool.view(-1, pool.shape[-1])
+        for start in range(0, flat.shape[0], distinct):
+            flat[start:start + distinct] = rows[: flat.shape[0] - start]
+
+
+def decode(model, cfg, contexts: list[int], batches: list[int], workspace: int, kv_cache_dtype: str,
+           steps: int = 3) -> list[list]:
     bs, rows = 64, []
+    gen = torch.Generator().manual_seed(0)
     for batch in batches:
         for ctx in contexts:
-            kv = KVCache(KVLayout.from_model_config(cfg, bs, model.dtype), batch * (ctx // bs + 2), torch.device("cpu"))
-            for pool in (kv.mla, kv.index):
-                pool.normal_(0, 1)  # any values: the cost depends on the context length only
+            layout = KVLayout.from_model_config(cfg, bs, model.dtype, kv_cache_dtype=kv_cache_dtype)
+            kv = KVCache(layout, batch * (ctx // bs + 2), torch.device("cpu"))
+            fill_rows(kv, gen)
             tables = [kv.allocator.allocate(kv.blocks_needed(ctx + steps)) for _ in range(batch)]
             times = []
             for step in range(steps):
@@ -170,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="also prefill every chunk with the absorbed form only, alternating, and print both")
     p.add_argument("--quantization", default=None, choices=["w8a8"],
                    help="W8A8 linears (random int8 weights) instead of --dtype ones")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="the decode steps' KV cache: the model's dtype, or C8 (int8 latents, FP8 index keys)")
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     args = p.parse_args(argv)
@@ -187,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
 
     forms = [True, False] if args.absorbed_baseline else [True]
     pre = [] if args.skip_prefill else prefill(model, cfg, contexts, args.chunk, workspace, forms)
-    dec = [] if args.skip_decode else decode(model, cfg, contexts, batches, workspace)
+    dec = [] if args.skip_decode else decode(model, cfg, contexts, batches, workspace, args.kv_cache_dtype)
     smp = sampler()
 
     index = "indexer 64x128, index_topk 2048" if cfg.has_indexer else "no indexer: dense at every context"
@@ -210,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{flop / r[1] / 1e9:,.1f} GFLOP/s, {100 * flop / r[1] / 1e9 / peak:.0f}% of the {args.dtype} GEMM "
                   "rate")
     if dec:
+        kv_kind = "C8 (int8 latents, FP8 index keys)" if args.kv_cache_dtype == "int8" else f"{args.dtype} rows"
+        print(f"decode, KV cache {kv_kind}")
         print(table(["decode batch", "context", "ms/step", "tok/s"], dec))
     print(table(["sampler", "rows", "vocab", "ms"], smp))
     print(kernels_used())

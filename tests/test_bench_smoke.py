@@ -17,7 +17,7 @@ TINY_ARGS = {
                 "--dtype", "float32"],
     "parallel": ["--prompt-len", "64", "--decode-requests", "2", "--decode-tokens", "2", "--repeat", "1"],
     "transfer": ["--tokens", "64", "--repeat", "1"],
-    "real_shapes": ["--contexts", "64", "--chunk", "64", "--decode-batch", "1"],
+    "real_shapes": ["--contexts", "64", "--chunk", "64", "--decode-batch", "1", "--kv-cache-dtype", "int8"],
     "quant": ["--batches", "1,2", "--prompt-len", "8", "--new-tokens", "2", "--repeat", "1"],
     "speculative": ["--random-mtp", "--batches", "1", "--k", "1,2", "--prompt-len", "8", "--new-tokens", "4",
                     "--rounds", "1", "--dtype", "float32"],

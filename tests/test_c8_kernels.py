@@ -106,6 +106,12 @@ def test_dense_c8_kernel_matches_dequantize_then_attend(kernels, monkeypatch, la
     # bf16 queries (the model's compute dtype on bf16 CPUs) take it too, and come back in bf16
     got16 = ops.dense_attention(query.bfloat16(), fb, pool, 0.07, latent, codec)
     assert got16.dtype == torch.bfloat16 and len(calls) == 2
+    # bf16-valued queries past one 4-head block: the tile's int8 latents widened to bf16 once, scored by vdpbf16ps
+    q16 = query.bfloat16().float()
+    kernels(False)
+    want16 = ops.dense_attention(q16, fb, pool, 0.07, latent, codec)
+    kernels(True)
+    assert _close(ops.dense_attention(q16, fb, pool, 0.07, latent, codec), want16) and len(calls) == 3
 
 
 @pytest.mark.parametrize(("latent", "rope"), LAYOUTS)
@@ -128,6 +134,11 @@ def test_sparse_c8_kernel_matches_dequantize_then_attend(kernels, monkeypatch, l
     got = ops.sparse_attention(query, fb, pool, picks, valid, 0.1, latent, codec)
     assert calls
     assert _close(got, want)
+    q16 = query.bfloat16().float()  # bf16-valued (see the dense case)
+    kernels(False)
+    want16 = ops.sparse_attention(q16, fb, pool, picks, valid, 0.1, latent, codec)
+    kernels(True)
+    assert _close(ops.sparse_attention(q16, fb, pool, picks, valid, 0.1, latent, codec), want16) and len(calls) == 2
 
 
 def test_c8_rows_and_layout_are_checked():
