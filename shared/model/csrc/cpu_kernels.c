@@ -178,6 +178,24 @@ static inline int tile_rows(const void *pool, const RowFormat *fmt, int64_t row_
    score pass of the first head block first touches a row at about the same rate whatever the head count. Its
    own always-inlined function, called with a constant row format: the outlined OpenMP region would otherwise
    get one copy of the loops that tests the format at every 8-value step. */
+#if HAVE_DPBF16
+/* part[jj][hh] += the pair-order dots of bf16 query rows qb[h0 + hh] (dim apart) with bf16 rows a (jj 0) and b
+   (jj 1) over dims [d0, d1), 16 a vdpbf16ps (d1 - d0 a multiple of 16; a[d], b[d] are dim d's values). */
+static inline __attribute__((always_inline)) void
+pair_scores_bf16(const uint16_t *qb, int64_t h0, int64_t dim, const uint16_t *a, const uint16_t *b, int64_t d0,
+                 int64_t d1, v8 part[2][HB]) {
+    for (int64_t d = d0; d < d1; d += 2 * DW) {
+        __m256bh rv0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(a + d));
+        __m256bh rv1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(b + d));
+        for (int hh = 0; hh < HB; hh++) {
+            __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + (h0 + hh) * dim + d));
+            part[0][hh] = (v8)_mm256_dpbf16_ps((__m256)part[0][hh], qv, rv0);
+            part[1][hh] = (v8)_mm256_dpbf16_ps((__m256)part[1][hh], qv, rv1);
+        }
+    }
+}
+#endif
+
 #define AHEAD 8
 static inline __attribute__((always_inline)) void
 attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const void *pool, const RowFormat *fmt,
@@ -219,48 +237,28 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
                 v8 part[2][HB] = {{{0}}};
                 int64_t d0 = 0;
 #if HAVE_DPBF16
-                if (kind == ROWS_BF16 && qb)  /* bf16 query and rows: 16 dims a vdpbf16ps, pairs as stored */
-                    for (; d0 < dim; d0 += 2 * DW) {
-                        __m256bh rv0 = (__m256bh)_mm256_loadu_si256((const __m256i *)((const uint16_t *)r0 + d0));
-                        __m256bh rv1 = (__m256bh)_mm256_loadu_si256((const __m256i *)((const uint16_t *)r1 + d0));
-                        for (int hh = 0; hh < HB; hh++) {
-                            __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + (h0 + hh) * dim + d0));
-                            part[0][hh] = (v8)_mm256_dpbf16_ps((__m256)part[0][hh], qv, rv0);
-                            part[1][hh] = (v8)_mm256_dpbf16_ps((__m256)part[1][hh], qv, rv1);
-                        }
-                    }
+                if (kind == ROWS_BF16 && qb) {  /* bf16 query and rows: 16 dims a vdpbf16ps, pairs as stored */
+                    pair_scores_bf16(qb, h0, dim, r0, r1, 0, dim, part);
+                    d0 = dim;
+                }
                 if (widened) {  /* C8, bf16 query: per group the bf16 dots of the widened int8 values, times its scale */
                     const uint16_t *w0 = wide + j * fmt->latent, *w1 = wide + (j + 1 < used ? j + 1 : j) * fmt->latent;
                     for (int64_t g0 = 0; g0 < fmt->latent; g0 += fmt->group) {
                         int64_t g1 = g0 + fmt->group < fmt->latent ? g0 + fmt->group : fmt->latent;  /* a partial last */
-                        __m256 grp[2][HB];
-                        for (int hh = 0; hh < HB; hh++) grp[0][hh] = grp[1][hh] = _mm256_setzero_ps();
-                        for (int64_t d = g0; d < g1; d += 2 * DW) {
-                            __m256bh rv0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(w0 + d));
-                            __m256bh rv1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(w1 + d));
-                            for (int hh = 0; hh < HB; hh++) {
-                                __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + (h0 + hh) * dim + d));
-                                grp[0][hh] = _mm256_dpbf16_ps(grp[0][hh], qv, rv0);
-                                grp[1][hh] = _mm256_dpbf16_ps(grp[1][hh], qv, rv1);
-                            }
-                        }
+                        v8 grp[2][HB] = {{{0}}};
+                        pair_scores_bf16(qb, h0, dim, w0, w1, g0, g1, grp);
                         v8 s0 = splat(c8_scale(r0, fmt, g0)), s1 = splat(c8_scale(r1, fmt, g0));
                         for (int hh = 0; hh < HB; hh++) {
-                            part[0][hh] = vfma((v8)grp[0][hh], s0, part[0][hh]);
-                            part[1][hh] = vfma((v8)grp[1][hh], s1, part[1][hh]);
+                            part[0][hh] = vfma(grp[0][hh], s0, part[0][hh]);
+                            part[1][hh] = vfma(grp[1][hh], s1, part[1][hh]);
                         }
                     }
-                    const uint16_t *k0 = (const uint16_t *)((const uint8_t *)r0 + fmt->latent + 4 * fmt->groups);
-                    const uint16_t *k1 = (const uint16_t *)((const uint8_t *)r1 + fmt->latent + 4 * fmt->groups);
-                    for (d0 = fmt->latent; d0 < dim; d0 += 2 * DW) {  /* the bf16 rope key as stored */
-                        __m256bh rv0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(k0 + d0 - fmt->latent));
-                        __m256bh rv1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(k1 + d0 - fmt->latent));
-                        for (int hh = 0; hh < HB; hh++) {
-                            __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + (h0 + hh) * dim + d0));
-                            part[0][hh] = (v8)_mm256_dpbf16_ps((__m256)part[0][hh], qv, rv0);
-                            part[1][hh] = (v8)_mm256_dpbf16_ps((__m256)part[1][hh], qv, rv1);
-                        }
-                    }
+                    /* the bf16 rope key as stored: dim d at key[d - latent] */
+                    const int64_t rope_at = fmt->latent + 4 * fmt->groups;
+                    pair_scores_bf16(qb, h0, dim, (const uint16_t *)((const uint8_t *)r0 + rope_at) - fmt->latent,
+                                     (const uint16_t *)((const uint8_t *)r1 + rope_at) - fmt->latent, fmt->latent, dim,
+                                     part);
+                    d0 = dim;
                 }
 #endif
                 for (int64_t g0 = 0; kind == ROWS_C8 && !widened && g0 < fmt->latent; g0 += fmt->group) {
@@ -380,7 +378,8 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
         float *sum = xmalloc(sizeof(float) * hp);
         float *score = xmalloc(sizeof(float) * hp * TILE);
         float *scaled = xmalloc(sizeof(float) * HB * (fmt->kind == ROWS_C8 ? fmt->groups : 1) * TILE);
-        uint16_t *wide = xmalloc(sizeof(uint16_t) * (fmt->kind == ROWS_C8 ? TILE * fmt->latent : 1));
+        uint16_t *wide = xmalloc(sizeof(uint16_t) * (HAVE_DPBF16 && fmt->kind == ROWS_C8 && hp > HB ? TILE * fmt->latent
+                                                                                                : 1));
         const void *rows[2 * TILE];  /* two tiles' rows, in place */
         int32_t local_bad = 0;
         #pragma omp for schedule(dynamic, 1)
