@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{runs[name][-1].step_ms:6.2f} ms/step", file=_sys.stderr, flush=True)
         median = {name: sorted(runs[name], key=lambda x: x.rate)[len(runs[name]) // 2] for name in names}
         base = median["no MTP"]
+        plain_ms = mtp_share(configs["no MTP"], prompts, params)[0] if len(names) > 1 else 0.0  # for the ceilings
         for name in names:
             m = median[name]
             rates[name].append(m.rate)
@@ -177,7 +178,6 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([b, name, f"{m.rate:.0f}", f"{m.rate / base.rate:.2f}x", f"{to_end:.2f}x", f"{m.tpot_ms:.1f}",
                          f"{m.step_ms:.2f}", acc, f"{per_step:.2f}", f"{cost:.2f}", f"{per_step / cost:.2f}"])
             if spec is not None:  # the MTP layer's own share: what verification rows for free would still cost
-                plain_ms = mtp_share(configs["no MTP"], prompts, params)[0]
                 step_ms, mtp_ms = mtp_share(configs[name], prompts, params)
                 ceilings.append([b, name, f"{plain_ms:.2f}", f"{step_ms:.2f}", f"{mtp_ms:.2f}",
                                  f"{step_ms - mtp_ms - plain_ms:.2f}", f"{per_step:.2f}",
