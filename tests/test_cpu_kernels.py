@@ -88,6 +88,27 @@ def test_sparse_picks_with_a_mask_match_the_portable_path(portable):
     assert (got - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("spread", [1e-3, 60.0])
+def test_softmax_at_extreme_score_spreads_matches_the_portable_path(portable, monkeypatch, spread):
+    """The kernel's softmax exponentials (eight lanes at a time) against torch's: scores all but equal, and
+    scores spread over hundreds, where most probabilities underflow to 0 (exp below -87) and one row takes
+    nearly all the weight."""
+    gen = torch.Generator().manual_seed(12)
+    fb, num_blocks = _batch([45, 130], 1, gen)
+    pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
+    query = torch.randn(2, 1, 4, 576, generator=gen) * spread
+    portable(True)
+    want = ops.dense_attention(query, fb, pool, 0.07, 512)
+    portable(False)
+    calls = []
+    kernel = cpu_kernels.paged_mqa
+    monkeypatch.setattr(cpu_kernels, "paged_mqa", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    got = ops.dense_attention(query, fb, pool, 0.07, 512)
+    assert calls, "the decode step did not take the fused kernel"
+    # scores of size ~100 carry fp32 rounding of ~1e-4 (summation order): the tolerance grows with the spread
+    assert (got - want).abs().max().item() < 1e-5 * max(1.0, spread) * max(1.0, want.abs().max().item())
+
+
 def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
     """Prompt chunks (a gathered row reused by many queries) and many heads take the batched matmul path:
     the kernel is never called."""
