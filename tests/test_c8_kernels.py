@@ -225,21 +225,17 @@ def test_indexer_scores_match_the_portable_path(kernels, monkeypatch, heads, que
         assert (want == 0).sum() > 10  # the ties the ordering is about
 
 
-def _pair_order_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_scale: torch.Tensor,
+def _lane_order_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key_scale: torch.Tensor,
                        scale: float) -> torch.Tensor:
     """The kernel's scores in torch for values whose products are exact in fp32 (so a fused multiply-add is an
-    add): per 16-dim block, lane j adds dims 8 + j then j; the lanes summed ((0+1)+(2+3))+((4+5)+(6+7)); times
-    key scale · scale; ReLU; head weights summed over heads in order. q [N, H, D], keys [N, T, D] -> [N, T]."""
+    add): each dot one chain over the dims in pairs, dim 2p + 1 then dim 2p; times key scale · scale; ReLU; head
+    weights summed over heads in order. q [N, H, D], keys [N, T, D] -> [N, T]."""
     n, heads, dim = q.shape
-    pad = -dim % 16
-    prod = torch.nn.functional.pad(q, (0, pad))[:, :, None] * torch.nn.functional.pad(keys, (0, pad))[:, None]
-    blocks = prod.view(*prod.shape[:3], -1, 2, 8)
-    acc = torch.zeros(*prod.shape[:3], 8)
-    for b in range(blocks.shape[3]):
-        acc = acc + blocks[..., b, 1, :]
-        acc = acc + blocks[..., b, 0, :]
-    lane = acc.unbind(-1)
-    dots = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))
+    prod = q[:, :, None] * keys[:, None]  # [N, H, T, D]
+    dots = torch.zeros(prod.shape[:3])
+    for p in range(0, dim, 2):
+        dots = dots + prod[..., p + 1]
+        dots = dots + prod[..., p]
     scores = dots * (key_scale * scale)[:, None]
     total = torch.zeros(n, keys.shape[1])
     for h in range(heads):
@@ -248,10 +244,10 @@ def _pair_order_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key
 
 
 @pytest.mark.parametrize(("keys", "dim"), [("fp8", 128), ("bfloat16", 128), ("bfloat16", 72)])
-def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(build_for, keys, dim):
+def test_indexer_dots_take_lane_order_bit_for_bit_on_every_build(build_for, keys, dim):
     """bf16 queries and keys (DeepSeek's indexer values, on the FP8 grid times a power of two, are such) have
-    exact products, so the kernel's pair-order dots (AVX512-BF16's vdpbf16ps where the build has it, fused
-    multiply-adds elsewhere) are the torch pair-order scores bit for bit (queries spread over 2^-8 .. 2^8 so
+    exact products, so the kernel's lane-order dots (AVX512-BF16's vdpbf16ps where the build has it, fused
+    multiply-adds elsewhere) are the torch lane-order scores bit for bit (queries spread over 2^-8 .. 2^8 so
     that the sums round: another order gives other bits), on builds for this CPU, for AVX2 + FMA and SSE2 alike,
     over C8's FP8 keys and bf16 ones, prompt runs, a 72-dim key (a half block of padding) included. A query that is
     not bf16 (one value off the grid) takes the FMA path alone, with the same bits on every build, and leaves
@@ -282,7 +278,7 @@ def test_indexer_dots_take_pair_order_bit_for_bit_on_every_build(build_for, keys
     counts = fb.positions + 1
     columns = int(counts.max())
     slots = fb.slots_of(fb.token_request, torch.arange(columns).expand(fb.num_tokens, -1)).clamp(min=0)
-    want = _pair_order_scores(q, w, values[slots], key_scale[slots], 0.09)
+    want = _lane_order_scores(q, w, values[slots], key_scale[slots], 0.09)
     real = torch.arange(columns) < counts[:, None]
     results = {}
     for arch in (None, "haswell", "x86-64"):

@@ -543,8 +543,7 @@ int32_t c8_rows_decode(const uint8_t *pool, int64_t row_stride, int64_t num_slot
 /* ---- Lightning-indexer scores over the cached keys (fp32, bf16 or C8's FP8) ---- */
 
 #define KT 64    /* keys decoded per tile, shared by the queries of a run */
-#define IH 4     /* indexer heads per register block */
-#define IK 4     /* keys per register block */
+#define IH 8     /* indexer heads per register block */
 #define RUN 16   /* at most this many consecutive queries of one table row share a decoded tile */
 
 typedef float v4 __attribute__((vector_size(16)));
@@ -594,18 +593,19 @@ static inline v8 e4m3x8(const uint8_t *p) {
    (shared.kvcache.layout.Fp8KeyRows: FP8 e4m3 [dim] | fp32 scale, the scale applied to the dot). */
 enum { KEYS_F32 = 0, KEYS_BF16 = 1, KEYS_FP8 = 2 };
 
-/* The indexer's dot products run in pair order: in each 16-dim block, lane j of an 8-lane sum adds the product
-   of dims 8 + j, then that of dims j, one rounding each, block after block; the lanes are then summed as sum4
-   does. That is what AVX512-BF16's vdpbf16ps computes on rows stored as pairs (dim j, dim 8 + j) when every
-   value is a bf16 (its products are exact in fp32; measured on Zen 4: a pair's second product first, 0 of 1.6M
-   lanes otherwise) and no value or sum is subnormal (it flushes those). DeepSeek's numerics give such values:
-   queries and keys on the FP8 grid times a power of two, C8's FP8 keys with their scale applied after the dot.
-   Where every value of a query and of a key tile is a bf16 within 2^-50 .. 2^51 (products exact, every partial
-   sum a multiple of 2^-114: never subnormal) and the CPU has the instruction, it computes the dots (16
-   products an instruction: 1.5-2x the fp32 kernel at 16-64 heads on Zen 4); elsewhere fused multiply-adds over
-   the rows as they are (a block's second 8 dims, then its first) compute them: the same bits whichever runs,
-   on every ISA, so a query's scores depend neither on its batch nor on the CPU. */
-#define DP 16  /* dims per pair block (vdpbf16ps: 8 lanes of 2) */
+/* The indexer's dot products run in lane order: the 8 keys of a block in the 8 lanes of a vector, each lane's
+   dot one chain over its key's dims in pairs (2p, 2p + 1), adding the product of dim 2p + 1, then that of dim
+   2p, one rounding each. That is what AVX512-BF16's vdpbf16ps computes on bf16 pairs as stored when every value
+   is a bf16 (its products are exact in fp32; measured on Zen 4: a pair's second product first, 0 of 1.6M lanes
+   otherwise) and no value or sum is subnormal (it flushes those). DeepSeek's numerics give such values: queries
+   and keys on the FP8 grid times a power of two, C8's FP8 keys with their scale applied after the dot. Where
+   every value of a query and of a key tile is a bf16 within 2^-50 .. 2^51 (products exact, every partial sum a
+   multiple of 2^-114: never subnormal) and the CPU has the instruction, it computes the dots (16 products an
+   instruction); elsewhere fused multiply-adds in the same order compute them: the same bits whichever runs, on
+   every ISA, so a query's scores depend neither on its batch nor on the CPU. A key a lane leaves nothing to sum
+   across lanes: the scale, ReLU and head weight apply to 8 keys at once (summing each dot's 8 lanes, the layout
+   before, took a quarter of the kernel). */
+#define DP 16  /* dims are padded to whole 16-dim blocks (zeros) */
 
 /* Lanes whose fp32 bits are a bf16 of magnitude 0 or 2^-50 .. 2^51 (all ones), as the fast path needs. */
 static inline v8ui pair_exact(v8ui u) {
@@ -626,15 +626,13 @@ typedef uint16_t v16hu __attribute__((vector_size(32), aligned(2)));
 
 #if HAVE_DPBF16 && defined(__AVX512BW__)
 #define FP8_PAIRS 1
-/* 32 FP8 e4m3 values (two pair blocks) as key_pairs stores them, straight to bf16 bits in 16-bit lanes: the bytes
-   put in pair order, widened, and each magnitude's bits moved to bf16's places (exponent rebiased 7 -> 127:
-   mag << 4 + 120 << 7), zeros and subnormals (m * 2^-9) from a table, the sign moved up. The same bits as
-   through fp32 (e4m3x8), about a third of the operations. */
+/* 32 FP8 e4m3 values straight to bf16 bits in 16-bit lanes, in place order (pairs as stored): each magnitude's
+   bits moved to bf16's places (exponent rebiased 7 -> 127: mag << 4 + 120 << 7), zeros and subnormals
+   (m * 2^-9) from a table, the sign moved up. The same bits as through fp32 (e4m3x8), about a third of the
+   operations. */
 static inline void fp8_pairs32(const uint8_t *src, uint32_t *b) {
     static const uint16_t small_bits[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
-    const __m256i order = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                           0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    __m512i w = _mm512_cvtepu8_epi16(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)src), order));
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
     __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
     __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3c00));
     __mmask32 small = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));  /* exponent 0 */
@@ -646,18 +644,16 @@ static inline void fp8_pairs32(const uint8_t *src, uint32_t *b) {
 #define FP8_PAIRS 0
 #endif
 
-/* A row stored as `kind` (a key's, or a query's fp32) as bf16 pairs b [dp / 2] (word j of block d0: dim
-   d0 + j low, dim d0 + 8 + j high, truncated); whether every value is pair_exact (then they are exact). FP8
-   values always are (e4m3: 4 significant bits, 2^-9 .. 448); bf16 rows are checked and paired as 16-bit
-   lanes. */
-static inline int key_pairs(const uint8_t *src, int32_t kind, int64_t dim, int64_t dp, uint32_t *b) {
+/* A row stored as `kind` (a key's, or a query's fp32) as bf16 pairs b [dp / 2] (word p: dim 2p low, dim 2p + 1
+   high, truncated; zeros past dim); whether every value is pair_exact (then they are exact). FP8 values always
+   are (e4m3: 4 significant bits, 2^-9 .. 448); bf16 rows are checked and copied as stored. */
+static inline int row_pairs(const uint8_t *src, int32_t kind, int64_t dim, int64_t dp, uint32_t *b) {
     if (kind == KEYS_BF16 && dim % DP == 0) {
         v16h bad = {0};
         for (int64_t d0 = 0; d0 < dp; d0 += DP) {
             v16h h = *(const v16hu *)(src + 2 * d0), e = (h >> 7) & 0xff;
             bad |= (v16h)(((h & 0x7fff) != 0) & ((v16h)(e - 77) > 100));
-            v16h pairs = __builtin_shufflevector(h, h, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-            *(v16hu *)(b + d0 / 2) = pairs;
+            *(v16hu *)(b + d0 / 2) = h;
         }
         for (int l = 0; l < 16; l++)
             if (bad[l]) return 0;
@@ -670,65 +666,111 @@ static inline int key_pairs(const uint8_t *src, int32_t kind, int64_t dim, int64
 #endif
     v8ui all = {0};
     all = ~all;
-    for (; d0 < dp; d0 += DP) {
-        v8ui lo = (v8ui)key_values(src, kind, d0, dim), hi = (v8ui)key_values(src, kind, d0 + DW, dim);
-        if (kind != KEYS_FP8) all &= pair_exact(lo) & pair_exact(hi);
-        *(v8uiu *)(b + d0 / 2) = (hi & 0xffff0000u) | (lo >> 16);
+    for (; d0 < dp; d0 += DW) {
+        v8ui u = (v8ui)key_values(src, kind, d0, dim);
+        if (kind != KEYS_FP8) all &= pair_exact(u);
+        v8ui even = __builtin_shufflevector(u, u, 0, 2, 4, 6, 0, 2, 4, 6);
+        v8ui odd = __builtin_shufflevector(u, u, 1, 3, 5, 7, 1, 3, 5, 7);
+        v8ui words = (odd & 0xffff0000u) | (even >> 16);
+        memcpy(b + d0 / 2, &words, 4 * sizeof(uint32_t));
     }
     for (int l = 0; l < DW; l++)
         if (!all[l]) return 0;
     return 1;
 }
 
-/* acc[hh][kk] (IH heads of q, IK keys; rows dp apart, zero padded) over dp dims in pair order. */
+/* out[c * out_stride + k] = r[k][c] for an 8 x 8 block of 32-bit words held in registers. */
+static inline void transpose8(const v8ui r[8], uint32_t *out, int64_t out_stride) {
+    v8ui t[8], u[8];
+    for (int k = 0; k < 8; k += 2) {  /* words of two rows interleaved, per 128-bit half */
+        t[k] = __builtin_shufflevector(r[k], r[k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[k + 1] = __builtin_shufflevector(r[k], r[k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int k = 0; k < 8; k += 4)  /* then pairs of words: columns of four rows */
+        for (int s = 0; s < 2; s++) {
+            u[k + 2 * s] = __builtin_shufflevector(t[k + s], t[k + s + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[k + 2 * s + 1] = __builtin_shufflevector(t[k + s], t[k + s + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    for (int c = 0; c < 4; c++) {  /* then halves: columns c and c + 4 of all eight rows */
+        v8ui lo = __builtin_shufflevector(u[c], u[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        v8ui hi = __builtin_shufflevector(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+        memcpy(out + c * out_stride, &lo, sizeof lo);
+        memcpy(out + (c + 4) * out_stride, &hi, sizeof hi);
+    }
+}
+
+/* A tile's keys as the dots read them, a key a lane. As bf16 pairs by pair: the pairs of its rows ([KT][width]
+   words, row_pairs' output) transposed 8 keys by 8 words, [width][KT]. */
+static inline void tile_columns(const uint32_t *rows, int64_t width, uint32_t *cols) {
+    for (int64_t j0 = 0; j0 < KT; j0 += 8)
+        for (int64_t c0 = 0; c0 < width; c0 += 8) {
+            v8ui r[8];
+            for (int k = 0; k < 8; k++) memcpy(&r[k], rows + (j0 + k) * width + c0, sizeof r[k]);
+            transpose8(r, cols + c0 * KT + j0, KT);
+        }
+}
+
+/* As fp32 values by dim, [dp][KT], for the fused multiply-adds: each of the `used` keys' (stored as `kind`)
+   next 8 values widened and 8 keys transposed in registers, zeros past `used` (through a row-major fp32 copy
+   of the tile, 32 kB, all of L1, it measured 1.4x slower on AVX2 at 16 heads). */
+static inline void tile_values(const uint8_t *const *rows, int64_t used, int32_t kind, int64_t dim, int64_t dp,
+                               float *cols) {
+    for (int64_t j0 = 0; j0 < used; j0 += 8)
+        for (int64_t d0 = 0; d0 < dp; d0 += DW) {
+            v8ui r[8];
+            for (int k = 0; k < 8; k++)
+                r[k] = j0 + k < used ? (v8ui)key_values(rows[j0 + k], kind, d0, dim) : (v8ui){0};
+            transpose8(r, (uint32_t *)cols + d0 * KT + j0, KT);
+        }
+}
+
+/* acc[b][hh] (a key a lane: keys j0 + 8b .. j0 + 8b + 7 of the tile) += the lane-order dots of FH heads' fp32
+   queries q (dp apart) with the tile's fp32 keys by dim (`keys`: [dp][KT]). FH heads by 16 keys: 8 accumulators,
+   2 key vectors and a query value fit AVX2's 16 registers, and each query value serves two key vectors. */
+#define FH 4
 static inline __attribute__((always_inline)) void
-pair_dots(const float *q, const float *keys, int64_t dp, v8 acc[IH][IK]) {
-    for (int64_t d0 = 0; d0 < dp; d0 += DP)
-        for (int64_t half = DW; half >= 0; half -= DW) {  /* dims 8..15 of the block, then 0..7 */
-            v8 kv[IK];
-            for (int kk = 0; kk < IK; kk++) kv[kk] = LOAD(keys + kk * dp + d0 + half);
-            for (int hh = 0; hh < IH; hh++) {
-                v8 qv = LOAD(q + hh * dp + d0 + half);
-                for (int kk = 0; kk < IK; kk++) acc[hh][kk] = vfma(qv, kv[kk], acc[hh][kk]);
+lane_dots(const float *q, const float *keys, int64_t j0, int64_t dp, v8 acc[2][FH]) {
+    for (int64_t d = 0; d < dp; d += 2)
+        for (int64_t e = d + 1; e >= d; e--) {  /* dim d + 1's product, then dim d's */
+            v8 k0 = LOAD(keys + e * KT + j0), k1 = LOAD(keys + e * KT + j0 + DW);
+            for (int hh = 0; hh < FH; hh++) {
+                v8 qv = splat(q[hh * dp + e]);
+                acc[0][hh] = vfma(qv, k0, acc[0][hh]);
+                acc[1][hh] = vfma(qv, k1, acc[1][hh]);
             }
         }
 }
 
 #if HAVE_DPBF16
-/* pair_dots by vdpbf16ps, on rows as key_pairs stores them (dp / 2 words apart): the same bits where every
-   value is pair_exact. The 16 accumulators are named (as the int8 tile's): held in an array, GCC kept one of
-   them on the stack, a store and a load on every step's chain (measured: 1.3x slower). */
-#define DPB(acc, qv, kv) acc = _mm256_dpbf16_ps(acc, qv, kv)
-#define DPB_HEAD(h, qv) DPB(a##h##0, qv, k0); DPB(a##h##1, qv, k1); DPB(a##h##2, qv, k2); DPB(a##h##3, qv, k3);
+/* lane_dots by vdpbf16ps for two key blocks (keys j0 .. j0 + 15): IH heads' query pairs (dp / 2 words apart,
+   each broadcast) with the tile's key pairs by pair (`keys`: [dp / 2][KT]); 16 chains, enough to keep the
+   instruction's two pipes busy. The same bits as lane_dots where every value is pair_exact. */
 static inline __attribute__((always_inline)) void
-pair_dots_bf16(const uint32_t *q, const uint32_t *keys, int64_t dp, v8 acc[IH][IK]) {
+lane_dots_bf16(const uint32_t *q, const uint32_t *keys, int64_t j0, int64_t dp, v8 acc[2][IH]) {
     const int64_t words = dp / 2;
-    __m256 a00 = (__m256)acc[0][0], a01 = (__m256)acc[0][1], a02 = (__m256)acc[0][2], a03 = (__m256)acc[0][3];
-    __m256 a10 = (__m256)acc[1][0], a11 = (__m256)acc[1][1], a12 = (__m256)acc[1][2], a13 = (__m256)acc[1][3];
-    __m256 a20 = (__m256)acc[2][0], a21 = (__m256)acc[2][1], a22 = (__m256)acc[2][2], a23 = (__m256)acc[2][3];
-    __m256 a30 = (__m256)acc[3][0], a31 = (__m256)acc[3][1], a32 = (__m256)acc[3][2], a33 = (__m256)acc[3][3];
-    for (int64_t w0 = 0; w0 < words; w0 += DW) {
-#define WORDS(p) ((__m256bh)_mm256_loadu_si256((const __m256i *)(p)))
-        __m256bh k0 = WORDS(keys + w0), k1 = WORDS(keys + words + w0), k2 = WORDS(keys + 2 * words + w0),
-                 k3 = WORDS(keys + 3 * words + w0);
-        __m256bh q0 = WORDS(q + w0);
-        DPB_HEAD(0, q0)
-        __m256bh q1 = WORDS(q + words + w0);
-        DPB_HEAD(1, q1)
-        __m256bh q2 = WORDS(q + 2 * words + w0);
-        DPB_HEAD(2, q2)
-        __m256bh q3 = WORDS(q + 3 * words + w0);
-        DPB_HEAD(3, q3)
-#undef WORDS
+    __m256 a0[IH], a1[IH];
+    for (int hh = 0; hh < IH; hh++) { a0[hh] = (__m256)acc[0][hh]; a1[hh] = (__m256)acc[1][hh]; }
+    for (int64_t p = 0; p < words; p++) {
+        __m256bh k0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(keys + p * KT + j0));
+        __m256bh k1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(keys + p * KT + j0 + 8));
+        for (int hh = 0; hh < IH; hh++) {
+            __m256bh qv = (__m256bh)_mm256_set1_epi32((int)q[hh * words + p]);
+            a0[hh] = _mm256_dpbf16_ps(a0[hh], qv, k0);
+            a1[hh] = _mm256_dpbf16_ps(a1[hh], qv, k1);
+        }
     }
-    acc[0][0] = (v8)a00; acc[0][1] = (v8)a01; acc[0][2] = (v8)a02; acc[0][3] = (v8)a03;
-    acc[1][0] = (v8)a10; acc[1][1] = (v8)a11; acc[1][2] = (v8)a12; acc[1][3] = (v8)a13;
-    acc[2][0] = (v8)a20; acc[2][1] = (v8)a21; acc[2][2] = (v8)a22; acc[2][3] = (v8)a23;
-    acc[3][0] = (v8)a30; acc[3][1] = (v8)a31; acc[3][2] = (v8)a32; acc[3][3] = (v8)a33;
+    for (int hh = 0; hh < IH; hh++) { acc[0][hh] = (v8)a0[hh]; acc[1][hh] = (v8)a1[hh]; }
 }
-#undef DPB_HEAD
-#undef DPB
 #endif
+
+/* tot (a key a lane) += w[hh] * ReLU(acc[hh] * kscale) for `heads` heads in order. */
+static inline v8 weigh_heads(const v8 *acc, int heads, v8 kscale, const float *w, v8 tot) {
+    for (int hh = 0; hh < heads; hh++) {
+        v8 sc = acc[hh] * kscale;
+        tot += splat(w[hh]) * (v8)((v8i)sc & (v8i)(sc > splat(0.f)));  /* ReLU */
+    }
+    return tot;
+}
 
 /* Whether this build has vdpbf16ps: the indexer's exact dots, a bf16 query's attention scores over bf16 rows and
    a bf16 model's experts' gate / up products take it (else fused multiply-adds alone). */
@@ -737,10 +779,11 @@ int32_t dots_bf16(void) { return HAVE_DPBF16; }
 /* out[i, t] = sum_h w[i, h] * relu(dot(q[i, h], key_t) * key_scale_t * scale) for the positions t < counts[i]
    of table row slot_row[i] (key_t: row tables[row, t / bs] * bs + t % bs of the pool, rows `row_stride` bytes
    apart, stored as `kind` says; key_scale_t is 1 but for FP8 keys), -inf for counts[i] <= t < t_out; the dots
-   in pair order (above). Each key is widened once per run of up to RUN consecutive queries with the same table
-   row (a prompt chunk's, a verification's). Checks as paged_mqa: returns 1 where a query names a row, position
-   or slot outside the table or the pool (its output is then incomplete), 2 where dim % DW, the kind, or the row
-   (its values, and an FP8 key's 4-byte scale) does not fit the stride (nothing read). */
+   in lane order (above), the heads summed in order. Each key is widened once per run of up to RUN consecutive
+   queries with the same table row (a prompt chunk's, a verification's). Checks as paged_mqa: returns 1 where a
+   query names a row, position or slot outside the table or the pool (its output is then incomplete), 2 where
+   dim % DW, the kind, or the row (its values, and an FP8 key's 4-byte scale) does not fit the stride (nothing
+   read). */
 int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int64_t dim,
                    const uint8_t *pool, int32_t kind, int64_t row_stride, int64_t num_slots,
                    const int64_t *tables, int64_t table_rows, int64_t table_width, int64_t bs,
@@ -757,11 +800,12 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
     int32_t bad = 0;
     #pragma omp parallel num_threads(threads)
     {
-        /* a tile's keys (fp32, dp apart, zero padded; as bf16 pairs where a query may take the fast path) and a
-           run's queries (heads padded with zeros, weight 0; fp32 and bf16 pairs). Rows past a tile's end stay
-           finite. */
+        /* a tile's keys as rows (fp32 values and bf16 pairs, zero padded) and by dim / by pair (the columns the
+           dots read; as pairs where a query may take the fast path), and a run's queries (heads padded with
+           zeros, weight 0; fp32 and bf16 pairs). Rows past a tile's end stay finite. */
         float *keys = xcalloc(KT * dp, sizeof(float)), *ks = xcalloc(KT, sizeof(float));
-        uint32_t *keys_b = xcalloc(KT * dp / 2, sizeof(uint32_t)), *qb = xcalloc(RUN * hp * dp / 2, sizeof(uint32_t));
+        uint32_t *rows_b = xcalloc(KT * dp / 2, sizeof(uint32_t)), *keys_b = xcalloc(KT * dp / 2, sizeof(uint32_t));
+        uint32_t *qb = xcalloc(RUN * hp * dp / 2, sizeof(uint32_t));
         float *qf = xcalloc(RUN * hp * dp, sizeof(float)), *wp = xcalloc(RUN * hp, sizeof(float));
         int q_exact[RUN];
         const uint8_t *rows_at[KT];
@@ -787,7 +831,7 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
                 for (int64_t h = 0; h < hp; h++) {
                     if (h < heads) memcpy(qfi + h * dp, q + (i * heads + h) * dim, sizeof(float) * dim);
                     if (q_exact[i - i0])
-                        q_exact[i - i0] = key_pairs((const uint8_t *)(qfi + h * dp), KEYS_F32, dp, dp,
+                        q_exact[i - i0] = row_pairs((const uint8_t *)(qfi + h * dp), KEYS_F32, dp, dp,
                                                     qb + ((i - i0) * hp + h) * dp / 2);
                     wp[(i - i0) * hp + h] = h < heads ? w[i * heads + h] : 0.f;
                 }
@@ -813,44 +857,45 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
                     if (kind == KEYS_FP8) memcpy(ks + j, rows_at[j] + dim, sizeof(float));
                     else ks[j] = 1.0f;
                 }
-                int tile_exact = any_fast;  /* bf16 pairs for the fast path, fp32 rows for the others */
+                int tile_exact = any_fast;  /* bf16 pairs for the fast path, fp32 values for the others */
                 for (int64_t j = 0; j < used && tile_exact; j++)
-                    tile_exact = key_pairs(rows_at[j], kind, dim, dp, keys_b + j * dp / 2);
-                if (!tile_exact || !all_fast)
-                    for (int64_t j = 0; j < used; j++)
-                        for (int64_t d0 = 0; d0 < dim; d0 += DW)
-                            STORE(keys + j * dp + d0, key_values(rows_at[j], kind, d0, dim));
+                    tile_exact = row_pairs(rows_at[j], kind, dim, dp, rows_b + j * dp / 2);
+                if (tile_exact) tile_columns(rows_b, dp / 2, keys_b);
+                if (!tile_exact || !all_fast) tile_values(rows_at, used, kind, dim, dp, keys);
                 for (int64_t i = i0; i < i1; i++) {
                     int64_t end = counts[i] - t0 < used ? counts[i] - t0 : used;
                     if (end <= 0) continue;
-#if HAVE_DPBF16
-                    int fast = tile_exact && q_exact[i - i0];
-#endif
                     const float *qfi = qf + (i - i0) * hp * dp, *wi = wp + (i - i0) * hp;
                     float *oi = out + i * t_out + t0;
-                    for (int64_t j0 = 0; j0 < end; j0 += IK) {
-                        v4 tot = {0}, zero = {0};
-                        v4 kscale = *(const v4u *)(ks + j0) * (v4){scale, scale, scale, scale};
-                        for (int64_t h0 = 0; h0 < hp; h0 += IH) {
-                            v8 acc[IH][IK] = {{{0}}};
+                    float tot_keys[KT];
 #if HAVE_DPBF16
-                            if (fast)
-                                pair_dots_bf16(qb + ((i - i0) * hp + h0) * dp / 2, keys_b + j0 * dp / 2, dp, acc);
-                            else
+                    const int fast = tile_exact && q_exact[i - i0];
 #endif
-                                pair_dots(qfi + h0 * dp, keys + j0 * dp, dp, acc);
-                            for (int hh = 0; hh < IH; hh++) {  /* four keys at once: dot * key scale * scale */
-                                v4 sc = sum4(acc[hh][0], acc[hh][1], acc[hh][2], acc[hh][3]) * kscale;
-                                float wh = wi[h0 + hh];
-                                tot += (v4){wh, wh, wh, wh} * (v4)((v4i)sc & (sc > zero));  /* ReLU */
+                    for (int64_t j0 = 0; j0 < end; j0 += 2 * DW) {  /* 16 keys a pass, a key a lane */
+                        v8 tot[2] = {splat(0.f), splat(0.f)};
+                        const v8 kscale[2] = {LOAD(ks + j0) * splat(scale), LOAD(ks + j0 + DW) * splat(scale)};
+#if HAVE_DPBF16
+                        if (fast)
+                            for (int64_t h0 = 0; h0 < hp; h0 += IH) {
+                                v8 acc[2][IH] = {{{0}}};
+                                lane_dots_bf16(qb + ((i - i0) * hp + h0) * dp / 2, keys_b, j0, dp, acc);
+                                for (int b = 0; b < 2; b++) tot[b] = weigh_heads(acc[b], IH, kscale[b], wi + h0, tot[b]);
                             }
-                        }
-                        for (int kk = 0; kk < IK && j0 + kk < end; kk++) oi[j0 + kk] = tot[kk];
+                        else
+#endif
+                            for (int64_t h0 = 0; h0 < hp; h0 += FH) {
+                                v8 acc[2][FH] = {{{0}}};
+                                lane_dots(qfi + h0 * dp, keys, j0, dp, acc);
+                                for (int b = 0; b < 2; b++) tot[b] = weigh_heads(acc[b], FH, kscale[b], wi + h0, tot[b]);
+                            }
+                        STORE(tot_keys + j0, tot[0]);
+                        STORE(tot_keys + j0 + DW, tot[1]);
                     }
+                    memcpy(oi, tot_keys, sizeof(float) * end);
                 }
             }
         }
-        free(keys); free(keys_b); free(ks); free(qf); free(qb); free(wp);
+        free(keys); free(ks); free(rows_b); free(keys_b); free(qf); free(qb); free(wp);
     }
     free(start);
     return bad;
