@@ -8,7 +8,7 @@ fused multiply-adds, same build, same run.
 own context of C keys) with H indexer heads of 128 dims: DeepSeek's numerics put queries and keys on the FP8
 grid times a power of two, bf16 values whose products are exact, so a build for a CPU with AVX512-BF16 takes
 `vdpbf16ps`. The same queries with one value per head moved off the bf16 grid take the kernel's fused
-multiply-adds instead (the same pair order; what a CPU without the instruction runs for every query). Keys
+multiply-adds instead (the same lane order; what a CPU without the instruction runs for every query). Keys
 are bf16 rows (`--kv-cache-dtype auto`) or C8's FP8 rows (`int8`). Configurations alternate, best of
 `--repeat`; prints ms per call, GFLOP/s (2 · queries · C · H · 128) and the ratio, and saves
 bench/out/indexer.png.

@@ -800,9 +800,10 @@ int32_t index_keys(const float *q, const float *w, int64_t n, int64_t heads, int
     int32_t bad = 0;
     #pragma omp parallel num_threads(threads)
     {
-        /* a tile's keys as rows (fp32 values and bf16 pairs, zero padded) and by dim / by pair (the columns the
-           dots read; as pairs where a query may take the fast path), and a run's queries (heads padded with
-           zeros, weight 0; fp32 and bf16 pairs). Rows past a tile's end stay finite. */
+        /* a tile's keys as rows of bf16 pairs (zero padded) and as the columns the dots read (bf16 pairs by pair
+           where a query may take the fast path, fp32 values by dim for the others), and a run's queries (heads
+           padded with zeros, weight 0; fp32 and bf16 pairs). A lane past a tile's end holds some earlier key's
+           values: each lane is its own key's dot, never summed with another's, and never written out. */
         float *keys = xcalloc(KT * dp, sizeof(float)), *ks = xcalloc(KT, sizeof(float));
         uint32_t *rows_b = xcalloc(KT * dp / 2, sizeof(uint32_t)), *keys_b = xcalloc(KT * dp / 2, sizeof(uint32_t));
         uint32_t *qb = xcalloc(RUN * hp * dp / 2, sizeof(uint32_t));
