@@ -243,7 +243,7 @@ def _lane_order_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, key
     return total
 
 
-@pytest.mark.parametrize(("keys", "dim"), [("fp8", 128), ("bfloat16", 128), ("bfloat16", 72)])
+@pytest.mark.parametrize(("keys", "dim"), [("fp8", 128), ("fp8", 72), ("bfloat16", 128), ("bfloat16", 72)])
 def test_indexer_dots_take_lane_order_bit_for_bit_on_every_build(build_for, keys, dim):
     """bf16 queries and keys (DeepSeek's indexer values, on the FP8 grid times a power of two, are such) have
     exact products, so the kernel's lane-order dots (AVX512-BF16's vdpbf16ps where the build has it, fused
