@@ -106,7 +106,7 @@ def test_dense_c8_kernel_matches_dequantize_then_attend(kernels, monkeypatch, la
     # bf16 queries (the model's compute dtype on bf16 CPUs) take it too, and come back in bf16
     got16 = ops.dense_attention(query.bfloat16(), fb, pool, 0.07, latent, codec)
     assert got16.dtype == torch.bfloat16 and len(calls) == 2
-    # bf16-valued queries past one 4-head block: the tile's int8 latents widened to bf16 once, scored by vdpbf16ps
+    # bf16-valued queries: the tile's int8 latents widened to bf16 once, scored by vdpbf16ps
     q16 = query.bfloat16().float()
     kernels(False)
     want16 = ops.dense_attention(q16, fb, pool, 0.07, latent, codec)

@@ -389,7 +389,7 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
    C8's int8) in registers as they are read: no fp32 copy of the tile (twice a bf16 tile's bytes, past L1 at 576
    dims). A query whose every value is a bf16 (a bf16 model's) scores bf16 rows by vdpbf16ps where the CPU has it:
    the products exact, summed in pairs as stored (another order than the FMA chain's, to fp32 rounding; the
-   choice is the query's own, so its row does not depend on its batch); past one head block it scores C8 rows so
+   choice is the query's own, so its row does not depend on its batch); at every head count it scores C8 rows so
    too, over their int8 latents widened to bf16 once a tile (attend_tiles). */
 static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const void *pool, const RowFormat *fmt,
                    int64_t row_stride, int64_t num_slots, const int64_t *tables, int64_t table_rows,
