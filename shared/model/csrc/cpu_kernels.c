@@ -89,6 +89,11 @@ static inline v8 vexp(v8 x) {
     return (v8)(~(v8i)(x < lo) & (v8i)(y * pow2));
 }
 
+/* An 8-lane vector's sum as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): sum4's order for one vector. */
+static inline float hsum8(v8 a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
 /* One value of a bf16 or fp32 array as fp32. */
 static inline float widen(const void *p, int bf16, int64_t k) {
     if (!bf16) return ((const float *)p)[k];
@@ -337,7 +342,7 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
                     STORE(sh + j, e);
                     tot += e;
                 }
-                sum[h] += ((tot[0] + tot[1]) + (tot[2] + tot[3])) + ((tot[4] + tot[5]) + (tot[6] + tot[7]));
+                sum[h] += hsum8(tot);
             }
             /* C8: each probability times its row's group scales, once a tile (scaled [HB][groups][TILE]) */
             for (int hh = 0; kind == ROWS_C8 && hh < HB; hh++)
@@ -547,8 +552,6 @@ int32_t c8_rows_decode(const uint8_t *pool, int64_t row_stride, int64_t num_slot
 #define RUN 16   /* at most this many consecutive queries of one table row share a decoded tile */
 
 typedef float v4 __attribute__((vector_size(16)));
-typedef float v4u __attribute__((vector_size(16), aligned(4)));
-typedef int32_t v4i __attribute__((vector_size(16)));
 
 /* The sums of four 8-lane vectors, each as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): AVX's horizontal
    adds where the CPU has them, the same additions in the same order elsewhere (the same bits on every ISA). */
@@ -1023,11 +1026,6 @@ void topk_rows(const float *scores, int64_t n, int64_t width, int64_t k, int64_t
 }
 
 /* ---- MoE: routing + routed experts for a few rows ---- */
-
-/* An 8-lane vector's sum as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): sum4's order for one vector. */
-static inline float hsum8(v8 a) {
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
 
 /* The dot product of weight row w[off:off + n] (fp32, or bf16 with w_bf16) and b: fused multiply-adds in 8
    lanes, summed in hsum8's order, then the tail in order (a bf16 weight: the bits of its fp32 copy's). */
