@@ -14,15 +14,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 
 import grpc
 
-from decode_service.engine import DRAINING, FATAL, DecodeEngineClient, DecodeHandle, build_engine_core
+from decode_service.engine import DRAINING, FATAL, DecodeEngineClient, DecodeHandle, Placement, build_engine_core
 from decode_service.worker import Abort, Admit, DecodeWorker, Release
 from shared import metrics
 from shared.config import DecodeConfig, parse_flags
 from shared.engine.core import CommandError, follow
+from shared.engine.isolation import REQUEST_FAULT
 from shared.parallel.launch import join_ranks, service_state, start_instance
+from shared.protocol.limits import blocks_for
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
@@ -38,6 +41,8 @@ from shared.rpc.service import (
 
 log = logging.getLogger("pdserve.decode")
 SERVICE = "pdserve.v1.Decode"
+RESERVE_POLL_S = 0.05  # a reservation waiting for blocks looks at the ranks' loads this often
+RESERVE_DEADLINE_MARGIN_S = 0.5  # it stops waiting this long before its caller's deadline, to answer in time
 
 
 def follower_main(rank: int, cfg: DecodeConfig) -> None:
@@ -82,10 +87,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             self.coord.limits.check_length(request.num_prompt_tokens, request.max_tokens)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        total = request.num_prompt_tokens + request.max_tokens
-        placed = self.coord.reserve(request.request_id, total, request.num_prompt_tokens)
         try:
-            placement = await wait_future(placed, 60)
+            placement = await self._place(request, context)
         except CommandError as exc:
             metrics.request_done("decode", exc.code, "reserve")
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
@@ -93,6 +96,28 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         msg = placement.destination.to_proto(internal_pb2.KVDestination)
         msg.signature = self.credentials.sign(msg)  # the prefill pushes only where a decode instance vouched
         return internal_pb2.ReserveResponse(destination=msg, dp_rank=placement.rank)
+
+    async def _place(self, request, context) -> Placement:
+        """Reserve the request's blocks. A pool that is full now is asked again once a rank reports enough
+        free blocks (requests finish; a stalled push's reservation is reclaimed), for up to
+        --reserve-wait-seconds within the caller's deadline; then RESOURCE_EXHAUSTED (the router tries
+        another instance)."""
+        loop = asyncio.get_running_loop()
+        left = context.time_remaining()
+        wait = min(self.cfg.reserve_wait_seconds, math.inf if left is None else left - RESERVE_DEADLINE_MARGIN_S)
+        until = loop.time() + max(0.0, wait)
+        total = request.num_prompt_tokens + request.max_tokens
+        need = blocks_for(total, self.coord.limits.block_size)
+        while True:
+            try:
+                return await wait_future(self.coord.reserve(request.request_id, total, request.num_prompt_tokens), 60)
+            except CommandError as exc:
+                if exc.code != "RESOURCE_EXHAUSTED" or self.draining or loop.time() >= until:
+                    raise
+            while loop.time() < until and not self.draining:  # the loads are reported every engine turn
+                await asyncio.sleep(RESERVE_POLL_S)
+                if any(load.free_blocks >= need for load in self.coord.loads):
+                    break
 
     async def Release(self, request, context):
         rank = self.coord.lease_rank.pop(request.lease_id, None)
@@ -157,9 +182,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     metrics.request_done("decode", "UNAVAILABLE", "drain")
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode instance is draining: "
                                                                      "continue the request elsewhere")
-                if ev.finish_reason == "error":
+                if ev.finish_reason == "error":  # a request fault (it alone failed the step) is not migrated
                     ended = True
-                    metrics.request_done("decode", "INTERNAL", "step_error")
+                    metrics.request_done("decode", "INTERNAL",
+                                         "request_fault" if ev.error.startswith(REQUEST_FAULT) else "step_error")
                     await context.abort(grpc.StatusCode.INTERNAL, ev.error)
                 reason = ev.finish_reason if ev.finished else None
                 ended = ev.finished

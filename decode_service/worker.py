@@ -157,7 +157,8 @@ class DecodeWorker:
         self.leases = LeaseTable(kv.allocator, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
                                  cfg.lease_seconds)
         self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port + rank if cfg.kv_port else 0,
-                               advertise_host=cfg.public_host, tls=Credentials.of(cfg).ssl_context(server=True))
+                               advertise_host=cfg.public_host, tls=Credentials.of(cfg).ssl_context(server=True),
+                               stall_seconds=cfg.kv_stall_seconds)
         self.receiver = self.tcp
         if cfg.kv_transport == "mooncake":
             self.receiver = MooncakeReceiver(kv, self.tcp, cfg.public_host, cfg.mooncake_protocol,
@@ -239,15 +240,17 @@ class DecodeWorker:
             self.leases.expire()
         if self.state.is_parallel:  # a failure inside the group's collectives cannot be contained
             return [_event(ev) for ev in self.engine.step()]
-        try:
-            events = self.engine.step()
-        except Exception as exc:  # the batch's requests fail, the loop goes on
+        try:  # a request that makes the step raise fails alone (shared.engine.isolation)
+            done = self.engine.step_isolated()
+        except Exception as exc:  # a commit that raised: the batch's requests fail, the loop goes on
             log.exception("decode step failed; failing the requests of this batch")
             failed = list(self.engine.scheduler.running)
             for seq in failed:
                 self.engine.abort(seq.request_id, "error")
             return [Event(seq.request_id, -1, True, "error", f"decode step failed: {exc}") for seq in failed]
-        return [_event(ev) for ev in events]
+        return [_event(ev) for ev in done.events] + [
+            Event(f.seq.request_id, -1, True, "error", str(f.error) if f.alone else f"decode step failed: {f.error}")
+            for f in done.faults]
 
     def encode(self, report: RankReport) -> EncodedReport:
         """The turn's report as a fixed row (load integers, then up to `event_capacity` events as

@@ -28,6 +28,7 @@ from shared import metrics
 from shared.config import PrefillConfig, parse_flags
 from shared.engine import LLMEngine
 from shared.engine.core import CommandError, follow
+from shared.engine.isolation import RequestFault
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
@@ -125,6 +126,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         except asyncio.CancelledError:  # the caller went away or its deadline passed: drop the prompt
             self.engine.cancel(rid, RuntimeError("cancelled"))
             raise
+        except RequestFault as exc:  # it alone failed the step: the router does not carry it elsewhere
+            metrics.request_done("prefill", "INTERNAL", "request_fault")
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         except Exception as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
         metrics.request_done("prefill", "OK")

@@ -6,7 +6,8 @@ StepObserver: it plans each scheduled chunk's push, pushes every layer right aft
 computed (the push thread overlaps the next layer; under MTP the MTP layer's rows follow), and answers
 when a prompt completes. The step policy says how the ranks share it:
 * one rank (`Solo`): a finished push commits on its own thread and hands its blocks back to the engine
-  by command;
+  by command; a prompt that makes the step raise fails alone, the others' chunks are computed again
+  without it (shared.engine.isolation; their planned pushes are retracted and planned again);
 * local TP (`Mirror`): every rank schedules and computes the same chunks; rank 0 pushes and answers;
 * context parallel (`ContextSplit`): every rank schedules the same chunks and computes its zigzag
   pieces of each; the layers all-gather the new KV, so each rank pushes a contiguous share of the
@@ -164,7 +165,8 @@ class PrefillWorker:
         self.on_done = on_done
         self.later = later
         self.batch_tokens = 0  # tokens the last step computed (0: no step)
-        self._scheduled: list[ScheduledChunk] = []
+        self._scheduled: dict[str, ScheduledChunk] = {}  # this step's chunks by request id
+        self._prefix_planned: dict[str, bool] = {}  # the last planned chunks' jobs' prefix_sent before planning
         self._pushes: list[ChunkPush] = []
 
     # -- commands ------------------------------------------------------------------------------
@@ -223,22 +225,35 @@ class PrefillWorker:
 
     # -- the step: the engine's, observed ---------------------------------------------------------
     def step(self) -> list[Any]:
-        self.batch_tokens, self._scheduled = 0, []
+        self.batch_tokens, self._scheduled = 0, {}
         if self.policy.mirror:  # a failure inside the group's collectives cannot be contained
             self.engine.step(self)
             return []
-        try:
-            self.engine.step(self)
-        except Exception as exc:  # fail these requests, keep serving
+        try:  # a prompt that makes the step raise fails alone (shared.engine.isolation)
+            done = self.engine.step_isolated(self)
+        except Exception as exc:  # a commit that raised: fail these requests, keep serving
             log.exception("prefill step failed")
-            for c in self._scheduled:
-                self._fail(c.seq.request_id, exc)
+            for rid in list(self._scheduled):
+                self._fail(rid, exc)
+            return []
+        for fault in done.faults:  # aborted by the engine: their pushes and callers are let go here
+            self._fail(fault.seq.request_id, fault.error)
         return []
 
     def scheduled(self, chunks: list[ScheduledChunk]) -> None:
-        self._scheduled = chunks
-        self.batch_tokens = sum(c.num_tokens for c in chunks)
+        """Plan the chunks' pushes (a retried step plans a part of its chunks again: `retracted`)."""
+        self._scheduled.update((c.seq.request_id, c) for c in chunks)
+        self.batch_tokens += sum(c.num_tokens for c in chunks)
+        self._prefix_planned = {c.seq.request_id: self.jobs[c.seq.request_id].prefix_sent for c in chunks}
         self._pushes = [self._plan(c) for c in chunks]
+
+    def retracted(self, chunks: list[ScheduledChunk]) -> None:
+        """Their compute raised: a retry sends their layers again, prefix blocks included."""
+        self.batch_tokens -= sum(c.num_tokens for c in chunks)
+        for rid, sent in self._prefix_planned.items():
+            if rid in self.jobs:
+                self.jobs[rid].prefix_sent = sent
+        self._pushes = []
 
     def layer_done(self, layer: int) -> None:
         for p in self._pushes:

@@ -593,4 +593,10 @@ class DecodeConfig(ServiceConfig):
     speculative_max_draft_tokens: int = same_as(EngineConfig, "speculative_max_draft_tokens")
     kv_port: int = flag(0, "TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
     lease_seconds: float = flag(30.0, "unused reservations expire after this")
+    kv_stall_seconds: float = flag(3.0, "a KV write being received that gets no byte this long is dropped and its "
+                                        "reservation's blocks freed at once (a write whose reservation is released "
+                                        "meanwhile is dropped at once)", bounds=(0.1, None))
+    reserve_wait_seconds: float = flag(5.0, "a reservation that finds the KV pool full waits up to this long for "
+                                            "blocks to free (within its caller's deadline) before it is refused "
+                                            "with RESOURCE_EXHAUSTED (0: refused at once)", bounds=(0.0, None))
     max_num_seqs: int = same_as(EngineConfig, "max_num_seqs")

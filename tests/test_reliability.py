@@ -231,45 +231,110 @@ def test_zero_length_writes_marks_and_bad_lease_ids_are_refused(receiver):
     assert lease.missing == leases.num_layers * 2 and lease.writers == 0
 
 
+def _open_write(rx: TcpReceiver, kv: KVCache, lease) -> socket.socket:
+    """A connection that starts a 2-block write of layer 0 and sends half its payload, then nothing."""
+    from shared.transfer.base import block_bytes
+
+    size = 2 * block_bytes(kv.layout, "mla")
+    s = socket.create_connection(("127.0.0.1", rx.port), timeout=30)
+    s.sendall(_frame(lease.lease_id.encode(), lease.token, count=2, nbytes=size) + bytes(size // 2))
+    assert wait_for(lambda: lease.writers == 1)
+    return s
+
+
+@pytest.mark.parametrize("how", ["stall", "release", "peer_gone"])
+def test_no_lease_outlives_its_writer(receiver, monkeypatch, how):
+    """A write open mid-frame: a writer that goes silent for the receiver's stall_seconds, a lease released
+    under it (the router let go: its prefill failed), or a peer that goes mid-frame: the blocks are free again
+    long before the connection's idle timeout (made huge here) or the lease's expiry (30 s), and a stalled
+    writer is told why."""
+    import shared.transfer.tcp as tcp
+
+    kv, leases, rx = receiver
+    monkeypatch.setattr(tcp, "IDLE_TIMEOUT", 600.0)
+    rx.stall_seconds = 0.5 if how == "stall" else 600.0
+    free = kv.allocator.num_free
+    lease = leases.reserve("a", 16, prompt_tokens=16)
+    with _open_write(rx, kv, lease) as s:
+        if how == "release":
+            assert leases.release(lease.lease_id)
+        elif how == "peer_gone":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()  # RST mid-frame
+        assert wait_for(lambda: kv.allocator.num_free == free, timeout=20), how
+        assert lease.lease_id not in leases and lease.writers == 0 and not lease.covered
+        if how == "stall":
+            status, message = read_reply(s)
+            assert status != 0 and "no byte for 0.5 s" in message
+            assert leases.drain_expired() == [lease.lease_id]  # the front forgets its routing
+            assert rx.abandoned == 1
+
+
 # --- engine failures and stop signals ---------------------------------------------------------------
 
 def test_decode_step_failure_fails_only_that_batch(model_dir):
-    """A step that raises fails its requests with an error and the loop goes on; a loop that cannot go on
-    ends every stream with the FATAL marker and reports itself (NOT_SERVING, exit) through on_fatal."""
+    """A step that raises fails only the request that makes it raise (the batch is bisected down to it;
+    its error says "request fault", which the router does not migrate) and the loop goes on; a loop that
+    cannot go on ends every stream with the FATAL marker and reports itself (NOT_SERVING, exit) through
+    on_fatal."""
     from decode_service.engine import FATAL, DecodeEngineCore
     from decode_service.server import DecodeConfig
     from decode_service.worker import DecodeWorker
     from shared.engine.core import EngineCommand
+    from shared.engine.isolation import REQUEST_FAULT
+    from shared.engine.step import Poison
     from shared.parallel import ParallelState
 
     me = DecodeWorker(DecodeConfig(model=str(model_dir), dtype="float32", block_size=4, kv_cache_tokens=256), 0,
                     ParallelState.single())
     fatal: list[str] = []
     coord = DecodeEngineCore(me, on_fatal=fatal.append)
-    try:
-        seq = me.engine.make_sequence([5, 6, 7], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), "r1")
-        seq.block_table = me.engine.kv.allocator.allocate(15)
-        stream = coord.open_stream("r1")
-        real_step = me.engine.step
-        calls = {"n": 0}
 
-        def flaky() -> list:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("injected step failure")
-            return real_step()
+    def admit(rid: str, prompt: list[int], max_tokens: int = 50):
+        seq = me.engine.make_sequence(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                                      rid)
+        seq.block_table = me.engine.kv.allocator.allocate(-(-(len(prompt) + max_tokens) // 4))
+        return seq
 
-        me.engine.step = flaky
-        coord.submit(EngineCommand(), 0)  # unknown command kinds are answered, not fatal
-        me.engine.add_prefilled(seq, 9)
+    def events_of(stream) -> list:
         events = []
         while (ev := stream.get(timeout=30)) is not None:
             events.append(ev)
             if ev.finished:
                 break
+        return events
+
+    try:
+        seq = admit("r1", [5, 6, 7])
+        stream = coord.open_stream("r1")
+        real_forward = me.engine.policy.forward
+        calls = {"n": 0}
+
+        def flaky(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected step failure")
+            return real_forward(*args, **kwargs)
+
+        me.engine.policy.forward = flaky
+        coord.submit(EngineCommand(), 0)  # unknown command kinds are answered, not fatal
+        me.engine.add_prefilled(seq, 9)
+        events = events_of(stream)
         assert events[-1].finish_reason == "error" and "injected" in events[-1].error
+        assert events[-1].error.startswith(REQUEST_FAULT)  # the engine computes (its probe did): the request's fault
         assert wait_for(lambda: me.engine.kv.allocator.num_free == me.engine.kv.num_blocks)
         assert coord._thread.is_alive() and not fatal  # the loop went on
+
+        me.engine.poison = Poison(((333, 4),))  # r3 raises from its fourth token on; r4 beside it must not care
+        streams = {rid: coord.open_stream(rid) for rid in ("r3", "r4")}
+        for rid, prompt in (("r3", [5, 333, 7]), ("r4", [5, 6, 8])):
+            me.engine.add_prefilled(admit(rid, prompt, 20), 9)
+        got = {rid: events_of(q) for rid, q in streams.items()}
+        assert got["r3"][-1].finish_reason == "error" and got["r3"][-1].error.startswith(REQUEST_FAULT)
+        assert len(got["r3"]) == 3 + 1  # three tokens, then the error
+        assert got["r4"][-1].finish_reason == "length" and len(got["r4"]) == 20 - 1  # the first came with admit
+        assert wait_for(lambda: me.engine.kv.allocator.num_free == me.engine.kv.num_blocks)
+        me.engine.poison = None
 
         stream2 = coord.open_stream("r2")
         me.load = lambda: (_ for _ in ()).throw(RuntimeError("loop broken"))  # the loop itself fails

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -19,10 +18,22 @@ import shared.model.cpu_kernels as cpu_kernels
 import shared.model.int8_kernels as int8_kernels
 from shared.config import EngineConfig
 from shared.device import compute_dtype, get_device
+from shared.engine.isolation import IsolatedStep, isolate
 from shared.engine.policy import policy_for
-from shared.engine.sampler import SamplingParams, sample, token_logprobs
+from shared.engine.sampler import SamplingParams, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
 from shared.engine.speculative import CatchUp, Draft, MtpSpeculator, SpecStats
+from shared.engine.step import (
+    Committed,
+    Computed,
+    Fault,
+    Poison,
+    StepEvent,
+    StepObserver,
+    mask_verification,
+    note_logprobs,
+    note_prompt_logprobs,
+)
 from shared.engine.structured import Grammars, MaskRow
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
@@ -34,8 +45,6 @@ from shared.protocol.limits import RequestLimits
 from shared.protocol.sampling import TokenLogprob
 from shared.protocol.structured import ConstraintCompiler
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
-
-PROMPT_LOGPROBS_TILE = 64  # prompt rows log-softmaxed at once (each a vocabulary of fp32 values)
 
 
 @dataclass
@@ -52,33 +61,6 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass
-class StepEvent:
-    """What one step produced for one request: a new token (maybe the last). Text is made by the
-    consumer (OutputProcessor), off the engine thread."""
-
-    seq: Sequence
-    token_id: int
-    finished: bool
-    logprob: TokenLogprob | None = None  # with params.logprobs
-
-
-class StepObserver(Protocol):
-    """What a service plugs into the engine's step body (a prefill: KV pushed layer by layer, an answer
-    when a prompt completes). With an observer, a finished request's blocks stay until `finished` has
-    seen them (the observer may take them: `seq.block_table = []`), and under MTP its MTP rows are
-    computed too."""
-
-    def scheduled(self, chunks: list[ScheduledChunk]) -> None:
-        """Before the forward: this step's chunks."""
-
-    def layer_done(self, layer: int) -> None:
-        """Layer `layer`'s KV of this step's chunks is in their blocks (the MTP layer's last)."""
-
-    def finished(self, seqs: list[Sequence]) -> None:
-        """Requests this step finished, their last token appended, before their blocks are freed."""
 
 
 class LLMEngine:
@@ -128,6 +110,7 @@ class LLMEngine:
         # parallel ranks keep one scratch block for dummy batches (DP idle ranks, empty CP shares)
         self.scratch_blocks: list[int] | None = self.kv.allocator.allocate(1) if self.parallel.is_parallel else None
         self.stepped = False  # whether the last step() ran a forward (a dummy one included)
+        self.poison = Poison.from_env()  # fault injection for tests (off unless $PDSERVE_FAULT_POISON is set)
         int8 = any(p.dtype == torch.int8 for p in self.model.parameters())  # W8A8 weights take the int8 kernels
         self.kernel_build_seconds = cpu_kernels.prepare(self.model, *([int8_kernels.library] if int8 else []))
         if not self.parallel.is_parallel:
@@ -269,6 +252,18 @@ class LLMEngine:
     def step(self, observer: StepObserver | None = None) -> list[StepEvent]:
         """One step of this rank (every rank of a parallel instance calls it together): schedule, then
         the step body (`step_chunks`), or a dummy forward where the policy needs this rank to take part."""
+        chunks = self._schedule()
+        return self.step_chunks(chunks, observer) if chunks else []
+
+    def step_isolated(self, observer: StepObserver | None = None) -> IsolatedStep:
+        """`step` where a failing compute fails only the requests that cause it (shared.engine.isolation):
+        the step's events, and the requests it failed (already aborted here). One rank only: a parallel
+        instance's ranks could not retry their collectives apart."""
+        chunks = self._schedule()
+        return isolate(self, chunks, observer) if chunks else IsolatedStep()
+
+    def _schedule(self) -> list[ScheduledChunk]:
+        """This step's chunks ([]: none; a dummy forward has run where the policy wants this rank in it)."""
         self.stepped = False
         chunks = self.scheduler.schedule() if self.has_work else []
         if not self.policy.wants_step(bool(chunks)):
@@ -276,8 +271,7 @@ class LLMEngine:
         self.stepped = True
         if not chunks:
             self.dummy_step()
-            return []
-        return self.step_chunks(chunks, observer)
+        return chunks
 
     def dummy_step(self) -> None:
         """A one-token forward into a scratch block, for a parallel rank with nothing to do: every
@@ -299,60 +293,87 @@ class LLMEngine:
         The policy (shared.engine.policy) says how the ranks forward together; the speculator (MTP) adds
         each decode's drafts to the forward, verifies them instead of sampling, and catches its own layer
         up over the positions the step made final; the observer (prefill) plans its pushes, gets every
-        layer as it is computed and the finished requests before their blocks are freed."""
+        layer as it is computed and the finished requests before their blocks are freed. A request whose
+        token cannot be recorded raises here after the others' are (step_isolated fails it alone)."""
         if not chunks:
             return []
+        done = self.commit_chunks(self.compute_chunks(chunks, observer), observer)
+        if done.faults:
+            raise done.faults[0].error
+        return done.events
+
+    def compute_chunks(self, chunks: list[ScheduledChunk], observer: StepObserver | None = None) -> Computed:
+        """The step's forward, then its sampling (or MTP verification). A raise leaves the drafts where they
+        were and nothing committed (see shared.engine.step)."""
         if observer is not None:
             observer.scheduled(chunks)
         layer_done = observer.layer_done if observer is not None else None
         spec = self.speculator
         drafts = spec.take_drafts(chunks) if spec is not None else [None] * len(chunks)
-        batch = [self._seq_chunk(c, d) for c, d in zip(chunks, drafts, strict=True)]
-        starts = [c.seq.num_cached for c in chunks]
-        if spec is None:
-            logits, hidden = self.policy.forward(self, batch, layer_done), None
+        try:
+            batch = [self._seq_chunk(c, d) for c, d in zip(chunks, drafts, strict=True)]
+            if self.poison is not None:
+                self.poison.check(chunks)
+            if spec is not None:
+                logits, hidden = self.policy.forward(self, batch, layer_done, return_hidden=True)
+                mask_verification(self.grammars, chunks, drafts, logits)
+                return Computed(chunks, drafts, batch, [c.seq.num_cached for c in chunks],
+                                spec.verify(chunks, drafts, logits), hidden)
+            logits = self.policy.forward(self, batch, layer_done)
             if any(sc.num_logits > 1 for sc in batch):  # prompt-logprobs chunks: logits of every token
-                logits = self._note_prompt_logprobs(chunks, batch, logits)
+                logits = note_prompt_logprobs(chunks, batch, logits)
             tokens = self.sample(chunks, logits)
-            self._note_logprobs([c.seq for c in chunks if c.completes], logits, tokens)
-            sampled = [[token] for token in tokens]
-        else:
-            logits, hidden = self.policy.forward(self, batch, layer_done, return_hidden=True)
-            self._mask_verification(chunks, drafts, logits)
-            sampled = spec.verify(chunks, drafts, logits)
-        new_tokens = iter(sampled)
+            note_logprobs([c.seq for c in chunks if c.completes], logits, tokens)
+        except BaseException:
+            if spec is not None:  # still valid: nothing moved
+                spec.drafts.update({c.seq.request_id: d for c, d in zip(chunks, drafts, strict=True) if d})
+            raise
+        return Computed(chunks, drafts, batch, [c.seq.num_cached for c in chunks], [[t] for t in tokens])
+
+    def commit_chunks(self, step: Computed, observer: StepObserver | None = None) -> Committed:
+        """Append the computed tokens, finish the requests that stop, catch the MTP layer up, tell the
+        observer. A request whose token cannot be recorded fails alone (Committed.faults; the caller
+        aborts it), its tokens of this step dropped."""
+        chunks, spec = step.chunks, self.speculator
+        new_tokens = iter(step.sampled)
         per_chunk = [next(new_tokens) if c.completes else [] for c in chunks]
-        for c, start, tokens in zip(chunks, starts, per_chunk, strict=True):
+        for c, start, tokens in zip(chunks, step.starts, per_chunk, strict=True):
             c.seq.num_cached = start + c.num_tokens + max(len(tokens) - 1, 0)  # accepted drafts are cached
         if spec is None:
             self._register([c.seq for c in chunks])
         # A finished request's blocks are freed at once, unless an observer takes its KV (a prefill
         # pushes it, the MTP layer's rows too): then once the observer has seen it.
         keep = observer is not None
-        events: list[StepEvent] = []
-        finished: list[Sequence] = []
+        out, finished = Committed(), []
         for c, tokens in zip(chunks, per_chunk, strict=True):
-            for token in tokens:
-                events.append(self._record_token(c.seq, token, retire=not keep))
-                if events[-1].finished:
-                    finished.append(c.seq)
-                    break
+            mine = []
+            try:
+                for token in tokens:
+                    mine.append(self._record_token(c.seq, token, retire=not keep))
+                    if mine[-1].finished:
+                        finished.append(c.seq)
+                        break
+            except Exception as exc:  # this request's alone: the others' tokens stand
+                out.faults.append(Fault(c.seq, exc))
+                continue
+            out.events += mine
         if spec is not None:
+            failed = {id(f.seq) for f in out.faults}
             entries, offset = [], 0
-            for c, sc, start in zip(chunks, batch, starts, strict=True):
+            for c, sc, start in zip(chunks, step.batch, step.starts, strict=True):
                 done = c.seq.finish_reason is not None
-                if keep or not done:
+                if (keep or not done) and id(c.seq) not in failed:
                     entries.append(CatchUp(c.seq, start, offset, drafts=not done))
                 offset += len(sc.token_ids)
-            spec.catch_up(entries, hidden)
-            if layer_done is not None:
-                layer_done(self.model_config.num_hidden_layers)  # the MTP layer's rows of these blocks
+            spec.catch_up(entries, step.hidden)
+            if observer is not None:
+                observer.layer_done(self.model_config.num_hidden_layers)  # the MTP layer's rows of these blocks
             self._register([e.seq for e in entries])  # once final and their MTP rows written
         if observer is not None and finished:
             observer.finished(finished)
         for seq in finished if keep else []:
             self._retire(seq)
-        return events
+        return out
 
     def has_request(self, request_id: str) -> bool:
         """The request is queued or running here (not finished, not aborted)."""
@@ -366,53 +387,6 @@ class LLMEngine:
             return SeqChunk(tokens, start, seq.block_table, num_logits=len(tokens))
         return SeqChunk(tokens, start, seq.block_table, need_logits=c.completes,
                         num_logits=1 + len(draft.tokens) if draft else 1, generated=seq.generated_from(start))
-
-    @staticmethod
-    def _note_logprobs(done: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
-        """The sampled tokens' logprobs of the requests that asked for them, kept on the request."""
-        rows = [i for i, s in enumerate(done) if s.params.logprobs is not None]
-        if rows:
-            index = torch.tensor(rows, device=logits.device)
-            lps = token_logprobs(logits[index], [tokens[i] for i in rows], [done[i].params.logprobs for i in rows])
-            for i, lp in zip(rows, lps, strict=True):
-                done[i].logprobs.append(lp)
-
-    def _mask_verification(self, chunks: list[ScheduledChunk], drafts: list[Draft | None], logits: torch.Tensor
-                           ) -> None:
-        """Constrained requests' verification rows masked by their grammar, each draft row by the state after
-        the drafts before it: a draft the grammar refuses is rejected, the output is constrained decoding's."""
-        rows, row = [], 0
-        for c, draft in zip(chunks, drafts, strict=True):
-            if not c.completes:
-                continue
-            tokens = tuple(draft.tokens) if draft else ()
-            if c.seq.grammar is not None:
-                rows.append(MaskRow(c.seq.grammar, row, tokens))
-            row += 1 + len(tokens)
-        self.grammars.mask(logits, rows)
-
-    @staticmethod
-    def _note_prompt_logprobs(chunks: list[ScheduledChunk], batch: list[SeqChunk], logits: torch.Tensor
-                              ) -> torch.Tensor:
-        """Keep the prompt logprobs of the chunks that computed every token's logits (row j of a chunk from
-        position s is token s + j + 1's distribution); the completing chunks' last rows, for sampling."""
-        last_rows, row = [], 0
-        for c, sc in zip(chunks, batch, strict=True):
-            if not sc.need_logits:
-                continue
-            if sc.num_logits > 1:
-                seq, start = c.seq, sc.start_pos
-                known = len(seq.prompt_token_ids) - 1 - start  # rows whose next token is still in the prompt
-                targets = seq.prompt_token_ids[start + 1 : start + 1 + min(known, sc.num_logits)]
-                del seq.prompt_logprobs[start:]  # a recompute after preemption writes them again
-                for a in range(0, len(targets), PROMPT_LOGPROBS_TILE):  # log-softmax a tile of rows at a time
-                    part = targets[a : a + PROMPT_LOGPROBS_TILE]
-                    seq.prompt_logprobs += token_logprobs(logits[row + a : row + a + len(part)], part,
-                                                          [seq.params.prompt_logprobs] * len(part))
-            row += sc.num_logits
-            if c.completes:
-                last_rows.append(row - 1)
-        return logits[torch.tensor(last_rows, dtype=torch.long, device=logits.device)]
 
     def _register(self, seqs: list[Sequence]) -> None:
         """Register the requests' newly completed blocks in the prefix cache."""

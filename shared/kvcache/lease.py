@@ -2,7 +2,8 @@
 
 A lease holds blocks for one request until the decode step claims them. Every write must name a live
 lease and carry its random token; a lease nobody claims expires and frees its blocks; release frees
-at once (prefill failure, client cancel). All methods are thread-safe (gRPC and receiver threads).
+at once (prefill failure, client cancel); a receiver abandons a lease whose writer stalled or went
+mid-write. All methods are thread-safe (gRPC and receiver threads).
 
 Leases are fences: a write holds its lease from `begin_write` to `end_write`; a lease released or
 expired meanwhile leaves the table at once (no new writes, no claim) but its blocks are freed only
@@ -171,16 +172,31 @@ class LeaseTable:
             self.allocator.free(lease.blocks)
         return lease is not None
 
+    def abandon(self, lease_id: str) -> bool:
+        """Its writer stalled or went mid-write, so the push cannot complete: the lease leaves the table
+        now (its blocks are freed as soon as the writes in flight end) and is reported with the expired
+        ones (`drain_expired`, so a front forgets its routing). Whether it was still held."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            free = lease is not None and self._retire(lease)
+            if lease is not None:
+                self._expired.append(lease_id)
+        if lease is not None:
+            self._ended([lease])
+        if free:
+            self.allocator.free(lease.blocks)
+        return lease is not None
+
     def expire(self, now: float | None = None) -> int:
         """Free every lease past its deadline; returns how many."""
         now = time.monotonic() if now is None else now
         with self._lock:
             dead = [lease for lease in self._leases.values() if now > lease.expires_at]
             freeable = [lease for lease in dead if self._retire(lease)]
+            self._expired.extend(lease.lease_id for lease in dead)
         self._ended(dead)
         for lease in freeable:
             self.allocator.free(lease.blocks)
-        self._expired.extend(lease.lease_id for lease in dead)
         return len(dead)
 
     def overdue(self, now: float | None = None) -> list[str]:

@@ -10,43 +10,80 @@ layer of every cache kind has arrived.
 Frame header (network order): magic "PDKV", version, type (1 WRITE, 2 COMMIT, 3 MARK, 4 TOUCH, 5 SYNC), lease id
 (32 ascii), token (16), layer (u16), kind (u8: 0 mla, 1 index), first block (u32), block count (u32),
 payload bytes (u64). A WRITE payload is `count` ≥ 1 whole blocks of that layer and kind; the write
-holds its lease until the last byte landed (a lease released meanwhile frees its blocks only then).
+holds its lease until the last byte landed (a lease released meanwhile frees its blocks only then);
+a write that gets no byte for the receiver's `stall_seconds`, or whose peer goes mid-frame, abandons its
+lease (its blocks freed at once: the push cannot complete), and a write whose lease is released or
+expires meanwhile is dropped within WRITE_POLL_SECONDS, so no lease outlives its writer.
 TOUCH (no payload) keeps a lease alive while its prompt waits in the prefill queue or computes (an
 idle push sends one every KVPush.keepalive_seconds). MARK (no payload) reports blocks written
 one-sidedly by Mooncake and is accepted only by a receiver that serves as Mooncake's control
 channel. SYNC (no payload) is answered once every earlier frame of the connection has landed: a CP
 rank that does not commit waits for it before telling the committing rank it is done. A commit
-holds only when every block of every layer and kind was written. Connections idle
+holds only when every block of every layer and kind was written. Connections idle between frames
 past IDLE_TIMEOUT are closed; at most MAX_CONNECTIONS at a time.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from shared.config import PrefillConfig, knob_default
+from shared.config import DecodeConfig, PrefillConfig, knob_default
 from shared.device import on_host
 from shared.kvcache import KVCache
-from shared.kvcache.lease import LeaseError, LeaseTable
+from shared.kvcache.lease import Lease, LeaseError, LeaseTable
 from shared.rpc.certs import TLS_SERVER_NAME
 from shared.transfer.base import Destination, KVPush, KVReceiver, KVSender, TransferError, block_bytes, pool_of
 
+log = logging.getLogger("pdserve.transfer")
 MAGIC, VERSION = b"PDKV", 1
 WRITE, COMMIT, MARK, TOUCH, SYNC = 1, 2, 3, 4, 5
 KINDS = ("mla", "index")
 HEADER = struct.Struct("!4sBB32s16sHBIIQ")
 OK, REFUSED = 0, 1
 CONNECT_TIMEOUT = 5.0
-IDLE_TIMEOUT = 10.0  # a peer silent this long (between or inside frames) is disconnected; pushes touch every 2 s
+IDLE_TIMEOUT = 10.0  # a peer silent this long between frames is disconnected; pushes touch every 2 s
 MAX_CONNECTIONS = 256
 STALL_SECONDS = knob_default(PrefillConfig, "kv_stall_seconds")  # a push without progress this long fails
+RECEIVE_STALL_SECONDS = knob_default(DecodeConfig, "kv_stall_seconds")  # a write without a byte this long is dropped
+WRITE_POLL_SECONDS = 0.2  # a write in progress looks at its lease (released? stalled?) at least this often
+
+
+class WriteStalled(ConnectionError):
+    """A write's payload stopped arriving, or its lease was released or expired under it."""
+
+
+class Arrival:
+    """A write's payload as it arrives: each wait for bytes is short (WRITE_POLL_SECONDS), so a write
+    whose lease died lets go at once and one that gets no byte for `stall_seconds` is given up."""
+
+    def __init__(self, conn: socket.socket, lease: Lease, stall_seconds: float):
+        self.conn, self.lease, self.stall = conn, lease, stall_seconds
+        self.last = time.monotonic()
+
+    def recv_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            try:
+                n = self.conn.recv_into(view[got:])
+            except TimeoutError:  # socket.timeout; TLS reads raise it too
+                if self.lease.dead:
+                    raise WriteStalled("its lease was released or expired during the write") from None
+                if time.monotonic() - self.last > self.stall:
+                    raise WriteStalled(f"no byte for {self.stall:g} s in the middle of a write") from None
+                continue
+            if n == 0:
+                raise ConnectionError("peer closed mid-frame")
+            got += n
+            self.last = time.monotonic()
 
 
 class PoolBytes:
@@ -142,8 +179,10 @@ class TcpReceiver(KVReceiver):
     transport = "tcp"
 
     def __init__(self, kv: KVCache, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
-                 advertise_host: str | None = None, tls: ssl.SSLContext | None = None):
-        self.kv, self.leases, self.tls = kv, leases, tls
+                 advertise_host: str | None = None, tls: ssl.SSLContext | None = None,
+                 stall_seconds: float = RECEIVE_STALL_SECONDS):
+        self.kv, self.leases, self.tls, self.stall_seconds = kv, leases, tls, stall_seconds
+        self.abandoned = 0  # leases given up because their writer stalled or went mid-write (logged, counted)
         self._pools = pool_bytes(kv)
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
         self.port = self._sock.getsockname()[1]
@@ -234,12 +273,29 @@ class TcpReceiver(KVReceiver):
             pool = self._pools.get(kind)
             if pool is None or nbytes != count * pool.block_bytes:
                 return f"write of {count} blocks carries {nbytes} bytes"
-            pool.receive(lambda view: _recv_exact_into(conn, view), layer, lease.blocks[first : first + count])
+            self._receive(conn, pool, lease, layer, first, count)
             self.bytes_received += nbytes
             ok = True
             return True
+        except WriteStalled as exc:
+            return f"KV write given up: {exc}; its reservation is released"
         finally:
             self.leases.end_write(lease, layer, kind, first, count, ok)
+
+    def _receive(self, conn: socket.socket, pool: PoolBytes, lease: Lease, layer: int, first: int, count: int) -> None:
+        """A write's payload into its lease's blocks. A writer that stalls or goes mid-write abandons the
+        lease: the push cannot complete, so its blocks are freed as this write ends, not at its expiry."""
+        conn.settimeout(min(WRITE_POLL_SECONDS, self.stall_seconds))
+        try:
+            pool.receive(Arrival(conn, lease, self.stall_seconds).recv_into, layer, lease.blocks[first : first + count])
+        except (ConnectionError, OSError) as exc:  # WriteStalled included
+            if self.leases.abandon(lease.lease_id):
+                self.abandoned += 1
+                log.warning("KV write into lease %s (request %s) given up: %s; its %d blocks are freed",
+                            lease.lease_id, lease.request_id, exc or type(exc).__name__, len(lease.blocks))
+            raise
+        finally:
+            conn.settimeout(IDLE_TIMEOUT)
 
     @staticmethod
     def _reply(conn: socket.socket, status: int, message: str) -> None:
