@@ -49,11 +49,14 @@ class ReasoningSplitter:
 class ReplyParser:
     """One request's output text → ReplyDelta pieces. With neither thinking nor tools the text passes
     as it is; otherwise the router asked the engine to keep special tokens (to find `</think>` and the
-    end of the calls) and they are taken out here."""
+    end of the calls) and they are taken out here. `forced` (tool_choice required or a function's name:
+    a grammar makes the answer nothing but calls): the answer has no content, so a reply cut by
+    max_tokens inside a call tag leaks no piece of it."""
 
-    def __init__(self, thinking: bool, tools: Sequence[ToolFunction] | None):
+    def __init__(self, thinking: bool, tools: Sequence[ToolFunction] | None, forced: bool = False):
         self.splitter = ReasoningSplitter() if thinking else None
         self.tools = ToolCallParser(tools) if tools is not None else None
+        self.forced = forced  # a forced call (tool_choice required / a name): the answer is calls only
         self.call_ids: dict[int, str] = {}
 
     @property
@@ -72,7 +75,8 @@ class ReplyParser:
                 rest = self.tools.finish()
                 parsed.content += rest.content
                 parsed.tool_calls += rest.tool_calls
-            out.content, out.tool_calls = parsed.content, parsed.tool_calls
+            # a forced call's grammar leaves no room for content: any is a call tag cut short by max_tokens
+            out.content, out.tool_calls = "" if self.forced else parsed.content, parsed.tool_calls
             for delta in out.tool_calls:
                 new = delta.index not in self.call_ids
                 if new:

@@ -265,6 +265,8 @@ class ToolCallParser:
       no call of it was emitted yet, else from the offending text — is content, as is everything
       after. Nothing the model wrote is dropped and no call names a function the client lacks.
     * A string="false" value that is not JSON becomes a JSON string of its text.
+    * A reply cut inside a value (max_tokens) keeps the value's text up to the cut, less a closing
+      `</｜DSML｜parameter>` tag cut short: no piece of a tag reaches the arguments.
     """
 
     def __init__(self, tools: Sequence[ToolFunction] | None = None):
@@ -381,7 +383,7 @@ class ToolCallParser:
         buf = self._buf
         p = buf.find(PARAMETER_CLOSE)
         piece, rest = (buf[:p], buf[p + len(PARAMETER_CLOSE):]) if p >= 0 else (buf, "")
-        keep = 0 if p >= 0 or final else _held(buf, (PARAMETER_CLOSE,))
+        keep = 0 if p >= 0 else _held(buf, (PARAMETER_CLOSE,))  # at the end: a closing tag cut short, dropped
         piece, held = piece[: len(piece) - keep], piece[len(piece) - keep:]
         if self._state == _STRING:
             out._call(self._index, _escape(piece) + ('"' if p >= 0 else ""))
@@ -392,7 +394,7 @@ class ToolCallParser:
         if p >= 0:
             self._buf, self._state = rest, _INVOKE
             return True
-        self._buf = held
+        self._buf = "" if final else held
         if final:
             self._give_up(out)
         return False
