@@ -55,6 +55,7 @@ from pathlib import Path
 import grpc
 
 from bench.common import OUT, ROOT, pct, table
+from bench.trace_replay import TRACE, TRACE_SOURCE
 from router.autoscale import Autoscaler, Bounds, Observation
 from router.cli import Cluster, LocalAutoscaler, up_cluster
 from router.perf import PerfModel
@@ -62,7 +63,6 @@ from router.planner import goodput
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 DEMO = str(ROOT / "models" / "demo-v32")
-TRACE = ROOT.parent / "shared" / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
 VOCAB = 4096  # the demo model's; prompts use ids 2 .. VOCAB - 1 (0 and 1 are BOS / EOS)
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.2  # the autoscaler's default targets too
 
@@ -357,6 +357,8 @@ def rate_at(t: float, base: float, factor: float, phases=PHASES) -> float:
 
 def trace_requests(n: int, seed: int) -> list[tuple[list[int], int]]:
     """The trace's first `n` requests in order: each hash id a fixed random block of BLOCK tokens."""
+    if not TRACE.is_file():
+        raise SystemExit(f"{TRACE}: no such file (the repository ships it; it is {TRACE_SOURCE})")
     out = []
     with open(TRACE) as f:
         for line in f:

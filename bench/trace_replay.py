@@ -94,6 +94,7 @@ import json
 import math
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 from bench.common import OUT, ROOT, table
 from router.autoscale import AutoscaleConfig, Autoscaler, Bounds, Observation, Target
@@ -101,7 +102,11 @@ from router.perf import PerfModel
 from router.planner import TraceRequest, TraceResult, load_trace, simulate_trace
 from shared.config import knob_default
 
-TRACE = ROOT.parent / "shared" / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
+# The trace, vendored with its license (Apache-2.0, bench/data/mooncake-fast25/LICENSE-APACHE): 3 MB of
+# token counts and hashed prefix blocks, no text.
+TRACE = ROOT / "bench" / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
+TRACE_SOURCE = ("github.com/kvcache-ai/Mooncake, FAST25-release/traces/conversation_trace.jsonl "
+                "(Apache-2.0)")
 
 # --- the published figures (see the docstring) -------------------------------------------------------------
 LAYERS, HEADS, QK_DIM, V_DIM, KV_LATENT = 61, 128, 192, 128, 576  # DeepSeek-V3 [V3]
@@ -196,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--global-cache", action="store_true", help="one unlimited prefix cache pool instead of HBM")
     ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     a = ap.parse_args(argv)
+    if not Path(a.trace).is_file():
+        ap.error(f"--trace {a.trace}: no such file (the repository ships it at {TRACE.relative_to(ROOT)}; "
+                 f"it is {TRACE_SOURCE})")
     requests = scale_trace(load_trace(a.trace, minutes=a.minutes), a.scale)
     perf = deepseek_v3_h800()
     args = {"ttft_s": a.ttft_s, "tpot_s": a.tpot_ms / 1e3, "min_m": a.min_m, "max_m": a.max_m, "max_n": a.max_n,

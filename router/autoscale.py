@@ -4,13 +4,29 @@ with hysteresis, so a pool grows at once when the load needs it and shrinks only
 stayed low for a while (a scale-down drains its instance: its requests move, none is lost).
 
 The controller is pure (observations in, targets out). The router runs it (`--autoscale MIN:MAX`) on its
-own counters and exports the decision as `pdserve_router_desired_instances{pool}`: `pdserve up` starts
-and drains local instances to it, the chart's KEDA ScaledObjects scale each pool to it; the planner's
-trace replay runs the same controller against simulated time.
+counters and exports the decision as `pdserve_router_desired_instances{pool}`: `pdserve up` starts and
+drains local instances to it, the chart's KEDA ScaledObjects scale each pool to it; the planner's trace
+replay runs the same controller against simulated time. A decode instance of D DP ranks is planned as D
+ranks' batches (`ranks`, the router's --decode-dp), as the planner's stage A and B plan them.
+
+Several routers (the chart's router.replicas > 1) each see only the requests sent to them. Their decisions
+are not added (a pool's need is not linear in its load: queueing pools instances, and every router would
+add its own minimum), nor is one router's need multiplied by R (clients and load balancers do not spread
+load evenly). Instead every router decides from the whole fleet's load: `FleetLoad` reads every router's
+counters summed by Prometheus (`sum(increase(...[window]))`, which also handles a router's restart and a
+router gone mid-window) and feeds the one performance model and hysteresis here. The routers then decide
+alike, and the KEDA query takes their largest decision: while Prometheus cannot be read a router falls back
+to its own counters, a lower bound of the fleet's load, and the largest lower bound is the best one.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
+import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +35,8 @@ from router.planner import Dist, Observation, Target, Workload, analytic, plan
 from shared.config import flag, knob_default
 
 AUTOSCALE_TTFT_MS, AUTOSCALE_TPOT_MS = 2000.0, 200.0  # the targets sized for when the router has none
+FLEET_STALE_PERIODS = 3  # a fleet reading older than this many decision periods is not used
+log = logging.getLogger("pdserve.router")
 
 
 @dataclass
@@ -70,6 +88,7 @@ class Autoscaler:
     headroom: float = knob_default(AutoscaleConfig, "autoscale_headroom")
     down_after_s: float = knob_default(AutoscaleConfig, "autoscale_down_after")
     ranks: int = 1  # DP ranks per decode instance
+    fleet: FleetLoad | None = None  # several routers: decide on all their load, not the observation given
     _wanted: list[tuple[float, Target]] = field(default_factory=list)  # (time, what the load needed)
     _changed: float | None = None  # when the sizes last changed (or the controller started)
 
@@ -92,7 +111,10 @@ class Autoscaler:
         return Target(min(max(m, self.prefill.low), self.prefill.high), min(max(n, self.decode.low), self.decode.high))
 
     def decide(self, now: float, obs: Observation, current: Target) -> Target:
-        """The pools' sizes from now on, given the last window's load and the current sizes."""
+        """The pools' sizes from now on, given the last window's load (with a `fleet`: every router's, while
+        it can be read; `obs`, this router's own, otherwise) and the current sizes."""
+        if self.fleet is not None:
+            obs = self.fleet.observation(obs)
         if self._changed is None:
             self._changed = now
         need = self.needed(obs)
@@ -140,6 +162,89 @@ def observe(prev: dict[str, float], cur: dict[str, float], seconds: float) -> Ob
 
     return Observation(arrived / seconds if seconds > 0 else 0.0, per("prompt_tokens", arrived),
                        per("output_tokens", completed), per("cached_prompt_tokens", arrived))
+
+
+def prometheus_query(base_url: str, timeout: float = 5.0) -> Callable[[str], float | None]:
+    """A PromQL instant query against the Prometheus at `base_url`: the value of a one-series answer, None
+    when no series matches (OSError / ValueError when Prometheus cannot be read)."""
+    def query(promql: str) -> float | None:
+        url = f"{base_url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            body = json.loads(reply.read().decode())
+        if body.get("status") != "success":
+            raise ValueError(f"Prometheus: {body.get('error') or body}")
+        result = body["data"]["result"]
+        return float(result[0]["value"][1]) if result else None
+    return query
+
+
+@dataclass
+class FleetLoad:
+    """Every router's load over the last `window_s` seconds: the routers' COUNTERS, each summed over the
+    routers `selector` matches (PromQL label matchers, e.g. `namespace="ml",pod=~"pdserve-router-.+"`) by
+    `sum(increase(...))`. Read every `period_s` on a thread of its own (a slow Prometheus never stalls the
+    router's event loop); `observation` hands out the latest reading, or the caller's own observation when
+    there is none fresh (Prometheus unreachable, or no router of `selector` scraped yet)."""
+
+    query: Callable[[str], float | None]  # PromQL → value (prometheus_query)
+    selector: str
+    window_s: float
+    period_s: float
+    background: bool = True  # read on a thread of its own; False: only `refresh` reads (tests)
+    _latest: tuple[float, Observation] | None = None  # (monotonic time, the fleet's load)
+    _ok: bool | None = None  # the last reading's outcome (logged when it changes)
+    _thread: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def queries(self) -> dict[str, str]:
+        """The PromQL of each counter: its increase over the window, summed over the fleet's routers."""
+        window = f"{max(1, round(self.window_s))}s"
+        out = {}
+        for key, (name, labels) in COUNTERS.items():
+            matchers = ",".join([*(f'{k}="{v}"' for k, v in sorted(labels.items())), *filter(None, [self.selector])])
+            out[key] = f"sum(increase({name}{{{matchers}}}[{window}]))"
+        return out
+
+    def read(self) -> Observation | None:
+        """The fleet's load now (None: no router matches; errors propagate)."""
+        values = {key: self.query(q) for key, q in self.queries().items()}
+        if values["arrivals"] is None:
+            return None
+        zero = dict.fromkeys(COUNTERS, 0.0)
+        return observe(zero, {k: v or 0.0 for k, v in values.items()}, float(max(1, round(self.window_s))))
+
+    def refresh(self) -> Observation | None:
+        """One reading, kept for `observation`; a failure is logged when the state changes, never raised."""
+        try:
+            obs, why = self.read(), "no router's counters found (not scraped yet?)"
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            obs, why = None, str(exc)
+        if (obs is not None) != self._ok:
+            self._ok = obs is not None
+            if obs is None:
+                log.warning("autoscale: the fleet's load cannot be read (%s); deciding on this router's own", why)
+            else:
+                log.info("autoscale: deciding on the fleet's load (every router's counters, summed)")
+        if obs is not None:
+            with self._lock:
+                self._latest = (time.monotonic(), obs)
+        return obs
+
+    def observation(self, own: Observation) -> Observation:
+        """The latest fresh fleet reading, else `own` (starts the reading thread on first use)."""
+        if self._thread is None and self.background:
+            self._thread = threading.Thread(target=self._run, name="fleet-load", daemon=True)
+            self._thread.start()
+        with self._lock:
+            latest = self._latest
+        if latest is None or time.monotonic() - latest[0] > FLEET_STALE_PERIODS * self.period_s:
+            return own
+        return latest[1]
+
+    def _run(self) -> None:
+        while True:
+            self.refresh()
+            time.sleep(self.period_s)
 
 
 def instance_hours(samples: list[tuple[float, Target]], end: float) -> float:

@@ -25,7 +25,8 @@ from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, check_boun
 
 KUBERNETES_ONLY = {"image", "auth", "lws", "autoscaling", "masterPort", "monitoring", "podDisruptionBudget",
                    "resources", "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "replicas",
-                   "serviceType", "source", "pvc", "hostPath", "uri", "secretName", "rdmaResource", "hostNetwork"}
+                   "serviceType", "source", "pvc", "hostPath", "uri", "secretName", "rdmaResource", "hostNetwork",
+                   "apiKeySecret", "profileJson"}
 SHARED_WEIGHTS_DIR = "/dev/shm/pdserve"  # engine.shareWeights: the chart mounts a memory emptyDir at /dev/shm
 _LAYERS = re.compile(r"\d+(-\d+)?")
 
@@ -103,12 +104,16 @@ class EngineSpec:
 
 @dataclass
 class RouterSpec:
-    """router: the router's flags the chart renders (defaults: RouterConfig's)."""
+    """router: the router's flags the chart renders (defaults: RouterConfig's). Two name files: apiKeyFile
+    (the HTTP API's keys) and profile (`pdserve profile`'s profile.json) are paths on the machine running
+    `pdserve up`; in the cluster the chart takes router.apiKeySecret (a Secret, mounted) and
+    router.profileJson (the file's content, in the release's ConfigMap) and renders the mounted paths."""
 
     port: int = same_as(RouterConfig, "port")
     max_concurrent_requests: int = same_as(RouterConfig, "max_concurrent_requests")
     max_prompt_bytes: int = same_as(RouterConfig, "max_prompt_bytes")
     request_timeout: float = same_as(RouterConfig, "request_timeout")
+    drain_seconds: float = same_as(RouterConfig, "drain_seconds")  # the router's own: it holds users' streams
     instance_wait: float = same_as(RouterConfig, "instance_wait")
     policy: str = same_as(RouterConfig, "policy")
     ttft_slo_ms: float = same_as(RouterConfig, "ttft_slo_ms")
@@ -117,6 +122,12 @@ class RouterSpec:
     local_prefill_tokens: int = same_as(RouterConfig, "local_prefill_tokens")
     migration_limit: int = same_as(RouterConfig, "migration_limit")
     http_port: int | None = same_as(RouterConfig, "http_port")
+    api_key_file: str | None = same_as(RouterConfig, "api_key_file")
+    served_model_name: str | None = same_as(RouterConfig, "served_model_name")
+    chat_max_tokens: int = same_as(RouterConfig, "chat_max_tokens")
+    http_max_body_bytes: int = same_as(RouterConfig, "http_max_body_bytes")
+    http_max_prompts: int = same_as(RouterConfig, "http_max_prompts")
+    profile: str | None = same_as(RouterConfig, "profile")
 
     def __post_init__(self) -> None:
         check_bounds(self, lambda name: f"router.{_camel(name)}")
@@ -135,6 +146,7 @@ class PrefillSpec:
     max_prefill_tokens: int = same_as(PrefillConfig, "max_prefill_tokens")
     kv_cache_tokens: int = same_as(PrefillConfig, "kv_cache_tokens")
     kv_stall_seconds: float = same_as(PrefillConfig, "kv_stall_seconds")
+    no_prefix_cache: bool = same_as(PrefillConfig, "no_prefix_cache")  # prefill's own (decode caches no prompts)
 
 
 @dataclass
@@ -151,6 +163,8 @@ class DecodeSpec:
     max_num_seqs: int = same_as(DecodeConfig, "max_num_seqs")
     kv_cache_tokens: int = same_as(DecodeConfig, "kv_cache_tokens")
     lease_seconds: float = same_as(DecodeConfig, "lease_seconds")
+    kv_stall_seconds: float = same_as(DecodeConfig, "kv_stall_seconds")
+    reserve_wait_seconds: float = same_as(DecodeConfig, "reserve_wait_seconds")
     speculative_max_draft_tokens: int = same_as(DecodeConfig, "speculative_max_draft_tokens")  # with MTP
 
     def __post_init__(self) -> None:
@@ -192,14 +206,7 @@ class Deployment:
         per-host ones (--host, --advertise-host, --port, --metrics-port, TLS files, --model)."""
         e = self.engine
         if role == "router":
-            r = self.router
-            return ["--request-timeout", _s(r.request_timeout), "--instance-wait", _s(r.instance_wait),
-                    "--max-prompt-bytes", _s(r.max_prompt_bytes),
-                    "--max-concurrent-requests", _s(r.max_concurrent_requests), "--drain-seconds",
-                    _s(e.drain_seconds), "--policy", r.policy, "--ttft-slo-ms", _s(r.ttft_slo_ms),
-                    "--tpot-slo-ms", _s(r.tpot_slo_ms), "--admission-wait-ms", _s(r.admission_wait_ms),
-                    "--local-prefill-tokens", _s(r.local_prefill_tokens), "--migration-limit", _s(r.migration_limit),
-                    *(["--http-port", _s(r.http_port)] if r.http_port is not None else [])]
+            return self._router_flags()
         spec = self.prefill if role == "prefill" else self.decode
         out = [*e.flags(), "--kv-cache-tokens", _s(spec.kv_cache_tokens), "--tp", _s(spec.tp), "--ep", _s(spec.ep)]
         if spec.layer_sharding:
@@ -207,14 +214,32 @@ class Deployment:
         if role == "prefill":
             p = self.prefill
             out += ["--cp", _s(p.cp), "--max-prefill-tokens", _s(p.max_prefill_tokens),
-                    "--kv-stall-seconds", _s(p.kv_stall_seconds)]
+                    "--kv-stall-seconds", _s(p.kv_stall_seconds), *(["--no-prefix-cache"] if p.no_prefix_cache else [])]
         else:
             d = self.decode
             out += ["--dp", _s(d.dp), "--kv-port", _s(d.kv_port), "--lease-seconds", _s(d.lease_seconds),
-                    "--max-num-seqs", _s(d.max_num_seqs)]
+                    "--max-num-seqs", _s(d.max_num_seqs), "--kv-stall-seconds", _s(d.kv_stall_seconds),
+                    "--reserve-wait-seconds", _s(d.reserve_wait_seconds)]
             if e.speculative:
                 out += ["--speculative-max-draft-tokens", _s(d.speculative_max_draft_tokens)]
         return out
+
+
+    def _router_flags(self) -> list[str]:
+        """The router's flags (the chart's router.yaml): its own, and the decode instances' DP ranks
+        (--decode-dp: --autoscale plans an instance as that many ranks)."""
+        r = self.router
+        optional = {"--http-port": r.http_port, "--api-key-file": r.api_key_file,
+                    "--served-model-name": r.served_model_name, "--profile": r.profile}
+        return ["--request-timeout", _s(r.request_timeout), "--instance-wait", _s(r.instance_wait),
+                "--max-prompt-bytes", _s(r.max_prompt_bytes),
+                "--max-concurrent-requests", _s(r.max_concurrent_requests), "--drain-seconds",
+                _s(r.drain_seconds), "--policy", r.policy, "--ttft-slo-ms", _s(r.ttft_slo_ms),
+                "--tpot-slo-ms", _s(r.tpot_slo_ms), "--admission-wait-ms", _s(r.admission_wait_ms),
+                "--local-prefill-tokens", _s(r.local_prefill_tokens), "--migration-limit", _s(r.migration_limit),
+                "--chat-max-tokens", _s(r.chat_max_tokens), "--http-max-body-bytes", _s(r.http_max_body_bytes),
+                "--http-max-prompts", _s(r.http_max_prompts), "--decode-dp", _s(self.decode.dp),
+                *(x for flag, value in optional.items() if value is not None for x in (flag, _s(value)))]
 
 
 def _s(value: object) -> str:

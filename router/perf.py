@@ -7,7 +7,8 @@ TTFT / TPOT the router observes.
                                                                        the pace of its busiest rank)
     transfer(tokens)           = tokens · kv_bytes_per_token / bandwidth
 
-DistServe's simulator and Dynamo's planner use the same shapes (see ../shared/design/router_planner.md).
+DistServe's simulator (OSDI '24) and NVIDIA Dynamo's planner use the same shapes; the README's "Routing
+under SLA targets, and planning M/N" compares the model's predictions with measurements.
 
 Where instances share cores (one host running prefill and decode, as a laptop or CI does), an engine
 that computes slows the others, and not symmetrically (measured here: a busy decode stretches a prefill

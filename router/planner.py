@@ -1,5 +1,5 @@
 """M/N planning: how many prefill (M) and decode (N) instances a workload needs under TTFT/TPOT
-targets, in two stages (see ../shared/design/router_planner.md):
+targets, in two stages (the README's "Routing under SLA targets, and planning M/N" measures both):
 
 * stage A, analytic: prefill is an M/G/m queue (the router sends each prompt to the least-queued
   instance, which behaves like one shared queue): Erlang C with the Allen–Cunneen correction and an
@@ -499,12 +499,13 @@ _ARRIVE, _PREFILLED, _ADMIT, _STEP, _READY, _DECIDE = range(6)
 
 
 class _TReq:
-    __slots__ = ("i", "arrival", "isl", "osl", "blocks", "dec", "first", "last", "done", "ticket", "join_k",
+    __slots__ = ("i", "arrival", "isl", "osl", "blocks", "dec", "rank", "first", "last", "done", "ticket", "join_k",
                  "migrations")
 
     def __init__(self, i: int, r: TraceRequest):
         self.i, self.arrival, self.isl, self.osl, self.blocks = i, r.arrival, r.prompt_tokens, r.output_tokens, r.blocks
         self.dec: _TDecode | None = None
+        self.rank = 0  # the DP rank of `dec` it decodes on
         self.first = self.last = math.inf
         self.done = 0  # tokens generated (the first comes with the prefill)
         self.ticket = 0  # invalidates a decode instance's completion entry when the request moves
@@ -556,23 +557,43 @@ class _TPrefill:
 
 
 class _TDecode:
-    """A decode instance stepping its batch in lock-step: a request joining at step k with r tokens to go
-    finishes at step k + r (a heap by finishing step), so a step costs O(log batch), not O(batch)."""
+    """A decode instance of `ranks` DP ranks stepping in lock-step (one step counter, each step as long as its
+    busiest rank's): a request joining at step k with r tokens to go finishes at step k + r (a heap by
+    finishing step), so a step costs O(log batch), not O(batch). Batches, context and reservations per rank."""
 
-    def __init__(self, name: str, state: int):
+    def __init__(self, name: str, state: int, ranks: int = 1):
         self.name, self.state = name, state
         self.k = 0  # steps taken
-        self.batch = 0
-        self.ctx = 0  # context tokens of the running batch
+        self.batch = [0] * ranks
+        self.ctx = [0] * ranks  # context tokens of each rank's running batch
         self.heap: list[tuple[int, int, int, _TReq]] = []  # (finishing step, request index, ticket, request)
         self.pending: list[_TReq] = []  # admitted, joining at the next step
         self.stepping = False
-        self.reserved = 0  # placed, still in prefill or transfer
-        self.reserved_tokens = 0
+        self.reserved = [0] * ranks  # placed, still in prefill or transfer
+        self.reserved_tokens = [0] * ranks
         self.epoch = 0  # a removed instance's step event is ignored
 
     def running(self) -> list[_TReq]:
         return [r for _, _, t, r in self.heap if r.ticket == t and r.dec is self]
+
+    def rank_loads(self) -> list[tuple[int, int]]:
+        """Per rank, what its load report would say: (requests, context tokens), reservations and requests
+        joining at the next step included."""
+        running = [b + r for b, r in zip(self.batch, self.reserved)]
+        used = [c + t for c, t in zip(self.ctx, self.reserved_tokens)]
+        for r in self.pending:
+            running[r.rank] += 1
+            used[r.rank] += r.isl + r.done
+        return list(zip(running, used))
+
+    def view(self, decode_kv_tokens: int, loads: list[tuple[int, int]] | None = None) -> DecodeView:
+        """The view the router's policy gets of it (free blocks: its fullest rank's, as the router takes them)."""
+        loads = loads or self.rank_loads()
+        return DecodeView(self.name, [RankView(b, u) for b, u in loads],
+                          free_blocks=max(0, (decode_kv_tokens - max(u for _, u in loads)) // 64))
+
+    def step_seconds(self, perf: PerfModel) -> float:
+        return max(perf.decode_step_seconds(b, c) for b, c in zip(self.batch, self.ctx))
 
 
 def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object, ttft_s: float, tpot_s: float,
@@ -580,7 +601,7 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
                    initial: object | None = None, observe_cached: bool = False,
                    block_tokens: int = 512, prefix_cache_blocks: int = 1 << 30, decode_kv_tokens: int = 1 << 40,
                    policy: SlaPolicy | None = None, candidates: int | None = None, bucket_s: float = 60.0,
-                   seed: int = 0) -> TraceResult:
+                   seed: int = 0, ranks: int = 1) -> TraceResult:
     """Replay `requests` (a recorded trace: real arrival times, lengths, prefix hashes) over prefill and decode
     pools whose sizes follow `sizing`: a router.autoscale.Target (static M/N) or a controller with
     `decide(now, Observation, current Target) -> Target` (router.autoscale.Autoscaler), called every `period`
@@ -606,9 +627,10 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
       cached prefix (`block_tokens` per hash; at least one token), taking prefill_base_s + a·new + c·(T² −
       cached²) (the new tokens attend to the cached prefix too), then the KV transfer; its blocks then
       enter the instance's LRU cache of `prefix_cache_blocks` blocks. TTFT is the first token at decode.
-    * Decode: lock-step batches, each step perf.decode_step_seconds(batch, context tokens), a new request
-      joining at the next step; TPOT = (last − first token) / (output − 1). `decode_kv_tokens`: its KV
-      capacity (what the policy's room check sees).
+    * Decode: `ranks` DP ranks per instance (the decode instances' --dp), each request on the rank the policy's
+      view names (its least loaded); the ranks step in lock-step, each step as long as the busiest rank's
+      perf.decode_step_seconds(batch, context tokens), a new request joining at the next step; TPOT = (last −
+      first token) / (output − 1). `decode_kv_tokens`: a rank's KV capacity (what the policy's room check sees).
 
     Instance-hours: ∫ (M + N) dt over instances booting, up or draining, until the last request ends."""
 
@@ -663,7 +685,7 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
             inst: object = _TPrefill(f"p{next(names)}", state, prefix_cache_blocks)
             prefills.append(inst)
         else:
-            inst = _TDecode(f"d{next(names)}", state)
+            inst = _TDecode(f"d{next(names)}", state, ranks)
             decodes.append(inst)
         if state == _STARTING:
             push(now + startup_s, _READY, inst)
@@ -674,18 +696,16 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
         dec = [d for d in decodes if d.state == _UP]
         queued = [p.queued_tokens(now) for p in pre]
         cached = [min(p.cached_prefix(blocks) * block_tokens, tokens - 1) for p in pre]
-        used = [d.ctx + sum(r.isl + r.done for r in d.pending) + d.reserved_tokens for d in dec]
-        running = [d.batch + len(d.pending) + d.reserved for d in dec]
+        loads = [d.rank_loads() for d in dec]
         if candidates and len(pre) > candidates:  # the fastest prefills by the policy's own TTFT curve
             keep = sorted(range(len(pre)), key=lambda i: perf.ttft_raw(queued[i], tokens, cached[i]))[:candidates]
             pre, queued, cached = [pre[i] for i in keep], [queued[i] for i in keep], [cached[i] for i in keep]
-        if candidates and len(dec) > candidates:  # the fastest decodes once the request joins
-            keep = sorted(range(len(dec)), key=lambda i: perf.tpot_raw(running[i] + 1, used[i] + tokens + remaining))
-            keep = keep[:candidates]
-            dec, used, running = [dec[i] for i in keep], [used[i] for i in keep], [running[i] for i in keep]
+        if candidates and len(dec) > candidates:  # the fastest decodes once the request joins (its best rank)
+            keep = sorted(range(len(dec)), key=lambda i: min(perf.tpot_raw(b + 1, u + tokens + remaining)
+                                                             for b, u in loads[i]))[:candidates]
+            dec, loads = [dec[i] for i in keep], [loads[i] for i in keep]
         pviews = [PrefillView(p.name, q) for p, q in zip(pre, queued)]
-        dviews = [DecodeView(d.name, [RankView(b, u)], free_blocks=max(0, (decode_kv_tokens - u) // 64))
-                  for d, b, u in zip(dec, running, used)]
+        dviews = [d.view(decode_kv_tokens, x) for d, x in zip(dec, loads)]
         return pre, dec, pviews, dviews, cached
 
     def place(req: _TReq, now: float, tokens: int, remaining: int, must: bool) -> bool:
@@ -700,9 +720,9 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
                 return False
             choice = min(policy.predict(ask, pviews, dviews), key=lambda c: c.cost)
         p, d = pre[choice.prefill], dec[choice.decode]
-        req.dec = d
-        d.reserved += 1
-        d.reserved_tokens += tokens + remaining
+        req.dec, req.rank = d, dviews[choice.decode].least_loaded()
+        d.reserved[req.rank] += 1
+        d.reserved_tokens[req.rank] += tokens + remaining
         uncached = tokens - cached[choice.prefill]
         if observe_cached and req.migrations == 0:
             arrived[-1] = (now, tokens, tokens - uncached)
@@ -730,14 +750,14 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
             r.join_k = d.k
             r.ticket += 1
             heapq.heappush(d.heap, (d.k + r.osl - r.done, r.i, r.ticket, r))
-            d.batch += 1
-            d.ctx += r.isl + r.done
+            d.batch[r.rank] += 1
+            d.ctx[r.rank] += r.isl + r.done
         d.pending.clear()
-        if d.batch == 0:
+        if not any(d.batch):
             d.stepping = False
             return
         d.stepping = True
-        push(now + perf.decode_step_seconds(d.batch, d.ctx), _STEP, (d, d.epoch))
+        push(now + d.step_seconds(perf), _STEP, (d, d.epoch))
 
     def finish(r: _TReq, now: float) -> None:
         r.last = now
@@ -750,11 +770,12 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
 
     def admit(r: _TReq, now: float) -> None:
         d = r.dec
-        d.reserved -= 1
-        d.reserved_tokens -= r.isl + r.osl  # what `place` reserved: prompt (+ generated) + the tokens to go
+        d.reserved[r.rank] -= 1
+        d.reserved_tokens[r.rank] -= r.isl + r.osl  # what `place` reserved: prompt (+ generated) + the tokens to go
         if d.state != _UP:  # its decode instance left while the prompt was in prefill: another one takes it
             up = [x for x in decodes if x.state == _UP]
-            d = r.dec = min(up, key=lambda x: (x.ctx + x.reserved_tokens, x.batch))
+            d = r.dec = min(up, key=lambda x: (sum(x.ctx) + sum(x.reserved_tokens), sum(x.batch)))
+            r.rank = d.view(decode_kv_tokens).least_loaded()
         if r.done == 0:
             r.first = now
             r.done = 1
@@ -771,7 +792,7 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
         moving = [(r, r.done + d.k - r.join_k) for r in d.running()] + [(r, r.done) for r in d.pending]
         d.heap.clear()
         d.pending.clear()
-        d.batch = d.ctx = 0
+        d.batch, d.ctx = [0] * ranks, [0] * ranks
         d.stepping = False
         for r, done in moving:
             r.done = done
@@ -796,7 +817,8 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
                 elif kind == "prefill":
                     retire_prefill(min(live, key=lambda p: (p.queued_tokens(now), len(p.queue) - p.head)), now)
                 else:
-                    retire_decode(min(live, key=lambda d: (d.batch + len(d.pending) + d.reserved, d.ctx)), now)
+                    retire_decode(min(live, key=lambda d: (sum(d.batch) + len(d.pending) + sum(d.reserved),
+                                                           sum(d.ctx))), now)
         m, n = provisioned()
         if not sizes or sizes[-1][1:] != (m, n):
             sizes.append((now, m, n))
@@ -844,13 +866,14 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
             if epoch != d.epoch:
                 continue
             d.k += 1
-            d.ctx += d.batch
+            for i, b in enumerate(d.batch):
+                d.ctx[i] += b
             while d.heap and d.heap[0][0] <= d.k:
                 _, _, ticket, r = heapq.heappop(d.heap)
                 if r.ticket != ticket or r.dec is not d:
                     continue
-                d.batch -= 1
-                d.ctx -= r.isl + r.osl
+                d.batch[r.rank] -= 1
+                d.ctx[r.rank] -= r.isl + r.osl
                 r.done = r.osl
                 finish(r, now)
             start_step(d, now)

@@ -1,18 +1,37 @@
 """Elastic pools: the controller (router.autoscale) sizes M and N with the planner's model and hysteresis,
 and `pdserve up --autoscale`'s loop starts instances and drains them while requests run: a load step
-(rate × 3, then back) grows both pools and shrinks them again, and no request fails."""
+(rate × 3, then back) grows both pools and shrinks them again, and no request fails. Several routers size
+the pools for the sum of their load (their counters summed by Prometheus), and a decode instance of D DP
+ranks is planned as D ranks."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
+import socket
 import threading
 import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 
-from router.autoscale import Autoscaler, Bounds, Observation, Target, observe, read_counters
+from router.autoscale import (
+    COUNTERS,
+    Autoscaler,
+    Bounds,
+    FleetLoad,
+    Observation,
+    Target,
+    observe,
+    prometheus_query,
+    read_counters,
+)
 from router.cli import LocalAutoscaler, up_cluster
 from router.perf import PerfModel
+from router.planner import TraceRequest, simulate_trace
+from router.server import parse_args as router_args
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.helpers import random_prompts, wait_for
 
@@ -21,8 +40,8 @@ from tests.helpers import random_prompts, wait_for
 SLOW = PerfModel(decode_base_s=0.04, decode_per_seq_s=0.004, prefill_per_token_s=3e-3)
 
 
-def controller(down_after_s: float = 8.0) -> Autoscaler:
-    return Autoscaler(SLOW, 1.0, 0.08, Bounds(1, 3), Bounds(1, 3), down_after_s=down_after_s)
+def controller(down_after_s: float = 8.0, hi: int = 3, ranks: int = 1) -> Autoscaler:
+    return Autoscaler(SLOW, 1.0, 0.08, Bounds(1, hi), Bounds(1, hi), down_after_s=down_after_s, ranks=ranks)
 
 
 def test_controller_grows_at_once_and_shrinks_one_at_a_time_after_a_low_window():
@@ -112,3 +131,148 @@ def test_load_step_grows_and_shrinks_the_pools_without_losing_a_request(tmp_path
     in_step = [ttft for arrival, ttft, _ in results if 6 <= arrival < 26]
     print(f"\n{len(results)} requests, none failed; sizes {[(round(t - t0), s) for t, s in scaler.history]}; "
           f"TTFT ≤ 2 s for {sum(t <= 2.0 for t in in_step) / max(len(in_step), 1):.0%} of those sent during the step")
+
+
+# --- several routers ---------------------------------------------------------------------------------------
+
+WINDOW_S = 120.0
+
+
+def _router_series(namespace: str, pod: str, rate: float) -> list[tuple[str, dict[str, str], float]]:
+    """What Prometheus holds of one router that served `rate` req/s of 64 → 32 tokens over the window:
+    (metric, labels, increase over the window) per counter of COUNTERS."""
+    n = rate * WINDOW_S
+    per = {"arrivals": n, "prompt_tokens": 64 * n, "cached_prompt_tokens": 0.0, "output_tokens": 32 * n,
+           "completed": n}
+    return [(name, {**labels, "namespace": namespace, "pod": pod}, per[key])
+            for key, (name, labels) in COUNTERS.items()]
+
+
+class FakePrometheus:
+    """Prometheus' instant-query API over fixed series, for the one query shape the fleet sends:
+    sum(increase(NAME{MATCHERS}[Ws])) (= and =~ matchers; no series matched: an empty vector)."""
+
+    QUERY = re.compile(r"sum\(increase\((\w+)\{(.*)\}\[(\d+)s\]\)\)")
+    MATCHER = re.compile(r'(\w+)(=~|=)"((?:[^"\\]|\\.)*)"')
+
+    def __init__(self, series: list[tuple[str, dict[str, str], float]]):
+        self.series, self.queries = series, []
+
+    def value(self, promql: str) -> float | None:
+        self.queries.append(promql)
+        name, matchers, window = self.QUERY.fullmatch(promql).groups()
+        assert float(window) == WINDOW_S
+        wanted = self.MATCHER.findall(matchers)
+        hits = [v for n, labels, v in self.series if n == name and all(
+            re.fullmatch(want, labels.get(k, "")) if op == "=~" else labels.get(k) == want for k, op, want in wanted)]
+        return sum(hits) if hits else None
+
+    def serve(self) -> ThreadingHTTPServer:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                url = urllib.parse.urlparse(self.path)
+                assert url.path == "/api/v1/query"
+                value = fake.value(urllib.parse.parse_qs(url.query)["query"][0])
+                result = [] if value is None else [{"metric": {}, "value": [time.time(), str(value)]}]
+                body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+
+def test_several_routers_size_the_pools_for_the_sum_of_their_load():
+    """Three routers of the release at 2 req/s each (and one of another release at 50 req/s): each alone
+    needs (1, 1) and the old KEDA query's max of their decisions sized the pools for one third of the load;
+    adding their decisions would say (3, 3). With the fleet's load (their counters summed by Prometheus,
+    read over HTTP as the router reads it) every router decides what one router seeing all 6 req/s decides."""
+    selector = 'namespace="ml",pod=~"demo-pdserve-router-.+"'
+    series = [x for pod in ("demo-pdserve-router-a1", "demo-pdserve-router-b2", "demo-pdserve-router-c3")
+              for x in _router_series("ml", pod, 2.0)] + _router_series("other", "demo-pdserve-router-zz", 50.0)
+    prometheus = FakePrometheus(series)
+    server = prometheus.serve()
+    try:
+        fleet = FleetLoad(prometheus_query(f"http://127.0.0.1:{server.server_port}"), selector, WINDOW_S, 5.0,
+                          background=False)
+        whole = fleet.refresh()
+    finally:
+        server.shutdown()
+    assert whole == Observation(6.0, 64.0, 32.0, 0.0)
+    assert all(selector in q and f"[{WINDOW_S:.0f}s]" in q for q in prometheus.queries)
+    one = Observation(2.0, 64, 32)
+    alone = [controller().decide(0.0, one, Target(1, 1)) for _ in range(3)]
+    assert alone == [Target(1, 1)] * 3  # what each router decided on its own counters
+    everything = controller(hi=8).decide(0.0, Observation(6.0, 64, 32), Target(1, 1))
+    assert everything == Target(2, 3)  # one router that saw all the load
+    routers = [Autoscaler(SLOW, 1.0, 0.08, Bounds(1, 8), Bounds(1, 8), fleet=fleet) for _ in range(3)]
+    assert [r.decide(0.0, one, Target(1, 1)) for r in routers] == [everything] * 3
+
+
+def test_a_router_that_cannot_read_the_fleet_decides_on_its_own_load():
+    """Prometheus unreachable (or no router of the selector scraped yet): the router's own counters, a lower
+    bound of the fleet's load, so the largest decision KEDA takes is the best one available."""
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fleet = FleetLoad(prometheus_query(f"http://127.0.0.1:{port}", timeout=2.0), "", WINDOW_S, 5.0,
+                      background=False)
+    assert fleet.refresh() is None
+    own = Observation(3.0, 64, 32)
+    assert fleet.observation(own) is own
+    empty = FleetLoad(FakePrometheus([]).value, 'namespace="ml"', WINDOW_S, 5.0, background=False)
+    assert empty.refresh() is None and empty.observation(own) is own
+
+
+def test_the_router_reads_the_fleet_on_a_thread_of_its_own():
+    """The decision loop never waits on Prometheus: the first decision uses the router's own load, the
+    next ones the fleet's, read in the background every period."""
+    prometheus = FakePrometheus(_router_series("ml", "r-1", 2.0) + _router_series("ml", "r-2", 1.0))
+    fleet = FleetLoad(prometheus.value, 'namespace="ml"', WINDOW_S, 0.2)
+    own = Observation(2.0, 64, 32)
+    first = fleet.observation(own)
+    assert wait_for(lambda: fleet.observation(own) == Observation(3.0, 64.0, 32.0, 0.0), timeout=10)
+    assert first is own or first == Observation(3.0, 64.0, 32.0, 0.0)
+
+
+def test_the_router_flags_build_the_fleet_and_the_dp_ranks():
+    base = ["--model", "m", "--prefill", "p:1", "--decode", "d:1", "--autoscale", "1:8"]
+    plain = router_args(base).autoscaler(SLOW)
+    assert plain.fleet is None and plain.ranks == 1
+    cfg = router_args([*base, "--decode-dp", "4", "--autoscale-prometheus", "http://prom:9090",
+                       "--autoscale-routers", 'namespace="ml"', "--autoscale-window", "60"])
+    scaler = cfg.autoscaler(SLOW)
+    assert scaler.ranks == 4 and scaler.fleet is not None
+    assert scaler.fleet.selector == 'namespace="ml"' and scaler.fleet.window_s == 60.0
+    assert all('namespace="ml"' in q and "[60s]" in q for q in scaler.fleet.queries().values())
+
+
+def test_dp_decode_instances_are_planned_and_replayed_with_their_ranks():
+    """A decode instance of D ranks serves D ranks' batches: at 8 req/s the controller wants 4 one-rank
+    decode instances, 2 of two ranks, 1 of four. The trace replay steps the ranks in lock-step: one instance
+    of 2 ranks serves what one of 1 rank cannot, and the autoscaler planning ranks asks for fewer instances."""
+    load = Observation(8.0, 64, 32)
+    assert [controller(hi=8, ranks=d).needed(load).decode for d in (1, 2, 4)] == [4, 2, 1]
+    flat = PerfModel(prefill_base_s=0.1, prefill_per_token_s=0.0, decode_base_s=0.01, decode_per_seq_s=0.002,
+                     decode_per_context_token_s=0.0, transfer_bytes_per_s=1e15)
+    rng, reqs, t = random.Random(0), [], 0.0
+    while (t := t + rng.expovariate(4.0)) < 60:
+        reqs.append(TraceRequest(t, 16, 100))
+    one_rank = simulate_trace(flat, reqs, Target(1, 1), ttft_s=2.0, tpot_s=0.025)
+    two_ranks = simulate_trace(flat, reqs, Target(1, 1), ttft_s=2.0, tpot_s=0.025, ranks=2)
+    assert one_rank.attainment < 0.7 and two_ranks.attainment > 0.9
+    peaks = {}
+    for d in (1, 2):
+        scaler = Autoscaler(flat, 2.0, 0.025, Bounds(1, 4), Bounds(1, 4), headroom=1.0, ranks=d)
+        replay = simulate_trace(flat, reqs, scaler, ttft_s=2.0, tpot_s=0.025, period=2.0, startup_s=0.0, ranks=d)
+        assert replay.attainment > 0.95
+        peaks[d] = max(n for _, _, n in replay.sizes)
+    assert peaks[2] < peaks[1]

@@ -129,9 +129,15 @@ RDMA = {"kvTransport": "mooncake", "mooncake": {"protocol": "rdma", "devices": "
                                                  "rdmaResource": "rdma/hca", "hostNetwork": True}}
 
 
+ROUTER_AND_CACHES = {**SHAPE, "router": {**SHAPE["router"], "servedModelName": "dsv32", "chatMaxTokens": 512,
+                                          "httpPort": 8000},
+                     "prefill": {**SHAPE["prefill"], "noPrefixCache": True},
+                     "decode": {**SHAPE["decode"], "kvStallSeconds": 2.5, "reserveWaitSeconds": 0.0}}
+
+
 @pytest.mark.parametrize("shape", [SHAPE, {**SHAPE, "engine": {**SHAPE["engine"], **ENGINE}},
-                                   {**SHAPE, "engine": {**SHAPE["engine"], **RDMA}}],
-                         ids=["shape", "w8a8-c8-offload-shared", "mooncake-rdma"])
+                                   {**SHAPE, "engine": {**SHAPE["engine"], **RDMA}}, ROUTER_AND_CACHES],
+                         ids=["shape", "w8a8-c8-offload-shared", "mooncake-rdma", "router-and-caches"])
 def test_chart_and_up_render_the_same_service_flags(shape):
     """For one description, the flags `pdserve up --config` passes and the flags the chart renders
     parse to the same service configs (host, ports and credential files aside)."""

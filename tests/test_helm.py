@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from router.deploy import Deployment
+from router.perf import PerfModel
 from router.server import parse_args as router_args
 from shared.config import ServiceConfig, knob_choices
 
@@ -33,6 +34,10 @@ CASES = {
     "w8a8-c8-offload-shared": {"engine": {"quantization": "w8a8", "kvCacheDtype": "int8", "offloadLayers": "2-10",
                                           "offloadBuffers": 3, "shareWeights": True},
                                "decode": {"dp": 2}},
+    "http-keys-profile-no-prefix-cache": {"router": {"replicas": 2, "httpPort": 8000, "apiKeySecret": "keys",
+                                                     "profileJson": "{}", "servedModelName": "dsv32",
+                                                     "chatMaxTokens": 512},
+                                          "prefill": {"noPrefixCache": True}},
 }
 CUSTOM = {"PodMonitor", "LeaderWorkerSet"}  # CRDs, not in the core schemas (their pod templates are checked)
 
@@ -337,3 +342,90 @@ def test_autoscaling_renders_one_leaderworkerset_per_pool_scaled_by_keda_to_the_
         "demo-pdserve-prefill", "demo-pdserve-decode"}
     with pytest.raises(helm.HelmRenderError, match="autoscaling.enabled needs lws.enabled"):
         _render({"autoscaling": {"enabled": True}})
+
+
+def test_several_routers_decide_on_the_load_of_all_of_them_and_keda_takes_their_decision():
+    """With autoscaling every router reads the fleet's load from the Prometheus KEDA reads (its counters
+    summed over the release's routers, --autoscale-routers) and plans decode instances of decode.dp ranks;
+    KEDA's query selects the same routers' decisions (max: they agree). The autoscaler's knobs are values."""
+    values = {"lws": {"enabled": True}, "router": {"replicas": 3}, "decode": {"dp": 4},
+              "autoscaling": {"enabled": True, "prometheusAddress": "http://prom.monitoring:9090", "period": 10,
+                              "window": 300, "downAfter": 60, "headroom": 1.5}}
+    docs = _render(values)
+    router = next(d for d in docs if d["kind"] == "Deployment")
+    assert router["spec"]["replicas"] == 3
+    cfg = router_args(_args(router["spec"]["template"]["spec"]["containers"][0]))
+    selector = 'namespace="ml",pod=~"demo-pdserve-router-.+"'
+    assert (cfg.autoscale_prometheus, cfg.autoscale_routers, cfg.decode_dp) == ("http://prom.monitoring:9090",
+                                                                                  selector, 4)
+    assert (cfg.autoscale_period, cfg.autoscale_window, cfg.autoscale_down_after, cfg.autoscale_headroom) == (
+        10.0, 300.0, 60.0, 1.5)
+    scaler = cfg.autoscaler(PerfModel())
+    assert scaler.ranks == 4 and scaler.fleet is not None
+    assert all(selector in q and "[300s]" in q for q in scaler.fleet.queries().values())
+    for doc in (d for d in docs if d["kind"] == "ScaledObject"):
+        pool = doc["spec"]["scaleTargetRef"]["name"].rsplit("-", 1)[1]
+        trigger = doc["spec"]["triggers"][0]["metadata"]
+        assert trigger["serverAddress"] == "http://prom.monitoring:9090"
+        assert trigger["query"] == f'max(pdserve_router_desired_instances{{pool="{pool}",{selector}}})'
+    own = _render(_merge_values(values, {"autoscaling": {"routerSelector": 'job="pdserve"'}}))
+    cfg = router_args(_args(next(d for d in own if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+                            ["containers"][0]))
+    assert cfg.autoscale_routers == 'job="pdserve"'
+    assert all('{pool="prefill",job="pdserve"}' in d["spec"]["triggers"][0]["metadata"]["query"]
+               for d in own if d["kind"] == "ScaledObject" and d["metadata"]["name"].endswith("prefill"))
+
+
+def _merge_values(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge_values(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_the_http_api_keys_come_from_a_mounted_secret():
+    """router.apiKeySecret: the Secret's key api-keys mounted read-only into the router pods and named by
+    --api-key-file; without it the HTTP API is open and the release notes say so; a local path
+    (router.apiKeyFile, for `pdserve up --config`) is refused in the cluster, naming the value to use."""
+    docs = _render({"router": {"httpPort": 8000, "apiKeySecret": "pdserve-api-keys"}})
+    spec = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    path = _flag(_args(container), "--api-key-file")
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "api-keys")
+    assert (mount["mountPath"], mount["readOnly"]) == ("/etc/pdserve/api-keys", True)
+    volume = next(v for v in spec["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"] == {"secretName": "pdserve-api-keys", "items": [{"key": "api-keys", "path": "api-keys"}]}
+    assert path == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+    notes = helm.Chart.load(CHART).render({"router": {"httpPort": 8000}}, name="demo", namespace="ml")
+    assert "WARNING: no API keys" in next(t for p, t in notes.items() if p.endswith("NOTES.txt"))
+    open_api = next(d for d in _render({"router": {"httpPort": 8000}}) if d["kind"] == "Deployment")
+    assert "--api-key-file" not in _args(open_api["spec"]["template"]["spec"]["containers"][0])
+    with pytest.raises(helm.HelmRenderError, match="router.apiKeyFile is a path .* set router.apiKeySecret"):
+        _render({"router": {"apiKeyFile": "/home/me/keys.txt"}})
+
+
+def test_a_profile_rides_in_the_releases_configmap_and_restarts_the_routers_when_it_changes():
+    profile = '{"prefill_base_s": 0.01, "decode_base_s": 0.02}'
+    docs = _render({"router": {"profileJson": profile}})
+    config = next(d for d in docs if d["kind"] == "ConfigMap")
+    assert config["data"]["profile.json"] == profile
+    assert "profileJson" not in config["data"]["deployment.yaml"]  # the description names no content twice
+    template = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    assert router_args(_args(container)).profile == "/etc/pdserve/profile/profile.json"
+    volume = next(v for v in template["spec"]["volumes"] if v["name"] == "profile")
+    assert volume["configMap"]["name"] == config["metadata"]["name"]
+    other = next(d for d in _render({"router": {"profileJson": "{}"}}) if d["kind"] == "Deployment")
+    assert other["spec"]["template"]["metadata"]["annotations"]["checksum/profile"] != \
+        template["metadata"]["annotations"]["checksum/profile"]
+    with pytest.raises(helm.HelmRenderError, match="router.profile is a path .* set router.profileJson"):
+        _render({"router": {"profile": "/home/me/profile.json"}})
+
+
+def test_no_prefix_cache_renders_into_prefill_only():
+    from prefill_service.server import parse_args as prefill_args
+
+    pods = _engine_pods(_render({"prefill": {"noPrefixCache": True}}))
+    assert prefill_args(_args(pods["prefill"][0]["containers"][0])).no_prefix_cache
+    assert "--no-prefix-cache" not in _args(pods["decode"][0]["containers"][0])
+    assert all("--no-prefix-cache" not in _args(s["containers"][0]) for s in _engine_pods(_render({}))["prefill"])

@@ -64,6 +64,8 @@ DEMO: dict[str, Any] = {
 MTP_WEIGHT = 0.3  # DeepSeek-V3's λ for the first part of training
 DEVICE = torch.device("cpu")  # the recipe is CPU; --device only for quick experiments
 
+DEMO_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0}  # generation_config.json
+
 
 @dataclass
 class TrainConfig:
@@ -548,8 +550,9 @@ def write_checkpoint(out: Path, model: DemoModel, cfg: TrainConfig, tokenizer_fi
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<｜begin▁of▁sentence｜>",
         "eos_token": "<｜end▁of▁sentence｜>", "model_max_length": config["max_position_embeddings"],
     }, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(  # how the demo samples (greedy text loops)
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], **DEMO_SAMPLING},
+        indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------- main

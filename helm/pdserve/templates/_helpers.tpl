@@ -15,6 +15,13 @@ app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* PromQL label matchers of this release's routers: autoscaling.routerSelector, else their namespace and
+     pod names (the labels the PodMonitor's targets carry). The KEDA query and the routers' fleet load
+     (--autoscale-routers) select the same routers. */}}
+{{- define "pdserve.routerSelector" -}}
+{{- .Values.autoscaling.routerSelector | default (printf "namespace=%q,pod=~%q" .Release.Namespace (printf "%s-router-.+" (include "pdserve.fullname" .))) -}}
+{{- end -}}
+
 {{- define "pdserve.secretName" -}}
 {{- .Values.auth.existingSecret | default (printf "%s-token" (include "pdserve.fullname" .)) -}}
 {{- end -}}
@@ -104,7 +111,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "pdserve.positive" -}}
 {{- $key := index . 0 }}{{- $value := index . 1 }}
-{{- if or (lt (int $value) 1) (ne (int $value | toString) (toString $value)) }}
+{{- if or (lt (int $value) 1) (ne (int $value | float64) (float64 $value)) }}
 {{- fail (printf "%s: expected a positive integer, got %v" $key $value) }}
 {{- end }}
 {{- $value | int }}
@@ -227,7 +234,7 @@ topologySpreadConstraints:
 {{/* A whole number >= 0, else a failed render naming the key: (list "key" value). */}}
 {{- define "pdserve.nonNegative" -}}
 {{- $key := index . 0 }}{{- $value := index . 1 }}
-{{- if or (lt (int $value) 0) (ne (int $value | toString) (toString $value)) }}
+{{- if or (lt (int $value) 0) (ne (int $value | float64) (float64 $value)) }}
 {{- fail (printf "%s: expected a whole number >= 0, got %v" $key $value) }}
 {{- end }}
 {{- $value | int }}

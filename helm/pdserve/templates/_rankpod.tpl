@@ -35,6 +35,9 @@ spec:
         - {{ $spec.maxPrefillTokens | quote }}
         - --kv-stall-seconds
         - {{ $spec.kvStallSeconds | quote }}
+        {{- if $spec.noPrefixCache }}
+        - --no-prefix-cache
+        {{- end }}
         {{- else }}
         - --dp
         - {{ $spec.dp | quote }}
@@ -44,6 +47,10 @@ spec:
         - {{ $spec.leaseSeconds | quote }}
         - --max-num-seqs
         - {{ $spec.maxNumSeqs | quote }}
+        - --kv-stall-seconds
+        - {{ $spec.kvStallSeconds | quote }}
+        - --reserve-wait-seconds
+        - {{ $spec.reserveWaitSeconds | quote }}
         {{- if $root.Values.engine.speculative }}
         - --speculative-max-draft-tokens
         - {{ $spec.speculativeMaxDraftTokens | quote }}
