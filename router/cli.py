@@ -47,7 +47,8 @@ from router.deploy import Deployment, EngineSpec
 from router.perf import PerfModel, profile_engine, profile_served
 from router.planner import Dist, Workload, run_plan
 from router.server import RouterConfig
-from shared.config import DecodeConfig, ServiceConfig, add_flags, same_as
+from router.supervise import Supervisor, SupervisorConfig, run_supervised
+from shared.config import DecodeConfig, ServiceConfig, add_flags, from_flags, same_as
 from shared.protocol.chat import EOS, split_reasoning
 from shared.rpc.certs import CertFiles, make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -146,19 +147,42 @@ class Cluster:
     address: str = ""
 
     def restart(self, address: str, timeout: float = 240.0) -> None:
-        """Start the service that served `address` again on the same port (after it died or was
-        killed), and wait until it serves: the router finds it again by reconnecting."""
-        name, args = self._commands[address]
+        """Start the service that served `address` again on the same ports (after it died or was
+        killed; a live one is killed first), and wait until it serves."""
         old = self._by_address.get(address)
         if old is not None and old.poll() is None:
             old.kill()
             old.wait(10)
-        port = address.rpartition(":")[2]
-        args = [a if prev != "--port" else port for prev, a in zip(["", *args], args)]
-        args = [a for i, a in enumerate(args) if a != "--port-file" and (i == 0 or args[i - 1] != "--port-file")]
-        proc = self._spawn(name, args)
-        self._by_address[address] = proc
+        proc = self.respawn(address)
         wait_serving(address, timeout, proc, self.credentials)
+        self.listening_again(address, proc.pdserve_port_file)
+
+    def respawn(self, address: str) -> subprocess.Popen:
+        """Start the service that served `address` again, on the same gRPC port (and the router on the same
+        HTTP port), without waiting: the router finds a restarted instance by reconnecting, clients find a
+        restarted router where it was. It reports to `proc.pdserve_port_file` once it listens."""
+        name, args = self._commands[address]
+        pinned = {"--port": address.rpartition(":")[2]}
+        if address == self.address and self.http_address:
+            pinned["--http-port"] = self.http_address.rpartition(":")[2]
+        port_file = Path(tempfile.mkdtemp(prefix="pdserve-restart-")) / name
+        pinned["--port-file"] = str(port_file)
+        args = [pinned.get(prev, a) for prev, a in zip(["", *args], args)]
+        if "--port-file" not in args:
+            args += ["--port-file", str(port_file)]
+        proc = self._spawn(name, args)
+        proc.pdserve_port_file = port_file  # type: ignore[attr-defined]
+        self._by_address[address] = proc
+        return proc
+
+    def listening_again(self, address: str, port_file: Path) -> None:
+        """A respawned service listens: take in its new metrics port and drop its port file."""
+        self._read_metrics_port(address, port_file)
+        shutil.rmtree(port_file.parent, ignore_errors=True)
+
+    def service_name(self, address: str) -> str:
+        """decode0, prefill1, router, ...: the name its log file has."""
+        return self._commands[address][0]
 
     def _read_metrics_port(self, address: str, port_file: Path) -> None:
         metrics_file = Path(f"{port_file}.metrics")
@@ -185,7 +209,7 @@ class Cluster:
     def start(self, timeout: float = 240.0) -> Cluster:
         """Every service binds port 0 (the router too unless `port` is set) and reports the port it
         got through a port file, so concurrent clusters never race for ports."""
-        common = ["--model", self.model, "--host", self.host]
+        common = ["--model", self.model, "--host", self.host, "--metrics-port", "0"]  # every service's /metrics
         engine = EngineSpec(dtype=self.dtype, indexer_numerics=self.indexer_numerics, kv_transport=self.kv_transport,
                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                             offload_layers=self.offload_layers, offload_buffers=self.offload_buffers,
@@ -388,12 +412,15 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                    "shareWeightsDir": args.share_weights_dir, "speculative": args.speculative,
                    "numSpeculativeTokens": args.num_speculative_tokens},
         "prefill": {"instances": args.num_prefill, "cp": args.prefill_cp, "tp": args.prefill_tp,
-                    "ep": args.prefill_ep, "layerSharding": args.layer_sharding},
+                    "ep": args.prefill_ep, "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
                    "layerSharding": args.layer_sharding,
                    "speculativeMaxDraftTokens": args.speculative_max_draft_tokens},
         "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port,
-                   "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms},
+                   "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms, "drainSeconds": args.drain_seconds,
+                   "apiKeyFile": args.api_key_file,
+                   "servedModelName": args.served_model_name, "chatMaxTokens": args.chat_max_tokens,
+                   "profile": args.profile},
         "tls": {"enabled": args.tls}})
 
 
@@ -420,10 +447,11 @@ def cluster_from_args(args: argparse.Namespace, log_dir: Path | None = None) -> 
     model = args.model or (dep.model.path if args.config and Path(dep.model.path).is_dir() else None) \
         or default_model()
     cluster = cluster_from_deployment(dep, model, log_dir)
-    if args.api_key_file:
-        cluster.extra_router += ["--api-key-file", args.api_key_file]
-    if args.profile:
-        cluster.extra_router += ["--profile", args.profile]
+    if args.config:  # the description's router files and model name, given (or replaced) on the command line
+        for flag, value in (("--api-key-file", args.api_key_file), ("--profile", args.profile),
+                            ("--served-model-name", args.served_model_name)):
+            if value is not None:
+                cluster.extra_router += [flag, value]
     if args.autoscale:  # the router decides the pools' sizes, the cluster follows (LocalAutoscaler)
         Bounds.parse(args.autoscale)
         cluster.elastic = True
@@ -456,15 +484,18 @@ def cmd_up(args: argparse.Namespace) -> None:
               f"(model {Path(model).resolve().name})")
     if cluster.certs is not None:
         print(f"mutual TLS on every hop; clients verify the router with --tls-ca {cluster.certs.ca}")
+    print("metrics: " + "; ".join(f"{cluster.service_name(a)} http://{cluster.host}:{port}/metrics"
+                                  for a, port in cluster.metrics_ports.items()))
     scaler = LocalAutoscaler(cluster).start() if args.autoscale else None
     if scaler is not None:
         print(f"autoscaling each pool within {args.autoscale} instances (the router decides every "
               f"{args.autoscale_period:g} s)")
+    supervisor = Supervisor(cluster, from_flags(SupervisorConfig, args))
+    print(f"supervising: a service that exits is started again (restarts counted at "
+          f"http://{cluster.host}:{supervisor.serve_metrics()}/metrics)")
     print("Ctrl-C to stop", flush=True)
     try:
-        while all(p.poll() is None for p in cluster.procs):
-            time.sleep(0.5)
-        print("a service exited; stopping the rest", file=sys.stderr)
+        run_supervised(supervisor)
     except KeyboardInterrupt:
         pass
     finally:
@@ -633,8 +664,13 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
     add_flags(up, DecodeConfig, only=("speculative_max_draft_tokens",))  # decode's own flag, with --speculative
     add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "api_key_file", "ttft_slo_ms",
-                                      "tpot_slo_ms", "profile"))
+                                      "tpot_slo_ms", "profile", "served_model_name", "chat_max_tokens",
+                                      "drain_seconds"))
+    from shared.config import PrefillConfig  # prefill's own flag (the module's imports are shared with others)
+
+    add_flags(up, PrefillConfig, only=("no_prefix_cache",))
     add_flags(up, AutoscaleConfig)  # passed to the router, which decides
+    add_flags(up, SupervisorConfig)  # pdserve up's own: how it restarts a service that exits
     up.add_argument("--config", default=None,
                     help="deployment description (YAML, the Helm chart's values keys); replaces the shape flags")
     up.add_argument("--tls", action="store_true",

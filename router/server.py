@@ -37,7 +37,9 @@ from router.autoscale import (
     observe,
     read_counters,
 )
+from router.drain import DRAINING_MESSAGE, RETRY_AFTER_S, DrainGate
 from router.http import OpenAIFrontDoor, read_api_keys, start_http
+from router.openai_limits import MAX_BODY_BYTES, MAX_PROMPTS
 from router.perf import PerfModel
 from router.policy import POLICIES, DecodeView, PrefillView, RankView, Rejected, Request
 from router.reply import ReplyParser
@@ -78,6 +80,10 @@ class RouterConfig(EndpointConfig):
     decode: list[str] = flag(REQUIRED, "comma-separated decode instance addresses (dns:NAME:PORT as for --prefill)")
     port: int = flag(50051, "public gRPC port (0 = pick a free one, reported with --port-file)")
     request_timeout: float = flag(600.0, "longest a Generate call may run, in seconds")
+    drain_seconds: float = flag(30.0, "on SIGTERM: readiness off, new requests refused (HTTP 503 + Retry-After, gRPC "
+                                      "UNAVAILABLE), the HTTP and gRPC streams in flight get this long to finish, "
+                                      "then the process exits (Kubernetes' default grace period is 30 s)",
+                                bounds=(0, None))
     instance_wait: float = flag(10.0, "longest a request waits, within its deadline, for a prefill and a decode "
                                       "instance to be reachable (starting, reconnecting, restarting) before it "
                                       "fails with UNAVAILABLE, in seconds", bounds=(0, None))
@@ -107,6 +113,14 @@ class RouterConfig(EndpointConfig):
     autoscale_down_after: float = same_as(AutoscaleConfig, "autoscale_down_after")
     autoscale_headroom: float = same_as(AutoscaleConfig, "autoscale_headroom")
     autoscale_window: float = same_as(AutoscaleConfig, "autoscale_window")
+    autoscale_prometheus: str | None = flag(None, "several routers: size the pools for all their load, every "
+                                                  "router's counters summed over --autoscale-window by the "
+                                                  "Prometheus at this base URL (the routers then decide alike); "
+                                                  "unset, or while it cannot be read: this router's own counters")
+    autoscale_routers: str = flag("", "with --autoscale-prometheus: PromQL label matchers of every router of this "
+                                      "deployment, e.g. namespace=\"ml\",pod=~\"pdserve-router-.+\"")
+    decode_dp: int = flag(1, "DP ranks of each decode instance (their --dp): --autoscale plans an instance as "
+                             "that many ranks' batches", bounds=(1, None))
     load_interval: float = flag(0.25, "seconds between load reports polled from each instance")
     discovery_interval: float = flag(5.0, "seconds between DNS resolutions of dns:NAME:PORT instance addresses")
     http_port: int | None = flag(None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
@@ -117,6 +131,9 @@ class RouterConfig(EndpointConfig):
                                           "(401 otherwise)")
     served_model_name: str | None = flag(None, "the model id of the HTTP API (default: the --model directory's "
                                                "name)")
+    http_max_body_bytes: int = flag(MAX_BODY_BYTES, "largest HTTP request body (413 beyond)", bounds=(1, None))
+    http_max_prompts: int = flag(MAX_PROMPTS, "prompts in one /v1/completions request (400 naming `prompt` "
+                                              "beyond)", bounds=(1, None))
     chat_max_tokens: int = flag(4096, "an HTTP chat request that sets no max_tokens generates up to this many "
                                       "tokens (never past the context)", bounds=(1, None))
 
@@ -125,10 +142,14 @@ class RouterConfig(EndpointConfig):
         router's SLA targets (else AUTOSCALE_TTFT_MS / AUTOSCALE_TPOT_MS)."""
         if not self.autoscale:
             return None
+        from router.autoscale import FleetLoad, prometheus_query  # (kept out of the shared import block)
+
         bounds = Bounds.parse(self.autoscale)
+        fleet = FleetLoad(prometheus_query(self.autoscale_prometheus), self.autoscale_routers, self.autoscale_window,
+                          self.autoscale_period) if self.autoscale_prometheus else None
         return Autoscaler(perf, (self.ttft_slo_ms or AUTOSCALE_TTFT_MS) / 1e3, (self.tpot_slo_ms or AUTOSCALE_TPOT_MS)
                           / 1e3, bounds, bounds, headroom=self.autoscale_headroom,
-                          down_after_s=self.autoscale_down_after)
+                          down_after_s=self.autoscale_down_after, ranks=self.decode_dp, fleet=fleet)
 
     def __post_init__(self) -> None:
         check_bounds(self, flag_name)
@@ -356,6 +377,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._tokenizers = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self._background: set[asyncio.Task] = set()
         self.in_flight = 0  # Generate calls being served (changed only on the event loop)
+        self.draining = False  # SIGTERM: new calls are refused (router.drain), the ones in flight run to their end
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -405,14 +427,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as exc:
             raise Invalid(f"sampling_params.{exc}") from exc
         tools, choice = self._tools(request, given[0])
-        if choice == "required" or choice in {t.name for t in tools}:  # a forced call: the grammar makes it
+        forced = choice == "required" or choice in {t.name for t in tools}
+        if forced:  # a forced call: the grammar makes it
             if params.structured is not None:
                 raise Invalid(f"tool_choice: a forced tool call ({choice!r}) cannot take structured_output too")
             grammar = tool_call_grammar(tools, None if choice == "required" else choice)
             request.sampling_params.structured_output.grammar = grammar
             params.structured = StructuredOutput(ConstraintKind.GRAMMAR, grammar)
         thinking = given[0] == "messages" and request.thinking
-        reply = ReplyParser(thinking, tools if tools and choice != "none" else None)
+        reply = ReplyParser(thinking, tools if tools and choice != "none" else None, forced=forced)
         if reply.parses:  # </think> and the end of the calls must reach the parser
             request.sampling_params.skip_special_tokens = params.skip_special_tokens = False
         if params.structured is not None:
@@ -483,6 +506,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Generate's path, for the gRPC API and the HTTP API alike (router.http passes an HttpCall as
         `context`). Admission first: beyond --max-concurrent-requests a call is refused at once, before
         any work (health checks are never refused: an overloaded router is not a dead one)."""
+        if self.draining:
+            metrics.request_done("router", "UNAVAILABLE", "draining")
+            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_S * 1000)),))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
         if self.in_flight >= self.cfg.max_concurrent_requests:
             metrics.request_done("router", "RESOURCE_EXHAUSTED", "overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -519,11 +546,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 return
             except grpc.RpcError as exc:  # an instance failed after admission
                 code, cause = exc.code(), _cause(exc)
-                if code not in MIGRATABLE or progress.migrations >= self.cfg.migration_limit \
+                migratable = code in MIGRATABLE and cause != "request_fault"  # it alone failed a step: not moved
+                if not migratable or progress.migrations >= self.cfg.migration_limit \
                         or time.perf_counter() >= progress.t_end:
-                    spent = code in MIGRATABLE and progress.migrations >= self.cfg.migration_limit
-                    metrics.request_done("router", _map_code(code).name, "migration_limit" if spent else cause)
-                    await context.abort(_map_code(code), f"{exc.details()}" + (
+                    spent = migratable and progress.migrations >= self.cfg.migration_limit
+                    metrics.request_done("router", _map_code(code, cause).name, "migration_limit" if spent else cause)
+                    await context.abort(_map_code(code, cause), f"{exc.details()}" + (
                         f" (after {progress.migrations} migrations)" if progress.migrations else ""))
                 progress.migrations += 1
                 progress.failed_at = time.perf_counter()
@@ -702,7 +730,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     metrics.TOKENS.labels("router", "output").inc(n)
                 yield out
         except grpc.RpcError as exc:
-            if exc.code() in MIGRATABLE:
+            if exc.code() in MIGRATABLE and _cause(exc) != "request_fault":
                 dec.view.up = False  # out of the choice until its load poll succeeds again
             raise
 
@@ -757,6 +785,8 @@ async def _resolve(host: str, port: str) -> list[str]:
 def _cause(exc: grpc.RpcError) -> str:
     """Why a try failed, as the migrations metric counts it."""
     details = (exc.details() or "").lower()
+    if details.startswith("request fault"):  # shared.engine.isolation.REQUEST_FAULT: it alone failed an engine step
+        return "request_fault"
     if "draining" in details:
         return "drain"
     if "kv push" in details or "kv receiver" in details:
@@ -765,11 +795,11 @@ def _cause(exc: grpc.RpcError) -> str:
         exc.code(), exc.code().name.lower())
 
 
-def _map_code(code: grpc.StatusCode) -> grpc.StatusCode:
-    """Peer failures surface as UNAVAILABLE; the peer's own verdicts pass through."""
+def _map_code(code: grpc.StatusCode, cause: str = "") -> grpc.StatusCode:
+    """Peer failures surface as UNAVAILABLE; the peer's own verdicts pass through (a request fault: INTERNAL)."""
     passthrough = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-    return code if code in passthrough else grpc.StatusCode.UNAVAILABLE
+    return code if code in passthrough or cause == "request_fault" else grpc.StatusCode.UNAVAILABLE
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -798,7 +828,7 @@ async def _report_readiness(servicer: GenerationServicer, life: Lifecycle, perio
     (every pod of a deployment starts at once: a router must not take traffic it cannot place)."""
     serving = None
     await life.set(False)
-    while True:
+    while not servicer.draining:  # a draining router stays NOT_SERVING
         reachable = any(i.view.up for i in servicer.prefill.instances) and \
             any(i.view.up for i in servicer.decode.instances)
         if reachable != serving:
@@ -843,22 +873,33 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
         watchers.append(asyncio.create_task(_autoscale(servicer, controller, cfg.autoscale_period,
                                                        cfg.autoscale_window)))
     servicer._background.update(watchers)  # referenced for the life of the process
-    http = None
+    http = gate = None
     if cfg.http_port is not None:  # up before the port file appears: a launcher may call both at once
         front = OpenAIFrontDoor(servicer, cfg.served_model_name or Path(cfg.model).resolve().name,
-                                read_api_keys(cfg.api_key_file))
-        http, http_task, http_port = await start_http(front.app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+                                read_api_keys(cfg.api_key_file), cfg.http_max_body_bytes, cfg.http_max_prompts)
+        gate = DrainGate(front.app)
+        http, http_task, http_port = await start_http(gate, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
         scheme = "https" if cfg.tls_cert else "http"
         log.info("OpenAI-compatible HTTP API at %s://%s:%d/v1", scheme, cfg.host, http_port)
         if cfg.port_file:
             write_port_file(f"{cfg.port_file}.http", http_port)
     life.announce(port, cfg.port_file, f"router listening on {cfg.host}:{port}")
-    try:
-        await life.run(cfg.drain_seconds)
-    finally:
+
+    async def refuse_new() -> None:
+        servicer.draining = True
+        if gate is not None:
+            gate.draining = True
+        log.info("draining: %d requests in flight (%d over HTTP), up to %.0f s", servicer.in_flight,
+                 gate.in_flight if gate is not None else 0, cfg.drain_seconds)
+
+    async def drain_http(deadline: float) -> None:
         if http is not None:
+            if not await gate.drained(deadline):
+                log.warning("drain: %d HTTP requests still in flight at --drain-seconds; cutting them", gate.in_flight)
             http.should_exit = True
             await http_task
+
+    await life.run(cfg.drain_seconds, on_stop=refuse_new, alongside=drain_http)
 
 
 def main(argv: list[str] | None = None) -> None:

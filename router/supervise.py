@@ -8,18 +8,31 @@ Restarts are logged and counted (`pdserve_up_restarts_total{service,pool}` on th
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from shared.config import check_bounds, flag, flag_name
 
-if TYPE_CHECKING:
-    from router.cli import Cluster
+
+class Supervised(Protocol):
+    """What the supervisor needs of a cluster (router.cli.Cluster)."""
+
+    host: str
+    address: str  # the router's
+    prefill_addrs: list[str]
+    decode_addrs: list[str]
+    metrics_ports: dict[str, int]
+
+    def process(self, address: str) -> subprocess.Popen: ...
+    def service_name(self, address: str) -> str: ...
+    def respawn(self, address: str) -> subprocess.Popen: ...
+    def listening_again(self, address: str, port_file: Path) -> None: ...
 
 
 @dataclass
@@ -62,7 +75,7 @@ class Supervisor:
     """Polled from `pdserve up`'s main thread (a service dies with the thread that started it, so restarts are
     spawned from the one that lives as long as the launcher)."""
 
-    def __init__(self, cluster: Cluster, cfg: SupervisorConfig | None = None):
+    def __init__(self, cluster: Supervised, cfg: SupervisorConfig | None = None):
         self.cluster, self.cfg = cluster, cfg or SupervisorConfig()
         self.registry = CollectorRegistry()
         self.restarts = Counter("pdserve_up_restarts", "Services pdserve up started again after they exited",

@@ -30,7 +30,8 @@ TINY_ARGS = {
            "--index-topk", "32"],
 }
 # Benches whose smallest run still starts several clusters or a peer's server (minutes each): run by hand.
-BY_HAND = {"elastic", "structured", "profile_router", "hostload"}
+BY_HAND = {"elastic", "structured", "profile_router", "hostload",
+           "fleet_faults"}  # run by tests/test_migration.py, through its functions, on every fault
 
 
 def test_every_bench_has_a_smoke_run():

@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,21 +224,25 @@ class Lifecycle:
         print(banner, flush=True)
 
     async def run(self, drain_seconds: float, cleanup: Callable[[], None] = lambda: None,
-                  on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+                  on_stop: Callable[[], Awaitable[None]] | None = None,
+                  alongside: Callable[[float], Awaitable[None]] | None = None) -> None:
         """Serve until SIGTERM/SIGINT, then stop accepting (NOT_SERVING, new RPCs refused; `on_stop` hands
         running work elsewhere), let in-flight RPCs finish for up to `drain_seconds` (then they are
-        cancelled), clean up and exit. A watchdog exits regardless if cleanup hangs, so a stop signal always
-        ends the process."""
+        cancelled) while `alongside(deadline)` drains what else the process serves (the router's HTTP API)
+        by the same monotonic deadline, clean up and exit. A watchdog exits regardless if cleanup hangs, so
+        a stop signal always ends the process."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self.stopping.set)
         await self.stopping.wait()
         watchdog = threading.Timer(drain_seconds + 10, lambda: os._exit(0))
         watchdog.daemon = True
         watchdog.start()
+        deadline = time.monotonic() + drain_seconds
         await self.set(False)
         if on_stop is not None:
             await on_stop()
-        await self.server.stop(drain_seconds)
+        stopped = self.server.stop(max(0.0, deadline - time.monotonic()))
+        await (asyncio.gather(stopped, alongside(deadline)) if alongside is not None else stopped)
         await self.loop.run_in_executor(None, cleanup)
         sys.stdout.flush()
         os._exit(0)
