@@ -39,6 +39,8 @@ from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E
 
 FAULTS = ("decode-kill", "decode-term", "prefill-kill", "router-term", "router-kill")
 STREAMS = 24
+TOKENS = 128  # per stream: long enough that every stream is under way together, even on a loaded machine
+EACH_TOKENS = 4  # a mid-stream fault strikes once every stream has this many tokens
 
 
 @dataclass
@@ -190,16 +192,16 @@ def run_stream(up: UpProcess, spec: StreamSpec, tokens: int, counted: Callable[[
 
 
 def run_round(up: UpProcess, specs: list[StreamSpec], tokens: int, fault: Callable[[], None] | None = None,
-              after_tokens: int = 0) -> list[Outcome]:
-    """Every stream at once, one thread each; `fault()` once `after_tokens` tokens have arrived in all and, unless
-    `after_tokens` is 1 (a fault mid-prefill), every stream has its first token (it is in flight, not arriving)."""
+              each_tokens: int = 0) -> list[Outcome]:
+    """Every stream at once, one thread each; `fault()` once every stream has `each_tokens` tokens (all in
+    flight, each under way: on a loaded machine the last may start long after the first), or with 0 once the
+    first token of any has arrived (a fault while the rest are still in prefill)."""
     out: list[Outcome | None] = [None] * len(specs)
-    total, started, lock = [0], set(), threading.Lock()
+    counts, lock = [0] * len(specs), threading.Lock()
 
     def counted(index: int, n: int) -> None:
         with lock:
-            total[0] += n
-            started.add(index)
+            counts[index] += n
 
     def one(spec: StreamSpec) -> None:
         out[spec.index] = run_stream(up, spec, tokens, lambda n: counted(spec.index, n))
@@ -209,8 +211,7 @@ def run_round(up: UpProcess, specs: list[StreamSpec], tokens: int, fault: Callab
         t.start()
     if fault is not None:
         deadline = time.monotonic() + 120
-        while (total[0] < after_tokens or (after_tokens > 1 and len(started) < len(specs))) \
-                and time.monotonic() < deadline:
+        while (min(counts) < each_tokens if each_tokens else sum(counts) == 0) and time.monotonic() < deadline:
             time.sleep(0.002)
         fault()
     for t in threads:
@@ -255,8 +256,8 @@ def probe_draining(up: UpProcess) -> list[str]:
     return notes
 
 
-def make_fault(up: UpProcess, fault: str, tokens: int, notes: list[str]) -> tuple[str, Callable[[], None], int]:
-    """(victim service, the fault, tokens streamed before it strikes)."""
+def make_fault(up: UpProcess, fault: str, notes: list[str]) -> tuple[str, Callable[[], None], int]:
+    """(victim service, the fault, tokens each stream has before it strikes: 0, the first token of any)."""
     victim = {"decode": "decode0", "prefill": "prefill0", "router": "router"}[fault.split("-")[0]]
     pid = up.service_pid(victim)
 
@@ -272,7 +273,7 @@ def make_fault(up: UpProcess, fault: str, tokens: int, notes: list[str]) -> tupl
             time.sleep(0.3)
             notes.extend(probe_draining(up))
 
-    return victim, strike, 1 if fault == "prefill-kill" else STREAMS * tokens // 3
+    return victim, strike, 0 if fault == "prefill-kill" else EACH_TOKENS
 
 
 def recover(up: UpProcess, victim: str, since: float, timeout: float = 180.0) -> tuple[bool, float]:
@@ -323,7 +324,7 @@ def run_fault(up: UpProcess, fault: str, specs: list[StreamSpec], reference: lis
               tokens: int) -> RoundResult:
     """One round with `fault` striking mid-stream, then the cluster whole again."""
     notes: list[str] = []
-    victim, strike, after = make_fault(up, fault, tokens, notes)
+    victim, strike, after = make_fault(up, fault, notes)
     t0 = time.monotonic()
     result = judge(fault, run_round(up, specs, tokens, strike, after), reference)
     result.served_after, result.recovery_s = recover(up, victim, t0)
@@ -351,7 +352,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(ROOT / "models" / "demo-v32"))
-    p.add_argument("--tokens", type=int, default=64, help="tokens each stream generates")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="tokens each stream generates")
     p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     p.add_argument("--up-args", default="", help="more `pdserve up` flags, e.g. '--dtype float32'")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "fleet_faults.png"))

@@ -180,6 +180,13 @@ class Cluster:
         self._read_metrics_port(address, port_file)
         shutil.rmtree(port_file.parent, ignore_errors=True)
 
+    @property
+    def served_model_name(self) -> str:
+        """The HTTP API's model id: the router's --served-model-name, else the model directory's name."""
+        flags = self.extra_router
+        named = [v for f, v in zip(flags, flags[1:]) if f == "--served-model-name"]
+        return named[-1] if named else Path(self.model).resolve().name
+
     def service_name(self, address: str) -> str:
         """decode0, prefill1, router, ...: the name its log file has."""
         return self._commands[address][0]
@@ -481,7 +488,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     if cluster.http_address:
         scheme = "https" if cluster.certs is not None else "http"
         print(f"OpenAI-compatible HTTP API at {scheme}://{cluster.http_address}/v1 "
-              f"(model {Path(model).resolve().name})")
+              f"(model {cluster.served_model_name})")
     if cluster.certs is not None:
         print(f"mutual TLS on every hop; clients verify the router with --tls-ca {cluster.certs.ca}")
     print("metrics: " + "; ".join(f"{cluster.service_name(a)} http://{cluster.host}:{port}/metrics"

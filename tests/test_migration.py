@@ -17,16 +17,17 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.fleet_faults import FAULTS, STREAMS, UpProcess, run_fault, unfaulted
+from bench.fleet_faults import FAULTS, STREAMS, TOKENS, UpProcess, run_fault, unfaulted
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "models/demo-v32"
-TOKENS = 64
 MOVED_BY = {"decode-kill": ("unavailable", "kv_transfer", "cancelled"), "decode-term": ("drain",), "prefill-kill": ()}
 
 
@@ -51,6 +52,25 @@ def up(tmp_path_factory):
 @pytest.fixture(scope="module")
 def workload(up):
     return unfaulted(up, TOKENS, json.loads((ROOT / DEMO / "config.json").read_text())["vocab_size"])
+
+
+def test_openai_contract_through_pdserve_up(up):
+    """The HTTP API's contract as `pdserve up --http-port` serves it, with the official SDK (the whole contract:
+    tests/test_openai_contract.py): completions default to 16 tokens, usage counts the prompt once for n=3,
+    the developer role is a system prompt, OpenAI's error body on an unknown route and on an oversized body."""
+    client = openai.OpenAI(base_url=up.http_url, api_key="none", max_retries=0)
+    assert client.completions.create(model=up.model, prompt=[5, 6, 7, 8, 9], temperature=0,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 16
+    usage = client.completions.create(model=up.model, prompt=[5, 6, 7, 8, 9], n=3, max_tokens=2, seed=1).usage
+    assert usage.prompt_tokens == 5 and usage.completion_tokens == 6
+    chat = client.chat.completions.create(model=up.model, max_tokens=4, messages=[
+        {"role": "developer", "content": "Speak as a prophet."}, {"role": "user", "content": "Who made light?"}])
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    base = up.http_url.removesuffix("/v1")
+    missing = httpx.get(f"{base}/v1/nope", timeout=10)
+    assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    huge = httpx.post(f"{up.http_url}/completions", content=b"x" * (33 << 20), timeout=60)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == 413
 
 
 @pytest.mark.parametrize("fault", FAULTS)
