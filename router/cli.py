@@ -472,6 +472,7 @@ def cluster_from_args(args: argparse.Namespace, log_dir: Path | None = None) -> 
 def cmd_up(args: argparse.Namespace) -> None:
     try:
         cluster = cluster_from_args(args, Path(args.log_dir) if args.log_dir else None)
+        restarts = from_flags(SupervisorConfig, args)
     except (ValueError, OSError) as exc:  # a bad flag or description: one line naming the key, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -497,7 +498,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     if scaler is not None:
         print(f"autoscaling each pool within {args.autoscale} instances (the router decides every "
               f"{args.autoscale_period:g} s)")
-    supervisor = Supervisor(cluster, from_flags(SupervisorConfig, args))
+    supervisor = Supervisor(cluster, restarts)
     print(f"supervising: a service that exits is started again (restarts counted at "
           f"http://{cluster.host}:{supervisor.serve_metrics()}/metrics)")
     print("Ctrl-C to stop", flush=True)

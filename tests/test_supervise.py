@@ -103,3 +103,11 @@ def test_a_listening_service_is_noticed_and_a_drained_one_left_alone(tmp_path, c
 
 def test_exit_descriptions():
     assert describe_exit(-15) == "killed by SIGTERM" and describe_exit(0) == "exited with code 0"
+
+
+def test_a_bad_restart_flag_is_refused_before_anything_starts():
+    """Hostile input through the command: one line naming the flag, exit 2, no service started."""
+    done = subprocess.run([sys.executable, "-m", "router.cli", "up", "--restart-backoff-max", "-1"],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2 and "--restart-backoff-max: expected at least 0.0, got -1.0" in done.stderr
+    assert "starting" not in done.stdout
