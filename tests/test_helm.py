@@ -116,6 +116,9 @@ def test_rendered_objects_validate_and_args_parse(name):
             assert "exec" in container["readinessProbe"]  # the kubelet's gRPC probe cannot do mTLS
         else:
             assert container["readinessProbe"]["grpc"]["port"] == spec["port"]
+            # liveness is not readiness: a pod waiting for its peers, or draining, is not restarted
+            assert container["livenessProbe"]["grpc"] == {"port": spec["port"], "service": "pdserve.liveness"}
+            assert "service" not in container["readinessProbe"]["grpc"]
     assert instances == {"prefill": values["prefill"]["instances"], "decode": values["decode"]["instances"]}
 
 
@@ -129,9 +132,12 @@ def test_probe_command_is_the_package_module(served_model, tmp_path):
     with Cluster(str(served_model), dtype="float32", tls=True, log_dir=tmp_path / "logs") as c:
         ok = subprocess.run([sys.executable, "-m", "shared.rpc.probe", c.decode_addrs[0], *c.certs.flags()],
                             capture_output=True, text=True, timeout=60)
+        alive = subprocess.run([sys.executable, "-m", "shared.rpc.probe", c.decode_addrs[0], *c.certs.flags(),
+                                "--service", "pdserve.liveness"], capture_output=True, text=True, timeout=60)
         plain = subprocess.run([sys.executable, "-m", "shared.rpc.probe", c.decode_addrs[0]],
                                capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "SERVING" in ok.stdout
+    assert alive.returncode == 0 and "SERVING" in alive.stdout  # the liveness probe's service
     assert plain.returncode == 1  # no certificate: the decode port refuses the handshake
 
 

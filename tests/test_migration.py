@@ -6,7 +6,7 @@ instance SIGKILLed mid-prefill, the router SIGTERMed (it drains: new requests re
 UNAVAILABLE, the streams in flight finish), the router SIGKILLed (its streams end with a clean error). Every stream
 of the first four is whole and equal to the unfaulted round; `pdserve up` restarts each victim (counted on its own
 /metrics), the router takes it back, new requests succeed, and the survivors hold no KV block or lease. A router
-started before its instances is not SERVING and holds requests until they come."""
+started before its instances is not SERVING (but alive) and holds requests until they come."""
 
 from __future__ import annotations
 
@@ -108,6 +108,9 @@ def test_a_router_before_its_instances_is_not_serving_and_holds_requests(tmp_pat
             health = health_pb2_grpc.HealthStub(ch)
             assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
                             == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=10)
+            # not ready, but alive: the chart's liveness probe asks pdserve.liveness and leaves it running
+            assert health.Check(health_pb2.HealthCheckRequest(service="pdserve.liveness"), timeout=5).status \
+                == health_pb2.HealthCheckResponse.SERVING
             t = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:
                 list(generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(

@@ -194,8 +194,14 @@ class _Authenticate(grpc.aio.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
+# The health service name a liveness probe asks: SERVING while the process can serve, whatever its readiness
+# (a router that reaches no instance yet, or drains, is not ready; restarting it would fix nothing).
+LIVENESS_SERVICE = "pdserve.liveness"
+
+
 class Lifecycle:
-    """Health, fatal failure and signal-driven drain of one asyncio gRPC server."""
+    """Health (readiness: the server's and its services' names; liveness: LIVENESS_SERVICE), fatal failure
+    and signal-driven drain of one asyncio gRPC server."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
                  service_names: list[str]):
@@ -210,10 +216,13 @@ class Lifecycle:
             await self.health.set(name, status)
 
     def fail(self, reason: str, grace: float = 1.0) -> None:
-        """Thread-safe: the engine loop cannot go on. Report NOT_SERVING at once, give streams `grace`
-        seconds to end with UNAVAILABLE, then exit non-zero so the orchestrator restarts the process."""
+        """Thread-safe: the engine loop cannot go on. Report NOT_SERVING at once (liveness too), give
+        streams `grace` seconds to end with UNAVAILABLE, then exit non-zero so the orchestrator restarts
+        the process."""
         log.error("engine loop failed, exiting in %.1fs: %s", grace, reason)
         asyncio.run_coroutine_threadsafe(self.set(False), self.loop)
+        asyncio.run_coroutine_threadsafe(self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse
+                                                         .NOT_SERVING), self.loop)
         timer = threading.Timer(grace, lambda: os._exit(70))
         timer.daemon = True
         timer.start()
@@ -270,6 +279,7 @@ async def start_server(host: str, port: int, register: Iterable[Callable[[grpc.a
     await server.start()
     life = Lifecycle(server, health_servicer, service_names)
     await life.set(True)
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, life
 
 

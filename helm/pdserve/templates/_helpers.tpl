@@ -182,18 +182,24 @@ initContainers:
 {{- end -}}
 
 {{/* gRPC health probes: the kubelet's native gRPC probe, or (mutual TLS, which it cannot speak)
-     the package's own probe command. Startup allows a long model load. */}}
+     the package's own probe command. Startup allows a long model load. Readiness is the server's health
+     (a router that reaches no instance, or drains, takes no traffic); liveness asks pdserve.liveness, SERVING
+     while the process can serve: a router waiting for its pools is not restarted in a loop. */}}
 {{- define "pdserve.probes" -}}
 {{- $port := .port -}}
 {{- $root := .root -}}
 {{- range $kind := list "startupProbe" "readinessProbe" "livenessProbe" }}
+{{- $service := ternary "pdserve.liveness" "" (eq $kind "livenessProbe") }}
 {{ $kind }}:
 {{- if $root.Values.tls.enabled }}
   exec:
-    command: ["sh", "-c", "exec python -m shared.rpc.probe \"$POD_IP:{{ $port }}\" --tls-cert /etc/pdserve/tls/tls.crt --tls-key /etc/pdserve/tls/tls.key --tls-ca /etc/pdserve/tls/ca.crt"]
+    command: ["sh", "-c", "exec python -m shared.rpc.probe \"$POD_IP:{{ $port }}\" --tls-cert /etc/pdserve/tls/tls.crt --tls-key /etc/pdserve/tls/tls.key --tls-ca /etc/pdserve/tls/ca.crt{{ if $service }} --service {{ $service }}{{ end }}"]
 {{- else }}
   grpc:
     port: {{ $port }}
+    {{- if $service }}
+    service: {{ $service }}
+    {{- end }}
 {{- end }}
 {{- if eq $kind "startupProbe" }}
   periodSeconds: 10
