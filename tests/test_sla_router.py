@@ -171,8 +171,10 @@ def test_an_urgent_request_overtakes_queued_background_prompts(served_model, tmp
 
     prompts = random_prompts(9, [160] * 9, 512, seed=71)
     done: dict[int, float] = {}
+    # 4 tokens a step, 40 steps a prompt: on a loaded machine the eight still arrive while the first prefills
+    # (at 8 a step they could trickle in about as fast as they drained, and never queue five deep)
     with Cluster(str(served_model), dtype="float32", log_dir=tmp_path / "logs",
-                 extra_prefill=["--max-prefill-tokens", "8"]) as c:
+                 extra_prefill=["--max-prefill-tokens", "4"]) as c:
         def send(i: int, priority: int) -> None:
             with c.channel(c.address) as ch:
                 req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[i], priority=priority,
@@ -187,7 +189,7 @@ def test_an_urgent_request_overtakes_queued_background_prompts(served_model, tmp
         background = [threading.Thread(target=send, args=(i, 5)) for i in range(8)]
         for t in background:
             t.start()
-        assert wait_for(lambda: waiting() >= 5, 30)  # queued behind the one prefilling (20 steps of 8 tokens each)
+        assert wait_for(lambda: waiting() >= 5, 60)  # queued behind the one prefilling
         send(8, -1)
         for t in background:
             t.join()
