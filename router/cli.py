@@ -48,7 +48,7 @@ from router.perf import PerfModel, profile_engine, profile_served
 from router.planner import Dist, Workload, run_plan
 from router.server import RouterConfig
 from router.supervise import Supervisor, SupervisorConfig, run_supervised
-from shared.config import DecodeConfig, ServiceConfig, add_flags, from_flags, same_as
+from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, add_flags, from_flags, same_as
 from shared.protocol.chat import EOS, split_reasoning
 from shared.rpc.certs import CertFiles, make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -674,8 +674,6 @@ def parser() -> argparse.ArgumentParser:
     add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "api_key_file", "ttft_slo_ms",
                                       "tpot_slo_ms", "profile", "served_model_name", "chat_max_tokens",
                                       "drain_seconds"))
-    from shared.config import PrefillConfig  # prefill's own flag (the module's imports are shared with others)
-
     add_flags(up, PrefillConfig, only=("no_prefix_cache",))
     add_flags(up, AutoscaleConfig)  # passed to the router, which decides
     add_flags(up, SupervisorConfig)  # pdserve up's own: how it restarts a service that exits

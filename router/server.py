@@ -33,8 +33,10 @@ from router.autoscale import (
     AutoscaleConfig,
     Autoscaler,
     Bounds,
+    FleetLoad,
     Target,
     observe,
+    prometheus_query,
     read_counters,
 )
 from router.drain import DRAINING_MESSAGE, RETRY_AFTER_S, DrainGate
@@ -142,8 +144,6 @@ class RouterConfig(EndpointConfig):
         router's SLA targets (else AUTOSCALE_TTFT_MS / AUTOSCALE_TPOT_MS)."""
         if not self.autoscale:
             return None
-        from router.autoscale import FleetLoad, prometheus_query  # (kept out of the shared import block)
-
         bounds = Bounds.parse(self.autoscale)
         fleet = FleetLoad(prometheus_query(self.autoscale_prometheus), self.autoscale_routers, self.autoscale_window,
                           self.autoscale_period) if self.autoscale_prometheus else None
