@@ -2,7 +2,8 @@
 subprocess, 24 concurrent streams (half over the OpenAI HTTP API with the official `openai` SDK, half over gRPC;
 greedy and seeded sampling), and one fault per round while they stream:
 
-  decode SIGKILL | decode SIGTERM (its process group) | prefill SIGKILL | router SIGTERM | router SIGKILL
+  decode SIGKILL | decode SIGTERM (its process group) | prefill SIGKILL (frozen with its share of the prompts in
+  flight, killed a second later) | router SIGTERM | router SIGKILL
 
 A stream is *whole* when it ends normally with exactly the tokens (gRPC) / text (HTTP) of the same request in an
 unfaulted round. A killed router cannot finish what it held: there each stream must end with a *clean error*
@@ -152,10 +153,11 @@ class Outcome:
 
 
 def workload(tokens: int, vocab: int, seed: int = 3) -> list[StreamSpec]:
-    """24 streams: even ones over gRPC, odd ones over HTTP; every third one seeded sampling, the rest greedy."""
+    """24 streams: even ones over gRPC, odd ones over HTTP; every third one seeded sampling, the rest greedy;
+    prompts of 120-350 tokens."""
     rng = random.Random(seed)
     return [StreamSpec(i, "grpc" if i % 2 == 0 else "http", tuple(rng.randrange(2, vocab) for _ in
-                                                                   range((40, 70, 25)[i % 3])),
+                                                                   range((200, 350, 120)[i % 3])),
                        i if i % 3 == 2 else None) for i in range(STREAMS)]
 
 
@@ -194,8 +196,8 @@ def run_stream(up: UpProcess, spec: StreamSpec, tokens: int, counted: Callable[[
 def run_round(up: UpProcess, specs: list[StreamSpec], tokens: int, fault: Callable[[], None] | None = None,
               each_tokens: int = 0) -> list[Outcome]:
     """Every stream at once, one thread each; `fault()` once every stream has `each_tokens` tokens (all in
-    flight, each under way: on a loaded machine the last may start long after the first), or with 0 once the
-    first token of any has arrived (a fault while the rest are still in prefill)."""
+    flight, each under way: on a loaded machine the last may start long after the first), with 0 once the
+    first token of any has arrived, with -1 at once (the fault waits for its own moment)."""
     out: list[Outcome | None] = [None] * len(specs)
     counts, lock = [0] * len(specs), threading.Lock()
 
@@ -211,7 +213,8 @@ def run_round(up: UpProcess, specs: list[StreamSpec], tokens: int, fault: Callab
         t.start()
     if fault is not None:
         deadline = time.monotonic() + 120
-        while (min(counts) < each_tokens if each_tokens else sum(counts) == 0) and time.monotonic() < deadline:
+        while each_tokens >= 0 and (min(counts) < each_tokens if each_tokens else sum(counts) == 0) \
+                and time.monotonic() < deadline:
             time.sleep(0.002)
         fault()
     for t in threads:
@@ -257,7 +260,8 @@ def probe_draining(up: UpProcess) -> list[str]:
 
 
 def make_fault(up: UpProcess, fault: str, notes: list[str]) -> tuple[str, Callable[[], None], int]:
-    """(victim service, the fault, tokens each stream has before it strikes: 0, the first token of any)."""
+    """(victim service, the fault, tokens each stream has before it strikes: -1, at once: a prefill instance is
+    frozen as the requests arrive and killed a second later, with its share in flight)."""
     victim = {"decode": "decode0", "prefill": "prefill0", "router": "router"}[fault.split("-")[0]]
     pid = up.service_pid(victim)
 
@@ -267,13 +271,17 @@ def make_fault(up: UpProcess, fault: str, notes: list[str]) -> tuple[str, Callab
             while up.metric(victim, "pdserve_running_requests") == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
             os.killpg(pid, signal.SIGTERM)
+        elif fault == "prefill-kill":  # with its share of the prompts in flight: an instance computes its share
+            os.kill(pid, signal.SIGSTOP)  # in one step, too short to catch from outside; frozen, they stay
+            time.sleep(1.0)  # in flight (the router places every request within milliseconds)
+            os.kill(pid, signal.SIGKILL)
         else:
             os.kill(pid, signal.SIGTERM if fault == "router-term" else signal.SIGKILL)
         if fault == "router-term":
             time.sleep(0.3)
             notes.extend(probe_draining(up))
 
-    return victim, strike, 0 if fault == "prefill-kill" else EACH_TOKENS
+    return victim, strike, -1 if fault == "prefill-kill" else EACH_TOKENS
 
 
 def recover(up: UpProcess, victim: str, since: float, timeout: float = 180.0) -> tuple[bool, float]:
