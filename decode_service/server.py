@@ -26,15 +26,13 @@ from shared.engine.core import CommandError, follow
 from shared.engine.isolation import REQUEST_FAULT
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.protocol.limits import blocks_for
+from shared.rpc.convert import logprob_from_proto, logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
     Lifecycle,
     LoopQueue,
     die_with_launcher,
-    logprob_from_proto,
-    logprob_to_proto,
-    sampling_from_proto,
     start_server,
     wait_future,
 )

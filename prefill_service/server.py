@@ -30,13 +30,12 @@ from shared.engine import LLMEngine
 from shared.engine.core import CommandError, follow
 from shared.engine.isolation import RequestFault
 from shared.parallel.launch import join_ranks, service_state, start_instance
+from shared.rpc.convert import logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
     Lifecycle,
     die_with_launcher,
-    logprob_to_proto,
-    sampling_from_proto,
     start_server,
     wait_future,
 )

@@ -26,8 +26,8 @@ import grpc
 from router.cli import DEFAULT_MODEL, Cluster
 from shared.engine import LLM
 from shared.loader.tiny import ensure_tiny_model
+from shared.rpc.convert import sampling_from_proto
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.rpc.service import sampling_from_proto
 
 PROMPTS = ["And it came to pass", "In the beginning", "The LORD is my shepherd", "And Jesus said unto them,"]
 HF_TOP_K = 50  # Hugging Face's top_k when a sampling generation_config sets none

@@ -54,13 +54,13 @@ from shared.protocol.sampling import SamplingParams
 from shared.protocol.structured import ConstraintCompiler, ConstraintKind, StructuredOutput
 from shared.protocol.tokenizer import Tokenizer
 from shared.protocol.tools import ToolCall, ToolFunction, tool_call_grammar
+from shared.rpc.convert import sampling_from_proto
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
     Lifecycle,
     aio_channel,
     die_with_launcher,
-    sampling_from_proto,
     start_server,
     write_port_file,
 )

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from router.demo import PROMPTS, model_sampling
-from shared.rpc.service import sampling_from_proto
+from shared.rpc.convert import sampling_from_proto
 
 DEMO = "models/demo-v32"
 

@@ -1,5 +1,6 @@
 """gRPC plumbing shared by the services: asyncio servers with health + reflection, internal-call
-authentication (cluster token or mutual TLS), dead-peer detection, lifecycle, request conversions.
+authentication (cluster token or mutual TLS), dead-peer detection, lifecycle
+(proto conversions: shared.rpc.convert).
 
 Servers are `grpc.aio`: a streaming RPC is a coroutine, not a thread, so the number of concurrent
 streams does not depend on a thread pool, and health checks are answered on the event loop while
@@ -43,10 +44,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared.config import EndpointConfig
-from shared.protocol.sampling import SamplingParams, TokenLogprob
-from shared.protocol.structured import ConstraintKind, StructuredOutput
 from shared.rpc.certs import TLS_SERVER_NAME
-from shared.rpc.pdserve.v1 import generation_pb2, internal_pb2
+from shared.rpc.pdserve.v1 import internal_pb2
 
 log = logging.getLogger("pdserve")
 
@@ -406,71 +405,6 @@ def write_port_file(path: str | None, port: int) -> None:
         tmp.replace(path)
 
 
-# proto3 `optional` fields of SamplingParams: unset, they keep SamplingParams' own defaults
-OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "skip_special_tokens",
-                            "repetition_penalty", "logprobs", "prompt_logprobs")
-
-
-def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
-    """Proto → SamplingParams; an unset optional field takes the default SamplingParams declares (once)."""
-    optional = {name: getattr(msg, name) for name in OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
-    return SamplingParams(top_k=msg.top_k, stop_token_ids=list(msg.stop_token_ids), stop=list(msg.stop),
-                          ignore_eos=msg.ignore_eos, presence_penalty=msg.presence_penalty,
-                          frequency_penalty=msg.frequency_penalty, min_p=msg.min_p, min_tokens=msg.min_tokens,
-                          logit_bias=dict(msg.logit_bias), structured=structured_from_proto(msg.structured_output)
-                          if msg.HasField("structured_output") else None, **optional)
-
-
-def structured_from_proto(msg: generation_pb2.StructuredOutput) -> StructuredOutput:
-    """Proto → StructuredOutput; ValueError when no constraint is set."""
-    which = msg.WhichOneof("constraint")
-    if which is None:
-        raise ValueError("structured_output: set one of json_schema, json_object, regex, grammar, choice")
-    kind = ConstraintKind(which)
-    if kind is ConstraintKind.CHOICE:
-        return StructuredOutput(kind, choices=tuple(msg.choice.choices), after_reasoning=msg.after_reasoning)
-    spec = "" if kind is ConstraintKind.JSON_OBJECT else getattr(msg, which)
-    return StructuredOutput(kind, spec, after_reasoning=msg.after_reasoning)
-
-
-def structured_to_proto(so: StructuredOutput) -> generation_pb2.StructuredOutput:
-    msg = generation_pb2.StructuredOutput(after_reasoning=so.after_reasoning)
-    if so.kind is ConstraintKind.CHOICE:
-        msg.choice.choices.extend(so.choices)
-    elif so.kind is ConstraintKind.JSON_OBJECT:
-        msg.json_object = True
-    else:
-        setattr(msg, so.kind.value, so.spec)
-    return msg
-
-
-def sampling_to_proto(p: SamplingParams) -> generation_pb2.SamplingParams:
-    msg = generation_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                        top_k=p.top_k, stop_token_ids=p.stop_token_ids, stop=p.stop,
-                                        ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
-                                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                                        repetition_penalty=p.repetition_penalty, min_p=p.min_p,
-                                        min_tokens=p.min_tokens, logit_bias=p.logit_bias)
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
-    if p.prompt_logprobs is not None:
-        msg.prompt_logprobs = p.prompt_logprobs
-    if p.structured is not None:
-        msg.structured_output.CopyFrom(structured_to_proto(p.structured))
-    return msg
-
-
-def logprob_to_proto(lp: TokenLogprob) -> generation_pb2.TokenLogprob:
-    return generation_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids,
-                                       top_logprobs=lp.top_logprobs)
-
-
-def logprob_from_proto(msg: generation_pb2.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(msg.token_id, msg.logprob, list(msg.top_ids), list(msg.top_logprobs))
-
-
 class _PresentToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     def __init__(self, metadata: tuple[tuple[str, str], ...]):
         self.extra = metadata
@@ -506,6 +440,5 @@ def aio_channel(address: str, credentials: Credentials | None = None) -> grpc.ai
             else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
 
 
-__all__ = ["Credentials", "Lifecycle", "LoopQueue", "aio_channel", "channel", "die_with_parent", "generation_pb2",
-           "internal_pb2",
-           "sampling_from_proto", "sampling_to_proto", "start_server"]
+__all__ = ["Credentials", "Lifecycle", "LoopQueue", "aio_channel", "channel", "die_with_parent", "internal_pb2",
+           "start_server"]

@@ -1,0 +1,61 @@
+"""The one shape of a load report, from an engine rank to the router: each rank's numbers and the
+instance's (their totals, its KV block size, and a prefill instance's prefix-cache summary).
+shared.rpc.convert carries it over gRPC (GetLoad)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One engine rank after a turn (a DP rank of a decode instance, a CP rank or the one rank of a prefill)."""
+
+    rank: int
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    active_leases: int = 0  # decode: reservations the prefill pushes into
+    tokens: int = 0  # decode: context tokens held by running requests and reservations
+    admitted: int = 0  # decode: requests admitted since start
+    queued_prompt_tokens: int = 0  # prompt tokens waiting or not yet computed on this rank
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """An instance's load: its ranks, and what the router needs to read them."""
+
+    ranks: tuple[RankLoad, ...]
+    block_size: int = 0  # KV block size in tokens (free_blocks × block_size = room); 0: not said
+    prefix_filter: bytes | None = None  # prefill: Bloom filter of the prefix cache's block keys (PrefixFilter)
+
+    def total(self, name: str) -> int:
+        return sum(getattr(r, name) for r in self.ranks)
+
+    @property
+    def running(self) -> int:
+        return self.total("running")
+
+    @property
+    def waiting(self) -> int:
+        return self.total("waiting")
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total("free_blocks")
+
+    @property
+    def total_blocks(self) -> int:
+        return self.total("total_blocks")
+
+    @property
+    def active_leases(self) -> int:
+        return self.total("active_leases")
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        return self.total("queued_prompt_tokens")
+
+
+__all__ = ["LoadReport", "RankLoad"]
