@@ -57,9 +57,11 @@ import grpc
 from bench.common import OUT, ROOT, pct, table
 from bench.trace_replay import TRACE, TRACE_SOURCE
 from router.autoscale import Autoscaler, Bounds, Observation
-from router.cli import Cluster, LocalAutoscaler, up_cluster
+from router.cli import up_cluster
+from router.cluster import Cluster
 from router.perf import PerfModel
 from router.planner import goodput
+from router.supervise import LocalAutoscaler
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 DEMO = str(ROOT / "models" / "demo-v32")

@@ -36,7 +36,7 @@ from bench.common import OUT, pct, table
 from bench.hostload import tree_seconds
 from bench.peers import stream_completion, vllm_bench_serve
 from bench.serving import from_vllm_bench, run_router, run_streams
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.loader.tiny import ensure_tiny_model
 
 

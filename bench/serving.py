@@ -41,7 +41,7 @@ import torch
 from bench.common import OUT, line_plot, pct, table
 from bench.hostload import ForeignLoad, wait_quiet
 from bench.peers import VLLM_CONFIG, VllmServer, stream_completion, vllm_bench_serve
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.kvcache import KVCache
 from shared.kvcache.lease import LeaseTable

@@ -28,7 +28,7 @@ import time
 import grpc
 
 from bench.common import OUT, line_plot, pct, table
-from router.cli import Cluster
+from router.cluster import Cluster
 from router.perf import PerfModel, profile_served
 from router.planner import Dist, Workload, analytic, goodput, simulate
 from shared.loader.tiny import ensure_tiny_model

@@ -3,20 +3,28 @@ after its own SIGTERM) is started again on the same ports, with a back-off when 
 cluster goes on serving meanwhile (the router migrates what ran on a lost decode instance, fails a prefill over,
 and takes a restarted instance back by reconnecting). Only `pdserve up`'s own SIGINT / SIGTERM stops everything.
 
-Restarts are logged and counted (`pdserve_up_restarts_total{service,pool}` on the launcher's /metrics)."""
+Restarts are logged and counted (`pdserve_up_restarts_total{service,pool}` on the launcher's /metrics). With
+--autoscale, LocalAutoscaler starts and drains instances to the sizes the router decides; `supervise_cluster` is
+`pdserve up` once its flags are parsed: start, banner, supervise until stopped."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from router.autoscale import AutoscaleConfig, Target
+from router.cluster import Cluster
 from shared.config import check_bounds, flag, flag_name
 
 
@@ -148,3 +156,101 @@ def run_supervised(supervisor: Supervisor, period: float = 0.5) -> None:
         supervisor.poll()
         time.sleep(period)
 
+
+class LocalAutoscaler:
+    """`pdserve up --autoscale MIN:MAX`: the router decides each pool's size (router.autoscale, exported as
+    pdserve_router_desired_instances); this loop starts instances (in parallel) or drains them to match.
+    Runs on its own thread; `history` keeps (time, sizes) after each change."""
+
+    def __init__(self, cluster: Cluster, period: float = 1.0):
+        self.cluster, self.period = cluster, period
+        self.history: list[tuple[float, Target]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autoscale", daemon=True)
+
+    def start(self) -> LocalAutoscaler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def sizes(self) -> Target:
+        return Target(len(self.cluster.prefill_addrs), len(self.cluster.decode_addrs))
+
+    def desired(self) -> Target | None:
+        port = self.cluster.metrics_ports[self.cluster.address]
+        with urllib.request.urlopen(f"http://{self.cluster.host}:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        found = dict(re.findall(r'^pdserve_router_desired_instances\{pool="(\w+)"\} ([0-9.]+)$', text, re.M))
+        return Target(int(float(found["prefill"])), int(float(found["decode"]))) if len(found) == 2 else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            have, want = self.sizes(), self.desired()
+            if want is None or want == have:
+                continue
+            print(f"autoscale: prefill {have.prefill} → {want.prefill}, decode {have.decode} → {want.decode}",
+                  flush=True)
+            adds = [kind for kind, n, m in (("prefill", have.prefill, want.prefill),
+                                            ("decode", have.decode, want.decode)) for _ in range(m - n)]
+            try:
+                # started here, on this long-lived thread (a service dies with the thread that started it),
+                # then waited for together: the new instances load their models at once
+                started = [(kind, *self.cluster.start_instance(kind)) for kind in adds]
+                with ThreadPoolExecutor(max(1, len(started))) as pool:
+                    for kind, address in zip(adds, pool.map(lambda s: self.cluster.join_instance(*s), started),
+                                             strict=True):
+                        print(f"autoscale: + {kind} {address}", flush=True)
+                for kind, n, m in (("prefill", have.prefill, want.prefill), ("decode", have.decode, want.decode)):
+                    for _ in range(n - m):
+                        print(f"autoscale: - {kind} {self.cluster.remove_instance(kind)} (draining)", flush=True)
+            except (RuntimeError, OSError, ValueError) as exc:  # an instance that failed to start: try again later
+                print(f"autoscale: {exc}", file=sys.stderr, flush=True)
+            self.history.append((time.monotonic(), self.sizes()))
+
+
+def supervise_cluster(cluster: Cluster, restarts: SupervisorConfig, autoscaling: AutoscaleConfig) -> None:
+    """`pdserve up`: start the cluster, print where everything is, then supervise it (and, with --autoscale,
+    size its pools) until SIGINT / SIGTERM; stop it all on the way out."""
+    print(f"starting {cluster.num_prefill} prefill + {cluster.num_decode} decode + router on {cluster.model} ...",
+          flush=True)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started with SIGINT ignored (background jobs)
+        signal.signal(sig, interrupt)
+    cluster.start()
+    _banner(cluster)
+    scaler = LocalAutoscaler(cluster).start() if autoscaling.autoscale else None
+    if scaler is not None:
+        print(f"autoscaling each pool within {autoscaling.autoscale} instances (the router decides every "
+              f"{autoscaling.autoscale_period:g} s)")
+    supervisor = Supervisor(cluster, restarts)
+    print(f"supervising: a service that exits is started again (restarts counted at "
+          f"http://{cluster.host}:{supervisor.serve_metrics()}/metrics)")
+    print("Ctrl-C to stop", flush=True)
+    try:
+        run_supervised(supervisor)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if scaler is not None:
+            scaler.stop()
+        cluster.stop()
+        print("stopped")
+
+
+def _banner(cluster: Cluster) -> None:
+    """Where the started cluster serves: the router, the pools, the HTTP API, TLS, every /metrics."""
+    print(f"pdserve up: router at {cluster.address}; prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}")
+    if cluster.http_address:
+        scheme = "https" if cluster.certs is not None else "http"
+        print(f"OpenAI-compatible HTTP API at {scheme}://{cluster.http_address}/v1 "
+              f"(model {cluster.served_model_name})")
+    if cluster.certs is not None:
+        print(f"mutual TLS on every hop; clients verify the router with --tls-ca {cluster.certs.ca}")
+    print("metrics: " + "; ".join(f"{cluster.service_name(a)} http://{cluster.host}:{port}/metrics"
+                                  for a, port in cluster.metrics_ports.items()))

@@ -28,10 +28,11 @@ from router.autoscale import (
     prometheus_query,
     read_counters,
 )
-from router.cli import LocalAutoscaler, up_cluster
+from router.cli import up_cluster
 from router.perf import PerfModel
 from router.planner import TraceRequest, simulate_trace
 from router.server import parse_args as router_args
+from router.supervise import LocalAutoscaler
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.helpers import random_prompts, wait_for
 

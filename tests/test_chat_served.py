@@ -9,7 +9,7 @@ import sys
 import grpc
 import pytest
 
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.engine import LLM, SamplingParams
 from shared.protocol.chat import ChatMessage
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc

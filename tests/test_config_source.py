@@ -91,8 +91,8 @@ def _literal_defaults(path: Path) -> list[tuple[str, int]]:
 def test_no_knob_default_is_written_twice():
     """The fronts that render service flags (the deployment description, `pdserve up`'s Cluster, the
     services' own configs) write no knob's default as a literal: they re-declare it with `same_as`."""
-    fronts = [ROOT / "router/deploy.py", ROOT / "router/cli.py", *sorted((ROOT / "prefill_service").glob("*.py")),
-              *sorted((ROOT / "decode_service").glob("*.py"))]
+    fronts = [ROOT / "router/deploy.py", ROOT / "router/cli.py", ROOT / "router/cluster.py",
+              *sorted((ROOT / "prefill_service").glob("*.py")), *sorted((ROOT / "decode_service").glob("*.py"))]
     offenders = [f"{path.relative_to(ROOT)}:{line} {name}" for path in fronts
                  for name, line in _literal_defaults(path)]
     assert not offenders, f"knob defaults written outside their config dataclass: {offenders}"

@@ -114,7 +114,7 @@ def test_invalid_engine_values_name_the_key(engine, message):
 
 def test_up_passes_engine_values_to_prefill_and_decode():
     """`pdserve up` (flags or --config): both services of the local cluster get the same engine flags."""
-    from router.cli import cluster_from_deployment
+    from router.cluster import cluster_from_deployment
 
     c = cluster_from_deployment(Deployment.from_dict({"engine": ENGINE}), "m")
     assert (c.quantization, c.kv_cache_dtype, c.offload_layers, c.offload_buffers, c.share_weights_dir) == (
@@ -171,7 +171,7 @@ def test_chart_and_up_render_the_same_service_flags(shape):
 
 def test_up_runs_a_deployment_file(served_model, tmp_path):
     """`pdserve up --config` semantics: the description's shape runs locally and serves."""
-    from router.cli import cluster_from_deployment
+    from router.cluster import cluster_from_deployment
     from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 
     spec = tmp_path / "deploy.yaml"

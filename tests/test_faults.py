@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.transfer.tcp import split_endpoint
 from tests.helpers import wait_for
@@ -194,7 +194,7 @@ def test_engine_core_process_death_takes_the_instance_down(served_model, tmp_pat
     import subprocess
     import sys
 
-    from router.cli import wait_port_file, wait_serving
+    from router.cluster import wait_port_file, wait_serving
 
     with open(tmp_path / "log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", service, "--model", str(served_model), "--dtype", "float32",

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.lease import LeaseTable
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc

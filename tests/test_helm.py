@@ -127,7 +127,7 @@ def test_probe_command_is_the_package_module(served_model, tmp_path):
     import subprocess
     import sys
 
-    from router.cli import Cluster
+    from router.cluster import Cluster
 
     with Cluster(str(served_model), dtype="float32", tls=True, log_dir=tmp_path / "logs") as c:
         ok = subprocess.run([sys.executable, "-m", "shared.rpc.probe", c.decode_addrs[0], *c.certs.flags()],

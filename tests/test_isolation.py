@@ -24,7 +24,7 @@ import urllib.request
 import grpc
 import pytest
 
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.isolation import REQUEST_FAULT, RequestFault
 from shared.engine.step import POISON_ENV, Poison

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from router.cli import Cluster
+from router.cluster import Cluster
 from router.http import OpenAIFrontDoor
 from router.openai_fanout import PREFIX_VIEW_WAIT_S, PrefixWatch, all_or_none
 from router.openai_limits import COMPLETION_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPTS

@@ -393,7 +393,7 @@ def test_layer_sharding(ckpt, k):
 def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
 
 
-    from router.cli import Cluster
+    from router.cluster import Cluster
     from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 
     path = str(ckpt("v32_sparse"))
@@ -420,7 +420,7 @@ def test_torchrun_style_ranks_form_one_decode_instance(ckpt, tmp_path):
 
     import grpc
 
-    from router.cli import free_port, wait_port_file, wait_serving
+    from router.cluster import free_port, wait_port_file, wait_serving
     from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 
     master = free_port()  # torch.distributed's rendezvous port: chosen by the launcher, as torchrun does
@@ -462,7 +462,7 @@ def test_cluster_tp2_prefill_and_decode(ckpt, tmp_path):
     instance: same greedy tokens; the decode mirror ranks free every block, expiry included."""
     import time
 
-    from router.cli import Cluster
+    from router.cluster import Cluster
     from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 
     path = str(ckpt("v32_sparse"))

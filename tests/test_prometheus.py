@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import Cluster, free_port
+from router.cluster import Cluster, free_port
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.helpers import wait_for
 

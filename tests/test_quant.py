@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.config import ModelConfig
 from shared.engine import LLM, SamplingParams
 from shared.kvcache import KVCache, KVLayout

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from router.cli import Cluster, wait_port_file, wait_serving
+from router.cluster import Cluster, wait_port_file, wait_serving
 from shared.engine.sampler import SamplingParams, sample
 from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.lease import LeaseError, LeaseTable

@@ -12,7 +12,7 @@ import ssl
 import grpc
 import pytest
 
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.engine import SamplingParams
 from shared.rpc.certs import make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc

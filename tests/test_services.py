@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from router.cli import Cluster, free_port, wait_port_file
+from router.cluster import Cluster, free_port, wait_port_file
 from shared.engine import LLM, SamplingParams
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from tests.helpers import TRANSPORTS, concurrent_greedy, load_reference, random_prompts, reference_greedy, wait_for

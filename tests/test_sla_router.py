@@ -10,7 +10,7 @@ import urllib.request
 import grpc
 import pytest
 
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from tests.helpers import wait_for
 

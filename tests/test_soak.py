@@ -23,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.cli import Cluster
+from router.cluster import Cluster
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.rpc.service import Credentials
 from shared.transfer.tcp import split_endpoint

@@ -128,7 +128,7 @@ def test_mtp_served_disaggregated_equals_in_process_greedy(mtp_model, tmp_path, 
     """Prefill computes the MTP layer's cache over the prompt and pushes it as one more layer; decode's
     first step runs without drafts and its hidden state starts the chain: the streamed greedy tokens are
     the non-speculative ones."""
-    from router.cli import Cluster
+    from router.cluster import Cluster
     from tests.helpers import concurrent_greedy
 
     prompts = random_prompts(4, [5, 23, 11, 40], 512, seed=2)
@@ -143,7 +143,7 @@ def test_decode_metrics_count_drafts_per_position(mtp_model, tmp_path):
     """The decode service's /metrics: pdserve_spec_{drafted,accepted}_tokens_total by draft position."""
     import urllib.request
 
-    from router.cli import Cluster
+    from router.cluster import Cluster
     from tests.helpers import concurrent_greedy, wait_for
 
     flags = ["--speculative", "mtp", "--num-speculative-tokens", "2", "--block-size", "4"]
@@ -250,7 +250,7 @@ def test_mtp_on_parallel_ranks_equals_single_rank_greedy(mtp_model, shape):
 def test_mtp_served_cp_prefill_to_dp_ep_decode(mtp_model, tmp_path):
     """A CP=2 prefill computes the MTP layer's cache zigzag-split like the main layers and pushes it; a
     DP=2 / EP=2 decode drafts with MTP in lock-step: streamed greedy tokens are the non-speculative ones."""
-    from router.cli import Cluster
+    from router.cluster import Cluster
     from tests.helpers import concurrent_greedy
 
     prompts = random_prompts(5, [5, 23, 11, 40, 2], 512, seed=8)
