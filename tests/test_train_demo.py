@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from shared.demo.train import DEFAULT_CORPUS, DEFAULT_OUT, MAKE_HINT, ROOT, TrainConfig, read_corpus
+from shared.demo.corpus import read_corpus
+from shared.demo.recipe import DEFAULT_CORPUS, DEFAULT_OUT, MAKE_HINT, ROOT, TrainConfig
 
 MODEL = DEFAULT_OUT
 # `make test` fetches the corpus first and sets PDSERVE_REQUIRE_CORPUS, so there (and under CI) a missing
