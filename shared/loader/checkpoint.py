@@ -183,25 +183,7 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
         placed = _place(name, params, spans, cfg)
         if placed is None:
             continue
-        (target, key), scale_place = placed
-        if target.dtype == torch.float8_e4m3fn:  # FP8 kept as FP8: stored bytes and block scales as they are
-            _load_fp8(name, tensor, scale, scheme or Fp8Scheme(), target, scale_place)
-            filled.update((key, scale_place[1]))
-            report.loaded += 1
-            continue
-        weight = _dequant(name, tensor, scale, scheme)
-        if tuple(target.shape) != tuple(weight.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(weight.shape)} != model {tuple(target.shape)}")
-        if target.dtype == torch.int8 and weight.dtype != torch.int8:  # W8A8 asked for: quantize this tensor now
-            if scale_place is None:
-                raise KeyError(f"{name}: int8 parameter without a scale")
-            weight, weight_scale = quantize_weight(weight)
-            scale_place[0].copy_(weight_scale)
-            filled.add(scale_place[1])
-        elif weight.dtype == torch.int8 and target.dtype != torch.int8:
-            raise ValueError(f"{name}: the checkpoint holds int8 but the model expects {target.dtype}")
-        target.copy_(weight.to(target.dtype))
-        filled.add(key)
+        _fill(name, tensor, scale, placed, scheme, filled)
         report.loaded += 1
 
     if "lm_head.weight" not in filled and cfg.tie_word_embeddings:
@@ -215,6 +197,30 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, include_mtp: bool
 
 
 Place = tuple[torch.Tensor, object]  # (destination view, key recorded as filled)
+
+
+def _fill(name: str, tensor: torch.Tensor, scale: torch.Tensor | None, placed: tuple[Place, Place | None],
+          scheme: Fp8Scheme | None, filled: set) -> None:
+    """Copy one checkpoint tensor to its place in the model (recording what it filled): FP8 kept as FP8 where
+    the model holds FP8, else dequantized, and quantized to INT8 here where the model asks for W8A8."""
+    (target, key), scale_place = placed
+    if target.dtype == torch.float8_e4m3fn:  # FP8 kept as FP8: stored bytes and block scales as they are
+        _load_fp8(name, tensor, scale, scheme or Fp8Scheme(), target, scale_place)
+        filled.update((key, scale_place[1]))
+        return
+    weight = _dequant(name, tensor, scale, scheme)
+    if tuple(target.shape) != tuple(weight.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(weight.shape)} != model {tuple(target.shape)}")
+    if target.dtype == torch.int8 and weight.dtype != torch.int8:  # W8A8 asked for: quantize this tensor now
+        if scale_place is None:
+            raise KeyError(f"{name}: int8 parameter without a scale")
+        weight, weight_scale = quantize_weight(weight)
+        scale_place[0].copy_(weight_scale)
+        filled.add(scale_place[1])
+    elif weight.dtype == torch.int8 and target.dtype != torch.int8:
+        raise ValueError(f"{name}: the checkpoint holds int8 but the model expects {target.dtype}")
+    target.copy_(weight.to(target.dtype))
+    filled.add(key)
 
 
 def _place(name: str, params: dict[str, torch.Tensor], spans: dict[str, tuple[int, int]], cfg: ModelConfig,
