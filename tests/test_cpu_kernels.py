@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model import cpu_kernels, ops
+from shared.model import cpu_kernels, kernel_build, moe_kernels, ops
 from shared.model.batch import ForwardBatch, SeqChunk
 
 BLOCK = 16
@@ -186,7 +186,7 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     assert lib is not None
     built = list(tmp_path.glob("cpu_kernels-*.so"))
     assert len(built) == 1
-    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt"))
+    monkeypatch.setattr(kernel_build.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt"))
     assert cpu_kernels._build() is not None
 
 
@@ -217,7 +217,7 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
     gen = torch.Generator().manual_seed(experts + top_k)
     for p in moe.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    real = cpu_kernels.moe_routed
+    real = moe_kernels.moe_routed
     fused_rows: list[int] = []
 
     def counting(x: torch.Tensor, *args, **kwargs):
@@ -225,7 +225,7 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
         return real(x, *args, **kwargs)
 
     with torch.inference_mode():
-        for rows, generated in ((1, 1), (8, 8), (cpu_kernels.MOE_CHUNK_ROWS + 5, cpu_kernels.MOE_CHUNK_ROWS + 5),
+        for rows, generated in ((1, 1), (8, 8), (moe_kernels.MOE_CHUNK_ROWS + 5, moe_kernels.MOE_CHUNK_ROWS + 5),
                                 (10, 4), (6, 0)):
             x = torch.randn(rows, cfg.hidden_size, generator=gen).to(dtype)
             portable(True)
@@ -233,11 +233,11 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
             want_ids, _ = moe.gate(x)
             portable(False)
             fused_rows.clear()
-            cpu_kernels.moe_routed = counting
+            moe_kernels.moe_routed = counting
             try:
                 got = moe(x, generated)
             finally:
-                cpu_kernels.moe_routed = real
+                moe_kernels.moe_routed = real
             assert fused_rows == ([generated] if generated else [])
             if generated:
                 _, ids = real(x[:generated], moe.gate.weight, moe.gate.e_score_correction_bias, n_group, topk_group,
@@ -268,7 +268,7 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
     for p in moe.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     weights = moe.fused_weights()
-    assert weights is not None and not cpu_kernels.moe_usable(torch.zeros(1, cfg.hidden_size).bfloat16(),
+    assert weights is not None and not moe_kernels.moe_usable(torch.zeros(1, cfg.hidden_size).bfloat16(),
                                                               weights.gate_up, weights.down)
     with torch.inference_mode():
         x = torch.randn(13, cfg.hidden_size, generator=gen).bfloat16()
@@ -281,12 +281,12 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
         err = (got[:9].float() - want[:9].float()).abs().max().item()
         assert err <= 2 ** -6 * want.float().abs().max().item(), err
         ids, w = moe.gate(x, 9)
-        routed = cpu_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj, moe.experts.down_proj)
+        routed = moe_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj, moe.experts.down_proj)
         assert torch.equal(got[:9], (routed + moe.shared_experts(x[:9], 9).float()).to(torch.bfloat16))
         assert torch.equal(moe(x[3:4], 1), got[3:4])  # alone or beside others
         # fp32 weight copies (a CPU without bf16 arithmetic keeps them): fused multiply-adds; bf16 rows and weights
         # take vdpbf16ps where the CPU has it: the same sums to rounding, each expert's output then rounded to bf16
-        copies = cpu_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj.float(),
+        copies = moe_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj.float(),
                                          moe.experts.down_proj.float())
         assert (routed - copies).abs().max().item() <= 2**-7 * routed.abs().max().item()
         if not cpu_kernels.bf16_dots():
@@ -311,7 +311,7 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_router_kernel_routes_generated_rows_as_the_gate_alone_or_batched(portable, dtype):
-    """moe.Gate's generated rows through cpu_kernels.route: the portable router's experts and weights (to fp32
+    """moe.Gate's generated rows through moe_kernels.route: the portable router's experts and weights (to fp32
     rounding), the fused MoE's picks bit for bit (the same row function), a row's picks and weights the same
     alone as beside others; the step's prompt rows keep the portable router; a gate the kernel does not take
     (a bias of the wrong length) is refused by name."""
@@ -342,12 +342,12 @@ def test_router_kernel_routes_generated_rows_as_the_gate_alone_or_batched(portab
         assert torch.equal(mixed_ids[:10], ids[:10]) and torch.equal(mixed_w[:10], w[:10])
         assert torch.equal(mixed_ids[10:], want_ids[10:]) and torch.equal(mixed_w[10:], want_w[10:])
         inter = cfg.moe_intermediate_size
-        _, fused_ids = cpu_kernels.moe_routed(x, gate.weight.float(), gate.e_score_correction_bias, 4, 2, 4, True,
+        _, fused_ids = moe_kernels.moe_routed(x, gate.weight.float(), gate.e_score_correction_bias, 4, 2, 4, True,
                                               gate.scaling, torch.zeros(16, 2 * inter, cfg.hidden_size),
                                               torch.zeros(16, cfg.hidden_size, inter))
         assert torch.equal(fused_ids, ids)
         with pytest.raises(ValueError, match="route"):
-            cpu_kernels.route(x, gate.weight, torch.zeros(15), 4, 2, 4, True, 1.0)
+            moe_kernels.route(x, gate.weight, torch.zeros(15), 4, 2, 4, True, 1.0)
 
 
 def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
@@ -358,14 +358,14 @@ def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
     from shared.model.moe import Experts
 
     gen = torch.Generator().manual_seed(8)
-    small_d, small_i = 256, cpu_kernels.BF16_EXPERT_MAX // 256
-    big_d, big_i = 512, 2 * cpu_kernels.BF16_EXPERT_MAX // 512
+    small_d, small_i = 256, moe_kernels.BF16_EXPERT_MAX // 256
+    big_d, big_i = 512, 2 * moe_kernels.BF16_EXPERT_MAX // 512
     for d, i, takes in ((small_d, small_i, True), (big_d, big_i, False)):
         for local in (8, 4):  # one rank, an EP rank
             ex = Experts(8, d, i, torch.bfloat16, num_local=local)
             x = torch.zeros(1, d).bfloat16()
-            assert cpu_kernels.experts_usable(x, ex.gate_up_proj, ex.down_proj) is takes
-            assert cpu_kernels.experts_usable(x, ex.gate_up_proj.float(), ex.down_proj.float())
+            assert moe_kernels.experts_usable(x, ex.gate_up_proj, ex.down_proj) is takes
+            assert moe_kernels.experts_usable(x, ex.gate_up_proj.float(), ex.down_proj.float())
     ex = Experts(8, big_d, big_i, torch.bfloat16)
     for p in ex.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)

@@ -6,16 +6,14 @@ request's rows out of the paged pool into [R, T, 576] (151 MB per layer at batch
 and runs two batched matmuls over the copy. The kernels here:
 * paged_mqa: attention of decode / verification queries and of indexer picks that reads every row
   once, straight from the pool through the block table or pick list (online softmax, fp32);
-* moe_routed: DeepSeek's router, the picked experts and the shared expert in one call; moe_experts: the
-  routed experts alone for picks made elsewhere (a bf16 model's, an EP rank's); route: the router alone
-  (a bf16 model's decode rows, an EP rank's);
+* the MoE's (moe_kernels: the router, the picked experts and the shared expert in one call, or apart);
 * linear / head_matmul: decode rows of the linears and of MLA's absorbed per-head matmuls;
 * rms_norm, rope, mla_kv_write: RMSNorm, RoPE and the cache-row write (norm + rope stored at the slot).
 
 Which rows take which is chosen in shared.model.ops. The C source is csrc/cpu_kernels.c, shipped with
-the package; it is built with the system C compiler (`cc -O3 -march=native -fopenmp`, about a second)
-into `~/.cache/pdserve/kernels` (`PDSERVE_KERNEL_CACHE` moves it) and called through ctypes, which drops
-the GIL while they run. Without a compiler, with
+the package; it is built (shared.model.kernel_build) with the system C compiler (`cc -O3 -march=native
+-fopenmp`, about a second) into `~/.cache/pdserve/kernels` (`PDSERVE_KERNEL_CACHE` moves it) and called
+through ctypes, which drops the GIL while they run. Without a compiler, with
 `PDSERVE_CPU_KERNELS=0`, under torch.compile, or for tensors not in host memory, every function says
 so (None / False) and the caller keeps its portable torch path. Results agree with it to fp32
 rounding (RoPE and the row write bit for bit; sums elsewhere run in another order).
@@ -24,116 +22,30 @@ rounding (RoPE and the row write bit for bit; sums elsewhere run in another orde
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-import warnings
 from collections.abc import Callable
-from importlib import resources
-from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from shared.device import on_host
 from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows, PlainRows, RowCodec
+from shared.model.kernel_build import build_library, built_once
 
 # Attention is fused for generated tokens (decode, MTP verification, a recompute of earlier outputs) of models
 # with at most this many heads: beyond, a batched matmul over the gathered rows reuses each row enough.
 MAX_HEADS = 32
-MOE_CHUNK_ROWS = 64  # the fused MoE runs this many tokens per call: its scratch stays bounded
-# Largest bf16 expert (hidden × moe_intermediate) moe_experts takes: its fp32 arithmetic (~50 GFLOP/s a core)
-# beats oneDNN's bf16 grouped GEMMs (~200 with AVX512-BF16) only while per-call costs dominate. Measured one
-# thread, 8 experts top-2, kernel / portable time: 256 × 128 0.14 / 0.29 / 0.91 at 1 / 16 / 64 rows; 512 × 256
-# 0.34 / 0.76 / 1.45; 1024 × 512 0.43 / 1.04 / 2.05; DeepSeek's 7168 × 2048 0.79 / 1.84 / 2.44 (4 experts).
-BF16_EXPERT_MAX = 512 * 128
-_BF16_FLAG = {torch.bfloat16: 1, torch.float32: 0}  # the storage types the kernels take, as their bf16 flag
+BF16_FLAG = {torch.bfloat16: 1, torch.float32: 0}  # the storage types the kernels take, as their bf16 flag
 _SOURCE_FILE = "csrc/cpu_kernels.c"  # package data of shared.model (pyproject.toml), found in a source tree too
 
 
-def _runnable(*tensors: torch.Tensor) -> bool:
+def runnable(*tensors: torch.Tensor) -> bool:
     """The kernels are built and may run on these tensors: host memory, outside torch.compile tracing."""
     return library() is not None and not torch.compiler.is_compiling() and all(on_host(t) for t in tensors)
 
 
-# -march=native for the CPU the service runs on; 256-bit vectors even where GCC's tuning prefers 128 (AMD
-# Zen); no FMA contraction: the fused multiply-adds are spelled out (vfma, fmaf), so a row's arithmetic is
-# the source's on every compiler and ISA, whichever code path computes it.
-_FLAGS = ["-O3", "-mprefer-vector-width=256", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
+_library: ctypes.CDLL | None = None  # built_once's state, per kernel module (tests reset it)
 _tried = False
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
-
-
-def _march() -> str:
-    """The ISA the kernels are built for: this CPU's (native), or `PDSERVE_KERNEL_ARCH` (e.g. haswell,
-    x86-64-v3: one build for a mixed fleet; the tests build for several to check invariance on each)."""
-    return f"-march={os.environ.get('PDSERVE_KERNEL_ARCH', 'native')}"
-
-
-def _cpu_signature() -> str:
-    """What -march=native compiled for: a cached build is reused only on the same kind of CPU."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return f"{platform.machine()} {flags}"
-
-
-def _source(source_file: str) -> str | None:
-    """A kernel library's C source, read from the package (an installed wheel or the source tree); None, with a
-    warning, where the file is missing (a broken install: the portable path runs)."""
-    try:
-        return resources.files(__package__).joinpath(source_file).read_text(encoding="utf-8")
-    except OSError as exc:
-        warnings.warn(f"the CPU kernels' source is missing ({exc}); using the portable path", RuntimeWarning,
-                      stacklevel=5)
-        return None
-
-
-def build_library(source_file: str) -> ctypes.CDLL | None:
-    """Compile (or reuse) the C file `source_file` (relative to shared.model) for this CPU; None, with a
-    warning, where that is not possible. Each file is its own shared object, cached by its source, flags,
-    compiler and CPU; the caller declares its functions' signatures."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        warnings.warn("no C compiler: the CPU kernels are off; the portable (slower) path runs", RuntimeWarning,
-                      stacklevel=4)
-        return None
-    source = _source(source_file)
-    if source is None:
-        return None
-    key = hashlib.sha256("\0".join([source, _march(), *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
-    stem = Path(source_file).stem
-    target = _cache_dir() / f"{stem}-{key}.so"
-    try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                src = Path(tmp) / f"{stem}.c"
-                src.write_text(source)
-                built = Path(tmp) / f"{stem}.so"
-                result = subprocess.run([compiler, _march(), *_FLAGS, str(src), "-o", str(built), "-lm"],
-                                        capture_output=True, text=True, timeout=120)
-                if result.returncode != 0:
-                    raise OSError(result.stderr.strip() or f"{compiler} exited {result.returncode}")
-                os.replace(built, target)  # atomic: processes building at once each publish a whole file
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        warnings.warn(f"building the CPU kernels in {target.parent} failed ({exc}); using the portable "
-                      "path (set PDSERVE_KERNEL_CACHE to a writable directory)", RuntimeWarning, stacklevel=4)
-        return None
-    return lib
 
 
 def _build() -> ctypes.CDLL | None:
@@ -184,19 +96,6 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
-def built_once(module: ModuleType, build: Callable[[], ctypes.CDLL | None]) -> ctypes.CDLL | None:
-    """A kernel module's library, `build()` run once per process (None where kernels cannot or should not
-    run: PDSERVE_CPU_KERNELS=0, no compiler). The state lives on the module (`_tried`, `_library`), where
-    tests reset it."""
-    if not module._tried:
-        with _lock:
-            if not module._tried:
-                if os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0":
-                    module._library = build()
-                module._tried = True
-    return module._library
-
-
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot or should not run (built once per process)."""
     return built_once(sys.modules[__name__], _build)
@@ -226,8 +125,8 @@ def attention_usable(query: torch.Tensor, pool: torch.Tensor, out_dim: int, code
     else:
         rows_ok = (isinstance(codec, Int8LatentRows) and pool.dtype == torch.uint8 and pool.shape[-1] == codec.width
                    and query.shape[-1] == codec.dim and out_dim <= codec.latent and codec.group % 16 == 0)
-    return (rows_ok and query.dtype in _BF16_FLAG and query.shape[-1] % 8 == 0 and out_dim % 16 == 0
-            and _runnable(query, pool))
+    return (rows_ok and query.dtype in BF16_FLAG and query.shape[-1] % 8 == 0 and out_dim % 16 == 0
+            and runnable(query, pool))
 
 
 def paged_mqa(query: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, block_size: int,
@@ -289,7 +188,7 @@ def c8_rows(pool: torch.Tensor, slots: torch.Tensor, codec: RowCodec | None, dty
     another dtype, off the host, kernels off). A slot outside the pool raises ValueError."""
     if (not isinstance(codec, Int8LatentRows) or dtype not in (torch.bfloat16, torch.float32)
             or pool.dtype != torch.uint8 or pool.shape[-1] != codec.width or not pool.is_contiguous()
-            or not _runnable(pool, slots)):
+            or not runnable(pool, slots)):
         return None
     flat = pool.view(-1, codec.width)
     index = slots.reshape(-1).to(torch.int64).contiguous()
@@ -321,7 +220,7 @@ def index_usable(query: torch.Tensor, pool: torch.Tensor, codec: RowCodec | None
     """Whether index_scores can score these indexer queries (fp32 [N, H, D], D a multiple of 8) against this
     key pool: plain fp32 / bf16 keys or C8's FP8 ones (`codec` an Fp8KeyRows matching the pool), host tensors."""
     return (query.dim() == 3 and query.dtype == torch.float32 and query.shape[-1] % 8 == 0
-            and _key_kind(pool, codec, query.shape[-1]) is not None and _runnable(query, pool))
+            and _key_kind(pool, codec, query.shape[-1]) is not None and runnable(query, pool))
 
 
 def index_scores(query: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, codec: RowCodec | None,
@@ -382,124 +281,13 @@ def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return picks, valid
 
 
-def moe_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether the fused MoE can take these rows: host rows in bf16/fp32 and contiguous fp32 weights. A bf16
-    model's bf16 weights (kept so on CPUs with bf16 arithmetic) take moe_experts instead, with the router and
-    the shared expert portable, as every EP rank does: a decode then has the same arithmetic in every instance
-    shape (a one-rank kernel that fused the router and the shared expert rounded them otherwise)."""
-    return (x.dtype in (torch.bfloat16, torch.float32)
-            and all(w.dtype == torch.float32 and w.is_contiguous() for w in weights) and _runnable(x, *weights))
-
-
-def _router_fits(gate_weight: torch.Tensor, bias: torch.Tensor, dim: int, top_k: int, n_group: int,
-                 topk_group: int) -> bool:
-    """Whether a router's weights and settings are ones the kernel's `route` takes (experts in whole groups of
-    at least two, top_k within them)."""
-    experts = gate_weight.shape[0] if gate_weight.dim() == 2 else 0
-    return (gate_weight.shape == (experts, dim) and bias.shape == (experts,) and 0 < top_k <= experts
-            and not (n_group > 1 and (experts % n_group or experts // n_group < 2 or not 0 < topk_group <= n_group)))
-
-
-def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-          norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """DeepSeek's router (moe.Gate) for rows x [N, D] in one call, as moe_routed routes: (expert ids [N, top_k],
-    weights [N, top_k] fp32). Each row's scores are its own dot products with the gate weight (bf16 or fp32,
-    read in place), so a token is routed alike whatever rows share its step and whatever MoE shape follows
-    (one rank, EP). None where the kernels do not take these tensors."""
-    n, dim = x.shape
-    if (x.dtype not in _BF16_FLAG or gate_weight.dtype not in _BF16_FLAG or not gate_weight.is_contiguous()
-            or not _runnable(x, gate_weight, bias)):
-        return None
-    if not _router_fits(gate_weight, bias, dim, top_k, n_group, topk_group):
-        raise ValueError(f"route: x {tuple(x.shape)}, gate {tuple(gate_weight.shape)}, bias {tuple(bias.shape)}, "
-                         f"top_k {top_k}, groups {n_group}/{topk_group}")
-    rows = x.float().contiguous()
-    bias = bias.float().contiguous()
-    ids = torch.empty(n, top_k, dtype=torch.int64)
-    weights = torch.empty(n, top_k, dtype=torch.float32)
-    library().moe_route(rows.data_ptr(), n, dim, gate_weight.data_ptr(), _BF16_FLAG[gate_weight.dtype],
-                        bias.data_ptr(), gate_weight.shape[0], n_group, topk_group, top_k, int(norm_topk_prob),
-                        scaling, ids.data_ptr(), weights.data_ptr(), torch.get_num_threads())
-    return ids, weights
-
-
-def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
-               top_k: int, norm_topk_prob: bool, scaling: float, gate_up: torch.Tensor, down: torch.Tensor,
-               shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's MoE for rows x [N, D] in one call: the router (sigmoid, bias, group-limited top-k,
-    normalized unbiased weights × scaling), the picked experts gate_up [E, 2I, D] / down [E, D, I] (each
-    expert's output rounded to x's dtype before the weighted sum, as moe.Experts does) and, given as
-    (gate [Is, D], up [Is, D], down [D, Is]), the shared expert with layers.MLP's roundings. Returns
-    (fp32 [N, D], picked expert ids [N, top_k]). Call only where moe_usable() holds for x and every weight."""
-    n, dim = x.shape
-    experts, two_inter, _ = gate_up.shape
-    shared_inter = shared[0].shape[0] if shared is not None else 0
-    if (not _router_fits(gate_weight, bias, dim, top_k, n_group, topk_group) or gate_weight.shape[0] != experts
-            or down.shape != (experts, dim, two_inter // 2)
-            or (shared is not None and [tuple(w.shape) for w in shared]
-                != [(shared_inter, dim), (shared_inter, dim), (dim, shared_inter)])):
-        raise ValueError(f"moe_routed: x {tuple(x.shape)}, gate {tuple(gate_weight.shape)}, gate_up "
-                         f"{tuple(gate_up.shape)}, down {tuple(down.shape)}, top_k {top_k}, "
-                         f"groups {n_group}/{topk_group}, shared {[tuple(w.shape) for w in shared or ()]}")
-    rows = x.float().contiguous()
-    bias = bias.float().contiguous()
-    y = torch.empty(n, dim, dtype=torch.float32)
-    ids = torch.empty(n, top_k, dtype=torch.int64)
-    sg, su, sd = (w.data_ptr() for w in shared) if shared is not None else (None, None, None)
-    for r0 in range(0, n, MOE_CHUNK_ROWS):  # rows are independent: chunks only bound the scratch
-        m = min(MOE_CHUNK_ROWS, n - r0)
-        library().moe_routed(rows[r0].data_ptr(), m, dim, gate_weight.data_ptr(), bias.data_ptr(), experts, n_group,
-                             topk_group, top_k, int(norm_topk_prob), scaling, gate_up.data_ptr(), down.data_ptr(),
-                             two_inter // 2, int(x.dtype == torch.bfloat16), sg, su, sd, shared_inter,
-                             y[r0].data_ptr(), ids[r0].data_ptr(), torch.get_num_threads())
-    return y, ids
-
-
-def experts_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether moe_experts takes these rows: host rows in bf16/fp32 and contiguous expert weights, both fp32
-    or both bf16 (a bf16 model's own, widened in registers: its fp32 copies' products), bf16 ones no larger
-    than BF16_EXPERT_MAX (hidden × moe_intermediate). A property of the model, not of the step: every step's
-    generated rows (and every EP rank's) take the same path."""
-    return (x.dtype in _BF16_FLAG and gate_up.dtype == down.dtype and gate_up.dtype in _BF16_FLAG
-            and (gate_up.dtype != torch.bfloat16 or down.shape[1] * down.shape[2] <= BF16_EXPERT_MAX)
-            and gate_up.is_contiguous() and down.is_contiguous() and _runnable(x, gate_up, down))
-
-
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
-    """The routed experts for picks a router made: y[i] = sum_j weights[i, j] · round(expert_ids[i, j](x[i]))
-    in j's order (each expert's output rounded to x's dtype, as moe.Experts does), skipping ids outside
-    0..E-1 (an EP rank's picks held by other ranks). x [N, D]; ids [N, k] local to gate_up [E, 2I, D] /
-    down [E, D, I]; weights [N, k]. fp32 [N, D]. A row's sum depends on that row and its picks only (not on
-    the rows beside it), so a token's experts give the same bits on one rank as over EP ranks' partial sums
-    (up to the order those partials are added). Call only where experts_usable() holds."""
-    n, dim = x.shape
-    experts, two_inter, _ = gate_up.shape
-    if (ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != n or gate_up.shape[2] != dim
-            or down.shape != (experts, dim, two_inter // 2) or two_inter % 2):
-        raise ValueError(f"moe_experts: x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, "
-                         f"gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
-    rows = x.float().contiguous()
-    picks = ids.to(torch.int64).contiguous()
-    wts = weights.float().contiguous()
-    y = torch.empty(n, dim, dtype=torch.float32)
-    for r0 in range(0, n, MOE_CHUNK_ROWS):  # rows are independent: chunks only bound the scratch
-        m = min(MOE_CHUNK_ROWS, n - r0)
-        library().moe_experts(rows[r0].data_ptr(), m, dim, picks[r0].data_ptr(), wts[r0].data_ptr(), ids.shape[1],
-                              experts, gate_up.data_ptr(), down.data_ptr(), two_inter // 2,
-                              _BF16_FLAG[gate_up.dtype], int(x.dtype == torch.bfloat16), y[r0].data_ptr(),
-                              torch.get_num_threads())
-    return y
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """ops.rms_norm's portable ops in one call for host tensors, x and weight both bf16 or both fp32 (the
     sum of squares runs in another order than torch's: equal to fp32 rounding); None where it does not
     apply (the caller runs the torch ops)."""
-    bf16 = _BF16_FLAG.get(x.dtype)
+    bf16 = BF16_FLAG.get(x.dtype)
     if (bf16 is None or x.dtype != weight.dtype or x.shape[-1] != weight.shape[0] or not weight.is_contiguous()
-            or not _runnable(x, weight)):
+            or not runnable(x, weight)):
         return None
     x = x.contiguous()
     y = torch.empty_like(x)
@@ -515,7 +303,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     head strides), cos/sin [N, d] in x's dtype; the result (bit for bit torch's) goes to `out` (same shape,
     x's dtype or fp32 holding the rounded values; a new tensor when None). None where it does not apply."""
     if (x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype or sin.dtype != x.dtype
-            or x.dim() not in (2, 3) or x.stride(-1) != 1 or not _runnable(x, cos, sin)):
+            or x.dim() not in (2, 3) or x.stride(-1) != 1 or not runnable(x, cos, sin)):
         return None
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)
@@ -541,8 +329,8 @@ def index_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: 
     [N, rope_dim] in x's dtype), then, with a quantize_block, Hadamard-rotated (a fast transform in fp32) and
     FP8-rounded per block with a power-of-two scale. A new contiguous tensor of x's shape and dtype; None where
     it does not apply."""
-    bf16 = _BF16_FLAG.get(x.dtype)
-    if bf16 is None or x.dim() not in (2, 3) or x.stride(-1) != 1 or not _runnable(x, cos, sin):
+    bf16 = BF16_FLAG.get(x.dtype)
+    if bf16 is None or x.dim() not in (2, 3) or x.stride(-1) != 1 or not runnable(x, cos, sin):
         return None
     n, dim = x.shape[0], x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -562,11 +350,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """ops.linear's portable op for host rows x [N, K] (bf16/fp32) and an fp32 weight [M, K] in one call (a
     weight row read once for all rows: for decode rows), the output in x's dtype. None where it does not
     apply."""
-    bf16 = _BF16_FLAG.get(x.dtype)
+    bf16 = BF16_FLAG.get(x.dtype)
     if bf16 is None or weight.dtype != torch.float32 or x.dim() != 2:
         return None
     (n, k), (m, wk) = x.shape, weight.shape
-    if k != wk or not weight.is_contiguous() or not _runnable(x, weight):
+    if k != wk or not weight.is_contiguous() or not runnable(x, weight):
         return None
     x = x.contiguous()
     y = torch.empty(n, m, dtype=x.dtype)
@@ -578,12 +366,12 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> boo
     """out[i, h] = x[i, h] @ weight[h] for x [N, H, K] (bf16/fp32, last dim contiguous), weight [H, K, M]
     fp32, out [N, H, M] (fp32, or bf16 rounded once; last dim contiguous): MLA's absorbed matmuls for
     decode rows. False (nothing written) where it does not apply."""
-    x_bf16, out_bf16 = _BF16_FLAG.get(x.dtype), _BF16_FLAG.get(out.dtype)
+    x_bf16, out_bf16 = BF16_FLAG.get(x.dtype), BF16_FLAG.get(out.dtype)
     if x_bf16 is None or out_bf16 is None or weight.dtype != torch.float32 or x.dim() != 3:
         return False
     (n, heads, k), (_, _, m) = x.shape, weight.shape
     if (weight.shape != (heads, k, m) or out.shape != (n, heads, m)
-            or x.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous() or not _runnable(x, weight, out)):
+            or x.stride(-1) != 1 or out.stride(-1) != 1 or not weight.is_contiguous() or not runnable(x, weight, out)):
         return False
     library().head_matmul(x.data_ptr(), x_bf16, x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(),
                           out_bf16, out.stride(0), out.stride(1), n, heads, k, m, torch.get_num_threads())
@@ -595,11 +383,11 @@ def index_key_write(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
     Fp8KeyRows: FP8 e4m3 bytes | fp32 scale; the same bytes) and written at pool slot slots[i] (pool
     [blocks, block_size, codec.width] bytes). False (nothing written) where it does not apply (keys of a dim that
     is not a multiple of 8 among them)."""
-    bf16 = _BF16_FLAG.get(keys.dtype)
+    bf16 = BF16_FLAG.get(keys.dtype)
     if (bf16 is None or not isinstance(codec, Fp8KeyRows) or keys.dim() != 2 or keys.shape[1] != codec.dim
             or codec.dim % 8
             or pool.dtype != torch.uint8 or pool.shape[-1] != codec.width or not pool.is_contiguous()
-            or slots.shape != (keys.shape[0],) or slots.dtype != torch.int64 or not _runnable(keys, pool)):
+            or slots.shape != (keys.shape[0],) or slots.dtype != torch.int64 or not runnable(keys, pool)):
         return False
     keys, slots = keys.contiguous(), slots.contiguous()
     status = library().index_key_write_fp8(keys.data_ptr(), bf16, keys.shape[0], codec.dim, pool.data_ptr(),
@@ -616,8 +404,8 @@ def mla_kv_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
     dtype (bf16/fp32), cos/sin [N, r], pool [blocks, block_size, c + r] (bf16/fp32), or with `codec` an
     Int8LatentRows, pool [blocks, block_size, codec.width] bytes and each row encoded as codec.encode does
     (the same bits). False (nothing written) where it does not apply."""
-    bf16 = _BF16_FLAG.get(kv.dtype)
-    pool_bf16 = _BF16_FLAG.get(pool.dtype) if codec is None else 0
+    bf16 = BF16_FLAG.get(kv.dtype)
+    pool_bf16 = BF16_FLAG.get(pool.dtype) if codec is None else 0
     if bf16 is None or pool_bf16 is None or kv.dim() != 2 or not kv.is_contiguous():
         return False
     (n, width), c = kv.shape, norm_weight.shape[0]
@@ -631,7 +419,7 @@ def mla_kv_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
     if (norm_weight.dtype != kv.dtype or cos.dtype != kv.dtype or sin.dtype != kv.dtype
             or cos.shape != (n, width - c) or sin.shape != (n, width - c) or pool.shape[-1] != row_width
             or slots.shape != (n,) or slots.dtype != torch.int64 or not pool.is_contiguous()
-            or not norm_weight.is_contiguous() or not _runnable(kv, pool)):
+            or not norm_weight.is_contiguous() or not runnable(kv, pool)):
         return False
     cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.contiguous()
     where = (kv.data_ptr(), bf16, n, c, width - c, norm_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),

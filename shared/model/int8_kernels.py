@@ -1,7 +1,7 @@
 """W8A8 on the CPU: int8 × int8 → int32 matmuls with the per-token activation quantization fused in, and a
 W8A8 MoE's routed (+ shared) experts in one call.
 
-The C source is csrc/int8_kernels.c, its own library (cpu_kernels.build_library: built for this CPU on first
+The C source is csrc/int8_kernels.c, its own library (kernel_build.build_library: built for this CPU on first
 use, cached, PDSERVE_KERNEL_ARCH overrides -march, PDSERVE_CPU_KERNELS=0 turns it off). It multiplies with
 AVX-512 VNNI, AVX2 or portable C, whichever the build targets (`isa()`); every path sums the same integers
 exactly, so all give the same bits, which equal the portable torch path (`quantize_activation` and an exact
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-import shared.model.cpu_kernels as cpu_kernels
+import shared.model.kernel_build as kernel_build
 from shared.device import on_host
 
 _SOURCE_FILE = "csrc/int8_kernels.c"
@@ -45,7 +45,7 @@ _tried = False
 
 
 def _build() -> ctypes.CDLL | None:
-    lib = cpu_kernels.build_library(_SOURCE_FILE)
+    lib = kernel_build.build_library(_SOURCE_FILE)
     if lib is None:
         return None
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
@@ -64,7 +64,7 @@ def _build() -> ctypes.CDLL | None:
 
 def library() -> ctypes.CDLL | None:
     """The built library, or None where it cannot or should not run (built once per process)."""
-    return cpu_kernels.built_once(sys.modules[__name__], _build)
+    return kernel_build.built_once(sys.modules[__name__], _build)
 
 
 def isa() -> str | None:

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import shared.model.cpu_kernels as cpu_kernels
 import shared.model.int8_kernels as int8_kernels
+import shared.model.moe_kernels as moe_kernels
 import shared.model.ops as ops
 from shared.config import ModelConfig
 from shared.device import grouped_mm, on_host
@@ -37,10 +37,10 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, generated: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids [N, k], weights [N, k] fp32). The leading `generated` rows (a step's decodes)
-        take the kernel router where it runs (cpu_kernels.route: one call instead of a dozen ops, each row's
+        take the kernel router where it runs (moe_kernels.route: one call instead of a dozen ops, each row's
         scores its own dot products, as the fused one-rank MoE routes them); the other rows are routed here."""
         def kernel(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-            return cpu_kernels.route(rows, self.weight, self.e_score_correction_bias, self.n_group, self.topk_group,
+            return moe_kernels.route(rows, self.weight, self.e_score_correction_bias, self.n_group, self.topk_group,
                                      self.top_k, self.norm_topk_prob, self.scaling)
 
         return ops.generated_first(x, generated, kernel, lambda rows, _: self._route(rows))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import shared.model.attention as attention
 import shared.model.cpu_kernels as cpu_kernels
 import shared.model.int8_kernels as int8_kernels
+import shared.model.moe_kernels as moe_kernels
 from shared.device import compute_dtype, on_host
 from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, write_rows
@@ -275,16 +276,16 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ge
     wherever they came from) in one kernel call where it takes them, `portable(rows, ids, weights)` for the
     rest. fp32 [N, D]. One rank and every EP rank call this, so a generated token's experts have the kernel's
     arithmetic in every instance shape."""
-    if generated is None or not cpu_kernels.experts_usable(x, gate_up, down):
+    if generated is None or not moe_kernels.experts_usable(x, gate_up, down):
         return portable(x, ids, weights)
     rows = generated.nonzero().squeeze(1)
     if rows.numel() == x.shape[0]:
-        return cpu_kernels.moe_experts(x, ids, weights, gate_up, down)
+        return moe_kernels.moe_experts(x, ids, weights, gate_up, down)
     if rows.numel() == 0:
         return portable(x, ids, weights)
     rest = (~generated).nonzero().squeeze(1)
     y = torch.empty(x.shape, dtype=torch.float32)
-    y[rows] = cpu_kernels.moe_experts(x[rows], ids[rows], weights[rows], gate_up, down)
+    y[rows] = moe_kernels.moe_experts(x[rows], ids[rows], weights[rows], gate_up, down)
     y[rest] = portable(x[rest], ids[rest], weights[rest])
     return y
 
@@ -299,9 +300,9 @@ def moe(x: torch.Tensor, generated: int, weights: MoEWeights | None,
         if weights is None:
             return None
         w = weights
-        if not cpu_kernels.moe_usable(rows, w.gate, w.gate_up, w.down, *(w.shared or ())):
+        if not moe_kernels.moe_usable(rows, w.gate, w.gate_up, w.down, *(w.shared or ())):
             return None
-        y, _ = cpu_kernels.moe_routed(rows, w.gate, w.bias, w.n_group, w.topk_group, w.top_k, w.norm_topk_prob,
+        y, _ = moe_kernels.moe_routed(rows, w.gate, w.bias, w.n_group, w.topk_group, w.top_k, w.norm_topk_prob,
                                       w.scaling, w.gate_up, w.down, w.shared)
         return y.to(rows.dtype)
 
