@@ -225,3 +225,35 @@ def test_the_readme_layout_names_only_files_that_exist():
             if not ((where / name).exists() or list(where.glob(f"{name}.*"))):
                 missing.append(f"{parent}{path}{name}")
     assert not missing, f"the README layout names what does not exist: {missing}"
+
+
+PRODUCT = ("shared", "prefill_service", "decode_service", "router")
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def product_modules() -> list[Path]:
+    """The product's Python files: the packages a deployment runs, generated protobuf modules aside (the
+    kernels' C sources under shared/model/csrc are not Python, so they are aside too)."""
+    return [p for pkg in PRODUCT for p in sorted((ROOT / pkg).rglob("*.py"))
+            if "/rpc/pdserve/" not in str(p) and "_pb2" not in p.name]
+
+
+def test_no_product_file_is_over_500_lines():
+    """A file a reader can hold: past 500 lines a module is two modules (split it, the import path kept)."""
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in product_modules()
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not long, f"product files over {MAX_FILE_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_function_is_over_80_lines():
+    """A function a reader can hold: every def (methods and nested ones too), measured from its `def` line to
+    its last line, is at most 80 lines."""
+    long = []
+    for path in product_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                span = node.end_lineno - node.lineno + 1
+                if span > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {span} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
