@@ -11,6 +11,8 @@ from typing import Any
 
 from router.openai_errors import HttpAbort
 from router.openai_fanout import prompt_usage
+from router.reply import api_finish_reason
+from shared.protocol.finish import FinishReason
 from shared.rpc.pdserve.v1 import generation_pb2
 
 
@@ -159,5 +161,5 @@ def echo(choice: Choice, echo: Echo) -> None:
     if echo.prompt_only:
         choice.text, choice.token_ids, choice.logprobs, choice.completion_tokens = "", [], [], 0
         if choice.finish_reason:
-            choice.finish_reason = "length"
+            choice.finish_reason = api_finish_reason(FinishReason.LENGTH)
     choice.text = echo.text + choice.text
