@@ -8,13 +8,13 @@ ServicerContext (abort, deadline, trailing metadata); its aborts become OpenAI e
 the matching HTTP status (router.openai_errors: every route and status answers OpenAI's body). FastAPI
 (on Starlette) parses and validates the JSON (router.openai_models) and uvicorn serves it: no
 hand-written HTTP. A request's prompts and samples fan out through router.openai_fanout (one prefill per
-prompt, all or nothing); router.openai_limits bounds the body and the prompts.
+prompt, all or nothing); router.openai_limits bounds the body and the prompts. Each endpoint family renders
+its own choices: router.openai_completions (prompts, echo, the legacy logprobs) and router.openai_chat.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import secrets
 import socket
@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 import uvicorn
@@ -30,10 +30,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.openai_choices import CallRules, Choice, Echo, OpenStream, call_deltas, echo, merged, usage
+from router.openai_chat import ChatFormat
+from router.openai_choices import CallRules, Choice, OpenStream, TokenText, merged, spent, usage
+from router.openai_completions import CompletionFormat, completion_requests
 from router.openai_errors import HTTP_STATUS, HttpAbort, HttpCall, install_error_handlers
 from router.openai_fanout import PrefixWatch, check_n, fan_out, samples
-from router.openai_limits import COMPLETION_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPTS, BodyLimit, check_prompts
+from router.openai_limits import MAX_BODY_BYTES, MAX_PROMPTS, BodyLimit, check_prompts
 from router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,14 +44,13 @@ from router.openai_models import (
     chat_request,
     http_call,
     refuse_unimplemented,
-    sampling,
-    sla,
 )
 from shared import metrics
 from shared.rpc.pdserve.v1 import generation_pb2
 
 __all__ = ["HTTP_STATUS", "HttpAbort", "HttpCall", "OpenAIFrontDoor", "read_api_keys", "start_http"]
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
+ChoiceFormat = CompletionFormat | ChatFormat  # an endpoint family's choices, whole or streamed
 
 
 class AuthAndCount:
@@ -94,6 +95,7 @@ class OpenAIFrontDoor:
                  max_body_bytes: int = MAX_BODY_BYTES, max_prompts: int = MAX_PROMPTS):
         self.servicer, self.model_name, self.api_keys = servicer, model_name, api_keys
         self.max_body_bytes, self.max_prompts = max_body_bytes, max_prompts
+        self.tokens = TokenText(servicer.tokenizer)
         self.created = int(time.time())
         self.app = self._build()
 
@@ -123,19 +125,10 @@ class OpenAIFrontDoor:
             self._check_model(body.model)
             refuse_unimplemented(body)
             check_n(body.n)
-            prompts = self._prompts(body.prompt)
-            check_prompts(len(prompts), body.n, self.max_prompts, self.servicer.cfg.max_concurrent_requests)
-            prompt_only = body.max_tokens == 0
-            if prompt_only and not body.echo:
-                raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be > 0 (0 only with echo)",
-                                "max_tokens")
-            sp = sampling(body, 1 if prompt_only else COMPLETION_MAX_TOKENS if body.max_tokens is None
-                          else body.max_tokens)
-            reqs = [generation_pb2.GenerateRequest(sampling_params=sp, priority=body.priority, sla=sla(body), **p)
-                    for p in prompts]
-            echoes = [Echo(r.prompt or self._detokenize(list(r.prompt_token_ids)), prompt_only) for r in reqs] \
-                if body.echo else None
-            return await self._respond(body, reqs, request, "text_completion", echoes=echoes)
+            reqs, echoes = completion_requests(body, self.tokens, self.max_prompts,
+                                               self.servicer.cfg.max_concurrent_requests)
+            per_sample = [echoes[i // body.n] if echoes else None for i in range(len(reqs) * body.n)]
+            return await self._respond(body, reqs, request, CompletionFormat(self.tokens, per_sample))
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -143,46 +136,10 @@ class OpenAIFrontDoor:
             refuse_unimplemented(body)
             check_n(body.n)
             check_prompts(1, body.n, self.max_prompts, self.servicer.cfg.max_concurrent_requests)
-            return await self._respond(body, [chat_request(body)], request, "chat.completion", rules=call_rules(body))
+            return await self._respond(body, [chat_request(body)], request, ChatFormat(self.tokens),
+                                       rules=call_rules(body))
 
         return app
-
-    def _token(self, token_id: int) -> str:
-        tok = self.servicer.tokenizer
-        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
-
-    def _detokenize(self, ids: list[int]) -> str:
-        """An echoed prompt given as token ids, as text (empty for a model without a tokenizer)."""
-        tok = self.servicer.tokenizer
-        return tok.decode(ids, skip_special_tokens=False) if tok is not None and ids else ""
-
-    def _completion_logprobs(self, lps: list[generation_pb2.TokenLogprob], prompt_ids: list[int] | None = None,
-                             prompt_lps: list[generation_pb2.TokenLogprob] | None = None) -> dict[str, Any] | None:
-        """The completions API's logprobs object (tokens, token_logprobs, top_logprobs, text_offset); an
-        echoed prompt's tokens first, its first token's logprob null (nothing comes before it)."""
-        entries: list[tuple[int, generation_pb2.TokenLogprob | None]] = [(prompt_ids[0], None)] if prompt_ids else []
-        entries += [(lp.token_id, lp) for lp in (*(prompt_lps or ()), *lps)]
-        if not entries:
-            return None
-        tokens = [self._token(t) for t, _ in entries]
-        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
-        return {"tokens": tokens, "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
-                "text_offset": offsets,
-                "top_logprobs": [{self._token(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)} if lp else None
-                                 for _, lp in entries]}
-
-    def _chat_logprobs(self, lps: list[generation_pb2.TokenLogprob]) -> dict[str, Any] | None:
-        """The chat API's logprobs object: content, one entry per token with its top alternatives."""
-        if not lps:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {"content": [{**entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]}
-                            for lp in lps]}
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
@@ -193,26 +150,14 @@ class OpenAIFrontDoor:
             raise HttpAbort(grpc.StatusCode.NOT_FOUND, f"model {name!r} does not exist; this server serves "
                             f"{self.model_name!r}", "model")
 
-    @staticmethod
-    def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[dict[str, Any]]:
-        if isinstance(prompt, str):
-            return [{"prompt": prompt}]
-        if prompt and all(isinstance(t, int) for t in prompt):
-            return [{"prompt_token_ids": prompt}]
-        if not prompt:
-            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty", "prompt")
-        return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
-
     async def _respond(self, body: SamplingFields, reqs: list[generation_pb2.GenerateRequest], request: Request,
-                       kind: Literal["text_completion", "chat.completion"], echoes: list[Echo] | None = None,
-                       rules: CallRules | None = None) -> Response:
+                       fmt: ChoiceFormat, rules: CallRules | None = None) -> Response:
         """`n` samples of each prompt (router.openai_fanout: one prefill per prompt, all or nothing), streamed
         (every sample's first message, or its refusal, before the 200: admission errors keep their status) or
         whole (a client that disconnects first cancels them: their KV is freed)."""
-        rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
+        rid = fmt.id_prefix + uuid.uuid4().hex
         todo = samples(reqs, body.n)
         calls = [http_call(body) for _ in todo]  # made together: the request's timeout runs from now for all
-        per_sample = [echoes[i // body.n] if echoes else None for i in range(len(todo))]
         gens = [self._generate(req, call, rules) for req, call in zip(todo, calls, strict=True)]
         # a prompt's logprobs are computed over the whole prompt (no prefix-cache hit): then nothing to share
         shared = not reqs[0].sampling_params.HasField("prompt_logprobs")
@@ -234,7 +179,7 @@ class OpenAIFrontDoor:
                 raise
             streams = [OpenStream(f, g) for f, g in zip(firsts, gens, strict=True)]
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(rid, kind, streams, include_usage, per_sample, body.n),
+            return StreamingResponse(self._sse(rid, fmt, streams, include_usage, body.n),
                                      media_type="text/event-stream")
 
         async def whole(i: int, opened: Callable[[], None]) -> Choice:
@@ -252,11 +197,7 @@ class OpenAIFrontDoor:
             await asyncio.wait([work], timeout=0.5)
             if not work.done() and await request.is_disconnected():
                 work.cancel()
-        choices = work.result()
-        for choice, prompt_echo in zip(choices, per_sample, strict=True):
-            if prompt_echo is not None:
-                echo(choice, prompt_echo)
-        return JSONResponse(self._whole(rid, kind, choices, body.n))
+        return JSONResponse(self._whole(rid, fmt, work.result(), body.n))
 
     def _generate(self, req: generation_pb2.GenerateRequest, call: HttpCall, rules: CallRules | None
                   ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
@@ -264,73 +205,42 @@ class OpenAIFrontDoor:
         gen = self.servicer.generate(req, call, open_ended=True)
         return gen if rules is None or not rules.active else _ruled(gen, rules)
 
-    def _whole(self, rid: str, kind: str, choices: list[Choice], n: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name,
-                               "usage": usage(choices, n)}
-        if kind == "text_completion":
-            out["choices"] = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                               "logprobs": self._completion_logprobs(c.logprobs, c.prompt_token_ids,
-                                                                     c.prompt_logprobs)}
-                              for i, c in enumerate(choices)]
-        else:
-            out["choices"] = [{"index": i, "finish_reason": c.finish_reason,
-                               "logprobs": self._chat_logprobs(c.logprobs),
-                               "message": {"role": "assistant", "content": c.text or None if c.tool_calls else c.text,
-                                           "reasoning_content": c.reasoning or None,
-                                           **({"tool_calls": c.tool_calls} if c.tool_calls else {})}}
-                              for i, c in enumerate(choices)]
-        return out
+    def _whole(self, rid: str, fmt: ChoiceFormat, choices: list[Choice], n: int) -> dict[str, Any]:
+        shown = fmt.whole(choices)  # first: an echo-only choice's usage counts no completion
+        return {"id": rid, "object": fmt.kind, "created": int(time.time()), "model": self.model_name,
+                "usage": usage(choices, n), "choices": shown}
 
-    async def _sse(self, rid: str, kind: str, streams: list[OpenStream], include_usage: bool,
-                   echoes: list[Echo | None], n: int) -> AsyncIterator[str]:
+    async def _sse(self, rid: str, fmt: ChoiceFormat, streams: list[OpenStream], include_usage: bool,
+                   n: int) -> AsyncIterator[str]:
         """Server-sent events: one chunk per step of each sample (`index` tells them apart), then usage
         (when asked) and `data: [DONE]`; an echoed prompt leads a sample's first chunk. A client that
         disconnects closes this generator, which cancels every sample's request (their KV is freed)."""
-        chunk_kind = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
         created = int(time.time())
-        spent = [Choice() for _ in streams]  # each sample's usage
+        used = [Choice() for _ in streams]  # each sample's usage
+
+        def event(body: dict[str, Any]) -> str:
+            return "data: " + json.dumps(body) + "\n\n"
 
         def chunk(choice: dict[str, Any]) -> str:
-            return "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
-                                          "model": self.model_name, "choices": [choice]}) + "\n\n"
+            return event({"id": rid, "object": fmt.chunk_kind, "created": created, "model": self.model_name,
+                          "choices": [choice]})
 
-        if kind != "text_completion":
-            for i in range(len(streams)):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        for opening in fmt.opening(len(streams)):
+            yield chunk(opening)
         events = merged(streams)
         try:
             async for index, msg in events:
                 if isinstance(msg, HttpAbort):  # after the 200: the error travels as an event, as OpenAI's do
-                    yield "data: " + json.dumps(json.loads(msg.response().body)) + "\n\n"
-                else:
-                    finish = msg.finish_reason or None
-                    if kind == "text_completion":
-                        piece = Choice(msg.text, finish_reason=finish, completion_tokens=msg.usage.completion_tokens,
-                                       logprobs=list(msg.logprobs), prompt_token_ids=list(msg.prompt_token_ids),
-                                       prompt_logprobs=list(msg.prompt_logprobs))
-                        if (lead := echoes[index]) is not None:
-                            echo(piece, lead)
-                            echoes[index] = Echo("", lead.prompt_only)  # the prompt leads the first chunk only
-                        yield chunk({"index": index, "text": piece.text, "finish_reason": piece.finish_reason,
-                                     "logprobs": self._completion_logprobs(piece.logprobs, piece.prompt_token_ids,
-                                                                           piece.prompt_logprobs)})
-                    else:
-                        delta: dict[str, Any] = {k: v for k, v in (("reasoning_content", msg.reasoning_text),
-                                                                   ("content", msg.text)) if v}
-                        if msg.tool_calls:
-                            delta["tool_calls"] = call_deltas(msg.tool_calls)
-                        yield chunk({"index": index, "delta": delta, "finish_reason": finish,
-                                     "logprobs": self._chat_logprobs(list(msg.logprobs))})
-                    if finish:
-                        prompt_only = echoes[index] is not None and echoes[index].prompt_only
-                        spent[index] = Choice(prompt_tokens=msg.usage.prompt_tokens,
-                                              cached_tokens=msg.usage.cached_prompt_tokens,
-                                              completion_tokens=0 if prompt_only else msg.usage.completion_tokens)
+                    yield event(json.loads(msg.response().body))
+                    continue
+                yield chunk(fmt.chunk(index, msg))
+                if msg.finish_reason:
+                    used[index] = spent(msg, fmt.prompt_only(index))
         finally:  # the client left (or all ended): stop every sample's request
             await events.aclose()
         if include_usage:
-            yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
-                                         "model": self.model_name, "choices": [], "usage": usage(spent, n)}) + "\n\n"
+            yield event({"id": rid, "object": fmt.chunk_kind, "created": created, "model": self.model_name,
+                         "choices": [], "usage": usage(used, n)})
         yield "data: [DONE]\n\n"
 
 

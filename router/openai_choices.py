@@ -1,6 +1,6 @@
 """The choices of an OpenAI response as the samples' messages build them: a whole choice gathered message by
 message, a streamed one's tool-call deltas, the samples' streams merged as their messages come, an echoed
-prompt before a completion, and the response's usage (each prompt counted once)."""
+prompt before a completion, the response's usage (each prompt counted once), and token ids as text."""
 
 from __future__ import annotations
 
@@ -11,7 +11,26 @@ from typing import Any
 
 from router.openai_errors import HttpAbort
 from router.openai_fanout import prompt_usage
+from router.reply import api_finish_reason
+from shared.protocol.finish import FinishReason
+from shared.protocol.tokenizer import Tokenizer
 from shared.rpc.pdserve.v1 import generation_pb2
+
+
+class TokenText:
+    """Token ids as the logprobs objects and an echoed prompt show them (special tokens kept; a model
+    without a tokenizer shows `token_id:N` and echoes no text)."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        tok = self.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
+
+    def text(self, ids: list[int]) -> str:
+        tok = self.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok is not None and ids else ""
 
 
 @dataclass
@@ -66,6 +85,12 @@ class Choice:
             if d.index == len(self.tool_calls):
                 self.tool_calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
             self.tool_calls[d.index]["function"]["arguments"] += d.arguments_delta
+
+
+def spent(msg: generation_pb2.GenerateResponse, prompt_only: bool = False) -> Choice:
+    """A sample's usage from its last message (an echo-only completion generated nothing the client sees)."""
+    return Choice(prompt_tokens=msg.usage.prompt_tokens, cached_tokens=msg.usage.cached_prompt_tokens,
+                  completion_tokens=0 if prompt_only else msg.usage.completion_tokens)
 
 
 def usage(choices: list[Choice], n: int) -> dict[str, Any]:
@@ -159,5 +184,5 @@ def echo(choice: Choice, echo: Echo) -> None:
     if echo.prompt_only:
         choice.text, choice.token_ids, choice.logprobs, choice.completion_tokens = "", [], [], 0
         if choice.finish_reason:
-            choice.finish_reason = "length"
+            choice.finish_reason = api_finish_reason(FinishReason.LENGTH)
     choice.text = echo.text + choice.text

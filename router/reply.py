@@ -9,7 +9,36 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.protocol.chat import SPECIAL_TOKENS, THINK_END
+from shared.protocol.finish import FinishReason, wire
 from shared.protocol.tools import ToolCallDelta, ToolCallParser, ToolFunction
+
+TOOL_CALLS = "tool_calls"  # the API's finish reason of a reply that ended by calling tools
+
+
+def api_finish_reason(reason: FinishReason | None, called: bool = False) -> str:
+    """The one place a hop's finish reason becomes the API's word (gRPC and HTTP alike): a reply that
+    stopped after making tool calls (`called`) finished with "tool_calls"; "" while it goes on."""
+    if reason is FinishReason.STOP and called:
+        return TOOL_CALLS
+    return wire(reason)
+
+
+@dataclass(frozen=True)
+class ReplyShape:
+    """How one request's reply is parsed (decided when it is validated): thinking mode's reasoning apart,
+    the tools it may call (None: no tool parsing), a forced call (tool_choice required or a name)."""
+
+    thinking: bool = False
+    tools: tuple[ToolFunction, ...] | None = None
+    forced: bool = False
+
+    @property
+    def parses(self) -> bool:
+        """Whether the text is rewritten at all (the engine must then keep special tokens)."""
+        return self.thinking or self.tools is not None
+
+    def parser(self) -> ReplyParser:
+        return ReplyParser(self.thinking, self.tools, forced=self.forced)
 
 
 @dataclass

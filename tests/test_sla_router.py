@@ -116,7 +116,7 @@ def test_dns_names_stand_for_every_address_they_resolve_to():
     DNS failure keeps what is known, static addresses always stay; the real resolver works."""
     import asyncio
 
-    from router.server import Pool, _resolve
+    from router.pools import Pool, resolve_addresses
 
     answers = [["10.0.0.1:7000"], ["10.0.0.1:7000", "10.0.0.2:7000"], OSError("no DNS"), ["10.0.0.2:7000"]]
 
@@ -140,7 +140,7 @@ def test_dns_names_stand_for_every_address_they_resolve_to():
     assert asyncio.run(run()) == [["127.0.0.1:1"], ["127.0.0.1:1", "10.0.0.1:7000"],
                                   ["127.0.0.1:1", "10.0.0.1:7000", "10.0.0.2:7000"],
                                   ["127.0.0.1:1", "10.0.0.1:7000", "10.0.0.2:7000"], ["127.0.0.1:1", "10.0.0.2:7000"]]
-    assert "127.0.0.1:7000" in asyncio.run(_resolve("localhost", "7000"))
+    assert "127.0.0.1:7000" in asyncio.run(resolve_addresses("localhost", "7000"))
 
 
 def test_priority_classes_share_the_targets_differently():

@@ -1,0 +1,175 @@
+"""The router's pools: the prefill and the decode instances it knows (static addresses, `dns:` names and
+`file:` lists, kept current), each with its view (router.policy) refreshed from its load reports, and its
+health. What the policy chooses among and what a request's tries are sent to."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.policy import DecodeView, PrefillView, RankView
+from shared import metrics
+from shared.protocol.load import LoadReport
+from shared.protocol.prefix import PrefixFilter
+from shared.rpc.convert import load_from_proto
+from shared.rpc.pdserve.v1 import internal_pb2
+from shared.rpc.service import Credentials, aio_channel
+
+log = logging.getLogger("pdserve.router")
+# A down instance is polled again after interval × 2^failures, at most this long: an instance that comes
+# back (a restart, a rolling upgrade) takes requests within about this many seconds.
+MAX_POLL_BACKOFF = 2.0
+Resolver = Callable[[str, str], Awaitable[list[str]]]
+
+
+@dataclass
+class Instance:
+    address: str
+    stub: object
+    view: PrefillView | DecodeView
+    channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    outstanding: int = 0  # changed only on the event loop: no lock
+    failures: int = 0  # consecutive failed load polls (back-off)
+    due: float = 0.0  # next load poll (monotonic seconds)
+
+
+@contextlib.contextmanager
+def in_flight(inst: Instance) -> Iterator[Instance]:
+    """`inst` counts one more call outstanding while the block runs."""
+    inst.outstanding += 1
+    try:
+        yield inst
+    finally:
+        inst.outstanding -= 1
+
+
+class Pool:
+    """Instances of one kind, with the router's view of each (its load reports, plus what was
+    dispatched since the last one); an instance whose calls or load polls fail is taken out of the
+    choice and polled back in with back-off. An address `dns:NAME:PORT` (a Kubernetes headless
+    service) stands for every address NAME resolves to, re-resolved every `discover` period: pods
+    that appear are added, pods that vanish are dropped. `file:PATH` stands for the addresses listed in
+    PATH, one a line, re-read alike (what `pdserve up --autoscale` writes as it starts and drains instances)."""
+
+    def __init__(self, kind: str, addresses: list[str], stub_cls, credentials: Credentials | None = None):
+        self.kind, self.stub_cls, self.credentials = kind, stub_cls, credentials
+        metrics.FAILOVERS.labels(kind)  # exported at 0 from the start
+        self.static = [a for a in addresses if not a.startswith(("dns:", "file:"))]
+        self.names = [a[4:] for a in addresses if a.startswith("dns:")]
+        self.files = [a[5:] for a in addresses if a.startswith("file:")]
+        self.instances: list[Instance] = [self._make(a) for a in self.static]
+        self._retired: list[tuple[float, grpc.aio.Channel]] = []
+
+    def _make(self, address: str) -> Instance:
+        channel = aio_channel(address, self.credentials)
+        view = PrefillView if self.kind == "prefill" else DecodeView
+        inst = Instance(address, self.stub_cls(channel), view(address), channel)
+        inst.view.up = False  # until its first load report: a router never counts on an instance it has not reached
+        return inst
+
+    async def discover(self, period: float = 5.0, resolve: Resolver | None = None) -> None:
+        """Keep the instances of the dns: names current (static addresses always stay)."""
+        resolve = resolve or resolve_addresses
+        while True:
+            await self.refresh(resolve)
+            await asyncio.sleep(period)
+
+    async def refresh(self, resolve: Resolver) -> None:
+        wanted = list(self.static)
+        for name in self.names:
+            host, _, port = name.rpartition(":")
+            try:
+                wanted += [a for a in await resolve(host, port) if a not in wanted]
+            except OSError as exc:  # keep what we have: a DNS hiccup must not empty the pool
+                log.warning("%s: cannot resolve %s: %s", self.kind, host, exc)
+                wanted += [x.address for x in self.instances if x.address not in wanted]
+        for path in self.files:
+            try:
+                wanted += [a for a in Path(path).read_text().split() if a not in wanted]
+            except OSError as exc:
+                log.warning("%s: cannot read %s: %s", self.kind, path, exc)
+                wanted += [x.address for x in self.instances if x.address not in wanted]
+        current = {x.address: x for x in self.instances}
+        added = [a for a in wanted if a not in current]
+        gone = [x for x in self.instances if x.address not in wanted]
+        if added or gone:
+            log.info("%s instances: +%s -%s", self.kind, added, [x.address for x in gone])
+            self.instances = [current.get(a) or self._make(a) for a in wanted]
+            now = time.monotonic()
+            self._retired += [(now, x.channel) for x in gone if x.channel is not None]
+        while self._retired and time.monotonic() - self._retired[0][0] > 600:  # in-flight streams drain first
+            await self._retired.pop(0)[1].close()
+
+    async def watch_health(self, period: float = 2.0) -> None:
+        """pdserve_router_instance_up for every instance, from its health check every `period` s."""
+        while True:
+            for inst in list(self.instances):
+                try:
+                    stub = health_pb2_grpc.HealthStub(inst.channel)
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=period)
+                    up = reply.status == health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    up = False
+                metrics.INSTANCE_UP.labels(self.kind, inst.address).set(int(up))
+            await asyncio.sleep(period)
+
+    async def poll_loads(self, interval: float, metadata: tuple) -> None:
+        """Refresh every instance's view from its GetLoad report every `interval` s; a failing one is
+        out (its view down) and retried after interval · 2^failures (at most 8 s)."""
+        while True:
+            now = time.monotonic()
+            await asyncio.gather(*(self._poll(inst, interval, metadata) for inst in list(self.instances)
+                                   if now >= inst.due))
+            await asyncio.sleep(interval)
+
+    async def _poll(self, inst: Instance, interval: float, metadata: tuple) -> None:
+        try:
+            answer = await inst.stub.GetLoad(internal_pb2.LoadRequest(), timeout=max(1.0, 4 * interval),
+                                             metadata=metadata)
+        except grpc.RpcError:
+            inst.failures += 1
+            inst.view.up = False
+            inst.due = time.monotonic() + min(MAX_POLL_BACKOFF, interval * 2 ** inst.failures)
+            metrics.INSTANCE_PLACEABLE.labels(self.kind, inst.address).set(0)
+            return
+        inst.failures, inst.view.up = 0, True
+        metrics.INSTANCE_PLACEABLE.labels(self.kind, inst.address).set(1)
+        _apply(inst.view, load_from_proto(answer))
+
+    @staticmethod
+    def ordered(instances: list[Instance], indices: list[int]) -> list[Instance]:
+        """`instances` (a snapshot the policy saw) at `indices` in the policy's order, repeats dropped,
+        then the rest as the fail-over order."""
+        seen = list(dict.fromkeys(indices))
+        return [instances[i] for i in seen] + [x for i, x in enumerate(instances) if i not in seen]
+
+
+def _apply(view: PrefillView | DecodeView, report: LoadReport) -> None:
+    """An instance's view as its load report says (what was dispatched since is counted again from here)."""
+    view.block_size = report.block_size or view.block_size
+    if isinstance(view, PrefillView):
+        view.queued_tokens = report.queued_prompt_tokens
+        if report.prefix_filter:
+            view.prefix = PrefixFilter(report.prefix_filter)
+    else:
+        view.ranks = [RankView(r.running + r.active_leases, r.tokens, r.queued_prompt_tokens) for r in report.ranks]
+        view.free_blocks = min(r.free_blocks for r in report.ranks)
+
+
+async def resolve_addresses(host: str, port: str) -> list[str]:
+    """host:port addresses of every IP `host` resolves to (IPv6 bracketed), in a stable order."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    ips = sorted({info[4][0] for info in infos})
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+
+
+__all__ = ["Instance", "Pool", "in_flight", "resolve_addresses"]
