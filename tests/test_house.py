@@ -225,3 +225,24 @@ def test_the_readme_layout_names_only_files_that_exist():
             if not ((where / name).exists() or list(where.glob(f"{name}.*"))):
                 missing.append(f"{parent}{path}{name}")
     assert not missing, f"the README layout names what does not exist: {missing}"
+
+
+LEDGER = ROOT / "shared" / "kvcache" / "ledger.py"
+# BlockAllocator's ways blocks go back
+BLOCK_RELEASES = {"free", "_release_blocks", "_queue_block_release", "_drain_block_releases"}
+
+
+def test_only_the_ledger_frees_kv_blocks():
+    """One owner per KV block: nothing but shared/kvcache/ledger.py gives blocks back (a `.free(` call, or
+    the allocator's release, its queued release or its drain), so who frees a block never depends on the
+    thread or the phase (shared.kvcache.ledger)."""
+    outside = []
+    for package in FIRST_PARTY:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == LEDGER:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in BLOCK_RELEASES):
+                    outside.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.func.attr}(")
+    assert not outside, f"KV blocks freed outside the ledger: {outside}"

@@ -32,7 +32,7 @@ class BlockAllocator:
     returning to the free list, so a later request with the same prefix claims it with `lookup`
     instead of recomputing it. Allocation takes free blocks first, then evicts cached ones.
 
-    A release another thread asks for is queued (`_queue_release`) until the engine thread drains
+    A release another thread asks for is queued (`_queue_block_release`) until the engine thread drains
     it: a queued block counts as free, since the ledger drains the queue before every allocation."""
 
     def __init__(self, num_blocks: int):
@@ -74,7 +74,7 @@ class BlockAllocator:
                 blocks.append(block)
             return blocks
 
-    def _release(self, blocks: list[int]) -> None:
+    def _release_blocks(self, blocks: list[int]) -> None:
         """Drop one reference to each block; unreferenced cached blocks stay cached (evictable).
         The ledger's alone to call."""
         with self._lock:
@@ -95,9 +95,9 @@ class BlockAllocator:
         else:
             self._free.append(b)
 
-    def _queue_release(self, blocks: list[int], why: str) -> None:
+    def _queue_block_release(self, blocks: list[int], why: str) -> None:
         """Another thread gives up its sole reference to each block; the ledger drains it on the engine
-        thread (`_drain_releases`). The ledger's alone to call."""
+        thread (`_drain_block_releases`). The ledger's alone to call."""
         with self._lock:
             for b in blocks:
                 if self._refs.get(b) != 1 or b in self._releasing:
@@ -105,7 +105,7 @@ class BlockAllocator:
                                      f"thread (references {self._refs.get(b, 0)}, queued: {b in self._releasing})")
             self._releasing.update(dict.fromkeys(blocks, why))
 
-    def _drain_releases(self) -> int:
+    def _drain_block_releases(self) -> int:
         """Drop the queued releases' references; how many. The ledger's alone to call."""
         with self._lock:
             queued, self._releasing = self._releasing, {}

@@ -157,7 +157,7 @@ class BlockLedger:
     def end_push(self, holder: Holder) -> None:
         """Push → free: the push committed, failed or was given up; its blocks go back."""
         with self._lock:
-            self._release(self._kept.pop(holder))
+            self._return(self._kept.pop(holder))
 
     # -- leases ----------------------------------------------------------------------------------
     def seat(self, seq: BlockTable, lease_blocks: Sequence[int]) -> None:
@@ -167,16 +167,16 @@ class BlockLedger:
 
     def drop_claimed(self, lease_blocks: Sequence[int]) -> None:
         """A claimed lease whose request could not start: its blocks go back."""
-        self._release(lease_blocks)
+        self._return(lease_blocks)
 
     def end_lease(self, lease_blocks: Sequence[int]) -> None:
         """Engine thread: a lease released or expired with no write in flight; its blocks go back."""
-        self._release(lease_blocks)
+        self._return(lease_blocks)
 
     def queue_lease_end(self, lease_id: str, lease_blocks: Sequence[int]) -> None:
         """Any thread (a receiver's): a dead lease's last write ended, or a stalled writer's lease was
         abandoned; its release is queued for the engine thread (`drain`). Its blocks count as free now."""
-        self.allocator._queue_release(list(lease_blocks), f"lease {lease_id}")
+        self.allocator._queue_block_release(list(lease_blocks), f"lease {lease_id}")
 
     # -- the engine's own blocks (engine thread) -------------------------------------------------
     def borrow_probe(self) -> Holding:
@@ -188,7 +188,7 @@ class BlockLedger:
 
     def return_probe(self, probe: Holding) -> None:
         with self._lock:
-            self._release(self._kept.pop(probe.holder))
+            self._return(self._kept.pop(probe.holder))
 
     def hold_scratch(self) -> list[int]:
         """A parallel rank's scratch block for dummy batches, held as long as the engine lives."""
@@ -200,7 +200,7 @@ class BlockLedger:
     # -- the engine thread's turn ----------------------------------------------------------------
     def drain(self) -> int:
         """Drop the references released off the engine thread since the last drain; how many."""
-        return self.allocator._drain_releases()
+        return self.allocator._drain_block_releases()
 
     def settle(self) -> None:
         """At every step: drain the queued releases, and in debug mode check every block's owner."""
@@ -210,11 +210,11 @@ class BlockLedger:
 
     def _give_back(self, seq: BlockTable) -> None:
         blocks, seq.block_table = seq.block_table, []
-        self._release(blocks)
+        self._return(blocks)
 
-    def _release(self, blocks: Sequence[int]) -> None:
+    def _return(self, blocks: Sequence[int]) -> None:
         if blocks:
-            self.allocator._release(list(blocks))
+            self.allocator._release_blocks(list(blocks))
 
     # -- debug check -----------------------------------------------------------------------------
     def check(self) -> None:
