@@ -170,3 +170,22 @@ def test_the_check_is_off_unless_asked(monkeypatch):
     ledger.allocate(1)  # held by nobody: not checked
     ledger.settle()
     ledger.settle()
+
+
+def test_an_engine_step_checks_its_ledger(ckpt):
+    """The scheduler is a holder the engine's ledger counts: a request dropped without finishing (its
+    blocks held by nobody) fails the step after next, naming the block."""
+    from shared.engine import LLM, SamplingParams
+
+    engine = LLM(str(ckpt("v32_sparse")), dtype="float32", block_size=4, kv_cache_tokens=64).engine
+    assert engine.kv.ledger.checking  # tests/conftest.py turns the check on for the suite
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seq = engine.add_request([5, 6, 7, 8, 9], params, "kept")
+    engine.step()
+    lost = engine.add_request([5, 6, 7], params, "lost")
+    engine.step()
+    engine.scheduler.running.remove(lost)  # dropped: no finish, no blocks given back
+    engine.step()
+    with pytest.raises(LedgerViolation, match="leaked") as err:
+        engine.step()
+    assert err.value.block in lost.block_table and seq.block_table
