@@ -244,16 +244,16 @@ class BlockLedger:
             block = min(b for b in free if pool.free.count(b) > 1)
             raise LedgerViolation(block, owners(block), "is on the free list twice")
         unheld = free | evictable
-        for block in sorted((free & evictable) | (unheld & (pool.refs.keys() | holders.keys()))):
+        if clash := (free & evictable) | (unheld & (pool.refs.keys() | holders.keys())):
+            block = min(clash)
             raise LedgerViolation(block, owners(block), f"has {pool.refs.get(block, 0)} references and more "
                                                         "than one owner")
-        leaks = set()
-        for block in sorted(pool.refs.keys() | holders.keys()):
-            refs, held = pool.refs.get(block, 0), len(holders.get(block, []))
-            if held > refs:
-                raise LedgerViolation(block, owners(block), f"has {refs} references for {held} holders")
-            if held < refs:
-                leaks.add(block)
+        counts = {block: (pool.refs.get(block, 0), len(holders.get(block, [])))
+                  for block in pool.refs.keys() | holders.keys()}
+        if over := [block for block, (refs, held) in counts.items() if held > refs]:
+            block = min(over)
+            raise LedgerViolation(block, owners(block), "has {} references for {} holders".format(*counts[block]))
+        leaks = {block for block, (refs, held) in counts.items() if held < refs}
         if len(unheld) + len(pool.refs) != pool.num_blocks:  # disjoint by now: a block fell out of the books
             lost = min(set(range(pool.num_blocks)) - unheld - pool.refs.keys())
             raise LedgerViolation(lost, [], "is neither free, cached nor referenced")
