@@ -110,7 +110,7 @@ def wire_seconds(engine: LLMEngine, tokens: int) -> float:
     layout = engine.layout
     n_blocks = -(-tokens // layout.block_size)
     dst = KVCache(layout, n_blocks, torch.device("cpu"))
-    leases = LeaseTable(dst.allocator, layout.block_size, layout.num_layers, cache_kinds(layout))
+    leases = LeaseTable(dst.ledger, layout.block_size, layout.num_layers, cache_kinds(layout))
     receiver = TcpReceiver(dst, leases)
     best = float("inf")
     for _ in range(3):

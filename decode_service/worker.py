@@ -154,7 +154,7 @@ class DecodeWorker:
         self.engine = LLMEngine(cfg.engine_config(enable_prefix_caching=False), state)  # KV arrives pushed
         self.mirror = self.engine.policy.mirror
         kv = self.engine.kv
-        self.leases = LeaseTable(kv.allocator, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
+        self.leases = LeaseTable(kv.ledger, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
                                  cfg.lease_seconds)
         self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port + rank if cfg.kv_port else 0,
                                advertise_host=cfg.public_host, tls=Credentials.of(cfg).ssl_context(server=True),
@@ -197,16 +197,16 @@ class DecodeWorker:
             seq = self.engine.make_sequence(c.prompt, dataclasses.replace(c.params), c.request_id,
                                             num_resumed=c.num_resumed)
         except ValueError as exc:
-            self.engine.kv.allocator.free(lease.blocks)
+            self.engine.kv.ledger.drop_claimed(lease.blocks)
             return CommandError("INVALID_ARGUMENT", str(exc))
         most = len(seq.prompt_token_ids) + seq.params.max_tokens  # a migrated request's outputs count in max_tokens
         if c.local and self.engine.kv.blocks_needed(most) > len(lease.blocks):
             self.engine.abort(seq.request_id)
-            self.engine.kv.allocator.free(lease.blocks)
+            self.engine.kv.ledger.drop_claimed(lease.blocks)
             return CommandError("INVALID_ARGUMENT", f"prompt_token_ids: {seq.num_tokens} tokens + max_tokens "
                                                     f"{seq.params.max_tokens} do not fit the lease's "
                                                     f"{len(lease.blocks)} blocks")
-        seq.block_table = list(lease.blocks)
+        self.engine.kv.ledger.seat(seq, lease.blocks)
         self.admitted += 1
         if c.local:
             self.engine.scheduler.add(seq)  # its blocks are the lease's: the scheduler only adds if it grows
@@ -230,6 +230,7 @@ class DecodeWorker:
             pool[:, index] = rows
 
     def step(self) -> list[Event]:
+        self.engine.kv.ledger.settle()  # every step, busy or idle (a DP rank's dummy one too)
         events = self._step()
         self._ended = {ev.request_id: self.handles.pop(ev.request_id) for ev in events
                        if ev.finished and ev.request_id in self.handles}  # encode() still names them

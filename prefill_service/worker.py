@@ -32,6 +32,7 @@ from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import EngineCommand, RankCommand
 from shared.engine.scheduler import ScheduledChunk, Sequence
+from shared.kvcache import Holder
 from shared.protocol.sampling import TokenLogprob
 from shared.rpc.service import Credentials
 from shared.transfer import Destination, KVPush, KVSender, TransferError, make_sender
@@ -62,9 +63,10 @@ class DropPrompt(EngineCommand):
 
 @dataclass(frozen=True)
 class FreeBlocks(EngineCommand):
-    """Hand back the blocks a finished push read (pushes commit on their own threads)."""
+    """Hand back the blocks a finished push read: pushes commit on their own threads, the engine thread
+    gives their blocks back (shared.kvcache.ledger)."""
 
-    blocks: list[int]
+    hold: Holder  # the push's hold on its blocks
 
 
 # -- what the worker reports ----------------------------------------------------------------------------
@@ -129,12 +131,13 @@ class ChunkPush:
 
 @dataclass
 class Completion:
-    """A prompt the step completed: its first token, and its blocks, now the push's to read and free."""
+    """A prompt the step completed: its first token, and its blocks, now held by its push (`hold`) until
+    the push ends."""
 
     seq: Sequence
     job: _Job
     token: int
-    blocks: list[int]
+    hold: Holder
     rng_state: bytes
     cached_prompt_tokens: int
 
@@ -177,7 +180,7 @@ class PrefillWorker:
         elif isinstance(c, DropPrompt):
             self._fail(c.request_id, c.error or RuntimeError("cancelled"))
         elif isinstance(c, FreeBlocks):
-            self.engine.kv.allocator.free(c.blocks)
+            self.engine.kv.ledger.end_push(c.hold)
 
     def _add(self, c: AddPrompt) -> None:
         engine, request_id = self.engine, c.request_id
@@ -225,6 +228,7 @@ class PrefillWorker:
 
     # -- the step: the engine's, observed ---------------------------------------------------------
     def step(self) -> list[Any]:
+        self.engine.kv.ledger.settle()  # every step, busy or idle (a parallel rank's dummy one too)
         self.batch_tokens, self._scheduled = 0, {}
         if self.policy.mirror:  # a failure inside the group's collectives cannot be contained
             self.engine.step(self)
@@ -273,7 +277,7 @@ class PrefillWorker:
         for d in done:
             if d.job.error:
                 d.job.push.abort()
-                self.engine.kv.allocator.free(d.blocks)
+                self.engine.kv.ledger.end_push(d.hold)
                 self._answer(d, TransferError(d.job.error))
                 continue
             d.job.push.finish_async(functools.partial(self._pushed, d))
@@ -304,18 +308,18 @@ class PrefillWorker:
         return ChunkPush(job, job.push, c.seq.block_table[first:last], first)
 
     def _take(self, seq: Sequence) -> Completion:
-        """A completed prompt's first token and its blocks: the push's to read, the caller's to free
-        (the engine frees none of them)."""
-        blocks, seq.block_table = seq.block_table, []
+        """A completed prompt's first token, and its blocks handed to its push (the engine frees none of
+        them: the push's end gives them back)."""
+        hold = self.engine.kv.ledger.hand_to_push(seq)
         state = bytes(seq.generator.get_state().numpy()) if seq.params.seed is not None else b""
-        return Completion(seq, self.jobs.pop(seq.request_id), seq.output_token_ids[-1], blocks, state,
+        return Completion(seq, self.jobs.pop(seq.request_id), seq.output_token_ids[-1], hold, state,
                           seq.num_cached_prompt_tokens)
 
     def _pushed(self, done: Completion, error: BaseException | None) -> None:
         """One rank, on the push's thread once it committed (the engine stepped on meanwhile): hand
         the blocks back to the engine thread, answer the caller."""
         if self.later is not None:
-            self.later(FreeBlocks(done.blocks))
+            self.later(FreeBlocks(done.hold))
         self._answer(done, error)
 
     def _complete_together(self, done: list[Completion]) -> None:
@@ -333,7 +337,7 @@ class PrefillWorker:
                 failed[i] = 1
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.engine.parallel.world_group)
         for d, bad in zip(done, failed.tolist()):
-            self.engine.kv.allocator.free(d.blocks)
+            self.engine.kv.ledger.end_push(d.hold)
             error: BaseException | None = TransferError("a rank of the prefill group could not push its KV") \
                 if bad else None
             if d.job.push is not None:

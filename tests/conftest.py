@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("PDSERVE_DEVICE", "cpu")
+os.environ.setdefault("PDSERVE_KV_LEDGER_CHECK", "1")  # every step checks each KV block has one owner
 
 from tests.helpers import make_hf_checkpoint  # noqa: E402
 

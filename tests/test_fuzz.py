@@ -125,7 +125,7 @@ def test_kv_port_fuzz(ckpt):
     cfg = ModelConfig.from_pretrained(ckpt("v32_sparse"))
     layout = KVLayout.from_model_config(cfg, 4, torch.float32)
     kv = KVCache(layout, 32, torch.device("cpu"))
-    leases = LeaseTable(kv.allocator, 4, cfg.num_hidden_layers, ("mla", "index"), ttl_seconds=60)
+    leases = LeaseTable(kv.ledger, 4, cfg.num_hidden_layers, ("mla", "index"), ttl_seconds=60)
     rx = TcpReceiver(kv, leases)
     live = leases.reserve("fuzz", 8)
     frames = st.one_of(

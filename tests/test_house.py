@@ -257,3 +257,24 @@ def test_no_function_is_over_80_lines():
                 if span > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {span} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+LEDGER = ROOT / "shared" / "kvcache" / "ledger.py"
+# BlockAllocator's ways blocks go back
+BLOCK_RELEASES = {"free", "_release_blocks", "_queue_block_release", "_drain_block_releases"}
+
+
+def test_only_the_ledger_frees_kv_blocks():
+    """One owner per KV block: nothing but shared/kvcache/ledger.py gives blocks back (a `.free(` call, or
+    the allocator's release, its queued release or its drain), so who frees a block never depends on the
+    thread or the phase (shared.kvcache.ledger)."""
+    outside = []
+    for package in FIRST_PARTY:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == LEDGER:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in BLOCK_RELEASES):
+                    outside.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.func.attr}(")
+    assert not outside, f"KV blocks freed outside the ledger: {outside}"

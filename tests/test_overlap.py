@@ -104,7 +104,7 @@ def test_prefill_pushes_a_layer_while_the_next_layers_compute(ckpt):
     try:
         layout = engine.layout
         kv = KVCache(layout, 64, torch.device("cpu"))
-        leases = LeaseTable(kv.allocator, layout.block_size, layout.num_layers, cache_kinds(layout), 30)
+        leases = LeaseTable(kv.ledger, layout.block_size, layout.num_layers, cache_kinds(layout), 30)
         receiver = TcpReceiver(kv, leases)
         worker = PrefillEngineCore(engine, lambda t: make_sender(t, engine.kv))
         prompt = random_prompts(1, [40], 512, seed=5)[0]

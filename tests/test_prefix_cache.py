@@ -24,14 +24,14 @@ def test_allocator_refcounts_and_lru_eviction():
     a.register(b0, h[0])
     a.register(b1, h[1])
     assert a.lookup(h) == [b0, b1]  # a second reference to each
-    a.free([b0, b1])
+    a._release_blocks([b0, b1])
     assert a.num_free == 2  # still referenced once
-    a.free([b0, b1])
+    a._release_blocks([b0, b1])
     assert a.num_free == 4 and a.num_cached == 2  # unreferenced, still cached
     assert a.lookup(h[:1]) == [b0]
-    a.free([b0])
+    a._release_blocks([b0])
     with pytest.raises(ValueError):
-        a.free([b0])  # double free is caught with refcounts too
+        a._release_blocks([b0])  # double free is caught with refcounts too
     assert sorted(a.allocate(2)) == sorted(set(range(4)) - {b0, b1})  # free blocks go before cached ones
     [evicted] = a.allocate(1)
     assert evicted == b1  # least recently used cached block first (b0 was looked up after b1)

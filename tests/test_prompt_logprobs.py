@@ -49,7 +49,7 @@ def test_prompt_logprobs_equal_transformers_across_chunks_and_prefix_hits(ckpt):
     _check(prompt, together[0].prompt_logprobs, ref)
     assert together[1].token_ids == alone and together[1].prompt_logprobs is None  # the neighbour is untouched
     assert together[0].token_ids[0] == ref[-1].argmax().item()  # sampled from the last row, as without
-    assert llm.engine.scheduler.allocator.num_free == llm.engine.usable_blocks
+    assert llm.engine.scheduler.ledger.num_free == llm.engine.usable_blocks
 
 
 def test_prompt_logprobs_are_validated_and_refused_with_mtp():

@@ -174,7 +174,7 @@ def receiver(ckpt):
 
     cfg = ModelConfig.from_pretrained(ckpt("v32_sparse"))
     kv = KVCache(KVLayout.from_model_config(cfg, 4, torch.float32), 32, torch.device("cpu"))
-    leases = LeaseTable(kv.allocator, 4, cfg.num_hidden_layers, ("mla", "index"), ttl_seconds=30)
+    leases = LeaseTable(kv.ledger, 4, cfg.num_hidden_layers, ("mla", "index"), ttl_seconds=30)
     rx = TcpReceiver(kv, leases)
     yield kv, leases, rx
     rx.close()

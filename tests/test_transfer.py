@@ -22,7 +22,7 @@ from tests.helpers import TRANSPORTS, random_prompts
 
 def _decode_side(layout, transport: str, ttl: float = 30.0):
     kv = KVCache(layout, 64, get_device())  # the CPU here; the accelerator with PDSERVE_DEVICE=cuda (README)
-    leases = LeaseTable(kv.allocator, layout.block_size, layout.num_layers, cache_kinds(layout), ttl)
+    leases = LeaseTable(kv.ledger, layout.block_size, layout.num_layers, cache_kinds(layout), ttl)
     tcp = TcpReceiver(kv, leases)
     receiver = MooncakeReceiver(kv, tcp) if transport == "mooncake" else tcp
     return kv, leases, receiver

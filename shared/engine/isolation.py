@@ -111,16 +111,16 @@ def isolate(engine: Any, chunks: list[ScheduledChunk], observer: StepObserver | 
 
 
 def engine_works(engine: Any) -> bool:
-    """A one-token forward into a block taken for it (and given back): whether the engine computes at all."""
+    """A one-token forward into a block borrowed for it (and given back): whether the engine computes at all."""
     try:
-        blocks = engine.kv.allocator.allocate(1)
+        probe = engine.kv.ledger.borrow_probe()
     except OutOfBlocks:
         return False
     try:
-        engine.policy.forward(engine, [SeqChunk([0], 0, blocks)])
+        engine.policy.forward(engine, [SeqChunk([0], 0, list(probe.blocks))])
         return True
     except Exception as exc:
         log.error("the engine's probe forward failed: %s", exc)
         return False
     finally:
-        engine.kv.allocator.free(blocks)
+        engine.kv.ledger.return_probe(probe)

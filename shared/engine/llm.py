@@ -98,7 +98,7 @@ class LLMEngine:
                                                  kv_cache_dtype=config.kv_cache_dtype, extra_layers=int(mtp))
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
-        self.scheduler = Scheduler(self.kv.allocator, config.block_size, config.max_num_seqs,
+        self.scheduler = Scheduler(self.kv.ledger, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
         self.speculator = (MtpSpeculator(self, config.num_speculative_tokens, config.speculative_max_draft_tokens)
                            if mtp else None)
@@ -108,7 +108,7 @@ class LLMEngine:
         self._counter = itertools.count()
         self.default_generator = torch.Generator().manual_seed(config.seed)
         # parallel ranks keep one scratch block for dummy batches (DP idle ranks, empty CP shares)
-        self.scratch_blocks: list[int] | None = self.kv.allocator.allocate(1) if self.parallel.is_parallel else None
+        self.scratch_blocks: list[int] | None = self.kv.ledger.hold_scratch() if self.parallel.is_parallel else None
         self.stepped = False  # whether the last step() ran a forward (a dummy one included)
         self.poison = Poison.from_env()  # fault injection for tests (off unless $PDSERVE_FAULT_POISON is set)
         int8 = any(p.dtype == torch.int8 for p in self.model.parameters())  # W8A8 weights take the int8 kernels
@@ -283,7 +283,7 @@ class LLMEngine:
     def dummy_batch(self) -> ForwardBatch:
         """One token at position 0 of the scratch block, logits of none."""
         if self.scratch_blocks is None:
-            self.scratch_blocks = self.kv.allocator.allocate(1)
+            self.scratch_blocks = self.kv.ledger.hold_scratch()
         return ForwardBatch.build([SeqChunk([0], 0, self.scratch_blocks, need_logits=False)], self.layout.block_size,
                                   self.device)
 

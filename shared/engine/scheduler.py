@@ -10,6 +10,10 @@ decode runs out of blocks the newest request is preempted (its blocks freed, rec
 With prefix caching a request admitted from the queue first claims the cached blocks of its longest
 cached prefix (matched by a chain of block hashes, see BlockAllocator) and computes only the rest;
 every block it completes is registered for later requests.
+
+Blocks come and go through the rank's BlockLedger (shared.kvcache.ledger): the scheduler names each
+hand-off (grow, prefix retain / release, preempt, finish) and tells the ledger's debug check which
+blocks its sequences hold.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from shared.engine.sampler import SamplingParams
 from shared.engine.structured import GrammarState
-from shared.kvcache import BlockAllocator
+from shared.kvcache import BlockLedger, Holder, Holding, Owner
 from shared.protocol.limits import blocks_for
 from shared.protocol.prefix import block_hash
 from shared.protocol.sampling import TokenLogprob
@@ -115,14 +119,15 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, ledger: BlockLedger, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_caching: bool = False):
-        self.allocator, self.block_size = allocator, block_size
+        self.ledger, self.block_size = ledger, block_size
         self.prefix_caching = prefix_caching
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.decode_width = 1  # tokens a decode takes from the budget (1 + drafts under speculative decoding)
+        ledger.watch(self)
 
     def add(self, seq: Sequence) -> None:
         """Queue a request behind every waiting one of the same or a more urgent (lower) priority."""
@@ -145,13 +150,14 @@ class Scheduler:
         need = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
-        if not self.allocator.can_allocate(need):
+        if not self.ledger.can_allocate(need):
             return False
-        seq.block_table.extend(self.allocator.allocate(need))
+        self.ledger.grow(seq, need)
         return True
 
     def schedule(self) -> list[ScheduledChunk]:
         """The next step: decodes first (oldest first), then prompt chunks, within one token budget."""
+        self.ledger.settle()
         chunks = self._schedule_decode(self.max_num_batched_tokens)
         prefill = self._schedule_prefill(self.max_num_batched_tokens - self.decode_width * len(chunks))
         # recomputed outputs beside the decodes: a step lists its generated chunks first (ForwardBatch.generated)
@@ -207,15 +213,15 @@ class Scheduler:
     def _claim_prefix(self, seq: Sequence) -> None:
         """Start a queued request on the cached blocks of its longest cached prefix; at least one
         token is always left to compute (its logits give the next token)."""
-        hits = self.allocator.lookup(self._hashes(seq, (seq.num_tokens - 1) // self.block_size))
-        seq.block_table, seq.num_registered = hits, len(hits)
-        seq.num_cached = len(hits) * self.block_size
+        hits = self.ledger.retain_prefix(seq, self._hashes(seq, (seq.num_tokens - 1) // self.block_size))
+        seq.num_registered = hits
+        seq.num_cached = hits * self.block_size
         if not seq.output_token_ids:
             seq.num_cached_prompt_tokens = seq.num_cached
 
     def _release_prefix(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_table)
-        seq.block_table, seq.num_cached, seq.num_registered = [], 0, 0
+        self.ledger.release_prefix(seq)
+        seq.num_cached, seq.num_registered = 0, 0
 
     def cache_computed(self, seq: Sequence) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
@@ -224,14 +230,14 @@ class Scheduler:
             return
         hashes = self._hashes(seq, full)
         for i in range(seq.num_registered, full):
-            self.allocator.register(seq.block_table[i], hashes[i])
+            self.ledger.register(seq.block_table[i], hashes[i])
         seq.num_registered = full
 
     def preempt(self, seq: Sequence) -> None:
         """Free the request's blocks; it re-enters the queue and recomputes prompt + outputs."""
         self.running.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table, seq.num_cached, seq.num_registered, seq.status = [], 0, 0, Status.WAITING
+        self.ledger.preempt(seq)
+        seq.num_cached, seq.num_registered, seq.status = 0, 0, Status.WAITING
         # first among the waiting requests of its priority (it had started), behind more urgent ones
         self.waiting.insert(next((i for i, w in enumerate(self.waiting) if w.priority >= seq.priority),
                                  len(self.waiting)), seq)
@@ -244,10 +250,14 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table:
-            self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self.ledger.finish(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+
+
+    def holdings(self) -> list[Holding]:
+        """The blocks each queued or running request holds (the ledger's debug check)."""
+        return [Holding(Holder(Owner.SEQUENCE, seq.request_id), seq.block_table)
+                for seq in [*self.running, *self.waiting] if seq.block_table]
 
 
 def _chunk_cap(seq: Sequence) -> int:

@@ -1,6 +1,10 @@
-"""Paged KV cache: the one description of what is cached (KVLayout) and the pools that hold it."""
+"""Paged KV cache: the one description of what is cached (KVLayout), the pools that hold it, the block
+allocator, and the ledger of who holds each block."""
 
+from shared.kvcache.allocator import BlockAllocator, OutOfBlocks
 from shared.kvcache.layout import KVLayout
-from shared.kvcache.pool import BlockAllocator, KVCache, OutOfBlocks
+from shared.kvcache.ledger import BlockLedger, Holder, Holding, LedgerViolation, Owner
+from shared.kvcache.pool import KVCache
 
-__all__ = ["BlockAllocator", "KVCache", "KVLayout", "OutOfBlocks"]
+__all__ = ["BlockAllocator", "BlockLedger", "Holder", "Holding", "KVCache", "KVLayout", "LedgerViolation",
+           "OutOfBlocks", "Owner"]

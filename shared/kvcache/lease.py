@@ -3,12 +3,16 @@
 A lease holds blocks for one request until the decode step claims them. Every write must name a live
 lease and carry its random token; a lease nobody claims expires and frees its blocks; release frees
 at once (prefill failure, client cancel); a receiver abandons a lease whose writer stalled or went
-mid-write. All methods are thread-safe (gRPC and receiver threads).
+mid-write. All methods are thread-safe (engine and receiver threads: see LeaseTable).
 
 Leases are fences: a write holds its lease from `begin_write` to `end_write`; a lease released or
 expired meanwhile leaves the table at once (no new writes, no claim) but its blocks are freed only
 when the last write in flight ends, so no block is reused while bytes still land in it. Completion is
 per block: every block of every layer and cache kind must have been written before a commit holds.
+
+Blocks go back through the rank's BlockLedger: at once for a release or expiry on the engine thread,
+queued (drained by the engine thread) when a receiver thread ends a dead lease's last write or abandons
+a lease.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.kvcache.pool import BlockAllocator, OutOfBlocks
+from shared.kvcache.allocator import OutOfBlocks
+from shared.kvcache.ledger import BlockLedger, Holder, Holding, Owner
 
 LEASE_ID_LEN = 32  # uuid4 hex
 
@@ -57,14 +62,19 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, allocator: BlockAllocator, block_size: int, num_layers: int, kinds: tuple[str, ...],
+    """The leases of one rank's pool. `reserve`, `claim`, `release` and `expire` run on the engine thread;
+    the receiver threads write (`begin_write` / `end_write`), `commit`, `touch` and `abandon`."""
+
+    def __init__(self, ledger: BlockLedger, block_size: int, num_layers: int, kinds: tuple[str, ...],
                  ttl_seconds: float = 30.0):
-        self.allocator, self.block_size = allocator, block_size
+        self.ledger, self.block_size = ledger, block_size
         self.num_layers, self.kinds, self.ttl = num_layers, kinds, ttl_seconds
         self._leases: dict[str, Lease] = {}
+        self._fenced: dict[str, Lease] = {}  # out of the table, blocks held until their writes in flight end
         self._lock = threading.Lock()
         self._expired: list[str] = []
         self.on_end: list[Callable[[Lease], None]] = []  # called once when a lease leaves the table
+        ledger.watch(self)
 
     def _ended(self, leases: list[Lease]) -> None:
         for lease in leases:
@@ -82,7 +92,7 @@ class LeaseTable:
         """Blocks for `num_tokens` under a new lease (id and token given by a caller that mirrors
         the same lease on several ranks); the push must fill the first `prompt_tokens` (all by default)."""
         need = -(-num_tokens // self.block_size)
-        blocks = self.allocator.allocate(need)  # raises OutOfBlocks
+        blocks = self.ledger.allocate(need)  # raises OutOfBlocks
         filled = need if prompt_tokens is None else -(-min(prompt_tokens, num_tokens) // self.block_size)
         lease = Lease(lease_id or uuid.uuid4().hex, request_id, token or secrets.token_bytes(16), blocks,
                       time.monotonic() + self.ttl, self.num_layers, self.kinds, prompt_blocks=filled)
@@ -122,8 +132,10 @@ class LeaseTable:
             if ok and not lease.dead:
                 lease.covered.setdefault((layer, kind), set()).update(range(first, first + count))
             free = lease.dead and lease.writers == 0
-        if free:
-            self.allocator.free(lease.blocks)
+            if free:
+                del self._fenced[lease.lease_id]
+        if free:  # a receiver's thread: the engine thread drops the references
+            self.ledger.queue_lease_end(lease.lease_id, lease.blocks)
 
     def touch(self, lease: Lease) -> None:
         """Keep-alive from the prefill working on this lease (queued or computing): it lives another TTL."""
@@ -160,6 +172,8 @@ class LeaseTable:
         """Take a lease out of the table (lock held); True when its blocks can be freed now."""
         del self._leases[lease.lease_id]
         lease.dead = True
+        if lease.writers:
+            self._fenced[lease.lease_id] = lease
         return lease.writers == 0
 
     def release(self, lease_id: str) -> bool:
@@ -169,7 +183,7 @@ class LeaseTable:
         if lease is not None:
             self._ended([lease])
         if free:
-            self.allocator.free(lease.blocks)
+            self.ledger.end_lease(lease.blocks)
         return lease is not None
 
     def abandon(self, lease_id: str) -> bool:
@@ -183,8 +197,8 @@ class LeaseTable:
                 self._expired.append(lease_id)
         if lease is not None:
             self._ended([lease])
-        if free:
-            self.allocator.free(lease.blocks)
+        if free:  # a receiver's thread: the engine thread drops the references
+            self.ledger.queue_lease_end(lease.lease_id, lease.blocks)
         return lease is not None
 
     def expire(self, now: float | None = None) -> int:
@@ -196,7 +210,7 @@ class LeaseTable:
             self._expired.extend(lease.lease_id for lease in dead)
         self._ended(dead)
         for lease in freeable:
-            self.allocator.free(lease.blocks)
+            self.ledger.end_lease(lease.blocks)
         return len(dead)
 
     def overdue(self, now: float | None = None) -> list[str]:
@@ -215,6 +229,12 @@ class LeaseTable:
     def reserved_blocks(self) -> int:
         with self._lock:
             return sum(len(lease.blocks) for lease in self._leases.values())
+
+    def holdings(self) -> list[Holding]:
+        """The blocks each lease holds: live ones, and dead ones fenced by a write in flight (the ledger's check)."""
+        with self._lock:
+            return [Holding(Holder(Owner.LEASE, lease.lease_id + (" (ended, a write in flight)" if lease.dead else "")),
+                            lease.blocks) for lease in [*self._leases.values(), *self._fenced.values()]]
 
 
 __all__ = ["Lease", "LeaseError", "LeaseTable", "OutOfBlocks"]

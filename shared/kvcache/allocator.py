@@ -1,0 +1,157 @@
+"""The block allocator: reference-counted block ids with a prefix cache. Only the block ledger
+(shared.kvcache.ledger) gives references back; everything else reads it or allocates."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool cannot satisfy an allocation; the caller decides (wait, preempt, reject)."""
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """A consistent copy of the allocator's books (the ledger's debug check reads it)."""
+
+    num_blocks: int
+    free: list[int]
+    evictable: list[int]
+    refs: dict[int, int]
+    releasing: dict[int, str]  # block → who queued its release (drained on the engine thread)
+
+
+class BlockAllocator:
+    """Reference-counted block ids with a prefix cache; thread-safe so gRPC handlers can reserve
+    concurrently.
+
+    A full block whose KV is computed can be registered under a hash of (parent hash, its tokens).
+    When its last reference goes it stays cached (evictable, least recently used first) instead of
+    returning to the free list, so a later request with the same prefix claims it with `lookup`
+    instead of recomputing it. Allocation takes free blocks first, then evicts cached ones.
+
+    A release another thread asks for is queued (`_queue_block_release`) until the engine thread drains
+    it: a queued block counts as free, since the ledger drains the queue before every allocation."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs: dict[int, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._releasing: dict[int, str] = {}  # sole references given up off the engine thread, not dropped yet
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can get (free + evictable cached + queued releases)."""
+        return len(self._free) + len(self._evictable) + len(self._releasing)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks held by the prefix cache (referenced or not)."""
+        return len(self._hash_of)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        with self._lock:
+            available = len(self._free) + len(self._evictable)
+            if n > available:
+                raise OutOfBlocks(f"need {n} blocks, {available} free")
+            blocks = []
+            for _ in range(n):
+                if self._free:
+                    block = self._free.pop()
+                else:  # evict the least recently used cached block
+                    block, _ = self._evictable.popitem(last=False)
+                    del self._block_of[self._hash_of.pop(block)]
+                self._refs[block] = 1
+                blocks.append(block)
+            return blocks
+
+    def _release_blocks(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; unreferenced cached blocks stay cached (evictable).
+        The ledger's alone to call."""
+        with self._lock:
+            for b in blocks:
+                self._drop(b)
+
+    def _drop(self, b: int) -> None:
+        """One reference less (lock held)."""
+        refs = self._refs.get(b)
+        if refs is None:
+            raise ValueError(f"block {b} freed twice or never allocated")
+        if refs > 1:
+            self._refs[b] = refs - 1
+            return
+        del self._refs[b]
+        if b in self._hash_of:
+            self._evictable[b] = None
+        else:
+            self._free.append(b)
+
+    def _queue_block_release(self, blocks: list[int], why: str) -> None:
+        """Another thread gives up its sole reference to each block; the ledger drains it on the engine
+        thread (`_drain_block_releases`). The ledger's alone to call."""
+        with self._lock:
+            for b in blocks:
+                if self._refs.get(b) != 1 or b in self._releasing:
+                    raise ValueError(f"block {b} ({why}): only a sole reference can be released off the engine "
+                                     f"thread (references {self._refs.get(b, 0)}, queued: {b in self._releasing})")
+            self._releasing.update(dict.fromkeys(blocks, why))
+
+    def _drain_block_releases(self) -> int:
+        """Drop the queued releases' references; how many. The ledger's alone to call."""
+        with self._lock:
+            queued, self._releasing = self._releasing, {}
+            for b in queued:
+                self._drop(b)
+            return len(queued)
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Claim (one reference each) the cached blocks of the longest prefix of `hashes`."""
+        hits = []
+        with self._lock:
+            for h in hashes:
+                block = self._block_of.get(h)
+                if block is None:
+                    break
+                if block in self._evictable:
+                    del self._evictable[block]
+                    self._refs[block] = 1
+                else:
+                    self._refs[block] += 1
+                hits.append(block)
+        return hits
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """Cache a referenced block whose KV is complete (a hash already cached keeps its block)."""
+        with self._lock:
+            if block_hash in self._block_of or block in self._hash_of or block not in self._refs:
+                return
+            self._hash_of[block] = block_hash
+            self._block_of[block_hash] = block
+
+    def cached_hashes(self) -> list[bytes]:
+        """The keys of every cached block (for a prefix summary: see PrefixFilter)."""
+        with self._lock:
+            return list(self._block_of)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (unreferenced cached blocks become free)."""
+        with self._lock:
+            self._free.extend(self._evictable)
+            self._evictable.clear()
+            self._hash_of.clear()
+            self._block_of.clear()
+
+    def state(self) -> PoolState:
+        """A consistent copy of the books (O(blocks): the ledger's debug check)."""
+        with self._lock:
+            return PoolState(self.num_blocks, list(self._free), list(self._evictable), dict(self._refs),
+                             dict(self._releasing))
