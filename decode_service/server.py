@@ -25,6 +25,7 @@ from shared.config import DecodeConfig, parse_flags
 from shared.engine.core import CommandError, follow
 from shared.engine.isolation import REQUEST_FAULT
 from shared.parallel.launch import join_ranks, service_state, start_instance
+from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import blocks_for
 from shared.rpc.convert import logprob_from_proto, logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -67,6 +68,15 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.draining = True
         moved = self.coord.streams.end_all(DRAINING)
         log.info("draining: %d running requests handed back to the router", moved)
+
+    async def _stop_string_found(self, rid: str, rank: int) -> FinishReason:
+        """The OutputProcessor found a stop string: the engine ends the request (STOP) and says so. A
+        request that ended meanwhile (its next token was its last) still ends at the stop string here."""
+        try:
+            reason = await wait_future(self.coord.submit(Abort(rid, stop_string=True), rank), 60)
+        except (CommandError, TimeoutError):
+            reason = None
+        return reason or FinishReason.STOP
 
     async def _result(self, fut, context):
         try:
@@ -180,7 +190,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     metrics.request_done("decode", "UNAVAILABLE", "drain")
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode instance is draining: "
                                                                      "continue the request elsewhere")
-                if ev.finish_reason == "error":  # a request fault (it alone failed the step) is not migrated
+                if ev.finish_reason is FinishReason.ERROR:  # a request fault (it alone failed the step): not migrated
                     ended = True
                     metrics.request_done("decode", "INTERNAL",
                                          "request_fault" if ev.error.startswith(REQUEST_FAULT) else "step_error")
@@ -188,18 +198,18 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 reason = ev.finish_reason if ev.finished else None
                 ended = ev.finished
                 text = out.process([ev.token_id], final=ev.finished)
-                if out.stopped and not ev.finished:  # a stop string: the engine stops this request now
-                    reason = "stop"
+                if out.stopped and not ev.finished:  # a stop string: the engine ends this request now, and says why
+                    reason, ended = await self._stop_string_found(rid, rank), True
                 metrics.TOKENS.labels("decode", "output").inc()
-                yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "",
+                yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=wire(reason),
                                                   logprobs=[logprob_to_proto(ev.logprob)] if ev.logprob else [],
                                                   prompt_logprobs=[logprob_to_proto(lp)
                                                                    for lp in ev.prompt_logprobs or ()])
                 if out.stopped:
                     break
-            metrics.request_done("decode", "OK", reason or "abort")
-            if reason is None:
-                yield internal_pb2.DecodeResponse(finish_reason="abort")
+            metrics.request_done("decode", "OK", wire(reason or FinishReason.ABORT))
+            if reason is None:  # the stream was closed before the request ended
+                yield internal_pb2.DecodeResponse(finish_reason=wire(FinishReason.ABORT))
         finally:  # finished, stopped, cancelled by the caller, deadline, or an error: the engine lets go
             self.coord.close_stream(rid, stream)
             if not ended:

@@ -26,6 +26,7 @@ from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
 from shared.kvcache import OutOfBlocks
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.parallel import ParallelState
+from shared.protocol.finish import FinishReason
 from shared.protocol.sampling import TokenLogprob
 from shared.rpc.service import Credentials
 from shared.transfer import Destination, TcpReceiver
@@ -33,7 +34,7 @@ from shared.transfer.base import cache_kinds
 from shared.transfer.mooncake import MooncakeReceiver
 
 log = logging.getLogger("pdserve.decode")
-FINISH_REASONS = (None, "stop", "length", "abort", "error")
+FINISH_CODES: tuple[FinishReason | None, ...] = (None, *FinishReason)  # an event's finish reason in the row
 
 
 # -- commands -------------------------------------------------------------------------------------------
@@ -67,9 +68,12 @@ class Admit(EngineCommand):
 
 @dataclass(frozen=True)
 class Abort(EngineCommand):
-    """Stop a request (its stream ended or its caller left)."""
+    """Stop a request: its stream ended or its caller left, or (`stop_string`) the front found one of
+    its stop strings in its text. Replies with the FinishReason the engine ended it with (None: it had
+    ended already)."""
 
     request_id: str
+    stop_string: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,8 +91,8 @@ class Event:
     request_id: str
     token_id: int
     finished: bool
-    finish_reason: str | None
-    error: str = ""  # finish_reason "error": the engine failed this request (no token)
+    finish_reason: FinishReason | None
+    error: str = ""  # finish_reason ERROR: the engine failed this request (no token)
     logprob: TokenLogprob | None = None  # with params.logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # a local prefill's, on its first token (prompt_logprobs)
 
@@ -164,7 +168,7 @@ class DecodeWorker:
             self.receiver = MooncakeReceiver(kv, self.tcp, cfg.public_host, cfg.mooncake_protocol,
                                              cfg.mooncake_devices)
 
-    def apply(self, cmd: RankCommand) -> Destination | list[Event] | bool | CommandError | None:
+    def apply(self, cmd: RankCommand) -> Destination | list[Event] | bool | FinishReason | CommandError | None:
         self.applied_cid = max(self.applied_cid, cmd.cid)
         c = cmd.command
         if isinstance(c, Reserve):
@@ -176,9 +180,8 @@ class DecodeWorker:
         if isinstance(c, Admit):
             return self._admit(c, cmd.cid)
         if isinstance(c, Abort):
-            self.engine.abort(c.request_id)
             self.handles.pop(c.request_id, None)
-            return None
+            return self.engine.stop_string_found(c.request_id) if c.stop_string else self.engine.abort(c.request_id)
         if isinstance(c, Release):
             return self.leases.release(c.lease_id)
         return CommandError("INTERNAL", f"unknown command {type(c).__name__}")
@@ -246,10 +249,11 @@ class DecodeWorker:
             log.exception("decode step failed; failing the requests of this batch")
             failed = list(self.engine.scheduler.running)
             for seq in failed:
-                self.engine.abort(seq.request_id, "error")
-            return [Event(seq.request_id, -1, True, "error", f"decode step failed: {exc}") for seq in failed]
+                self.engine.fail(seq.request_id)
+            return [Event(seq.request_id, -1, True, FinishReason.ERROR, f"decode step failed: {exc}") for seq in failed]
         return [_event(ev) for ev in done.events] + [
-            Event(f.seq.request_id, -1, True, "error", str(f.error) if f.alone else f"decode step failed: {f.error}")
+            Event(f.seq.request_id, -1, True, FinishReason.ERROR,
+                  str(f.error) if f.alone else f"decode step failed: {f.error}")
             for f in done.faults]
 
     def encode(self, report: RankReport) -> EncodedReport:
@@ -270,7 +274,7 @@ class DecodeWorker:
         row[:ROW_WIDTH] = torch.tensor(load.to_row())
         if plain and events:
             row[ROW_WIDTH] = len(events)
-            codes = [(handle(ev.request_id), ev.token_id, FINISH_REASONS.index(ev.finish_reason))
+            codes = [(handle(ev.request_id), ev.token_id, FINISH_CODES.index(ev.finish_reason))
                      for ev in events]
             row[ROW_WIDTH + 1: ROW_WIDTH + 1 + 3 * len(events)] = torch.tensor(codes).view(-1)
         extra = None
@@ -293,7 +297,7 @@ class DecodeWorker:
             events = []
             for i in range(n):
                 handle, token, reason = values[base + 3 * i: base + 3 * i + 3]
-                events.append(Event(self.names.get(handle) or "", token, reason != 0, FINISH_REASONS[reason]))
+                events.append(Event(self.names.get(handle) or "", token, reason != 0, FINISH_CODES[reason]))
         return RankReport(objects.replies, events, DecodeLoad.from_row(values[:ROW_WIDTH], objects.expired))
 
     def load(self) -> DecodeLoad:
