@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from decode_service.worker import Abort, Admit, DecodeLoad, DecodeWorker, Event, Release, Reserve
+from decode_service.worker import Abort, Admit, DecodeRankReport, DecodeWorker, Event, Release, Reserve
 from shared import metrics
 from shared.config import DecodeConfig
 from shared.engine import SamplingParams
@@ -35,6 +35,7 @@ from shared.engine.core import (
 from shared.engine.process import CoreConnection, EngineProcessClient, Fatal, Ready, StartFailed
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
+from shared.protocol.load import LoadReport, RankLoad
 from shared.protocol.placement import least_loaded_rank
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
 from shared.rpc.service import LoopQueue, die_with_parent
@@ -44,7 +45,7 @@ log = logging.getLogger("pdserve.decode")
 FATAL = object()  # put in every stream when the engine loop dies: the handlers end with UNAVAILABLE
 DRAINING = object()  # put in every stream on SIGTERM: the handlers end with UNAVAILABLE, the router moves them
 # after every loop turn: every rank's load, the lease ids that expired, the step's seconds (None: idle)
-ReportHook = Callable[[list[DecodeLoad], list[str], float | None], None]
+ReportHook = Callable[[list[DecodeRankReport], list[str], float | None], None]
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class EventsNotice:
 class LoadsNotice:
     """Core process → front, per turn: every rank's load, the leases that expired, the step's length."""
 
-    loads: list[DecodeLoad]
+    loads: list[DecodeRankReport]
     expired: list[str]
     step_seconds: float | None
 
@@ -77,13 +78,13 @@ class DecodeFacts:
 
     limits: RequestLimits
     transport: str
-    loads: list[DecodeLoad]
+    loads: list[DecodeRankReport]
 
 
 class DecodeHandle(EngineHandle, Protocol):
     """What the decode gRPC server uses of its engine (in-process core or core process)."""
 
-    loads: list[DecodeLoad]
+    loads: list[DecodeRankReport]
     lease_rank: dict[str, int]  # lease id → the rank holding it (the handlers route by it)
     limits: RequestLimits  # what one request may ask of a rank (context, KV blocks)
     streams: Streams  # the streams served here
@@ -156,8 +157,8 @@ class DecodeEngineCore(EngineCore):
         super().__init__(me, me.state, "dp-coordinator", on_fatal)
         self.me, self.mirror = me, me.mirror
         blocks = me.engine.kv.num_blocks
-        self.loads: list[DecodeLoad] = [me.load()] + [DecodeLoad(r, free_blocks=blocks, total_blocks=blocks)
-                                                      for r in range(1, self.world)]
+        self.loads: list[DecodeRankReport] = [me.load()] + [
+            DecodeRankReport(RankLoad(r, free_blocks=blocks, total_blocks=blocks)) for r in range(1, self.world)]
         self.lease_rank: dict[str, int] = {}
         self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(self.world)]  # (cid, tokens)
         self._place_lock = threading.Lock()
@@ -215,8 +216,8 @@ class DecodeEngineCore(EngineCore):
                 rank = 0
             else:
                 pending = [sum(t for _, t in self._unreported[r]) for r in range(self.world)]
-                rank = least_loaded_rank([load.tokens + p for load, p in zip(self.loads, pending)],
-                                         [load.running for load in self.loads])
+                rank = least_loaded_rank([r.load.tokens + p for r, p in zip(self.loads, pending)],
+                                         [r.load.running for r in self.loads])
             command, to = self._addressed(Reserve(request_id, tokens, prompt_tokens), rank)
             sent = self.dispatch(command, to)
             self._unreported[rank].append((sent.cid, tokens))
@@ -276,7 +277,7 @@ class DecodeEngineCore(EngineCore):
             if ev.finished:
                 self._admitted.pop(self._admit_cid.pop(ev.request_id, -1), None)
 
-    def _absorb(self, rank: int, load: DecodeLoad) -> list[str]:
+    def _absorb(self, rank: int, load: DecodeRankReport) -> list[str]:
         """Take a rank's load report; forget the routing of its expired leases (returned)."""
         expired = load.expired
         for lease_id in expired:
@@ -294,6 +295,11 @@ class DecodeEngineCore(EngineCore):
         metrics.EXPIRED_LEASES.inc(len(expired))
         if step_seconds is not None:
             metrics.STEP_SECONDS.observe(step_seconds)
+
+
+def instance_load(reports: list[DecodeRankReport], block_size: int) -> LoadReport:
+    """The instance's load as the router reads it: every rank's numbers."""
+    return LoadReport(tuple(r.load for r in reports), block_size)
 
 
 def _then(fut: Future, fn: Callable[[Any], Any]) -> Future:

@@ -18,7 +18,15 @@ import math
 
 import grpc
 
-from decode_service.engine import DRAINING, FATAL, DecodeEngineClient, DecodeHandle, Placement, build_engine_core
+from decode_service.engine import (
+    DRAINING,
+    FATAL,
+    DecodeEngineClient,
+    DecodeHandle,
+    Placement,
+    build_engine_core,
+    instance_load,
+)
 from decode_service.worker import Abort, Admit, DecodeWorker, Release
 from shared import metrics
 from shared.config import DecodeConfig, parse_flags
@@ -27,7 +35,7 @@ from shared.engine.isolation import REQUEST_FAULT
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import blocks_for
-from shared.rpc.convert import logprob_from_proto, logprob_to_proto, sampling_from_proto
+from shared.rpc.convert import load_to_proto, logprob_from_proto, logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
@@ -124,7 +132,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     raise
             while loop.time() < until and not self.draining:  # the loads are reported every engine turn
                 await asyncio.sleep(RESERVE_POLL_S)
-                if any(load.free_blocks >= need for load in self.coord.loads):
+                if any(r.load.free_blocks >= need for r in self.coord.loads):
                     break
 
     async def Release(self, request, context):
@@ -134,15 +142,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         return internal_pb2.ReleaseResponse(released=released)
 
     async def GetLoad(self, request, context):
-        loads = self.coord.loads
-        ranks = [internal_pb2.RankLoad(rank=x.rank, running=x.running, waiting=x.waiting, free_blocks=x.free_blocks,
-                                       total_blocks=x.total_blocks, active_leases=x.active_leases, tokens=x.tokens,
-                                       admitted=x.admitted, queued_prompt_tokens=x.queued_prompt_tokens)
-                 for x in loads]
-        return internal_pb2.LoadReport(
-            running=sum(x.running for x in loads), waiting=sum(x.waiting for x in loads),
-            free_blocks=sum(x.free_blocks for x in loads), total_blocks=sum(x.total_blocks for x in loads),
-            active_leases=sum(x.active_leases for x in loads), ranks=ranks, block_size=self.coord.limits.block_size)
+        return load_to_proto(instance_load(self.coord.loads, self.coord.limits.block_size))
 
     async def Decode(self, request, context):
         if self.draining:

@@ -27,6 +27,7 @@ from shared.kvcache import OutOfBlocks
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.parallel import ParallelState
 from shared.protocol.finish import FinishReason
+from shared.protocol.load import RankLoad
 from shared.protocol.sampling import TokenLogprob
 from shared.rpc.service import Credentials
 from shared.transfer import Destination, TcpReceiver
@@ -97,26 +98,19 @@ class Event:
     prompt_logprobs: list[TokenLogprob] | None = None  # a local prefill's, on its first token (prompt_logprobs)
 
 
-# the load integers that travel in the fixed per-turn row, in order
-LOAD_FIELDS = ("rank", "running", "waiting", "free_blocks", "total_blocks", "active_leases", "has_work", "admitted",
-               "tokens", "queued_prompt_tokens", "applied_cid", "kv_bytes_received")
-ROW_WIDTH = len(LOAD_FIELDS) + 2 * MAX_SPECULATIVE_TOKENS  # the load's part of the row
+# the integers of a rank's report that travel in the fixed per-turn row, in order: its RankLoad's, then these
+RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankLoad))
+EXTRA_FIELDS = ("has_work", "applied_cid", "kv_bytes_received")
+ROW_WIDTH = len(RANK_FIELDS) + len(EXTRA_FIELDS) + 2 * MAX_SPECULATIVE_TOKENS  # the report's part of the row
 
 
 @dataclass
-class DecodeLoad:
-    """One decode rank's load after a turn (rank 0 places reservations by these)."""
+class DecodeRankReport:
+    """One decode rank's report after a turn: `load`, the numbers the router sees (rank 0 places
+    reservations by them too), and what only the engine core uses."""
 
-    rank: int
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-    active_leases: int = 0
+    load: RankLoad
     has_work: int = 0
-    admitted: int = 0  # requests admitted since start
-    tokens: int = 0  # context tokens held by running requests and reservations
-    queued_prompt_tokens: int = 0  # prompt tokens this rank has yet to prefill itself
     applied_cid: int = -1  # the newest command applied (the report includes it)
     kv_bytes_received: int = 0
     spec_drafted: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)  # MTP, per draft position
@@ -124,17 +118,19 @@ class DecodeLoad:
     expired: list[str] = field(default_factory=list)  # lease ids that expired since the last report
 
     def to_row(self) -> list[int]:
-        return [getattr(self, k) for k in LOAD_FIELDS] + self.spec_drafted + self.spec_accepted
+        return ([getattr(self.load, k) for k in RANK_FIELDS] + [getattr(self, k) for k in EXTRA_FIELDS]
+                + self.spec_drafted + self.spec_accepted)
 
     @classmethod
-    def from_row(cls, values: list[int], expired: list[str]) -> DecodeLoad:
-        k, n = len(LOAD_FIELDS), MAX_SPECULATIVE_TOKENS
-        return cls(**dict(zip(LOAD_FIELDS, values[:k])), spec_drafted=values[k : k + n],
-                   spec_accepted=values[k + n : k + 2 * n], expired=expired)
+    def from_row(cls, values: list[int], expired: list[str]) -> DecodeRankReport:
+        r, e, n = len(RANK_FIELDS), len(EXTRA_FIELDS), MAX_SPECULATIVE_TOKENS
+        spec = values[r + e :]
+        return cls(RankLoad(*values[:r]), *values[r : r + e], spec_drafted=spec[:n], spec_accepted=spec[n : 2 * n],
+                   expired=expired)
 
     def gauges(self) -> dict[str, int]:
         """The numbers /metrics exports (shared.metrics.LoadCollector)."""
-        out = {k: getattr(self, k) for k in LOAD_FIELDS}
+        out = {k: getattr(self.load, k) for k in RANK_FIELDS} | {k: getattr(self, k) for k in EXTRA_FIELDS}
         for kind, counts in (("drafted", self.spec_drafted), ("accepted", self.spec_accepted)):
             out.update({f"spec_{kind}_{i}": c for i, c in enumerate(counts)})
         return out
@@ -261,7 +257,7 @@ class DecodeWorker:
         (handle, token, finish reason)) and, only when there is any, an object part: replies to
         commands, expired lease ids, or events the row cannot carry (an error, an overflow)."""
         cap = self.event_capacity
-        load: DecodeLoad = report.load
+        load: DecodeRankReport = report.load
         events = report.events
 
         def handle(rid: str) -> int | None:
@@ -298,19 +294,20 @@ class DecodeWorker:
             for i in range(n):
                 handle, token, reason = values[base + 3 * i: base + 3 * i + 3]
                 events.append(Event(self.names.get(handle) or "", token, reason != 0, FINISH_CODES[reason]))
-        return RankReport(objects.replies, events, DecodeLoad.from_row(values[:ROW_WIDTH], objects.expired))
+        return RankReport(objects.replies, events, DecodeRankReport.from_row(values[:ROW_WIDTH], objects.expired))
 
-    def load(self) -> DecodeLoad:
+    def load(self) -> DecodeRankReport:
         sched, kv = self.engine.scheduler, self.engine.kv
         reserved = self.leases.reserved_blocks() * kv.layout.block_size
         spec = self.engine.speculator
-        return DecodeLoad(
-            rank=self.rank, running=len(sched.running), waiting=len(sched.waiting),
-            free_blocks=kv.allocator.num_free, total_blocks=self.engine.usable_blocks,
-            active_leases=len(self.leases), has_work=int(self.engine.has_work), admitted=self.admitted,
-            tokens=sum(s.num_tokens for s in [*sched.running, *sched.waiting]) + reserved,
-            queued_prompt_tokens=sum(s.num_uncached for s in [*sched.running, *sched.waiting] if s.is_prefilling),
-            applied_cid=self.applied_cid, kv_bytes_received=self.tcp.bytes_received,
+        requests = [*sched.running, *sched.waiting]
+        return DecodeRankReport(
+            RankLoad(rank=self.rank, running=len(sched.running), waiting=len(sched.waiting),
+                     free_blocks=kv.allocator.num_free, total_blocks=self.engine.usable_blocks,
+                     active_leases=len(self.leases), admitted=self.admitted,
+                     tokens=sum(s.num_tokens for s in requests) + reserved,
+                     queued_prompt_tokens=sum(s.num_uncached for s in requests if s.is_prefilling)),
+            has_work=int(self.engine.has_work), applied_cid=self.applied_cid, kv_bytes_received=self.tcp.bytes_received,
             spec_drafted=list(spec.stats.drafted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
             spec_accepted=list(spec.stats.accepted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
             expired=self.leases.drain_expired())

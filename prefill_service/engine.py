@@ -14,20 +14,21 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Protocol
 
-from prefill_service.worker import AddPrompt, DropPrompt, PrefillLoad, PrefillOutcome, PrefillWorker, sender_factory
+from prefill_service.worker import AddPrompt, DropPrompt, PrefillOutcome, PrefillWorker, sender_factory
 from shared import metrics
 from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import ALL, EngineCommand, EngineCore, EngineHandle, RankReport
 from shared.engine.process import CoreConnection, EngineProcessClient, Fatal, Ready, StartFailed
 from shared.parallel.launch import service_state
+from shared.protocol.load import LoadReport, RankLoad
 from shared.protocol.prefix import PrefixFilter
 from shared.rpc.service import die_with_parent
 from shared.transfer import Destination, KVSender
 
 log = logging.getLogger("pdserve.prefill")
 PREFIX_FILTER_SECONDS = 0.5  # how often the prefix-cache summary for the router is rebuilt
-ReportHook = Callable[[PrefillLoad, int], None]  # after every turn: the instance's load, tokens the step computed
+ReportHook = Callable[[LoadReport, int], None]  # after every turn: the instance's load, tokens the step computed
 
 
 class PrefillHandle(EngineHandle, Protocol):
@@ -36,22 +37,23 @@ class PrefillHandle(EngineHandle, Protocol):
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0) -> Future: ...
     def cancel(self, request_id: str, reason: BaseException) -> None: ...
-    def load(self) -> PrefillLoad: ...
+    def load(self) -> LoadReport: ...
 
 
 @dataclass(frozen=True)
 class LoadNotice:
     """Core process → front, per turn: the instance's load and the step's prompt tokens."""
 
-    load: PrefillLoad
+    load: LoadReport
     batch_tokens: int
 
 
-def record_report(latest: PrefillLoad, load: PrefillLoad, batch_tokens: int) -> PrefillLoad:
-    """A turn's report taken in: the batch size metric, and the load the front keeps."""
+def record_report(latest: LoadReport, load: LoadReport, batch_tokens: int) -> LoadReport:
+    """A turn's report taken in: the batch size metric, and the load the front keeps (the newer one,
+    with the last prefix filter when it carries none: filters are rebuilt at most every 0.5 s)."""
     if batch_tokens:
         metrics.BATCH_TOKENS.observe(batch_tokens)
-    return latest.updated_by(load)
+    return load if load.prefix_filter is not None else replace(load, prefix_filter=latest.prefix_filter)
 
 
 class PrefillEngineCore(EngineCore):
@@ -65,12 +67,12 @@ class PrefillEngineCore(EngineCore):
         self.worker = PrefillWorker(engine, make_sender, on_done=self._done, later=self._later)
         super().__init__(self.worker, engine.parallel, "prefill-engine", on_fatal)
         self._results: dict[str, Future] = {}
-        self.latest_load = self.worker.load()
+        self.latest_load = self._report(self.worker.load())
         self._filter_built, self._filter_stale = 0.0, False
         self.on_report: ReportHook = on_report or self._record
         self.start()
 
-    def load(self) -> PrefillLoad:
+    def load(self) -> LoadReport:
         return self.latest_load
 
     def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
@@ -84,15 +86,19 @@ class PrefillEngineCore(EngineCore):
             if load.prefix_filter is not None:
                 self.on_report(load, 0)
 
-    def _with_filter(self, load: PrefillLoad) -> PrefillLoad:
+    def _report(self, load: RankLoad, prefix_filter: bytes | None = None) -> LoadReport:
+        """Rank 0's load as the instance's (its ranks share one schedule)."""
+        return LoadReport((load,), self.worker.engine.layout.block_size, prefix_filter)
+
+    def _with_filter(self, load: RankLoad) -> LoadReport:
         """Add the prefix-cache summary the router matches prompts against, at most every 0.5 s."""
         if time.monotonic() - self._filter_built > PREFIX_FILTER_SECONDS:
             self._filter_built, self._filter_stale = time.monotonic(), False
             kv = self.worker.engine.kv
-            return replace(load, prefix_filter=PrefixFilter.build(kv.allocator.cached_hashes(), kv.num_blocks).bits)
-        return load
+            return self._report(load, PrefixFilter.build(kv.allocator.cached_hashes(), kv.num_blocks).bits)
+        return self._report(load)
 
-    def _record(self, load: PrefillLoad, batch_tokens: int) -> None:
+    def _record(self, load: LoadReport, batch_tokens: int) -> None:
         self.latest_load = record_report(self.latest_load, load, batch_tokens)
 
     def _later(self, command: EngineCommand) -> None:
@@ -161,7 +167,7 @@ class PrefillEngineClient(EngineProcessClient):
 
     def __init__(self, cfg: PrefillConfig, start_timeout: float = 900.0):
         super().__init__(core_main, cfg, "prefill engine core", start_timeout)
-        self.latest_load: PrefillLoad = self.core.facts
+        self.latest_load: LoadReport = self.core.facts
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0) -> Future:
@@ -170,7 +176,7 @@ class PrefillEngineClient(EngineProcessClient):
     def cancel(self, request_id: str, reason: BaseException) -> None:
         self.core.call("cancel", request_id, reason)
 
-    def load(self) -> PrefillLoad:
+    def load(self) -> LoadReport:
         return self.latest_load
 
     def on_message(self, msg: object) -> None:
