@@ -35,6 +35,7 @@ from shared.engine.isolation import REQUEST_FAULT
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import blocks_for
+from shared.protocol.sampling import SamplingParams
 from shared.rpc.convert import load_to_proto, logprob_from_proto, logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
@@ -76,6 +77,24 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.draining = True
         moved = self.coord.streams.end_all(DRAINING)
         log.info("draining: %d running requests handed back to the router", moved)
+
+    async def _valid_request(self, request, rank: int, context) -> SamplingParams:
+        """The request's sampling parameters, validated with its prompt once, here (the engine trusts
+        what it admits): INVALID_ARGUMENT otherwise. A request refused for its prompt or length lets its
+        lease go at once (its blocks were sized for it)."""
+        try:
+            params = sampling_from_proto(request.sampling_params)
+            params.validate()
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
+        try:
+            self.coord.limits.check_request(request.prompt_token_ids, params, request.num_resumed)
+        except ValueError as exc:
+            metrics.request_done("decode", "INVALID_ARGUMENT", "admit")
+            if self.coord.lease_rank.pop(request.lease_id, None) is not None:
+                self.coord.submit(Release(request.lease_id), rank)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return params
 
     async def _stop_string_found(self, rid: str, rank: int) -> FinishReason:
         """The OutputProcessor found a stop string: the engine ends the request (STOP) and says so. A
@@ -151,12 +170,9 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         if rank is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
         rid = request.request_id or request.lease_id
+        params = await self._valid_request(request, rank, context)
         try:
-            params = sampling_from_proto(request.sampling_params)
-            params.validate()
             stream = self.coord.open_stream(rid, LoopQueue())
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
         except KeyError:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already streaming here")
         first_logprob = (logprob_from_proto(request.first_token_logprob) if request.HasField("first_token_logprob")

@@ -192,7 +192,7 @@ class DecodeWorker:
             return CommandError("FAILED_PRECONDITION", str(exc))
         if self.mirror and not c.local:
             self._copy_kv_from_rank0(lease.blocks)
-        try:  # a copy of the params: the request's own, whoever else holds the command
+        try:  # validated by the front; a copy of the params: the request's own, whoever else holds the command
             seq = self.engine.make_sequence(c.prompt, dataclasses.replace(c.params), c.request_id,
                                             num_resumed=c.num_resumed)
         except ValueError as exc:

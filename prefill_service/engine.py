@@ -21,6 +21,7 @@ from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import ALL, EngineCommand, EngineCore, EngineHandle, RankReport
 from shared.engine.process import CoreConnection, EngineProcessClient, Fatal, Ready, StartFailed
 from shared.parallel.launch import service_state
+from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
 from shared.protocol.prefix import PrefixFilter
 from shared.rpc.service import die_with_parent
@@ -34,10 +35,20 @@ ReportHook = Callable[[LoadReport, int], None]  # after every turn: the instance
 class PrefillHandle(EngineHandle, Protocol):
     """What the prefill gRPC server uses of its engine (in-process core or core process)."""
 
+    limits: RequestLimits  # what one request may ask of the engine (the front validates by it)
+
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0) -> Future: ...
     def cancel(self, request_id: str, reason: BaseException) -> None: ...
     def load(self) -> LoadReport: ...
+
+
+@dataclass(frozen=True)
+class PrefillFacts:
+    """What the engine-core process tells its front at start."""
+
+    limits: RequestLimits
+    load: LoadReport
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ class PrefillEngineCore(EngineCore):
         self.worker = PrefillWorker(engine, make_sender, on_done=self._done, later=self._later)
         super().__init__(self.worker, engine.parallel, "prefill-engine", on_fatal)
         self._results: dict[str, Future] = {}
+        self.limits = engine.limits
         self.latest_load = self._report(self.worker.load())
         self._filter_built, self._filter_stale = 0.0, False
         self.on_report: ReportHook = on_report or self._record
@@ -106,10 +118,10 @@ class PrefillEngineCore(EngineCore):
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0) -> Future:
-        """Queue a prompt whose KV goes to `dest` (ahead of less urgent ones: lower `priority` first); the
-        Future yields a PrefillResult, or fails with ValueError (bad request) or TransferError (bad
-        destination, failed push). Raises ValueError at once for what can be checked here."""
-        self.worker.engine.validate(prompt, params, num_resumed)
+        """Queue a prompt its front validated (`limits`), whose KV goes to `dest` (ahead of less urgent ones:
+        lower `priority` first); the Future yields a PrefillResult, or fails with ValueError (a constraint
+        that does not compile) or TransferError (bad destination, failed push). Raises ValueError at once
+        for a request id already in flight."""
         if request_id in self._results:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         done: Future = Future()
@@ -154,7 +166,7 @@ def core_main(cfg: PrefillConfig, conn: Connection) -> None:
     except Exception as exc:  # reported to the front, which fails its start
         front.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
-    front.send(Ready(core.load()))
+    front.send(Ready(PrefillFacts(core.limits, core.load())))
     try:
         front.serve({"prefill": core.prefill, "cancel": core.cancel})
     finally:
@@ -167,7 +179,8 @@ class PrefillEngineClient(EngineProcessClient):
 
     def __init__(self, cfg: PrefillConfig, start_timeout: float = 900.0):
         super().__init__(core_main, cfg, "prefill engine core", start_timeout)
-        self.latest_load: LoadReport = self.core.facts
+        facts: PrefillFacts = self.core.facts
+        self.limits, self.latest_load = facts.limits, facts.load
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0) -> Future:

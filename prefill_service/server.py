@@ -103,7 +103,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         remaining = context.time_remaining()  # None: no deadline
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
-        try:
+        try:  # validated once, here: the engine trusts what it is handed
+            params.validate()
+            self.engine.limits.check_request(prompt, params, request.num_resumed)
             done = self.engine.prefill(rid, prompt, params, dest, request.priority, request.num_resumed)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")

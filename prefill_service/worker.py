@@ -168,7 +168,7 @@ class PrefillWorker:
     def _add(self, c: AddPrompt) -> None:
         engine, request_id = self.engine, c.request_id
         try:
-            seq = engine.make_sequence(c.prompt, c.params, request_id, c.priority, c.num_resumed)  # the real params
+            seq = engine.make_sequence(c.prompt, c.params, request_id, c.priority, c.num_resumed)  # the front validated
         except ValueError as exc:
             self.on_done(request_id, exc)
             return

@@ -143,7 +143,7 @@ class LLMEngine:
     def limits(self) -> RequestLimits:
         """What one request may ask of this engine: the model's context and vocabulary, a rank's KV pool."""
         return RequestLimits(self.max_model_len, self.model_config.vocab_size, self.layout.block_size,
-                             self.usable_blocks)
+                             self.usable_blocks, speculative=self.speculator is not None)
 
     @property
     def usable_blocks(self) -> int:
@@ -164,26 +164,18 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_resumed: int = 0) -> None:
-        """Raise ValueError naming the offending field."""
+        """Raise ValueError naming the offending field (what a front checks once per request)."""
         params.validate()
-        self.limits.check_prompt_ids(prompt_token_ids)
-        if not 0 <= num_resumed < min(len(prompt_token_ids), params.max_tokens):
-            raise ValueError(f"num_resumed: {num_resumed} earlier outputs do not fit a {len(prompt_token_ids)}-token "
-                             f"prompt with max_tokens {params.max_tokens}")
-        self.limits.check_length(len(prompt_token_ids) - num_resumed, params.max_tokens)
-        self.limits.check_sampling(params)
-        if self.speculator is not None and params.exact_history_needed:
-            raise ValueError("presence_penalty / frequency_penalty / repetition_penalty / min_p / min_tokens / "
-                             "logit_bias / logprobs / prompt_logprobs: not supported with --speculative mtp (a drafted "
-                             "position's token history and distribution would not be exact)")
+        self.limits.check_request(prompt_token_ids, params, num_resumed)
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, priority: int = 0, num_resumed: int = 0) -> Sequence:
-        """A request, validated. `num_resumed`: the last tokens of `prompt_token_ids` are the request's own
+        """A request its front validated (`validate`; the services' gRPC fronts, `add_request` offline): not
+        checked again here; ValueError only for what needs the engine (a request id in flight, a constraint
+        that does not compile). `num_resumed`: the last tokens of `prompt_token_ids` are the request's own
         outputs from an instance that failed (the router migrated it): they count as generated — toward
         max_tokens, min_tokens, the penalties and the grammar — and a seeded request's generator skips the
         draws they took, so its random stream goes on where it stopped."""
-        self.validate(prompt_token_ids, params, num_resumed)
         rid = request_id or f"req-{next(self._counter)}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -206,8 +198,10 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0, num_resumed: int = 0) -> Sequence:
-        """Queue a request; a lower `priority` is scheduled first (waiting queue, prompt chunks,
-        preemption last), as vLLM's priority scheduling. `num_resumed`: see make_sequence."""
+        """Queue a request, validated (the offline API is its own front); a lower `priority` is scheduled
+        first (waiting queue, prompt chunks, preemption last), as vLLM's priority scheduling. `num_resumed`:
+        see make_sequence."""
+        self.validate(prompt_token_ids, params, num_resumed)
         seq = self.make_sequence(prompt_token_ids, params, request_id, priority, num_resumed)
         self.scheduler.add(seq)
         return seq
