@@ -57,6 +57,14 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class ToRank:
+    """Front → core process: queue `command` for rank `rank` (DecodeEngineCore.submit)."""
+
+    command: EngineCommand
+    rank: int = 0
+
+
+@dataclass(frozen=True)
 class EventsNotice:
     """Core process → front, per step with events: the token events the front's streams take."""
 
@@ -229,6 +237,15 @@ class DecodeEngineCore(EngineCore):
     def close_stream(self, request_id: str, q: Any = None) -> None:
         self.streams.close(request_id, q)
 
+    def handle(self, command: ToRank | Reserve) -> Future:
+        """A front's command from its process (shared.engine.process): ToRank (a command for a rank) or
+        Reserve (placed here on the least loaded rank: a Future of its Placement)."""
+        if isinstance(command, ToRank):
+            return self.submit(command.command, command.rank)
+        if isinstance(command, Reserve):
+            return self.reserve(command.request_id, command.num_tokens, command.prompt_tokens)
+        raise TypeError(f"a decode engine core takes ToRank or Reserve, not {type(command).__name__}")
+
     # -- the engine core's hooks -----------------------------------------------------------------------
     def busy(self) -> bool:
         return any(load.has_work for load in self.loads)
@@ -342,7 +359,7 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
         return
     front.send(Ready(DecodeFacts(core.limits, core.me.receiver.transport, core.loads)))
     try:
-        front.serve({"submit": core.submit, "reserve": core.reserve})
+        front.serve(core.handle)
     finally:
         core.stop()
 
@@ -365,11 +382,11 @@ class DecodeEngineClient(EngineProcessClient):
         return OutputProcessor(self._tokenizer, params.stop, params.skip_special_tokens)
 
     def submit(self, command: EngineCommand, rank: int = 0) -> Future:
-        return self.core.call("submit", command, rank)
+        return self.core.call(ToRank(command, rank))
 
     def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
         """Placed on the least loaded rank by the core; the Future yields a Placement."""
-        return self.core.call("reserve", request_id, tokens, prompt_tokens)
+        return self.core.call(Reserve(request_id, tokens, prompt_tokens))
 
     def open_stream(self, request_id: str, q: Any = None) -> Any:
         return self.streams.open(request_id, q)

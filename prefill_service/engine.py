@@ -133,6 +133,17 @@ class PrefillEngineCore(EngineCore):
         """Drop a prompt (the caller went away); its blocks and push are released on every rank."""
         self.submit(DropPrompt(request_id, reason), self._to)
 
+    def handle(self, command: EngineCommand) -> Future | None:
+        """A front's command from its process (shared.engine.process): AddPrompt (a Future of its
+        outcome) or DropPrompt."""
+        if isinstance(command, AddPrompt):
+            return self.prefill(command.request_id, command.prompt, command.params, command.dest,
+                                command.priority, command.num_resumed)
+        if isinstance(command, DropPrompt):
+            self.cancel(command.request_id, command.error or RuntimeError("cancelled"))
+            return None
+        raise TypeError(f"a prefill engine core takes AddPrompt or DropPrompt, not {type(command).__name__}")
+
     def _done(self, request_id: str, outcome: PrefillOutcome) -> None:
         fut = self._results.pop(request_id, None)
         if fut is None or fut.done():
@@ -168,7 +179,7 @@ def core_main(cfg: PrefillConfig, conn: Connection) -> None:
         return
     front.send(Ready(PrefillFacts(core.limits, core.load())))
     try:
-        front.serve({"prefill": core.prefill, "cancel": core.cancel})
+        front.serve(core.handle)
     finally:
         core.stop()
 
@@ -184,10 +195,10 @@ class PrefillEngineClient(EngineProcessClient):
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0) -> Future:
-        return self.core.call("prefill", request_id, prompt, params, dest, priority, num_resumed)
+        return self.core.call(AddPrompt(request_id, prompt, params, dest, priority, num_resumed))
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
-        self.core.call("cancel", request_id, reason)
+        self.core.call(DropPrompt(request_id, reason))
 
     def load(self) -> LoadReport:
         return self.latest_load

@@ -1,11 +1,13 @@
 """An engine core in its own process, as vLLM v1's EngineCore: the gRPC front (handlers, streams,
 detokenization) and the engine loop (with its KV pushes or KV receiver) never share one GIL.
 
-The front holds a `CoreProcess`: `call(name, *args)` runs a handler in the core and returns a Future
-of its result; notices the core sends on its own (the service's events and load reports, dataclasses
-of its own) go to `on_message`. If the core dies, every pending call fails with UNAVAILABLE and
-`on_fatal` fires (the front goes NOT_SERVING). The core side is `CoreConnection.serve(handlers)`.
-Everything on the pipe is one of the dataclasses below or a service's notice.
+The front holds a `CoreProcess`: `call(command)` hands one of the service's typed command dataclasses
+to the core's handler and returns a Future of its result; notices the core sends on its own (the
+service's events and load reports, dataclasses of its own) go to `on_message`. If the core dies, every
+pending call fails with UNAVAILABLE and `on_fatal` fires (the front goes NOT_SERVING). The core side is
+`CoreConnection.serve(handle)`, where `handle` dispatches on the command's type (the same handler an
+in-process front calls directly). Everything on the pipe is one of the dataclasses below, a service's
+command or its notice: no call goes by name.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ log = logging.getLogger("pdserve.engine")
 
 @dataclass(frozen=True)
 class Call:
-    """Front → core: run handler `name` with `args`; answered by a Result with the same `fid`."""
+    """Front → core: a service's command (a dataclass its core's `handle` takes); answered by a Result
+    with the same `fid`."""
 
     fid: int
-    name: str
-    args: tuple
+    command: object
 
 
 @dataclass(frozen=True)
@@ -88,15 +90,15 @@ class CoreConnection:
             self.send(Result(fid, exc is None, fut.result() if exc is None else _portable(exc)))
         return done
 
-    def serve(self, handlers: dict[str, Callable[..., Any]]) -> None:
-        """Answer the front's calls (a handler returns a value or a Future) until it stops or goes."""
+    def serve(self, handle: Callable[[object], Any]) -> None:
+        """Answer the front's calls with `handle(command)` (a value or a Future) until it stops or goes."""
         try:
             while True:
                 msg = self.conn.recv()
                 if isinstance(msg, Stop):
                     return
                 try:
-                    result = handlers[msg.name](*msg.args)
+                    result = handle(msg.command)
                 except Exception as exc:  # handed to the caller
                     self.send(Result(msg.fid, False, _portable(exc)))
                     continue
@@ -151,13 +153,14 @@ class CoreProcess:
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._reader.start()
 
-    def call(self, name: str, *args: Any) -> Future:
+    def call(self, command: object) -> Future:
+        """Hand a command to the core's handler; the Future holds its answer (or what it raised)."""
         fut: Future = Future()
         fid = next(self._ids)
         self._futures[fid] = fut
         try:
             with self._send_lock:
-                self._conn.send(Call(fid, name, args))
+                self._conn.send(Call(fid, command))
         except OSError as exc:
             self._futures.pop(fid, None)
             fut.set_exception(CommandError("UNAVAILABLE", f"{self.name} unreachable: {exc}"))
