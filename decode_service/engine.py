@@ -1,8 +1,9 @@
 """Rank 0's side of a decode instance: its engine core (`DecodeEngineCore`: places reservations on the
 least loaded rank, keeps every rank's load, streams the events), run on a thread of the gRPC process
-(--engine-in-process) or in its own process (shared.engine.process), whose front holds a
-`DecodeEngineClient`. The gRPC server sees either through the `DecodeHandle` interface. With one rank
-there are no collectives and the core is a plain engine loop.
+(--engine-in-process) or in its own process (shared.engine.process). The gRPC server holds one
+`DecodeEngineClient` either way (`start_engine`): the same typed commands (ToRank, Reserve) and notices
+(EventsNotice, LoadsNotice) cross an in-process or a process link. With one rank there are no
+collectives and the core is a plain engine loop.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any
 
 from decode_service.worker import Abort, Admit, DecodeRankReport, DecodeWorker, Event, Release, Reserve
 from shared import metrics
@@ -27,12 +28,11 @@ from shared.engine.core import (
     CommandError,
     EngineCommand,
     EngineCore,
-    EngineHandle,
     RankCommand,
     RankReport,
     Reply,
 )
-from shared.engine.process import CoreConnection, EngineProcessClient, Fatal, Ready, StartFailed
+from shared.engine.process import CoreConnection, CoreLink, CoreProcess, Fatal, InProcessLink, Ready, StartFailed
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
@@ -87,21 +87,6 @@ class DecodeFacts:
     limits: RequestLimits
     transport: str
     loads: list[DecodeRankReport]
-
-
-class DecodeHandle(EngineHandle, Protocol):
-    """What the decode gRPC server uses of its engine (in-process core or core process)."""
-
-    loads: list[DecodeRankReport]
-    lease_rank: dict[str, int]  # lease id → the rank holding it (the handlers route by it)
-    limits: RequestLimits  # what one request may ask of a rank (context, KV blocks)
-    streams: Streams  # the streams served here
-
-    def submit(self, command: EngineCommand, rank: int = 0) -> Future: ...
-    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future: ...
-    def open_stream(self, request_id: str, q: Any = None) -> Any: ...
-    def close_stream(self, request_id: str, q: Any = None) -> None: ...
-    def output_processor(self, params: SamplingParams) -> OutputProcessor: ...
 
 
 class Streams:
@@ -364,29 +349,29 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
         core.stop()
 
 
-class DecodeEngineClient(EngineProcessClient):
-    """The front's handle on the engine-core process (a DecodeHandle): the streams and detokenization
-    stay here, in the gRPC process."""
+class DecodeEngineClient:
+    """The decode front's one handle on its engine core, wherever the core runs (`link`: in this process or
+    its own, see `start_engine`): typed commands in; the streams, lease routing, every rank's latest load
+    and detokenization stay here, fed by the core's notices."""
 
-    def __init__(self, cfg: DecodeConfig, start_timeout: float = 900.0):
+    def __init__(self, link: CoreLink, facts: DecodeFacts, tokenizer: Tokenizer | None,
+                 lease_rank: dict[str, int] | None = None):
+        self.link = link
         self.streams = Streams()
-        self.lease_rank: dict[str, int] = {}
-        super().__init__(core_main, cfg, "decode engine core", start_timeout,
-                         on_lost=lambda reason: self.streams.fail_all())
-        facts: DecodeFacts = self.core.facts
+        self.lease_rank: dict[str, int] = {} if lease_rank is None else lease_rank  # lease id → the rank holding it
         self.loads = facts.loads
-        self.limits, self.transport = facts.limits, facts.transport
-        self._tokenizer = Tokenizer.from_model_dir(cfg.model, None)
+        self.limits, self.transport = facts.limits, facts.transport  # limits: what one request may ask of a rank
+        self._tokenizer = tokenizer
 
     def output_processor(self, params: SamplingParams) -> OutputProcessor:
         return OutputProcessor(self._tokenizer, params.stop, params.skip_special_tokens)
 
     def submit(self, command: EngineCommand, rank: int = 0) -> Future:
-        return self.core.call(ToRank(command, rank))
+        return self.link.call(ToRank(command, rank))
 
     def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
         """Placed on the least loaded rank by the core; the Future yields a Placement."""
-        return self.core.call(Reserve(request_id, tokens, prompt_tokens))
+        return self.link.call(Reserve(request_id, tokens, prompt_tokens))
 
     def open_stream(self, request_id: str, q: Any = None) -> Any:
         return self.streams.open(request_id, q)
@@ -404,3 +389,27 @@ class DecodeEngineClient(EngineProcessClient):
             metrics.EXPIRED_LEASES.inc(len(msg.expired))
             if msg.step_seconds is not None:
                 metrics.STEP_SECONDS.observe(msg.step_seconds)
+
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        self.link.set_fatal_handler(handler)
+
+    def stop(self) -> None:
+        self.link.stop()
+
+
+def start_engine(cfg: DecodeConfig, start_timeout: float = 900.0) -> DecodeEngineClient:
+    """The front's client of a new engine core: on a thread here (--engine-in-process) or in its own process."""
+    if not cfg.engine_in_process:
+        proc = CoreProcess(core_main, cfg, "decode engine core", start_timeout)
+        client = DecodeEngineClient(proc, proc.facts, Tokenizer.from_model_dir(cfg.model, None))
+        proc.listen(client.on_message, on_lost=lambda reason: client.streams.fail_all())
+        return client
+    core = build_engine_core(cfg)
+    link = InProcessLink(core)
+    # the core's lease routing is the front's (a mirror group's overdue leases are forgotten there)
+    client = DecodeEngineClient(link, DecodeFacts(core.limits, core.me.receiver.transport, core.loads),
+                                core.me.engine.tokenizer, core.lease_rank)
+    link.listen(client.on_message, on_lost=lambda reason: client.streams.fail_all())
+    core.sink = lambda events: link.notify(EventsNotice(events)) if events else None  # as a core process sends
+    core.on_report = lambda loads, expired, seconds: link.notify(LoadsNotice(loads, expired, seconds))
+    return client

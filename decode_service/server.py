@@ -18,15 +18,7 @@ import math
 
 import grpc
 
-from decode_service.engine import (
-    DRAINING,
-    FATAL,
-    DecodeEngineClient,
-    DecodeHandle,
-    Placement,
-    build_engine_core,
-    instance_load,
-)
+from decode_service.engine import DRAINING, FATAL, DecodeEngineClient, Placement, instance_load, start_engine
 from decode_service.worker import Abort, Admit, DecodeWorker, Release
 from shared import metrics
 from shared.config import DecodeConfig, parse_flags
@@ -64,7 +56,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     """Async handlers: a stream is a coroutine fed by the coordinator thread, not a gRPC thread, so
     concurrency is bounded by the KV pool and `max_num_seqs`, and health/GetLoad stay prompt."""
 
-    def __init__(self, cfg: DecodeConfig, coordinator: DecodeHandle):
+    def __init__(self, cfg: DecodeConfig, coordinator: DecodeEngineClient):
         self.cfg, self.coord = cfg, coordinator
         self.credentials = Credentials.of(cfg)
         self.draining = False
@@ -238,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     return parse_flags(DecodeConfig, p, argv)
 
 
-async def serve(cfg: DecodeConfig, coordinator: DecodeHandle) -> tuple[grpc.aio.Server, int, Lifecycle]:
+async def serve(cfg: DecodeConfig, coordinator: DecodeEngineClient) -> tuple[grpc.aio.Server, int, Lifecycle]:
     servicer = DecodeServicer(cfg, coordinator)
     server, port, life = await start_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE],
@@ -248,7 +240,7 @@ async def serve(cfg: DecodeConfig, coordinator: DecodeHandle) -> tuple[grpc.aio.
     return server, port, life
 
 
-async def _serve_until_stopped(cfg: DecodeConfig, coordinator: DecodeHandle, transport: str,
+async def _serve_until_stopped(cfg: DecodeConfig, coordinator: DecodeEngineClient, transport: str,
                                followers: list) -> None:
     _, port, life = await serve(cfg, coordinator)
     where = "in-process engine" if cfg.engine_in_process else "engine core process"
@@ -269,15 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower
         return
-    if cfg.engine_in_process:
-        core = build_engine_core(cfg)
-        coordinator: DecodeHandle = core
-        transport = core.me.receiver.transport
-    else:
-        client = DecodeEngineClient(cfg)
-        coordinator, transport = client, client.transport
+    coordinator = start_engine(cfg)
     metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
-    asyncio.run(_serve_until_stopped(cfg, coordinator, transport, followers))
+    asyncio.run(_serve_until_stopped(cfg, coordinator, coordinator.transport, followers))
 
 
 __all__ = ["DecodeConfig", "main"]

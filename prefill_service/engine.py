@@ -1,7 +1,7 @@
 """Rank 0's side of a prefill instance: its engine core (`PrefillEngineCore`: prompts in, results out,
 for every shape), run on a thread of the gRPC process (--engine-in-process) or in its own process
-(shared.engine.process), whose front holds a `PrefillEngineClient`. The gRPC server sees either
-through the `PrefillHandle` interface.
+(shared.engine.process). The gRPC server holds one `PrefillEngineClient` either way (`start_engine`):
+the same typed commands (AddPrompt, DropPrompt) and load notices cross an in-process or a process link.
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Protocol
 
 from prefill_service.worker import AddPrompt, DropPrompt, PrefillOutcome, PrefillWorker, sender_factory
 from shared import metrics
 from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
-from shared.engine.core import ALL, EngineCommand, EngineCore, EngineHandle, RankReport
-from shared.engine.process import CoreConnection, EngineProcessClient, Fatal, Ready, StartFailed
+from shared.engine.core import ALL, EngineCommand, EngineCore, RankReport
+from shared.engine.process import CoreConnection, CoreLink, CoreProcess, Fatal, InProcessLink, Ready, StartFailed
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
@@ -30,17 +29,6 @@ from shared.transfer import Destination, KVSender
 log = logging.getLogger("pdserve.prefill")
 PREFIX_FILTER_SECONDS = 0.5  # how often the prefix-cache summary for the router is rebuilt
 ReportHook = Callable[[LoadReport, int], None]  # after every turn: the instance's load, tokens the step computed
-
-
-class PrefillHandle(EngineHandle, Protocol):
-    """What the prefill gRPC server uses of its engine (in-process core or core process)."""
-
-    limits: RequestLimits  # what one request may ask of the engine (the front validates by it)
-
-    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
-                priority: int = 0, num_resumed: int = 0) -> Future: ...
-    def cancel(self, request_id: str, reason: BaseException) -> None: ...
-    def load(self) -> LoadReport: ...
 
 
 @dataclass(frozen=True)
@@ -184,21 +172,22 @@ def core_main(cfg: PrefillConfig, conn: Connection) -> None:
         core.stop()
 
 
-class PrefillEngineClient(EngineProcessClient):
-    """The front's handle on the prefill engine-core process (a PrefillHandle); the core reports its
-    load after every turn."""
+class PrefillEngineClient:
+    """The prefill front's one handle on its engine core, wherever the core runs (`link`: in this
+    process or its own, see `start_engine`): typed commands in, the load the core reports after every
+    turn kept here."""
 
-    def __init__(self, cfg: PrefillConfig, start_timeout: float = 900.0):
-        super().__init__(core_main, cfg, "prefill engine core", start_timeout)
-        facts: PrefillFacts = self.core.facts
+    def __init__(self, link: CoreLink, facts: PrefillFacts):
+        self.link = link
         self.limits, self.latest_load = facts.limits, facts.load
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0) -> Future:
-        return self.core.call(AddPrompt(request_id, prompt, params, dest, priority, num_resumed))
+        """A validated prompt whose KV goes to `dest`: a Future of its PrefillResult (PrefillEngineCore.prefill)."""
+        return self.link.call(AddPrompt(request_id, prompt, params, dest, priority, num_resumed))
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
-        self.core.call(DropPrompt(request_id, reason))
+        self.link.call(DropPrompt(request_id, reason))
 
     def load(self) -> LoadReport:
         return self.latest_load
@@ -206,3 +195,24 @@ class PrefillEngineClient(EngineProcessClient):
     def on_message(self, msg: object) -> None:
         if isinstance(msg, LoadNotice):
             self.latest_load = record_report(self.latest_load, msg.load, msg.batch_tokens)
+
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        self.link.set_fatal_handler(handler)
+
+    def stop(self) -> None:
+        self.link.stop()
+
+
+def start_engine(cfg: PrefillConfig, start_timeout: float = 900.0) -> PrefillEngineClient:
+    """The front's client of a new engine core: on a thread here (--engine-in-process) or in its own process."""
+    if not cfg.engine_in_process:
+        proc = CoreProcess(core_main, cfg, "prefill engine core", start_timeout)
+        client = PrefillEngineClient(proc, proc.facts)
+        proc.listen(client.on_message)
+        return client
+    core = build_engine_core(cfg)
+    link = InProcessLink(core)
+    client = PrefillEngineClient(link, PrefillFacts(core.limits, core.load()))
+    link.listen(client.on_message)
+    core.on_report = lambda load, batch_tokens: link.notify(LoadNotice(load, batch_tokens))  # as a process sends
+    return client

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import grpc
 
-from prefill_service.engine import PrefillEngineClient, PrefillHandle, build_engine_core
+from prefill_service.engine import PrefillEngineClient, start_engine
 from prefill_service.worker import PrefillWorker, prefill_gauges, sender_factory
 from shared import metrics
 from shared.config import PrefillConfig, parse_flags
@@ -72,9 +72,9 @@ class _QueuedPromptTokens(metrics.Collector):
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     """Thin gRPC shell over the prefill engine core (one loop for every instance shape), which runs
-    in its own process (`PrefillEngineClient`) or, with --engine-in-process, on a thread here."""
+    in its own process or, with --engine-in-process, on a thread here (one `PrefillEngineClient` either way)."""
 
-    def __init__(self, cfg: PrefillConfig, engine: PrefillHandle):
+    def __init__(self, cfg: PrefillConfig, engine: PrefillEngineClient):
         self.cfg = cfg
         self.credentials = Credentials.of(cfg)
         self.engine = engine
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower
         return
-    engine: PrefillHandle = build_engine_core(cfg) if cfg.engine_in_process else PrefillEngineClient(cfg)
+    engine = start_engine(cfg)
     metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
     servicer = PrefillServicer(cfg, engine)
     asyncio.run(_serve_until_stopped(cfg, servicer, followers))

@@ -1,12 +1,16 @@
 """The seams of issue 45's engine part, without a model: a request is checked once per service by
 `RequestLimits.check_request` (its front's), a finish reason travels as the enum inside a service and as
-its wire word on the proto, and a decode rank's report carries the one RankLoad type."""
+its wire word on the proto, a decode rank's report carries the one RankLoad type, and a front reaches an
+in-process core as it reaches a core process."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import pytest
 
 from decode_service.worker import FINISH_CODES, DecodeRankReport
+from shared.engine.process import InProcessLink
 from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import RankLoad
@@ -53,3 +57,40 @@ def test_a_decode_rank_report_round_trips_its_row():
     gauges = report.gauges()  # the names /metrics exports
     assert {"rank", "running", "tokens", "free_blocks", "total_blocks", "active_leases", "kv_bytes_received",
             "spec_drafted_0", "spec_accepted_0"} <= set(gauges)
+
+
+class _Core:
+    """A core as an in-process link sees it: typed commands in, a fatal handler."""
+
+    def __init__(self):
+        self.fatal, self.stopped = None, False
+
+    def handle(self, command):
+        if isinstance(command, int):
+            return command + 1
+        if isinstance(command, Future):
+            return command
+        raise ValueError(f"not a command: {command!r}")
+
+    def set_fatal_handler(self, handler):
+        self.fatal = handler
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_an_in_process_link_answers_as_a_core_process_does():
+    core, seen = _Core(), []
+    link = InProcessLink(core)
+    link.listen(seen.append, on_lost=lambda reason: seen.append(f"lost: {reason}"))
+    link.set_fatal_handler(lambda reason: seen.append(f"fatal: {reason}"))
+    assert link.call(1).result(0) == 2
+    pending: Future = Future()
+    assert link.call(pending) is pending
+    with pytest.raises(ValueError, match="not a command"):
+        link.call("x").result(0)  # a refusal reaches the caller through its Future, as over a pipe
+    link.notify("notice")
+    core.fatal("loop died")  # the front fails what it holds, then goes NOT_SERVING
+    assert seen == ["notice", "lost: loop died", "fatal: loop died"]
+    link.stop()
+    assert core.stopped
