@@ -1,8 +1,9 @@
 """Rank 0's side of a decode instance: its engine core (`DecodeEngineCore`: places reservations on the
 least loaded rank, keeps every rank's load, streams the events), run on a thread of the gRPC process
-(--engine-in-process) or in its own process (shared.engine.process), whose front holds a
-`DecodeEngineClient`. The gRPC server sees either through the `DecodeHandle` interface. With one rank
-there are no collectives and the core is a plain engine loop.
+(--engine-in-process) or in its own process (shared.engine.process). The gRPC server holds one
+`DecodeEngineClient` either way (`start_engine`): the same typed commands (ToRank, Reserve) and notices
+(EventsNotice, LoadsNotice) cross an in-process or a process link. With one rank there are no
+collectives and the core is a plain engine loop.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any
 
-from decode_service.worker import Abort, Admit, DecodeLoad, DecodeWorker, Event, Release, Reserve
+from decode_service.worker import Abort, Admit, DecodeRankReport, DecodeWorker, Event, Release, Reserve
 from shared import metrics
 from shared.config import DecodeConfig
 from shared.engine import SamplingParams
@@ -27,14 +28,14 @@ from shared.engine.core import (
     CommandError,
     EngineCommand,
     EngineCore,
-    EngineHandle,
     RankCommand,
     RankReport,
     Reply,
 )
-from shared.engine.process import CoreConnection, EngineProcessClient, Fatal, Ready, StartFailed
+from shared.engine.process import CoreConnection, CoreLink, CoreProcess, Fatal, InProcessLink, Ready, StartFailed
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
+from shared.protocol.load import LoadReport, RankLoad
 from shared.protocol.placement import least_loaded_rank
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
 from shared.rpc.service import LoopQueue, die_with_parent
@@ -44,7 +45,7 @@ log = logging.getLogger("pdserve.decode")
 FATAL = object()  # put in every stream when the engine loop dies: the handlers end with UNAVAILABLE
 DRAINING = object()  # put in every stream on SIGTERM: the handlers end with UNAVAILABLE, the router moves them
 # after every loop turn: every rank's load, the lease ids that expired, the step's seconds (None: idle)
-ReportHook = Callable[[list[DecodeLoad], list[str], float | None], None]
+ReportHook = Callable[[list[DecodeRankReport], list[str], float | None], None]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,14 @@ class Placement:
 
     rank: int
     destination: Destination
+
+
+@dataclass(frozen=True)
+class ToRank:
+    """Front → core process: queue `command` for rank `rank` (DecodeEngineCore.submit)."""
+
+    command: EngineCommand
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,7 @@ class EventsNotice:
 class LoadsNotice:
     """Core process → front, per turn: every rank's load, the leases that expired, the step's length."""
 
-    loads: list[DecodeLoad]
+    loads: list[DecodeRankReport]
     expired: list[str]
     step_seconds: float | None
 
@@ -77,22 +86,7 @@ class DecodeFacts:
 
     limits: RequestLimits
     transport: str
-    loads: list[DecodeLoad]
-
-
-class DecodeHandle(EngineHandle, Protocol):
-    """What the decode gRPC server uses of its engine (in-process core or core process)."""
-
-    loads: list[DecodeLoad]
-    lease_rank: dict[str, int]  # lease id → the rank holding it (the handlers route by it)
-    limits: RequestLimits  # what one request may ask of a rank (context, KV blocks)
-    streams: Streams  # the streams served here
-
-    def submit(self, command: EngineCommand, rank: int = 0) -> Future: ...
-    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future: ...
-    def open_stream(self, request_id: str, q: Any = None) -> Any: ...
-    def close_stream(self, request_id: str, q: Any = None) -> None: ...
-    def output_processor(self, params: SamplingParams) -> OutputProcessor: ...
+    loads: list[DecodeRankReport]
 
 
 class Streams:
@@ -156,8 +150,8 @@ class DecodeEngineCore(EngineCore):
         super().__init__(me, me.state, "dp-coordinator", on_fatal)
         self.me, self.mirror = me, me.mirror
         blocks = me.engine.kv.num_blocks
-        self.loads: list[DecodeLoad] = [me.load()] + [DecodeLoad(r, free_blocks=blocks, total_blocks=blocks)
-                                                      for r in range(1, self.world)]
+        self.loads: list[DecodeRankReport] = [me.load()] + [
+            DecodeRankReport(RankLoad(r, free_blocks=blocks, total_blocks=blocks)) for r in range(1, self.world)]
         self.lease_rank: dict[str, int] = {}
         self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(self.world)]  # (cid, tokens)
         self._place_lock = threading.Lock()
@@ -215,8 +209,8 @@ class DecodeEngineCore(EngineCore):
                 rank = 0
             else:
                 pending = [sum(t for _, t in self._unreported[r]) for r in range(self.world)]
-                rank = least_loaded_rank([load.tokens + p for load, p in zip(self.loads, pending)],
-                                         [load.running for load in self.loads])
+                rank = least_loaded_rank([r.load.tokens + p for r, p in zip(self.loads, pending)],
+                                         [r.load.running for r in self.loads])
             command, to = self._addressed(Reserve(request_id, tokens, prompt_tokens), rank)
             sent = self.dispatch(command, to)
             self._unreported[rank].append((sent.cid, tokens))
@@ -227,6 +221,15 @@ class DecodeEngineCore(EngineCore):
 
     def close_stream(self, request_id: str, q: Any = None) -> None:
         self.streams.close(request_id, q)
+
+    def handle(self, command: ToRank | Reserve) -> Future:
+        """A front's command from its process (shared.engine.process): ToRank (a command for a rank) or
+        Reserve (placed here on the least loaded rank: a Future of its Placement)."""
+        if isinstance(command, ToRank):
+            return self.submit(command.command, command.rank)
+        if isinstance(command, Reserve):
+            return self.reserve(command.request_id, command.num_tokens, command.prompt_tokens)
+        raise TypeError(f"a decode engine core takes ToRank or Reserve, not {type(command).__name__}")
 
     # -- the engine core's hooks -----------------------------------------------------------------------
     def busy(self) -> bool:
@@ -276,7 +279,7 @@ class DecodeEngineCore(EngineCore):
             if ev.finished:
                 self._admitted.pop(self._admit_cid.pop(ev.request_id, -1), None)
 
-    def _absorb(self, rank: int, load: DecodeLoad) -> list[str]:
+    def _absorb(self, rank: int, load: DecodeRankReport) -> list[str]:
         """Take a rank's load report; forget the routing of its expired leases (returned)."""
         expired = load.expired
         for lease_id in expired:
@@ -294,6 +297,11 @@ class DecodeEngineCore(EngineCore):
         metrics.EXPIRED_LEASES.inc(len(expired))
         if step_seconds is not None:
             metrics.STEP_SECONDS.observe(step_seconds)
+
+
+def instance_load(reports: list[DecodeRankReport], block_size: int) -> LoadReport:
+    """The instance's load as the router reads it: every rank's numbers."""
+    return LoadReport(tuple(r.load for r in reports), block_size)
 
 
 def _then(fut: Future, fn: Callable[[Any], Any]) -> Future:
@@ -336,34 +344,34 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
         return
     front.send(Ready(DecodeFacts(core.limits, core.me.receiver.transport, core.loads)))
     try:
-        front.serve({"submit": core.submit, "reserve": core.reserve})
+        front.serve(core.handle)
     finally:
         core.stop()
 
 
-class DecodeEngineClient(EngineProcessClient):
-    """The front's handle on the engine-core process (a DecodeHandle): the streams and detokenization
-    stay here, in the gRPC process."""
+class DecodeEngineClient:
+    """The decode front's one handle on its engine core, wherever the core runs (`link`: in this process or
+    its own, see `start_engine`): typed commands in; the streams, lease routing, every rank's latest load
+    and detokenization stay here, fed by the core's notices."""
 
-    def __init__(self, cfg: DecodeConfig, start_timeout: float = 900.0):
+    def __init__(self, link: CoreLink, facts: DecodeFacts, tokenizer: Tokenizer | None,
+                 lease_rank: dict[str, int] | None = None):
+        self.link = link
         self.streams = Streams()
-        self.lease_rank: dict[str, int] = {}
-        super().__init__(core_main, cfg, "decode engine core", start_timeout,
-                         on_lost=lambda reason: self.streams.fail_all())
-        facts: DecodeFacts = self.core.facts
+        self.lease_rank: dict[str, int] = {} if lease_rank is None else lease_rank  # lease id → the rank holding it
         self.loads = facts.loads
-        self.limits, self.transport = facts.limits, facts.transport
-        self._tokenizer = Tokenizer.from_model_dir(cfg.model, None)
+        self.limits, self.transport = facts.limits, facts.transport  # limits: what one request may ask of a rank
+        self._tokenizer = tokenizer
 
     def output_processor(self, params: SamplingParams) -> OutputProcessor:
         return OutputProcessor(self._tokenizer, params.stop, params.skip_special_tokens)
 
     def submit(self, command: EngineCommand, rank: int = 0) -> Future:
-        return self.core.call("submit", command, rank)
+        return self.link.call(ToRank(command, rank))
 
     def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
         """Placed on the least loaded rank by the core; the Future yields a Placement."""
-        return self.core.call("reserve", request_id, tokens, prompt_tokens)
+        return self.link.call(Reserve(request_id, tokens, prompt_tokens))
 
     def open_stream(self, request_id: str, q: Any = None) -> Any:
         return self.streams.open(request_id, q)
@@ -381,3 +389,27 @@ class DecodeEngineClient(EngineProcessClient):
             metrics.EXPIRED_LEASES.inc(len(msg.expired))
             if msg.step_seconds is not None:
                 metrics.STEP_SECONDS.observe(msg.step_seconds)
+
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        self.link.set_fatal_handler(handler)
+
+    def stop(self) -> None:
+        self.link.stop()
+
+
+def start_engine(cfg: DecodeConfig, start_timeout: float = 900.0) -> DecodeEngineClient:
+    """The front's client of a new engine core: on a thread here (--engine-in-process) or in its own process."""
+    if not cfg.engine_in_process:
+        proc = CoreProcess(core_main, cfg, "decode engine core", start_timeout)
+        client = DecodeEngineClient(proc, proc.facts, Tokenizer.from_model_dir(cfg.model, None))
+        proc.listen(client.on_message, on_lost=lambda reason: client.streams.fail_all())
+        return client
+    core = build_engine_core(cfg)
+    link = InProcessLink(core)
+    # the core's lease routing is the front's (a mirror group's overdue leases are forgotten there)
+    client = DecodeEngineClient(link, DecodeFacts(core.limits, core.me.receiver.transport, core.loads),
+                                core.me.engine.tokenizer, core.lease_rank)
+    link.listen(client.on_message, on_lost=lambda reason: client.streams.fail_all())
+    core.sink = lambda events: link.notify(EventsNotice(events)) if events else None  # as a core process sends
+    core.on_report = lambda loads, expired, seconds: link.notify(LoadsNotice(loads, expired, seconds))
+    return client

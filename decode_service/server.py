@@ -18,15 +18,17 @@ import math
 
 import grpc
 
-from decode_service.engine import DRAINING, FATAL, DecodeEngineClient, DecodeHandle, Placement, build_engine_core
+from decode_service.engine import DRAINING, FATAL, DecodeEngineClient, Placement, instance_load, start_engine
 from decode_service.worker import Abort, Admit, DecodeWorker, Release
 from shared import metrics
 from shared.config import DecodeConfig, parse_flags
 from shared.engine.core import CommandError, follow
 from shared.engine.isolation import REQUEST_FAULT
 from shared.parallel.launch import join_ranks, service_state, start_instance
+from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import blocks_for
-from shared.rpc.convert import logprob_from_proto, logprob_to_proto, sampling_from_proto
+from shared.protocol.sampling import SamplingParams
+from shared.rpc.convert import load_to_proto, logprob_from_proto, logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
@@ -54,7 +56,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     """Async handlers: a stream is a coroutine fed by the coordinator thread, not a gRPC thread, so
     concurrency is bounded by the KV pool and `max_num_seqs`, and health/GetLoad stay prompt."""
 
-    def __init__(self, cfg: DecodeConfig, coordinator: DecodeHandle):
+    def __init__(self, cfg: DecodeConfig, coordinator: DecodeEngineClient):
         self.cfg, self.coord = cfg, coordinator
         self.credentials = Credentials.of(cfg)
         self.draining = False
@@ -67,6 +69,33 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.draining = True
         moved = self.coord.streams.end_all(DRAINING)
         log.info("draining: %d running requests handed back to the router", moved)
+
+    async def _valid_request(self, request, rank: int, context) -> SamplingParams:
+        """The request's sampling parameters, validated with its prompt once, here (the engine trusts
+        what it admits): INVALID_ARGUMENT otherwise. A request refused for its prompt or length lets its
+        lease go at once (its blocks were sized for it)."""
+        try:
+            params = sampling_from_proto(request.sampling_params)
+            params.validate()
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
+        try:
+            self.coord.limits.check_request(request.prompt_token_ids, params, request.num_resumed)
+        except ValueError as exc:
+            metrics.request_done("decode", "INVALID_ARGUMENT", "admit")
+            if self.coord.lease_rank.pop(request.lease_id, None) is not None:
+                self.coord.submit(Release(request.lease_id), rank)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return params
+
+    async def _stop_string_found(self, rid: str, rank: int) -> FinishReason:
+        """The OutputProcessor found a stop string: the engine ends the request (STOP) and says so. A
+        request that ended meanwhile (its next token was its last) still ends at the stop string here."""
+        try:
+            reason = await wait_future(self.coord.submit(Abort(rid, stop_string=True), rank), 60)
+        except (CommandError, TimeoutError):
+            reason = None
+        return reason or FinishReason.STOP
 
     async def _result(self, fut, context):
         try:
@@ -114,7 +143,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     raise
             while loop.time() < until and not self.draining:  # the loads are reported every engine turn
                 await asyncio.sleep(RESERVE_POLL_S)
-                if any(load.free_blocks >= need for load in self.coord.loads):
+                if any(r.load.free_blocks >= need for r in self.coord.loads):
                     break
 
     async def Release(self, request, context):
@@ -124,15 +153,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         return internal_pb2.ReleaseResponse(released=released)
 
     async def GetLoad(self, request, context):
-        loads = self.coord.loads
-        ranks = [internal_pb2.RankLoad(rank=x.rank, running=x.running, waiting=x.waiting, free_blocks=x.free_blocks,
-                                       total_blocks=x.total_blocks, active_leases=x.active_leases, tokens=x.tokens,
-                                       admitted=x.admitted, queued_prompt_tokens=x.queued_prompt_tokens)
-                 for x in loads]
-        return internal_pb2.LoadReport(
-            running=sum(x.running for x in loads), waiting=sum(x.waiting for x in loads),
-            free_blocks=sum(x.free_blocks for x in loads), total_blocks=sum(x.total_blocks for x in loads),
-            active_leases=sum(x.active_leases for x in loads), ranks=ranks, block_size=self.coord.limits.block_size)
+        return load_to_proto(instance_load(self.coord.loads, self.coord.limits.block_size))
 
     async def Decode(self, request, context):
         if self.draining:
@@ -141,12 +162,9 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         if rank is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
         rid = request.request_id or request.lease_id
+        params = await self._valid_request(request, rank, context)
         try:
-            params = sampling_from_proto(request.sampling_params)
-            params.validate()
             stream = self.coord.open_stream(rid, LoopQueue())
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
         except KeyError:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already streaming here")
         first_logprob = (logprob_from_proto(request.first_token_logprob) if request.HasField("first_token_logprob")
@@ -180,7 +198,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     metrics.request_done("decode", "UNAVAILABLE", "drain")
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode instance is draining: "
                                                                      "continue the request elsewhere")
-                if ev.finish_reason == "error":  # a request fault (it alone failed the step) is not migrated
+                if ev.finish_reason is FinishReason.ERROR:  # a request fault (it alone failed the step): not migrated
                     ended = True
                     metrics.request_done("decode", "INTERNAL",
                                          "request_fault" if ev.error.startswith(REQUEST_FAULT) else "step_error")
@@ -188,18 +206,18 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 reason = ev.finish_reason if ev.finished else None
                 ended = ev.finished
                 text = out.process([ev.token_id], final=ev.finished)
-                if out.stopped and not ev.finished:  # a stop string: the engine stops this request now
-                    reason = "stop"
+                if out.stopped and not ev.finished:  # a stop string: the engine ends this request now, and says why
+                    reason, ended = await self._stop_string_found(rid, rank), True
                 metrics.TOKENS.labels("decode", "output").inc()
-                yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=reason or "",
+                yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=wire(reason),
                                                   logprobs=[logprob_to_proto(ev.logprob)] if ev.logprob else [],
                                                   prompt_logprobs=[logprob_to_proto(lp)
                                                                    for lp in ev.prompt_logprobs or ()])
                 if out.stopped:
                     break
-            metrics.request_done("decode", "OK", reason or "abort")
-            if reason is None:
-                yield internal_pb2.DecodeResponse(finish_reason="abort")
+            metrics.request_done("decode", "OK", wire(reason or FinishReason.ABORT))
+            if reason is None:  # the stream was closed before the request ended
+                yield internal_pb2.DecodeResponse(finish_reason=wire(FinishReason.ABORT))
         finally:  # finished, stopped, cancelled by the caller, deadline, or an error: the engine lets go
             self.coord.close_stream(rid, stream)
             if not ended:
@@ -212,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeConfig:
     return parse_flags(DecodeConfig, p, argv)
 
 
-async def serve(cfg: DecodeConfig, coordinator: DecodeHandle) -> tuple[grpc.aio.Server, int, Lifecycle]:
+async def serve(cfg: DecodeConfig, coordinator: DecodeEngineClient) -> tuple[grpc.aio.Server, int, Lifecycle]:
     servicer = DecodeServicer(cfg, coordinator)
     server, port, life = await start_server(
         cfg.host, cfg.port, [lambda s: internal_pb2_grpc.add_DecodeServicer_to_server(servicer, s)], [SERVICE],
@@ -222,7 +240,7 @@ async def serve(cfg: DecodeConfig, coordinator: DecodeHandle) -> tuple[grpc.aio.
     return server, port, life
 
 
-async def _serve_until_stopped(cfg: DecodeConfig, coordinator: DecodeHandle, transport: str,
+async def _serve_until_stopped(cfg: DecodeConfig, coordinator: DecodeEngineClient, transport: str,
                                followers: list) -> None:
     _, port, life = await serve(cfg, coordinator)
     where = "in-process engine" if cfg.engine_in_process else "engine core process"
@@ -243,15 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower
         return
-    if cfg.engine_in_process:
-        core = build_engine_core(cfg)
-        coordinator: DecodeHandle = core
-        transport = core.me.receiver.transport
-    else:
-        client = DecodeEngineClient(cfg)
-        coordinator, transport = client, client.transport
+    coordinator = start_engine(cfg)
     metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
-    asyncio.run(_serve_until_stopped(cfg, coordinator, transport, followers))
+    asyncio.run(_serve_until_stopped(cfg, coordinator, coordinator.transport, followers))
 
 
 __all__ = ["DecodeConfig", "main"]

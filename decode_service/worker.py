@@ -26,6 +26,8 @@ from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
 from shared.kvcache import OutOfBlocks
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.parallel import ParallelState
+from shared.protocol.finish import FinishReason
+from shared.protocol.load import RankLoad
 from shared.protocol.sampling import TokenLogprob
 from shared.rpc.service import Credentials
 from shared.transfer import Destination, TcpReceiver
@@ -33,7 +35,7 @@ from shared.transfer.base import cache_kinds
 from shared.transfer.mooncake import MooncakeReceiver
 
 log = logging.getLogger("pdserve.decode")
-FINISH_REASONS = (None, "stop", "length", "abort", "error")
+FINISH_CODES: tuple[FinishReason | None, ...] = (None, *FinishReason)  # an event's finish reason in the row
 
 
 # -- commands -------------------------------------------------------------------------------------------
@@ -67,9 +69,12 @@ class Admit(EngineCommand):
 
 @dataclass(frozen=True)
 class Abort(EngineCommand):
-    """Stop a request (its stream ended or its caller left)."""
+    """Stop a request: its stream ended or its caller left, or (`stop_string`) the front found one of
+    its stop strings in its text. Replies with the FinishReason the engine ended it with (None: it had
+    ended already)."""
 
     request_id: str
+    stop_string: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,32 +92,25 @@ class Event:
     request_id: str
     token_id: int
     finished: bool
-    finish_reason: str | None
-    error: str = ""  # finish_reason "error": the engine failed this request (no token)
+    finish_reason: FinishReason | None
+    error: str = ""  # finish_reason ERROR: the engine failed this request (no token)
     logprob: TokenLogprob | None = None  # with params.logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # a local prefill's, on its first token (prompt_logprobs)
 
 
-# the load integers that travel in the fixed per-turn row, in order
-LOAD_FIELDS = ("rank", "running", "waiting", "free_blocks", "total_blocks", "active_leases", "has_work", "admitted",
-               "tokens", "queued_prompt_tokens", "applied_cid", "kv_bytes_received")
-ROW_WIDTH = len(LOAD_FIELDS) + 2 * MAX_SPECULATIVE_TOKENS  # the load's part of the row
+# the integers of a rank's report that travel in the fixed per-turn row, in order: its RankLoad's, then these
+RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankLoad))
+EXTRA_FIELDS = ("has_work", "applied_cid", "kv_bytes_received")
+ROW_WIDTH = len(RANK_FIELDS) + len(EXTRA_FIELDS) + 2 * MAX_SPECULATIVE_TOKENS  # the report's part of the row
 
 
 @dataclass
-class DecodeLoad:
-    """One decode rank's load after a turn (rank 0 places reservations by these)."""
+class DecodeRankReport:
+    """One decode rank's report after a turn: `load`, the numbers the router sees (rank 0 places
+    reservations by them too), and what only the engine core uses."""
 
-    rank: int
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-    active_leases: int = 0
+    load: RankLoad
     has_work: int = 0
-    admitted: int = 0  # requests admitted since start
-    tokens: int = 0  # context tokens held by running requests and reservations
-    queued_prompt_tokens: int = 0  # prompt tokens this rank has yet to prefill itself
     applied_cid: int = -1  # the newest command applied (the report includes it)
     kv_bytes_received: int = 0
     spec_drafted: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)  # MTP, per draft position
@@ -120,17 +118,19 @@ class DecodeLoad:
     expired: list[str] = field(default_factory=list)  # lease ids that expired since the last report
 
     def to_row(self) -> list[int]:
-        return [getattr(self, k) for k in LOAD_FIELDS] + self.spec_drafted + self.spec_accepted
+        return ([getattr(self.load, k) for k in RANK_FIELDS] + [getattr(self, k) for k in EXTRA_FIELDS]
+                + self.spec_drafted + self.spec_accepted)
 
     @classmethod
-    def from_row(cls, values: list[int], expired: list[str]) -> DecodeLoad:
-        k, n = len(LOAD_FIELDS), MAX_SPECULATIVE_TOKENS
-        return cls(**dict(zip(LOAD_FIELDS, values[:k])), spec_drafted=values[k : k + n],
-                   spec_accepted=values[k + n : k + 2 * n], expired=expired)
+    def from_row(cls, values: list[int], expired: list[str]) -> DecodeRankReport:
+        r, e, n = len(RANK_FIELDS), len(EXTRA_FIELDS), MAX_SPECULATIVE_TOKENS
+        spec = values[r + e :]
+        return cls(RankLoad(*values[:r]), *values[r : r + e], spec_drafted=spec[:n], spec_accepted=spec[n : 2 * n],
+                   expired=expired)
 
     def gauges(self) -> dict[str, int]:
         """The numbers /metrics exports (shared.metrics.LoadCollector)."""
-        out = {k: getattr(self, k) for k in LOAD_FIELDS}
+        out = {k: getattr(self.load, k) for k in RANK_FIELDS} | {k: getattr(self, k) for k in EXTRA_FIELDS}
         for kind, counts in (("drafted", self.spec_drafted), ("accepted", self.spec_accepted)):
             out.update({f"spec_{kind}_{i}": c for i, c in enumerate(counts)})
         return out
@@ -164,7 +164,7 @@ class DecodeWorker:
             self.receiver = MooncakeReceiver(kv, self.tcp, cfg.public_host, cfg.mooncake_protocol,
                                              cfg.mooncake_devices)
 
-    def apply(self, cmd: RankCommand) -> Destination | list[Event] | bool | CommandError | None:
+    def apply(self, cmd: RankCommand) -> Destination | list[Event] | bool | FinishReason | CommandError | None:
         self.applied_cid = max(self.applied_cid, cmd.cid)
         c = cmd.command
         if isinstance(c, Reserve):
@@ -176,9 +176,8 @@ class DecodeWorker:
         if isinstance(c, Admit):
             return self._admit(c, cmd.cid)
         if isinstance(c, Abort):
-            self.engine.abort(c.request_id)
             self.handles.pop(c.request_id, None)
-            return None
+            return self.engine.stop_string_found(c.request_id) if c.stop_string else self.engine.abort(c.request_id)
         if isinstance(c, Release):
             return self.leases.release(c.lease_id)
         return CommandError("INTERNAL", f"unknown command {type(c).__name__}")
@@ -193,7 +192,7 @@ class DecodeWorker:
             return CommandError("FAILED_PRECONDITION", str(exc))
         if self.mirror and not c.local:
             self._copy_kv_from_rank0(lease.blocks)
-        try:  # a copy of the params: the request's own, whoever else holds the command
+        try:  # validated by the front; a copy of the params: the request's own, whoever else holds the command
             seq = self.engine.make_sequence(c.prompt, dataclasses.replace(c.params), c.request_id,
                                             num_resumed=c.num_resumed)
         except ValueError as exc:
@@ -247,10 +246,11 @@ class DecodeWorker:
             log.exception("decode step failed; failing the requests of this batch")
             failed = list(self.engine.scheduler.running)
             for seq in failed:
-                self.engine.abort(seq.request_id, "error")
-            return [Event(seq.request_id, -1, True, "error", f"decode step failed: {exc}") for seq in failed]
+                self.engine.fail(seq.request_id)
+            return [Event(seq.request_id, -1, True, FinishReason.ERROR, f"decode step failed: {exc}") for seq in failed]
         return [_event(ev) for ev in done.events] + [
-            Event(f.seq.request_id, -1, True, "error", str(f.error) if f.alone else f"decode step failed: {f.error}")
+            Event(f.seq.request_id, -1, True, FinishReason.ERROR,
+                  str(f.error) if f.alone else f"decode step failed: {f.error}")
             for f in done.faults]
 
     def encode(self, report: RankReport) -> EncodedReport:
@@ -258,7 +258,7 @@ class DecodeWorker:
         (handle, token, finish reason)) and, only when there is any, an object part: replies to
         commands, expired lease ids, or events the row cannot carry (an error, an overflow)."""
         cap = self.event_capacity
-        load: DecodeLoad = report.load
+        load: DecodeRankReport = report.load
         events = report.events
 
         def handle(rid: str) -> int | None:
@@ -271,7 +271,7 @@ class DecodeWorker:
         row[:ROW_WIDTH] = torch.tensor(load.to_row())
         if plain and events:
             row[ROW_WIDTH] = len(events)
-            codes = [(handle(ev.request_id), ev.token_id, FINISH_REASONS.index(ev.finish_reason))
+            codes = [(handle(ev.request_id), ev.token_id, FINISH_CODES.index(ev.finish_reason))
                      for ev in events]
             row[ROW_WIDTH + 1: ROW_WIDTH + 1 + 3 * len(events)] = torch.tensor(codes).view(-1)
         extra = None
@@ -294,20 +294,21 @@ class DecodeWorker:
             events = []
             for i in range(n):
                 handle, token, reason = values[base + 3 * i: base + 3 * i + 3]
-                events.append(Event(self.names.get(handle) or "", token, reason != 0, FINISH_REASONS[reason]))
-        return RankReport(objects.replies, events, DecodeLoad.from_row(values[:ROW_WIDTH], objects.expired))
+                events.append(Event(self.names.get(handle) or "", token, reason != 0, FINISH_CODES[reason]))
+        return RankReport(objects.replies, events, DecodeRankReport.from_row(values[:ROW_WIDTH], objects.expired))
 
-    def load(self) -> DecodeLoad:
+    def load(self) -> DecodeRankReport:
         sched, kv = self.engine.scheduler, self.engine.kv
         reserved = self.leases.reserved_blocks() * kv.layout.block_size
         spec = self.engine.speculator
-        return DecodeLoad(
-            rank=self.rank, running=len(sched.running), waiting=len(sched.waiting),
-            free_blocks=kv.allocator.num_free, total_blocks=self.engine.usable_blocks,
-            active_leases=len(self.leases), has_work=int(self.engine.has_work), admitted=self.admitted,
-            tokens=sum(s.num_tokens for s in [*sched.running, *sched.waiting]) + reserved,
-            queued_prompt_tokens=sum(s.num_uncached for s in [*sched.running, *sched.waiting] if s.is_prefilling),
-            applied_cid=self.applied_cid, kv_bytes_received=self.tcp.bytes_received,
+        requests = [*sched.running, *sched.waiting]
+        return DecodeRankReport(
+            RankLoad(rank=self.rank, running=len(sched.running), waiting=len(sched.waiting),
+                     free_blocks=kv.allocator.num_free, total_blocks=self.engine.usable_blocks,
+                     active_leases=len(self.leases), admitted=self.admitted,
+                     tokens=sum(s.num_tokens for s in requests) + reserved,
+                     queued_prompt_tokens=sum(s.num_uncached for s in requests if s.is_prefilling)),
+            has_work=int(self.engine.has_work), applied_cid=self.applied_cid, kv_bytes_received=self.tcp.bytes_received,
             spec_drafted=list(spec.stats.drafted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
             spec_accepted=list(spec.stats.accepted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
             expired=self.leases.drain_expired())

@@ -1,7 +1,7 @@
 """Rank 0's side of a prefill instance: its engine core (`PrefillEngineCore`: prompts in, results out,
 for every shape), run on a thread of the gRPC process (--engine-in-process) or in its own process
-(shared.engine.process), whose front holds a `PrefillEngineClient`. The gRPC server sees either
-through the `PrefillHandle` interface.
+(shared.engine.process). The gRPC server holds one `PrefillEngineClient` either way (`start_engine`):
+the same typed commands (AddPrompt, DropPrompt) and load notices cross an in-process or a process link.
 """
 
 from __future__ import annotations
@@ -12,46 +12,47 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Protocol
 
-from prefill_service.worker import AddPrompt, DropPrompt, PrefillLoad, PrefillOutcome, PrefillWorker, sender_factory
+from prefill_service.worker import AddPrompt, DropPrompt, PrefillOutcome, PrefillWorker, sender_factory
 from shared import metrics
 from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
-from shared.engine.core import ALL, EngineCommand, EngineCore, EngineHandle, RankReport
-from shared.engine.process import CoreConnection, EngineProcessClient, Fatal, Ready, StartFailed
+from shared.engine.core import ALL, EngineCommand, EngineCore, RankReport
+from shared.engine.process import CoreConnection, CoreLink, CoreProcess, Fatal, InProcessLink, Ready, StartFailed
 from shared.parallel.launch import service_state
+from shared.protocol.limits import RequestLimits
+from shared.protocol.load import LoadReport, RankLoad
 from shared.protocol.prefix import PrefixFilter
 from shared.rpc.service import die_with_parent
 from shared.transfer import Destination, KVSender
 
 log = logging.getLogger("pdserve.prefill")
 PREFIX_FILTER_SECONDS = 0.5  # how often the prefix-cache summary for the router is rebuilt
-ReportHook = Callable[[PrefillLoad, int], None]  # after every turn: the instance's load, tokens the step computed
+ReportHook = Callable[[LoadReport, int], None]  # after every turn: the instance's load, tokens the step computed
 
 
-class PrefillHandle(EngineHandle, Protocol):
-    """What the prefill gRPC server uses of its engine (in-process core or core process)."""
+@dataclass(frozen=True)
+class PrefillFacts:
+    """What the engine-core process tells its front at start."""
 
-    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
-                priority: int = 0, num_resumed: int = 0) -> Future: ...
-    def cancel(self, request_id: str, reason: BaseException) -> None: ...
-    def load(self) -> PrefillLoad: ...
+    limits: RequestLimits
+    load: LoadReport
 
 
 @dataclass(frozen=True)
 class LoadNotice:
     """Core process → front, per turn: the instance's load and the step's prompt tokens."""
 
-    load: PrefillLoad
+    load: LoadReport
     batch_tokens: int
 
 
-def record_report(latest: PrefillLoad, load: PrefillLoad, batch_tokens: int) -> PrefillLoad:
-    """A turn's report taken in: the batch size metric, and the load the front keeps."""
+def record_report(latest: LoadReport, load: LoadReport, batch_tokens: int) -> LoadReport:
+    """A turn's report taken in: the batch size metric, and the load the front keeps (the newer one,
+    with the last prefix filter when it carries none: filters are rebuilt at most every 0.5 s)."""
     if batch_tokens:
         metrics.BATCH_TOKENS.observe(batch_tokens)
-    return latest.updated_by(load)
+    return load if load.prefix_filter is not None else replace(load, prefix_filter=latest.prefix_filter)
 
 
 class PrefillEngineCore(EngineCore):
@@ -65,12 +66,13 @@ class PrefillEngineCore(EngineCore):
         self.worker = PrefillWorker(engine, make_sender, on_done=self._done, later=self._later)
         super().__init__(self.worker, engine.parallel, "prefill-engine", on_fatal)
         self._results: dict[str, Future] = {}
-        self.latest_load = self.worker.load()
+        self.limits = engine.limits
+        self.latest_load = self._report(self.worker.load())
         self._filter_built, self._filter_stale = 0.0, False
         self.on_report: ReportHook = on_report or self._record
         self.start()
 
-    def load(self) -> PrefillLoad:
+    def load(self) -> LoadReport:
         return self.latest_load
 
     def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
@@ -84,15 +86,19 @@ class PrefillEngineCore(EngineCore):
             if load.prefix_filter is not None:
                 self.on_report(load, 0)
 
-    def _with_filter(self, load: PrefillLoad) -> PrefillLoad:
+    def _report(self, load: RankLoad, prefix_filter: bytes | None = None) -> LoadReport:
+        """Rank 0's load as the instance's (its ranks share one schedule)."""
+        return LoadReport((load,), self.worker.engine.layout.block_size, prefix_filter)
+
+    def _with_filter(self, load: RankLoad) -> LoadReport:
         """Add the prefix-cache summary the router matches prompts against, at most every 0.5 s."""
         if time.monotonic() - self._filter_built > PREFIX_FILTER_SECONDS:
             self._filter_built, self._filter_stale = time.monotonic(), False
             kv = self.worker.engine.kv
-            return replace(load, prefix_filter=PrefixFilter.build(kv.allocator.cached_hashes(), kv.num_blocks).bits)
-        return load
+            return self._report(load, PrefixFilter.build(kv.allocator.cached_hashes(), kv.num_blocks).bits)
+        return self._report(load)
 
-    def _record(self, load: PrefillLoad, batch_tokens: int) -> None:
+    def _record(self, load: LoadReport, batch_tokens: int) -> None:
         self.latest_load = record_report(self.latest_load, load, batch_tokens)
 
     def _later(self, command: EngineCommand) -> None:
@@ -100,10 +106,10 @@ class PrefillEngineCore(EngineCore):
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0) -> Future:
-        """Queue a prompt whose KV goes to `dest` (ahead of less urgent ones: lower `priority` first); the
-        Future yields a PrefillResult, or fails with ValueError (bad request) or TransferError (bad
-        destination, failed push). Raises ValueError at once for what can be checked here."""
-        self.worker.engine.validate(prompt, params, num_resumed)
+        """Queue a prompt its front validated (`limits`), whose KV goes to `dest` (ahead of less urgent ones:
+        lower `priority` first); the Future yields a PrefillResult, or fails with ValueError (a constraint
+        that does not compile) or TransferError (bad destination, failed push). Raises ValueError at once
+        for a request id already in flight."""
         if request_id in self._results:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         done: Future = Future()
@@ -114,6 +120,17 @@ class PrefillEngineCore(EngineCore):
     def cancel(self, request_id: str, reason: BaseException) -> None:
         """Drop a prompt (the caller went away); its blocks and push are released on every rank."""
         self.submit(DropPrompt(request_id, reason), self._to)
+
+    def handle(self, command: EngineCommand) -> Future | None:
+        """A front's command from its process (shared.engine.process): AddPrompt (a Future of its
+        outcome) or DropPrompt."""
+        if isinstance(command, AddPrompt):
+            return self.prefill(command.request_id, command.prompt, command.params, command.dest,
+                                command.priority, command.num_resumed)
+        if isinstance(command, DropPrompt):
+            self.cancel(command.request_id, command.error or RuntimeError("cancelled"))
+            return None
+        raise TypeError(f"a prefill engine core takes AddPrompt or DropPrompt, not {type(command).__name__}")
 
     def _done(self, request_id: str, outcome: PrefillOutcome) -> None:
         fut = self._results.pop(request_id, None)
@@ -148,31 +165,54 @@ def core_main(cfg: PrefillConfig, conn: Connection) -> None:
     except Exception as exc:  # reported to the front, which fails its start
         front.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
-    front.send(Ready(core.load()))
+    front.send(Ready(PrefillFacts(core.limits, core.load())))
     try:
-        front.serve({"prefill": core.prefill, "cancel": core.cancel})
+        front.serve(core.handle)
     finally:
         core.stop()
 
 
-class PrefillEngineClient(EngineProcessClient):
-    """The front's handle on the prefill engine-core process (a PrefillHandle); the core reports its
-    load after every turn."""
+class PrefillEngineClient:
+    """The prefill front's one handle on its engine core, wherever the core runs (`link`: in this
+    process or its own, see `start_engine`): typed commands in, the load the core reports after every
+    turn kept here."""
 
-    def __init__(self, cfg: PrefillConfig, start_timeout: float = 900.0):
-        super().__init__(core_main, cfg, "prefill engine core", start_timeout)
-        self.latest_load: PrefillLoad = self.core.facts
+    def __init__(self, link: CoreLink, facts: PrefillFacts):
+        self.link = link
+        self.limits, self.latest_load = facts.limits, facts.load
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0) -> Future:
-        return self.core.call("prefill", request_id, prompt, params, dest, priority, num_resumed)
+        """A validated prompt whose KV goes to `dest`: a Future of its PrefillResult (PrefillEngineCore.prefill)."""
+        return self.link.call(AddPrompt(request_id, prompt, params, dest, priority, num_resumed))
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
-        self.core.call("cancel", request_id, reason)
+        self.link.call(DropPrompt(request_id, reason))
 
-    def load(self) -> PrefillLoad:
+    def load(self) -> LoadReport:
         return self.latest_load
 
     def on_message(self, msg: object) -> None:
         if isinstance(msg, LoadNotice):
             self.latest_load = record_report(self.latest_load, msg.load, msg.batch_tokens)
+
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        self.link.set_fatal_handler(handler)
+
+    def stop(self) -> None:
+        self.link.stop()
+
+
+def start_engine(cfg: PrefillConfig, start_timeout: float = 900.0) -> PrefillEngineClient:
+    """The front's client of a new engine core: on a thread here (--engine-in-process) or in its own process."""
+    if not cfg.engine_in_process:
+        proc = CoreProcess(core_main, cfg, "prefill engine core", start_timeout)
+        client = PrefillEngineClient(proc, proc.facts)
+        proc.listen(client.on_message)
+        return client
+    core = build_engine_core(cfg)
+    link = InProcessLink(core)
+    client = PrefillEngineClient(link, PrefillFacts(core.limits, core.load()))
+    link.listen(client.on_message)
+    core.on_report = lambda load, batch_tokens: link.notify(LoadNotice(load, batch_tokens))  # as a process sends
+    return client

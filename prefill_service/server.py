@@ -22,15 +22,16 @@ from collections.abc import Callable
 
 import grpc
 
-from prefill_service.engine import PrefillEngineClient, PrefillHandle, build_engine_core
-from prefill_service.worker import PrefillLoad, PrefillWorker, sender_factory
+from prefill_service.engine import PrefillEngineClient, start_engine
+from prefill_service.worker import PrefillWorker, prefill_gauges, sender_factory
 from shared import metrics
 from shared.config import PrefillConfig, parse_flags
 from shared.engine import LLMEngine
 from shared.engine.core import CommandError, follow
 from shared.engine.isolation import RequestFault
 from shared.parallel.launch import join_ranks, service_state, start_instance
-from shared.rpc.convert import logprob_to_proto, sampling_from_proto
+from shared.protocol.load import LoadReport
+from shared.rpc.convert import load_to_proto, logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
@@ -56,7 +57,7 @@ def follower_main(rank: int, cfg: PrefillConfig) -> None:
 class _QueuedPromptTokens(metrics.Collector):
     """pdserve_prefill_queued_prompt_tokens at scrape time: prompt tokens waiting or not yet computed."""
 
-    def __init__(self, load: Callable[[], PrefillLoad]):
+    def __init__(self, load: Callable[[], LoadReport]):
         self.load = load
 
     def describe(self):
@@ -71,23 +72,20 @@ class _QueuedPromptTokens(metrics.Collector):
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     """Thin gRPC shell over the prefill engine core (one loop for every instance shape), which runs
-    in its own process (`PrefillEngineClient`) or, with --engine-in-process, on a thread here."""
+    in its own process or, with --engine-in-process, on a thread here (one `PrefillEngineClient` either way)."""
 
-    def __init__(self, cfg: PrefillConfig, engine: PrefillHandle):
+    def __init__(self, cfg: PrefillConfig, engine: PrefillEngineClient):
         self.cfg = cfg
         self.credentials = Credentials.of(cfg)
         self.engine = engine
         for family in (metrics.KV_PUSH_BYTES, metrics.KV_PUSH_SECONDS, metrics.KV_PUSH_FAILURES):
             family.labels(cfg.kv_transport)  # exported from the start (at 0), so dashboards and alerts see them
-        metrics.REGISTRY.register(metrics.LoadCollector("prefill", lambda: [self.engine.load().gauges()]))
+        metrics.REGISTRY.register(metrics.LoadCollector(
+            "prefill", lambda: [prefill_gauges(r) for r in self.engine.load().ranks]))
         metrics.REGISTRY.register(_QueuedPromptTokens(self.engine.load))
 
     async def GetLoad(self, request, context):
-        load = self.engine.load()
-        return internal_pb2.LoadReport(running=load.running, waiting=load.waiting,
-                                       free_blocks=load.free_blocks, total_blocks=load.total_blocks,
-                                       queued_prompt_tokens=load.queued_prompt_tokens,
-                                       block_size=self.cfg.block_size, prefix_filter=load.prefix_filter or b"")
+        return load_to_proto(self.engine.load())
 
     async def Prefill(self, request, context):
         problem = self.credentials.vouched(request.destination)
@@ -105,7 +103,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         remaining = context.time_remaining()  # None: no deadline
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
-        try:
+        try:  # validated once, here: the engine trusts what it is handed
+            params.validate()
+            self.engine.limits.check_request(prompt, params, request.num_resumed)
             done = self.engine.prefill(rid, prompt, params, dest, request.priority, request.num_resumed)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     followers = start_instance(cfg, follower_main)
     if followers is None:  # this process was a torchrun-style follower
         return
-    engine: PrefillHandle = build_engine_core(cfg) if cfg.engine_in_process else PrefillEngineClient(cfg)
+    engine = start_engine(cfg)
     metrics.start_metrics_server(cfg.metrics_port, cfg.host, cfg.port_file)
     servicer = PrefillServicer(cfg, engine)
     asyncio.run(_serve_until_stopped(cfg, servicer, followers))

@@ -33,6 +33,7 @@ from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import EngineCommand, RankCommand
 from shared.engine.scheduler import ScheduledChunk, Sequence
 from shared.kvcache import Holder
+from shared.protocol.load import RankLoad
 from shared.protocol.sampling import TokenLogprob
 from shared.rpc.service import Credentials
 from shared.transfer import Destination, KVPush, KVSender, TransferError, make_sender
@@ -83,27 +84,12 @@ class PrefillResult:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., with params.prompt_logprobs
 
 
-@dataclass(frozen=True)
-class PrefillLoad:
-    """One rank's load after a turn; `prefix_filter` (the prefix-cache summary the router matches
-    prompts against) comes with some reports only."""
+# what /metrics exports of a prefill rank's load (shared.metrics.LoadCollector): a prefill holds no leases
+PREFILL_GAUGES = ("rank", "running", "waiting", "free_blocks", "total_blocks", "queued_prompt_tokens")
 
-    rank: int
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-    queued_prompt_tokens: int
-    prefix_filter: bytes | None = None
 
-    def updated_by(self, newer: PrefillLoad) -> PrefillLoad:
-        """The newer report, keeping this one's prefix filter when it carries none."""
-        return newer if newer.prefix_filter is not None else dataclasses.replace(newer,
-                                                                                   prefix_filter=self.prefix_filter)
-
-    def gauges(self) -> dict[str, int]:
-        """The numbers /metrics exports (shared.metrics.LoadCollector)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "prefix_filter"}
+def prefill_gauges(load: RankLoad) -> dict[str, int]:
+    return {name: getattr(load, name) for name in PREFILL_GAUGES}
 
 
 PrefillOutcome = PrefillResult | BaseException  # what a prompt's caller gets: a result, or why not
@@ -185,7 +171,7 @@ class PrefillWorker:
     def _add(self, c: AddPrompt) -> None:
         engine, request_id = self.engine, c.request_id
         try:
-            seq = engine.make_sequence(c.prompt, c.params, request_id, c.priority, c.num_resumed)  # the real params
+            seq = engine.make_sequence(c.prompt, c.params, request_id, c.priority, c.num_resumed)  # the front validated
         except ValueError as exc:
             self.on_done(request_id, exc)
             return
@@ -361,11 +347,11 @@ class PrefillWorker:
                                         done.seq.logprobs[0] if done.seq.logprobs else None,
                                         done.seq.prompt_logprobs))
 
-    def load(self) -> PrefillLoad:
+    def load(self) -> RankLoad:
         sched, kv = self.engine.scheduler, self.engine.kv
         queued = sum(s.num_uncached for s in [*sched.waiting, *sched.running] if s.is_prefilling)
-        return PrefillLoad(self.rank, len(sched.running), len(sched.waiting), kv.allocator.num_free, kv.num_blocks,
-                           queued)
+        return RankLoad(self.rank, len(sched.running), len(sched.waiting), kv.allocator.num_free, kv.num_blocks,
+                        queued_prompt_tokens=queued)
 
     def close(self) -> None:
         for rid in list(self.jobs):

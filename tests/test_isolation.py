@@ -28,6 +28,7 @@ from router.cluster import Cluster
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
 from shared.engine.isolation import REQUEST_FAULT, RequestFault
 from shared.engine.step import POISON_ENV, Poison
+from shared.protocol.finish import FinishReason
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.transfer.tcp import HEADER, split_endpoint
 from tests.helpers import wait_for
@@ -94,7 +95,7 @@ def test_a_poisoned_request_fails_alone_and_its_neighbours_keep_their_tokens(eng
     fault = faults["r2"]
     assert fault.alone and isinstance(fault.error, RequestFault) and str(fault.error).startswith(REQUEST_FAULT)
     assert "injected fault" in str(fault.error)
-    assert seqs["r2"].finish_reason == "error" and len(seqs["r2"].output_token_ids) == 3
+    assert seqs["r2"].finish_reason is FinishReason.ERROR and len(seqs["r2"].output_token_ids) == 3
     for i in (0, 1, 3):
         seq = seqs[f"r{i}"]
         assert (list(seq.output_token_ids), [lp.logprob for lp in seq.logprobs]) == alone[i], i
@@ -104,18 +105,18 @@ def test_a_poisoned_request_fails_alone_and_its_neighbours_keep_their_tokens(eng
 def test_a_request_whose_token_cannot_be_recorded_fails_alone(engine):
     """A failure after the compute (recording the token: grammar, stop checks) is pinned on its request."""
     alone = _alone(engine)
-    real = engine._stop_reason
+    real = engine._finish_reason
 
     def stop_reason(seq):
         if seq.request_id == "r1" and len(seq.output_token_ids) == 4:
             raise ValueError("bad stop check")
         return real(seq)
 
-    engine._stop_reason = stop_reason
+    engine._finish_reason = stop_reason
     try:
         seqs, faults = _run(engine, PROMPTS, PARAMS)
     finally:
-        del engine._stop_reason
+        del engine._finish_reason
     assert set(faults) == {"r1"} and faults["r1"].alone and "bad stop check" in str(faults["r1"].error)
     for i in (0, 2, 3):
         assert list(seqs[f"r{i}"].output_token_ids) == alone[i][0], i

@@ -20,6 +20,7 @@ from router.cluster import Cluster, wait_port_file, wait_serving
 from shared.engine.sampler import SamplingParams, sample
 from shared.kvcache import KVCache, KVLayout
 from shared.kvcache.lease import LeaseError, LeaseTable
+from shared.protocol.finish import FinishReason
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.transfer.tcp import HEADER, MAGIC, MARK, VERSION, WRITE, TcpReceiver, read_reply
 from tests.helpers import wait_for
@@ -320,7 +321,7 @@ def test_decode_step_failure_fails_only_that_batch(model_dir):
         coord.submit(EngineCommand(), 0)  # unknown command kinds are answered, not fatal
         me.engine.add_prefilled(seq, 9)
         events = events_of(stream)
-        assert events[-1].finish_reason == "error" and "injected" in events[-1].error
+        assert events[-1].finish_reason is FinishReason.ERROR and "injected" in events[-1].error
         assert events[-1].error.startswith(REQUEST_FAULT)  # the engine computes (its probe did): the request's fault
         assert wait_for(lambda: me.engine.kv.allocator.num_free == me.engine.kv.num_blocks)
         assert coord._thread.is_alive() and not fatal  # the loop went on
@@ -330,9 +331,9 @@ def test_decode_step_failure_fails_only_that_batch(model_dir):
         for rid, prompt in (("r3", [5, 333, 7]), ("r4", [5, 6, 8])):
             me.engine.add_prefilled(admit(rid, prompt, 20), 9)
         got = {rid: events_of(q) for rid, q in streams.items()}
-        assert got["r3"][-1].finish_reason == "error" and got["r3"][-1].error.startswith(REQUEST_FAULT)
+        assert got["r3"][-1].finish_reason is FinishReason.ERROR and got["r3"][-1].error.startswith(REQUEST_FAULT)
         assert len(got["r3"]) == 3 + 1  # three tokens, then the error
-        assert got["r4"][-1].finish_reason == "length" and len(got["r4"]) == 20 - 1  # the first came with admit
+        assert got["r4"][-1].finish_reason is FinishReason.LENGTH and len(got["r4"]) == 20 - 1  # 1st: with admit
         assert wait_for(lambda: me.engine.kv.allocator.num_free == me.engine.kv.num_blocks)
         me.engine.poison = None
 

@@ -6,8 +6,9 @@ and takes one step, and rank 0 takes the ranks' reports (replies, token events, 
 between instance shapes is the step policy (shared.engine.policy: Solo, LockStep, Mirror,
 ContextSplit); what differs between services is the `RankDriver` (what a command and a step do:
 prefill pushes KV, decode streams tokens) and its `EngineCommand` dataclasses. Subclasses on rank 0
-add what the service's front needs (futures for prefill results, placement and loads for decode);
-the gRPC servers hold them, or a client of the core's process, through an `EngineHandle`.
+add what the service's front needs (futures for prefill results, placement and loads for decode) and
+`handle` the front's typed commands; each gRPC server holds one client of its core, in-process or in
+the core's own process alike (shared.engine.process).
 
 The per-turn collectives move fixed-size tensors: the commands' byte count (the pickled commands
 only follow on turns that carry some), and under lock-step a fixed row per rank (load and token
@@ -114,16 +115,6 @@ class GatheringDriver(RankDriver, Protocol):
 
     def encode(self, report: RankReport) -> EncodedReport: ...
     def decode(self, encoded: EncodedReport) -> RankReport: ...
-
-
-class EngineHandle(Protocol):
-    """What a service's gRPC server holds of its engine: the in-process core (an EngineCore) or the
-    client of the core's own process alike; each service's handle adds its calls."""
-
-    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
-        """Once the server serves: what to do when the engine cannot go on (NOT_SERVING, then exit)."""
-
-    def stop(self) -> None: ...
 
 
 class RankLink:

@@ -98,10 +98,10 @@ def isolate(engine: Any, chunks: list[ScheduledChunk], observer: StepObserver | 
         out.faults += done.faults
     for fault in out.faults:  # a token that could not be recorded: the engine works (it computed)
         fault.error = RequestFault.of(fault.seq.request_id, fault.error)
-        engine.abort(fault.seq.request_id, "error")
+        engine.fail(fault.seq.request_id)
     if suspects:
         for seq, _ in suspects:  # aborted before the probe: their blocks are free for it
-            engine.abort(seq.request_id, "error")
+            engine.fail(seq.request_id)
         alone = computed_any or engine_works(engine)
         for seq, exc in suspects:
             log.error("step failed on request %s%s: %s", seq.request_id,

@@ -41,6 +41,7 @@ from shared.model import ForwardBatch, SeqChunk
 from shared.model.offload import parse_layers
 from shared.parallel.state import ParallelState
 from shared.protocol.chat import THINK_END, ChatMessage, render_messages
+from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import RequestLimits
 from shared.protocol.sampling import TokenLogprob
 from shared.protocol.structured import ConstraintCompiler
@@ -53,7 +54,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None
+    finish_reason: str | None  # the offline API's word for the engine's FinishReason (None: not finished)
     logprobs: list[TokenLogprob] | None = None  # one per token, with params.logprobs
     # with params.prompt_logprobs: one per prompt token, None for the first (it has no context)
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -142,7 +143,7 @@ class LLMEngine:
     def limits(self) -> RequestLimits:
         """What one request may ask of this engine: the model's context and vocabulary, a rank's KV pool."""
         return RequestLimits(self.max_model_len, self.model_config.vocab_size, self.layout.block_size,
-                             self.usable_blocks)
+                             self.usable_blocks, speculative=self.speculator is not None)
 
     @property
     def usable_blocks(self) -> int:
@@ -163,26 +164,18 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_resumed: int = 0) -> None:
-        """Raise ValueError naming the offending field."""
+        """Raise ValueError naming the offending field (what a front checks once per request)."""
         params.validate()
-        self.limits.check_prompt_ids(prompt_token_ids)
-        if not 0 <= num_resumed < min(len(prompt_token_ids), params.max_tokens):
-            raise ValueError(f"num_resumed: {num_resumed} earlier outputs do not fit a {len(prompt_token_ids)}-token "
-                             f"prompt with max_tokens {params.max_tokens}")
-        self.limits.check_length(len(prompt_token_ids) - num_resumed, params.max_tokens)
-        self.limits.check_sampling(params)
-        if self.speculator is not None and params.exact_history_needed:
-            raise ValueError("presence_penalty / frequency_penalty / repetition_penalty / min_p / min_tokens / "
-                             "logit_bias / logprobs / prompt_logprobs: not supported with --speculative mtp (a drafted "
-                             "position's token history and distribution would not be exact)")
+        self.limits.check_request(prompt_token_ids, params, num_resumed)
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None, priority: int = 0, num_resumed: int = 0) -> Sequence:
-        """A request, validated. `num_resumed`: the last tokens of `prompt_token_ids` are the request's own
+        """A request its front validated (`validate`; the services' gRPC fronts, `add_request` offline): not
+        checked again here; ValueError only for what needs the engine (a request id in flight, a constraint
+        that does not compile). `num_resumed`: the last tokens of `prompt_token_ids` are the request's own
         outputs from an instance that failed (the router migrated it): they count as generated — toward
         max_tokens, min_tokens, the penalties and the grammar — and a seeded request's generator skips the
         draws they took, so its random stream goes on where it stopped."""
-        self.validate(prompt_token_ids, params, num_resumed)
         rid = request_id or f"req-{next(self._counter)}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -205,8 +198,10 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0, num_resumed: int = 0) -> Sequence:
-        """Queue a request; a lower `priority` is scheduled first (waiting queue, prompt chunks,
-        preemption last), as vLLM's priority scheduling. `num_resumed`: see make_sequence."""
+        """Queue a request, validated (the offline API is its own front); a lower `priority` is scheduled
+        first (waiting queue, prompt chunks, preemption last), as vLLM's priority scheduling. `num_resumed`:
+        see make_sequence."""
+        self.validate(prompt_token_ids, params, num_resumed)
         seq = self.make_sequence(prompt_token_ids, params, request_id, priority, num_resumed)
         self.scheduler.add(seq)
         return seq
@@ -223,10 +218,26 @@ class LLMEngine:
             self.scheduler.add_running(seq)
         return events
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
+    def abort(self, request_id: str) -> FinishReason | None:
+        """End a request its caller let go (cancel, deadline, drain): ABORT. The reason it ended with
+        (None: it was not here)."""
+        return self._end(request_id, FinishReason.ABORT)
+
+    def fail(self, request_id: str) -> FinishReason | None:
+        """End a request the engine failed (it alone failed a step, or its step could not be committed): ERROR."""
+        return self._end(request_id, FinishReason.ERROR)
+
+    def stop_string_found(self, request_id: str) -> FinishReason | None:
+        """End a request whose consumer found one of its stop strings in its text (an OutputProcessor, off
+        the engine thread): STOP, as a stop token would."""
+        return self._end(request_id, FinishReason.STOP)
+
+    def _end(self, request_id: str, reason: FinishReason) -> FinishReason | None:
         seq = self._requests.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.finish(seq, reason)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, reason)
+        return seq.finish_reason
 
     @property
     def has_work(self) -> bool:
@@ -402,8 +413,7 @@ class LLMEngine:
         """Append a token; on a stop the request finishes (its blocks freed now with `retire`, else by
         the caller's `_retire` once done with them)."""
         seq.output_token_ids.append(token)
-        reason = seq.grammar.advance(token) if seq.grammar is not None else None
-        reason = reason or self._stop_reason(seq)
+        reason = self._finish_reason(seq)
         if reason is not None:
             seq.finish_reason = reason
             if retire:
@@ -412,18 +422,27 @@ class LLMEngine:
         return StepEvent(seq, token, reason is not None, logprob)
 
     def _retire(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq, seq.finish_reason or "stop")
+        self.scheduler.finish(seq, seq.finish_reason or FinishReason.STOP)
         self._requests.pop(seq.request_id, None)
 
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        """Token-level stops; stop *strings* are found by the consumer's OutputProcessor, which aborts."""
-        p, tok = seq.params, seq.output_token_ids[-1]
-        if not p.ignore_eos and tok in self.model_config.eos_token_ids:
-            return "stop"
-        if tok in p.stop_token_ids:
-            return "stop"
+    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+        """Whether the token just appended ends the request, and why: the engine's one decision of a
+        finish reason (the others: `abort`, `fail`, `stop_string_found`). Stop *strings* are found by the
+        consumer's OutputProcessor, which calls `stop_string_found`."""
+        token = seq.output_token_ids[-1]
+        if seq.grammar is not None:
+            completed = seq.grammar.advance(token)
+            if seq.grammar.refused:  # a token its constraint refuses: the request cannot go on
+                return FinishReason.ABORT
+            if completed:
+                return FinishReason.STOP
+        p = seq.params
+        if not p.ignore_eos and token in self.model_config.eos_token_ids:
+            return FinishReason.STOP
+        if token in p.stop_token_ids:
+            return FinishReason.STOP
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
 
@@ -456,10 +475,10 @@ class LLM:
                 out = outputs[ev.seq.request_id]
                 out.process([ev.token_id])
                 if out.stopped and not ev.finished:
-                    self.engine.abort(ev.seq.request_id, "stop")
+                    self.engine.stop_string_found(ev.seq.request_id)
         return [
             RequestOutput(s.request_id, s.prompt_token_ids, list(s.output_token_ids),
-                          outputs[s.request_id].text if self.engine.tokenizer else None, s.finish_reason,
+                          outputs[s.request_id].text if self.engine.tokenizer else None, wire(s.finish_reason) or None,
                           list(s.logprobs) if s.params.logprobs is not None else None,
                           [None, *s.prompt_logprobs] if s.params.prompt_logprobs is not None else None)
             for s in seqs

@@ -1,11 +1,16 @@
-"""An engine core in its own process, as vLLM v1's EngineCore: the gRPC front (handlers, streams,
-detokenization) and the engine loop (with its KV pushes or KV receiver) never share one GIL.
+"""How a service's front reaches its engine core (a `CoreLink`): on a thread of the front's process
+(`InProcessLink`, --engine-in-process) or in its own process (`CoreProcess`), as vLLM v1's EngineCore:
+the gRPC front (handlers, streams, detokenization) and the engine loop (with its KV pushes or KV
+receiver) never share one GIL. Either way the front's one client sends the same typed commands and
+takes the same notices.
 
-The front holds a `CoreProcess`: `call(name, *args)` runs a handler in the core and returns a Future
-of its result; notices the core sends on its own (the service's events and load reports, dataclasses
-of its own) go to `on_message`. If the core dies, every pending call fails with UNAVAILABLE and
-`on_fatal` fires (the front goes NOT_SERVING). The core side is `CoreConnection.serve(handlers)`.
-Everything on the pipe is one of the dataclasses below or a service's notice.
+The front holds a `CoreProcess`: `call(command)` hands one of the service's typed command dataclasses
+to the core's handler and returns a Future of its result; notices the core sends on its own (the
+service's events and load reports, dataclasses of its own) go to `on_message`. If the core dies, every
+pending call fails with UNAVAILABLE and `on_fatal` fires (the front goes NOT_SERVING). The core side is
+`CoreConnection.serve(handle)`, where `handle` dispatches on the command's type (the same handler an
+in-process front calls directly). Everything on the pipe is one of the dataclasses below, a service's
+command or its notice: no call goes by name.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from shared.engine.core import CommandError
 
@@ -26,11 +31,11 @@ log = logging.getLogger("pdserve.engine")
 
 @dataclass(frozen=True)
 class Call:
-    """Front → core: run handler `name` with `args`; answered by a Result with the same `fid`."""
+    """Front → core: a service's command (a dataclass its core's `handle` takes); answered by a Result
+    with the same `fid`."""
 
     fid: int
-    name: str
-    args: tuple
+    command: object
 
 
 @dataclass(frozen=True)
@@ -88,15 +93,15 @@ class CoreConnection:
             self.send(Result(fid, exc is None, fut.result() if exc is None else _portable(exc)))
         return done
 
-    def serve(self, handlers: dict[str, Callable[..., Any]]) -> None:
-        """Answer the front's calls (a handler returns a value or a Future) until it stops or goes."""
+    def serve(self, handle: Callable[[object], Any]) -> None:
+        """Answer the front's calls with `handle(command)` (a value or a Future) until it stops or goes."""
         try:
             while True:
                 msg = self.conn.recv()
                 if isinstance(msg, Stop):
                     return
                 try:
-                    result = handlers[msg.name](*msg.args)
+                    result = handle(msg.command)
                 except Exception as exc:  # handed to the caller
                     self.send(Result(msg.fid, False, _portable(exc)))
                     continue
@@ -119,12 +124,69 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-class CoreProcess:
-    """The front's end: spawns `entry(cfg, conn)`, waits for its Ready, then reads."""
+class CoreLink(Protocol):
+    """A front's way to its engine core, wherever the core runs: typed commands in (answered by a
+    Future), the core's notices out to `listen`'s callback, its failure to the fatal handler."""
 
-    def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,
-                 on_message: Callable[[object], None], start_timeout: float = 900.0,
-                 on_lost: Callable[[str], None] | None = None):
+    def call(self, command: object) -> Future: ...
+    def listen(self, on_message: Callable[[object], None], on_lost: Callable[[str], None] | None = None
+               ) -> None: ...
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None: ...
+    def stop(self) -> None: ...
+
+
+class ServingCore(Protocol):
+    """What an engine core offers an in-process link (the service's EngineCore subclass)."""
+
+    def handle(self, command: Any) -> Any: ...
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None: ...
+    def stop(self) -> None: ...
+
+
+class InProcessLink:
+    """A CoreLink to a core on a thread of this process: a command is its `handle` call; the service
+    wires the core's hooks to `notify` (the same notices a core process sends over its pipe)."""
+
+    def __init__(self, core: ServingCore):
+        self.core = core
+        self.notify: Callable[[object], None] = lambda msg: None
+        self._on_lost: Callable[[str], None] | None = None
+        self._on_fatal: Callable[[str], None] | None = None
+        core.set_fatal_handler(self._fatal)
+
+    def call(self, command: object) -> Future:
+        fut: Future = Future()
+        try:
+            result = self.core.handle(command)
+        except Exception as exc:  # handed to the caller, as over a pipe
+            fut.set_exception(exc)
+            return fut
+        if isinstance(result, Future):
+            return result
+        fut.set_result(result)
+        return fut
+
+    def listen(self, on_message: Callable[[object], None], on_lost: Callable[[str], None] | None = None) -> None:
+        self.notify, self._on_lost = on_message, on_lost
+
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        self._on_fatal = handler
+
+    def stop(self) -> None:
+        self.core.stop()
+
+    def _fatal(self, reason: str) -> None:
+        if self._on_lost is not None:
+            self._on_lost(reason)
+        if self._on_fatal is not None:
+            self._on_fatal(reason)
+
+
+class CoreProcess:
+    """A CoreLink to a core process: spawns `entry(cfg, conn)`, waits for its Ready (its `facts`), and
+    reads once the front `listen`s (notices sent meanwhile wait in the pipe)."""
+
+    def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str, start_timeout: float = 900.0):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=entry, args=(cfg, child), name=name)
@@ -141,23 +203,31 @@ class CoreProcess:
         if not isinstance(msg, Ready):
             raise RuntimeError(f"the {name} failed to start: {msg.reason}")
         self.facts: Any = msg.facts  # what the core told the front at start (the service's dataclass)
-        self.on_message = on_message
+        self.on_message: Callable[[object], None] = lambda msg: None
         self.on_fatal: Callable[[str], None] | None = None  # the server's, once it serves (set_fatal_handler)
-        self.on_lost = on_lost  # before on_fatal: the front fails what it holds
+        self.on_lost: Callable[[str], None] | None = None  # before on_fatal: the front fails what it holds
         self._futures: dict[int, Future] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
+
+    def listen(self, on_message: Callable[[object], None], on_lost: Callable[[str], None] | None = None) -> None:
+        """Start reading: the core's notices go to `on_message`; if it dies, `on_lost`, then the fatal handler."""
+        self.on_message, self.on_lost = on_message, on_lost
         self._reader.start()
 
-    def call(self, name: str, *args: Any) -> Future:
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        self.on_fatal = handler
+
+    def call(self, command: object) -> Future:
+        """Hand a command to the core's handler; the Future holds its answer (or what it raised)."""
         fut: Future = Future()
         fid = next(self._ids)
         self._futures[fid] = fut
         try:
             with self._send_lock:
-                self._conn.send(Call(fid, name, args))
+                self._conn.send(Call(fid, command))
         except OSError as exc:
             self._futures.pop(fid, None)
             fut.set_exception(CommandError("UNAVAILABLE", f"{self.name} unreachable: {exc}"))
@@ -199,21 +269,3 @@ class CoreProcess:
                 fut.set_exception(CommandError("UNAVAILABLE", f"engine failed: {reason}"))
         if self.on_fatal is not None:
             self.on_fatal(reason)
-
-
-class EngineProcessClient:
-    """Base of a service front's handle on its engine-core process (an EngineHandle): the fatal handler
-    and `stop` reach the process; subclasses add the service's calls and handle its messages."""
-
-    def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str,
-                 start_timeout: float = 900.0, on_lost: Callable[[str], None] | None = None):
-        self.core = CoreProcess(entry, cfg, name, self.on_message, start_timeout, on_lost)
-
-    def on_message(self, msg: object) -> None:
-        """A notice the core sent on its own (the service's events and load reports)."""
-
-    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
-        self.core.on_fatal = handler
-
-    def stop(self) -> None:
-        self.core.stop()

@@ -29,6 +29,7 @@ import torch
 from shared.engine.sampler import SamplingParams
 from shared.engine.structured import GrammarState
 from shared.kvcache import BlockLedger, Holder, Holding, Owner
+from shared.protocol.finish import FinishReason
 from shared.protocol.limits import blocks_for
 from shared.protocol.prefix import block_hash
 from shared.protocol.sampling import TokenLogprob
@@ -58,7 +59,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the pool
     status: Status = Status.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     order: int = field(default_factory=lambda: next(_ids))
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
@@ -242,7 +243,7 @@ class Scheduler:
         self.waiting.insert(next((i for i, w in enumerate(self.waiting) if w.priority >= seq.priority),
                                  len(self.waiting)), seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Mark finished and free its blocks (finish, abort, cancel: all end here)."""
         if seq.status is Status.FINISHED:
             return

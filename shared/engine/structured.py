@@ -23,26 +23,29 @@ from shared.protocol.structured import ConstraintCompiler, StructuredOutput
 @dataclass
 class GrammarState:
     """One request's place in its constraint. `waiting_for`: thinking mode's `</think>` id until the
-    reasoning ends (the constraint starts after it)."""
+    reasoning ends (the constraint starts after it). `refused`: a token it does not allow was taken
+    (never a token this engine sampled under the mask: a first token handed over by a disagreeing peer).
+    What either means for the request is the engine's to say (shared.engine.llm)."""
 
     matcher: llguidance.LLMatcher
     waiting_for: int | None = None
+    refused: bool = False
 
     @property
     def active(self) -> bool:
         return self.waiting_for is None
 
-    def advance(self, token: int) -> str | None:
-        """Take a token the request accepted; a finish reason when the constraint ends it: `stop` when
-        the grammar is complete and allows nothing more, `abort` for a token it refuses (never a token
-        this engine sampled under the mask: a first token handed over by a disagreeing peer)."""
+    def advance(self, token: int) -> bool:
+        """Take a token the request accepted; whether the grammar is now complete and allows nothing
+        more (a token it refuses sets `refused` instead)."""
         if self.waiting_for is not None:
             if token == self.waiting_for:
                 self.waiting_for = None
-            return None
+            return False
         if not self.matcher.consume_token(token):
-            return "abort"
-        return "stop" if self.matcher.is_stopped() else None
+            self.refused = True
+            return False
+        return self.matcher.is_stopped()
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The bounds of one model's requests, checked in one place: the router (before any work reaches an
-instance), the engine (for offline callers and local prefills) and the decode service's reservations
-all ask the same `RequestLimits`, so a request refused by one is refused by all with the same words."""
+instance), each service's gRPC front (once per request: its engine trusts what it admits), the offline
+engine API and the decode service's reservations all ask the same `RequestLimits`, so a request refused
+by one is refused by all with the same words."""
 
 from __future__ import annotations
 
@@ -24,6 +25,22 @@ class RequestLimits:
     vocab_size: int
     block_size: int = 0
     kv_blocks: int = 0  # 0: not known here
+    speculative: bool = False  # the engine drafts (MTP): requests that need an exact token history are refused
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, num_resumed: int = 0) -> None:
+        """Raise ValueError naming the offending field of a request an engine would run (its sampling
+        parameters already `validate()`d): the prompt, a migrated request's resumed outputs, the length,
+        the sampling token ids, and what a speculative engine cannot do exactly."""
+        self.check_prompt_ids(prompt_ids)
+        if not 0 <= num_resumed < min(len(prompt_ids), params.max_tokens):
+            raise ValueError(f"num_resumed: {num_resumed} earlier outputs do not fit a {len(prompt_ids)}-token "
+                             f"prompt with max_tokens {params.max_tokens}")
+        self.check_length(len(prompt_ids) - num_resumed, params.max_tokens)
+        self.check_sampling(params)
+        if self.speculative and params.exact_history_needed:
+            raise ValueError("presence_penalty / frequency_penalty / repetition_penalty / min_p / min_tokens / "
+                             "logit_bias / logprobs / prompt_logprobs: not supported with --speculative mtp (a drafted "
+                             "position's token history and distribution would not be exact)")
 
     def check_prompt_ids(self, ids: Sequence[int], field: str = "prompt_token_ids") -> None:
         """Raise ValueError naming `field` for an empty prompt, one longer than the context or a token id

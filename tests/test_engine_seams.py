@@ -1,0 +1,96 @@
+"""The seams of issue 45's engine part, without a model: a request is checked once per service by
+`RequestLimits.check_request` (its front's), a finish reason travels as the enum inside a service and as
+its wire word on the proto, a decode rank's report carries the one RankLoad type, and a front reaches an
+in-process core as it reaches a core process."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from decode_service.worker import FINISH_CODES, DecodeRankReport
+from shared.engine.process import InProcessLink
+from shared.protocol.finish import FinishReason, wire
+from shared.protocol.limits import RequestLimits
+from shared.protocol.load import RankLoad
+from shared.protocol.sampling import SamplingParams
+
+LIMITS = RequestLimits(context_tokens=64, vocab_size=100, block_size=4, kv_blocks=8)
+
+
+@pytest.mark.parametrize("prompt,params,resumed,field", [
+    ([], SamplingParams(max_tokens=4), 0, "prompt_token_ids"),
+    ([1, 100], SamplingParams(max_tokens=4), 0, "prompt_token_ids"),
+    ([1, 2], SamplingParams(max_tokens=4), 2, "num_resumed"),
+    ([1] * 30, SamplingParams(max_tokens=30), 0, "max_tokens"),  # 60 tokens: 15 blocks of a pool of 8
+    ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=[100]), 0, "stop_token_ids"),
+    ([1, 2], SamplingParams(max_tokens=4, logit_bias={-1: 1.0}), 0, "logit_bias"),
+])
+def test_check_request_names_the_field(prompt, params, resumed, field):
+    with pytest.raises(ValueError, match=field):
+        LIMITS.check_request(prompt, params, resumed)
+
+
+def test_a_speculative_engine_refuses_what_needs_an_exact_history():
+    params = SamplingParams(max_tokens=4, logprobs=1)
+    LIMITS.check_request([1, 2], params)
+    with pytest.raises(ValueError, match="--speculative mtp"):
+        RequestLimits(64, 100, 4, 8, speculative=True).check_request([1, 2], params)
+
+
+def test_finish_reasons_travel_as_the_enum_and_leave_as_their_word():
+    assert FINISH_CODES[0] is None and set(FINISH_CODES[1:]) == set(FinishReason)
+    assert [wire(r) for r in FINISH_CODES] == ["", "stop", "length", "abort", "error"]
+    assert all(FinishReason.from_wire(wire(r)) is r for r in FINISH_CODES)
+
+
+def test_a_decode_rank_report_round_trips_its_row():
+    report = DecodeRankReport(RankLoad(2, running=3, waiting=1, free_blocks=5, total_blocks=9, active_leases=1,
+                                       tokens=40, admitted=7, queued_prompt_tokens=6),
+                              has_work=1, applied_cid=12, kv_bytes_received=999,
+                              spec_drafted=[4] + [0] * (len(DecodeRankReport(RankLoad(0)).spec_drafted) - 1))
+    back = DecodeRankReport.from_row(report.to_row(), ["lease"])
+    assert back.load == report.load and back.expired == ["lease"]
+    assert (back.has_work, back.applied_cid, back.kv_bytes_received, back.spec_drafted) == (1, 12, 999,
+                                                                                          report.spec_drafted)
+    gauges = report.gauges()  # the names /metrics exports
+    assert {"rank", "running", "tokens", "free_blocks", "total_blocks", "active_leases", "kv_bytes_received",
+            "spec_drafted_0", "spec_accepted_0"} <= set(gauges)
+
+
+class _Core:
+    """A core as an in-process link sees it: typed commands in, a fatal handler."""
+
+    def __init__(self):
+        self.fatal, self.stopped = None, False
+
+    def handle(self, command):
+        if isinstance(command, int):
+            return command + 1
+        if isinstance(command, Future):
+            return command
+        raise ValueError(f"not a command: {command!r}")
+
+    def set_fatal_handler(self, handler):
+        self.fatal = handler
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_an_in_process_link_answers_as_a_core_process_does():
+    core, seen = _Core(), []
+    link = InProcessLink(core)
+    link.listen(seen.append, on_lost=lambda reason: seen.append(f"lost: {reason}"))
+    link.set_fatal_handler(lambda reason: seen.append(f"fatal: {reason}"))
+    assert link.call(1).result(0) == 2
+    pending: Future = Future()
+    assert link.call(pending) is pending
+    with pytest.raises(ValueError, match="not a command"):
+        link.call("x").result(0)  # a refusal reaches the caller through its Future, as over a pipe
+    link.notify("notice")
+    core.fatal("loop died")  # the front fails what it holds, then goes NOT_SERVING
+    assert seen == ["notice", "lost: loop died", "fatal: loop died"]
+    link.stop()
+    assert core.stopped
