@@ -168,6 +168,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 return
             except grpc.RpcError as exc:  # an instance failed after admission
                 code, cause = exc.code(), _cause(exc)
+            except PeerFrameError as exc:  # a decode instance answered what no decode instance says
+                metrics.request_done("router", "INTERNAL", "peer_frame")
+                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
                 migratable = code in MIGRATABLE and cause != "request_fault"  # it alone failed a step: not moved
                 if not migratable or progress.migrations >= self.cfg.migration_limit \
                         or time.perf_counter() >= progress.t_end:
@@ -319,7 +322,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async for msg in stream:
                 if msg.token_ids:
                     self._observe_tokens(progress, predicted, list(msg.token_ids))
-                reason = FinishReason.from_wire(msg.finish_reason)
+                reason = finish_of(msg, dec.address)
                 out = _response(msg, progress, reason)
                 if reason is not None:
                     n = len(progress.streamed)
@@ -408,6 +411,20 @@ def _first_message(progress: Progress, first: internal_pb2.PrefillResponse | Non
                                    [] if first is None else list(first.prompt_logprobs))
     else:
         progress.echo = None
+
+
+class PeerFrameError(RuntimeError):
+    """An instance's answer that no instance of this version sends (a frame is hostile, even a peer's)."""
+
+
+def finish_of(msg: internal_pb2.DecodeResponse, address: str) -> FinishReason | None:
+    """The hop's finish reason; an unknown word fails the request (INTERNAL, naming the field), never reaches
+    the client."""
+    try:
+        return FinishReason.from_wire(msg.finish_reason)
+    except ValueError:
+        raise PeerFrameError(f"decode instance {address}: finish_reason {msg.finish_reason[:40]!r} is not a "
+                             f"finish reason") from None
 
 
 def _response(msg: internal_pb2.DecodeResponse, progress: Progress,

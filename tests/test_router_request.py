@@ -13,6 +13,7 @@ import pytest
 from router.pools import Pool
 from router.reply import api_finish_reason
 from router.request import GenerationRequest, Invalid, RequestParser
+from router.servicer import PeerFrameError, finish_of
 from shared.protocol.finish import FinishReason
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
@@ -92,6 +93,13 @@ def test_finish_reasons_become_the_api_s_words_in_one_place():
     assert api_finish_reason(FinishReason.STOP, called=True) == "tool_calls"
     assert api_finish_reason(FinishReason.LENGTH, called=True) == "length"
     assert api_finish_reason(FinishReason.ABORT) == "abort"
+
+
+def test_a_decode_hop_s_unknown_finish_reason_fails_the_request_naming_the_field():
+    assert finish_of(internal_pb2.DecodeResponse(finish_reason="length"), "d:1") is FinishReason.LENGTH
+    assert finish_of(internal_pb2.DecodeResponse(), "d:1") is None
+    with pytest.raises(PeerFrameError, match="d:1: finish_reason 'tool_calls; rm -rf' is not a finish reason"):
+        finish_of(internal_pb2.DecodeResponse(finish_reason="tool_calls; rm -rf"), "d:1")
 
 
 def test_load_reports_are_read_through_load_report():
