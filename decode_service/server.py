@@ -88,14 +88,12 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return params
 
-    async def _stop_string_found(self, rid: str, rank: int) -> FinishReason:
-        """The OutputProcessor found a stop string: the engine ends the request (STOP) and says so. A
-        request that ended meanwhile (its next token was its last) still ends at the stop string here."""
-        try:
-            reason = await wait_future(self.coord.submit(Abort(rid, stop_string=True), rank), 60)
-        except (CommandError, TimeoutError):
-            reason = None
-        return reason or FinishReason.STOP
+    def _stop_string_found(self, rid: str, rank: int) -> FinishReason:
+        """The OutputProcessor found a stop string: the engine ends the request as STOP
+        (LLMEngine.stop_string_found) on its next turn; the stream ends now with that reason, without waiting
+        a turn for the engine to say it (a request that ended meanwhile still ends at the stop string)."""
+        self.coord.submit(Abort(rid, stop_string=True), rank)
+        return FinishReason.STOP
 
     async def _result(self, fut, context):
         try:
@@ -207,7 +205,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 ended = ev.finished
                 text = out.process([ev.token_id], final=ev.finished)
                 if out.stopped and not ev.finished:  # a stop string: the engine ends this request now, and says why
-                    reason, ended = await self._stop_string_found(rid, rank), True
+                    reason, ended = self._stop_string_found(rid, rank), True
                 metrics.TOKENS.labels("decode", "output").inc()
                 yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=wire(reason),
                                                   logprobs=[logprob_to_proto(ev.logprob)] if ev.logprob else [],

@@ -1,6 +1,6 @@
 """Routing policies: which (prefill, decode) pair serves a request, or an early no.
 
-The router and the planner's simulation (router/planner.py) both call these objects with the same
+The router and the planner's simulation (router/planner/) both call these objects with the same
 views of the instances (what the load reports say, plus what was dispatched since), so what the
 planner predicts is what the router does.
 

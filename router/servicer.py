@@ -166,11 +166,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 async for out in self._attempt(context, progress):
                     yield out
                 return
-            except grpc.RpcError as exc:  # an instance failed after admission
-                code, cause = exc.code(), _cause(exc)
             except PeerFrameError as exc:  # a decode instance answered what no decode instance says
                 metrics.request_done("router", "INTERNAL", "peer_frame")
                 await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            except grpc.RpcError as exc:  # an instance failed after admission
+                code, cause = exc.code(), _cause(exc)
                 migratable = code in MIGRATABLE and cause != "request_fault"  # it alone failed a step: not moved
                 if not migratable or progress.migrations >= self.cfg.migration_limit \
                         or time.perf_counter() >= progress.t_end:

@@ -1,4 +1,4 @@
-"""One config source: every knob is declared once, on its config dataclass (shared/config.py, the
+"""One config source: every knob is declared once, on its config dataclass (shared/config/, the
 router's RouterConfig), and everything else is derived from or checked against that declaration:
 the services' parsers, `pdserve up`, the deployment description and the chart's values.yaml."""
 
