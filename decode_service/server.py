@@ -80,7 +80,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling_params.{exc}")
         try:
-            self.coord.limits.check_request(request.prompt_token_ids, params, request.num_resumed)
+            self.coord.limits.check_request(request.prompt_token_ids, params, request.num_resumed,
+                                            request.cache_salt)
         except ValueError as exc:
             metrics.request_done("decode", "INVALID_ARGUMENT", "admit")
             if self.coord.lease_rank.pop(request.lease_id, None) is not None:
@@ -169,7 +170,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                          else None)
         admit = self.coord.submit(Admit(rid, request.lease_id, list(request.prompt_token_ids), params,
                                         request.first_token_id, bytes(request.rng_state), request.local_prefill,
-                                        first_logprob, request.num_resumed), rank)
+                                        first_logprob, request.num_resumed, request.cache_salt), rank)
         try:
             await wait_future(admit, 60)
         except CommandError as exc:

@@ -65,6 +65,7 @@ class Admit(EngineCommand):
     local: bool = False
     first_logprob: TokenLogprob | None = None  # the prefill's, with params.logprobs
     num_resumed: int = 0  # a migrated request's earlier outputs end the prompt (LLMEngine.make_sequence)
+    cache_salt: str = ""  # the tenant's prefix-cache namespace (a local prefill's keys; a later decode cache's)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class DecodeWorker:
             self._copy_kv_from_rank0(lease.blocks)
         try:  # validated by the front; a copy of the params: the request's own, whoever else holds the command
             seq = self.engine.make_sequence(c.prompt, dataclasses.replace(c.params), c.request_id,
-                                            num_resumed=c.num_resumed)
+                                            num_resumed=c.num_resumed, cache_salt=c.cache_salt)
         except ValueError as exc:
             self.engine.kv.ledger.drop_claimed(lease.blocks)
             return CommandError("INVALID_ARGUMENT", str(exc))

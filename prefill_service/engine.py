@@ -105,7 +105,7 @@ class PrefillEngineCore(EngineCore):
         self.submit(command, self._to)
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
-                priority: int = 0, num_resumed: int = 0) -> Future:
+                priority: int = 0, num_resumed: int = 0, cache_salt: str = "") -> Future:
         """Queue a prompt its front validated (`limits`), whose KV goes to `dest` (ahead of less urgent ones:
         lower `priority` first); the Future yields a PrefillResult, or fails with ValueError (a constraint
         that does not compile) or TransferError (bad destination, failed push). Raises ValueError at once
@@ -114,7 +114,7 @@ class PrefillEngineCore(EngineCore):
             raise ValueError(f"request_id {request_id!r} is already in flight")
         done: Future = Future()
         self._results[request_id] = done
-        self.submit(AddPrompt(request_id, prompt, params, dest, priority, num_resumed), self._to)
+        self.submit(AddPrompt(request_id, prompt, params, dest, priority, num_resumed, cache_salt), self._to)
         return done
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
@@ -126,7 +126,7 @@ class PrefillEngineCore(EngineCore):
         outcome) or DropPrompt."""
         if isinstance(command, AddPrompt):
             return self.prefill(command.request_id, command.prompt, command.params, command.dest,
-                                command.priority, command.num_resumed)
+                                command.priority, command.num_resumed, command.cache_salt)
         if isinstance(command, DropPrompt):
             self.cancel(command.request_id, command.error or RuntimeError("cancelled"))
             return None
@@ -182,9 +182,9 @@ class PrefillEngineClient:
         self.limits, self.latest_load = facts.limits, facts.load
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
-                priority: int = 0, num_resumed: int = 0) -> Future:
+                priority: int = 0, num_resumed: int = 0, cache_salt: str = "") -> Future:
         """A validated prompt whose KV goes to `dest`: a Future of its PrefillResult (PrefillEngineCore.prefill)."""
-        return self.link.call(AddPrompt(request_id, prompt, params, dest, priority, num_resumed))
+        return self.link.call(AddPrompt(request_id, prompt, params, dest, priority, num_resumed, cache_salt))
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
         self.link.call(DropPrompt(request_id, reason))

@@ -105,8 +105,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the caller's deadline passed before prefill")
         try:  # validated once, here: the engine trusts what it is handed
             params.validate()
-            self.engine.limits.check_request(prompt, params, request.num_resumed)
-            done = self.engine.prefill(rid, prompt, params, dest, request.priority, request.num_resumed)
+            self.engine.limits.check_request(prompt, params, request.num_resumed, request.cache_salt)
+            done = self.engine.prefill(rid, prompt, params, dest, request.priority, request.num_resumed,
+                                       request.cache_salt)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

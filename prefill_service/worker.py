@@ -52,6 +52,7 @@ class AddPrompt(EngineCommand):
     dest: Destination
     priority: int = 0
     num_resumed: int = 0  # a migrated request's earlier outputs end the prompt (LLMEngine.make_sequence)
+    cache_salt: str = ""  # the tenant's prefix-cache namespace (the Sequence's keys chain from it)
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,8 @@ class PrefillWorker:
     def _add(self, c: AddPrompt) -> None:
         engine, request_id = self.engine, c.request_id
         try:
-            seq = engine.make_sequence(c.prompt, c.params, request_id, c.priority, c.num_resumed)  # the front validated
+            seq = engine.make_sequence(c.prompt, c.params, request_id, c.priority, c.num_resumed,
+                                       c.cache_salt)  # the front validated
         except ValueError as exc:
             self.on_done(request_id, exc)
             return

@@ -26,7 +26,8 @@ def completion_requests(body: CompletionRequest, tokens: TokenText, max_prompts:
     if prompt_only and not body.echo:
         raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be > 0 (0 only with echo)", "max_tokens")
     sp = sampling(body, 1 if prompt_only else COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens)
-    reqs = [generation_pb2.GenerateRequest(sampling_params=sp, priority=body.priority, sla=sla(body), **p)
+    reqs = [generation_pb2.GenerateRequest(sampling_params=sp, priority=body.priority, sla=sla(body),
+                                           cache_salt=body.cache_salt or "", **p)
             for p in prompts]
     echoes = [Echo(r.prompt or tokens.text(list(r.prompt_token_ids)), prompt_only) for r in reqs] \
         if body.echo else None

@@ -57,6 +57,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     priority: Int32 = 0  # vLLM's extra: lower is more urgent
+    cache_salt: str | None = None  # vLLM's extra: a tenant's prefix-cache namespace (GenerateRequest.cache_salt)
     sla: Sla | None = None  # pdserve's extra: this request's own latency targets
     timeout: float | None = Field(default=None, description="seconds; pdserve's extra (504 after it)")
     presence_penalty: float = 0.0
@@ -288,7 +289,7 @@ def chat_request(body: ChatCompletionRequest) -> generation_pb2.GenerateRequest:
     choice = body.tool_choice
     return generation_pb2.GenerateRequest(
         messages=messages, thinking=bool(body.chat_template_kwargs.get("thinking", False)), sampling_params=sp,
-        priority=body.priority, sla=sla(body), tools=tools,
+        priority=body.priority, sla=sla(body), tools=tools, cache_salt=body.cache_salt or "",
         tool_choice=choice.function.get("name", "") if isinstance(choice, NamedToolChoice) else choice or "")
 
 

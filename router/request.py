@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from router.reply import ReplyShape
 from shared.protocol.chat import ChatMessage, render_messages
-from shared.protocol.limits import RequestLimits
+from shared.protocol.limits import RequestLimits, check_cache_salt
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.structured import ConstraintCompiler, ConstraintKind, StructuredOutput
 from shared.protocol.tokenizer import Tokenizer
@@ -57,6 +57,7 @@ class GenerationRequest:
     priority: int = 0  # lower is more urgent
     ttft_ms: float = 0.0  # the request's own latency targets (0: the router's --ttft-slo-ms / --tpot-slo-ms)
     tpot_ms: float = 0.0
+    cache_salt: str = ""  # the tenant's prefix-cache namespace (prefill's keys and the router's guess chain from it)
 
 
 class Malformed:
@@ -117,12 +118,16 @@ class RequestParser:
         except ValueError as exc:
             raise Invalid(str(exc)) from exc
         return GenerationRequest(request.request_id, tuple(ids), params, reply, request.priority,
-                                 request.sla.ttft_ms, request.sla.tpot_ms)
+                                 request.sla.ttft_ms, request.sla.tpot_ms, request.cache_salt)
 
     def _check_sizes(self, request: generation_pb2.GenerateRequest) -> None:
         """The bounds read before anything else is: the id, the counts, the text's bytes, the token ids."""
         if len(request.request_id) > MAX_REQUEST_ID or not REQUEST_ID_CHARS.fullmatch(request.request_id):
             raise Invalid(f"request_id: at most {MAX_REQUEST_ID} characters of [A-Za-z0-9._:/-]")
+        try:
+            check_cache_salt(request.cache_salt)
+        except ValueError as exc:
+            raise Invalid(str(exc)) from exc
         if len(request.messages) > MAX_MESSAGES:
             raise Invalid(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}")
         if len(request.tools) > MAX_TOOLS:

@@ -210,12 +210,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     metrics.QUEUE.observe(time.perf_counter() - progress.t0)
                 decode_req = internal_pb2.DecodeRequest(request_id=rid, lease_id=lease_id, prompt_token_ids=ids,
                                                         sampling_params=sampling, local_prefill=place.best.local,
-                                                        num_resumed=resumed)
+                                                        num_resumed=resumed, cache_salt=req.cache_salt)
                 first = None
                 if not place.best.local:  # the prompt goes to a prefill instance, which pushes its KV into the lease
                     prefill_req = internal_pb2.PrefillRequest(
                         request_id=rid, prompt_token_ids=ids, sampling_params=sampling,
-                        destination=reserve.destination, priority=req.priority, num_resumed=resumed)
+                        destination=reserve.destination, priority=req.priority, num_resumed=resumed,
+                        cache_salt=req.cache_salt)
                     first = await self._prefill(place, dec, prefill_req, timeout)
                     decode_req.first_token_id, decode_req.rng_state = first.first_token_id, first.rng_state
                     if first.HasField("first_token_logprob"):
@@ -245,7 +246,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         tpot_s = (req.tpot_ms or self.cfg.tpot_slo_ms) / 1e3
         prefills, decodes = await self._reachable(context, progress.t_end)
         try:
-            pairs = await self._admit(ids, remaining, ttft_s, tpot_s, req.priority, prefills, decodes, progress.t0)
+            pairs = await self._admit(ids, remaining, ttft_s, tpot_s, req, prefills, decodes, progress.t0)
         except Rejected as exc:  # before any work anywhere
             metrics.request_done("router", "RESOURCE_EXHAUSTED", "sla")
             context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1e3))),))
@@ -290,9 +291,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await asyncio.sleep(self.cfg.load_interval / 2)
 
     @staticmethod
-    def _cached_prefix(ids: list[int], prefills: list[Instance]) -> list[int]:
-        """Per prefill instance, the prompt tokens its prefix cache holds (by its latest summary;
-        at least one token is always computed, as the scheduler does)."""
+    def _cached_prefix(ids: list[int], prefills: list[Instance], cache_salt: str = "") -> list[int]:
+        """Per prefill instance, the prompt tokens its prefix cache holds (by its latest summary; at least
+        one token is always computed, as the scheduler does), keyed under the request's cache_salt."""
         hashes: dict[int, list[bytes]] = {}
         out = []
         for inst in prefills:
@@ -302,7 +303,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 continue
             bs = view.block_size
             if bs not in hashes:
-                hashes[bs] = prompt_block_hashes(ids, bs, (len(ids) - 1) // bs)
+                hashes[bs] = prompt_block_hashes(ids, bs, (len(ids) - 1) // bs, cache_salt)
             out.append(view.prefix.cached_prefix_blocks(hashes[bs]) * bs)
         return out
 
@@ -359,12 +360,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         progress.t_last = now
         progress.streamed += token_ids
 
-    async def _admit(self, ids: list[int], max_tokens: int, ttft_s: float, tpot_s: float, priority: int,
+    async def _admit(self, ids: list[int], max_tokens: int, ttft_s: float, tpot_s: float, req: GenerationRequest,
                      prefills: list[Instance], decodes: list[Instance], t0: float) -> list[Choice]:
         """The policy's pairs for this request. With --admission-wait-ms a request no pair can serve yet is
         held and chosen again after each load poll, its TTFT target shrinking by the time it has waited,
         until a pair fits or waiting longer could not make the target (then Rejected, as at once)."""
-        cached = self._cached_prefix(ids, prefills)
+        cached, priority = self._cached_prefix(ids, prefills, req.cache_salt), req.priority
         wait_until = t0 + self.cfg.admission_wait_ms / 1e3
         while True:
             waited = time.perf_counter() - t0

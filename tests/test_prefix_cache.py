@@ -6,7 +6,7 @@ import pytest
 
 from shared.engine import LLM, SamplingParams
 from shared.kvcache import BlockAllocator
-from shared.protocol.prefix import block_hash
+from shared.protocol.prefix import block_hash, prompt_block_hashes
 from tests.helpers import random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -105,3 +105,33 @@ def test_prefix_filter_summarises_the_cache_for_the_router(sparse_path):
     assert f.cached_prefix_blocks(prompt_block_hashes(prompt + [1, 2], 4)) == len(prompt) // 4
     assert f.cached_prefix_blocks(prompt_block_hashes(prompt[:9] + [99] * 20, 4)) == 2  # diverges in block 2
     assert f.cached_prefix_blocks(prompt_block_hashes(list(range(100, 140)), 4)) == 0
+
+
+def test_cache_salt_keeps_tenants_prefixes_apart(sparse_path):
+    """Only a request with the same cache_salt claims a salted prompt's cached blocks; the empty salt
+    keys blocks as before (the router's guess, prompt_block_hashes, chains them the same way)."""
+    prompt = random_prompts(1, [41], 512, seed=54)[0]
+    llm = LLM(sparse_path, block_size=4)
+    engine = llm.engine
+    llm.generate([prompt], GREEDY, cache_salt="tenant-a")
+
+    def cached(salt: str) -> int:
+        seq = engine.add_request(prompt, GREEDY, cache_salt=salt)
+        while engine.has_work:
+            engine.step()
+        return seq.num_cached_prompt_tokens
+
+    assert [cached("tenant-b"), cached(""), cached("tenant-a")] == [0, 0, 40]
+    assert prompt_block_hashes(prompt, 4, 10, "tenant-a") == seq_hashes(engine, prompt, "tenant-a")
+    assert prompt_block_hashes(prompt, 4, 10) == [block_hash(None, prompt[:4]), *prompt_block_hashes(prompt, 4, 10)[1:]]
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request(prompt, GREEDY, cache_salt="x" * 257)
+
+
+def seq_hashes(engine, prompt: list[int], salt: str) -> list[bytes]:
+    """The engine scheduler's keys of a salted prompt's first 10 blocks."""
+    seq = engine.make_sequence(prompt, GREEDY, cache_salt=salt)
+    try:
+        return engine.scheduler._hashes(seq, 10)
+    finally:
+        engine.abort(seq.request_id)

@@ -163,19 +163,22 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer.json; pass prompt_token_ids")
         return self.tokenizer.encode(prompt)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_resumed: int = 0) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, num_resumed: int = 0,
+                 cache_salt: str = "") -> None:
         """Raise ValueError naming the offending field (what a front checks once per request)."""
         params.validate()
-        self.limits.check_request(prompt_token_ids, params, num_resumed)
+        self.limits.check_request(prompt_token_ids, params, num_resumed, cache_salt)
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str | None = None, priority: int = 0, num_resumed: int = 0) -> Sequence:
+                      request_id: str | None = None, priority: int = 0, num_resumed: int = 0,
+                      cache_salt: str = "") -> Sequence:
         """A request its front validated (`validate`; the services' gRPC fronts, `add_request` offline): not
         checked again here; ValueError only for what needs the engine (a request id in flight, a constraint
         that does not compile). `num_resumed`: the last tokens of `prompt_token_ids` are the request's own
         outputs from an instance that failed (the router migrated it): they count as generated — toward
         max_tokens, min_tokens, the penalties and the grammar — and a seeded request's generator skips the
-        draws they took, so its random stream goes on where it stopped."""
+        draws they took, so its random stream goes on where it stopped. `cache_salt`: its prefix-cache
+        namespace (only requests with the same salt share cached blocks)."""
         rid = request_id or f"req-{next(self._counter)}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -183,7 +186,7 @@ class LLMEngine:
         grammar = self.grammars.start(params.structured) if params.structured is not None else None
         split = len(prompt_token_ids) - num_resumed
         seq = Sequence(rid, list(prompt_token_ids[:split]), params, output_token_ids=list(prompt_token_ids[split:]),
-                       generator=gen, priority=priority, grammar=grammar)
+                       generator=gen, priority=priority, grammar=grammar, cache_salt=cache_salt)
         if params.seed is not None and not params.greedy:
             for _ in range(num_resumed):  # one uniform per sampled token (shared.engine.sampler._uniforms)
                 torch.rand(1, generator=gen)
@@ -197,12 +200,13 @@ class LLMEngine:
         return OutputProcessor(self.tokenizer, params.stop, params.skip_special_tokens)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0, num_resumed: int = 0) -> Sequence:
+                    request_id: str | None = None, priority: int = 0, num_resumed: int = 0,
+                    cache_salt: str = "") -> Sequence:
         """Queue a request, validated (the offline API is its own front); a lower `priority` is scheduled
-        first (waiting queue, prompt chunks, preemption last), as vLLM's priority scheduling. `num_resumed`:
-        see make_sequence."""
-        self.validate(prompt_token_ids, params, num_resumed)
-        seq = self.make_sequence(prompt_token_ids, params, request_id, priority, num_resumed)
+        first (waiting queue, prompt chunks, preemption last), as vLLM's priority scheduling. `num_resumed`,
+        `cache_salt`: see make_sequence."""
+        self.validate(prompt_token_ids, params, num_resumed, cache_salt)
+        seq = self.make_sequence(prompt_token_ids, params, request_id, priority, num_resumed, cache_salt)
         self.scheduler.add(seq)
         return seq
 
@@ -459,7 +463,8 @@ class LLM:
 
     def generate(self, prompts: list[list[int]] | list[str] | str,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, cache_salt: str = "") -> list[RequestOutput]:
+        """`cache_salt`: every prompt's prefix-cache namespace (see LLMEngine.make_sequence)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -467,7 +472,7 @@ class LLM:
         seqs, outputs = [], {}
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            seq = self.engine.add_request(ids, p, priority=priority[i] if priority else 0)
+            seq = self.engine.add_request(ids, p, priority=priority[i] if priority else 0, cache_salt=cache_salt)
             seqs.append(seq)
             outputs[seq.request_id] = self.engine.output_processor(p)
         while self.engine.has_work:

@@ -31,7 +31,7 @@ from shared.engine.structured import GrammarState
 from shared.kvcache import BlockLedger, Holder, Holding, Owner
 from shared.protocol.finish import FinishReason
 from shared.protocol.limits import blocks_for
-from shared.protocol.prefix import block_hash
+from shared.protocol.prefix import block_hash, salt_root
 from shared.protocol.sampling import TokenLogprob
 
 PROMPT_LOGPROBS_CHUNK_TOKENS = 256  # see _chunk_cap
@@ -66,6 +66,7 @@ class Sequence:
     num_registered: int = 0  # leading blocks of block_table already in the prefix cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities first come, first served
+    cache_salt: str = ""  # a tenant's: its prefix-cache keys chain from the salt (shared.protocol.prefix)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -203,12 +204,14 @@ class Scheduler:
         return chunks
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The prefix-cache keys of the request's first `num_blocks` full blocks (computed once)."""
+        """The prefix-cache keys of the request's first `num_blocks` full blocks (computed once), chained
+        from its cache_salt's root (shared.protocol.prefix.prompt_block_hashes, the router's, is the same)."""
         bs, tokens = self.block_size, None
         while len(seq.block_hashes) < num_blocks:
             tokens = tokens or seq.all_token_ids
             i = len(seq.block_hashes)
-            seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else None, tokens[i * bs : (i + 1) * bs]))
+            parent = seq.block_hashes[-1] if i else salt_root(seq.cache_salt)
+            seq.block_hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs]))
         return seq.block_hashes[:num_blocks]
 
     def _claim_prefix(self, seq: Sequence) -> None:

@@ -10,6 +10,14 @@ from dataclasses import dataclass
 
 from shared.protocol.sampling import SamplingParams
 
+MAX_CACHE_SALT = 256  # characters of a request's cache_salt (vLLM's field; a tenant's prefix-cache namespace)
+
+
+def check_cache_salt(cache_salt: str) -> None:
+    """Raise ValueError naming cache_salt when it is longer than MAX_CACHE_SALT."""
+    if len(cache_salt) > MAX_CACHE_SALT:
+        raise ValueError(f"cache_salt: at most {MAX_CACHE_SALT} characters, got {len(cache_salt)}")
+
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks that hold `num_tokens` tokens."""
@@ -27,11 +35,13 @@ class RequestLimits:
     kv_blocks: int = 0  # 0: not known here
     speculative: bool = False  # the engine drafts (MTP): requests that need an exact token history are refused
 
-    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, num_resumed: int = 0) -> None:
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, num_resumed: int = 0,
+                      cache_salt: str = "") -> None:
         """Raise ValueError naming the offending field of a request an engine would run (its sampling
         parameters already `validate()`d): the prompt, a migrated request's resumed outputs, the length,
-        the sampling token ids, and what a speculative engine cannot do exactly."""
+        the sampling token ids, the cache salt, and what a speculative engine cannot do exactly."""
         self.check_prompt_ids(prompt_ids)
+        check_cache_salt(cache_salt)
         if not 0 <= num_resumed < min(len(prompt_ids), params.max_tokens):
             raise ValueError(f"num_resumed: {num_resumed} earlier outputs do not fit a {len(prompt_ids)}-token "
                              f"prompt with max_tokens {params.max_tokens}")
