@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import grpc
 import httpx
 import jsonschema
 import openai
@@ -116,6 +117,7 @@ def test_chat_and_thinking_mode(cluster, client):
     ({"seed": 2**64}, 400, "seed"),
     ({"extra_body": {"priority": -(2**40)}}, 400, "priority"),
     ({"best_of": 3}, 400, "best_of"),
+    ({"extra_body": {"cache_salt": "s" * 257}}, 400, "cache_salt"),
     ({"extra_body": {"response_format": {"type": "json_schema"}}}, 400, "response_format.json_schema"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(client, kwargs, status, param):
@@ -123,6 +125,26 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, kwargs, status,
         client.completions.create(**{"model": "demo-v32", "prompt": "hi", "max_tokens": 4, **kwargs})
     assert err.value.status_code == status
     assert err.value.body["param"] == param and err.value.body["code"] == status
+
+
+def test_cache_salt_keeps_tenants_prefixes_apart(cluster, client):
+    """The same prompt with the same cache_salt finds its cached prefix; with another salt it finds none.
+    A salt past 256 characters is INVALID_ARGUMENT over gRPC too."""
+    prompt = " ".join(f"verse {i}" for i in range(40))  # ~100 tokens: several full blocks
+
+    def cached(salt: str) -> int:
+        out = client.completions.create(model="demo-v32", prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": salt})
+        assert out.usage.prompt_tokens >= 64
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    with cluster.channel(cluster.address) as ch, pytest.raises(grpc.RpcError) as err:
+        list(generation_pb2_grpc.GenerationStub(ch).Generate(
+            generation_pb2.GenerateRequest(prompt=prompt, cache_salt="s" * 257), timeout=30))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in err.value.details()
 
 
 def test_auth_overload_and_deadline(cluster, client):
