@@ -46,12 +46,13 @@ def _parse(request, open_ended: bool = False, constraints=None) -> GenerationReq
 def test_a_request_is_parsed_once_and_the_client_s_message_is_left_alone():
     request = generation_pb2.GenerateRequest(
         request_id="a-1", prompt_token_ids=[5, 6, 7], priority=-1, sla=generation_pb2.Sla(ttft_ms=50.0),
-        sampling_params=generation_pb2.SamplingParams(temperature=0.0, stop=["x"], seed=7))
+        cache_salt="tenant-a", sampling_params=generation_pb2.SamplingParams(temperature=0.0, stop=["x"], seed=7))
     sent = request.SerializeToString()
     req = _parse(request, open_ended=True)
     assert request.SerializeToString() == sent
     assert (req.request_id, req.prompt_token_ids, req.priority, req.ttft_ms, req.tpot_ms) == ("a-1", (5, 6, 7), -1,
                                                                                               50.0, 0.0)
+    assert req.cache_salt == "tenant-a"
     assert req.sampling.max_tokens == 16 and req.sampling.seed == 7 and req.sampling.stop == ["x"]
     assert sampling_from_proto(sampling_to_proto(req.sampling)) == req.sampling  # what prefill and decode see
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -81,6 +82,7 @@ def test_a_forced_tool_call_and_thinking_shape_the_sampling_not_the_message():
     ({"prompt_token_ids": [1], "sampling_params": generation_pb2.SamplingParams(max_tokens=CONTEXT)},
      "sampling_params.max_tokens:"),
     ({"prompt_token_ids": [100]}, "prompt_token_ids: token id 100"),
+    ({"prompt_token_ids": [1], "cache_salt": "s" * 257}, "cache_salt: at most 256"),
 ])
 def test_an_invalid_field_is_named(kwargs, field):
     with pytest.raises(Invalid, match=f"^{field}"):
