@@ -73,6 +73,29 @@ def test_openai_contract_through_pdserve_up(up):
     assert huge.status_code == 413 and huge.json()["error"]["code"] == 413
 
 
+def test_cache_salt_through_pdserve_up(up):
+    """Tenants apart, through the command: a prompt computed under salt A is served from the prefix cache to
+    salt A again (once the router's prefix summaries have it, whichever prefill instance it picks), never to
+    salt B or to no salt; a 257-character salt is HTTP 400 naming the field."""
+    client = openai.OpenAI(base_url=up.http_url, api_key="none", max_retries=0)
+    prompt = [7 + i % 50 for i in range(100)]
+
+    def cached(salt: str) -> int:
+        usage = client.completions.create(model=up.model, prompt=prompt, max_tokens=2, temperature=0,
+                                          extra_body={"cache_salt": salt} if salt else {}).usage
+        return usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+
+    assert cached("tenant-a") == 0
+    hits = []
+    for _ in range(3):  # both prefill instances may compute it once before the summaries agree
+        time.sleep(1.0)
+        hits.append(cached("tenant-a"))
+    assert max(hits) >= 96, hits  # the whole blocks of the 100-token prompt
+    assert cached("tenant-b") == 0 and cached("") == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("x" * 257)
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fault_through_pdserve_up(up, workload, fault):
     specs, reference = workload
