@@ -9,7 +9,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.openai_choices import CallRules
 from router.openai_errors import HttpAbort, HttpCall
@@ -38,10 +38,38 @@ class Sla(BaseModel):
     tpot_ms: float = 0.0
 
 
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string in a JSON value that is not Unicode text (a lone surrogate such as
+    "\\ud800", which JSON allows and UTF-8 cannot carry), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and lone_surrogate(key) is not None:
+            return f"{path}.{key!r}" if path else repr(key)
+        if (where := lone_surrogate(item, f"{path}.{key}" if path else str(key))) is not None:
+            return where
+    return None
+
+
 class SamplingFields(BaseModel):
     """The sampling fields both endpoints take."""
 
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI's server and vLLM do
+
+    @model_validator(mode="before")
+    @classmethod
+    def text_only(cls, data: Any) -> Any:
+        """Every string of the body is text: a lone surrogate is a 400 naming its field, not a 500 when the
+        proto or a hash meets it."""
+        if (where := lone_surrogate(data)) is not None:
+            raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: not valid Unicode text (a lone surrogate)",
+                            where)
+        return data
 
     model: str
     max_tokens: Int32 | None = None

@@ -147,6 +147,21 @@ def test_cache_salt_keeps_tenants_prefixes_apart(cluster, client):
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in err.value.details()
 
 
+@pytest.mark.parametrize("path,body,field", [
+    ("completions", '"prompt": "hi", "cache_salt": "a\\ud800"', "cache_salt"),
+    ("completions", '"prompt": "hi \\udc00", "cache_salt": "a"', "prompt"),
+    ("chat/completions", '"messages": [{"role": "user", "content": "x\\ud800"}]', "messages.0.content"),
+    ("completions", '"prompt": "hi", "stop": ["ok", "\\udfff"]', "stop.1"),
+])
+def test_a_lone_surrogate_in_any_string_is_a_400_naming_it(cluster, client, path, body, field):
+    """JSON may carry "\\ud800" (no UTF-8 bytes): the body is refused naming the field, not a 500 at the proto."""
+    raw = '{"model": "demo-v32", "max_tokens": 2, ' + body + "}"
+    r = httpx.post(f"{client.base_url}{path}", content=raw, timeout=30,
+                   headers={"content-type": "application/json", "authorization": f"Bearer {client.api_key}"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and "lone surrogate" in r.json()["error"]["message"]
+
+
 def test_auth_overload_and_deadline(cluster, client):
     base = f"http://{cluster.http_address}/v1"
     wrong = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)

@@ -126,6 +126,8 @@ def test_cache_salt_keeps_tenants_prefixes_apart(sparse_path):
     assert prompt_block_hashes(prompt, 4, 10) == [block_hash(None, prompt[:4]), *prompt_block_hashes(prompt, 4, 10)[1:]]
     with pytest.raises(ValueError, match="cache_salt"):
         engine.add_request(prompt, GREEDY, cache_salt="x" * 257)
+    with pytest.raises(ValueError, match="cache_salt: not valid Unicode"):
+        engine.add_request(prompt, GREEDY, cache_salt="tenant-\ud800")
 
 
 def seq_hashes(engine, prompt: list[int], salt: str) -> list[bytes]:

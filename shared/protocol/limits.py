@@ -14,9 +14,14 @@ MAX_CACHE_SALT = 256  # characters of a request's cache_salt (vLLM's field; a te
 
 
 def check_cache_salt(cache_salt: str) -> None:
-    """Raise ValueError naming cache_salt when it is longer than MAX_CACHE_SALT."""
+    """Raise ValueError naming cache_salt when it is longer than MAX_CACHE_SALT or not text (a lone
+    surrogate from a JSON body: no UTF-8 bytes to hash)."""
     if len(cache_salt) > MAX_CACHE_SALT:
         raise ValueError(f"cache_salt: at most {MAX_CACHE_SALT} characters, got {len(cache_salt)}")
+    try:
+        cache_salt.encode()
+    except UnicodeEncodeError:
+        raise ValueError("cache_salt: not valid Unicode text (a lone surrogate)") from None
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
