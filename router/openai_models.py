@@ -66,6 +66,11 @@ class SamplingFields(BaseModel):
     def text_only(cls, data: Any) -> Any:
         """Every string of the body is text: a lone surrogate is a 400 naming its field, not a 500 when the
         proto or a hash meets it."""
+        try:  # the whole body at C speed (a 128k-token prompt is a long list); the walk only names the field
+            json.dumps(data, ensure_ascii=False).encode()
+            return data
+        except (UnicodeEncodeError, TypeError, ValueError):
+            pass
         if (where := lone_surrogate(data)) is not None:
             raise HttpAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: not valid Unicode text (a lone surrogate)",
                             where)
