@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
+
+from shared.kvcache.events import CacheEvent, CacheEventKind, CacheListener, Tier
 
 
 class OutOfBlocks(RuntimeError):
@@ -20,7 +22,7 @@ class PoolState:
     free: list[int]
     evictable: list[int]
     refs: dict[int, int]
-    releasing: dict[int, str]  # block → who queued its release (drained on the engine thread)
+    releasing: dict[int, list[str]]  # block → who queued a release of it (drained on the engine thread)
 
 
 class BlockAllocator:
@@ -42,13 +44,21 @@ class BlockAllocator:
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
-        self._releasing: dict[int, str] = {}  # sole references given up off the engine thread, not dropped yet
+        self._releasing: dict[int, list[str]] = {}  # references given up off the engine thread, not dropped yet
         self._lock = threading.Lock()
+        self.listeners: list[CacheListener] = []  # told every block stored in / removed from the prefix cache
 
     @property
     def num_free(self) -> int:
-        """Blocks an allocation can get (free + evictable cached + queued releases)."""
-        return len(self._free) + len(self._evictable) + len(self._releasing)
+        """Blocks an allocation can get (free + evictable cached + queued releases of every reference)."""
+        return len(self._free) + len(self._evictable) + self._num_releasing
+
+    def _emit(self, kind: CacheEventKind, block_hash: bytes = b"") -> None:
+        """Tell the listeners (lock held, so they see the cache's changes in order)."""
+        if self.listeners:
+            event = CacheEvent(kind, Tier.DEVICE, block_hash)
+            for listener in self.listeners:
+                listener(event)
 
     @property
     def num_cached(self) -> int:
@@ -69,7 +79,9 @@ class BlockAllocator:
                     block = self._free.pop()
                 else:  # evict the least recently used cached block
                     block, _ = self._evictable.popitem(last=False)
-                    del self._block_of[self._hash_of.pop(block)]
+                    evicted = self._hash_of.pop(block)
+                    del self._block_of[evicted]
+                    self._emit(CacheEventKind.REMOVED, evicted)
                 self._refs[block] = 1
                 blocks.append(block)
             return blocks
@@ -96,22 +108,31 @@ class BlockAllocator:
             self._free.append(b)
 
     def _queue_block_release(self, blocks: list[int], why: str) -> None:
-        """Another thread gives up its sole reference to each block; the ledger drains it on the engine
-        thread (`_drain_block_releases`). The ledger's alone to call."""
+        """Another thread gives up one reference to each block (a lease's: a block it shares with the prefix
+        cache has others); the ledger drains it on the engine thread (`_drain_block_releases`). The ledger's
+        alone to call."""
         with self._lock:
+            queued = Counter(blocks)
+            for b, n in queued.items():
+                if self._refs.get(b, 0) < len(self._releasing.get(b, ())) + n:
+                    raise ValueError(f"block {b} ({why}): more releases than references "
+                                     f"({self._refs.get(b, 0)} references, {len(self._releasing.get(b, ()))} queued)")
             for b in blocks:
-                if self._refs.get(b) != 1 or b in self._releasing:
-                    raise ValueError(f"block {b} ({why}): only a sole reference can be released off the engine "
-                                     f"thread (references {self._refs.get(b, 0)}, queued: {b in self._releasing})")
-            self._releasing.update(dict.fromkeys(blocks, why))
+                self._releasing.setdefault(b, []).append(why)
+
+    @property
+    def _num_releasing(self) -> int:
+        """Queued blocks whose every reference is being released (they will be free)."""
+        return sum(1 for b, whys in self._releasing.items() if len(whys) == self._refs.get(b))
 
     def _drain_block_releases(self) -> int:
         """Drop the queued releases' references; how many. The ledger's alone to call."""
         with self._lock:
             queued, self._releasing = self._releasing, {}
-            for b in queued:
-                self._drop(b)
-            return len(queued)
+            for b, whys in queued.items():
+                for _ in whys:
+                    self._drop(b)
+            return sum(len(whys) for whys in queued.values())
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """Claim (one reference each) the cached blocks of the longest prefix of `hashes`."""
@@ -136,6 +157,7 @@ class BlockAllocator:
                 return
             self._hash_of[block] = block_hash
             self._block_of[block_hash] = block
+            self._emit(CacheEventKind.STORED, block_hash)
 
     def cached_hashes(self) -> list[bytes]:
         """The keys of every cached block (for a prefix summary: see PrefixFilter)."""
@@ -149,9 +171,10 @@ class BlockAllocator:
             self._evictable.clear()
             self._hash_of.clear()
             self._block_of.clear()
+            self._emit(CacheEventKind.CLEARED)
 
     def state(self) -> PoolState:
         """A consistent copy of the books (O(blocks): the ledger's debug check)."""
         with self._lock:
             return PoolState(self.num_blocks, list(self._free), list(self._evictable), dict(self._refs),
-                             dict(self._releasing))
+                             {b: list(whys) for b, whys in self._releasing.items()})

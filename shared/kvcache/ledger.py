@@ -129,6 +129,11 @@ class BlockLedger:
         seq.block_table = self.allocator.lookup(hashes)
         return len(seq.block_table)
 
+    def lease_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Prefix cache → lease: a reservation starts on the cached blocks of the longest cached prefix of
+        its prompt (one more reference each; the push fills only the blocks after them)."""
+        return self.allocator.lookup(hashes)
+
     def register(self, block: int, block_hash: bytes) -> None:
         """A held block whose KV is complete enters the prefix cache (its holders keep it)."""
         self.allocator.register(block, block_hash)
@@ -226,8 +231,8 @@ class BlockLedger:
             holdings = [Holding(h, list(b)) for h, b in self._kept.items()]
         holdings += [h for source in self._sources for h in source.holdings()]
         holders: dict[int, list[Holder]] = defaultdict(list)
-        for block, why in pool.releasing.items():
-            holders[block].append(Holder(Owner.RELEASING, why))
+        for block, whys in pool.releasing.items():
+            holders[block] += [Holder(Owner.RELEASING, why) for why in whys]
         for holding in holdings:
             for block in holding.blocks:
                 holders[block].append(holding.holder)
