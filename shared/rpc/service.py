@@ -157,7 +157,7 @@ class Credentials:
             return b""
         fields = (dest.transport, dest.endpoint, dest.lease_id, dest.token.hex(), dest.control_endpoint,
                   ",".join(map(str, dest.block_ids)), ",".join(map(str, dest.mla_base)),
-                  ",".join(map(str, dest.index_base)), dest.layout_json)
+                  ",".join(map(str, dest.index_base)), dest.layout_json, str(dest.reused_blocks))
         return hmac.new(self.token.encode(), "\x1f".join(fields).encode(), hashlib.sha256).digest()
 
     def vouched(self, dest: internal_pb2.KVDestination) -> str | None:

@@ -38,18 +38,19 @@ class Destination:
     index_base: list[int] = field(default_factory=list)
     control_endpoint: str = ""
     signature: bytes = b""  # the decode instance's HMAC over the fields above (Credentials.sign)
+    reused_blocks: int = 0  # the lease's leading blocks decode caches already: a push fills the ones after
 
     def to_proto(self, msg_cls):  # generated message class
         return msg_cls(transport=self.transport, endpoint=self.endpoint, lease_id=self.lease_id, token=self.token,
                        block_ids=self.block_ids, layout_json=json.dumps(self.layout), mla_base=self.mla_base,
                        index_base=self.index_base, control_endpoint=self.control_endpoint,
-                       signature=self.signature)
+                       signature=self.signature, reused_blocks=self.reused_blocks)
 
     @classmethod
     def from_proto(cls, msg) -> Destination:
         return cls(msg.transport, msg.endpoint, msg.lease_id, bytes(msg.token), list(msg.block_ids),
                    json.loads(msg.layout_json or "{}"), list(msg.mla_base), list(msg.index_base),
-                   msg.control_endpoint, bytes(msg.signature))
+                   msg.control_endpoint, bytes(msg.signature), msg.reused_blocks)
 
 
 def cache_kinds(layout: KVLayout) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.rpc.pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/internal.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\xd0\x01\n\rKVDestination\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x13\n\x0blayout_json\x18\x06 \x01(\t\x12\x10\n\x08mla_base\x18\x07 \x03(\x04\x12\x12\n\nindex_base\x18\x08 \x03(\x04\x12\x18\n\x10\x63ontrol_endpoint\x18\t \x01(\t\x12\x11\n\tsignature\x18\n \x01(\x0c\"S\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\"R\n\x0fReserveResponse\x12.\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\x05\"\xde\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x13\n\x0bnum_resumed\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\xfc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x11\n\trng_state\x18\x02 \x01(\x0c\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x1d\n\x15transfer_wait_seconds\x18\x04 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x05\x12\x35\n\x13\x66irst_token_logprob\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xa6\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\x05\x12\x11\n\trng_state\x18\x06 \x01(\x0c\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\x12\x35\n\x13\x66irst_token_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x13\n\x0bnum_resumed\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\t\"\xa7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xbc\x01\n\x08RankLoad\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x15\n\ractive_leases\x18\x06 \x01(\x05\x12\x0e\n\x06tokens\x18\x07 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x08 \x01(\x03\x12\x1c\n\x14queued_prompt_tokens\x18\t \x01(\x03\"\xde\x01\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x05\x12\x15\n\ractive_leases\x18\x05 \x01(\x05\x12#\n\x05ranks\x18\x06 \x03(\x0b\x32\x14.pdserve.v1.RankLoad\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rprefix_filter\x18\t \x01(\x0c\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport2\x8f\x02\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/internal.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\xe7\x01\n\rKVDestination\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x13\n\x0blayout_json\x18\x06 \x01(\t\x12\x10\n\x08mla_base\x18\x07 \x03(\x04\x12\x12\n\nindex_base\x18\x08 \x03(\x04\x12\x18\n\x10\x63ontrol_endpoint\x18\t \x01(\t\x12\x11\n\tsignature\x18\n \x01(\x0c\x12\x15\n\rreused_blocks\x18\x0b \x01(\x05\"\x81\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"R\n\x0fReserveResponse\x12.\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\x05\"\xde\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x13\n\x0bnum_resumed\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\xfc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x11\n\trng_state\x18\x02 \x01(\x0c\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x1d\n\x15transfer_wait_seconds\x18\x04 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x05\x12\x35\n\x13\x66irst_token_logprob\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xa6\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\x05\x12\x11\n\trng_state\x18\x06 \x01(\x0c\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\x12\x35\n\x13\x66irst_token_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x13\n\x0bnum_resumed\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\t\"\xa7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xbc\x01\n\x08RankLoad\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x15\n\ractive_leases\x18\x06 \x01(\x05\x12\x0e\n\x06tokens\x18\x07 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x08 \x01(\x03\x12\x1c\n\x14queued_prompt_tokens\x18\t \x01(\x03\"\xde\x01\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x05\x12\x15\n\ractive_leases\x18\x05 \x01(\x05\x12#\n\x05ranks\x18\x06 \x03(\x0b\x32\x14.pdserve.v1.RankLoad\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rprefix_filter\x18\t \x01(\x0c\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport2\x8f\x02\n\x06\x44\x65\x63ode\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.internal_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVDESTINATION']._serialized_start=71
-  _globals['_KVDESTINATION']._serialized_end=279
-  _globals['_RESERVEREQUEST']._serialized_start=281
-  _globals['_RESERVEREQUEST']._serialized_end=364
-  _globals['_RESERVERESPONSE']._serialized_start=366
-  _globals['_RESERVERESPONSE']._serialized_end=448
-  _globals['_PREFILLREQUEST']._serialized_start=451
-  _globals['_PREFILLREQUEST']._serialized_end=673
-  _globals['_PREFILLRESPONSE']._serialized_start=676
-  _globals['_PREFILLRESPONSE']._serialized_end=928
-  _globals['_DECODEREQUEST']._serialized_start=931
-  _globals['_DECODEREQUEST']._serialized_end=1225
-  _globals['_DECODERESPONSE']._serialized_start=1228
-  _globals['_DECODERESPONSE']._serialized_end=1395
-  _globals['_RELEASEREQUEST']._serialized_start=1397
-  _globals['_RELEASEREQUEST']._serialized_end=1431
-  _globals['_RELEASERESPONSE']._serialized_start=1433
-  _globals['_RELEASERESPONSE']._serialized_end=1468
-  _globals['_LOADREQUEST']._serialized_start=1470
-  _globals['_LOADREQUEST']._serialized_end=1483
-  _globals['_RANKLOAD']._serialized_start=1486
-  _globals['_RANKLOAD']._serialized_end=1674
-  _globals['_LOADREPORT']._serialized_start=1677
-  _globals['_LOADREPORT']._serialized_end=1899
-  _globals['_PREFILL']._serialized_start=1902
-  _globals['_PREFILL']._serialized_end=2039
-  _globals['_DECODE']._serialized_start=2042
-  _globals['_DECODE']._serialized_end=2313
+  _globals['_KVDESTINATION']._serialized_end=302
+  _globals['_RESERVEREQUEST']._serialized_start=305
+  _globals['_RESERVEREQUEST']._serialized_end=434
+  _globals['_RESERVERESPONSE']._serialized_start=436
+  _globals['_RESERVERESPONSE']._serialized_end=518
+  _globals['_PREFILLREQUEST']._serialized_start=521
+  _globals['_PREFILLREQUEST']._serialized_end=743
+  _globals['_PREFILLRESPONSE']._serialized_start=746
+  _globals['_PREFILLRESPONSE']._serialized_end=998
+  _globals['_DECODEREQUEST']._serialized_start=1001
+  _globals['_DECODEREQUEST']._serialized_end=1295
+  _globals['_DECODERESPONSE']._serialized_start=1298
+  _globals['_DECODERESPONSE']._serialized_end=1465
+  _globals['_RELEASEREQUEST']._serialized_start=1467
+  _globals['_RELEASEREQUEST']._serialized_end=1501
+  _globals['_RELEASERESPONSE']._serialized_start=1503
+  _globals['_RELEASERESPONSE']._serialized_end=1538
+  _globals['_LOADREQUEST']._serialized_start=1540
+  _globals['_LOADREQUEST']._serialized_end=1553
+  _globals['_RANKLOAD']._serialized_start=1556
+  _globals['_RANKLOAD']._serialized_end=1744
+  _globals['_LOADREPORT']._serialized_start=1747
+  _globals['_LOADREPORT']._serialized_end=1969
+  _globals['_PREFILL']._serialized_start=1972
+  _globals['_PREFILL']._serialized_end=2109
+  _globals['_DECODE']._serialized_start=2112
+  _globals['_DECODE']._serialized_end=2383
 # @@protoc_insertion_point(module_scope)
