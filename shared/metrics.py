@@ -69,6 +69,19 @@ KV_PUSH_FAILURES = Counter("pdserve_kv_push_failures_total", "KV pushes that fai
 STEP_SECONDS = Histogram("pdserve_decode_step_seconds", "One lock-step decode iteration (all ranks)",
                          buckets=LATENCY)
 EXPIRED_LEASES = Counter("pdserve_decode_expired_leases_total", "Reservations that expired unused")
+KV_BLOCKS = Counter("pdserve_decode_kv_blocks_total", "Prompt KV blocks of reservations: pushed by prefill, or "
+                    "reused from this instance's prefix cache (only the rest travels)", ["source"])
+
+# --- the fleet's prefix cache (every engine-backed service) ------------------------------------------------
+PREFIX_HIT_TOKENS = Counter("pdserve_prefix_cache_hit_tokens_total", "Prompt tokens served from a prefix cache "
+                            "instead of computed (prefill) or pushed (decode), by the tier that held them",
+                            ["service", "tier"])
+KV_TIER_BYTES = Counter("pdserve_kv_tier_bytes_total", "Bytes the second KV tier wrote (spilled blocks) or read "
+                        "back (hits)", ["direction"])
+KV_TIER_DROPPED = Counter("pdserve_kv_tier_dropped_blocks_total", "Second-tier blocks dropped instead of served, "
+                          "by why (corrupt: the checksum or length failed; full: evicted for room)", ["reason"])
+KV_EVENTS = Counter("pdserve_kv_events_total", "Prefix-cache events published to subscribers (routers), by kind "
+                    "and tier", ["kind", "tier"])
 
 
 class LoadCollector(Collector):
