@@ -56,6 +56,8 @@ class ServiceConfig(EndpointConfig):
     share_weights_dir: str | None = same_as(EngineConfig, "share_weights_dir")
     block_size: int = same_as(EngineConfig, "block_size")
     kv_cache_tokens: int = same_as(EngineConfig, "kv_cache_tokens")
+    no_prefix_cache: bool = flag(False, "no prefix cache: prefill recomputes every prompt, decode gets every block "
+                                        "pushed")
     ep: int = flag(1, "expert-parallel ranks (divides the instance's ranks)")
     tp: int = flag(1, "local TP ranks for o_proj / lm_head / embedding")
     cp: int = 1  # prefill instances (their own flag)
@@ -105,7 +107,6 @@ class PrefillConfig(ServiceConfig):
     max_prefill_tokens: int = flag(knob_default(EngineConfig, "max_num_batched_tokens"),
                                    "prompt tokens computed per engine step (chunked prefill; several prompts batch "
                                    "up to it)", bounds=(1, None))
-    no_prefix_cache: bool = flag(False, "recompute every prompt (no prefix cache)")
     kv_stall_seconds: float = flag(1.5, "a KV push that makes no progress this long fails (the request gets "
                                         "UNAVAILABLE)")
 
