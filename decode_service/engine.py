@@ -33,6 +33,7 @@ from shared.engine.core import (
     Reply,
 )
 from shared.engine.process import CoreConnection, CoreLink, CoreProcess, Fatal, InProcessLink, Ready, StartFailed
+from shared.kvcache.event_log import CacheEventLog, KvEventsNotice, RankKvEvents
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
@@ -46,6 +47,7 @@ FATAL = object()  # put in every stream when the engine loop dies: the handlers 
 DRAINING = object()  # put in every stream on SIGTERM: the handlers end with UNAVAILABLE, the router moves them
 # after every loop turn: every rank's load, the lease ids that expired, the step's seconds (None: idle)
 ReportHook = Callable[[list[DecodeRankReport], list[str], float | None], None]
+KvEventsHook = Callable[[KvEventsNotice], None]  # after a turn with prefix-cache events: each rank's new ones
 
 
 @dataclass(frozen=True)
@@ -143,14 +145,21 @@ class Streams:
 
 class DecodeEngineCore(EngineCore):
     """Rank 0's engine core: places reservations, keeps every rank's load, streams the events. `sink`
-    (default: the streams served here) gets every step's events; `on_report` every turn's loads."""
+    (default: the streams served here) gets every step's events; `on_report` every turn's loads;
+    `on_kv_events` (a core process's front) every turn's prefix-cache events of every rank, which
+    `kv_events` (the instance's log, per rank) records here too (`prefix_blocks_by_rank`)."""
 
     def __init__(self, me: DecodeWorker, sink: Callable[[list[Event]], None] | None = None,
-                 on_report: ReportHook | None = None, on_fatal: Callable[[str], None] | None = None):
+                 on_report: ReportHook | None = None, on_fatal: Callable[[str], None] | None = None,
+                 on_kv_events: KvEventsHook | None = None):
         super().__init__(me, me.state, "dp-coordinator", on_fatal)
         self.me, self.mirror = me, me.mirror
+        self.kv_events = CacheEventLog(published=True)
+        self.on_kv_events = on_kv_events
         blocks = me.engine.kv.num_blocks
-        self.loads: list[DecodeRankReport] = [me.load()] + [
+        first = me.load()
+        self._publish([RankKvEvents(0, first.kv_events)] if first.kv_events else [])
+        self.loads: list[DecodeRankReport] = [replace(first, kv_events=[])] + [
             DecodeRankReport(RankLoad(r, free_blocks=blocks, total_blocks=blocks)) for r in range(1, self.world)]
         self.lease_rank: dict[str, int] = {}
         self._unreported: list[list[tuple[int, int]]] = [[] for _ in range(self.world)]  # (cid, tokens)
@@ -246,13 +255,17 @@ class DecodeEngineCore(EngineCore):
 
     def idle(self) -> None:
         self.me.leases.expire()
-        self._report([self._absorb(0, self.me.load())], None)
+        load = self.me.load()
+        self._publish([RankKvEvents(0, load.kv_events)] if load.kv_events else [])
+        self._report([self._absorb(0, load)], None)
 
     def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
         expired = []
+        self._publish([RankKvEvents(rank, r.load.kv_events) for rank, r in enumerate(reports)
+                       if r.load.kv_events and not (self.mirror and rank)])  # a mirror caches what rank 0 does
         for rank, report in enumerate(reports):
             if self.mirror and rank:  # mirrors repeat rank 0: their replies and events are dropped
-                self.loads[rank] = replace(report.load, expired=[])
+                self.loads[rank] = replace(report.load, expired=[], kv_events=[])
                 continue
             expired.append(self._absorb(rank, report.load))
             for reply in report.replies:
@@ -260,6 +273,22 @@ class DecodeEngineCore(EngineCore):
             self._forget_finished(report.events)
             self.sink(report.events)
         self._report(expired, step_seconds)
+
+    def _publish(self, ranks: list[RankKvEvents]) -> None:
+        """The ranks' new prefix-cache events into the instance's log (and to a core process's front)."""
+        if not ranks:
+            return
+        notice = KvEventsNotice(ranks)
+        self.kv_events.apply(notice)
+        if self.on_kv_events is not None:
+            self.on_kv_events(notice)
+
+    def prefix_blocks_by_rank(self, hashes: list[bytes]) -> list[int]:
+        """Per DP rank, how many leading blocks of `hashes` (a prompt's prefix-cache keys) its device pool
+        caches, by the events its reports carried (a TP mirror: rank 0's, for every rank)."""
+        if self.mirror:
+            return self.kv_events.leading_blocks(hashes, 1) * self.world
+        return self.kv_events.leading_blocks(hashes, self.world)
 
     def resolve(self, reply: Reply) -> None:
         if isinstance(reply.value, list):  # admit: deliver the first token before the caller streams
@@ -286,7 +315,7 @@ class DecodeEngineCore(EngineCore):
             self.lease_rank.pop(lease_id, None)
         with self._place_lock:
             self._unreported[rank] = [(c, t) for c, t in self._unreported[rank] if c > load.applied_cid]
-        self.loads[rank] = replace(load, expired=[])
+        self.loads[rank] = replace(load, expired=[], kv_events=[])
         return expired
 
     def _report(self, expired_per_rank: list[list[str]], step_seconds: float | None) -> None:
@@ -320,11 +349,11 @@ def _then(fut: Future, fn: Callable[[Any], Any]) -> Future:
 
 
 def build_engine_core(cfg: DecodeConfig, sink: Callable[[list[Event]], None] | None = None,
-                      on_report: ReportHook | None = None,
-                      on_fatal: Callable[[str], None] | None = None) -> DecodeEngineCore:
+                      on_report: ReportHook | None = None, on_fatal: Callable[[str], None] | None = None,
+                      on_kv_events: KvEventsHook | None = None) -> DecodeEngineCore:
     """Rank 0's worker and its engine core."""
     worker = DecodeWorker(cfg, 0, service_state(cfg.parallel(), 0, cfg.cpu_threads))
-    return DecodeEngineCore(worker, sink, on_report, on_fatal)
+    return DecodeEngineCore(worker, sink, on_report, on_fatal, on_kv_events)
 
 
 # -- the core in its own process ------------------------------------------------------------------------
@@ -338,7 +367,7 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
         core = build_engine_core(
             cfg, sink=lambda events: front.send(EventsNotice(events)) if events else None,
             on_report=lambda loads, expired, seconds: front.send(LoadsNotice(loads, expired, seconds)),
-            on_fatal=lambda reason: front.send(Fatal(reason)))
+            on_fatal=lambda reason: front.send(Fatal(reason)), on_kv_events=front.send)
     except Exception as exc:  # reported to the front, which fails its start
         front.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
@@ -352,11 +381,13 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
 class DecodeEngineClient:
     """The decode front's one handle on its engine core, wherever the core runs (`link`: in this process or
     its own, see `start_engine`): typed commands in; the streams, lease routing, every rank's latest load
-    and detokenization stay here, fed by the core's notices."""
+    and detokenization stay here, fed by the core's notices; `kv_events`, every rank's prefix-cache events
+    (the KvEvents stream's log; in process, the core's own)."""
 
     def __init__(self, link: CoreLink, facts: DecodeFacts, tokenizer: Tokenizer | None,
-                 lease_rank: dict[str, int] | None = None):
+                 lease_rank: dict[str, int] | None = None, kv_events: CacheEventLog | None = None):
         self.link = link
+        self.kv_events = kv_events or CacheEventLog(published=True)
         self.streams = Streams()
         self.lease_rank: dict[str, int] = {} if lease_rank is None else lease_rank  # lease id → the rank holding it
         self.loads = facts.loads
@@ -389,6 +420,8 @@ class DecodeEngineClient:
             metrics.EXPIRED_LEASES.inc(len(msg.expired))
             if msg.step_seconds is not None:
                 metrics.STEP_SECONDS.observe(msg.step_seconds)
+        elif isinstance(msg, KvEventsNotice):
+            self.kv_events.apply(msg)
 
     def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
         self.link.set_fatal_handler(handler)
@@ -408,7 +441,7 @@ def start_engine(cfg: DecodeConfig, start_timeout: float = 900.0) -> DecodeEngin
     link = InProcessLink(core)
     # the core's lease routing is the front's (a mirror group's overdue leases are forgotten there)
     client = DecodeEngineClient(link, DecodeFacts(core.limits, core.me.receiver.transport, core.loads),
-                                core.me.engine.tokenizer, core.lease_rank)
+                                core.me.engine.tokenizer, core.lease_rank, core.kv_events)
     link.listen(client.on_message, on_lost=lambda reason: client.streams.fail_all())
     core.sink = lambda events: link.notify(EventsNotice(events)) if events else None  # as a core process sends
     core.on_report = lambda loads, expired, seconds: link.notify(LoadsNotice(loads, expired, seconds))

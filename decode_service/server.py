@@ -29,6 +29,7 @@ from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import blocks_for
 from shared.protocol.sampling import SamplingParams
 from shared.rpc.convert import load_to_proto, logprob_from_proto, logprob_to_proto, sampling_from_proto
+from shared.rpc.kv_events import serve_kv_events
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
@@ -153,6 +154,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 
     async def GetLoad(self, request, context):
         return load_to_proto(instance_load(self.coord.loads, self.coord.limits.block_size))
+
+    async def KvEvents(self, request, context):
+        """Every DP rank's prefix-cache events (each names its rank), resumable (shared.rpc.kv_events)."""
+        async for batch in serve_kv_events(self.coord.kv_events, self.coord.limits.block_size, request, context):
+            yield batch
 
     async def Decode(self, request, context):
         if self.draining:

@@ -23,7 +23,8 @@ from shared.config import DecodeConfig
 from shared.engine import LLMEngine, SamplingParams, StepEvent
 from shared.engine.core import CommandError, EncodedReport, EngineCommand, RankCommand, RankReport
 from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
-from shared.kvcache import OutOfBlocks
+from shared.kvcache import CacheEvent, OutOfBlocks
+from shared.kvcache.event_log import CacheEventLog
 from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.parallel import ParallelState
 from shared.protocol.finish import FinishReason
@@ -117,17 +118,19 @@ class DecodeRankReport:
     spec_drafted: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)  # MTP, per draft position
     spec_accepted: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
     expired: list[str] = field(default_factory=list)  # lease ids that expired since the last report
+    kv_events: list[CacheEvent] = field(default_factory=list)  # the rank's prefix-cache events since the last one
 
     def to_row(self) -> list[int]:
         return ([getattr(self.load, k) for k in RANK_FIELDS] + [getattr(self, k) for k in EXTRA_FIELDS]
                 + self.spec_drafted + self.spec_accepted)
 
     @classmethod
-    def from_row(cls, values: list[int], expired: list[str]) -> DecodeRankReport:
+    def from_row(cls, values: list[int], expired: list[str], kv_events: list[CacheEvent] | None = None
+                 ) -> DecodeRankReport:
         r, e, n = len(RANK_FIELDS), len(EXTRA_FIELDS), MAX_SPECULATIVE_TOKENS
         spec = values[r + e :]
         return cls(RankLoad(*values[:r]), *values[r : r + e], spec_drafted=spec[:n], spec_accepted=spec[n : 2 * n],
-                   expired=expired)
+                   expired=expired, kv_events=kv_events or [])
 
     def gauges(self) -> dict[str, int]:
         """The numbers /metrics exports (shared.metrics.LoadCollector)."""
@@ -155,6 +158,9 @@ class DecodeWorker:
         self.engine = LLMEngine(cfg.engine_config(enable_prefix_caching=False), state)  # KV arrives pushed
         self.mirror = self.engine.policy.mirror
         kv = self.engine.kv
+        self.kv_events = CacheEventLog(rank)  # this rank's prefix-cache events, drained into each report
+        self.kv_events.seed(kv.allocator.cached_hashes())
+        kv.allocator.listeners.append(self.kv_events)
         self.leases = LeaseTable(kv.ledger, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
                                  cfg.lease_seconds)
         self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port + rank if cfg.kv_port else 0,
@@ -257,7 +263,8 @@ class DecodeWorker:
     def encode(self, report: RankReport) -> EncodedReport:
         """The turn's report as a fixed row (load integers, then up to `event_capacity` events as
         (handle, token, finish reason)) and, only when there is any, an object part: replies to
-        commands, expired lease ids, or events the row cannot carry (an error, an overflow)."""
+        commands, expired lease ids, prefix-cache events, or token events the row cannot carry (an error,
+        an overflow)."""
         cap = self.event_capacity
         load: DecodeRankReport = report.load
         events = report.events
@@ -276,8 +283,8 @@ class DecodeWorker:
                      for ev in events]
             row[ROW_WIDTH + 1: ROW_WIDTH + 1 + 3 * len(events)] = torch.tensor(codes).view(-1)
         extra = None
-        if report.replies or load.expired or not plain:
-            extra = _ReportObjects(report.replies, load.expired, None if plain else events)
+        if report.replies or load.expired or load.kv_events or not plain:
+            extra = _ReportObjects(report.replies, load.expired, None if plain else events, load.kv_events)
         return EncodedReport(row, extra)
 
     @property
@@ -296,7 +303,8 @@ class DecodeWorker:
             for i in range(n):
                 handle, token, reason = values[base + 3 * i: base + 3 * i + 3]
                 events.append(Event(self.names.get(handle) or "", token, reason != 0, FINISH_CODES[reason]))
-        return RankReport(objects.replies, events, DecodeRankReport.from_row(values[:ROW_WIDTH], objects.expired))
+        return RankReport(objects.replies, events,
+                          DecodeRankReport.from_row(values[:ROW_WIDTH], objects.expired, objects.kv_events))
 
     def load(self) -> DecodeRankReport:
         sched, kv = self.engine.scheduler, self.engine.kv
@@ -312,7 +320,11 @@ class DecodeWorker:
             has_work=int(self.engine.has_work), applied_cid=self.applied_cid, kv_bytes_received=self.tcp.bytes_received,
             spec_drafted=list(spec.stats.drafted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
             spec_accepted=list(spec.stats.accepted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
-            expired=self.leases.drain_expired())
+            expired=self.leases.drain_expired(), kv_events=self._new_kv_events())
+
+    def _new_kv_events(self) -> list[CacheEvent]:
+        new = self.kv_events.drain()
+        return new.events if new is not None else []
 
     def close(self) -> None:
         self.receiver.close()
@@ -322,11 +334,13 @@ class DecodeWorker:
 
 @dataclass
 class _ReportObjects:
-    """The object part of a report: replies, expired lease ids, and events when the row cannot carry them."""
+    """The object part of a report: replies, expired lease ids, token events when the row cannot carry them,
+    and the rank's prefix-cache events (rare: a turn that stored or evicted blocks)."""
 
     replies: list = field(default_factory=list)
     expired: list[str] = field(default_factory=list)
     events: list[Event] | None = None
+    kv_events: list[CacheEvent] = field(default_factory=list)
 
 
 def _event(ev: StepEvent) -> Event:

@@ -7,10 +7,9 @@ the same typed commands (AddPrompt, DropPrompt) and load notices cross an in-pro
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from prefill_service.worker import AddPrompt, DropPrompt, PrefillOutcome, PrefillWorker, sender_factory
@@ -19,16 +18,16 @@ from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import ALL, EngineCommand, EngineCore, RankReport
 from shared.engine.process import CoreConnection, CoreLink, CoreProcess, Fatal, InProcessLink, Ready, StartFailed
+from shared.kvcache.event_log import CacheEventLog, KvEventsNotice
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
-from shared.protocol.prefix import PrefixFilter
 from shared.rpc.service import die_with_parent
 from shared.transfer import Destination, KVSender
 
 log = logging.getLogger("pdserve.prefill")
-PREFIX_FILTER_SECONDS = 0.5  # how often the prefix-cache summary for the router is rebuilt
 ReportHook = Callable[[LoadReport, int], None]  # after every turn: the instance's load, tokens the step computed
+KvEventsHook = Callable[[KvEventsNotice], None]  # after a turn with prefix-cache events: rank 0's new ones
 
 
 @dataclass(frozen=True)
@@ -47,29 +46,35 @@ class LoadNotice:
     batch_tokens: int
 
 
-def record_report(latest: LoadReport, load: LoadReport, batch_tokens: int) -> LoadReport:
-    """A turn's report taken in: the batch size metric, and the load the front keeps (the newer one,
-    with the last prefix filter when it carries none: filters are rebuilt at most every 0.5 s)."""
+def record_report(load: LoadReport, batch_tokens: int) -> LoadReport:
+    """A turn's report taken in: the batch size metric; the load is what the front keeps."""
     if batch_tokens:
         metrics.BATCH_TOKENS.observe(batch_tokens)
-    return load if load.prefix_filter is not None else replace(load, prefix_filter=latest.prefix_filter)
+    return load
 
 
 class PrefillEngineCore(EngineCore):
     """Rank 0: prompts in, PrefillResults out, for every shape; builds its own PrefillWorker, whose
     answers and later commands it routes. `on_report` (default: keep it here, for `load()`) gets every
-    turn's load."""
+    turn's load; `on_kv_events` (default: into `kv_events` here) every turn's new prefix-cache events of
+    rank 0's pool (the instance's cache: a CP or TP group's ranks cache the same blocks)."""
 
     def __init__(self, engine: LLMEngine, make_sender: Callable[[str], KVSender],
-                 on_report: ReportHook | None = None, on_fatal: Callable[[str], None] | None = None):
+                 on_report: ReportHook | None = None, on_fatal: Callable[[str], None] | None = None,
+                 on_kv_events: KvEventsHook | None = None):
         self._to = ALL if engine.policy.mirror else 0  # mirrored ranks all apply every command
         self.worker = PrefillWorker(engine, make_sender, on_done=self._done, later=self._later)
         super().__init__(self.worker, engine.parallel, "prefill-engine", on_fatal)
         self._results: dict[str, Future] = {}
         self.limits = engine.limits
         self.latest_load = self._report(self.worker.load())
-        self._filter_built, self._filter_stale = 0.0, False
         self.on_report: ReportHook = on_report or self._record
+        allocator = engine.kv.allocator
+        self.rank_events = CacheEventLog(0)  # rank 0's pool, drained every turn
+        self.rank_events.seed(allocator.cached_hashes())
+        allocator.listeners.append(self.rank_events)
+        self.kv_events = CacheEventLog(published=True)  # the instance's log (in process: the front's too)
+        self.on_kv_events: KvEventsHook = on_kv_events or self.kv_events.apply
         self.start()
 
     def load(self) -> LoadReport:
@@ -77,29 +82,23 @@ class PrefillEngineCore(EngineCore):
 
     def after_turn(self, reports: list[RankReport], step_seconds: float) -> None:
         super().after_turn(reports, step_seconds)
-        self._filter_stale = True
-        self.on_report(self._with_filter(reports[0].load), self.worker.batch_tokens)  # rank 0's turn report
+        self.on_report(self._report(reports[0].load), self.worker.batch_tokens)  # rank 0's turn report
+        self._send_kv_events()
 
     def idle(self) -> None:
-        if self._filter_stale:  # the last turns' cache changes reach the router while idle too
-            load = self._with_filter(self.worker.load())
-            if load.prefix_filter is not None:
-                self.on_report(load, 0)
+        self._send_kv_events()  # a cache change off a turn (a second tier's) reaches the routers too
 
-    def _report(self, load: RankLoad, prefix_filter: bytes | None = None) -> LoadReport:
+    def _send_kv_events(self) -> None:
+        new = self.rank_events.drain()
+        if new is not None:
+            self.on_kv_events(KvEventsNotice([new]))
+
+    def _report(self, load: RankLoad) -> LoadReport:
         """Rank 0's load as the instance's (its ranks share one schedule)."""
-        return LoadReport((load,), self.worker.engine.layout.block_size, prefix_filter)
-
-    def _with_filter(self, load: RankLoad) -> LoadReport:
-        """Add the prefix-cache summary the router matches prompts against, at most every 0.5 s."""
-        if time.monotonic() - self._filter_built > PREFIX_FILTER_SECONDS:
-            self._filter_built, self._filter_stale = time.monotonic(), False
-            kv = self.worker.engine.kv
-            return self._report(load, PrefixFilter.build(kv.allocator.cached_hashes(), kv.num_blocks).bits)
-        return self._report(load)
+        return LoadReport((load,), self.worker.engine.layout.block_size)
 
     def _record(self, load: LoadReport, batch_tokens: int) -> None:
-        self.latest_load = record_report(self.latest_load, load, batch_tokens)
+        self.latest_load = record_report(load, batch_tokens)
 
     def _later(self, command: EngineCommand) -> None:
         self.submit(command, self._to)
@@ -147,10 +146,11 @@ class PrefillEngineCore(EngineCore):
 
 
 def build_engine_core(cfg: PrefillConfig, on_report: ReportHook | None = None,
-                      on_fatal: Callable[[str], None] | None = None) -> PrefillEngineCore:
+                      on_fatal: Callable[[str], None] | None = None,
+                      on_kv_events: KvEventsHook | None = None) -> PrefillEngineCore:
     """Rank 0's engine and loop."""
     engine = LLMEngine(cfg.engine_config(), service_state(cfg.parallel(), 0, cfg.cpu_threads))
-    return PrefillEngineCore(engine, sender_factory(cfg, engine), on_report, on_fatal)
+    return PrefillEngineCore(engine, sender_factory(cfg, engine), on_report, on_fatal, on_kv_events)
 
 
 # -- the core in its own process ------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def core_main(cfg: PrefillConfig, conn: Connection) -> None:
     front = CoreConnection(conn)
     try:
         core = build_engine_core(cfg, on_report=lambda load, batch_tokens: front.send(LoadNotice(load, batch_tokens)),
-                                 on_fatal=lambda reason: front.send(Fatal(reason)))
+                                 on_fatal=lambda reason: front.send(Fatal(reason)), on_kv_events=front.send)
     except Exception as exc:  # reported to the front, which fails its start
         front.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
@@ -175,11 +175,12 @@ def core_main(cfg: PrefillConfig, conn: Connection) -> None:
 class PrefillEngineClient:
     """The prefill front's one handle on its engine core, wherever the core runs (`link`: in this
     process or its own, see `start_engine`): typed commands in, the load the core reports after every
-    turn kept here."""
+    turn kept here, and the instance's prefix-cache event log the KvEvents stream serves (`kv_events`)."""
 
-    def __init__(self, link: CoreLink, facts: PrefillFacts):
+    def __init__(self, link: CoreLink, facts: PrefillFacts, kv_events: CacheEventLog | None = None):
         self.link = link
         self.limits, self.latest_load = facts.limits, facts.load
+        self.kv_events = kv_events or CacheEventLog(published=True)
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, dest: Destination,
                 priority: int = 0, num_resumed: int = 0, cache_salt: str = "") -> Future:
@@ -194,7 +195,9 @@ class PrefillEngineClient:
 
     def on_message(self, msg: object) -> None:
         if isinstance(msg, LoadNotice):
-            self.latest_load = record_report(self.latest_load, msg.load, msg.batch_tokens)
+            self.latest_load = record_report(msg.load, msg.batch_tokens)
+        elif isinstance(msg, KvEventsNotice):
+            self.kv_events.apply(msg)
 
     def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
         self.link.set_fatal_handler(handler)
@@ -212,7 +215,7 @@ def start_engine(cfg: PrefillConfig, start_timeout: float = 900.0) -> PrefillEng
         return client
     core = build_engine_core(cfg)
     link = InProcessLink(core)
-    client = PrefillEngineClient(link, PrefillFacts(core.limits, core.load()))
+    client = PrefillEngineClient(link, PrefillFacts(core.limits, core.load()), core.kv_events)  # the same log
     link.listen(client.on_message)
     core.on_report = lambda load, batch_tokens: link.notify(LoadNotice(load, batch_tokens))  # as a process sends
     return client

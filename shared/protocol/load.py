@@ -1,5 +1,5 @@
 """The one shape of a load report, from an engine rank to the router: each rank's numbers and the
-instance's (their totals, its KV block size, and a prefill instance's prefix-cache summary).
+instance's (their totals and its KV block size; what its prefix cache holds streams apart: KvEvents).
 shared.rpc.convert carries it over gRPC (GetLoad)."""
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ class LoadReport:
 
     ranks: tuple[RankLoad, ...]
     block_size: int = 0  # KV block size in tokens (free_blocks × block_size = room); 0: not said
-    prefix_filter: bytes | None = None  # prefill: Bloom filter of the prefix cache's block keys (PrefixFilter)
 
     def total(self, name: str) -> int:
         return sum(getattr(r, name) for r in self.ranks)

@@ -82,7 +82,7 @@ def load_to_proto(report: LoadReport) -> internal_pb2.LoadReport:
     return internal_pb2.LoadReport(running=report.running, waiting=report.waiting, free_blocks=report.free_blocks,
                                    total_blocks=report.total_blocks, active_leases=report.active_leases,
                                    ranks=ranks, queued_prompt_tokens=report.queued_prompt_tokens,
-                                   block_size=report.block_size, prefix_filter=report.prefix_filter or b"")
+                                   block_size=report.block_size)
 
 
 def load_from_proto(msg: internal_pb2.LoadReport) -> LoadReport:
@@ -92,4 +92,4 @@ def load_from_proto(msg: internal_pb2.LoadReport) -> LoadReport:
     if not ranks:
         ranks = [RankLoad(0, msg.running, msg.waiting, msg.free_blocks, msg.total_blocks, msg.active_leases,
                           queued_prompt_tokens=msg.queued_prompt_tokens)]
-    return LoadReport(tuple(ranks), msg.block_size, msg.prefix_filter or None)
+    return LoadReport(tuple(ranks), msg.block_size)
