@@ -50,16 +50,15 @@ def samples(reqs: list[generation_pb2.GenerateRequest], n: int) -> list[generati
 
 
 class PrefixWatch:
-    """The router's view of the prefill instances' prefix caches (their Bloom filters, from load reports),
-    taken when a prompt's sample 0 starts; `settled` waits until it changes."""
+    """The router's view of the prefill instances' prefix caches (the last KvEvents sequence number its index
+    took from each), taken when a prompt's sample 0 starts; `settled` waits until it changes."""
 
     def __init__(self, instances: Callable[[], Sequence[Any]]):  # router.server.Instance
         self.instances = instances
         self.before = self._filters()
 
-    def _filters(self) -> list[bytes]:
-        return [inst.view.prefix.bits if inst.view.prefix is not None else b""
-                for inst in self.instances() if inst.view.up]
+    def _filters(self) -> list[int]:
+        return [inst.view.kv_seq for inst in self.instances() if inst.view.up]
 
     async def settled(self, worth_s: float) -> None:
         """With more than one prefill instance up: until the view changes, at most `worth_s` (and

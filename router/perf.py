@@ -122,17 +122,17 @@ class PerfModel:
         return tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
 
     def ttft_raw(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0,
-                 others_busy: float = 0.0) -> float:
-        """Time to first token by the fitted curves: the queue ahead and the uncached prompt (slowed by
-        the other busy engines sharing the cores), the transfer."""
+                 others_busy: float = 0.0, reused_tokens: float = 0.0) -> float:
+        """Time to first token by the fitted curves: the queue ahead and the prompt prefill has not cached
+        (slowed by the other busy engines sharing the cores), the transfer of what decode has not cached."""
         compute = self.prefill_queue_seconds(queued_tokens) + self.prefill_seconds(prompt_tokens - cached_tokens)
-        return compute * self.prefill_slowdown(others_busy) + self.transfer_seconds(prompt_tokens)
+        return compute * self.prefill_slowdown(others_busy) + self.transfer_seconds(prompt_tokens - reused_tokens)
 
     def ttft(self, queued_tokens: float, prompt_tokens: float, cached_tokens: float = 0.0,
-             others_busy: float = 0.0) -> float:
+             others_busy: float = 0.0, reused_tokens: float = 0.0) -> float:
         """Predicted time to first token, calibrated for its load band (queue ahead, engines busy beside)."""
         factor = self.ttft_factors[ttft_band(queued_tokens, others_busy)]
-        return self.ttft_raw(queued_tokens, prompt_tokens, cached_tokens, others_busy) * factor
+        return self.ttft_raw(queued_tokens, prompt_tokens, cached_tokens, others_busy, reused_tokens) * factor
 
     def local_ttft_raw(self, batch: float, context_tokens: float, prompt_tokens: float,
                        others_busy: float = 0.0) -> float:

@@ -9,10 +9,13 @@ instance's step time once this request and the reservations already placed there
 least-loaded DP rank, at the pace of its busiest rank) with the shared PerfModel; it keeps the pairs
 that meet the request's targets with margin, takes the cheapest, spreading near-ties (within 10%) by
 power of two choices so a stale report cannot herd every request onto one instance, and lists the rest as the
-fail-over order; a pair whose prefill instance holds the prompt's prefix in its cache (its load
-report's PrefixFilter) is predicted faster and, when it is the cheapest feasible pair, taken outright
-(cache hit over load balance while the SLA holds, as SGLang's cache-aware router and llm-d do). If no
-pair can meet the targets it says no at once, with a retry-after hint, before any prefill work.
+fail-over order. Prefix caches (the router's index of the instances' KvEvents, router.kv_index): a decode
+instance that holds the prompt's leading blocks is pushed only the rest (the TTFT's transfer term shrinks),
+a prefill instance that holds them computes only the rest; among the pairs within 10% of the cheapest
+feasible one, the pair with the most cached tokens on decode, then on prefill, is taken outright (cache hit
+over load balance while the SLA holds, decode's first, as llm-d's P/D prefix scorer and SGLang's
+cache-aware router). If no pair can meet the targets it says no at once, with a retry-after hint, before
+any prefill work.
 `LeastLoadedPolicy` and `RoundRobinPolicy` ignore the SLA (baselines).
 """
 
@@ -24,7 +27,6 @@ from dataclasses import dataclass, field
 
 from router.perf import PerfModel
 from shared.protocol.placement import least_loaded_rank
-from shared.protocol.prefix import PrefixFilter
 
 
 @dataclass
@@ -46,7 +48,7 @@ class PrefillView:
     queued_tokens: int = 0  # prompt tokens waiting or not yet computed
     up: bool = True
     block_size: int = 64
-    prefix: PrefixFilter | None = None  # what its prefix cache holds (None: unknown)
+    kv_seq: int = 0  # the last prefix-cache event the router's index took from it (changes when its cache does)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class DecodeView:
     free_blocks: int = 1 << 30
     block_size: int = 64
     up: bool = True
+    kv_seq: int = 0  # as PrefillView's
 
     def least_loaded(self) -> int:
         """The rank the decode instance will place a new request on (the same rule it applies)."""
@@ -94,6 +97,7 @@ class Request:
     tpot_s: float
     cached_tokens: int = 0
     cached_by_prefill: list[int] | None = None  # prompt tokens each prefill instance holds in its prefix cache
+    cached_by_decode: list[int] | None = None  # prompt tokens each decode instance holds (not pushed again)
     priority: int = 0  # lower is more urgent (GenerateRequest.priority): see SlaPolicy.margin_for
     local_prefill: bool = False  # the decode instance may prefill it itself (prompt <= --local-prefill-tokens)
 
@@ -106,6 +110,7 @@ class Choice:
     tpot_s: float
     cost: float
     cached_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens the decode instance holds already: not pushed
     queued_tokens: int = 0  # the prefill queue and the decode batch it was predicted at (calibration bands)
     batch: int = 0
     ttft_raw_s: float = 0.0  # the uncalibrated curves' predictions (what observations calibrate)
@@ -149,17 +154,18 @@ class SlaPolicy:
                 continue
             others = busy_prefills + busy_decodes - dec.busy
             tpot, tpot_raw, batch = dec.step_with(self.perf, dec.least_loaded(), context, others)
+            reused = req.cached_by_decode[d] if req.cached_by_decode else 0
             for p, pre in enumerate(prefills):
                 if any_prefill and not pre.up:
                     continue
                 cached = req.cached_by_prefill[p] if req.cached_by_prefill else req.cached_tokens
                 others = busy_decodes + busy_prefills - (pre.up and pre.queued_tokens > 0)
-                ttft = self.perf.ttft(pre.queued_tokens, req.prompt_tokens, cached, others)
+                ttft = self.perf.ttft(pre.queued_tokens, req.prompt_tokens, cached, others, reused)
                 cost = ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0)
-                raw = self.perf.ttft_raw(pre.queued_tokens, req.prompt_tokens, cached, others)
+                raw = self.perf.ttft_raw(pre.queued_tokens, req.prompt_tokens, cached, others, reused)
                 room = -(-context // dec.block_size) <= dec.free_blocks
-                out.append(Choice(p, d, ttft, tpot, cost, cached, pre.queued_tokens, batch, raw, tpot_raw, room,
-                                  others))
+                out.append(Choice(p, d, ttft, tpot, cost, cached, reused, pre.queued_tokens, batch, raw, tpot_raw,
+                                  room, others))
         return out
 
     def predict_local(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
@@ -209,7 +215,10 @@ class SlaPolicy:
         fits.sort(key=lambda c: (not c.room, c.cost))
         best = fits[0]
         ties = [i for i, c in enumerate(fits) if c.room and c.cost <= best.cost * (1 + TIE)]
-        if len(ties) > 2 and not best.cached_tokens:  # a prefix-cache hit within the SLA wins outright
+        hit = max(ties, key=lambda i: (fits[i].reused_tokens, fits[i].cached_tokens), default=0)
+        if fits[hit].reused_tokens or fits[hit].cached_tokens:  # a cache hit within the SLA wins: decode's first
+            fits.insert(0, fits.pop(hit))
+        elif len(ties) > 2:
             a, b = self.rng.sample(ties, 2)
             first = fits[min(a, b)]  # near-ties: the cheaper of two random ones, so stale reports do not herd
             fits.remove(first)

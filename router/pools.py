@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.kv_index import KV_GRACE_S, KvIndex
 from router.policy import DecodeView, PrefillView, RankView
 from shared import metrics
 from shared.protocol.load import LoadReport
-from shared.protocol.prefix import PrefixFilter
 from shared.rpc.convert import load_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2
 from shared.rpc.service import Credentials, aio_channel
@@ -28,6 +28,7 @@ log = logging.getLogger("pdserve.router")
 # A down instance is polled again after interval × 2^failures, at most this long: an instance that comes
 # back (a restart, a rolling upgrade) takes requests within about this many seconds.
 MAX_POLL_BACKOFF = 2.0
+KV_RETRY_S = 30.0  # an instance without KvEvents (an older build) is asked again after this long
 Resolver = Callable[[str, str], Awaitable[list[str]]]
 
 
@@ -58,7 +59,10 @@ class Pool:
     choice and polled back in with back-off. An address `dns:NAME:PORT` (a Kubernetes headless
     service) stands for every address NAME resolves to, re-resolved every `discover` period: pods
     that appear are added, pods that vanish are dropped. `file:PATH` stands for the addresses listed in
-    PATH, one a line, re-read alike (what `pdserve up --autoscale` writes as it starts and drains instances)."""
+    PATH, one a line, re-read alike (what `pdserve up --autoscale` writes as it starts and drains instances).
+
+    `kv_index` (router.kv_index) is what the instances' prefix caches hold, from one KvEvents subscription
+    per instance (started with the load polls, resumed after a break, dropped with the instance)."""
 
     def __init__(self, kind: str, addresses: list[str], stub_cls, credentials: Credentials | None = None):
         self.kind, self.stub_cls, self.credentials = kind, stub_cls, credentials
@@ -68,6 +72,8 @@ class Pool:
         self.files = [a[5:] for a in addresses if a.startswith("file:")]
         self.instances: list[Instance] = [self._make(a) for a in self.static]
         self._retired: list[tuple[float, grpc.aio.Channel]] = []
+        self.kv_index = KvIndex(kind)
+        self._kv_tasks: dict[str, asyncio.Task] = {}
 
     def _make(self, address: str) -> Instance:
         channel = aio_channel(address, self.credentials)
@@ -126,6 +132,7 @@ class Pool:
         """Refresh every instance's view from its GetLoad report every `interval` s; a failing one is
         out (its view down) and retried after interval · 2^failures (at most 8 s)."""
         while True:
+            self.follow_kv_events(metadata)
             now = time.monotonic()
             await asyncio.gather(*(self._poll(inst, interval, metadata) for inst in list(self.instances)
                                    if now >= inst.due))
@@ -145,6 +152,49 @@ class Pool:
         metrics.INSTANCE_PLACEABLE.labels(self.kind, inst.address).set(1)
         _apply(inst.view, load_from_proto(answer))
 
+    def follow_kv_events(self, metadata: tuple) -> None:
+        """One KvEvents subscription per instance of the pool; an instance gone loses its task and entries."""
+        current = {inst.address: inst for inst in self.instances}
+        for address in [a for a in self._kv_tasks if a not in current]:
+            self._kv_tasks.pop(address).cancel()
+            self.kv_index.drop(address)
+        for address in [a for a in self.kv_index.addresses() if a not in current]:
+            self.kv_index.drop(address)
+        for address, inst in current.items():
+            if address not in self._kv_tasks or self._kv_tasks[address].done():
+                self._kv_tasks[address] = asyncio.create_task(self._follow(inst, metadata))
+
+    async def _follow(self, inst: Instance, metadata: tuple) -> None:
+        """Read an instance's KvEvents into the index, resuming after a break from the last (epoch, sequence
+        number); after KV_GRACE_S without a stream its entries go (and the next subscription starts afresh)."""
+        epoch = last = failures = 0
+        down_since: float | None = None
+        while True:
+            try:
+                request = internal_pb2.KvEventsRequest(epoch=epoch, last_seq=last)
+                async for batch in inst.stub.KvEvents(request, metadata=metadata):
+                    if batch.epoch != epoch and not batch.snapshot:
+                        raise ValueError(f"epoch: {batch.epoch} without a snapshot")
+                    self.kv_index.apply(inst.address, batch)
+                    inst.view.kv_seq = batch.last_seq
+                    epoch, last, failures, down_since = batch.epoch, batch.last_seq, 0, None
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self.kv_index.drop(inst.address)
+                    await asyncio.sleep(KV_RETRY_S)
+                    continue
+            except ValueError as exc:  # a broken stream: forget the instance, subscribe afresh
+                log.warning("%s: KvEvents %s; resubscribing", inst.address, exc)
+                self.kv_index.drop(inst.address)
+                epoch = last = 0
+            now = time.monotonic()
+            down_since = down_since if down_since is not None else now
+            if now - down_since > KV_GRACE_S and epoch:
+                self.kv_index.drop(inst.address)
+                epoch = last = 0
+            failures += 1
+            await asyncio.sleep(min(MAX_POLL_BACKOFF, 0.05 * 2 ** min(failures, 8)))
+
     @staticmethod
     def ordered(instances: list[Instance], indices: list[int]) -> list[Instance]:
         """`instances` (a snapshot the policy saw) at `indices` in the policy's order, repeats dropped,
@@ -158,8 +208,6 @@ def _apply(view: PrefillView | DecodeView, report: LoadReport) -> None:
     view.block_size = report.block_size or view.block_size
     if isinstance(view, PrefillView):
         view.queued_tokens = report.queued_prompt_tokens
-        if report.prefix_filter:
-            view.prefix = PrefixFilter(report.prefix_filter)
     else:
         view.ranks = [RankView(r.running + r.active_leases, r.tokens, r.queued_prompt_tokens) for r in report.ranks]
         view.free_blocks = min(r.free_blocks for r in report.ranks)

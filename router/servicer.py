@@ -18,6 +18,7 @@ import grpc
 
 from router.config import RouterConfig
 from router.drain import DRAINING_MESSAGE, RETRY_AFTER_S
+from router.kv_index import KvIndex
 from router.perf import PerfModel
 from router.policy import POLICIES, Choice, PrefillView, RankView, Rejected, Request
 from router.pools import Instance, Pool, in_flight
@@ -290,22 +291,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                     f"up: {sum(i.view.up for i in decodes)} of {len(decodes)})")
             await asyncio.sleep(self.cfg.load_interval / 2)
 
-    @staticmethod
-    def _cached_prefix(ids: list[int], prefills: list[Instance], cache_salt: str = "") -> list[int]:
-        """Per prefill instance, the prompt tokens its prefix cache holds (by its latest summary; at least
-        one token is always computed, as the scheduler does), keyed under the request's cache_salt."""
+    def _cached_prefix(self, ids: list[int], prefills: list[Instance], decodes: list[Instance],
+                       cache_salt: str = "") -> tuple[list[int], list[int]]:
+        """Per prefill and per decode instance, the prompt tokens its prefix cache holds (the router's index
+        of their KvEvents; keys under the request's cache_salt): a device block whole, a host-tier block at
+        HOST_HIT_WEIGHT (its read back costs). At least one token is always computed, as the scheduler does.
+        A decode instance counts its DP rank that holds the most."""
         hashes: dict[int, list[bytes]] = {}
-        out = []
-        for inst in prefills:
-            view = inst.view
-            if view.prefix is None:
-                out.append(0)
-                continue
-            bs = view.block_size
+
+        def keys(bs: int) -> list[bytes]:
             if bs not in hashes:
                 hashes[bs] = prompt_block_hashes(ids, bs, (len(ids) - 1) // bs, cache_salt)
-            out.append(view.prefix.cached_prefix_blocks(hashes[bs]) * bs)
-        return out
+            return hashes[bs]
+
+        def tokens(index: KvIndex, inst: Instance, ranks: int) -> int:
+            if not index.entries(inst.address):
+                return 0
+            bs = index.block_size.get(inst.address) or inst.view.block_size
+            return index.best_rank(inst.address, keys(bs), ranks).tokens(bs)
+
+        return ([tokens(self.prefill.kv_index, x, 1) for x in prefills],
+                [tokens(self.decode.kv_index, x, len(getattr(x.view, "ranks", ())) or 1) for x in decodes])
 
     async def _release(self, dec: Instance, lease_id: str) -> None:
         try:
@@ -365,7 +371,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The policy's pairs for this request. With --admission-wait-ms a request no pair can serve yet is
         held and chosen again after each load poll, its TTFT target shrinking by the time it has waited,
         until a pair fits or waiting longer could not make the target (then Rejected, as at once)."""
-        cached, priority = self._cached_prefix(ids, prefills, req.cache_salt), req.priority
+        (cached, reused), priority = self._cached_prefix(ids, prefills, decodes, req.cache_salt), req.priority
         wait_until = t0 + self.cfg.admission_wait_ms / 1e3
         while True:
             waited = time.perf_counter() - t0
@@ -373,7 +379,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             try:
                 local = len(ids) <= self.cfg.local_prefill_tokens
                 return self.policy.choose(Request(len(ids), max_tokens, ttft_left, tpot_s, cached_by_prefill=cached,
-                                                  priority=priority, local_prefill=local),
+                                                  cached_by_decode=reused, priority=priority, local_prefill=local),
                                           [x.view for x in prefills], [x.view for x in decodes])
             except Rejected:
                 pause = self.cfg.load_interval

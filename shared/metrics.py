@@ -82,6 +82,10 @@ KV_TIER_DROPPED = Counter("pdserve_kv_tier_dropped_blocks_total", "Second-tier b
                           "by why (corrupt: the checksum or length failed; full: evicted for room)", ["reason"])
 KV_EVENTS = Counter("pdserve_kv_events_total", "Prefix-cache events published to subscribers (routers), by kind "
                     "and tier", ["kind", "tier"])
+KV_INDEX_BLOCKS = Gauge("pdserve_router_kv_index_blocks", "Entries (instance, rank, tier, block) in the router's "
+                        "index of the fleet's prefix caches, by pool", ["pool"])
+KV_INDEX_RESYNCS = Counter("pdserve_router_kv_index_resyncs_total", "Snapshots the router's KV index took from an "
+                           "instance (a first subscription, a restart, a subscriber too far behind)", ["pool"])
 
 
 class LoadCollector(Collector):

@@ -25,7 +25,6 @@ from router.cluster import Cluster
 from router.http import OpenAIFrontDoor
 from router.openai_fanout import PREFIX_VIEW_WAIT_S, PrefixWatch, all_or_none
 from router.openai_limits import COMPLETION_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPTS
-from shared.protocol.prefix import PrefixFilter
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from tests.helpers import wait_for
 
@@ -394,21 +393,21 @@ def test_the_first_failure_cancels_the_rest():
 
 
 def test_samples_wait_for_the_view_of_the_prefix_with_several_prefills():
-    def instances(*bits: bytes):
-        return [types.SimpleNamespace(view=types.SimpleNamespace(up=True, prefix=PrefixFilter(b))) for b in bits]
+    def instances(*seqs: int):
+        return [types.SimpleNamespace(view=types.SimpleNamespace(up=True, kv_seq=n)) for n in seqs]
 
     async def main() -> tuple[float, float, float]:
-        one = PrefixWatch(lambda: instances(b"\0"))
+        one = PrefixWatch(lambda: instances(0))
         t0 = time.monotonic()
         await one.settled(10.0)  # one prefill: every sample goes there anyway
         alone = time.monotonic() - t0
-        pools = instances(b"\0", b"\0")
+        pools = instances(0, 0)
         two = PrefixWatch(lambda: pools)
         t0 = time.monotonic()
         await two.settled(0.3)  # no change: at most what recomputing would cost
         unchanged = time.monotonic() - t0
         three = PrefixWatch(lambda: pools)
-        asyncio.get_running_loop().call_later(0.1, lambda: setattr(pools[1].view, "prefix", PrefixFilter(b"\1")))
+        asyncio.get_running_loop().call_later(0.1, lambda: setattr(pools[1].view, "kv_seq", 1))
         t0 = time.monotonic()
         await three.settled(10.0)
         return alone, unchanged, time.monotonic() - t0

@@ -91,20 +91,19 @@ def test_preempted_request_resumes_from_its_cached_blocks(sparse_path):
     assert [o.token_ids for o in tight.generate(prompts, params)] == [o.token_ids for o in roomy]
 
 
-def test_prefix_filter_summarises_the_cache_for_the_router(sparse_path):
-    """A Bloom filter of the cached block keys finds a prompt's cached prefix from the prompt alone
+def test_event_log_finds_a_prompts_cached_prefix_from_the_prompt_alone(sparse_path):
+    """The allocator's events, in a CacheEventLog, find a prompt's cached prefix from the prompt alone
     (the same chained hashes the scheduler uses), and nothing for an unrelated prompt."""
-    from shared.protocol.prefix import PrefixFilter, prompt_block_hashes
+    from shared.kvcache.event_log import CacheEventLog
 
     llm = LLM(sparse_path, block_size=4)
+    log = CacheEventLog()
+    llm.engine.kv.allocator.listeners.append(log)
     prompt = list(range(3, 40))
     llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-    alloc = llm.engine.kv.allocator
-    f = PrefixFilter.build(alloc.cached_hashes(), llm.engine.kv.num_blocks)
-    assert len(f.bits) * 8 >= 10 * llm.engine.kv.num_blocks - 64
-    assert f.cached_prefix_blocks(prompt_block_hashes(prompt + [1, 2], 4)) == len(prompt) // 4
-    assert f.cached_prefix_blocks(prompt_block_hashes(prompt[:9] + [99] * 20, 4)) == 2  # diverges in block 2
-    assert f.cached_prefix_blocks(prompt_block_hashes(list(range(100, 140)), 4)) == 0
+    assert log.leading_blocks(prompt_block_hashes(prompt + [1, 2], 4), 1) == [len(prompt) // 4]
+    assert log.leading_blocks(prompt_block_hashes(prompt[:9] + [99] * 20, 4), 1) == [2]  # diverges in block 2
+    assert log.leading_blocks(prompt_block_hashes(list(range(100, 140)), 4), 1) == [0]
 
 
 def test_cache_salt_keeps_tenants_prefixes_apart(sparse_path):

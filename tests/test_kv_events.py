@@ -1,0 +1,185 @@
+"""Exact prefix-cache events: the per-rank log, the KvEvents stream of real services (resumable, snapshots,
+hostile requests refused), the router's index built from it, and the policy that reads the index."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import grpc
+import pytest
+
+from decode_service.worker import DecodeRankReport, DecodeWorker
+from router.kv_index import HOST_HIT_WEIGHT, CachedPrefix, KvIndex
+from router.perf import PerfModel
+from router.policy import DecodeView, PrefillView, Request, SlaPolicy
+from router.servicer import GenerationServicer
+from shared.engine.core import RankReport
+from shared.kvcache import BlockAllocator, CacheEvent, CacheEventKind, Tier
+from shared.kvcache.event_log import CacheEventLog, KvEventsNotice, RankKvEvents
+from shared.protocol.load import RankLoad
+from shared.protocol.prefix import prompt_block_hashes
+from shared.rpc.kv_events import serve_kv_events
+from shared.rpc.pdserve.v1 import internal_pb2
+
+STORED, REMOVED, CLEARED = CacheEventKind.STORED, CacheEventKind.REMOVED, CacheEventKind.CLEARED
+H = [bytes([i]) * 32 for i in range(8)]
+
+
+def test_the_log_numbers_events_keeps_the_stored_set_and_bounds_its_history():
+    alloc = BlockAllocator(4)
+    log = CacheEventLog(history=3)
+    alloc.listeners.append(log)
+    b = alloc.allocate(4)
+    for block, h in zip(b, H):
+        alloc.register(block, h)
+    assert log.seq == 4 and log.epoch != 0
+    assert [e.block_hash for e in log.since(2)] == H[2:4] and [e.seq for e in log.since(2)] == [3, 4]
+    assert log.since(0) is None  # event 1 fell out of the 3 kept: a snapshot instead
+    assert log.since(4) == [] and log.since(5) is None
+    alloc._release_blocks(b)
+    alloc.allocate(1)  # evicts the least recently used cached block
+    assert log.since(4)[0].kind is REMOVED
+    snap = log.snapshot()
+    assert snap.seq == 5 and sorted(snap.blocks[(0, Tier.DEVICE)]) == sorted(set(H[:4]) - {log.since(4)[0].block_hash})
+    alloc.reset_prefix_cache()
+    assert log.since(5)[0].kind is CLEARED and log.snapshot().blocks == {}
+    assert CacheEventLog().epoch != CacheEventLog().epoch  # random per start
+
+
+def test_drain_hands_each_event_over_once_and_resyncs_a_rank_that_fell_behind():
+    log = CacheEventLog(rank=2, history=2)
+    log(CacheEvent(STORED, Tier.DEVICE, H[0]))
+    assert log.drain() == RankKvEvents(2, [CacheEvent(STORED, Tier.DEVICE, H[0])])
+    assert log.drain() is None
+    for h in H[1:5]:
+        log(CacheEvent(STORED, Tier.HOST, h))
+    resync = log.drain()  # 4 events, 2 kept: CLEARED per tier, then what is held
+    assert resync.events[:2] == [CacheEvent(CLEARED, Tier.DEVICE), CacheEvent(CLEARED, Tier.HOST)]
+    front = CacheEventLog(published=True)
+    front.apply(KvEventsNotice([RankKvEvents(2, [CacheEvent(STORED, Tier.DEVICE, H[7])]), resync]))
+    assert front.snapshot().blocks == {(2, Tier.DEVICE): [H[0]], (2, Tier.HOST): H[1:5]}
+    assert front.leading_blocks([H[0], H[1]], 3) == [0, 0, 1]
+    assert front.leading_blocks([H[0], H[1]], 3, (Tier.DEVICE, Tier.HOST)) == [0, 0, 2]
+
+
+def test_a_decode_ranks_events_travel_to_rank_0_in_the_report():
+    """A DP rank's cache events ride the report's object part (the row is unchanged) with its rank."""
+    fake = types.SimpleNamespace(event_capacity=4, handles={}, _ended={}, names={})
+    events = [CacheEvent(STORED, Tier.DEVICE, H[1])]
+    report = RankReport([], [], DecodeRankReport(RankLoad(3), kv_events=events))
+    encoded = DecodeWorker.encode(fake, report)
+    assert encoded.extra is not None and encoded.extra.kv_events == events
+    assert DecodeWorker.decode(fake, encoded).load.kv_events == events
+    quiet = DecodeWorker.encode(fake, RankReport([], [], DecodeRankReport(RankLoad(3))))
+    assert quiet.extra is None and DecodeWorker.decode(fake, quiet).load.kv_events == []
+
+
+class _Context:
+    """What serve_kv_events asks of a grpc.aio context."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(code, details)
+
+
+async def _read(log: CacheEventLog, request: internal_pb2.KvEventsRequest, n: int) -> list:
+    out = []
+    stream = serve_kv_events(log, 4, request, _Context())
+    async for batch in stream:
+        out.append(batch)
+        if len(out) == n:
+            break
+    await stream.aclose()
+    return out
+
+
+def test_the_stream_resumes_or_snapshots_and_refuses_hostile_requests():
+    log = CacheEventLog(history=2, published=True)
+
+    def store(*hs: bytes) -> None:
+        log.apply(KvEventsNotice([RankKvEvents(0, [CacheEvent(STORED, Tier.DEVICE, h) for h in hs])]))
+
+    store(H[0], H[1], H[2])
+
+    async def main() -> None:
+        [snap] = await _read(log, internal_pb2.KvEventsRequest(), 1)
+        assert snap.snapshot and snap.epoch == log.epoch and snap.last_seq == 3 and snap.block_size == 4
+        assert [e.block_hash for e in snap.events] == H[:3]
+        asyncio.get_running_loop().call_later(0.05, store, H[3])
+        [live] = await _read(log, internal_pb2.KvEventsRequest(epoch=log.epoch, last_seq=3), 1)  # waits for it
+        assert not live.snapshot and live.last_seq == 4 and [e.block_hash for e in live.events] == [H[3]]
+        [stale] = await _read(log, internal_pb2.KvEventsRequest(epoch=log.epoch + 2, last_seq=4), 1)
+        assert stale.snapshot and len(stale.events) == 4  # another epoch: a restart
+        [old] = await _read(log, internal_pb2.KvEventsRequest(epoch=log.epoch, last_seq=1), 1)
+        assert old.snapshot and old.last_seq == 4  # event 2 is no longer kept
+        for bad, field in ((dict(epoch=log.epoch, last_seq=99), "last_seq"), (dict(last_seq=3), "last_seq"),
+                           (dict(epoch=1 << 63), "epoch")):
+            with pytest.raises(RuntimeError, match=field) as err:
+                await _read(log, internal_pb2.KvEventsRequest(**bad), 1)
+            assert err.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(main())
+    assert not log.wakers  # every stream let go
+
+
+def _batch(epoch: int, seq: int, events: list[tuple], snapshot: bool = False) -> internal_pb2.KvEventBatch:
+    return internal_pb2.KvEventBatch(epoch=epoch, last_seq=seq, snapshot=snapshot, block_size=4, events=[
+        internal_pb2.KvBlockEvent(kind=k, tier=t, rank=r, block_hash=h) for k, t, r, h in events])
+
+
+def test_the_index_replaces_on_snapshot_drops_on_leave_and_stays_bounded():
+    S, R, C = internal_pb2.KvBlockEvent.STORED, internal_pb2.KvBlockEvent.REMOVED, internal_pb2.KvBlockEvent.CLEARED
+    D, HOST = internal_pb2.KvBlockEvent.DEVICE, internal_pb2.KvBlockEvent.HOST
+    index = KvIndex("test", max_entries=5)
+    index.apply("a", _batch(1, 3, [(S, D, 0, H[0]), (S, D, 0, H[1]), (S, HOST, 0, H[2])], snapshot=True))
+    index.apply("b", _batch(2, 1, [(S, D, 1, H[0])], snapshot=True))
+    assert index.cached("a", H[:4]) == CachedPrefix(2, 1)
+    assert CachedPrefix(2, 1).tokens(4) == int((2 + HOST_HIT_WEIGHT) * 4)
+    assert index.cached("b", H[:2]) == CachedPrefix() and index.cached("b", H[:2], rank=1) == CachedPrefix(1, 0)
+    assert index.best_rank("b", H[:2], 2) == CachedPrefix(1, 0)
+    index.apply("a", _batch(1, 4, [(R, D, 0, H[0])]))
+    assert index.cached("a", H[:3]) == CachedPrefix()  # the chain breaks at the evicted block
+    index.apply("a", _batch(1, 5, [(C, HOST, 0, b"")]))
+    assert index.entries("a") == 1 and index.size == 2
+    index.apply("a", _batch(3, 0, [], snapshot=True))  # a restart: nothing stale survives
+    assert index.entries("a") == 0 and index.size == 1
+    index.apply("a", _batch(3, 5, [(S, D, 0, h) for h in H[:5]]))  # 6 entries > 5: a's oldest goes
+    assert index.size == 5 and index.cached("a", H[:5]) == CachedPrefix() and index.entries("b") == 1
+    index.drop("b")
+    assert index.size == 4 and index.addresses() == ["a"]
+    for bad, field in (((S, 7, 0, H[0]), "tier"), ((S, D, -1, H[0]), "rank"), ((S, D, 0, b"x" * 65), "block_hash"),
+                       ((9, D, 0, H[0]), "kind")):
+        with pytest.raises(ValueError, match=field):
+            index.apply("a", _batch(3, 6, [bad]))
+
+
+def test_the_policy_takes_the_pair_that_caches_the_prefix_decode_first():
+    perf = PerfModel(kv_bytes_per_token=70_000, transfer_bytes_per_s=1e9)
+    prefills = [PrefillView("p0"), PrefillView("p1")]
+    decodes = [DecodeView("d0"), DecodeView("d1")]
+    policy = SlaPolicy(perf, seed=1)
+
+    def first(**cached) -> tuple[int, int]:
+        c = policy.choose(Request(2000, 16, 10.0, 1.0, **cached), prefills, decodes)[0]
+        return c.prefill, c.decode
+
+    assert first(cached_by_prefill=[0, 1920])[0] == 1
+    assert first(cached_by_decode=[0, 1920])[1] == 1
+    assert first(cached_by_prefill=[1920, 0], cached_by_decode=[0, 1920]) == (0, 1)
+    pushed = policy.predict(Request(2000, 16, 10.0, 1.0, cached_by_decode=[0, 1920]), prefills, decodes)
+    by_decode = {c.decode: c for c in pushed if c.prefill == 0}
+    assert by_decode[1].reused_tokens == 1920 and by_decode[1].ttft_raw_s < by_decode[0].ttft_raw_s
+
+
+def test_the_router_counts_a_prompts_cached_tokens_per_instance_from_the_index():
+    S, D = internal_pb2.KvBlockEvent.STORED, internal_pb2.KvBlockEvent.DEVICE
+    prompt = list(range(3, 40))
+    keys = prompt_block_hashes(prompt, 4, None, "tenant")
+    pools = types.SimpleNamespace(prefill=types.SimpleNamespace(kv_index=KvIndex("prefill")),
+                                  decode=types.SimpleNamespace(kv_index=KvIndex("decode")))
+    pools.prefill.kv_index.apply("p1", _batch(1, 3, [(S, D, 0, h) for h in keys[:3]], snapshot=True))
+    pools.decode.kv_index.apply("d0", _batch(1, 9, [(S, D, 1, h) for h in keys], snapshot=True))
+    inst = [types.SimpleNamespace(address=a, view=v) for a, v in (("p0", PrefillView("p0")), ("p1", PrefillView("p1")))]
+    dec = [types.SimpleNamespace(address="d0", view=DecodeView("d0", ranks=[None, None]))]
+    assert GenerationServicer._cached_prefix(pools, prompt, inst, dec, "tenant") == ([0, 12], [36])
+    assert GenerationServicer._cached_prefix(pools, prompt, inst, dec, "") == ([0, 0], [0])  # another salt's keys
