@@ -183,3 +183,126 @@ def test_the_router_counts_a_prompts_cached_tokens_per_instance_from_the_index()
     dec = [types.SimpleNamespace(address="d0", view=DecodeView("d0", ranks=[None, None]))]
     assert GenerationServicer._cached_prefix(pools, prompt, inst, dec, "tenant") == ([0, 12], [36])
     assert GenerationServicer._cached_prefix(pools, prompt, inst, dec, "") == ([0, 0], [0])  # another salt's keys
+
+
+# -- real services ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(served_model, tmp_path_factory):
+    from router.cluster import Cluster
+
+    with Cluster(str(served_model), dtype="float32", log_dir=tmp_path_factory.mktemp("kv-events-logs"),
+                 extra_router=["--load-interval", "0.2"]) as c:
+        yield c
+
+
+def _generate(c, prompt: list[int]) -> None:
+    from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+    with c.channel(c.address) as ch:
+        req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=generation_pb2.SamplingParams(
+            max_tokens=2, temperature=0.0, ignore_eos=True))
+        list(generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
+
+
+def _subscribe(c, address: str, stub_cls, request: internal_pb2.KvEventsRequest, until) -> list:
+    """Batches of an instance's KvEvents until `until(batches)` holds (or 30 s)."""
+    out: list = []
+    with c.channel(address) as ch:
+        stream = stub_cls(ch).KvEvents(request, timeout=30)
+        try:
+            for batch in stream:
+                out.append(batch)
+                if until(out):
+                    break
+        finally:
+            stream.cancel()
+    return out
+
+
+def _stored(batches: list) -> set[bytes]:
+    held: set[bytes] = set()
+    for b in batches:
+        if b.snapshot:
+            held.clear()
+        for e in b.events:
+            if e.kind == internal_pb2.KvBlockEvent.STORED:
+                held.add(e.block_hash)
+            elif e.kind == internal_pb2.KvBlockEvent.REMOVED:
+                held.discard(e.block_hash)
+    return held
+
+
+def test_a_prefill_instance_streams_the_keys_of_a_prompt_it_served(cluster):
+    from shared.rpc.pdserve.v1 import internal_pb2_grpc
+
+    c, prompt = cluster, [(11 * i) % 400 + 3 for i in range(70)]
+    _generate(c, prompt)
+    [address] = c.prefill_addrs
+    first = _subscribe(c, address, internal_pb2_grpc.PrefillStub, internal_pb2.KvEventsRequest(), lambda b: True)
+    assert first[0].snapshot
+    bs = first[0].block_size
+    keys = prompt_block_hashes(prompt, bs, (len(prompt) - 1) // bs)
+    assert keys and set(keys) <= _stored(first)
+    # resumed where it left off: the next prompt's keys come live, no snapshot
+    epoch, seq = first[-1].epoch, first[-1].last_seq
+    second = [(13 * i) % 400 + 5 for i in range(70)]
+    _generate(c, second)
+    more = prompt_block_hashes(second, bs, (len(second) - 1) // bs)
+    resume = internal_pb2.KvEventsRequest(epoch=epoch, last_seq=seq)
+    live = _subscribe(c, address, internal_pb2_grpc.PrefillStub, resume, lambda b: set(more) <= _stored(b))
+    assert not any(b.snapshot for b in live) and set(more) <= _stored(live)
+    stale = _subscribe(c, address, internal_pb2_grpc.PrefillStub,
+                       internal_pb2.KvEventsRequest(epoch=epoch ^ 2, last_seq=seq), lambda b: True)
+    assert stale[0].snapshot and set(keys + more) <= _stored(stale)
+    with c.channel(address) as ch, pytest.raises(grpc.RpcError) as err:
+        list(internal_pb2_grpc.PrefillStub(ch).KvEvents(internal_pb2.KvEventsRequest(epoch=epoch, last_seq=1 << 40),
+                                                        timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "last_seq" in err.value.details()
+    with c.channel(c.decode_addrs[0]) as ch:  # the decode instance serves the stream too (its ranks' pools)
+        snap = next(iter(internal_pb2_grpc.DecodeStub(ch).KvEvents(internal_pb2.KvEventsRequest(), timeout=10)))
+    assert snap.snapshot and snap.block_size == bs
+
+
+def test_a_stream_without_the_cluster_token_is_refused(cluster):
+    from shared.rpc.pdserve.v1 import internal_pb2_grpc
+    from shared.rpc.service import channel
+
+    with channel(cluster.prefill_addrs[0]) as ch, pytest.raises(grpc.RpcError) as err:
+        list(internal_pb2_grpc.PrefillStub(ch).KvEvents(internal_pb2.KvEventsRequest(), timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_routers_index_holds_nothing_stale_after_an_instance_restarts(cluster):
+    from router.pools import Pool
+    from shared.rpc.pdserve.v1 import internal_pb2_grpc
+
+    c, prompt = cluster, [(17 * i) % 400 + 7 for i in range(70)]
+    [address] = c.prefill_addrs
+    _generate(c, prompt)
+
+    async def main() -> tuple[int, int]:
+        pool = Pool("prefill", [address], internal_pb2_grpc.PrefillStub, c.credentials)
+        pool.follow_kv_events(c.credentials.metadata)
+        loop = asyncio.get_running_loop()
+
+        async def until(predicate, timeout: float = 60.0) -> bool:
+            end = loop.time() + timeout
+            while loop.time() < end and not predicate():
+                await asyncio.sleep(0.05)
+            return predicate()
+
+        bs_known = await until(lambda: pool.kv_index.block_size.get(address, 0) > 0)
+        bs = pool.kv_index.block_size.get(address, 4)
+        keys = prompt_block_hashes(prompt, bs, (len(prompt) - 1) // bs)
+        assert bs_known and await until(lambda: pool.kv_index.cached(address, keys).device_blocks == len(keys))
+        before = pool.kv_index.entries(address)
+        await loop.run_in_executor(None, c.restart, address)
+        assert await until(lambda: pool.kv_index.entries(address) == 0), "stale entries survived the restart"
+        await loop.run_in_executor(None, _generate, c, prompt)  # the restarted instance's own cache comes back
+        assert await until(lambda: pool.kv_index.cached(address, keys).device_blocks == len(keys))
+        for task in pool._kv_tasks.values():
+            task.cancel()
+        return before, len(keys)
+
+    before, blocks = asyncio.run(main())
+    assert before >= blocks > 0
