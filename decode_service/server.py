@@ -24,12 +24,12 @@ from shared import metrics
 from shared.config import DecodeConfig, parse_flags
 from shared.engine.core import CommandError, follow
 from shared.engine.isolation import REQUEST_FAULT
+from shared.kvcache.event_stream import serve_kv_events
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import blocks_for
 from shared.protocol.sampling import SamplingParams
 from shared.rpc.convert import load_to_proto, logprob_from_proto, logprob_to_proto, sampling_from_proto
-from shared.rpc.kv_events import serve_kv_events
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
@@ -156,7 +156,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         return load_to_proto(instance_load(self.coord.loads, self.coord.limits.block_size))
 
     async def KvEvents(self, request, context):
-        """Every DP rank's prefix-cache events (each names its rank), resumable (shared.rpc.kv_events)."""
+        """Every DP rank's prefix-cache events (each names its rank), resumable (shared.kvcache.event_stream)."""
         async for batch in serve_kv_events(self.coord.kv_events, self.coord.limits.block_size, request, context):
             yield batch
 

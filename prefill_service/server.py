@@ -29,10 +29,10 @@ from shared.config import PrefillConfig, parse_flags
 from shared.engine import LLMEngine
 from shared.engine.core import CommandError, follow
 from shared.engine.isolation import RequestFault
+from shared.kvcache.event_stream import serve_kv_events
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.protocol.load import LoadReport
 from shared.rpc.convert import load_to_proto, logprob_to_proto, sampling_from_proto
-from shared.rpc.kv_events import serve_kv_events
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import (
     Credentials,
@@ -89,7 +89,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         return load_to_proto(self.engine.load())
 
     async def KvEvents(self, request, context):
-        """The instance's prefix-cache events (rank 0's pool), resumable (shared.rpc.kv_events)."""
+        """The instance's prefix-cache events (rank 0's pool), resumable (shared.kvcache.event_stream)."""
         async for batch in serve_kv_events(self.engine.kv_events, self.engine.load().block_size, request, context):
             yield batch
 

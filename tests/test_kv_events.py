@@ -17,9 +17,9 @@ from router.servicer import GenerationServicer
 from shared.engine.core import RankReport
 from shared.kvcache import BlockAllocator, CacheEvent, CacheEventKind, Tier
 from shared.kvcache.event_log import CacheEventLog, KvEventsNotice, RankKvEvents
+from shared.kvcache.event_stream import serve_kv_events
 from shared.protocol.load import RankLoad
 from shared.protocol.prefix import prompt_block_hashes
-from shared.rpc.kv_events import serve_kv_events
 from shared.rpc.pdserve.v1 import internal_pb2
 
 STORED, REMOVED, CLEARED = CacheEventKind.STORED, CacheEventKind.REMOVED, CacheEventKind.CLEARED
