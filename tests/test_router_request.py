@@ -129,4 +129,4 @@ def test_load_reports_are_read_through_load_report():
     dec, pre = asyncio.run(run())
     assert dec.up and [(r.running, r.tokens, r.prompt_tokens) for r in dec.ranks] == [(3, 40, 0), (0, 0, 12)]
     assert dec.free_blocks == 4 and dec.block_size == 16
-    assert pre.up and pre.queued_tokens == 30 and pre.block_size == 32 and pre.prefix is None
+    assert pre.up and pre.queued_tokens == 30 and pre.block_size == 32 and pre.kv_seq == 0

@@ -91,7 +91,7 @@ def test_a_dead_instance_is_taken_out_and_back_in_after_restart(cluster):
 
 
 def test_repeated_prefixes_go_to_the_prefill_instance_that_caches_them(cluster):
-    """Each prefill instance summarises its prefix cache in its load reports; with two instances a
+    """Each prefill instance streams its prefix cache's events to the router's index; with two instances a
     prompt sharing a cached prefix is sent to the one holding it (usage reports the hit every time)."""
     c = cluster
     system = [(7 * i) % 400 + 3 for i in range(80)]  # a shared "system prompt" of whole blocks
