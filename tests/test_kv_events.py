@@ -306,3 +306,32 @@ def test_the_routers_index_holds_nothing_stale_after_an_instance_restarts(cluste
 
     before, blocks = asyncio.run(main())
     assert before >= blocks > 0
+
+
+def _dp_rank(rank: int, world: int, path: str) -> list | None:
+    """A dp=2 decode group's turn: each rank's cache events reach rank 0 in its report, with its rank."""
+    import torch
+
+    from decode_service.server import DecodeConfig
+    from shared.engine.core import RankLink, take_turn
+    from shared.parallel import ParallelConfig, ParallelState
+
+    state = ParallelState.initialize(ParallelConfig(world=world, dp=world, ep=world), rank, torch.device("cpu"))
+    me = DecodeWorker(DecodeConfig(model=path, dtype="float32", block_size=4, kv_cache_tokens=256), rank, state)
+    me.kv_events(CacheEvent(STORED, Tier.DEVICE, H[rank]))  # as the rank's allocator tells its listener
+    reports = take_turn(me, RankLink(state), [])
+    me.close()
+    return None if reports is None else [(r.load.load.rank, r.load.kv_events) for r in reports]
+
+
+def test_every_dp_ranks_events_reach_rank_0_and_place_by_rank(ckpt):
+    from decode_service.engine import DecodeEngineCore
+    from tests.dist_utils import run_ranks
+
+    got, none = run_ranks(_dp_rank, 2, str(ckpt("v32_sparse")))
+    assert none is None
+    assert got == [(0, [CacheEvent(STORED, Tier.DEVICE, H[0])]), (1, [CacheEvent(STORED, Tier.DEVICE, H[1])])]
+    core = types.SimpleNamespace(mirror=False, world=2, kv_events=CacheEventLog(published=True), on_kv_events=None)
+    DecodeEngineCore._publish(core, [RankKvEvents(rank, events) for rank, events in got])
+    assert DecodeEngineCore.prefix_blocks_by_rank(core, [H[1], H[2]]) == [0, 1]
+    assert DecodeEngineCore.prefix_blocks_by_rank(core, [H[0]]) == [1, 0]
