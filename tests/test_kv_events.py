@@ -106,7 +106,8 @@ def test_the_stream_resumes_or_snapshots_and_refuses_hostile_requests():
         assert snap.snapshot and snap.epoch == log.epoch and snap.last_seq == 3 and snap.block_size == 4
         assert [e.block_hash for e in snap.events] == H[:3]
         asyncio.get_running_loop().call_later(0.05, store, H[3])
-        [live] = await _read(log, internal_pb2.KvEventsRequest(epoch=log.epoch, last_seq=3), 1)  # waits for it
+        ack, live = await _read(log, internal_pb2.KvEventsRequest(epoch=log.epoch, last_seq=3), 2)  # waits for it
+        assert not ack.snapshot and ack.last_seq == 3 and not ack.events  # resumed: live at once
         assert not live.snapshot and live.last_seq == 4 and [e.block_hash for e in live.events] == [H[3]]
         [stale] = await _read(log, internal_pb2.KvEventsRequest(epoch=log.epoch + 2, last_seq=4), 1)
         assert stale.snapshot and len(stale.events) == 4  # another epoch: a restart

@@ -3,7 +3,8 @@
 A subscriber names the epoch and the last sequence number it saw. The same epoch and a sequence number
 the log still keeps: the events after it, then live batches. Anything else (no epoch, another epoch, a
 sequence number too old): a snapshot first (its first batch marked `snapshot`), then live batches. A
-subscriber too slow for the log's history gets a snapshot again rather than a gap."""
+resumed subscription with nothing new yet gets one empty batch at once (it is live). A subscriber too slow
+for the log's history gets a snapshot again rather than a gap."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ async def serve_kv_events(log: CacheEventLog, block_size: int, request: internal
     log.wakers.append(waker)
     try:
         cursor = request.last_seq if request.epoch == log.epoch else -1
+        acked = False
         while True:
             wake.clear()
             new = log.since(cursor) if cursor >= 0 else None
@@ -83,13 +85,16 @@ async def serve_kv_events(log: CacheEventLog, block_size: int, request: internal
                 snap = log.snapshot()
                 for batch in snapshot_batches(snap, block_size):
                     yield batch
-                cursor = snap.seq
+                cursor, acked = snap.seq, True
                 continue
             if new:
                 for batch in _batches(log.epoch, block_size, new):
                     yield batch
-                cursor = new[-1].seq
+                cursor, acked = new[-1].seq, True
                 continue
+            if not acked:  # resumed with nothing new: an empty batch says the subscription is live
+                yield internal_pb2.KvEventBatch(epoch=log.epoch, last_seq=cursor, block_size=block_size)
+                acked = True
             await wake.wait()
     finally:
         log.wakers.remove(waker)
