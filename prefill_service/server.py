@@ -30,6 +30,7 @@ from shared.engine import LLMEngine
 from shared.engine.core import CommandError, follow
 from shared.engine.isolation import RequestFault
 from shared.parallel.launch import join_ranks, service_state, start_instance
+from shared.protocol.limits import blocks_for
 from shared.protocol.load import LoadReport
 from shared.rpc.convert import load_to_proto, logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -106,6 +107,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         try:  # validated once, here: the engine trusts what it is handed
             params.validate()
             self.engine.limits.check_request(prompt, params, request.num_resumed, request.cache_salt)
+            if not 0 <= dest.reused_blocks < max(1, blocks_for(len(prompt), self.engine.limits.block_size)):
+                raise ValueError(f"destination.reused_blocks: {dest.reused_blocks} of a {len(prompt)}-token "
+                                 "prompt's blocks (its last block is always pushed)")
             done = self.engine.prefill(rid, prompt, params, dest, request.priority, request.num_resumed,
                                        request.cache_salt)
         except ValueError as exc:

@@ -285,6 +285,7 @@ class PrefillWorker:
         first, last = start // bs, (-(-end // bs) if c.completes else end // bs)
         if not job.prefix_sent:
             first, job.prefix_sent = 0, True
+        first = max(first, job.dest.reused_blocks)  # decode holds those already (its prefix cache)
         first, last = self.policy.push_share(first, last)
         if first >= last:
             return ChunkPush(job, None, [], 0)

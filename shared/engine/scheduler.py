@@ -129,6 +129,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.decode_width = 1  # tokens a decode takes from the budget (1 + drafts under speculative decoding)
+        self.cache_prompt_only = False  # register only blocks wholly inside prompts (a decode instance's cache)
         ledger.watch(self)
 
     def add(self, seq: Sequence) -> None:
@@ -203,6 +204,10 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, seq.num_uncached))
         return chunks
 
+    def block_keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The prefix-cache keys of the request's first `num_blocks` full blocks."""
+        return self._hashes(seq, num_blocks)
+
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The prefix-cache keys of the request's first `num_blocks` full blocks (computed once), chained
         from its cache_salt's root (shared.protocol.prefix.prompt_block_hashes, the router's, is the same)."""
@@ -230,6 +235,8 @@ class Scheduler:
     def cache_computed(self, seq: Sequence) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
         full = seq.num_cached // self.block_size
+        if self.cache_prompt_only:
+            full = min(full, len(seq.prompt_token_ids) // self.block_size)
         if full <= seq.num_registered:
             return
         hashes = self._hashes(seq, full)
