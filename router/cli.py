@@ -61,7 +61,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         "prefill": {"instances": args.num_prefill, "cp": args.prefill_cp, "tp": args.prefill_tp,
                     "ep": args.prefill_ep, "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
-                   "layerSharding": args.layer_sharding,
+                   "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache,
                    "speculativeMaxDraftTokens": args.speculative_max_draft_tokens},
         "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port,
                    "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms, "drainSeconds": args.drain_seconds,

@@ -146,7 +146,7 @@ class PrefillSpec:
     max_prefill_tokens: int = same_as(PrefillConfig, "max_prefill_tokens")
     kv_cache_tokens: int = same_as(PrefillConfig, "kv_cache_tokens")
     kv_stall_seconds: float = same_as(PrefillConfig, "kv_stall_seconds")
-    no_prefix_cache: bool = same_as(PrefillConfig, "no_prefix_cache")  # prefill's own (decode caches no prompts)
+    no_prefix_cache: bool = same_as(PrefillConfig, "no_prefix_cache")
 
 
 @dataclass
@@ -166,6 +166,7 @@ class DecodeSpec:
     kv_stall_seconds: float = same_as(DecodeConfig, "kv_stall_seconds")
     reserve_wait_seconds: float = same_as(DecodeConfig, "reserve_wait_seconds")
     speculative_max_draft_tokens: int = same_as(DecodeConfig, "speculative_max_draft_tokens")  # with MTP
+    no_prefix_cache: bool = same_as(DecodeConfig, "no_prefix_cache")
 
     def __post_init__(self) -> None:
         check_bounds(self, lambda name: f"decode.{_camel(name)}")
@@ -219,7 +220,8 @@ class Deployment:
             d = self.decode
             out += ["--dp", _s(d.dp), "--kv-port", _s(d.kv_port), "--lease-seconds", _s(d.lease_seconds),
                     "--max-num-seqs", _s(d.max_num_seqs), "--kv-stall-seconds", _s(d.kv_stall_seconds),
-                    "--reserve-wait-seconds", _s(d.reserve_wait_seconds)]
+                    "--reserve-wait-seconds", _s(d.reserve_wait_seconds),
+                    *(["--no-prefix-cache"] if d.no_prefix_cache else [])]
             if e.speculative:
                 out += ["--speculative-max-draft-tokens", _s(d.speculative_max_draft_tokens)]
         return out

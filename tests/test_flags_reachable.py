@@ -105,8 +105,8 @@ VALUES = {"autoscale": "2:6", "autoscale_prometheus": "http://prometheus.test:90
           "http_port": 8000, "api_key_file": "/tmp/keys.txt", "served_model_name": "deepseek-v3.2-test",
           "profile": "/tmp/profile.json", "offload_layers": "3,5", "share_weights_dir": "/tmp/weights",
           "mooncake_devices": "mlx5_0", "layer_sharding": ("o_proj",), "speculative": "mtp"}
-ISSUE = {("prefill", "no_prefix_cache"), ("router", "api_key_file"), ("router", "served_model_name"),
-         ("router", "chat_max_tokens")}
+ISSUE = {("prefill", "no_prefix_cache"), ("decode", "no_prefix_cache"), ("router", "api_key_file"),
+         ("router", "served_model_name"), ("router", "chat_max_tokens")}
 
 
 def _flags() -> list[tuple[str, object]]:
@@ -248,12 +248,12 @@ def test_every_service_flag_is_reachable_from_pdserve_up_and_the_chart(tmp_path)
 
 
 def test_the_flags_the_issue_named_are_reachable_both_ways_by_name(tmp_path):
-    """--no-prefix-cache (prefill's: decode caches no prompts), --api-key-file, --served-model-name and
-    --chat-max-tokens (the router's): each a `pdserve up` flag of the same name and a chart value."""
+    """--no-prefix-cache (prefill's and decode's), --api-key-file, --served-model-name and --chat-max-tokens
+    (the router's): each a `pdserve up` flag of the same name and a chart value."""
     assert not {name for _, name in ISSUE} & (set(LAUNCHER) | set(INTERNAL) | {n for _, n in UP_SETS})
-    assert "no_prefix_cache" not in {f.name for f in fields(DecodeConfig)}
-    flags = dict((f.name, (role, f)) for role, f in _flags() if (role, f.name) in ISSUE)
-    for name, (role, f) in flags.items():
+    flags = {(role, f.name): f for role, f in _flags() if (role, f.name) in ISSUE}
+    assert set(flags) == ISSUE
+    for (role, name), f in flags.items():
         assert flag_name(name) in _up_ways(role, name, _value(f), tmp_path), name
         assert _chart_ways(role, name, _value(f)), name
 

@@ -251,7 +251,8 @@ def test_metrics_endpoint(model_dir):
     with Cluster(str(model_dir), **REFERENCE_NUMERICS, extra_decode=["--metrics-port", "0", "--block-size", "4"],
                  extra_prefill=["--block-size", "4", "--metrics-port", "0"]) as c:
         def scrape(addr: str) -> str:
-            return urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_ports[addr]}/metrics", timeout=5).read().decode()
+            url = f"http://127.0.0.1:{c.metrics_ports[addr]}/metrics"
+            return urllib.request.urlopen(url, timeout=5).read().decode()
 
         def pushed_bytes() -> float:
             return sum(float(line.split()[-1]) for line in scrape(c.prefill_addrs[0]).splitlines()
