@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from prefill_service.fetch import FETCH_COMMANDS, FetchEndpoint, FetchEnds
 from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import EngineCommand, RankCommand
@@ -146,7 +147,7 @@ class PrefillWorker:
 
     def __init__(self, engine: LLMEngine, make_sender: Callable[[str], KVSender],
                  on_done: Callable[[str, PrefillOutcome], None] = lambda rid, outcome: None,
-                 later: Callable[[EngineCommand], None] | None = None):
+                 later: Callable[[EngineCommand], None] | None = None, fetch: FetchEndpoint | None = None):
         self.engine, self.policy = engine, engine.policy
         self.rank = engine.parallel.rank
         self.jobs: dict[str, _Job] = {}
@@ -158,16 +159,21 @@ class PrefillWorker:
         self._scheduled: dict[str, ScheduledChunk] = {}  # this step's chunks by request id
         self._prefix_planned: dict[str, bool] = {}  # the last planned chunks' jobs' prefix_sent before planning
         self._pushes: list[ChunkPush] = []
+        # cross-instance fetch (prefill_service.fetch): a one-rank instance's pool only
+        self.fetch = FetchEnds(engine, fetch if not engine.parallel.is_parallel else None, self._open, later, on_done)
 
     # -- commands ------------------------------------------------------------------------------
-    def apply(self, cmd: RankCommand) -> None:
+    def apply(self, cmd: RankCommand) -> object:
         c = cmd.command
+        if isinstance(c, FETCH_COMMANDS):
+            return self.fetch.apply(c)
         if isinstance(c, AddPrompt):
             self._add(c)
         elif isinstance(c, DropPrompt):
             self._fail(c.request_id, c.error or RuntimeError("cancelled"))
         elif isinstance(c, FreeBlocks):
             self.engine.kv.ledger.end_push(c.hold)
+        return None
 
     def _add(self, c: AddPrompt) -> None:
         engine, request_id = self.engine, c.request_id
@@ -217,6 +223,7 @@ class PrefillWorker:
     # -- the step: the engine's, observed ---------------------------------------------------------
     def step(self) -> list[Any]:
         self.engine.kv.ledger.settle()  # every step, busy or idle (a parallel rank's dummy one too)
+        self.fetch.expire()
         self.batch_tokens, self._scheduled = 0, {}
         if self.policy.mirror:  # a failure inside the group's collectives cannot be contained
             self.engine.step(self)
@@ -357,6 +364,7 @@ class PrefillWorker:
                         queued_prompt_tokens=queued)
 
     def close(self) -> None:
+        self.fetch.close()
         for rid in list(self.jobs):
             self._fail(rid, TransferError("the prefill instance stopped"))
         for sender in self.senders.values():

@@ -150,6 +150,14 @@ class BlockAllocator:
                 hits.append(block)
         return hits
 
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading keys of `hashes` are cached, claiming nothing (a fetch plans with it)."""
+        with self._lock:
+            n = 0
+            while n < len(hashes) and hashes[n] in self._block_of:
+                n += 1
+            return n
+
     def register(self, block: int, block_hash: bytes) -> None:
         """Cache a referenced block whose KV is complete (a hash already cached keeps its block)."""
         with self._lock:

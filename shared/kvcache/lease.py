@@ -158,6 +158,18 @@ class LeaseTable:
             lease.committed = True
             return lease.complete and not lease.dead
 
+    def written_prefix(self, lease: Lease) -> int:
+        """Leading blocks of the lease written in every layer and cache kind (what a fetch can adopt)."""
+        with self._lock:
+            n = len(lease.blocks)
+            for layer in range(self.num_layers):
+                for kind in self.kinds:
+                    covered, m = lease.covered.get((layer, kind), set()), 0
+                    while m < n and m in covered:
+                        m += 1
+                    n = m
+            return n
+
     def is_complete(self, lease_id: str) -> bool:
         with self._lock:
             lease = self._leases.get(lease_id)

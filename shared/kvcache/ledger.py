@@ -159,6 +159,22 @@ class BlockLedger:
             self._kept[holder], seq.block_table = seq.block_table, []
         return holder
 
+    def hold_cached(self, hashes: list[bytes], why: str) -> Holding:
+        """Prefix cache → push: the cached blocks of the longest cached prefix of `hashes`, pinned (one more
+        reference each) while a push to another instance reads them (`end_push`)."""
+        holder = Holder(Owner.PUSH, why, next(self._serials))
+        blocks = self.allocator.lookup(hashes)
+        with self._lock:
+            self._kept[holder] = blocks
+        return Holding(holder, list(blocks))
+
+    def adopt(self, lease_blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Claimed lease → prefix cache: blocks another instance pushed are registered under their keys (one
+        key per leading block), then the lease's references go back: the registered ones stay cached."""
+        for block, block_hash in zip(lease_blocks, hashes):
+            self.allocator.register(block, block_hash)
+        self._return(lease_blocks)
+
     def end_push(self, holder: Holder) -> None:
         """Push → free: the push committed, failed or was given up; its blocks go back."""
         with self._lock:
