@@ -13,12 +13,14 @@ import torch
 
 from bench.fleet_faults import UpProcess
 from shared import metrics
+from shared.device import accelerator
 from shared.engine import LLM, SamplingParams
 from shared.kvcache import CacheEvent, CacheEventKind, KVCache, KVLayout, Tier
-from shared.kvcache.tier import KVTier
+from shared.kvcache.tier import HostStore
 from shared.protocol.prefix import prompt_block_hashes
 from tests.helpers import random_prompts
 
+ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 BS = 4
 
@@ -95,10 +97,10 @@ def test_an_altered_or_truncated_record_is_dropped_not_served(sparse_path, tmp_p
     assert not altered.exists() and not truncated.exists()
 
 
-def _cache(kv_cache_dtype: str, tier_blocks: int, tmp_path: Path) -> KVCache:
+def _cache(kv_cache_dtype: str, tier_blocks: int, tmp_path: Path, device: torch.device | None = None) -> KVCache:
     layout = KVLayout(num_layers=3, block_size=BS, kv_lora_rank=128, rope_dim=16, index_head_dim=32,
                       dtype=torch.float32, index_dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)
-    kv = KVCache(layout, 8, torch.device("cpu"))
+    kv = KVCache(layout, 8, device or torch.device("cpu"))
     kv.attach_tier(tier_blocks * BS, str(tmp_path))
     return kv
 
@@ -108,14 +110,28 @@ def _fill(kv: KVCache, block: int, seed: int) -> None:
     for pool in kv.pools():
         rows = torch.randint(0, 255, pool[:, block].shape, generator=g, dtype=torch.uint8) if pool.dtype == \
             torch.uint8 else torch.randn(pool[:, block].shape, generator=g)
-        pool[:, block] = rows
+        pool[:, block] = rows.to(pool.device)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_every_pool_of_a_block_round_trips(kv_cache_dtype, tmp_path):
     """MLA rows (C8: int8 latent + scales + bf16 rope key as bytes), indexer keys (C8: FP8 + scale), every layer
     (an MTP layer is one more): what a hit restores is byte for byte what was registered."""
-    kv = _cache(kv_cache_dtype, 4, tmp_path)
+    _round_trip(_cache(kv_cache_dtype, 4, tmp_path))
+
+
+def test_an_accelerator_pool_spills_to_pinned_host_memory(tmp_path):
+    """On an accelerator the tier is page-locked host memory (no files), and a hit copies back byte for byte."""
+    device = accelerator()
+    if device is None:
+        pytest.skip("no accelerator")
+    kv = _cache("int8", 4, tmp_path, device)
+    assert isinstance(kv.tier.store, HostStore)
+    _round_trip(kv)
+    assert all(h.is_pinned() for h in kv.tier._index.values())
+
+
+def _round_trip(kv: KVCache) -> None:
     [block] = kv.ledger.allocate(1)
     _fill(kv, block, 1)
     before = [p[:, block].clone() for p in kv.pools()]
@@ -193,6 +209,37 @@ def test_a_fresh_store_per_process_and_a_reset_forgets(tmp_path):
     kv.tier.close()
     assert not old_dir.exists()
     kv.ledger.end_lease([block])
+
+
+@pytest.mark.parametrize("values", [{}, {"engine": {"kvTierTokens": 65536, "kvTierDir": "/var/cache/kv"}}])
+def test_the_chart_and_pdserve_up_give_both_services_the_tier(values):
+    """engine.kvTierTokens / kvTierDir reach prefill and decode alike, from the chart and from `pdserve up`
+    (the same flags; none when the tier is off)."""
+    helm = pytest.importorskip("helm_python")
+    import yaml
+
+    from decode_service.server import parse_args as decode_args
+    from prefill_service.server import parse_args as prefill_args
+    from router.cli import deployment_from_args
+    from router.cli import parser as pdserve_parser
+
+    want = (values["engine"]["kvTierTokens"], values["engine"]["kvTierDir"]) if values else (0, None)
+    argv = ["up", "--kv-tier-tokens", str(want[0])] + (["--kv-tier-dir", want[1]] if want[1] else [])
+    dep = deployment_from_args(pdserve_parser().parse_args(argv))
+    parsers = {"prefill_service": prefill_args, "decode_service": decode_args}
+    rendered = helm.Chart.load(ROOT / "helm" / "pdserve").render(values, name="d", namespace="n")
+    seen = set()
+    for doc in (d for p, t in rendered.items() if not p.endswith(".txt") for d in yaml.safe_load_all(t) if d):
+        if doc["kind"] in ("Deployment", "StatefulSet") and doc["spec"]["template"]["spec"]["containers"][0][
+                "command"][-1] in parsers:
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            module = container["command"][-1]
+            chart = parsers[module]([a.replace("$(POD_IP)", "10.0.0.1") for a in container["args"]])
+            up = parsers[module](["--model", "m", *dep.flags(module.removesuffix("_service"))])
+            assert (chart.kv_tier_tokens, chart.kv_tier_dir) == (up.kv_tier_tokens, up.kv_tier_dir) == want
+            assert ("--kv-tier-tokens" in container["args"]) == bool(values)
+            seen.add(module)
+    assert seen == set(parsers)
 
 
 def test_host_tier_hits_through_pdserve_up(tmp_path):
