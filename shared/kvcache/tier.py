@@ -188,8 +188,11 @@ class KVTier:
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Offer | _Flush | None] = queue.Queue(maxsize=4 * capacity_blocks + 64)
         allocator.listeners.append(self._on_device_event)
-        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+        # the writer holds the tier weakly: an engine dropped without close() frees its pools and store
+        self._writer = threading.Thread(target=_write_loop, args=(self._queue, weakref.ref(self)),
+                                        name="kv-tier-writer", daemon=True)
         self._writer.start()
+        weakref.finalize(self, self._queue.put, None)
 
     @classmethod
     def for_cache(cls, kv: object, tokens: int, directory: str | None) -> KVTier:
@@ -231,16 +234,6 @@ class KVTier:
         marker = _Flush()
         self._queue.put(marker)
         return marker.done.wait(timeout)
-
-    def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if isinstance(item, _Flush):
-                item.done.set()
-                continue
-            try:
-                self._write(item)
-            except Exception:  # a full disk, an I/O error: that block is not spilled; the tier goes on
-                log.exception("KV tier: writing a block failed")
 
     def _write(self, offer: _Offer) -> None:
         with self._lock:
@@ -383,3 +376,19 @@ class KVTier:
         with self._lock:
             self._index.clear()
         self.store.close()
+
+
+def _write_loop(offers: queue.Queue, tier_ref: weakref.ref[KVTier]) -> None:
+    """The writer thread: offers in order until None (close, or the tier collected)."""
+    while (item := offers.get()) is not None:
+        if isinstance(item, _Flush):
+            item.done.set()
+            continue
+        tier = tier_ref()
+        if tier is None:
+            return
+        try:
+            tier._write(item)
+        except Exception:  # a full disk, an I/O error: that block is not spilled; the tier goes on
+            log.exception("KV tier: writing a block failed")
+        del tier
