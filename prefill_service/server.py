@@ -139,6 +139,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         metrics.TOKENS.labels("prefill", "prompt").inc(len(prompt))
         metrics.PREFILL_SECONDS.observe(result.seconds)
         metrics.TOKENS.labels("prefill", "cached_prompt").inc(result.cached_prompt_tokens)
+        metrics.PREFIX_HIT_TOKENS.labels("prefill", "device").inc(result.cached_prompt_tokens
+                                                                  - result.host_cached_prompt_tokens)
+        metrics.PREFIX_HIT_TOKENS.labels("prefill", "host").inc(result.host_cached_prompt_tokens)
         metrics.KV_PUSH_BYTES.labels(dest.transport).inc(result.pushed_bytes)
         metrics.KV_PUSH_SECONDS.labels(dest.transport).observe(result.seconds)
         return internal_pb2.PrefillResponse(

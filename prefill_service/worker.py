@@ -84,6 +84,7 @@ class PrefillResult:
     pushed_bytes: int  # KV bytes this rank pushed
     first_logprob: TokenLogprob | None = None  # with params.logprobs
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., with params.prompt_logprobs
+    host_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, read back from the second KV tier
 
 
 # what /metrics exports of a prefill rank's load (shared.metrics.LoadCollector): a prefill holds no leases
@@ -355,7 +356,8 @@ class PrefillWorker:
         self.on_done(rid, PrefillResult(done.token, done.rng_state, time.perf_counter() - done.job.started,
                                         done.cached_prompt_tokens, pushed,
                                         done.seq.logprobs[0] if done.seq.logprobs else None,
-                                        done.seq.prompt_logprobs))
+                                        done.seq.prompt_logprobs,
+                                        host_cached_prompt_tokens=done.seq.num_host_cached_prompt_tokens))
 
     def load(self) -> RankLoad:
         sched, kv = self.engine.scheduler, self.engine.kv

@@ -64,6 +64,8 @@ class EngineSpec:
     share_weights_dir: str = ""  # another directory (implies sharing); "" = none, or the above with share_weights
     speculative: str = same_as(ServiceConfig, "speculative")
     num_speculative_tokens: int = same_as(ServiceConfig, "num_speculative_tokens")
+    kv_tier_tokens: int = same_as(ServiceConfig, "kv_tier_tokens")  # both: prefill's prompts, decode's leases
+    kv_tier_dir: str | None = same_as(ServiceConfig, "kv_tier_dir")  # rendered only with kv_tier_tokens
 
     def __post_init__(self) -> None:
         check_bounds(self, lambda name: f"engine.{_camel(name)}")
@@ -99,6 +101,9 @@ class EngineSpec:
             out += ["--share-weights-dir", self.weights_dir]
         if self.speculative:  # both services: prefill computes the MTP layer's cache, decode drafts
             out += ["--speculative", self.speculative, "--num-speculative-tokens", _s(self.num_speculative_tokens)]
+        if self.kv_tier_tokens:
+            out += ["--kv-tier-tokens", _s(self.kv_tier_tokens), *(["--kv-tier-dir", self.kv_tier_dir]
+                                                                   if self.kv_tier_dir else [])]
         return out
 
 

@@ -65,6 +65,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     num_registered: int = 0  # leading blocks of block_table already in the prefix cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_host_cached_prompt_tokens: int = 0  # of those, read back from the second KV tier (shared.kvcache.tier)
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities first come, first served
     cache_salt: str = ""  # a tenant's: its prefix-cache keys chain from the salt (shared.protocol.prefix)
 
@@ -227,6 +228,7 @@ class Scheduler:
         seq.num_cached = hits * self.block_size
         if not seq.output_token_ids:
             seq.num_cached_prompt_tokens = seq.num_cached
+            seq.num_host_cached_prompt_tokens = self.ledger.last_restored * self.block_size
 
     def _release_prefix(self, seq: Sequence) -> None:
         self.ledger.release_prefix(seq)
