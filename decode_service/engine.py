@@ -209,7 +209,8 @@ class DecodeEngineCore(EngineCore):
         elif isinstance(c, Abort):  # events of an aborted request may be dropped from here on
             self._admitted.pop(self._admit_cid.pop(c.request_id, -1), None)
 
-    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
+    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None,
+                prefix: tuple[bytes, ...] = ()) -> Future:
         """Place a reservation on the least loaded DP rank by tokens (running contexts + leases);
         the Future yields a Placement. Reservations not yet visible in a rank's load report are
         counted too, so a burst of them spreads over the ranks."""
@@ -220,7 +221,7 @@ class DecodeEngineCore(EngineCore):
                 pending = [sum(t for _, t in self._unreported[r]) for r in range(self.world)]
                 rank = least_loaded_rank([r.load.tokens + p for r, p in zip(self.loads, pending)],
                                          [r.load.running for r in self.loads])
-            command, to = self._addressed(Reserve(request_id, tokens, prompt_tokens), rank)
+            command, to = self._addressed(Reserve(request_id, tokens, prompt_tokens, prefix=prefix), rank)
             sent = self.dispatch(command, to)
             self._unreported[rank].append((sent.cid, tokens))
         return _then(sent.future, lambda dest: Placement(rank, dest))
@@ -237,7 +238,7 @@ class DecodeEngineCore(EngineCore):
         if isinstance(command, ToRank):
             return self.submit(command.command, command.rank)
         if isinstance(command, Reserve):
-            return self.reserve(command.request_id, command.num_tokens, command.prompt_tokens)
+            return self.reserve(command.request_id, command.num_tokens, command.prompt_tokens, command.prefix)
         raise TypeError(f"a decode engine core takes ToRank or Reserve, not {type(command).__name__}")
 
     # -- the engine core's hooks -----------------------------------------------------------------------
@@ -400,9 +401,10 @@ class DecodeEngineClient:
     def submit(self, command: EngineCommand, rank: int = 0) -> Future:
         return self.link.call(ToRank(command, rank))
 
-    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None) -> Future:
+    def reserve(self, request_id: str, tokens: int, prompt_tokens: int | None = None,
+                prefix: tuple[bytes, ...] = ()) -> Future:
         """Placed on the least loaded rank by the core; the Future yields a Placement."""
-        return self.link.call(Reserve(request_id, tokens, prompt_tokens))
+        return self.link.call(Reserve(request_id, tokens, prompt_tokens, prefix=prefix))
 
     def open_stream(self, request_id: str, q: Any = None) -> Any:
         return self.streams.open(request_id, q)

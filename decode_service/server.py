@@ -27,7 +27,8 @@ from shared.engine.isolation import REQUEST_FAULT
 from shared.kvcache.event_stream import serve_kv_events
 from shared.parallel.launch import join_ranks, service_state, start_instance
 from shared.protocol.finish import FinishReason, wire
-from shared.protocol.limits import blocks_for
+from shared.protocol.limits import blocks_for, check_cache_salt
+from shared.protocol.prefix import prompt_block_hashes
 from shared.protocol.sampling import SamplingParams
 from shared.rpc.convert import load_to_proto, logprob_from_proto, logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -112,19 +113,41 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode instance is draining")
         try:  # one that can never fit is INVALID_ARGUMENT, not a retryable RESOURCE_EXHAUSTED
             self.coord.limits.check_length(request.num_prompt_tokens, request.max_tokens)
+            prefix = self._prefix_keys(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            placement = await self._place(request, context)
+            placement = await self._place(request, context, prefix)
         except CommandError as exc:
             metrics.request_done("decode", exc.code, "reserve")
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        self._count_reuse(request.num_prompt_tokens, placement.destination.reused_blocks)
         self.coord.lease_rank[placement.destination.lease_id] = placement.rank
         msg = placement.destination.to_proto(internal_pb2.KVDestination)
         msg.signature = self.credentials.sign(msg)  # the prefill pushes only where a decode instance vouched
         return internal_pb2.ReserveResponse(destination=msg, dp_rank=placement.rank)
 
-    async def _place(self, request, context) -> Placement:
+    def _prefix_keys(self, request) -> tuple[bytes, ...]:
+        """The prompt's leading block keys, hashed here under its salt (never taken from the caller): the lease
+        starts on the blocks of the longest of them this instance caches. ValueError naming a bad field."""
+        ids = request.prompt_token_ids
+        if not ids or self.cfg.no_prefix_cache:
+            return ()
+        if len(ids) != request.num_prompt_tokens:
+            raise ValueError(f"prompt_token_ids: {len(ids)} tokens, num_prompt_tokens says "
+                             f"{request.num_prompt_tokens}")
+        check_cache_salt(request.cache_salt)
+        bs = self.coord.limits.block_size
+        return tuple(prompt_block_hashes(list(ids), bs, (len(ids) - 1) // bs, request.cache_salt))
+
+    def _count_reuse(self, prompt_tokens: int, reused: int) -> None:
+        """A reservation's prompt blocks: reused from the prefix cache, or left for the push (metrics.KV_BLOCKS)."""
+        bs = self.coord.limits.block_size
+        metrics.KV_BLOCKS.labels("reused").inc(reused)
+        metrics.KV_BLOCKS.labels("pushed").inc(blocks_for(prompt_tokens, bs) - reused)
+        metrics.PREFIX_HIT_TOKENS.labels("decode", "device").inc(reused * bs)
+
+    async def _place(self, request, context, prefix: tuple[bytes, ...] = ()) -> Placement:
         """Reserve the request's blocks. A pool that is full now is asked again once a rank reports enough
         free blocks (requests finish; a stalled push's reservation is reclaimed), for up to
         --reserve-wait-seconds within the caller's deadline; then RESOURCE_EXHAUSTED (the router tries
@@ -137,7 +160,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         need = blocks_for(total, self.coord.limits.block_size)
         while True:
             try:
-                return await wait_future(self.coord.reserve(request.request_id, total, request.num_prompt_tokens), 60)
+                return await wait_future(self.coord.reserve(request.request_id, total, request.num_prompt_tokens,
+                                                            prefix), 60)
             except CommandError as exc:
                 if exc.code != "RESOURCE_EXHAUSTED" or self.draining or loop.time() >= until:
                     raise

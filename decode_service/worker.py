@@ -22,10 +22,11 @@ import torch.distributed as dist
 from shared.config import DecodeConfig
 from shared.engine import LLMEngine, SamplingParams, StepEvent
 from shared.engine.core import CommandError, EncodedReport, EngineCommand, RankCommand, RankReport
+from shared.engine.scheduler import Sequence
 from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
 from shared.kvcache import CacheEvent, OutOfBlocks
-from shared.kvcache.event_log import CacheEventLog
-from shared.kvcache.lease import LeaseError, LeaseTable
+from shared.kvcache.event_log import listen_to
+from shared.kvcache.lease import Lease, LeaseError, LeaseTable
 from shared.parallel import ParallelState
 from shared.protocol.finish import FinishReason
 from shared.protocol.load import RankLoad
@@ -50,6 +51,7 @@ class Reserve(EngineCommand):
     prompt_tokens: int | None = None
     lease_id: str | None = None
     token: bytes | None = None
+    prefix: tuple[bytes, ...] = ()  # the prompt's leading block keys: the lease starts on those this rank caches
 
 
 @dataclass(frozen=True)
@@ -155,12 +157,13 @@ class DecodeWorker:
         self._ended: dict[str, int] = {}  # the handles of the requests the last step finished
         self.names: dict[int, str] = {}  # rank 0: admit command id → request id
         self.applied_cid = -1  # the newest command applied here (load reports say what they include)
-        self.engine = LLMEngine(cfg.engine_config(enable_prefix_caching=False), state)  # KV arrives pushed
+        self.engine = LLMEngine(cfg.engine_config(enable_prefix_caching=not cfg.no_prefix_cache), state)
+        # the prefix cache keeps the prompt blocks prefill pushed (or a local prefill computed); the rows of
+        # generated tokens come from the decode kernels, which a later prompt's prefill would not reproduce
+        self.engine.scheduler.cache_prompt_only = True
         self.mirror = self.engine.policy.mirror
         kv = self.engine.kv
-        self.kv_events = CacheEventLog(rank)  # this rank's prefix-cache events, drained into each report
-        self.kv_events.seed(kv.allocator.cached_hashes())
-        kv.allocator.listeners.append(self.kv_events)
+        self.kv_events = listen_to(kv, rank)  # this rank's prefix-cache events, drained into each report
         self.leases = LeaseTable(kv.ledger, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
                                  cfg.lease_seconds)
         self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port + rank if cfg.kv_port else 0,
@@ -176,7 +179,8 @@ class DecodeWorker:
         c = cmd.command
         if isinstance(c, Reserve):
             try:
-                lease = self.leases.reserve(c.request_id, c.num_tokens, c.lease_id, c.token, c.prompt_tokens)
+                lease = self.leases.reserve(c.request_id, c.num_tokens, c.lease_id, c.token, c.prompt_tokens,
+                                            c.prefix if self.engine.scheduler.prefix_caching else ())
             except OutOfBlocks as exc:
                 return CommandError("RESOURCE_EXHAUSTED", f"decode rank {self.rank} KV pool full: {exc}")
             return self.receiver.destination(lease)
@@ -198,13 +202,17 @@ class DecodeWorker:
         except LeaseError as exc:
             return CommandError("FAILED_PRECONDITION", str(exc))
         if self.mirror and not c.local:
-            self._copy_kv_from_rank0(lease.blocks)
+            self._copy_kv_from_rank0(lease.blocks[lease.reused:])  # the reused ones are every rank's already
         try:  # validated by the front; a copy of the params: the request's own, whoever else holds the command
             seq = self.engine.make_sequence(c.prompt, dataclasses.replace(c.params), c.request_id,
                                             num_resumed=c.num_resumed, cache_salt=c.cache_salt)
         except ValueError as exc:
             self.engine.kv.ledger.drop_claimed(lease.blocks)
             return CommandError("INVALID_ARGUMENT", str(exc))
+        if refused := self._reuse_refusal(seq, lease, c.local):
+            self.engine.abort(seq.request_id)
+            self.engine.kv.ledger.drop_claimed(lease.blocks)
+            return CommandError("INVALID_ARGUMENT", refused)
         most = len(seq.prompt_token_ids) + seq.params.max_tokens  # a migrated request's outputs count in max_tokens
         if c.local and self.engine.kv.blocks_needed(most) > len(lease.blocks):
             self.engine.abort(seq.request_id)
@@ -213,6 +221,8 @@ class DecodeWorker:
                                                     f"{seq.params.max_tokens} do not fit the lease's "
                                                     f"{len(lease.blocks)} blocks")
         self.engine.kv.ledger.seat(seq, lease.blocks)
+        if c.local:  # its own prefill starts after the cached blocks
+            seq.num_cached, seq.num_registered = lease.reused * self.engine.kv.layout.block_size, lease.reused
         self.admitted += 1
         if c.local:
             self.engine.scheduler.add(seq)  # its blocks are the lease's: the scheduler only adds if it grows
@@ -224,6 +234,19 @@ class DecodeWorker:
         if not events[-1].finished:
             self.handles[seq.request_id] = handle
         return events
+
+    def _reuse_refusal(self, seq: Sequence, lease: Lease, local: bool) -> str | None:
+        """A lease that starts on cached blocks serves only the prompt they were cached for (its keys, under
+        its salt): any other would read another prompt's KV. Why not, or None."""
+        if not lease.reused:
+            return None
+        if tuple(self.engine.scheduler.block_keys(seq, lease.reused)) != lease.reused_hashes:
+            return (f"prompt_token_ids: the first {lease.reused} blocks differ from the prompt lease "
+                    f"{lease.lease_id!r} was reserved for")
+        if local and seq.params.prompt_logprobs is not None:
+            return ("prompt_logprobs: a local prefill with prompt logprobs computes every prompt block; reserve "
+                    "it without prompt_token_ids")
+        return None
 
     def _copy_kv_from_rank0(self, blocks: list[int]) -> None:
         """TP mirror: the prefill pushed into rank 0's blocks; every rank gets the same rows."""

@@ -18,7 +18,7 @@ from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import ALL, EngineCommand, EngineCore, RankReport
 from shared.engine.process import CoreConnection, CoreLink, CoreProcess, Fatal, InProcessLink, Ready, StartFailed
-from shared.kvcache.event_log import CacheEventLog, KvEventsNotice
+from shared.kvcache.event_log import CacheEventLog, KvEventsNotice, listen_to
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
@@ -69,10 +69,7 @@ class PrefillEngineCore(EngineCore):
         self.limits = engine.limits
         self.latest_load = self._report(self.worker.load())
         self.on_report: ReportHook = on_report or self._record
-        allocator = engine.kv.allocator
-        self.rank_events = CacheEventLog(0)  # rank 0's pool, drained every turn
-        self.rank_events.seed(allocator.cached_hashes())
-        allocator.listeners.append(self.rank_events)
+        self.rank_events = listen_to(engine.kv)  # rank 0's pool and second tier, drained every turn
         self.kv_events = CacheEventLog(published=True)  # the instance's log (in process: the front's too)
         self.on_kv_events: KvEventsHook = on_kv_events or self.kv_events.apply
         self.start()

@@ -31,6 +31,7 @@ from shared.engine.core import CommandError, follow
 from shared.engine.isolation import RequestFault
 from shared.kvcache.event_stream import serve_kv_events
 from shared.parallel.launch import join_ranks, service_state, start_instance
+from shared.protocol.limits import blocks_for
 from shared.protocol.load import LoadReport
 from shared.rpc.convert import load_to_proto, logprob_to_proto, sampling_from_proto
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -112,6 +113,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         try:  # validated once, here: the engine trusts what it is handed
             params.validate()
             self.engine.limits.check_request(prompt, params, request.num_resumed, request.cache_salt)
+            if not 0 <= dest.reused_blocks < max(1, blocks_for(len(prompt), self.engine.limits.block_size)):
+                raise ValueError(f"destination.reused_blocks: {dest.reused_blocks} of a {len(prompt)}-token "
+                                 "prompt's blocks (its last block is always pushed)")
             done = self.engine.prefill(rid, prompt, params, dest, request.priority, request.num_resumed,
                                        request.cache_salt)
         except ValueError as exc:
@@ -141,6 +145,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         metrics.TOKENS.labels("prefill", "prompt").inc(len(prompt))
         metrics.PREFILL_SECONDS.observe(result.seconds)
         metrics.TOKENS.labels("prefill", "cached_prompt").inc(result.cached_prompt_tokens)
+        metrics.PREFIX_HIT_TOKENS.labels("prefill", "device").inc(result.cached_prompt_tokens
+                                                                  - result.host_cached_prompt_tokens)
+        metrics.PREFIX_HIT_TOKENS.labels("prefill", "host").inc(result.host_cached_prompt_tokens)
         metrics.KV_PUSH_BYTES.labels(dest.transport).inc(result.pushed_bytes)
         metrics.KV_PUSH_SECONDS.labels(dest.transport).observe(result.seconds)
         return internal_pb2.PrefillResponse(

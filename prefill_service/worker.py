@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from prefill_service.fetch import FETCH_COMMANDS, FetchEndpoint, FetchEnds
 from shared.config import PrefillConfig
 from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import EngineCommand, RankCommand
@@ -83,6 +84,7 @@ class PrefillResult:
     pushed_bytes: int  # KV bytes this rank pushed
     first_logprob: TokenLogprob | None = None  # with params.logprobs
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., with params.prompt_logprobs
+    host_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, read back from the second KV tier
 
 
 # what /metrics exports of a prefill rank's load (shared.metrics.LoadCollector): a prefill holds no leases
@@ -146,7 +148,7 @@ class PrefillWorker:
 
     def __init__(self, engine: LLMEngine, make_sender: Callable[[str], KVSender],
                  on_done: Callable[[str, PrefillOutcome], None] = lambda rid, outcome: None,
-                 later: Callable[[EngineCommand], None] | None = None):
+                 later: Callable[[EngineCommand], None] | None = None, fetch: FetchEndpoint | None = None):
         self.engine, self.policy = engine, engine.policy
         self.rank = engine.parallel.rank
         self.jobs: dict[str, _Job] = {}
@@ -158,16 +160,21 @@ class PrefillWorker:
         self._scheduled: dict[str, ScheduledChunk] = {}  # this step's chunks by request id
         self._prefix_planned: dict[str, bool] = {}  # the last planned chunks' jobs' prefix_sent before planning
         self._pushes: list[ChunkPush] = []
+        # cross-instance fetch (prefill_service.fetch): a one-rank instance's pool only
+        self.fetch = FetchEnds(engine, fetch if not engine.parallel.is_parallel else None, self._open, later, on_done)
 
     # -- commands ------------------------------------------------------------------------------
-    def apply(self, cmd: RankCommand) -> None:
+    def apply(self, cmd: RankCommand) -> object:
         c = cmd.command
+        if isinstance(c, FETCH_COMMANDS):
+            return self.fetch.apply(c)
         if isinstance(c, AddPrompt):
             self._add(c)
         elif isinstance(c, DropPrompt):
             self._fail(c.request_id, c.error or RuntimeError("cancelled"))
         elif isinstance(c, FreeBlocks):
             self.engine.kv.ledger.end_push(c.hold)
+        return None
 
     def _add(self, c: AddPrompt) -> None:
         engine, request_id = self.engine, c.request_id
@@ -217,6 +224,7 @@ class PrefillWorker:
     # -- the step: the engine's, observed ---------------------------------------------------------
     def step(self) -> list[Any]:
         self.engine.kv.ledger.settle()  # every step, busy or idle (a parallel rank's dummy one too)
+        self.fetch.expire()
         self.batch_tokens, self._scheduled = 0, {}
         if self.policy.mirror:  # a failure inside the group's collectives cannot be contained
             self.engine.step(self)
@@ -285,6 +293,7 @@ class PrefillWorker:
         first, last = start // bs, (-(-end // bs) if c.completes else end // bs)
         if not job.prefix_sent:
             first, job.prefix_sent = 0, True
+        first = max(first, job.dest.reused_blocks)  # decode holds those already (its prefix cache)
         first, last = self.policy.push_share(first, last)
         if first >= last:
             return ChunkPush(job, None, [], 0)
@@ -347,7 +356,8 @@ class PrefillWorker:
         self.on_done(rid, PrefillResult(done.token, done.rng_state, time.perf_counter() - done.job.started,
                                         done.cached_prompt_tokens, pushed,
                                         done.seq.logprobs[0] if done.seq.logprobs else None,
-                                        done.seq.prompt_logprobs))
+                                        done.seq.prompt_logprobs,
+                                        host_cached_prompt_tokens=done.seq.num_host_cached_prompt_tokens))
 
     def load(self) -> RankLoad:
         sched, kv = self.engine.scheduler, self.engine.kv
@@ -356,6 +366,7 @@ class PrefillWorker:
                         queued_prompt_tokens=queued)
 
     def close(self) -> None:
+        self.fetch.close()
         for rid in list(self.jobs):
             self._fail(rid, TransferError("the prefill instance stopped"))
         for sender in self.senders.values():

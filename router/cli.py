@@ -43,7 +43,7 @@ from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 # the engine flags `pdserve up` takes for prefill and decode alike (declared on ServiceConfig)
 UP_ENGINE_FLAGS = ("kv_transport", "mooncake_protocol", "mooncake_devices", "dtype", "indexer_numerics",
                    "quantization", "kv_cache_dtype", "offload_layers", "offload_buffers", "share_weights_dir",
-                   "speculative", "num_speculative_tokens")
+                   "speculative", "num_speculative_tokens", "kv_cache_tokens", "kv_tier_tokens", "kv_tier_dir")
 
 
 
@@ -57,12 +57,15 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                    "quantization": args.quantization, "kvCacheDtype": args.kv_cache_dtype,
                    "offloadLayers": args.offload_layers, "offloadBuffers": args.offload_buffers,
                    "shareWeightsDir": args.share_weights_dir, "speculative": args.speculative,
-                   "numSpeculativeTokens": args.num_speculative_tokens},
+                   "numSpeculativeTokens": args.num_speculative_tokens, "kvTierTokens": args.kv_tier_tokens,
+                   "kvTierDir": args.kv_tier_dir},
         "prefill": {"instances": args.num_prefill, "cp": args.prefill_cp, "tp": args.prefill_tp,
-                    "ep": args.prefill_ep, "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache},
+                    "ep": args.prefill_ep, "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache,
+                    "kvCacheTokens": args.kv_cache_tokens},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
-                   "layerSharding": args.layer_sharding,
-                   "speculativeMaxDraftTokens": args.speculative_max_draft_tokens},
+                   "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache,
+                   "speculativeMaxDraftTokens": args.speculative_max_draft_tokens,
+                   "kvCacheTokens": args.kv_cache_tokens},
         "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port,
                    "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms, "drainSeconds": args.drain_seconds,
                    "apiKeyFile": args.api_key_file,

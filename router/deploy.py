@@ -64,6 +64,8 @@ class EngineSpec:
     share_weights_dir: str = ""  # another directory (implies sharing); "" = none, or the above with share_weights
     speculative: str = same_as(ServiceConfig, "speculative")
     num_speculative_tokens: int = same_as(ServiceConfig, "num_speculative_tokens")
+    kv_tier_tokens: int = same_as(ServiceConfig, "kv_tier_tokens")  # both: prefill's prompts, decode's leases
+    kv_tier_dir: str | None = same_as(ServiceConfig, "kv_tier_dir")  # rendered only with kv_tier_tokens
 
     def __post_init__(self) -> None:
         check_bounds(self, lambda name: f"engine.{_camel(name)}")
@@ -99,6 +101,9 @@ class EngineSpec:
             out += ["--share-weights-dir", self.weights_dir]
         if self.speculative:  # both services: prefill computes the MTP layer's cache, decode drafts
             out += ["--speculative", self.speculative, "--num-speculative-tokens", _s(self.num_speculative_tokens)]
+        if self.kv_tier_tokens:
+            out += ["--kv-tier-tokens", _s(self.kv_tier_tokens), *(["--kv-tier-dir", self.kv_tier_dir]
+                                                                   if self.kv_tier_dir else [])]
         return out
 
 
@@ -146,7 +151,7 @@ class PrefillSpec:
     max_prefill_tokens: int = same_as(PrefillConfig, "max_prefill_tokens")
     kv_cache_tokens: int = same_as(PrefillConfig, "kv_cache_tokens")
     kv_stall_seconds: float = same_as(PrefillConfig, "kv_stall_seconds")
-    no_prefix_cache: bool = same_as(PrefillConfig, "no_prefix_cache")  # prefill's own (decode caches no prompts)
+    no_prefix_cache: bool = same_as(PrefillConfig, "no_prefix_cache")
 
 
 @dataclass
@@ -166,6 +171,7 @@ class DecodeSpec:
     kv_stall_seconds: float = same_as(DecodeConfig, "kv_stall_seconds")
     reserve_wait_seconds: float = same_as(DecodeConfig, "reserve_wait_seconds")
     speculative_max_draft_tokens: int = same_as(DecodeConfig, "speculative_max_draft_tokens")  # with MTP
+    no_prefix_cache: bool = same_as(DecodeConfig, "no_prefix_cache")
 
     def __post_init__(self) -> None:
         check_bounds(self, lambda name: f"decode.{_camel(name)}")
@@ -219,7 +225,8 @@ class Deployment:
             d = self.decode
             out += ["--dp", _s(d.dp), "--kv-port", _s(d.kv_port), "--lease-seconds", _s(d.lease_seconds),
                     "--max-num-seqs", _s(d.max_num_seqs), "--kv-stall-seconds", _s(d.kv_stall_seconds),
-                    "--reserve-wait-seconds", _s(d.reserve_wait_seconds)]
+                    "--reserve-wait-seconds", _s(d.reserve_wait_seconds),
+                    *(["--no-prefix-cache"] if d.no_prefix_cache else [])]
             if e.speculative:
                 out += ["--speculative-max-draft-tokens", _s(d.speculative_max_draft_tokens)]
         return out

@@ -196,6 +196,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         timeout = max(0.0, progress.t_end - time.perf_counter())
         reserve_req = internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
                                                   max_tokens=req.sampling.max_tokens - resumed)
+        if not (place.best.local and req.sampling.prompt_logprobs is not None):  # that one computes every block
+            reserve_req.prompt_token_ids.extend(ids)  # decode starts the lease on the prefix it caches
+            reserve_req.cache_salt = req.cache_salt
         dec, reserve = await self._first_ok(self.decode, Pool.ordered(place.decodes, [c.decode for c in place.pairs]),
                                             lambda inst: inst.stub.Reserve(reserve_req, timeout=PEER_TIMEOUT,
                                                                            metadata=md), retry_on=FULL_OR_DOWN)

@@ -92,21 +92,23 @@ CHART_CONTEXT = {"mooncake_protocol": {"engine": {"kvTransport": "mooncake"}},
                  "offload_buffers": {"engine": {"offloadLayers": "3,5"}},
                  "num_speculative_tokens": {"engine": {"speculative": "mtp"}},
                  "speculative_max_draft_tokens": {"engine": {"speculative": "mtp"}},
+                 "kv_tier_dir": {"engine": {"kvTierTokens": 4096}},
                  **{name: AUTOSCALING for name in ("autoscale_period", "autoscale_window", "autoscale_down_after",
                                                    "autoscale_headroom", "autoscale_prometheus",
                                                    "autoscale_routers")}}
 UP_CONTEXT = {"mooncake_protocol": ["--kv-transport", "mooncake"], "mooncake_devices": ["--kv-transport", "mooncake"],
               "offload_buffers": ["--offload-layers", "3,5"], "num_speculative_tokens": ["--speculative", "mtp"],
-              "speculative_max_draft_tokens": ["--speculative", "mtp"],
+              "speculative_max_draft_tokens": ["--speculative", "mtp"], "kv_tier_dir": ["--kv-tier-tokens", "4096"],
               **{name: ["--autoscale", "1:3"] for name in ("autoscale_period", "autoscale_window",
                                                            "autoscale_down_after", "autoscale_headroom")}}
 # A value other than the default, where the type alone does not give one.
 VALUES = {"autoscale": "2:6", "autoscale_prometheus": "http://prometheus.test:9090", "autoscale_routers": 'job="x"',
           "http_port": 8000, "api_key_file": "/tmp/keys.txt", "served_model_name": "deepseek-v3.2-test",
           "profile": "/tmp/profile.json", "offload_layers": "3,5", "share_weights_dir": "/tmp/weights",
-          "mooncake_devices": "mlx5_0", "layer_sharding": ("o_proj",), "speculative": "mtp"}
-ISSUE = {("prefill", "no_prefix_cache"), ("router", "api_key_file"), ("router", "served_model_name"),
-         ("router", "chat_max_tokens")}
+          "mooncake_devices": "mlx5_0", "layer_sharding": ("o_proj",), "speculative": "mtp",
+          "kv_tier_dir": "/tmp/kv-tier"}
+ISSUE = {("prefill", "no_prefix_cache"), ("decode", "no_prefix_cache"), ("router", "api_key_file"),
+         ("router", "served_model_name"), ("router", "chat_max_tokens")}
 
 
 def _flags() -> list[tuple[str, object]]:
@@ -248,12 +250,12 @@ def test_every_service_flag_is_reachable_from_pdserve_up_and_the_chart(tmp_path)
 
 
 def test_the_flags_the_issue_named_are_reachable_both_ways_by_name(tmp_path):
-    """--no-prefix-cache (prefill's: decode caches no prompts), --api-key-file, --served-model-name and
-    --chat-max-tokens (the router's): each a `pdserve up` flag of the same name and a chart value."""
+    """--no-prefix-cache (prefill's and decode's), --api-key-file, --served-model-name and --chat-max-tokens
+    (the router's): each a `pdserve up` flag of the same name and a chart value."""
     assert not {name for _, name in ISSUE} & (set(LAUNCHER) | set(INTERNAL) | {n for _, n in UP_SETS})
-    assert "no_prefix_cache" not in {f.name for f in fields(DecodeConfig)}
-    flags = dict((f.name, (role, f)) for role, f in _flags() if (role, f.name) in ISSUE)
-    for name, (role, f) in flags.items():
+    flags = {(role, f.name): f for role, f in _flags() if (role, f.name) in ISSUE}
+    assert set(flags) == ISSUE
+    for (role, name), f in flags.items():
         assert flag_name(name) in _up_ways(role, name, _value(f), tmp_path), name
         assert _chart_ways(role, name, _value(f)), name
 

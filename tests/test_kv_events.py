@@ -191,17 +191,17 @@ def test_the_router_counts_a_prompts_cached_tokens_per_instance_from_the_index()
 def cluster(served_model, tmp_path_factory):
     from router.cluster import Cluster
 
-    with Cluster(str(served_model), dtype="float32", log_dir=tmp_path_factory.mktemp("kv-events-logs"),
+    with Cluster(str(served_model), num_decode=2, dtype="float32", log_dir=tmp_path_factory.mktemp("kv-events-logs"),
                  extra_router=["--load-interval", "0.2"]) as c:
         yield c
 
 
-def _generate(c, prompt: list[int]) -> None:
+def _generate(c, prompt: list[int], max_tokens: int = 2) -> None:
     from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
     with c.channel(c.address) as ch:
         req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=generation_pb2.SamplingParams(
-            max_tokens=2, temperature=0.0, ignore_eos=True))
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         list(generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
 
 
@@ -259,9 +259,11 @@ def test_a_prefill_instance_streams_the_keys_of_a_prompt_it_served(cluster):
         list(internal_pb2_grpc.PrefillStub(ch).KvEvents(internal_pb2.KvEventsRequest(epoch=epoch, last_seq=1 << 40),
                                                         timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "last_seq" in err.value.details()
-    with c.channel(c.decode_addrs[0]) as ch:  # the decode instance serves the stream too (its ranks' pools)
-        snap = next(iter(internal_pb2_grpc.DecodeStub(ch).KvEvents(internal_pb2.KvEventsRequest(), timeout=10)))
-    assert snap.snapshot and snap.block_size == bs
+    # the decode instance keeps the prompt blocks prefill pushed: its stream names them, on DP rank 0
+    decoded = _subscribe(c, c.decode_addrs[0], internal_pb2_grpc.DecodeStub, internal_pb2.KvEventsRequest(),
+                         lambda b: set(keys) <= _stored(b))
+    assert decoded[0].snapshot and decoded[0].block_size == bs and set(keys) <= _stored(decoded)
+    assert {e.rank for b in decoded for e in b.events} == {0}
 
 
 def test_a_stream_without_the_cluster_token_is_refused(cluster):
@@ -274,39 +276,41 @@ def test_a_stream_without_the_cluster_token_is_refused(cluster):
 
 
 def test_the_routers_index_holds_nothing_stale_after_an_instance_restarts(cluster):
+    """The router's subscription (router.pools) on its own event loop; the instance restarts (from this
+    thread: a service dies with the thread that started it) and comes back with another epoch."""
+    import threading
+
     from router.pools import Pool
     from shared.rpc.pdserve.v1 import internal_pb2_grpc
+    from tests.helpers import wait_for
 
     c, prompt = cluster, [(17 * i) % 400 + 7 for i in range(70)]
     [address] = c.prefill_addrs
     _generate(c, prompt)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
 
-    async def main() -> tuple[int, int]:
+    async def subscribe() -> Pool:
         pool = Pool("prefill", [address], internal_pb2_grpc.PrefillStub, c.credentials)
         pool.follow_kv_events(c.credentials.metadata)
-        loop = asyncio.get_running_loop()
+        return pool
 
-        async def until(predicate, timeout: float = 60.0) -> bool:
-            end = loop.time() + timeout
-            while loop.time() < end and not predicate():
-                await asyncio.sleep(0.05)
-            return predicate()
-
-        bs_known = await until(lambda: pool.kv_index.block_size.get(address, 0) > 0)
-        bs = pool.kv_index.block_size.get(address, 4)
+    pool = asyncio.run_coroutine_threadsafe(subscribe(), loop).result(30)
+    try:
+        assert wait_for(lambda: pool.kv_index.block_size.get(address, 0) > 0, timeout=30)
+        bs = pool.kv_index.block_size[address]
         keys = prompt_block_hashes(prompt, bs, (len(prompt) - 1) // bs)
-        assert bs_known and await until(lambda: pool.kv_index.cached(address, keys).device_blocks == len(keys))
+        assert wait_for(lambda: pool.kv_index.cached(address, keys).device_blocks == len(keys), timeout=30)
         before = pool.kv_index.entries(address)
-        await loop.run_in_executor(None, c.restart, address)
-        assert await until(lambda: pool.kv_index.entries(address) == 0), "stale entries survived the restart"
-        await loop.run_in_executor(None, _generate, c, prompt)  # the restarted instance's own cache comes back
-        assert await until(lambda: pool.kv_index.cached(address, keys).device_blocks == len(keys))
-        for task in pool._kv_tasks.values():
-            task.cancel()
-        return before, len(keys)
-
-    before, blocks = asyncio.run(main())
-    assert before >= blocks > 0
+        c.restart(address)
+        assert wait_for(lambda: pool.kv_index.entries(address) == 0, timeout=30), "stale entries survived"
+        _generate(c, prompt)  # the restarted instance's own cache comes back
+        assert wait_for(lambda: pool.kv_index.cached(address, keys).device_blocks == len(keys), timeout=30)
+    finally:
+        for task in list(pool._kv_tasks.values()):
+            loop.call_soon_threadsafe(task.cancel)
+        loop.call_soon_threadsafe(loop.stop)
+    assert before >= len(keys) > 0
 
 
 def _dp_rank(rank: int, world: int, path: str) -> list | None:
@@ -336,3 +340,45 @@ def test_every_dp_ranks_events_reach_rank_0_and_place_by_rank(ckpt):
     DecodeEngineCore._publish(core, [RankKvEvents(rank, events) for rank, events in got])
     assert DecodeEngineCore.prefix_blocks_by_rank(core, [H[1], H[2]]) == [0, 1]
     assert DecodeEngineCore.prefix_blocks_by_rank(core, [H[0]]) == [1, 0]
+
+
+def test_the_router_sends_a_prefix_to_the_decode_instance_that_holds_it(cluster):
+    """Decode's hits first: with both decode instances idle, a prompt whose prefix one of them keeps goes
+    there (without the index the first instance would take it: equal cost, listed first)."""
+    import threading
+
+    from shared.rpc.pdserve.v1 import internal_pb2_grpc
+    from tests.helpers import wait_for
+
+    c = cluster
+    first, second = c.decode_addrs
+
+    def load(address: str) -> internal_pb2.LoadReport:
+        with c.channel(address) as ch:
+            return internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=10)
+
+    def serves() -> bool:
+        try:
+            _generate(c, [4, 4, 4])
+            return True
+        except grpc.RpcError:
+            return False
+
+    assert wait_for(serves, timeout=60)  # an earlier test restarted the prefill instance
+    long = threading.Thread(target=_generate, args=(c, [5, 6, 7], 400))
+    long.start()  # the first decode instance busy: the prefix's first request goes to the second
+    assert wait_for(lambda: load(first).running + load(second).running > 0, timeout=30)
+    busy = first if load(first).running else second
+    other = second if busy == first else first
+    system = [(19 * i) % 400 + 11 for i in range(80)]
+    _generate(c, system + [1])
+    long.join(120)
+    held = _subscribe(c, other, internal_pb2_grpc.DecodeStub, internal_pb2.KvEventsRequest(), lambda b: True)
+    keys = prompt_block_hashes(system, held[0].block_size, None)
+    assert set(keys) <= _stored(held), "the prefix's first request did not land on the idle decode instance"
+    wait_for(lambda: False, timeout=1.0)  # the router's own subscription takes the same events
+    before = {a: sum(r.admitted for r in load(a).ranks) for a in (busy, other)}
+    for i in range(3):
+        _generate(c, system + [2 + i, 9])
+    after = {a: sum(r.admitted for r in load(a).ranks) for a in (busy, other)}
+    assert (after[busy] - before[busy], after[other] - before[other]) == (0, 3)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shared.kvcache import BlockAllocator, BlockLedger, Holder, Holding, LedgerViolation, Owner
-from shared.kvcache.lease import LeaseTable
+from shared.kvcache import BlockAllocator, BlockLedger, Holder, Holding, LedgerViolation, OutOfBlocks, Owner
+from shared.kvcache.lease import LeaseError, LeaseTable
 from shared.kvcache.ledger import CHECK_ENV, check_from_env
 from shared.protocol.prefix import block_hash
 
@@ -189,3 +189,50 @@ def test_an_engine_step_checks_its_ledger(ckpt):
     with pytest.raises(LedgerViolation, match="leaked") as err:
         engine.step()
     assert err.value.block in lost.block_table and seq.block_table
+
+
+def _cached_prompt(ledger: BlockLedger, requests: Requests, n: int) -> list[bytes]:
+    """A finished request's `n` prompt blocks, left in the prefix cache under their keys."""
+    seq = requests.add("earlier")
+    ledger.grow(seq, n)
+    keys = []
+    for i, block in enumerate(seq.block_table):
+        keys.append(block_hash(keys[-1] if keys else None, [i] * 4))
+        ledger.register(block, keys[-1])
+    ledger.finish(seq)
+    requests.seqs.remove(seq)
+    return keys
+
+
+def test_lease_starts_on_cached_prefix_read_only():
+    """A reservation with its prompt's keys starts on the cached blocks (shared, read-only: a write below
+    them is refused, completeness counts only the blocks after them); its end gives the shared references
+    back, from the engine thread or queued from a receiver's, and the blocks stay cached."""
+    ledger, requests = _ledger(8)
+    keys = _cached_prompt(ledger, requests, 3)
+    leases = LeaseTable(ledger, block_size=4, num_layers=1, kinds=("mla",))
+    lease = leases.reserve("r", 20, prompt_tokens=16, prefix=keys + [b"x" * 32])
+    assert lease.reused == 3 and lease.reused_hashes == tuple(keys) and lease.prompt_blocks == 4
+    ledger.check()
+    with pytest.raises(LeaseError, match="read-only"):
+        leases.begin_write(lease.lease_id, lease.token, 0, "mla", 2, 2)
+    held = leases.begin_write(lease.lease_id, lease.token, 0, "mla", 3, 1)
+    leases.end_write(held, 0, "mla", 3, 1, True)
+    assert leases.commit(lease)  # complete: the one block after the reused three
+    twin = leases.reserve("twin", 16, prompt_tokens=16, prefix=keys)
+    assert twin.blocks[:3] == lease.blocks[:3]  # two leases share the cached blocks
+    assert leases.abandon(twin.lease_id)  # a receiver's thread: shared references queued
+    ledger.check()
+    assert leases.release(lease.lease_id)
+    ledger.settle()
+    assert ledger.allocator.lookup(keys) == lease.blocks[:3]  # still cached
+
+
+def test_lease_prefix_gives_back_hits_when_the_pool_is_full():
+    ledger, requests = _ledger(4)
+    keys = _cached_prompt(ledger, requests, 2)
+    leases = LeaseTable(ledger, block_size=4, num_layers=1, kinds=("mla",))
+    with pytest.raises(OutOfBlocks):
+        leases.reserve("r", 40, prompt_tokens=12, prefix=keys)
+    ledger.check()
+    assert ledger.num_free == 4

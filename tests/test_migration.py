@@ -96,6 +96,33 @@ def test_cache_salt_through_pdserve_up(up):
         cached("x" * 257)
 
 
+def test_follow_up_turns_reuse_decode_cache_through_pdserve_up(up):
+    """Multi-turn through the command with the official SDK: each follow-up's reservation starts on the blocks a
+    decode instance kept of the turn before, so prefill pushes only the new blocks, and its greedy tokens equal the
+    same prompt under a fresh cache_salt (nothing reused anywhere)."""
+    client = openai.OpenAI(base_url=up.http_url, api_key="none", max_retries=0)
+    decodes = [name for name in up.metrics if name.startswith("decode")]
+
+    def blocks(source: str) -> float:
+        return sum(up.metric(d, f'pdserve_decode_kv_blocks_total{{source="{source}"}}') for d in decodes)
+
+    def complete(prompt: list[int], salt: str = "") -> str:
+        return client.completions.create(model=up.model, prompt=prompt, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True, "cache_salt": salt}).choices[0].text
+
+    conversation = [11 + i % 40 for i in range(150)]
+    complete(conversation)
+    reused, pushed = blocks("reused"), blocks("pushed")
+    turns = []
+    for turn in range(3):
+        conversation = conversation + [60 + turn] * 40
+        turns.append((list(conversation), complete(conversation)))
+    assert blocks("reused") - reused > 0  # the router placed follow-ups where their context was
+    assert (blocks("pushed") - pushed) * 3 < blocks("reused") - reused + blocks("pushed") - pushed
+    for i, (prompt, text) in enumerate(turns):
+        assert complete(prompt, salt=f"fresh-{i}") == text
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fault_through_pdserve_up(up, workload, fault):
     specs, reference = workload

@@ -398,11 +398,13 @@ def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
 
     path = str(ckpt("v32_sparse"))
     prompts = random_prompts(6, [3, 17, 40, 1, 26, 9], 512, seed=65)
-    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
+    follow_ups = [p + [7] * 9 for p in prompts]  # next turns: decode starts them on the blocks it kept
+    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts + follow_ups, GREEDY)]
     with Cluster(path, dtype="float32", log_dir=tmp_path / "logs",
                  extra_prefill=["--cp", "2", "--ep", "2", "--block-size", "4", "--max-prefill-tokens", "16"],
                  extra_decode=["--dp", "2", "--ep", "2", "--block-size", "4"]) as cluster:
         got = concurrent_greedy(cluster.address, prompts, 8)
+        got += concurrent_greedy(cluster.address, follow_ups, 8)
         with cluster.channel(cluster.decode_addrs[0]) as ch:
             load = internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=10)
     assert got == want
@@ -467,12 +469,18 @@ def test_cluster_tp2_prefill_and_decode(ckpt, tmp_path):
 
     path = str(ckpt("v32_sparse"))
     prompts = random_prompts(4, [5, 33, 12, 20], 512, seed=66)
-    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, GREEDY)]
+    follow_ups = [p + [7] * 9 for p in prompts]  # next turns: every mirror rank starts them on the blocks it kept
+    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts + follow_ups, GREEDY)]
     with Cluster(path, dtype="float32", log_dir=tmp_path / "logs", extra_prefill=["--tp", "2", "--block-size", "4"],
                  extra_decode=["--tp", "2", "--block-size", "4", "--lease-seconds", "2"]) as cluster:
         got = concurrent_greedy(cluster.address, prompts, 8)
+        got += concurrent_greedy(cluster.address, follow_ups, 8)
         with cluster.channel(cluster.decode_addrs[0]) as ch:
             dec = internal_pb2_grpc.DecodeStub(ch)
+            probe = dec.Reserve(internal_pb2.ReserveRequest(request_id="probe", num_prompt_tokens=len(follow_ups[1]),
+                                                            max_tokens=4, prompt_token_ids=follow_ups[1]), timeout=30)
+            assert probe.destination.reused_blocks == (33 + 9 - 1) // 4  # the follow-up's blocks, kept (but its last)
+            assert dec.Release(internal_pb2.ReleaseRequest(lease_id=probe.destination.lease_id), timeout=10).released
             dec.Reserve(internal_pb2.ReserveRequest(request_id="unused", num_prompt_tokens=8, max_tokens=8), timeout=30)
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:

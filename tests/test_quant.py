@@ -217,6 +217,7 @@ def test_w8a8_and_c8_served_disaggregated_equal_in_process(tiny, tmp_path):
     greedy token on this random model's flat logits."""
     flags = ["--quantization", "w8a8", "--kv-cache-dtype", "int8", "--block-size", "4"]
     prompts = random_prompts(4, [6, 30, 70], 1024, seed=7)
+    prompts += [prompts[2] + [9] * 11]  # a next turn: decode starts it on the C8 blocks it kept of the third
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     local = LLM(str(tiny), dtype="bfloat16", block_size=4, quantization="w8a8", kv_cache_dtype="int8",
                 max_num_batched_tokens=16)

@@ -87,6 +87,33 @@ def test_repeated_system_prompt_hits_prefill_prefix_cache(cluster, local_llm):
         assert msgs[-1].usage.cached_prompt_tokens == (0 if i == 0 else 40)  # 10 full blocks of 4
 
 
+def test_follow_up_turn_reuses_decode_cache(cluster, local_llm):
+    """Decode keeps the prompt blocks prefill pushed: a follow-up turn's reservation starts on them (only the
+    blocks after them travel), its tokens equal the in-process engine's; another tenant's salt reuses nothing;
+    a prompt that disagrees with num_prompt_tokens is INVALID_ARGUMENT naming the field."""
+    first = random_prompts(1, [30], 512, seed=41)[0]
+    answer = tokens(generate(cluster.address, prompt_token_ids=first, sampling_params=greedy(6)))
+    follow = first + answer + random_prompts(1, [9], 512, seed=42)[0]
+    with cluster.channel(cluster.decode_addrs[0]) as ch:
+        stub = internal_pb2_grpc.DecodeStub(ch)
+
+        def reserve(**kw) -> internal_pb2.ReserveResponse:
+            reply = stub.Reserve(internal_pb2.ReserveRequest(request_id="probe", num_prompt_tokens=len(follow),
+                                                             max_tokens=4, prompt_token_ids=follow, **kw), timeout=5)
+            assert stub.Release(internal_pb2.ReleaseRequest(lease_id=reply.destination.lease_id), timeout=5).released
+            return reply
+
+        assert reserve().destination.reused_blocks == 30 // 4  # the first prompt's full blocks (not the answer's)
+        assert reserve(cache_salt="tenant-b").destination.reused_blocks == 0
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Reserve(internal_pb2.ReserveRequest(request_id="bad", num_prompt_tokens=len(follow) + 1,
+                                                     max_tokens=4, prompt_token_ids=follow), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in err.value.details()
+    msgs = generate(cluster.address, prompt_token_ids=follow, sampling_params=greedy(8))
+    local = local_llm.generate([follow], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert tokens(msgs) == local.token_ids
+
+
 def test_text_prompt_streams_text(cluster, local_llm):
     msgs = generate(cluster.address, prompt="Hello world", sampling_params=greedy(8))
     local = local_llm.generate("Hello world", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
@@ -219,12 +246,29 @@ def test_dead_peer_is_unavailable_fast(model_dir, tmp_path):
 
 
 def test_metrics_endpoint(model_dir):
-    with Cluster(str(model_dir), **REFERENCE_NUMERICS, extra_decode=["--metrics-port", "0"]) as c:
-        generate(c.address, prompt_token_ids=[5, 6, 7], sampling_params=greedy(3))
-        port = c.metrics_ports[c.decode_addrs[0]]
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    """Decode's /metrics: its pool, its tokens, and the prompt blocks a follow-up reused from its prefix cache
+    (20 tokens: 5 blocks of 4 pushed; then 25 tokens: those 5 reused, 2 pushed)."""
+    with Cluster(str(model_dir), **REFERENCE_NUMERICS, extra_decode=["--metrics-port", "0", "--block-size", "4"],
+                 extra_prefill=["--block-size", "4", "--metrics-port", "0"]) as c:
+        def scrape(addr: str) -> str:
+            url = f"http://127.0.0.1:{c.metrics_ports[addr]}/metrics"
+            return urllib.request.urlopen(url, timeout=5).read().decode()
+
+        def pushed_bytes() -> float:
+            return sum(float(line.split()[-1]) for line in scrape(c.prefill_addrs[0]).splitlines()
+                       if line.startswith("pdserve_kv_push_bytes_total{"))
+
+        first = list(range(5, 25))
+        generate(c.address, prompt_token_ids=first, sampling_params=greedy(3))
+        once = pushed_bytes()
+        generate(c.address, prompt_token_ids=first + [30, 31, 32, 33, 34], sampling_params=greedy(3))
+        assert pushed_bytes() - once == pytest.approx(once * 2 / 5)  # 2 blocks of the follow-up's 7 travel
+        body = scrape(c.decode_addrs[0])
     assert 'pdserve_kv_blocks_free{rank="0",service="decode"}' in body
-    assert 'pdserve_tokens_total{kind="output",service="decode"} 3.0' in body
+    assert 'pdserve_tokens_total{kind="output",service="decode"} 6.0' in body
+    assert 'pdserve_decode_kv_blocks_total{source="reused"} 5.0' in body
+    assert 'pdserve_decode_kv_blocks_total{source="pushed"} 7.0' in body
+    assert 'pdserve_prefix_cache_hit_tokens_total{service="decode",tier="device"} 20.0' in body
 
 
 def test_two_by_two_instances_and_failover(model_dir, local_llm, tmp_path):

@@ -254,12 +254,14 @@ def test_mtp_served_cp_prefill_to_dp_ep_decode(mtp_model, tmp_path):
     from tests.helpers import concurrent_greedy
 
     prompts = random_prompts(5, [5, 23, 11, 40, 2], 512, seed=8)
-    want, _ = _run(mtp_model, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    follow_ups = [p + [3] * 9 for p in prompts[1:4]]  # next turns: decode starts them on the rows it kept (MTP's too)
+    want, _ = _run(mtp_model, prompts + follow_ups, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     spec = ["--speculative", "mtp", "--num-speculative-tokens", "2", "--block-size", "4"]
     with Cluster(str(mtp_model), dtype="float32", log_dir=tmp_path / "logs",
                  extra_prefill=[*spec, "--cp", "2", "--max-prefill-tokens", "16"],
                  extra_decode=[*spec, "--dp", "2", "--ep", "2"]) as cluster:
-        assert concurrent_greedy(cluster.address, prompts, max_tokens=10) == want
+        got = concurrent_greedy(cluster.address, prompts, max_tokens=10)
+        assert got + concurrent_greedy(cluster.address, follow_ups, max_tokens=10) == want
 
 
 def test_mtp_with_prefix_cache_equals_without(mtp_model, monkeypatch):

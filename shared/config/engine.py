@@ -59,6 +59,12 @@ class EngineConfig:
     max_num_seqs: int = flag(256, "requests decoding at once per rank", bounds=(1, None))
     max_num_batched_tokens: int = flag(4096, "one token budget per step: decodes + prompt chunks",
                                        bounds=(1, None))
+    kv_tier_tokens: int = flag(0, "second KV tier in tokens (per rank; 0: off): evicted prefix-cache blocks are "
+                                  "kept in host memory (accelerator) or files (CPU, --kv-tier-dir) and read back "
+                                  "on a hit", bounds=(0, None))
+    kv_tier_dir: str | None = flag(None, "with --kv-tier-tokens on CPU: directory for the tier's files (each "
+                                         "process makes a fresh subdirectory, removed at exit; default: the "
+                                         "system's temporary directory)")
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompts' common prefixes
     attention_workspace_mb: int = flag(256, "attention / indexer working set per tile (independent of context)",
                                        bounds=(1, None))

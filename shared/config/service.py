@@ -56,6 +56,8 @@ class ServiceConfig(EndpointConfig):
     share_weights_dir: str | None = same_as(EngineConfig, "share_weights_dir")
     block_size: int = same_as(EngineConfig, "block_size")
     kv_cache_tokens: int = same_as(EngineConfig, "kv_cache_tokens")
+    kv_tier_tokens: int = same_as(EngineConfig, "kv_tier_tokens")
+    kv_tier_dir: str | None = same_as(EngineConfig, "kv_tier_dir")
     no_prefix_cache: bool = flag(False, "no prefix cache: prefill recomputes every prompt, decode gets every block "
                                         "pushed")
     ep: int = flag(1, "expert-parallel ranks (divides the instance's ranks)")

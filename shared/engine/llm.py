@@ -99,6 +99,8 @@ class LLMEngine:
                                                  kv_cache_dtype=config.kv_cache_dtype, extra_layers=int(mtp))
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
+        if config.kv_tier_tokens and not self.policy.mirror:  # mirrored ranks must restore alike: no tier there
+            self.kv.attach_tier(config.kv_tier_tokens, config.kv_tier_dir)
         self.scheduler = Scheduler(self.kv.ledger, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
         self.speculator = (MtpSpeculator(self, config.num_speculative_tokens, config.speculative_max_draft_tokens)

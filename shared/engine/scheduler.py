@@ -65,6 +65,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     num_registered: int = 0  # leading blocks of block_table already in the prefix cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_host_cached_prompt_tokens: int = 0  # of those, read back from the second KV tier (shared.kvcache.tier)
     priority: int = 0  # lower is served first (vLLM's convention); equal priorities first come, first served
     cache_salt: str = ""  # a tenant's: its prefix-cache keys chain from the salt (shared.protocol.prefix)
 
@@ -129,6 +130,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.decode_width = 1  # tokens a decode takes from the budget (1 + drafts under speculative decoding)
+        self.cache_prompt_only = False  # register only blocks wholly inside prompts (a decode instance's cache)
         ledger.watch(self)
 
     def add(self, seq: Sequence) -> None:
@@ -203,6 +205,10 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, seq.num_uncached))
         return chunks
 
+    def block_keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The prefix-cache keys of the request's first `num_blocks` full blocks."""
+        return self._hashes(seq, num_blocks)
+
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The prefix-cache keys of the request's first `num_blocks` full blocks (computed once), chained
         from its cache_salt's root (shared.protocol.prefix.prompt_block_hashes, the router's, is the same)."""
@@ -222,6 +228,7 @@ class Scheduler:
         seq.num_cached = hits * self.block_size
         if not seq.output_token_ids:
             seq.num_cached_prompt_tokens = seq.num_cached
+            seq.num_host_cached_prompt_tokens = self.ledger.last_restored * self.block_size
 
     def _release_prefix(self, seq: Sequence) -> None:
         self.ledger.release_prefix(seq)
@@ -230,6 +237,8 @@ class Scheduler:
     def cache_computed(self, seq: Sequence) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
         full = seq.num_cached // self.block_size
+        if self.cache_prompt_only:
+            full = min(full, len(seq.prompt_token_ids) // self.block_size)
         if full <= seq.num_registered:
             return
         hashes = self._hashes(seq, full)

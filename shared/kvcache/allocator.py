@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ class BlockAllocator:
         self._refs: dict[int, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        self._serial_of: dict[int, int] = {}  # block → its registration's serial (a second tier's copy checks it)
+        self._serials = itertools.count(1)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._releasing: dict[int, list[str]] = {}  # references given up off the engine thread, not dropped yet
         self._lock = threading.Lock()
@@ -80,7 +83,7 @@ class BlockAllocator:
                 else:  # evict the least recently used cached block
                     block, _ = self._evictable.popitem(last=False)
                     evicted = self._hash_of.pop(block)
-                    del self._block_of[evicted]
+                    del self._block_of[evicted], self._serial_of[block]
                     self._emit(CacheEventKind.REMOVED, evicted)
                 self._refs[block] = 1
                 blocks.append(block)
@@ -150,17 +153,35 @@ class BlockAllocator:
                 hits.append(block)
         return hits
 
-    def register(self, block: int, block_hash: bytes) -> None:
-        """Cache a referenced block whose KV is complete (a hash already cached keeps its block)."""
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading keys of `hashes` are cached, claiming nothing (a fetch plans with it)."""
+        with self._lock:
+            n = 0
+            while n < len(hashes) and hashes[n] in self._block_of:
+                n += 1
+            return n
+
+    def register(self, block: int, block_hash: bytes) -> int:
+        """Cache a referenced block whose KV is complete (a hash already cached keeps its block). Returns
+        the registration's serial (0: not registered), which `holds` checks: a block evicted and registered
+        again, even under the same key, gets a new one."""
         with self._lock:
             if block_hash in self._block_of or block in self._hash_of or block not in self._refs:
-                return
+                return 0
             self._hash_of[block] = block_hash
             self._block_of[block_hash] = block
+            serial = self._serial_of[block] = next(self._serials)
             self._emit(CacheEventKind.STORED, block_hash)
+            return serial
+
+    def holds(self, block: int, block_hash: bytes, serial: int) -> bool:
+        """Whether `block` is still cached under the registration `serial` made (so its bytes are that
+        key's KV, unchanged since: an eviction removes the key before the block is reused)."""
+        with self._lock:
+            return self._hash_of.get(block) == block_hash and self._serial_of.get(block) == serial
 
     def cached_hashes(self) -> list[bytes]:
-        """The keys of every cached block (for a prefix summary: see PrefixFilter)."""
+        """The keys of every cached block (what an event log attached late starts from: shared.kvcache.event_log)."""
         with self._lock:
             return list(self._block_of)
 
@@ -171,6 +192,7 @@ class BlockAllocator:
             self._evictable.clear()
             self._hash_of.clear()
             self._block_of.clear()
+            self._serial_of.clear()
             self._emit(CacheEventKind.CLEARED)
 
     def state(self) -> PoolState:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from shared import metrics
 from shared.kvcache.events import CacheEvent, CacheEventKind, Tier
+from shared.kvcache.pool import KVCache
 
 DEFAULT_HISTORY = 1 << 16  # events kept for resuming subscribers (~5 MB of 32-byte keys and their records)
 
@@ -164,3 +165,14 @@ class CacheEventLog:
                     n += 1
                 out.append(n)
         return out
+
+
+def listen_to(kv: KVCache, rank: int = 0) -> CacheEventLog:
+    """A rank's log on its cache: seeded with what its pool (and its second tier) holds already, then told
+    every change by the allocator's listeners (the second tier emits through them too)."""
+    log = CacheEventLog(rank)
+    log.seed(kv.allocator.cached_hashes())
+    if kv.tier is not None:
+        log.seed(kv.tier.keys(), Tier.HOST)
+    kv.allocator.listeners.append(log)
+    return log

@@ -21,7 +21,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.kvcache.allocator import OutOfBlocks
@@ -44,6 +44,8 @@ class Lease:
     num_layers: int
     kinds: tuple[str, ...]
     prompt_blocks: int = 0  # blocks the push must fill (the prompt's); the rest are for generated tokens
+    reused: int = 0  # leading blocks taken from this pool's prefix cache: shared, read-only, never pushed
+    reused_hashes: tuple[bytes, ...] = ()  # their keys (the admitted prompt must hash to them)
     covered: dict[tuple[int, str], set[int]] = field(default_factory=dict)  # (layer, kind) → written blocks
     committed: bool = False
     writers: int = 0  # writes in flight
@@ -52,7 +54,7 @@ class Lease:
     @property
     def missing(self) -> int:
         """(layer, kind) caches not fully written yet."""
-        need = range(self.prompt_blocks)
+        need = range(self.reused, self.prompt_blocks)
         return sum(1 for layer in range(self.num_layers) for kind in self.kinds
                    if not self.covered.get((layer, kind), set()).issuperset(need))
 
@@ -88,14 +90,23 @@ class LeaseTable:
         return lease_id in self._leases
 
     def reserve(self, request_id: str, num_tokens: int, lease_id: str | None = None,
-                token: bytes | None = None, prompt_tokens: int | None = None) -> Lease:
+                token: bytes | None = None, prompt_tokens: int | None = None,
+                prefix: Sequence[bytes] = ()) -> Lease:
         """Blocks for `num_tokens` under a new lease (id and token given by a caller that mirrors
-        the same lease on several ranks); the push must fill the first `prompt_tokens` (all by default)."""
+        the same lease on several ranks); the push must fill the first `prompt_tokens` (all by default).
+        With `prefix` (the prompt's leading block keys, fewer than its blocks) the lease starts on the blocks
+        of the longest of them this pool caches: the push fills only the blocks after them."""
         need = -(-num_tokens // self.block_size)
-        blocks = self.ledger.allocate(need)  # raises OutOfBlocks
         filled = need if prompt_tokens is None else -(-min(prompt_tokens, num_tokens) // self.block_size)
+        reused = self.ledger.lease_prefix(list(prefix[: max(0, filled - 1)])) if prefix else []
+        try:
+            blocks = reused + self.ledger.allocate(need - len(reused))
+        except OutOfBlocks:
+            self.ledger.end_lease(reused)
+            raise
         lease = Lease(lease_id or uuid.uuid4().hex, request_id, token or secrets.token_bytes(16), blocks,
-                      time.monotonic() + self.ttl, self.num_layers, self.kinds, prompt_blocks=filled)
+                      time.monotonic() + self.ttl, self.num_layers, self.kinds, prompt_blocks=filled,
+                      reused=len(reused), reused_hashes=tuple(prefix[: len(reused)]))
         with self._lock:
             self._leases[lease.lease_id] = lease
         return lease
@@ -113,9 +124,9 @@ class LeaseTable:
     def begin_write(self, lease_id: str, token: bytes, layer: int, kind: str, first: int, count: int) -> Lease:
         """Hold the lease for a write of its blocks [first, first + count) of one layer and kind."""
         lease = self.check(lease_id, token)
-        if count <= 0 or first < 0 or first + count > len(lease.blocks):
+        if count <= 0 or first < lease.reused or first + count > len(lease.blocks):
             raise LeaseError(f"write of blocks [{first}, {first + count}) does not fit lease {lease_id!r} "
-                             f"({len(lease.blocks)} blocks)")
+                             f"({len(lease.blocks)} blocks, the first {lease.reused} read-only: the prefix cache's)")
         if not 0 <= layer < self.num_layers or kind not in self.kinds:
             raise LeaseError(f"no cache for layer {layer} kind {kind!r}")
         with self._lock:
@@ -146,6 +157,18 @@ class LeaseTable:
         with self._lock:
             lease.committed = True
             return lease.complete and not lease.dead
+
+    def written_prefix(self, lease: Lease) -> int:
+        """Leading blocks of the lease written in every layer and cache kind (what a fetch can adopt)."""
+        with self._lock:
+            n = len(lease.blocks)
+            for layer in range(self.num_layers):
+                for kind in self.kinds:
+                    covered, m = lease.covered.get((layer, kind), set()), 0
+                    while m < n and m in covered:
+                        m += 1
+                    n = m
+            return n
 
     def is_complete(self, lease_id: str) -> bool:
         with self._lock:

@@ -24,9 +24,12 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from shared.kvcache.allocator import BlockAllocator, PoolState
+from shared.kvcache.allocator import BlockAllocator, OutOfBlocks, PoolState
+
+if TYPE_CHECKING:
+    from shared.kvcache.tier import KVTier
 
 CHECK_ENV = "PDSERVE_KV_LEDGER_CHECK"
 
@@ -100,6 +103,8 @@ class BlockLedger:
         self._serials = itertools.count(1)
         self._suspects: set[int] = set()  # blocks the last check saw with more references than holders
         self._lock = threading.Lock()
+        self.tier: KVTier | None = None  # a second tier (KVCache.attach_tier): spilled to, restored from
+        self.last_restored = 0  # blocks the last retain_prefix / lease_prefix read back from the tier
 
     # -- reads -----------------------------------------------------------------------------------
     @property
@@ -125,18 +130,47 @@ class BlockLedger:
 
     def retain_prefix(self, seq: BlockTable, hashes: list[bytes]) -> int:
         """Prefix cache → sequence: a queued request starts on the cached blocks of its longest cached
-        prefix (one more reference each); how many."""
-        seq.block_table = self.allocator.lookup(hashes)
+        prefix (one more reference each), then on the blocks the second tier holds past it (`restore`);
+        how many in all (`last_restored` of them from the tier)."""
+        hits = self.allocator.lookup(hashes)
+        seq.block_table = hits + self.restore(hashes[len(hits):])
         return len(seq.block_table)
 
     def lease_prefix(self, hashes: list[bytes]) -> list[int]:
         """Prefix cache → lease: a reservation starts on the cached blocks of the longest cached prefix of
-        its prompt (one more reference each; the push fills only the blocks after them)."""
-        return self.allocator.lookup(hashes)
+        its prompt (one more reference each), then on the second tier's past it (`restore`; the push fills
+        only the blocks after them)."""
+        hits = self.allocator.lookup(hashes)
+        return hits + self.restore(hashes[len(hits):])
+
+    def restore(self, hashes: list[bytes]) -> list[int]:
+        """Second tier → prefix cache → caller: the longest run of `hashes` the tier holds (validated
+        records only) is read into fresh blocks, each registered under its key and held once by the caller
+        (retain_prefix's sequence, lease_prefix's lease), as a device hit would be. Takes free blocks only
+        as far as the pool has them (evicting colder cached blocks, as any allocation does)."""
+        self.last_restored = 0
+        if self.tier is None or not hashes:
+            return []
+        self.drain()
+        found = self.tier.fetch(hashes, self.allocator.num_free)
+        if not found:
+            return []
+        try:
+            blocks = self.allocator.allocate(len(found))
+        except OutOfBlocks:  # another thread's reservation took them meanwhile: a miss
+            return []
+        for block, (key, payload) in zip(blocks, found):
+            self.tier.load(block, payload)
+            self.allocator.register(block, key)
+        self.last_restored = len(blocks)
+        return blocks
 
     def register(self, block: int, block_hash: bytes) -> None:
-        """A held block whose KV is complete enters the prefix cache (its holders keep it)."""
-        self.allocator.register(block, block_hash)
+        """A held block whose KV is complete enters the prefix cache (its holders keep it), and is offered
+        to the second tier (copied there off the engine thread)."""
+        serial = self.allocator.register(block, block_hash)
+        if serial and self.tier is not None:
+            self.tier.offer(block, block_hash, serial)
 
     # -- sequences (engine thread) ---------------------------------------------------------------
     def release_prefix(self, seq: BlockTable) -> None:
@@ -158,6 +192,22 @@ class BlockLedger:
         with self._lock:
             self._kept[holder], seq.block_table = seq.block_table, []
         return holder
+
+    def hold_cached(self, hashes: list[bytes], why: str) -> Holding:
+        """Prefix cache → push: the cached blocks of the longest cached prefix of `hashes`, pinned (one more
+        reference each) while a push to another instance reads them (`end_push`)."""
+        holder = Holder(Owner.PUSH, why, next(self._serials))
+        blocks = self.allocator.lookup(hashes)
+        with self._lock:
+            self._kept[holder] = blocks
+        return Holding(holder, list(blocks))
+
+    def adopt(self, lease_blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Claimed lease → prefix cache: blocks another instance pushed are registered under their keys (one
+        key per leading block), then the lease's references go back: the registered ones stay cached."""
+        for block, block_hash in zip(lease_blocks, hashes):
+            self.allocator.register(block, block_hash)
+        self._return(lease_blocks)
 
     def end_push(self, holder: Holder) -> None:
         """Push → free: the push committed, failed or was given up; its blocks go back."""

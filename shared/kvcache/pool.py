@@ -7,6 +7,7 @@ import torch
 from shared.kvcache.allocator import BlockAllocator
 from shared.kvcache.layout import KVLayout
 from shared.kvcache.ledger import BlockLedger
+from shared.kvcache.tier import KVTier
 from shared.protocol.limits import blocks_for
 
 
@@ -30,6 +31,17 @@ class KVCache:
         )
         self.allocator = BlockAllocator(num_blocks)
         self.ledger = BlockLedger(self.allocator)
+        self.tier: KVTier | None = None  # attach_tier
+
+    def pools(self) -> list[torch.Tensor]:
+        """Every pool a block has rows in, block index at dim 1 (what a second tier copies per block)."""
+        return [self.mla] + ([self.index] if self.index is not None else [])
+
+    def attach_tier(self, tokens: int, directory: str | None = None) -> KVTier:
+        """A second tier of `tokens` capacity behind this cache (shared.kvcache.tier): the ledger spills
+        registered blocks to it and reads prefixes back from it."""
+        self.tier = self.ledger.tier = KVTier.for_cache(self, tokens, directory)
+        return self.tier
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.layout.block_size)

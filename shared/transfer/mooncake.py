@@ -128,11 +128,11 @@ class MooncakeReceiver(KVReceiver):
     def destination(self, lease) -> Destination:
         """Registers the lease's blocks (only they are writable, until the lease ends)."""
         if lease.lease_id in self.control.leases and lease.lease_id not in self._engine.registered:
-            self._engine.register_lease(lease.lease_id, list(lease.blocks))
+            self._engine.register_lease(lease.lease_id, list(lease.blocks[lease.reused:]))  # the rest: read-only
         return Destination("mooncake", self._engine.session_id, lease.lease_id, lease.token, list(lease.blocks),
                            self.kv.layout.describe(), mla_base=self._engine.layer_bases("mla"),
                            index_base=self._engine.layer_bases("index") if self.kv.index is not None else [],
-                           control_endpoint=self.control.endpoint)
+                           control_endpoint=self.control.endpoint, reused_blocks=lease.reused)
 
     def close(self) -> None:
         self._engine.close()

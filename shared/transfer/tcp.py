@@ -195,7 +195,7 @@ class TcpReceiver(KVReceiver):
 
     def destination(self, lease) -> Destination:
         return Destination("tcp", self.endpoint, lease.lease_id, lease.token, list(lease.blocks),
-                           self.kv.layout.describe())
+                           self.kv.layout.describe(), reused_blocks=lease.reused)
 
     def close(self) -> None:
         self._closed = True

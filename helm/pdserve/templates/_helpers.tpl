@@ -89,6 +89,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --num-speculative-tokens
 - {{ include "pdserve.speculativeTokens" $.Values.engine.numSpeculativeTokens | quote }}
 {{- end }}
+{{- with .Values.engine.kvTierTokens }}
+- --kv-tier-tokens
+- {{ include "pdserve.positive" (list "engine.kvTierTokens" .) | quote }}
+{{- with $.Values.engine.kvTierDir }}
+- --kv-tier-dir
+- {{ . | quote }}
+{{- end }}
+{{- end }}
 {{- include "pdserve.tlsArgs" . }}
 {{- end -}}
 

@@ -51,6 +51,9 @@ spec:
         - {{ $spec.kvStallSeconds | quote }}
         - --reserve-wait-seconds
         - {{ $spec.reserveWaitSeconds | quote }}
+        {{- if $spec.noPrefixCache }}
+        - --no-prefix-cache
+        {{- end }}
         {{- if $root.Values.engine.speculative }}
         - --speculative-max-draft-tokens
         - {{ $spec.speculativeMaxDraftTokens | quote }}

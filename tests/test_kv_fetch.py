@@ -1,0 +1,125 @@
+"""Cross-instance fetch (prefill_service.fetch): a prefill instance pulls the cached blocks of a prefix
+another instance holds over the TCP transfer engine, adopts them into its prefix cache and computes only
+the rest; greedy tokens equal a fresh computation; nothing leaks, nothing unwritten is adopted."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from prefill_service.fetch import AdoptFetch, FetchEndpoint, FetchPlan, OpenFetch, PushCachedBlocks, new_fetch_id
+from prefill_service.worker import PrefillWorker
+from shared.engine import LLM, SamplingParams
+from shared.engine.core import RankCommand
+from shared.protocol.prefix import prompt_block_hashes
+from shared.transfer import TcpSender, TransferError
+from tests.helpers import random_prompts
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def path(ckpt):
+    return str(ckpt("v32_sparse"))
+
+
+class Instance:
+    """One prefill instance's engine and worker, commands applied here as its engine thread would."""
+
+    def __init__(self, path: str, fetch: bool):
+        self.llm = LLM(path, dtype="float32", block_size=BS)
+        self.answers: dict[str, object] = {}
+        self.later: list = []
+        self.answered = threading.Event()
+        endpoint = FetchEndpoint("127.0.0.1", None, None, 3.0, 30.0) if fetch else None
+        self.worker = PrefillWorker(self.llm.engine, lambda transport: TcpSender(self.llm.engine.kv),
+                                    on_done=self._done, later=self.later.append, fetch=endpoint)
+
+    def _done(self, rid: str, outcome: object) -> None:
+        self.answers[rid] = outcome
+        self.answered.set()
+
+    def apply(self, command) -> object:
+        return self.worker.apply(RankCommand(command, 0, 0))
+
+    def settle(self) -> None:
+        while self.later:
+            self.apply(self.later.pop(0))
+        self.llm.engine.kv.ledger.settle()
+
+
+def _fetch(src: Instance, dst: Instance, keys: list[bytes]) -> tuple[FetchPlan, object, int]:
+    plan = dst.apply(OpenFetch(tuple(keys)))
+    assert plan.destination is not None
+    fid = new_fetch_id()
+    src.answered.clear()
+    src.apply(PushCachedBlocks(fid, tuple(keys), plan.have, plan.destination))
+    assert src.answered.wait(30)
+    src.settle()
+    adopted = dst.apply(AdoptFetch(plan.destination.lease_id, tuple(keys[plan.have:])))
+    dst.settle()
+    return plan, src.answers[fid], adopted
+
+
+def test_fetched_prefix_serves_like_a_local_hit(path):
+    holder, fetcher = Instance(path, fetch=False), Instance(path, fetch=True)
+    prompt = random_prompts(1, [37], 512, seed=71)[0]
+    want = holder.llm.generate([prompt], GREEDY)[0].token_ids  # computes and caches 9 full blocks
+    keys = prompt_block_hashes(prompt, BS, (len(prompt) - 1) // BS)
+    plan, pushed, adopted = _fetch(holder, fetcher, keys)
+    assert plan.have == 0 and adopted == len(keys) == 9
+    assert pushed.blocks == 9 and pushed.nbytes > 0
+    assert fetcher.llm.engine.kv.allocator.cached_prefix(keys) == 9
+    seqs: list = []
+    add = fetcher.llm.engine.add_request
+    fetcher.llm.engine.add_request = lambda *a, **kw: seqs.append(add(*a, **kw)) or seqs[-1]
+    assert fetcher.llm.generate([prompt], GREEDY)[0].token_ids == want
+    assert seqs[0].num_cached_prompt_tokens == 36  # computed only the last token
+    for inst in (holder, fetcher):
+        kv = inst.llm.engine.kv
+        assert kv.allocator.num_free == kv.num_blocks  # every pin, lease and sequence gave its blocks back
+        kv.ledger.check()
+
+
+def test_fetch_adopts_only_what_the_holder_has(path):
+    """The holder caches 4 of the 9 blocks asked for: 4 arrive and are adopted, the lease's other blocks go
+    back unregistered; a second plan knows the 4 are here already."""
+    holder, fetcher = Instance(path, fetch=False), Instance(path, fetch=True)
+    prompt = random_prompts(1, [37], 512, seed=72)[0]
+    holder.llm.generate([prompt[:17]], GREEDY)  # 4 full blocks cached
+    keys = prompt_block_hashes(prompt, BS, (len(prompt) - 1) // BS)
+    plan, pushed, adopted = _fetch(holder, fetcher, keys)
+    assert (plan.have, pushed.blocks, adopted) == (0, 4, 4)
+    again = fetcher.apply(OpenFetch(tuple(keys)))
+    assert again.have == 4
+    fetcher.apply(AdoptFetch(again.destination.lease_id, ()))  # nothing arrived: the lease is just given back
+    fetcher.settle()
+    kv = fetcher.llm.engine.kv
+    assert kv.allocator.num_free == kv.num_blocks and kv.allocator.cached_prefix(keys) == 4
+
+
+def test_a_push_to_a_bad_destination_pins_nothing(path):
+    """Hostile: a destination with fewer blocks than the push needs, or an unknown lease, fails the push;
+    every pinned block goes back."""
+    holder, fetcher = Instance(path, fetch=False), Instance(path, fetch=True)
+    prompt = random_prompts(1, [21], 512, seed=73)[0]
+    holder.llm.generate([prompt], GREEDY)
+    keys = prompt_block_hashes(prompt, BS, (len(prompt) - 1) // BS)
+    plan = fetcher.apply(OpenFetch(tuple(keys[:2])))
+    fid = new_fetch_id()
+    holder.apply(PushCachedBlocks(fid, tuple(keys), 0, plan.destination))  # 5 blocks into a 2-block lease
+    assert isinstance(holder.answers[fid], TransferError)
+    forged = FetchPlan(0, plan.destination.__class__(**{**plan.destination.__dict__, "lease_id": "f" * 32}))
+    fid = new_fetch_id()
+    holder.answered.clear()
+    holder.apply(PushCachedBlocks(fid, tuple(keys[:2]), 0, forged.destination))
+    assert holder.answered.wait(30) and isinstance(holder.answers[fid], BaseException)
+    holder.settle()
+    fetcher.apply(AdoptFetch(plan.destination.lease_id, tuple(keys[:2])))
+    fetcher.settle()
+    for inst in (holder, fetcher):
+        kv = inst.llm.engine.kv
+        assert kv.allocator.num_free == kv.num_blocks
+        kv.ledger.check()
