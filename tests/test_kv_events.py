@@ -382,3 +382,23 @@ def test_the_router_sends_a_prefix_to_the_decode_instance_that_holds_it(cluster)
         _generate(c, system + [2 + i, 9])
     after = {a: sum(r.admitted for r in load(a).ranks) for a in (busy, other)}
     assert (after[busy] - before[busy], after[other] - before[other]) == (0, 3)
+
+
+def test_a_ranks_log_hears_the_second_tier(ckpt, tmp_path):
+    """The second tier's copies arrive as HOST events through the same listeners; a log attached to a cache
+    that holds blocks already starts from them (listen_to)."""
+    from shared.engine import LLM, SamplingParams
+    from shared.kvcache.event_log import listen_to
+
+    llm = LLM(str(ckpt("v32_sparse")), block_size=4, kv_cache_tokens=64, kv_tier_tokens=512, kv_tier_dir=str(tmp_path))
+    log = listen_to(llm.engine.kv)
+    prompt = list(range(3, 40))
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    llm.engine.kv.tier.flush()
+    keys = prompt_block_hashes(prompt, 4, (len(prompt) - 1) // 4)
+    assert log.leading_blocks(keys, 1, (Tier.HOST,)) == [len(keys)]
+    late = listen_to(llm.engine.kv)  # attached after the fact: seeded from both tiers
+    def held(x: CacheEventLog) -> dict:
+        return {k: set(v) for k, v in x.snapshot().blocks.items()}
+
+    assert held(late) == held(log)
