@@ -346,8 +346,10 @@ class DecodeWorker:
             expired=self.leases.drain_expired(), kv_events=self._new_kv_events())
 
     def _new_kv_events(self) -> list[CacheEvent]:
+        """The rank's cache events since its last report (a TP mirror's other ranks cache what rank 0 does:
+        theirs stay here, so no object part travels for them)."""
         new = self.kv_events.drain()
-        return new.events if new is not None else []
+        return new.events if new is not None and not (self.mirror and self.rank) else []
 
     def close(self) -> None:
         self.receiver.close()

@@ -14,6 +14,7 @@ from router.kv_index import HOST_HIT_WEIGHT, CachedPrefix, KvIndex
 from router.perf import PerfModel
 from router.policy import DecodeView, PrefillView, Request, SlaPolicy
 from router.servicer import GenerationServicer
+from shared import metrics
 from shared.engine.core import RankReport
 from shared.kvcache import BlockAllocator, CacheEvent, CacheEventKind, Tier
 from shared.kvcache.event_log import CacheEventLog, KvEventsNotice, RankKvEvents
@@ -99,7 +100,10 @@ def test_the_stream_resumes_or_snapshots_and_refuses_hostile_requests():
     def store(*hs: bytes) -> None:
         log.apply(KvEventsNotice([RankKvEvents(0, [CacheEvent(STORED, Tier.DEVICE, h) for h in hs])]))
 
+    published = metrics.REGISTRY.get_sample_value("pdserve_kv_events_total", {"kind": "stored", "tier": "device"})
     store(H[0], H[1], H[2])
+    assert metrics.REGISTRY.get_sample_value("pdserve_kv_events_total",
+                                             {"kind": "stored", "tier": "device"}) == (published or 0) + 3
 
     async def main() -> None:
         [snap] = await _read(log, internal_pb2.KvEventsRequest(), 1)
