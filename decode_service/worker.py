@@ -3,7 +3,7 @@ shared.engine.core), and the commands, events and load reports that cross its se
 
 Attention DP: every rank has its own requests and the ranks step in lock-step (an idle rank runs a
 dummy batch while any other has work, so the EP collectives are always entered by all); each turn
-every rank's report travels to rank 0 as a fixed-size row (load integers and token events), objects
+every rank's report travels to rank 0 as a fixed-size row (load integers, cache and token events), objects
 only when there are replies or rare events. Local TP (`--tp N`, dp 1): the ranks mirror one batch:
 every command applies on every rank in the same order (same lease ids, so the same blocks), the pushed
 KV lands on rank 0 and is broadcast to the other ranks at admission, lease expiry is an ordered
@@ -24,7 +24,7 @@ from shared.engine import LLMEngine, SamplingParams, StepEvent
 from shared.engine.core import CommandError, EncodedReport, EngineCommand, RankCommand, RankReport
 from shared.engine.scheduler import Sequence
 from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
-from shared.kvcache import CacheEvent, OutOfBlocks
+from shared.kvcache import CacheEvent, OutOfBlocks, event_log
 from shared.kvcache.event_log import listen_to
 from shared.kvcache.lease import Lease, LeaseError, LeaseTable
 from shared.parallel import ParallelState
@@ -106,6 +106,7 @@ class Event:
 RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankLoad))
 EXTRA_FIELDS = ("has_work", "applied_cid", "kv_bytes_received")
 ROW_WIDTH = len(RANK_FIELDS) + len(EXTRA_FIELDS) + 2 * MAX_SPECULATIVE_TOKENS  # the report's part of the row
+TOKENS_AT = ROW_WIDTH + event_log.ROW_WIDTH  # then the turn's prefix-cache events; its token events from here
 
 
 @dataclass
@@ -284,10 +285,10 @@ class DecodeWorker:
             for f in done.faults]
 
     def encode(self, report: RankReport) -> EncodedReport:
-        """The turn's report as a fixed row (load integers, then up to `event_capacity` events as
-        (handle, token, finish reason)) and, only when there is any, an object part: replies to
-        commands, expired lease ids, prefix-cache events, or token events the row cannot carry (an error,
-        an overflow)."""
+        """The turn's report as a fixed row (load integers, up to 64 prefix-cache events, then up to
+        `event_capacity` token events as (handle, token, finish reason)) and, only when there is any, an
+        object part: replies to commands, expired lease ids, or events the row cannot carry (an error, an
+        overflow)."""
         cap = self.event_capacity
         load: DecodeRankReport = report.load
         events = report.events
@@ -298,16 +299,20 @@ class DecodeWorker:
         plain = len(events) <= cap and all(not ev.error and ev.logprob is None and ev.prompt_logprobs is None
                                            and handle(ev.request_id) is not None
                                            for ev in events)  # else the events travel as objects
-        row = torch.zeros(ROW_WIDTH + 1 + 3 * cap, dtype=torch.int64)
+        row = torch.zeros(TOKENS_AT + 1 + 3 * cap, dtype=torch.int64)
         row[:ROW_WIDTH] = torch.tensor(load.to_row())
+        kv_row = event_log.events_to_row(load.kv_events) if load.kv_events else None
+        if kv_row is not None:
+            row[ROW_WIDTH:TOKENS_AT] = torch.tensor(kv_row)
         if plain and events:
-            row[ROW_WIDTH] = len(events)
+            row[TOKENS_AT] = len(events)
             codes = [(handle(ev.request_id), ev.token_id, FINISH_CODES.index(ev.finish_reason))
                      for ev in events]
-            row[ROW_WIDTH + 1: ROW_WIDTH + 1 + 3 * len(events)] = torch.tensor(codes).view(-1)
+            row[TOKENS_AT + 1: TOKENS_AT + 1 + 3 * len(events)] = torch.tensor(codes).view(-1)
         extra = None
-        if report.replies or load.expired or load.kv_events or not plain:
-            extra = _ReportObjects(report.replies, load.expired, None if plain else events, load.kv_events)
+        kv_objects = load.kv_events if load.kv_events and kv_row is None else None
+        if report.replies or load.expired or kv_objects or not plain:
+            extra = _ReportObjects(report.replies, load.expired, None if plain else events, kv_objects)
         return EncodedReport(row, extra)
 
     @property
@@ -321,13 +326,15 @@ class DecodeWorker:
         objects: _ReportObjects = encoded.extra if encoded.extra is not None else _ReportObjects()
         events = objects.events
         if events is None:
-            n, base = values[ROW_WIDTH], ROW_WIDTH + 1
+            n, base = values[TOKENS_AT], TOKENS_AT + 1
             events = []
             for i in range(n):
                 handle, token, reason = values[base + 3 * i: base + 3 * i + 3]
                 events.append(Event(self.names.get(handle) or "", token, reason != 0, FINISH_CODES[reason]))
+        kv_events = objects.kv_events if objects.kv_events is not None else event_log.events_from_row(
+            values[ROW_WIDTH:TOKENS_AT])
         return RankReport(objects.replies, events,
-                          DecodeRankReport.from_row(values[:ROW_WIDTH], objects.expired, objects.kv_events))
+                          DecodeRankReport.from_row(values[:ROW_WIDTH], objects.expired, kv_events))
 
     def load(self) -> DecodeRankReport:
         sched, kv = self.engine.scheduler, self.engine.kv
@@ -359,13 +366,13 @@ class DecodeWorker:
 
 @dataclass
 class _ReportObjects:
-    """The object part of a report: replies, expired lease ids, token events when the row cannot carry them,
-    and the rank's prefix-cache events (rare: a turn that stored or evicted blocks)."""
+    """The object part of a report: replies, expired lease ids, and token or prefix-cache events when the
+    row cannot carry them."""
 
     replies: list = field(default_factory=list)
     expired: list[str] = field(default_factory=list)
     events: list[Event] | None = None
-    kv_events: list[CacheEvent] = field(default_factory=list)
+    kv_events: list[CacheEvent] | None = None  # when the row cannot carry them (more than 64)
 
 
 def _event(ev: StepEvent) -> Event:

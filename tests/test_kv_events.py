@@ -65,15 +65,21 @@ def test_drain_hands_each_event_over_once_and_resyncs_a_rank_that_fell_behind():
 
 
 def test_a_decode_ranks_events_travel_to_rank_0_in_the_report():
-    """A DP rank's cache events ride the report's object part (the row is unchanged) with its rank."""
+    """A DP rank's cache events ride its fixed row (up to 64 a turn: no pickled collective); more, or a key
+    that is not a SHA-256, ride the object part."""
     fake = types.SimpleNamespace(event_capacity=4, handles={}, _ended={}, names={})
-    events = [CacheEvent(STORED, Tier.DEVICE, H[1])]
-    report = RankReport([], [], DecodeRankReport(RankLoad(3), kv_events=events))
-    encoded = DecodeWorker.encode(fake, report)
-    assert encoded.extra is not None and encoded.extra.kv_events == events
-    assert DecodeWorker.decode(fake, encoded).load.kv_events == events
-    quiet = DecodeWorker.encode(fake, RankReport([], [], DecodeRankReport(RankLoad(3))))
-    assert quiet.extra is None and DecodeWorker.decode(fake, quiet).load.kv_events == []
+
+    def carried(events: list[CacheEvent]) -> tuple[bool, list[CacheEvent]]:
+        encoded = DecodeWorker.encode(fake, RankReport([], [], DecodeRankReport(RankLoad(3), kv_events=events)))
+        return encoded.extra is None, DecodeWorker.decode(fake, encoded).load.kv_events
+
+    few = [CacheEvent(STORED, Tier.DEVICE, H[1]), CacheEvent(REMOVED, Tier.HOST, H[2]), CacheEvent(CLEARED, Tier.HOST)]
+    assert carried(few) == (True, few)
+    assert carried([]) == (True, [])
+    many = [CacheEvent(STORED, Tier.DEVICE, bytes([i % 256, i // 256]) * 16) for i in range(65)]
+    assert carried(many) == (False, many)
+    odd = [CacheEvent(STORED, Tier.DEVICE, b"short")]
+    assert carried(odd) == (False, odd)
 
 
 class _Context:

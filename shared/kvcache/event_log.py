@@ -13,6 +13,7 @@ every rank's events are recorded into (`apply`), which the KvEvents stream serve
 from __future__ import annotations
 
 import secrets
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +24,9 @@ from shared.kvcache.events import CacheEvent, CacheEventKind, Tier
 from shared.kvcache.pool import KVCache
 
 DEFAULT_HISTORY = 1 << 16  # events kept for resuming subscribers (~5 MB of 32-byte keys and their records)
+ROW_EVENTS = 64  # cache events a decode rank's fixed per-turn row carries (more: its object part)
+ROW_WIDTH = 1 + 5 * ROW_EVENTS  # a count, then per event its code and its 32-byte key as 4 integers
+_KINDS, _TIERS = tuple(CacheEventKind), tuple(Tier)
 
 
 @dataclass(frozen=True)
@@ -176,3 +180,26 @@ def listen_to(kv: KVCache, rank: int = 0) -> CacheEventLog:
         log.seed(kv.tier.keys(), Tier.HOST)
     kv.allocator.listeners.append(log)
     return log
+
+
+def events_to_row(events: list[CacheEvent]) -> list[int] | None:
+    """A turn's cache events as ROW_WIDTH integers (a decode rank's fixed report row), or None when they do
+    not fit (more than ROW_EVENTS, or a key that is not a 32-byte SHA-256): they travel as objects then."""
+    if len(events) > ROW_EVENTS or any(len(e.block_hash) not in (0, 32) for e in events):
+        return None
+    out = [len(events)]
+    for e in events:
+        out.append(_KINDS.index(e.kind) * len(_TIERS) + _TIERS.index(e.tier) + (len(_KINDS) * len(_TIERS)
+                                                                            if e.block_hash else 0))
+        out += struct.unpack("<4q", e.block_hash or bytes(32))
+    return out + [0] * (ROW_WIDTH - len(out))
+
+
+def events_from_row(values: list[int]) -> list[CacheEvent]:
+    """`events_to_row` read back."""
+    out, plain = [], len(_KINDS) * len(_TIERS)
+    for i in range(values[0]):
+        code, *key = values[1 + 5 * i: 6 + 5 * i]
+        kind, tier = divmod(code % plain, len(_TIERS))
+        out.append(CacheEvent(_KINDS[kind], _TIERS[tier], struct.pack("<4q", *key) if code >= plain else b""))
+    return out
