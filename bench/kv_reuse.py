@@ -250,7 +250,7 @@ def fill_metrics(row: Row, before: list[Scrape], after: list[Scrape]) -> None:
 
 
 def run_config(config: Config, args: argparse.Namespace, window_file: Path, log_dir: Path,
-               timeout_s: float) -> Row:
+               timeout_s: float, schedule_s: float) -> Row:
     """One fresh `pdserve up` with the config's flags, one AIPerf replay of the window against it."""
     from bench.fleet_faults import UpProcess
     up = UpProcess(["--model", args.model, "--num-prefill", str(args.num_prefill), "--num-decode",
@@ -262,7 +262,7 @@ def run_config(config: Config, args: argparse.Namespace, window_file: Path, log_
         before = scrape_all(up.metrics)
         summary: AiperfSummary = run_aiperf(up.http_url.removesuffix("/v1"), up.model, Path(args.model),
                                             window_file, args.isl_block_size, log_dir / config.name / "aiperf",
-                                            timeout_s, seed=args.seed)
+                                            timeout_s, schedule_s=schedule_s, seed=args.seed)
         time.sleep(1)  # the last pushes' counters
         after = scrape_all(up.metrics)
     finally:
@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(Row(config.name, skipped=f"pdserve up has no {' '.join(missing)}"))
         else:
             print(f"{config.name}: pdserve up {' '.join(config.up_args)} ...", flush=True)
-            rows.append(run_config(config, args, window_file, log_dir, args.request_timeout_s))
+            rows.append(run_config(config, args, window_file, log_dir, args.request_timeout_s,
+                                   args.duration_s / args.speed))
     print(report_table(rows, unbounded))
     print("\n".join(g.line() for g in goals(rows, unbounded)))
     stem = OUT / "kv_reuse"

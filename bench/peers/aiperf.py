@@ -112,10 +112,11 @@ def parse_aiperf_export(data: dict) -> AiperfSummary:
 
 
 def run_aiperf(url: str, model: str, model_dir: Path, trace: Path, block_size: int, artifacts: Path,
-               timeout_s: float, seed: int = 0) -> AiperfSummary:
+               timeout_s: float, schedule_s: float = 0.0, seed: int = 0) -> AiperfSummary:
     """Replay `trace` (Mooncake format, timestamps already at the chosen speed) at its own timestamps against
     the OpenAI-compatible server at `url`: streamed /v1/completions, each request its trace's output length
-    (ignore_eos), prompts built by AIPerf from the hash ids at `block_size` tokens per id."""
+    (ignore_eos), prompts built by AIPerf from the hash ids at `block_size` tokens per id. `timeout_s`: per
+    request; AIPerf itself is given the schedule's length (`schedule_s`) plus that plus 5 minutes."""
     tokenizer, hf_env = hf_tokenizer_env(model_dir)
     shutil.rmtree(artifacts, ignore_errors=True)
     artifacts.mkdir(parents=True)
@@ -127,7 +128,8 @@ def run_aiperf(url: str, model: str, model_dir: Path, trace: Path, block_size: i
            "--request-timeout-seconds", str(int(timeout_s))]
     env = {**os.environ, **hf_env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     with open(artifacts / "aiperf.log", "w") as log:
-        run = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s + 300)
+        run = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                             timeout=schedule_s + timeout_s + 300)
     exports = sorted(artifacts.rglob("profile_export_aiperf.json"))
     if run.returncode != 0 or not exports:
         tail = (artifacts / "aiperf.log").read_text()[-3000:]
