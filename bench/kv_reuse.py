@@ -355,7 +355,7 @@ def plot(path: Path, rows: list[Row], unbounded: float, title: str) -> Path:
         bottom = [b + v for b, v in zip(bottom, vals)]
     cx.plot(xs, [z(r.cache_share, 100) for r in ran], "k_", markersize=40, mew=3, label="router: cached")
     cx.axhline(100 * unbounded, color="red", linestyle=":", label="unbounded single cache")
-    cx.set_title("prompt tokens from cache"), cx.set_ylabel("%"), cx.legend(fontsize=8)
+    cx.set_title("prompt tokens from cache"), cx.set_ylabel("%"), cx.legend(fontsize=8, markerscale=0.3)
     dx.bar(xs, [z(r.push_bytes_per_request, 1 / 1024) for r in ran], 0.5)
     dx.set_title("KV bytes pushed per request"), dx.set_ylabel("KiB")
     for axis in (ax, bx, cx, dx):

@@ -144,3 +144,15 @@ def test_hf_cache_entry_for_a_local_tokenizer(tmp_path, monkeypatch):
         ["config.json", "tokenizer.json"]
     (model / "tokenizer.json").write_text('{"changed": 1}')
     assert hf_tokenizer_env(model)[1] == env and (repo / "refs" / "main").read_text() != rev
+
+
+def test_report_with_skipped_rows_and_na(tmp_path):
+    rows = [kr.Row("no-prefix-cache", requests=3, errors=0, ttft_p50_ms=10.0, ttft_p90_ms=20.0, cache_share=0.0,
+                   tier_share={"device": None, "host": None}),
+            kr.Row("prefix-cache", requests=3, errors=1, ttft_p50_ms=5.0, cache_share=0.1,
+                   tier_share={"device": 0.08, "host": 0.02}, push_bytes_per_request=2048.0),
+            kr.Row("small-pool", skipped="pdserve up has no --kv-cache-tokens")]
+    text = kr.report_table(rows, unbounded=0.2)
+    assert "prefix-cache |" in text and "skipped: pdserve up has no --kv-cache-tokens" in text
+    assert "0.50" in text and "2 KiB" in text and "n/a" in text
+    assert kr.plot(tmp_path / "p.png", rows, 0.2, "t").stat().st_size > 0
