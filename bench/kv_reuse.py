@@ -209,7 +209,7 @@ class Row:
     """One configuration's results (None: n/a)."""
 
     config: str
-    skipped: str = ""
+    skipped: str = ""  # why it did not run (skipped: a flag missing; failed: see its logs)
     requests: int | None = None
     errors: int | None = None
     ttft_p50_ms: float | None = None
@@ -287,7 +287,7 @@ def report_table(rows: list[Row], unbounded: float) -> str:
     out = []
     for r in rows:
         if r.skipped:
-            out.append([r.config, f"skipped: {r.skipped}", *[""] * (len(headers) - 2)])
+            out.append([r.config, r.skipped, *[""] * (len(headers) - 2)])
             continue
         of = r.cache_share / unbounded if r.cache_share is not None and unbounded else None
         out.append([r.config, _f(r.requests, ",.0f"), _f(r.errors, ",.0f"), _f(r.ttft_p50_ms), _f(r.ttft_p90_ms),
@@ -411,11 +411,15 @@ def main(argv: list[str] | None = None) -> None:
     help_text, rows = up_help(), []
     for config in configs([c for c in args.configs.split(",") if c], kv_tokens, tier_tokens):
         if missing := missing_flags(config, help_text):
-            rows.append(Row(config.name, skipped=f"pdserve up has no {' '.join(missing)}"))
+            rows.append(Row(config.name, skipped=f"skipped: pdserve up has no {' '.join(missing)}"))
         else:
             print(f"{config.name}: pdserve up {' '.join(config.up_args)} ...", flush=True)
-            rows.append(run_config(config, args, window_file, log_dir, args.request_timeout_s,
-                                   args.duration_s / args.speed))
+            try:
+                rows.append(run_config(config, args, window_file, log_dir, args.request_timeout_s,
+                                       args.duration_s / args.speed))
+            except (RuntimeError, TimeoutError, OSError, subprocess.TimeoutExpired) as e:  # the next one still runs
+                print(f"{config.name} failed: {e}", flush=True)
+                rows.append(Row(config.name, skipped=f"failed ({type(e).__name__}; logs {log_dir / config.name})"))
     print(report_table(rows, unbounded))
     print("\n".join(g.line() for g in goals(rows, unbounded)))
     stem = OUT / "kv_reuse"

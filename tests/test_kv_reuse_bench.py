@@ -151,7 +151,7 @@ def test_report_with_skipped_rows_and_na(tmp_path):
                    tier_share={"device": None, "host": None}),
             kr.Row("prefix-cache", requests=3, errors=1, ttft_p50_ms=5.0, cache_share=0.1,
                    tier_share={"device": 0.08, "host": 0.02}, push_bytes_per_request=2048.0),
-            kr.Row("small-pool", skipped="pdserve up has no --kv-cache-tokens")]
+            kr.Row("small-pool", skipped="skipped: pdserve up has no --kv-cache-tokens")]
     text = kr.report_table(rows, unbounded=0.2)
     assert "prefix-cache |" in text and "skipped: pdserve up has no --kv-cache-tokens" in text
     assert "0.50" in text and "2 KiB" in text and "n/a" in text
