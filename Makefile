@@ -11,7 +11,7 @@ CORPUS := $(CORPUS_DIR)/bible-kjv-text/usr/lib/bible.data
 DEMO_MODEL := models/demo-v32
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 
-.PHONY: demo test install lint bench proto clean system-deps corpus demo-model
+.PHONY: demo test install lint bench bench-kv-reuse proto clean system-deps corpus demo-model
 
 # System packages: RDMA verbs + rdmacm for Mooncake, prometheus (+ promtool) for the metrics test,
 # openssl for `pdserve certs` / `pdserve up --tls`, a C compiler for the CPU kernels
@@ -69,6 +69,13 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/engine_throughput.py
+
+# The Mooncake conversation trace replayed by AIPerf against `pdserve up`, with and without each KV-reuse feature
+# (README, "Replaying the Mooncake trace"). AIPerf installs on first use into its own venv outside the repository
+# ($$PDSERVE_AIPERF_VENV, default ~/.cache/pdserve/aiperf-peer; never by `make test`). KV_REUSE_ARGS: its flags.
+KV_REUSE_ARGS ?=
+bench-kv-reuse: $(STAMP)
+	$(PY) bench/kv_reuse.py $(KV_REUSE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
