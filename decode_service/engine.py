@@ -215,16 +215,25 @@ class DecodeEngineCore(EngineCore):
         the Future yields a Placement. Reservations not yet visible in a rank's load report are
         counted too, so a burst of them spreads over the ranks."""
         with self._place_lock:
-            if self.mirror:
-                rank = 0
-            else:
-                pending = [sum(t for _, t in self._unreported[r]) for r in range(self.world)]
-                rank = least_loaded_rank([r.load.tokens + p for r, p in zip(self.loads, pending)],
-                                         [r.load.running for r in self.loads])
+            rank = 0 if self.mirror else self._place(tokens, prefix)
             command, to = self._addressed(Reserve(request_id, tokens, prompt_tokens, prefix=prefix), rank)
             sent = self.dispatch(command, to)
             self._unreported[rank].append((sent.cid, tokens))
         return _then(sent.future, lambda dest: Placement(rank, dest))
+
+    def _place(self, tokens: int, prefix: tuple[bytes, ...]) -> int:
+        """The least loaded DP rank, unless a rank caches more of the prompt's prefix and is loaded by at most
+        this request's tokens more (a shared system prompt must not pile every request onto one rank)."""
+        pending = [sum(t for _, t in self._unreported[r]) for r in range(self.world)]
+        load = [r.load.tokens + p for r, p in zip(self.loads, pending)]
+        rank = least_loaded_rank(load, [r.load.running for r in self.loads])
+        if prefix and self.world > 1:
+            hits = self.prefix_blocks_by_rank(list(prefix))
+            near = [r for r in range(self.world) if load[r] <= load[rank] + tokens]
+            best = max(near, key=lambda r: (hits[r], -load[r], -r))
+            if hits[best] > hits[rank]:
+                return best
+        return rank
 
     def open_stream(self, request_id: str, q: Any = None) -> Any:
         return self.streams.open(request_id, q)

@@ -12,7 +12,7 @@ from shared.model import SeqChunk
 from shared.model.cp import build_cp_batch, zigzag_ranges
 from shared.parallel import ParallelConfig, ParallelState
 from tests.dist_utils import run_ranks
-from tests.helpers import concurrent_greedy, engine_logits, random_prompts
+from tests.helpers import concurrent_greedy, engine_logits, random_prompts, wait_for
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -406,7 +406,20 @@ def test_cluster_cp2_prefill_dp2_ep2_decode(ckpt, tmp_path):
         got = concurrent_greedy(cluster.address, prompts, 8)
         got += concurrent_greedy(cluster.address, follow_ups, 8)
         with cluster.channel(cluster.decode_addrs[0]) as ch:
-            load = internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=10)
+            dec = internal_pb2_grpc.DecodeStub(ch)
+            for follow in follow_ups[1:3]:  # placed on the DP rank that kept the turn, whichever it was
+                probe = dec.Reserve(internal_pb2.ReserveRequest(request_id="probe", num_prompt_tokens=len(follow),
+                                                                max_tokens=4, prompt_token_ids=follow), timeout=30)
+                assert probe.destination.reused_blocks == (len(follow) - 1) // 4
+                assert dec.Release(internal_pb2.ReleaseRequest(lease_id=probe.destination.lease_id),
+                                   timeout=10).released
+
+            def settled() -> internal_pb2.LoadReport | None:  # a release shows in the next turn's report
+                load = dec.GetLoad(internal_pb2.LoadRequest(), timeout=10)
+                return load if all(r.free_blocks == r.total_blocks for r in load.ranks) else None
+
+            assert wait_for(settled, 10)
+            load = settled()
     assert got == want
     assert len(load.ranks) == 2 and all(r.free_blocks == r.total_blocks for r in load.ranks)
     assert all(r.admitted > 0 for r in load.ranks)  # concurrent requests spread over both DP ranks
