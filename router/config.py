@@ -42,7 +42,8 @@ class RouterConfig(EndpointConfig):
     ttft_slo_ms: float = flag(0.0, "time-to-first-token target (0: none); a request no pair can serve within "
                                    "its targets is refused at once with RESOURCE_EXHAUSTED")
     tpot_slo_ms: float = flag(0.0, "time-per-output-token target (0: none)")
-    local_prefill_tokens: int = flag(0, "selective disaggregation: a prompt of at most this many tokens is "
+    local_prefill_tokens: int = flag(0, "selective disaggregation: a prompt with at most this many tokens the "
+                                        "decode instance does not cache (a follow-up turn: its new ones) is "
                                         "prefilled on the decode instance itself (chunked within its token "
                                         "budget, beside its running decodes) when the SLA model predicts its "
                                         "first token sooner there than through a prefill instance (sla policy; "

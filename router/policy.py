@@ -99,7 +99,20 @@ class Request:
     cached_by_prefill: list[int] | None = None  # prompt tokens each prefill instance holds in its prefix cache
     cached_by_decode: list[int] | None = None  # prompt tokens each decode instance holds (not pushed again)
     priority: int = 0  # lower is more urgent (GenerateRequest.priority): see SlaPolicy.margin_for
-    local_prefill: bool = False  # the decode instance may prefill it itself (prompt <= --local-prefill-tokens)
+    # a decode instance may prefill it itself when the prompt tokens it does not cache are at most this
+    # (--local-prefill-tokens; 0: never)
+    local_prefill_tokens: int = 0
+
+    def uncached_on_decode(self, d: int) -> int:
+        """Prompt tokens decode instance `d` would compute to prefill it itself."""
+        return self.prompt_tokens - (self.cached_by_decode[d] if self.cached_by_decode else 0)
+
+    @property
+    def local_prefill(self) -> bool:
+        """Some decode instance may prefill it itself."""
+        n = len(self.cached_by_decode) if self.cached_by_decode else 1
+        return any(self.uncached_on_decode(d) <= self.local_prefill_tokens for d in range(n)) \
+            if self.local_prefill_tokens else False
 
 
 @dataclass
@@ -177,12 +190,13 @@ class SlaPolicy:
         busy_decodes = sum(1 for d in decodes if d.busy)
         out = []
         for d, dec in enumerate(decodes):
-            if not dec.up:
+            uncached = req.uncached_on_decode(d)  # it starts on the blocks it caches
+            if not dec.up or uncached > req.local_prefill_tokens:
                 continue
             others = busy_prefills + busy_decodes - dec.busy
             rank = dec.least_loaded()
             tpot, tpot_raw, batch = dec.step_with(self.perf, rank, context, others)
-            raw = dec.local_ttft_raw(self.perf, rank, req.prompt_tokens, others)
+            raw = dec.local_ttft_raw(self.perf, rank, uncached, others)
             ttft = raw * self.perf.local_ttft_factor(batch)
             room = -(-context // dec.block_size) <= dec.free_blocks
             out.append(Choice(-1, d, ttft, tpot, ttft / (req.ttft_s or 1.0) + tpot / (req.tpot_s or 1.0),

@@ -380,9 +380,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             waited = time.perf_counter() - t0
             ttft_left = max(ttft_s - waited, 1e-6) if ttft_s else 0.0
             try:
-                local = len(ids) <= self.cfg.local_prefill_tokens
                 return self.policy.choose(Request(len(ids), max_tokens, ttft_left, tpot_s, cached_by_prefill=cached,
-                                                  cached_by_decode=reused, priority=priority, local_prefill=local),
+                                                  cached_by_decode=reused, priority=priority,
+                                                  local_prefill_tokens=self.cfg.local_prefill_tokens),
                                           [x.view for x in prefills], [x.view for x in decodes])
             except Rejected:
                 pause = self.cfg.load_interval

@@ -124,8 +124,19 @@ def test_the_policy_prefills_on_decode_only_where_it_predicts_a_sooner_first_tok
     perf = PerfModel()
     policy = SlaPolicy(perf, seed=0)
     prefills, decodes = _views(queued, running)
-    req = Request(16, 32, 0.0, 0.0, local_prefill=limit_ok)
+    req = Request(16, 32, 0.0, 0.0, local_prefill_tokens=64 if limit_ok else 8)
     choice = policy.choose(req, prefills, decodes)[0]
     assert choice.local == local
     if local:
         assert choice.prefill == -1 and choice.ttft_s < policy.predict(req, prefills, decodes)[0].ttft_s
+
+
+def test_a_follow_up_whose_context_decode_keeps_is_prefilled_there():
+    """A 400-token follow-up is far over --local-prefill-tokens 64, but the decode instance keeps 384 of its
+    tokens: it computes only 16 itself, so it is local there (and only there)."""
+    policy = SlaPolicy(PerfModel(), seed=0)
+    prefills, decodes = _views(0, 0)
+    req = Request(400, 32, 0.0, 0.0, cached_by_decode=[384] + [0] * (len(decodes) - 1), local_prefill_tokens=64)
+    choice = policy.choose(req, prefills, decodes)[0]
+    assert choice.local and choice.decode == 0
+    assert not Request(400, 32, 0.0, 0.0, cached_by_decode=[0] * len(decodes), local_prefill_tokens=64).local_prefill
