@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from prefill_service.fetch import FETCH_COMMANDS, FetchEndpoint, PushCachedBlocks, fetch_endpoint
 from prefill_service.worker import AddPrompt, DropPrompt, PrefillOutcome, PrefillWorker, sender_factory
 from shared import metrics
 from shared.config import PrefillConfig
@@ -61,9 +62,9 @@ class PrefillEngineCore(EngineCore):
 
     def __init__(self, engine: LLMEngine, make_sender: Callable[[str], KVSender],
                  on_report: ReportHook | None = None, on_fatal: Callable[[str], None] | None = None,
-                 on_kv_events: KvEventsHook | None = None):
+                 on_kv_events: KvEventsHook | None = None, fetch: FetchEndpoint | None = None):
         self._to = ALL if engine.policy.mirror else 0  # mirrored ranks all apply every command
-        self.worker = PrefillWorker(engine, make_sender, on_done=self._done, later=self._later)
+        self.worker = PrefillWorker(engine, make_sender, on_done=self._done, later=self._later, fetch=fetch)
         super().__init__(self.worker, engine.parallel, "prefill-engine", on_fatal)
         self._results: dict[str, Future] = {}
         self.limits = engine.limits
@@ -117,9 +118,21 @@ class PrefillEngineCore(EngineCore):
         """Drop a prompt (the caller went away); its blocks and push are released on every rank."""
         self.submit(DropPrompt(request_id, reason), self._to)
 
+    def fetch_step(self, command: EngineCommand) -> Future:
+        """A step of a cross-instance fetch (prefill_service.fetch), on rank 0's pool: OpenFetch → its FetchPlan,
+        AdoptFetch → the blocks adopted, PushCachedBlocks → CachedPushed once its push ended."""
+        if isinstance(command, PushCachedBlocks):
+            done: Future = Future()
+            self._results[command.fetch_id] = done
+            self.submit(command, 0)
+            return done
+        return self.submit(command, 0)
+
     def handle(self, command: EngineCommand) -> Future | None:
         """A front's command from its process (shared.engine.process): AddPrompt (a Future of its
-        outcome) or DropPrompt."""
+        outcome), DropPrompt, or a fetch's step."""
+        if isinstance(command, FETCH_COMMANDS):
+            return self.fetch_step(command)
         if isinstance(command, AddPrompt):
             return self.prefill(command.request_id, command.prompt, command.params, command.dest,
                                 command.priority, command.num_resumed, command.cache_salt)
@@ -147,7 +160,8 @@ def build_engine_core(cfg: PrefillConfig, on_report: ReportHook | None = None,
                       on_kv_events: KvEventsHook | None = None) -> PrefillEngineCore:
     """Rank 0's engine and loop."""
     engine = LLMEngine(cfg.engine_config(), service_state(cfg.parallel(), 0, cfg.cpu_threads))
-    return PrefillEngineCore(engine, sender_factory(cfg, engine), on_report, on_fatal, on_kv_events)
+    return PrefillEngineCore(engine, sender_factory(cfg, engine), on_report, on_fatal, on_kv_events,
+                             fetch_endpoint(cfg))
 
 
 # -- the core in its own process ------------------------------------------------------------------------
@@ -186,6 +200,10 @@ class PrefillEngineClient:
 
     def cancel(self, request_id: str, reason: BaseException) -> None:
         self.link.call(DropPrompt(request_id, reason))
+
+    def fetch_step(self, command: EngineCommand) -> Future:
+        """A step of a cross-instance fetch (PrefillEngineCore.fetch_step)."""
+        return self.link.call(command)
 
     def load(self) -> LoadReport:
         return self.latest_load

@@ -20,16 +20,28 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
+import grpc
+
+from shared import metrics
+from shared.config import PrefillConfig
 from shared.engine import LLMEngine
 from shared.engine.core import EngineCommand
 from shared.kvcache import Holder, OutOfBlocks
 from shared.kvcache.lease import LeaseError, LeaseTable
+from shared.protocol.limits import RequestLimits, check_cache_salt
+from shared.protocol.prefix import prompt_block_hashes
+from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
+from shared.rpc.service import Credentials, aio_channel, wait_future
 from shared.transfer import Destination, KVPush, TcpReceiver, TransferError
 from shared.transfer.base import cache_kinds
 
 log = logging.getLogger("pdserve.prefill")
+FETCH_LEASE_SECONDS = 10.0  # a fetch lease nobody wrote to in this long goes back (the prompt is computed)
+FETCH_TIMEOUT_S = 5.0  # a holder that has not pushed by then is given up on (the prompt is computed)
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,14 @@ class EndCachedPush(EngineCommand):
 FETCH_COMMANDS = (OpenFetch, AdoptFetch, PushCachedBlocks, EndCachedPush)
 
 
+def fetch_endpoint(cfg: PrefillConfig) -> FetchEndpoint | None:
+    """Where a one-rank prefill instance receives fetched blocks (None: --no-kv-fetch, or a group of ranks)."""
+    if cfg.no_kv_fetch or cfg.world > 1:
+        return None
+    return FetchEndpoint(cfg.host, cfg.public_host, Credentials.of(cfg).ssl_context(server=True), cfg.kv_stall_seconds,
+                         FETCH_LEASE_SECONDS)
+
+
 def new_fetch_id() -> str:
     return "fetch-" + uuid.uuid4().hex
 
@@ -152,6 +172,9 @@ class FetchEnds:
 
     def _push(self, c: PushCachedBlocks) -> None:
         """Pin and push; answered from the push's thread (or at once when there is nothing to send)."""
+        if self.engine.parallel.is_parallel:  # a group's ranks must keep one cache: none serves alone
+            self.on_done(c.fetch_id, TransferError("a group of ranks serves no fetch"))
+            return None
         ledger = self.engine.kv.ledger
         held = ledger.hold_cached(list(c.keys), c.fetch_id)
         src = held.blocks[c.first:]
@@ -186,3 +209,73 @@ class FetchEnds:
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+
+
+# -- the front's side (the gRPC process) ---------------------------------------------------------------
+class FetchStepper(Protocol):
+    """What the front holds of its engine core for fetches (PrefillEngineClient)."""
+
+    limits: RequestLimits
+
+    def fetch_step(self, command: EngineCommand) -> Future: ...
+
+
+class PrefixFetcher:
+    """A prefill front's fetches: pull the blocks a holder caches of a prompt this instance lacks (asked by the
+    router), and serve other instances' PushCached from what this one caches."""
+
+    def __init__(self, engine: FetchStepper, credentials: Credentials, enabled: bool):
+        self.engine, self.credentials, self.enabled = engine, credentials, enabled
+        self._stubs: dict[str, internal_pb2_grpc.PrefillStub] = {}
+
+    def _stub(self, address: str) -> internal_pb2_grpc.PrefillStub:
+        if address not in self._stubs:
+            self._stubs[address] = internal_pb2_grpc.PrefillStub(aio_channel(address, self.credentials))
+        return self._stubs[address]
+
+    async def fetch(self, prompt: list[int], cache_salt: str, holder: str, blocks: int) -> int:
+        """Prompt tokens fetched from `holder` into this instance's prefix cache (0: none needed, none came, or
+        the fetch failed — the prompt is then computed as if never asked)."""
+        bs = self.engine.limits.block_size
+        blocks = min(blocks, (len(prompt) - 1) // bs)
+        if not (self.enabled and holder and blocks > 0):
+            return 0
+        keys = tuple(prompt_block_hashes(prompt, bs, blocks, cache_salt))
+        plan: FetchPlan = await wait_future(self.engine.fetch_step(OpenFetch(keys)))
+        if plan.destination is None:
+            metrics.KV_FETCHES.labels("not_needed" if plan.have >= blocks else "no_room").inc()
+            return 0
+        msg = plan.destination.to_proto(internal_pb2.KVDestination)
+        msg.signature = self.credentials.sign(msg)
+        ask = internal_pb2.PushCachedRequest(prompt_token_ids=prompt[: blocks * bs], cache_salt=cache_salt,
+                                             first_block=plan.have, destination=msg)
+        try:
+            reply = await self._stub(holder).PushCached(ask, timeout=FETCH_TIMEOUT_S,
+                                                        metadata=self.credentials.metadata)
+            metrics.KV_FETCH_BYTES.inc(reply.bytes)
+        except grpc.RpcError as exc:  # a holder gone or refusing: computed here instead
+            log.warning("fetch of %d blocks from %s failed: %s", blocks - plan.have, holder, exc.code().name)
+        finally:  # queued even when the caller went away meanwhile: the lease never waits for its expiry
+            adopting = self.engine.fetch_step(AdoptFetch(plan.destination.lease_id, keys[plan.have:]))
+        adopted = await wait_future(adopting)
+        metrics.KV_FETCHES.labels("fetched" if adopted else "failed").inc()
+        return adopted * bs
+
+    async def push_cached(self, request: internal_pb2.PushCachedRequest) -> internal_pb2.PushCachedResponse:
+        """The holder's side: push the cached blocks of the request's prefix into the asker's lease. Raises
+        PermissionError (an unsigned destination) or ValueError naming a bad field."""
+        problem = self.credentials.vouched(request.destination)
+        if problem:
+            raise PermissionError(problem)
+        ids, bs = list(request.prompt_token_ids), self.engine.limits.block_size
+        self.engine.limits.check_prompt_ids(ids)
+        check_cache_salt(request.cache_salt)
+        if len(ids) % bs:
+            raise ValueError(f"prompt_token_ids: {len(ids)} tokens are not whole blocks of {bs}")
+        if not 0 <= request.first_block < len(ids) // bs:
+            raise ValueError(f"first_block: {request.first_block} of {len(ids) // bs} blocks")
+        keys = tuple(prompt_block_hashes(ids, bs, len(ids) // bs, request.cache_salt))
+        dest = Destination.from_proto(request.destination)
+        done: CachedPushed = await wait_future(self.engine.fetch_step(
+            PushCachedBlocks(new_fetch_id(), keys, request.first_block, dest)), FETCH_TIMEOUT_S)
+        return internal_pb2.PushCachedResponse(blocks=done.blocks, bytes=done.nbytes)

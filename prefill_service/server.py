@@ -23,6 +23,7 @@ from collections.abc import Callable
 import grpc
 
 from prefill_service.engine import PrefillEngineClient, start_engine
+from prefill_service.fetch import PrefixFetcher
 from prefill_service.worker import PrefillWorker, prefill_gauges, sender_factory
 from shared import metrics
 from shared.config import PrefillConfig, parse_flags
@@ -80,6 +81,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self.cfg = cfg
         self.credentials = Credentials.of(cfg)
         self.engine = engine
+        self.fetcher = PrefixFetcher(engine, self.credentials, not cfg.no_kv_fetch)
         for family in (metrics.KV_PUSH_BYTES, metrics.KV_PUSH_SECONDS, metrics.KV_PUSH_FAILURES):
             family.labels(cfg.kv_transport)  # exported from the start (at 0), so dashboards and alerts see them
         metrics.REGISTRY.register(metrics.LoadCollector(
@@ -116,13 +118,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             if not 0 <= dest.reused_blocks < max(1, blocks_for(len(prompt), self.engine.limits.block_size)):
                 raise ValueError(f"destination.reused_blocks: {dest.reused_blocks} of a {len(prompt)}-token "
                                  "prompt's blocks (its last block is always pushed)")
-            done = self.engine.prefill(rid, prompt, params, dest, request.priority, request.num_resumed,
-                                       request.cache_salt)
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        fetched = await self.fetcher.fetch(prompt, request.cache_salt, request.fetch_from, request.fetch_blocks)
         try:
-            result = await wait_future(done)
+            result = await wait_future(self.engine.prefill(rid, prompt, params, dest, request.priority,
+                                                          request.num_resumed, request.cache_salt))
         except ValueError as exc:
             metrics.request_done("prefill", "INVALID_ARGUMENT", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -153,8 +155,20 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         return internal_pb2.PrefillResponse(
             first_token_id=result.first_token, rng_state=result.rng_state, prefill_seconds=result.seconds,
             cached_prompt_tokens=result.cached_prompt_tokens,
+            fetched_prompt_tokens=min(fetched, result.cached_prompt_tokens),
             first_token_logprob=logprob_to_proto(result.first_logprob) if result.first_logprob else None,
             prompt_logprobs=[logprob_to_proto(lp) for lp in result.prompt_logprobs])
+
+    async def PushCached(self, request, context):
+        """Another prefill instance fetches the blocks of a prefix this one caches (prefill_service.fetch)."""
+        try:
+            return await self.fetcher.push_cached(request)
+        except PermissionError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (TransferError, CommandError, TimeoutError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"push of cached blocks failed: {exc}")
 
     def close(self) -> None:
         self.engine.stop()  # the loop's end closes the rank's pushes and senders (in the core process too)

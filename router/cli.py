@@ -61,6 +61,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                    "kvTierDir": args.kv_tier_dir},
         "prefill": {"instances": args.num_prefill, "cp": args.prefill_cp, "tp": args.prefill_tp,
                     "ep": args.prefill_ep, "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache,
+                    "noKvFetch": args.no_kv_fetch,
                     "kvCacheTokens": args.kv_cache_tokens},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
                    "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache,
@@ -70,7 +71,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                    "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms, "drainSeconds": args.drain_seconds,
                    "apiKeyFile": args.api_key_file,
                    "servedModelName": args.served_model_name, "chatMaxTokens": args.chat_max_tokens,
-                   "profile": args.profile},
+                   "profile": args.profile, "noKvFetch": args.no_kv_fetch},
         "tls": {"enabled": args.tls}})
 
 
@@ -294,7 +295,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "api_key_file", "ttft_slo_ms",
                                       "tpot_slo_ms", "profile", "served_model_name", "chat_max_tokens",
                                       "drain_seconds"))
-    add_flags(up, PrefillConfig, only=("no_prefix_cache",))
+    add_flags(up, PrefillConfig, only=("no_prefix_cache", "no_kv_fetch"))
     add_flags(up, AutoscaleConfig)  # passed to the router, which decides
     add_flags(up, SupervisorConfig)  # pdserve up's own: how it restarts a service that exits
     up.add_argument("--config", default=None,

@@ -42,6 +42,8 @@ class RouterConfig(EndpointConfig):
     ttft_slo_ms: float = flag(0.0, "time-to-first-token target (0: none); a request no pair can serve within "
                                    "its targets is refused at once with RESOURCE_EXHAUSTED")
     tpot_slo_ms: float = flag(0.0, "time-per-output-token target (0: none)")
+    no_kv_fetch: bool = flag(False, "never tell a prefill instance to fetch a prompt's cached prefix from another "
+                                    "instance (it computes what it lacks)")
     local_prefill_tokens: int = flag(0, "selective disaggregation: a prompt with at most this many tokens the "
                                         "decode instance does not cache (a follow-up turn: its new ones) is "
                                         "prefilled on the decode instance itself (chunked within its token "

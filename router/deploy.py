@@ -125,6 +125,7 @@ class RouterSpec:
     tpot_slo_ms: float = same_as(RouterConfig, "tpot_slo_ms")
     admission_wait_ms: float = same_as(RouterConfig, "admission_wait_ms")
     local_prefill_tokens: int = same_as(RouterConfig, "local_prefill_tokens")
+    no_kv_fetch: bool = same_as(RouterConfig, "no_kv_fetch")
     migration_limit: int = same_as(RouterConfig, "migration_limit")
     http_port: int | None = same_as(RouterConfig, "http_port")
     api_key_file: str | None = same_as(RouterConfig, "api_key_file")
@@ -152,6 +153,7 @@ class PrefillSpec:
     kv_cache_tokens: int = same_as(PrefillConfig, "kv_cache_tokens")
     kv_stall_seconds: float = same_as(PrefillConfig, "kv_stall_seconds")
     no_prefix_cache: bool = same_as(PrefillConfig, "no_prefix_cache")
+    no_kv_fetch: bool = same_as(PrefillConfig, "no_kv_fetch")
 
 
 @dataclass
@@ -220,7 +222,8 @@ class Deployment:
         if role == "prefill":
             p = self.prefill
             out += ["--cp", _s(p.cp), "--max-prefill-tokens", _s(p.max_prefill_tokens),
-                    "--kv-stall-seconds", _s(p.kv_stall_seconds), *(["--no-prefix-cache"] if p.no_prefix_cache else [])]
+                    "--kv-stall-seconds", _s(p.kv_stall_seconds), *(["--no-prefix-cache"] if p.no_prefix_cache else []),
+                    *(["--no-kv-fetch"] if p.no_kv_fetch else [])]
         else:
             d = self.decode
             out += ["--dp", _s(d.dp), "--kv-port", _s(d.kv_port), "--lease-seconds", _s(d.lease_seconds),
@@ -246,6 +249,7 @@ class Deployment:
                 "--local-prefill-tokens", _s(r.local_prefill_tokens), "--migration-limit", _s(r.migration_limit),
                 "--chat-max-tokens", _s(r.chat_max_tokens), "--http-max-body-bytes", _s(r.http_max_body_bytes),
                 "--http-max-prompts", _s(r.http_max_prompts), "--decode-dp", _s(self.decode.dp),
+                *(["--no-kv-fetch"] if r.no_kv_fetch else []),
                 *(x for flag, value in optional.items() if value is not None for x in (flag, _s(value)))]
 
 

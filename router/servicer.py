@@ -18,6 +18,7 @@ import grpc
 
 from router.config import RouterConfig
 from router.drain import DRAINING_MESSAGE, RETRY_AFTER_S
+from router.fetch import FetchAdvisor
 from router.kv_index import KvIndex
 from router.perf import PerfModel
 from router.policy import POLICIES, Choice, PrefillView, RankView, Rejected, Request
@@ -84,6 +85,7 @@ class Placement:
     counted_rank: RankView
     context_tokens: int  # the prompt plus max_tokens left, as counted on a decode rank
     local_prompt: int  # prompt tokens the decode rank prefills itself (a local prefill)
+    cached_by_prefill: list[int]  # prompt tokens each prefill instance caches (the KV index's)
 
     @property
     def best(self) -> Choice:
@@ -111,6 +113,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.decode = Pool("decode", cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)
         self.perf = PerfModel.load(cfg.profile) if cfg.profile else PerfModel()
         self.policy = POLICIES[cfg.policy](self.perf)
+        self.fetch = FetchAdvisor(self.perf, not cfg.no_kv_fetch)
         metrics.IN_FLIGHT.set_function(lambda: self.in_flight)
         self.background: set[asyncio.Task] = set()  # tasks referenced for as long as they run
         self.in_flight = 0  # Generate calls being served (changed only on the event loop)
@@ -250,7 +253,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         tpot_s = (req.tpot_ms or self.cfg.tpot_slo_ms) / 1e3
         prefills, decodes = await self._reachable(context, progress.t_end)
         try:
-            pairs = await self._admit(ids, remaining, ttft_s, tpot_s, req, prefills, decodes, progress.t0)
+            cached = self._cached_prefix(ids, prefills, decodes, req.cache_salt)
+            pairs = await self._admit(ids, remaining, ttft_s, tpot_s, req, cached, prefills, decodes, progress.t0)
         except Rejected as exc:  # before any work anywhere
             metrics.request_done("router", "RESOURCE_EXHAUSTED", "sla")
             context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1e3))),))
@@ -263,7 +267,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             counted_prefill.queued_tokens += len(ids)
         local_prompt = len(ids) if best.local else 0  # prompt tokens the decode rank will prefill itself
         counted_rank.count(len(ids) + remaining, local_prompt)
-        return Placement(prefills, decodes, pairs, counted_prefill, counted_rank, len(ids) + remaining, local_prompt)
+        return Placement(prefills, decodes, pairs, counted_prefill, counted_rank, len(ids) + remaining, local_prompt,
+                         cached[0])
 
     async def _prefill(self, place: Placement, dec: Instance, prefill_req: internal_pb2.PrefillRequest,
                        timeout: float) -> internal_pb2.PrefillResponse:
@@ -274,7 +279,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if order[0].view is not place.counted_prefill:
             order[0].view.queued_tokens += len(prefill_req.prompt_token_ids)  # until its next report
         pre, first = await self._first_ok(self.prefill, order, lambda inst: inst.stub.Prefill(
-            prefill_req, timeout=timeout, metadata=self.metadata), retry_on=(grpc.StatusCode.UNAVAILABLE,))
+            self.fetch.request_for(prefill_req, inst, place.prefills, place.cached_by_prefill), timeout=timeout,
+            metadata=self.metadata), retry_on=(grpc.StatusCode.UNAVAILABLE,))
         metrics.PAIRS.labels(pre.address, dec.address).inc()
         return first
 
@@ -370,11 +376,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         progress.streamed += token_ids
 
     async def _admit(self, ids: list[int], max_tokens: int, ttft_s: float, tpot_s: float, req: GenerationRequest,
-                     prefills: list[Instance], decodes: list[Instance], t0: float) -> list[Choice]:
+                     hits: tuple[list[int], list[int]], prefills: list[Instance], decodes: list[Instance],
+                     t0: float) -> list[Choice]:
         """The policy's pairs for this request. With --admission-wait-ms a request no pair can serve yet is
         held and chosen again after each load poll, its TTFT target shrinking by the time it has waited,
         until a pair fits or waiting longer could not make the target (then Rejected, as at once)."""
-        (cached, reused), priority = self._cached_prefix(ids, prefills, decodes, req.cache_salt), req.priority
+        (cached, reused), priority = hits, req.priority
         wait_until = t0 + self.cfg.admission_wait_ms / 1e3
         while True:
             waited = time.perf_counter() - t0

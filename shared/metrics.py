@@ -52,6 +52,9 @@ PAIRS = Counter("pdserve_router_pairs_total", "Requests per chosen (prefill, dec
 HTTP_REQUESTS = Counter("pdserve_router_http_requests_total", "OpenAI-compatible HTTP API calls by route and "
                         "HTTP status (generation requests are counted in the gRPC path's metrics too)",
                         ["route", "status"])
+KV_FETCH_DECISIONS = Counter("pdserve_router_kv_fetch_decisions_total", "Per prefill try: whether the prefill "
+                             "instance was told to fetch the prompt's cached prefix from another instance, and why",
+                             ["decision", "reason"])
 PREFILL_PATHS = Counter("pdserve_router_prefill_path_total", "Requests by where their prompt was prefilled: "
                         "disaggregated (a prefill instance, KV pushed) or local (on the decode instance, "
                         "--local-prefill-tokens)", ["path"])
@@ -80,6 +83,9 @@ KV_TIER_BYTES = Counter("pdserve_kv_tier_bytes_total", "Bytes the second KV tier
                         "back (hits)", ["direction"])
 KV_TIER_DROPPED = Counter("pdserve_kv_tier_dropped_blocks_total", "Second-tier blocks dropped instead of served, "
                           "by why (corrupt: the checksum or length failed; full: evicted for room)", ["reason"])
+KV_FETCHES = Counter("pdserve_kv_fetches_total", "Cross-instance fetches a prefill instance was asked to make, by "
+                     "outcome (fetched, failed, not_needed: it had the blocks, no_room)", ["outcome"])
+KV_FETCH_BYTES = Counter("pdserve_kv_fetch_bytes_total", "KV bytes another prefill instance pushed here for a fetch")
 KV_EVENTS = Counter("pdserve_kv_events_total", "Prefix-cache events published to subscribers (routers), by kind "
                     "and tier", ["kind", "tier"])
 KV_INDEX_BLOCKS = Gauge("pdserve_router_kv_index_blocks", "Entries (instance, rank, tier, block) in the router's "

@@ -123,3 +123,82 @@ def test_a_push_to_a_bad_destination_pins_nothing(path):
         kv = inst.llm.engine.kv
         assert kv.allocator.num_free == kv.num_blocks
         kv.ledger.check()
+
+
+# -- the router's choice -------------------------------------------------------------------------------------
+def _instances(n: int) -> list:
+    from router.policy import PrefillView
+    from router.pools import Instance
+
+    out = []
+    for i in range(n):
+        inst = Instance.__new__(Instance)
+        inst.address = f"p{i}:1"
+        inst.view = PrefillView(inst.address, block_size=BS)
+        out.append(inst)
+    return out
+
+
+def test_the_router_fetches_only_where_moving_beats_computing():
+    from router.fetch import FetchAdvisor, Reason
+    from router.perf import PerfModel
+
+    advisor, prefills = FetchAdvisor(PerfModel(), enabled=True), _instances(3)
+    choice = advisor.choose(1000, 0, prefills, [0, 400, 96])
+    assert choice.fetch and choice.reason is Reason.CHEAPER and (choice.holder, choice.blocks) == ("p1:1", 100)
+    assert advisor.choose(1000, 0, prefills, [0, 4, 0]).reason is Reason.COMPUTE_CHEAPER  # a round trip for 1 block
+    assert advisor.choose(1000, 1, prefills, [0, 400, 96]).reason is Reason.CACHED_HERE
+    prefills[1].view.up = False
+    assert advisor.choose(1000, 0, prefills, [0, 400, 96]).holder == "p2:1"  # a holder that is down is not asked
+    assert FetchAdvisor(PerfModel(), enabled=False).choose(1000, 0, prefills, [0, 400, 96]).reason is Reason.DISABLED
+
+
+# -- through the services ------------------------------------------------------------------------------------
+def test_a_prefill_instance_fetches_from_another_over_grpc(path, tmp_path):
+    """Two prefill instances, one decode: A prefills a prompt (caching it); B, told by the PrefillRequest to
+    fetch from A, pulls A's blocks (PushCached) and computes only the rest; the streamed greedy tokens equal the
+    in-process engine's. Hostile PushCached requests are INVALID_ARGUMENT naming the field."""
+    import grpc
+
+    from router.cluster import Cluster
+    from shared.rpc.convert import sampling_to_proto
+    from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
+
+    prompt = random_prompts(1, [45], 512, seed=74)[0]
+    longer = prompt + [5, 6, 7, 8, 9, 10, 11]
+    want = LLM(path, dtype="float32", block_size=BS).generate([longer], GREEDY)[0].token_ids
+    flags = ["--block-size", str(BS)]
+    with Cluster(path, num_prefill=2, dtype="float32", log_dir=tmp_path / "logs", extra_decode=flags,
+                 extra_prefill=flags) as c:
+        a, b = c.prefill_addrs
+        with c.channel(c.decode_addrs[0]) as dch, c.channel(a) as ach, c.channel(b) as bch:
+            dec, pa, pb = (internal_pb2_grpc.DecodeStub(dch), internal_pb2_grpc.PrefillStub(ach),
+                           internal_pb2_grpc.PrefillStub(bch))
+
+            def prefill(stub, ids: list[int], rid: str, **fetch) -> tuple[internal_pb2.PrefillResponse, list[int]]:
+                lease = dec.Reserve(internal_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=len(ids),
+                                                                max_tokens=8), timeout=30).destination
+                first = stub.Prefill(internal_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling_params=sampling_to_proto(GREEDY),
+                    destination=lease, **fetch), timeout=60)
+                out = dec.Decode(internal_pb2.DecodeRequest(
+                    request_id=rid, lease_id=lease.lease_id, prompt_token_ids=ids, first_token_id=first.first_token_id,
+                    sampling_params=sampling_to_proto(GREEDY)), timeout=60)
+                return first, [t for m in out for t in m.token_ids]
+
+            prefill(pa, prompt, "on-a")
+            first, got = prefill(pb, longer, "on-b", fetch_from=a, fetch_blocks=(len(prompt) - 1) // BS)
+            assert first.fetched_prompt_tokens == first.cached_prompt_tokens == 44  # A's 11 blocks came over
+            assert got == want
+            with pytest.raises(grpc.RpcError) as err:  # KV goes only where this cluster's instances vouched
+                pa.PushCached(internal_pb2.PushCachedRequest(prompt_token_ids=prompt[:8]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            signed = dec.Reserve(internal_pb2.ReserveRequest(request_id="x", num_prompt_tokens=8, max_tokens=1),
+                                 timeout=30).destination
+            for bad, field in ((dict(prompt_token_ids=prompt[:6]), "prompt_token_ids"),
+                               (dict(prompt_token_ids=[1 << 30] * 8), "prompt_token_ids"),
+                               (dict(prompt_token_ids=prompt[:8], first_block=2), "first_block"),
+                               (dict(prompt_token_ids=prompt[:8], cache_salt="x" * 257), "cache_salt")):
+                with pytest.raises(grpc.RpcError) as err:
+                    pa.PushCached(internal_pb2.PushCachedRequest(destination=signed, **bad), timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()

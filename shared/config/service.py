@@ -109,6 +109,8 @@ class PrefillConfig(ServiceConfig):
     max_prefill_tokens: int = flag(knob_default(EngineConfig, "max_num_batched_tokens"),
                                    "prompt tokens computed per engine step (chunked prefill; several prompts batch "
                                    "up to it)", bounds=(1, None))
+    no_kv_fetch: bool = flag(False, "never pull a prompt's cached prefix from another prefill instance (one-rank "
+                                    "instances fetch, and serve fetches of what they cache)")
     kv_stall_seconds: float = flag(1.5, "a KV push that makes no progress this long fails (the request gets "
                                         "UNAVAILABLE)")
 

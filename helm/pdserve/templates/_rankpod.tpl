@@ -38,6 +38,9 @@ spec:
         {{- if $spec.noPrefixCache }}
         - --no-prefix-cache
         {{- end }}
+        {{- if $spec.noKvFetch }}
+        - --no-kv-fetch
+        {{- end }}
         {{- else }}
         - --dp
         - {{ $spec.dp | quote }}

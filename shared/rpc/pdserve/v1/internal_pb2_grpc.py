@@ -39,6 +39,11 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_internal__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_internal__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PushCached = channel.unary_unary(
+                '/pdserve.v1.Prefill/PushCached',
+                request_serializer=pdserve_dot_v1_dot_internal__pb2.PushCachedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_internal__pb2.PushCachedResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/pdserve.v1.Prefill/GetLoad',
                 request_serializer=pdserve_dot_v1_dot_internal__pb2.LoadRequest.SerializeToString,
@@ -55,6 +60,12 @@ class PrefillServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushCached(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,6 +90,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_internal__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_internal__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PushCached': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushCached,
+                    request_deserializer=pdserve_dot_v1_dot_internal__pb2.PushCachedRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_internal__pb2.PushCachedResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -118,6 +134,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Prefill',
             pdserve_dot_v1_dot_internal__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_internal__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushCached(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/PushCached',
+            pdserve_dot_v1_dot_internal__pb2.PushCachedRequest.SerializeToString,
+            pdserve_dot_v1_dot_internal__pb2.PushCachedResponse.FromString,
             options,
             channel_credentials,
             insecure,
