@@ -57,6 +57,11 @@ class Placement:
     rank: int
     destination: Destination
 
+    @property
+    def restored_blocks(self) -> int:
+        """Of the lease's reused blocks, those its rank read back from its second KV tier (host hits)."""
+        return self.destination.restored_blocks
+
 
 @dataclass(frozen=True)
 class ToRank:

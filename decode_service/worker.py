@@ -27,6 +27,7 @@ from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
 from shared.kvcache import CacheEvent, OutOfBlocks, event_log
 from shared.kvcache.event_log import listen_to
 from shared.kvcache.lease import Lease, LeaseError, LeaseTable
+from shared.kvcache.tier import totals as tier_totals
 from shared.parallel import ParallelState
 from shared.protocol.finish import FinishReason
 from shared.protocol.load import RankLoad
@@ -184,7 +185,8 @@ class DecodeWorker:
                                             c.prefix if self.engine.scheduler.prefix_caching else ())
             except OutOfBlocks as exc:
                 return CommandError("RESOURCE_EXHAUSTED", f"decode rank {self.rank} KV pool full: {exc}")
-            return self.receiver.destination(lease)
+            # how many of its reused blocks came back from the second tier: the front counts their hits as host's
+            return dataclasses.replace(self.receiver.destination(lease), restored_blocks=lease.restored)
         if isinstance(c, Admit):
             return self._admit(c, cmd.cid)
         if isinstance(c, Abort):
@@ -341,12 +343,15 @@ class DecodeWorker:
         reserved = self.leases.reserved_blocks() * kv.layout.block_size
         spec = self.engine.speculator
         requests = [*sched.running, *sched.waiting]
+        tier = tier_totals(kv.tier)  # exported by the front (shared.metrics.LoadCollector)
         return DecodeRankReport(
             RankLoad(rank=self.rank, running=len(sched.running), waiting=len(sched.waiting),
                      free_blocks=kv.allocator.num_free, total_blocks=self.engine.usable_blocks,
                      active_leases=len(self.leases), admitted=self.admitted,
                      tokens=sum(s.num_tokens for s in requests) + reserved,
-                     queued_prompt_tokens=sum(s.num_uncached for s in requests if s.is_prefilling)),
+                     queued_prompt_tokens=sum(s.num_uncached for s in requests if s.is_prefilling),
+                     tier_written_bytes=tier.written_bytes, tier_read_bytes=tier.read_bytes,
+                     tier_dropped_corrupt=tier.dropped_corrupt, tier_dropped_full=tier.dropped_full),
             has_work=int(self.engine.has_work), applied_cid=self.applied_cid, kv_bytes_received=self.tcp.bytes_received,
             spec_drafted=list(spec.stats.drafted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
             spec_accepted=list(spec.stats.accepted) if spec else [0] * MAX_SPECULATIVE_TOKENS,

@@ -34,6 +34,7 @@ from shared.engine import LLMEngine, SamplingParams
 from shared.engine.core import EngineCommand, RankCommand
 from shared.engine.scheduler import ScheduledChunk, Sequence
 from shared.kvcache import Holder
+from shared.kvcache.tier import totals as tier_totals
 from shared.protocol.load import RankLoad
 from shared.protocol.sampling import TokenLogprob
 from shared.rpc.service import Credentials
@@ -87,8 +88,10 @@ class PrefillResult:
     host_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, read back from the second KV tier
 
 
-# what /metrics exports of a prefill rank's load (shared.metrics.LoadCollector): a prefill holds no leases
-PREFILL_GAUGES = ("rank", "running", "waiting", "free_blocks", "total_blocks", "queued_prompt_tokens")
+# what /metrics exports of a prefill rank's load (shared.metrics.LoadCollector): a prefill holds no leases;
+# its second KV tier's totals are counters
+PREFILL_GAUGES = ("rank", "running", "waiting", "free_blocks", "total_blocks", "queued_prompt_tokens",
+                  "tier_written_bytes", "tier_read_bytes", "tier_dropped_corrupt", "tier_dropped_full")
 
 
 def prefill_gauges(load: RankLoad) -> dict[str, int]:
@@ -362,8 +365,11 @@ class PrefillWorker:
     def load(self) -> RankLoad:
         sched, kv = self.engine.scheduler, self.engine.kv
         queued = sum(s.num_uncached for s in [*sched.waiting, *sched.running] if s.is_prefilling)
+        tier = tier_totals(kv.tier)  # exported by the front (shared.metrics.LoadCollector)
         return RankLoad(self.rank, len(sched.running), len(sched.waiting), kv.allocator.num_free, kv.num_blocks,
-                        queued_prompt_tokens=queued)
+                        queued_prompt_tokens=queued, tier_written_bytes=tier.written_bytes,
+                        tier_read_bytes=tier.read_bytes, tier_dropped_corrupt=tier.dropped_corrupt,
+                        tier_dropped_full=tier.dropped_full)
 
     def close(self) -> None:
         self.fetch.close()

@@ -9,7 +9,7 @@ label, read at scrape time (never a stale copy). The README's "Metrics" table li
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +79,7 @@ KV_BLOCKS = Counter("pdserve_decode_kv_blocks_total", "Prompt KV blocks of reser
 PREFIX_HIT_TOKENS = Counter("pdserve_prefix_cache_hit_tokens_total", "Prompt tokens served from a prefix cache "
                             "instead of computed (prefill) or pushed (decode), by the tier that held them",
                             ["service", "tier"])
-KV_TIER_BYTES = Counter("pdserve_kv_tier_bytes_total", "Bytes the second KV tier wrote (spilled blocks) or read "
-                        "back (hits)", ["direction"])
-KV_TIER_DROPPED = Counter("pdserve_kv_tier_dropped_blocks_total", "Second-tier blocks dropped instead of served, "
-                          "by why (corrupt: the checksum or length failed; full: evicted for room)", ["reason"])
+# the second KV tier's bytes and drops: per rank, from the engine's reports (LoadCollector), not counted here
 KV_FETCHES = Counter("pdserve_kv_fetches_total", "Cross-instance fetches a prefill instance was asked to make, by "
                      "outcome (fetched, failed, not_needed: it had the blocks, no_room)", ["outcome"])
 KV_FETCH_BYTES = Counter("pdserve_kv_fetch_bytes_total", "KV bytes another prefill instance pushed here for a fetch")
@@ -96,7 +93,9 @@ KV_INDEX_RESYNCS = Counter("pdserve_router_kv_index_resyncs_total", "Snapshots t
 
 class LoadCollector(Collector):
     """Scrape-time gauges of an engine's (or every DP rank's) load: `loads()` returns one dict per
-    rank with running, waiting, tokens, free_blocks, total_blocks, active_leases, kv_bytes_received."""
+    rank with running, waiting, tokens, free_blocks, total_blocks, active_leases, kv_bytes_received, and
+    the counters an engine process keeps and reports every turn (its second KV tier's, MTP's): exported
+    from the front at scrape time, so they reach /metrics whichever process runs the engine."""
 
     GAUGES = (("running", "pdserve_running_requests", "Requests in the running batch"),
               ("waiting", "pdserve_waiting_requests", "Requests queued for the engine"),
@@ -105,6 +104,13 @@ class LoadCollector(Collector):
               ("used_blocks", "pdserve_kv_blocks_used", "KV blocks in use (requests + reservations)"),
               ("total_blocks", "pdserve_kv_blocks_total", "KV blocks in the pool"),
               ("active_leases", "pdserve_active_leases", "KV reservations not yet claimed"))
+
+    # counters of the second KV tier: (name, doc, label, ((label value, load key), ...))
+    TIER = (("pdserve_kv_tier_bytes", "Bytes the second KV tier wrote (spilled blocks) or read back (hits)",
+             "direction", (("written", "tier_written_bytes"), ("read", "tier_read_bytes"))),
+            ("pdserve_kv_tier_dropped_blocks", "Second-tier blocks dropped instead of served, by why (corrupt: the "
+             "checksum or length failed; full: evicted for room)", "reason",
+             (("corrupt", "tier_dropped_corrupt"), ("full", "tier_dropped_full"))))
 
     def __init__(self, service: str, loads: Callable[[], Iterable[dict[str, Any]]]):
         self.service, self.loads = service, loads
@@ -127,6 +133,7 @@ class LoadCollector(Collector):
             if "kv_bytes_received" in load:
                 received.add_metric([self.service, str(load["rank"])], load["kv_bytes_received"])
         yield received
+        yield from self._tier(loads)
         for kind, doc in (("drafted", "MTP draft tokens proposed"), ("accepted", "MTP draft tokens accepted")):
             family = CounterMetricFamily(f"pdserve_spec_{kind}_tokens", f"{doc}, by draft position (acceptance "
                                          "rate per position: accepted / drafted)",
@@ -135,6 +142,16 @@ class LoadCollector(Collector):
                 for key, value in load.items():
                     if key.startswith(f"spec_{kind}_"):
                         family.add_metric([self.service, str(load["rank"]), key.rsplit("_", 1)[1]], value)
+            yield family
+
+    def _tier(self, loads: list[dict[str, Any]]) -> Iterator[CounterMetricFamily]:
+        """Each rank's second KV tier since its engine started (shared.protocol.load.RankLoad's tier_*)."""
+        for name, doc, label, keys in self.TIER:
+            family = CounterMetricFamily(name, doc, labels=["service", "rank", label])
+            for load in loads:
+                for value, key in keys:
+                    if key in load:
+                        family.add_metric([self.service, str(load["rank"]), value], load[key])
             yield family
 
 

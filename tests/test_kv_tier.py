@@ -4,7 +4,9 @@ kind's bytes round-trip; a fresh store per process; and host-tier hits through `
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -12,11 +14,13 @@ import pytest
 import torch
 
 from bench.fleet_faults import UpProcess
-from shared import metrics
+from prefill_service.worker import prefill_gauges
 from shared.device import accelerator
 from shared.engine import LLM, SamplingParams
 from shared.kvcache import CacheEvent, CacheEventKind, KVCache, KVLayout, Tier
-from shared.kvcache.tier import HostStore
+from shared.kvcache.tier import HostStore, TierStats, totals
+from shared.metrics import LoadCollector
+from shared.protocol.load import RankLoad
 from shared.protocol.prefix import prompt_block_hashes
 from tests.helpers import random_prompts
 
@@ -61,12 +65,12 @@ def test_an_evicted_prefix_comes_back_from_the_tier(sparse_path, tmp_path):
     assert {e.block_hash for e in events if e.tier is Tier.HOST and e.kind is CacheEventKind.STORED} >= set(keys)
     _push_out(llm, others)
     assert llm.engine.kv.allocator.lookup(keys[:1]) == []  # gone from the device
-    read = metrics.KV_TIER_BYTES.labels("read")._value.get()
+    read = tier.stats.read_bytes
     again = _run(llm, target)
     assert again.num_cached_prompt_tokens == again.num_host_cached_prompt_tokens == 36
     assert again.output_token_ids == base
-    assert tier.stats.read_blocks == 9 and metrics.KV_TIER_BYTES.labels("read")._value.get() - read == \
-        9 * tier.block_nbytes
+    assert tier.stats.read_blocks == 9 and tier.stats.read_bytes - read == 9 * tier.block_nbytes
+    assert totals(tier).read_bytes == tier.stats.read_bytes and totals(None) == TierStats()  # what a report carries
     once_more = _run(llm, target)  # now on the device again: a device hit
     assert once_more.num_cached_prompt_tokens == 36 and once_more.num_host_cached_prompt_tokens == 0
     assert once_more.output_token_ids == base
@@ -89,11 +93,10 @@ def test_an_altered_or_truncated_record_is_dropped_not_served(sparse_path, tmp_p
     data[-7] ^= 0x01  # one bit of the payload
     altered.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:-100])
-    corrupt = metrics.KV_TIER_DROPPED.labels("corrupt")._value.get()
     for prompt, expected in zip((a, b), base):
         seq = _run(llm, prompt)
         assert seq.num_cached_prompt_tokens == 0 and seq.output_token_ids == expected  # a miss, computed
-    assert tier.stats.dropped_corrupt == 2 and metrics.KV_TIER_DROPPED.labels("corrupt")._value.get() - corrupt == 2
+    assert tier.stats.dropped_corrupt == 2
     assert not altered.exists() and not truncated.exists()
 
 
@@ -242,9 +245,36 @@ def test_the_chart_and_pdserve_up_give_both_services_the_tier(values):
     assert seen == set(parsers)
 
 
+def test_a_ranks_tier_totals_become_front_counters():
+    """The totals a rank reports every turn (RankLoad's tier_*) are the front's counters, by service and rank."""
+    loads = [RankLoad(0, tier_written_bytes=900, tier_read_bytes=300, tier_dropped_corrupt=1),
+             RankLoad(1, tier_dropped_full=4)]
+    families = {f.name: f for f in LoadCollector("prefill", lambda: [prefill_gauges(r) for r in loads]).collect()}
+    samples = {(f.name, *s.labels.values()): s.value for f in (families["pdserve_kv_tier_bytes"],
+                                                              families["pdserve_kv_tier_dropped_blocks"])
+               for s in f.samples if s.name.endswith("_total")}
+    assert samples[("pdserve_kv_tier_bytes", "prefill", "0", "written")] == 900
+    assert samples[("pdserve_kv_tier_bytes", "prefill", "0", "read")] == 300
+    assert samples[("pdserve_kv_tier_dropped_blocks", "prefill", "0", "corrupt")] == 1
+    assert samples[("pdserve_kv_tier_dropped_blocks", "prefill", "1", "full")] == 4
+    assert families["pdserve_kv_tier_bytes"].type == "counter"
+
+
+def _sample(url: str, name: str, **labels: str) -> float:
+    """The sum of a /metrics family's samples that carry these labels (whatever order they are written in)."""
+    total = 0.0
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        m = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
+        if m and all(f'{k}="{v}"' in m.group(1).split(",") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
 def test_host_tier_hits_through_pdserve_up(tmp_path):
-    """`pdserve up --kv-tier-tokens` (small device pools): a prompt pushed out of the prefill's pool by others is
-    served from its host tier, with the same greedy tokens, counted on the prefill's /metrics by tier."""
+    """`pdserve up --kv-tier-tokens` (small device pools, the engines in their own processes): a prompt pushed out
+    of both services' pools by others is served from their host tiers, with the same greedy tokens: the prefill
+    computes none of its 12 cached blocks, decode's reservation restores them (none pushed). Both fronts' /metrics
+    count the hits by tier and each rank's tier bytes written and read (reported by the engine every turn)."""
     proc = UpProcess(["--model", "models/tiny-v32", "--port", "0", "--http-port", "0", "--kv-cache-tokens", "512",
                       "--kv-tier-tokens", "8192", "--kv-tier-dir", str(tmp_path / "tier")], tmp_path / "logs")
     try:
@@ -266,6 +296,16 @@ def test_host_tier_hits_through_pdserve_up(tmp_path):
         again, cached = complete(target)
         assert again == text and cached == 192  # 12 whole blocks of 16
         (prefill,) = [name for name in up.metrics if name.startswith("prefill")]
+        (decode,) = [name for name in up.metrics if name.startswith("decode")]
         assert up.metric(prefill, 'pdserve_prefix_cache_hit_tokens_total{service="prefill",tier="host"}') == 192
+        assert up.metric(decode, 'pdserve_prefix_cache_hit_tokens_total{service="decode",tier="host"}') == 192
+        tier_bytes = {(svc, direction): _sample(up.metrics[name], "pdserve_kv_tier_bytes_total", service=svc,
+                                                rank="0", direction=direction)
+                      for svc, name in (("prefill", prefill), ("decode", decode)) for direction in ("written", "read")}
+        block = tier_bytes["prefill", "read"] / 12  # one block's payload: the same layout on both sides
+        assert block > 0 and block == int(block) and tier_bytes["decode", "read"] == 12 * block, tier_bytes
+        # the 12 blocks read back were written first, each with its record's header (and others' blocks too)
+        assert tier_bytes["prefill", "written"] > 12 * block and tier_bytes["decode", "written"] > 12 * block
+        assert _sample(up.metrics[prefill], "pdserve_kv_tier_dropped_blocks_total", reason="corrupt") == 0
     finally:
         assert proc.stop() == 0, proc.output()

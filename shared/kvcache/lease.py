@@ -46,6 +46,7 @@ class Lease:
     prompt_blocks: int = 0  # blocks the push must fill (the prompt's); the rest are for generated tokens
     reused: int = 0  # leading blocks taken from this pool's prefix cache: shared, read-only, never pushed
     reused_hashes: tuple[bytes, ...] = ()  # their keys (the admitted prompt must hash to them)
+    restored: int = 0  # of `reused`, read back from the second KV tier (the ledger's last_restored)
     covered: dict[tuple[int, str], set[int]] = field(default_factory=dict)  # (layer, kind) → written blocks
     committed: bool = False
     writers: int = 0  # writes in flight
@@ -106,7 +107,8 @@ class LeaseTable:
             raise
         lease = Lease(lease_id or uuid.uuid4().hex, request_id, token or secrets.token_bytes(16), blocks,
                       time.monotonic() + self.ttl, self.num_layers, self.kinds, prompt_blocks=filled,
-                      reused=len(reused), reused_hashes=tuple(prefix[: len(reused)]))
+                      reused=len(reused), reused_hashes=tuple(prefix[: len(reused)]),
+                      restored=self.ledger.last_restored if reused else 0)
         with self._lock:
             self._leases[lease.lease_id] = lease
         return lease

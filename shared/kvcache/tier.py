@@ -16,14 +16,15 @@ behind the step that computed the block) and waited for before the check.
 Reads (engine thread, BlockLedger.retain_prefix / lease_prefix → `fetch`): the keys after the device's hits
 are looked up in order; each hit's record is validated (magic, key, layout description, length, SHA-256 of
 the payload) before its bytes are copied into a fresh block; a record that fails is **dropped, never served**
-(KV_TIER_DROPPED reason=corrupt) and the prefix ends there (a miss: the rest is computed).
+(`dropped_corrupt`; pdserve_kv_tier_dropped_blocks_total reason=corrupt) and the prefix ends there (a miss:
+the rest is computed).
 
 Staleness: **a fresh store per process** — the file store is a new temporary directory (under `kv_tier_dir`
 when given) removed on close and at exit; host memory dies with the process — so a restart serves nothing
 written before it. A prefix-cache reset (the allocator's CLEARED) forgets the tier at once.
 
 Capacity: `kv_tier_tokens // block_size` blocks, least recently used (stored or read) evicted first
-(KV_TIER_DROPPED reason=full). Every store, eviction and clear is told to the allocator's listeners as a
+(`dropped_full`; reason=full). Every store, eviction and clear is told to the allocator's listeners as a
 CacheEvent of Tier.HOST.
 """
 
@@ -40,13 +41,12 @@ import tempfile
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from shared import metrics
 from shared.device import host_buffer, on_host
 from shared.kvcache.allocator import BlockAllocator
 from shared.kvcache.events import CacheEvent, CacheEventKind, Tier
@@ -60,7 +60,8 @@ _ALIGN = 16
 
 @dataclass
 class TierStats:
-    """What the tier did (the metrics count the same; tests read these)."""
+    """What the tier did (tests read these; each rank's load report carries them to its front's /metrics:
+    `totals`). Each count has one writing thread, so a reader on another sees whole numbers."""
 
     stored: int = 0  # records written
     written_bytes: int = 0
@@ -69,6 +70,11 @@ class TierStats:
     dropped_corrupt: int = 0
     dropped_full: int = 0
     discarded: int = 0  # copies thrown away: the block changed hands while being copied
+
+
+def totals(tier: KVTier | None) -> TierStats:
+    """A copy of a rank's tier counts, zeros without a tier (what its load report carries every turn)."""
+    return replace(tier.stats) if tier is not None else TierStats()
 
 
 @dataclass(frozen=True)
@@ -257,12 +263,10 @@ class KVTier:
                     old, old_handle = self._index.popitem(last=False)
                     evicted.append(old_handle)
                     self.stats.dropped_full += 1
-                    metrics.KV_TIER_DROPPED.labels("full").inc()
                     self._emit(CacheEventKind.REMOVED, old)
                 self._index[offer.key] = handle
                 self.stats.stored += 1
                 self.stats.written_bytes += len(record) + payload.numel()
-                metrics.KV_TIER_BYTES.labels("written").inc(len(record) + payload.numel())
                 self._emit(CacheEventKind.STORED, offer.key)
         for old_handle in evicted:
             self.store.delete(old_handle)
@@ -334,7 +338,6 @@ class KVTier:
                 self._emit(CacheEventKind.REMOVED, key)
             self.store.delete(handle)
         self.stats.dropped_corrupt += 1
-        metrics.KV_TIER_DROPPED.labels("corrupt").inc()
         log.warning("KV tier: dropped a corrupt record (key %s)", key.hex()[:16])
 
     def load(self, block: int, payload: torch.Tensor) -> None:
@@ -343,7 +346,6 @@ class KVTier:
             pool[:, block].copy_(self._view(payload, s))
         self.stats.read_blocks += 1
         self.stats.read_bytes += payload.numel()
-        metrics.KV_TIER_BYTES.labels("read").inc(payload.numel())
 
     # -- events, clearing, shutdown -----------------------------------------------------------------
     def _emit(self, kind: CacheEventKind, key: bytes = b"") -> None:

@@ -1,6 +1,7 @@
-"""The one shape of a load report, from an engine rank to the router: each rank's numbers and the
-instance's (their totals and its KV block size; what its prefix cache holds streams apart: KvEvents).
-shared.rpc.convert carries it over gRPC (GetLoad)."""
+"""The one shape of a load report, from an engine rank to its front and the router: each rank's numbers and
+the instance's (their totals and its KV block size; what its prefix cache holds streams apart: KvEvents).
+shared.rpc.convert carries it over gRPC (GetLoad), less the second KV tier's totals: those are the front's
+/metrics counters (shared.metrics.LoadCollector), which the router has no use for."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ class RankLoad:
     tokens: int = 0  # decode: context tokens held by running requests and reservations
     admitted: int = 0  # decode: requests admitted since start
     queued_prompt_tokens: int = 0  # prompt tokens waiting or not yet computed on this rank
+    # the rank's second KV tier since its engine started (shared.kvcache.tier.TierStats; 0 without one): carried
+    # every turn so the front, not the engine's process, exports them (integers: a decode row is all-gathered)
+    tier_written_bytes: int = 0
+    tier_read_bytes: int = 0
+    tier_dropped_corrupt: int = 0  # blocks whose record failed its checks
+    tier_dropped_full: int = 0  # blocks evicted for room
 
 
 @dataclass(frozen=True)
