@@ -206,7 +206,7 @@ class BlockLedger:
         """Claimed lease → prefix cache: blocks another instance pushed are registered under their keys (one
         key per leading block), then the lease's references go back: the registered ones stay cached."""
         for block, block_hash in zip(lease_blocks, hashes):
-            self.allocator.register(block, block_hash)
+            self.register(block, block_hash)
         self._return(lease_blocks)
 
     def end_push(self, holder: Holder) -> None:
