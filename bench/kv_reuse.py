@@ -15,8 +15,9 @@ does not fit the model's context are left out; output lengths are cut to fit it 
 The bound: the *unbounded single-cache share*, the fraction of the window's prompt tokens that lie in full blocks
 whose hash id an earlier request (in order of arrival) already had in a full block: what one cache that never
 evicts would serve, the best any cache can do. Configurations (each a fresh `pdserve up`): no-prefix-cache,
-prefix-cache (the default), small-pool (`--kv-cache-tokens` at a quarter of the window's working set: its
-distinct full blocks), small-pool+tier (the same plus `--kv-tier-tokens`, the whole working set). One whose
+prefix-cache (the default), no-fetch (`--no-kv-fetch`: no cross-instance fetch), small-pool (`--kv-cache-tokens`
+at a quarter of the window's working set: its distinct full blocks), small-pool+tier (the same plus
+`--kv-tier-tokens`, the whole working set). One whose
 flags `pdserve up --help` does not list is reported as skipped.
 
 Prints a table (AIPerf's TTFT p50/p90, TPOT p50, requests and failures; from /metrics the cache share, by tier,
@@ -46,7 +47,7 @@ from bench.peers.aiperf import AiperfSummary, run_aiperf  # noqa: E402
 
 TRACE = ROOT / "bench" / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake trace
-CONFIGS = ("no-prefix-cache", "prefix-cache", "small-pool", "small-pool+tier")
+CONFIGS = ("no-prefix-cache", "prefix-cache", "no-fetch", "small-pool", "small-pool+tier")
 TIERS = ("device", "host")
 
 
@@ -182,7 +183,7 @@ class Config:
 
 
 def configs(names: list[str], kv_tokens: int, tier_tokens: int) -> list[Config]:
-    table_ = {"no-prefix-cache": ("--no-prefix-cache",), "prefix-cache": (),
+    table_ = {"no-prefix-cache": ("--no-prefix-cache",), "prefix-cache": (), "no-fetch": ("--no-kv-fetch",),
               "small-pool": ("--kv-cache-tokens", str(kv_tokens)),
               "small-pool+tier": ("--kv-cache-tokens", str(kv_tokens), "--kv-tier-tokens", str(tier_tokens))}
     unknown = set(names) - set(table_)
