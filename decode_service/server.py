@@ -144,8 +144,12 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         """A reservation's prompt blocks: reused from the prefix cache, or left for the push (metrics.KV_BLOCKS);
         the reused ones' tokens are hits of the tier that held them (`restored`: read back from the host tier)."""
         bs = self.coord.limits.block_size
+        pushed = blocks_for(prompt_tokens, bs) - reused
         metrics.KV_BLOCKS.labels("reused").inc(reused)
-        metrics.KV_BLOCKS.labels("pushed").inc(blocks_for(prompt_tokens, bs) - reused)
+        metrics.KV_BLOCKS.labels("pushed").inc(pushed)
+        if reused:
+            metrics.KV_FOLLOW_UP_BLOCKS.labels("reused").inc(reused)
+            metrics.KV_FOLLOW_UP_BLOCKS.labels("pushed").inc(pushed)
         metrics.PREFIX_HIT_TOKENS.labels("decode", "device").inc((reused - restored) * bs)
         metrics.PREFIX_HIT_TOKENS.labels("decode", "host").inc(restored * bs)
 

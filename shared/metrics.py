@@ -72,6 +72,9 @@ KV_PUSH_FAILURES = Counter("pdserve_kv_push_failures_total", "KV pushes that fai
 STEP_SECONDS = Histogram("pdserve_decode_step_seconds", "One lock-step decode iteration (all ranks)",
                          buckets=LATENCY)
 EXPIRED_LEASES = Counter("pdserve_decode_expired_leases_total", "Reservations that expired unused")
+KV_FOLLOW_UP_BLOCKS = Counter("pdserve_decode_follow_up_kv_blocks_total", "Prompt KV blocks of the reservations "
+                              "that started on blocks this instance kept (follow-up turns whose context it holds): "
+                              "pushed, or reused", ["source"])
 KV_BLOCKS = Counter("pdserve_decode_kv_blocks_total", "Prompt KV blocks of reservations: pushed by prefill, or "
                     "reused from this instance's prefix cache (only the rest travels)", ["source"])
 

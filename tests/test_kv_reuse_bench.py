@@ -78,6 +78,8 @@ pdserve_kv_push_bytes_total{transport="tcp"} 41000.0
 # TYPE pdserve_prefix_cache_hit_tokens_total counter
 pdserve_prefix_cache_hit_tokens_total{service="prefill",tier="device"} 200.0
 pdserve_prefix_cache_hit_tokens_total{service="prefill",tier="host"} 50.0
+pdserve_decode_follow_up_kv_blocks_total{source="pushed"} 4.0
+pdserve_decode_follow_up_kv_blocks_total{source="reused"} 20.0
 weird line without value
 """
 
@@ -94,6 +96,7 @@ def test_metrics_deltas_and_na():
     assert row.decode_reuse_share is None  # no decode sample: n/a
     assert row.push_bytes_per_request == 10_000
     assert row.blocks_pushed is None and row.blocks_reused is None
+    assert row.follow_up_fewer == pytest.approx(6.0)  # 24 blocks of follow-ups, 4 pushed (none before)
 
 
 def test_label_values_with_escapes_parse():
@@ -110,10 +113,11 @@ def test_configs_missing_flags_and_goals():
     with pytest.raises(ValueError, match="unknown"):
         kr.configs(["bogus"], 1, 1)
     rows = [kr.Row("no-prefix-cache", ttft_p90_ms=900.0, push_bytes_per_request=5000.0, cache_share=0.0),
-            kr.Row("prefix-cache", ttft_p90_ms=300.0, push_bytes_per_request=500.0, cache_share=0.2),
+            kr.Row("prefix-cache", ttft_p90_ms=300.0, push_bytes_per_request=500.0, cache_share=0.2,
+                   follow_up_fewer=6.0),
             kr.Row("small-pool+tier", skipped="pdserve up has no --kv-tier-tokens")]
     g = kr.goals(rows, unbounded=0.2)
-    assert [x.value for x in g] == [pytest.approx(1.0), pytest.approx(3.0), pytest.approx(10.0), None]
+    assert [x.value for x in g] == [pytest.approx(1.0), pytest.approx(3.0), pytest.approx(6.0), None]
     assert "met" in g[0].line() and "n/a" in g[3].line()
 
 

@@ -268,6 +268,8 @@ def test_metrics_endpoint(model_dir):
     assert 'pdserve_tokens_total{kind="output",service="decode"} 6.0' in body
     assert 'pdserve_decode_kv_blocks_total{source="reused"} 5.0' in body
     assert 'pdserve_decode_kv_blocks_total{source="pushed"} 7.0' in body
+    assert 'pdserve_decode_follow_up_kv_blocks_total{source="pushed"} 2.0' in body  # the follow-up's alone
+    assert 'pdserve_decode_follow_up_kv_blocks_total{source="reused"} 5.0' in body
     assert 'pdserve_prefix_cache_hit_tokens_total{service="decode",tier="device"} 20.0' in body
 
 
