@@ -121,7 +121,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         except CommandError as exc:
             metrics.request_done("decode", exc.code, "reserve")
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-        self._count_reuse(request.num_prompt_tokens, placement.destination.reused_blocks, placement.restored_blocks)
+        self._count_reuse(request.num_prompt_tokens, placement.destination.reused_blocks, placement.restored_blocks,
+                          placement.destination.follow_up)
         self.coord.lease_rank[placement.destination.lease_id] = placement.rank
         msg = placement.destination.to_proto(internal_pb2.KVDestination)
         msg.signature = self.credentials.sign(msg)  # the prefill pushes only where a decode instance vouched
@@ -140,14 +141,14 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         bs = self.coord.limits.block_size
         return tuple(prompt_block_hashes(list(ids), bs, (len(ids) - 1) // bs, request.cache_salt))
 
-    def _count_reuse(self, prompt_tokens: int, reused: int, restored: int = 0) -> None:
+    def _count_reuse(self, prompt_tokens: int, reused: int, restored: int = 0, follow_up: bool = False) -> None:
         """A reservation's prompt blocks: reused from the prefix cache, or left for the push (metrics.KV_BLOCKS);
         the reused ones' tokens are hits of the tier that held them (`restored`: read back from the host tier)."""
         bs = self.coord.limits.block_size
         pushed = blocks_for(prompt_tokens, bs) - reused
         metrics.KV_BLOCKS.labels("reused").inc(reused)
         metrics.KV_BLOCKS.labels("pushed").inc(pushed)
-        if reused:
+        if follow_up:
             metrics.KV_FOLLOW_UP_BLOCKS.labels("reused").inc(reused)
             metrics.KV_FOLLOW_UP_BLOCKS.labels("pushed").inc(pushed)
         metrics.PREFIX_HIT_TOKENS.labels("decode", "device").inc((reused - restored) * bs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +104,8 @@ class Event:
     prompt_logprobs: list[TokenLogprob] | None = None  # a local prefill's, on its first token (prompt_logprobs)
 
 
+PROMPT_ENDS_KEPT = 1 << 16  # prompts whose end a decode rank remembers (32 B each)
+
 # the integers of a rank's report that travel in the fixed per-turn row, in order: its RankLoad's, then these
 RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankLoad))
 EXTRA_FIELDS = ("has_work", "applied_cid", "kv_bytes_received")
@@ -168,6 +171,9 @@ class DecodeWorker:
         self.kv_events = listen_to(kv, rank)  # this rank's prefix-cache events, drained into each report
         self.leases = LeaseTable(kv.ledger, cfg.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
                                  cfg.lease_seconds)
+        # the key of the last full block of prompts admitted here (bounded, oldest out): a reservation that reuses
+        # one extends that prompt, a follow-up turn (what metrics.KV_FOLLOW_UP_BLOCKS counts)
+        self.prompt_ends: OrderedDict[bytes, None] = OrderedDict()
         self.tcp = TcpReceiver(kv, self.leases, cfg.host, cfg.kv_port + rank if cfg.kv_port else 0,
                                advertise_host=cfg.public_host, tls=Credentials.of(cfg).ssl_context(server=True),
                                stall_seconds=cfg.kv_stall_seconds)
@@ -185,8 +191,11 @@ class DecodeWorker:
                                             c.prefix if self.engine.scheduler.prefix_caching else ())
             except OutOfBlocks as exc:
                 return CommandError("RESOURCE_EXHAUSTED", f"decode rank {self.rank} KV pool full: {exc}")
-            # how many of its reused blocks came back from the second tier: the front counts their hits as host's
-            return dataclasses.replace(self.receiver.destination(lease), restored_blocks=lease.restored)
+            # how many of its reused blocks came back from the second tier: the front counts their hits as host's;
+            # whether they hold an earlier prompt whole (a follow-up turn whose context this rank kept)
+            follow_up = any(k in self.prompt_ends for k in lease.reused_hashes)
+            return dataclasses.replace(self.receiver.destination(lease), restored_blocks=lease.restored,
+                                       follow_up=follow_up)
         if isinstance(c, Admit):
             return self._admit(c, cmd.cid)
         if isinstance(c, Abort):
@@ -224,6 +233,7 @@ class DecodeWorker:
                                                     f"{seq.params.max_tokens} do not fit the lease's "
                                                     f"{len(lease.blocks)} blocks")
         self.engine.kv.ledger.seat(seq, lease.blocks)
+        self._remember_prompt_end(seq)
         if c.local:  # its own prefill starts after the cached blocks
             seq.num_cached, seq.num_registered = lease.reused * self.engine.kv.layout.block_size, lease.reused
         self.admitted += 1
@@ -237,6 +247,13 @@ class DecodeWorker:
         if not events[-1].finished:
             self.handles[seq.request_id] = handle
         return events
+
+    def _remember_prompt_end(self, seq: Sequence) -> None:
+        full = len(seq.prompt_token_ids) // self.engine.kv.layout.block_size
+        if self.engine.scheduler.prefix_caching and full:
+            self.prompt_ends[self.engine.scheduler.block_keys(seq, full)[-1]] = None
+            if len(self.prompt_ends) > PROMPT_ENDS_KEPT:
+                self.prompt_ends.popitem(last=False)
 
     def _reuse_refusal(self, seq: Sequence, lease: Lease, local: bool) -> str | None:
         """A lease that starts on cached blocks serves only the prompt they were cached for (its keys, under

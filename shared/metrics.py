@@ -73,8 +73,8 @@ STEP_SECONDS = Histogram("pdserve_decode_step_seconds", "One lock-step decode it
                          buckets=LATENCY)
 EXPIRED_LEASES = Counter("pdserve_decode_expired_leases_total", "Reservations that expired unused")
 KV_FOLLOW_UP_BLOCKS = Counter("pdserve_decode_follow_up_kv_blocks_total", "Prompt KV blocks of the reservations "
-                              "that started on blocks this instance kept (follow-up turns whose context it holds): "
-                              "pushed, or reused", ["source"])
+                              "that reused an earlier prompt's blocks whole (follow-up turns whose context this "
+                              "instance kept): pushed, or reused", ["source"])
 KV_BLOCKS = Counter("pdserve_decode_kv_blocks_total", "Prompt KV blocks of reservations: pushed by prefill, or "
                     "reused from this instance's prefix cache (only the rest travels)", ["source"])
 

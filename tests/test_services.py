@@ -247,7 +247,8 @@ def test_dead_peer_is_unavailable_fast(model_dir, tmp_path):
 
 def test_metrics_endpoint(model_dir):
     """Decode's /metrics: its pool, its tokens, and the prompt blocks a follow-up reused from its prefix cache
-    (20 tokens: 5 blocks of 4 pushed; then 25 tokens: those 5 reused, 2 pushed)."""
+    (20 tokens: 5 blocks of 4 pushed; then 25 tokens: those 5 reused, 2 pushed, a follow-up; then 20 tokens
+    sharing only the first block: 1 reused, 4 pushed, not a follow-up)."""
     with Cluster(str(model_dir), **REFERENCE_NUMERICS, extra_decode=["--metrics-port", "0", "--block-size", "4"],
                  extra_prefill=["--block-size", "4", "--metrics-port", "0"]) as c:
         def scrape(addr: str) -> str:
@@ -263,14 +264,15 @@ def test_metrics_endpoint(model_dir):
         once = pushed_bytes()
         generate(c.address, prompt_token_ids=first + [30, 31, 32, 33, 34], sampling_params=greedy(3))
         assert pushed_bytes() - once == pytest.approx(once * 2 / 5)  # 2 blocks of the follow-up's 7 travel
-        body = scrape(c.decode_addrs[0])
+        generate(c.address, prompt_token_ids=first[:4] + list(range(40, 56)), sampling_params=greedy(3))
+        body = scrape(c.decode_addrs[0])  # the third shares one block (a "system prompt"): reuse, no follow-up
     assert 'pdserve_kv_blocks_free{rank="0",service="decode"}' in body
-    assert 'pdserve_tokens_total{kind="output",service="decode"} 6.0' in body
-    assert 'pdserve_decode_kv_blocks_total{source="reused"} 5.0' in body
-    assert 'pdserve_decode_kv_blocks_total{source="pushed"} 7.0' in body
+    assert 'pdserve_tokens_total{kind="output",service="decode"} 9.0' in body
+    assert 'pdserve_decode_kv_blocks_total{source="reused"} 6.0' in body
+    assert 'pdserve_decode_kv_blocks_total{source="pushed"} 11.0' in body
     assert 'pdserve_decode_follow_up_kv_blocks_total{source="pushed"} 2.0' in body  # the follow-up's alone
     assert 'pdserve_decode_follow_up_kv_blocks_total{source="reused"} 5.0' in body
-    assert 'pdserve_prefix_cache_hit_tokens_total{service="decode",tier="device"} 20.0' in body
+    assert 'pdserve_prefix_cache_hit_tokens_total{service="decode",tier="device"} 24.0' in body
 
 
 def test_two_by_two_instances_and_failover(model_dir, local_llm, tmp_path):

@@ -40,6 +40,7 @@ class Destination:
     signature: bytes = b""  # the decode instance's HMAC over the fields above (Credentials.sign)
     reused_blocks: int = 0  # the lease's leading blocks decode caches already: a push fills the ones after
     restored_blocks: int = 0  # of those, read back from decode's second KV tier (its metrics; not on the wire)
+    follow_up: bool = False  # they hold an earlier prompt whole: a follow-up turn (decode's metrics; not on the wire)
 
     def to_proto(self, msg_cls):  # generated message class
         return msg_cls(transport=self.transport, endpoint=self.endpoint, lease_id=self.lease_id, token=self.token,
