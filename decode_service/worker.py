@@ -249,8 +249,9 @@ class DecodeWorker:
         return events
 
     def _remember_prompt_end(self, seq: Sequence) -> None:
+        """A prompt of two full blocks or more (one block is what a shared system prompt alone fills)."""
         full = len(seq.prompt_token_ids) // self.engine.kv.layout.block_size
-        if self.engine.scheduler.prefix_caching and full:
+        if self.engine.scheduler.prefix_caching and full >= 2:
             self.prompt_ends[self.engine.scheduler.block_keys(seq, full)[-1]] = None
             if len(self.prompt_ends) > PROMPT_ENDS_KEPT:
                 self.prompt_ends.popitem(last=False)
