@@ -113,7 +113,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode instance is draining")
         try:  # one that can never fit is INVALID_ARGUMENT, not a retryable RESOURCE_EXHAUSTED
             self.coord.limits.check_length(request.num_prompt_tokens, request.max_tokens)
-            prefix = self._prefix_keys(request)
+            prefix = await asyncio.to_thread(self._prefix_keys, request)  # a 128k-token prompt: ~2k hashes
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
