@@ -132,8 +132,7 @@ class BlockLedger:
         """Prefix cache → sequence: a queued request starts on the cached blocks of its longest cached
         prefix (one more reference each), then on the blocks the second tier holds past it (`restore`);
         how many in all (`last_restored` of them from the tier)."""
-        hits = self.allocator.lookup(hashes)
-        seq.block_table = hits + self.restore(hashes[len(hits):])
+        seq.block_table = self.lease_prefix(hashes)  # the same claim as a reservation's
         return len(seq.block_table)
 
     def lease_prefix(self, hashes: list[bytes]) -> list[int]:
