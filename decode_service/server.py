@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -62,6 +63,9 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.cfg, self.coord = cfg, coordinator
         self.credentials = Credentials.of(cfg)
         self.draining = False
+        # One thread hashes reservations' prompts off the event loop: a fixed pool, not asyncio's default one
+        # that grows with the load (the hashes hold the GIL anyway, so more threads would not go faster).
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="prefix-keys")
         self._export_gauges()
 
     async def drain(self) -> None:
@@ -113,7 +117,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode instance is draining")
         try:  # one that can never fit is INVALID_ARGUMENT, not a retryable RESOURCE_EXHAUSTED
             self.coord.limits.check_length(request.num_prompt_tokens, request.max_tokens)
-            prefix = await asyncio.to_thread(self._prefix_keys, request)  # a 128k-token prompt: ~2k hashes
+            prefix = await asyncio.get_running_loop().run_in_executor(  # a 128k-token prompt: ~2k hashes
+                self._hasher, self._prefix_keys, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
