@@ -31,6 +31,7 @@ import grpc
 from router.autoscale import AutoscaleConfig, Bounds
 from router.cluster import DEFAULT_MODEL, Cluster, cluster_from_deployment, default_model
 from router.deploy import Deployment
+from router.kv_store import AUTO, StoreMaster
 from router.perf import PerfModel, profile_engine, profile_served
 from router.planner import Dist, Workload, run_plan
 from router.server import RouterConfig
@@ -43,7 +44,8 @@ from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 # the engine flags `pdserve up` takes for prefill and decode alike (declared on ServiceConfig)
 UP_ENGINE_FLAGS = ("kv_transport", "mooncake_protocol", "mooncake_devices", "dtype", "indexer_numerics",
                    "quantization", "kv_cache_dtype", "offload_layers", "offload_buffers", "share_weights_dir",
-                   "speculative", "num_speculative_tokens", "kv_cache_tokens", "kv_tier_tokens", "kv_tier_dir")
+                   "speculative", "num_speculative_tokens", "kv_cache_tokens", "kv_tier_tokens", "kv_tier_dir",
+                   "kv_store_master")
 
 
 
@@ -58,7 +60,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                    "offloadLayers": args.offload_layers, "offloadBuffers": args.offload_buffers,
                    "shareWeightsDir": args.share_weights_dir, "speculative": args.speculative,
                    "numSpeculativeTokens": args.num_speculative_tokens, "kvTierTokens": args.kv_tier_tokens,
-                   "kvTierDir": args.kv_tier_dir},
+                   "kvTierDir": args.kv_tier_dir, "kvStoreMaster": args.kv_store_master},
         "prefill": {"instances": args.num_prefill, "cp": args.prefill_cp, "tp": args.prefill_tp,
                     "ep": args.prefill_ep, "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache,
                     "noKvFetch": args.no_kv_fetch,
@@ -97,13 +99,25 @@ def cluster_from_args(args: argparse.Namespace, log_dir: Path | None = None) -> 
 
 
 def cmd_up(args: argparse.Namespace) -> None:
+    master: StoreMaster | None = None
     try:
+        if args.kv_store_master == AUTO and not args.config:  # a Mooncake Store master for this start
+            if not args.kv_tier_tokens:
+                raise ValueError("--kv-store-master: the store holds the second tier: give --kv-tier-tokens too")
+            master = StoreMaster.start(Path(args.log_dir) if args.log_dir else None)
+            args.kv_store_master = master.address
         cluster = cluster_from_args(args, Path(args.log_dir) if args.log_dir else None)
         restarts = from_flags(SupervisorConfig, args)
     except (ValueError, OSError) as exc:  # a bad flag or description: one line naming the key, not a traceback
+        if master:
+            master.stop()
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    supervise_cluster(cluster, restarts, from_flags(AutoscaleConfig, args))
+    try:
+        supervise_cluster(cluster, restarts, from_flags(AutoscaleConfig, args))
+    finally:
+        if master:
+            master.stop()
 
 
 def sampling_args(args: argparse.Namespace) -> generation_pb2.SamplingParams:

@@ -66,6 +66,7 @@ class EngineSpec:
     num_speculative_tokens: int = same_as(ServiceConfig, "num_speculative_tokens")
     kv_tier_tokens: int = same_as(ServiceConfig, "kv_tier_tokens")  # both: prefill's prompts, decode's leases
     kv_tier_dir: str | None = same_as(ServiceConfig, "kv_tier_dir")  # rendered only with kv_tier_tokens
+    kv_store_master: str | None = same_as(ServiceConfig, "kv_store_master")  # the tier in a Mooncake Store
 
     def __post_init__(self) -> None:
         check_bounds(self, lambda name: f"engine.{_camel(name)}")
@@ -80,6 +81,8 @@ class EngineSpec:
                 if hi and int(lo) > int(hi):
                     raise ValueError(f"engine.offloadLayers: range {part} is empty")
         check_bounds(self.mooncake, lambda name: f"engine.mooncake.{_camel(name)}")
+        if self.kv_store_master and not self.kv_tier_tokens:
+            raise ValueError("engine.kvStoreMaster: the store holds the second tier: set engine.kvTierTokens too")
         if self.mooncake.protocol == "rdma" and self.kv_transport != "mooncake":
             raise ValueError("engine.mooncake.protocol: rdma needs engine.kvTransport: mooncake")
 
@@ -104,6 +107,7 @@ class EngineSpec:
         if self.kv_tier_tokens:
             out += ["--kv-tier-tokens", _s(self.kv_tier_tokens), *(["--kv-tier-dir", self.kv_tier_dir]
                                                                    if self.kv_tier_dir else [])]
+            out += ["--kv-store-master", self.kv_store_master] if self.kv_store_master else []
         return out
 
 

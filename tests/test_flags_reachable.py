@@ -93,12 +93,14 @@ CHART_CONTEXT = {"mooncake_protocol": {"engine": {"kvTransport": "mooncake"}},
                  "num_speculative_tokens": {"engine": {"speculative": "mtp"}},
                  "speculative_max_draft_tokens": {"engine": {"speculative": "mtp"}},
                  "kv_tier_dir": {"engine": {"kvTierTokens": 4096}},
+                 "kv_store_master": {"engine": {"kvTierTokens": 4096}},
                  **{name: AUTOSCALING for name in ("autoscale_period", "autoscale_window", "autoscale_down_after",
                                                    "autoscale_headroom", "autoscale_prometheus",
                                                    "autoscale_routers")}}
 UP_CONTEXT = {"mooncake_protocol": ["--kv-transport", "mooncake"], "mooncake_devices": ["--kv-transport", "mooncake"],
               "offload_buffers": ["--offload-layers", "3,5"], "num_speculative_tokens": ["--speculative", "mtp"],
               "speculative_max_draft_tokens": ["--speculative", "mtp"], "kv_tier_dir": ["--kv-tier-tokens", "4096"],
+              "kv_store_master": ["--kv-tier-tokens", "4096"],
               **{name: ["--autoscale", "1:3"] for name in ("autoscale_period", "autoscale_window",
                                                            "autoscale_down_after", "autoscale_headroom")}}
 # A value other than the default, where the type alone does not give one.
@@ -106,7 +108,7 @@ VALUES = {"autoscale": "2:6", "autoscale_prometheus": "http://prometheus.test:90
           "http_port": 8000, "api_key_file": "/tmp/keys.txt", "served_model_name": "deepseek-v3.2-test",
           "profile": "/tmp/profile.json", "offload_layers": "3,5", "share_weights_dir": "/tmp/weights",
           "mooncake_devices": "mlx5_0", "layer_sharding": ("o_proj",), "speculative": "mtp",
-          "kv_tier_dir": "/tmp/kv-tier"}
+          "kv_tier_dir": "/tmp/kv-tier", "kv_store_master": "mooncake-master.pdserve:50051"}
 ISSUE = {("prefill", "no_prefix_cache"), ("decode", "no_prefix_cache"), ("router", "api_key_file"),
          ("router", "served_model_name"), ("router", "chat_max_tokens")}
 

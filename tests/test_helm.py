@@ -251,6 +251,7 @@ def test_speculative_renders_into_both_services():
     ({"speculative": "eagle"}, r"engine.speculative: expected one of mtp, got \"eagle\""),
     ({"speculative": "mtp", "numSpeculativeTokens": 4}, "engine.numSpeculativeTokens: expected 1..3, got 4"),
     ({"speculative": "mtp", "numSpeculativeTokens": 1.5}, "engine.numSpeculativeTokens: expected 1..3, got 1.5"),
+    ({"kvStoreMaster": "master:50051"}, "engine.kvStoreMaster: the store holds the second tier"),
 ])
 def test_invalid_engine_values_fail_naming_the_key(engine, message):
     with pytest.raises(helm.HelmRenderError, match=message):

@@ -65,6 +65,11 @@ class EngineConfig:
     kv_tier_dir: str | None = flag(None, "with --kv-tier-tokens on CPU: directory for the tier's files (each "
                                          "process makes a fresh subdirectory, removed at exit; default: the "
                                          "system's temporary directory)")
+    kv_store_master: str | None = flag(None, "with --kv-tier-tokens: keep the tier's records in a Mooncake Store "
+                                             "(its mooncake_master's HOST:PORT), shared by every instance of the "
+                                             "model, instead of this process's files or host memory")
+    kv_store_host: str = "127.0.0.1"  # where other store clients reach this rank (the service's public host)
+    kv_store_protocol: str = "tcp"  # the store's transfers: the service's --mooncake-protocol
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompts' common prefixes
     attention_workspace_mb: int = flag(256, "attention / indexer working set per tile (independent of context)",
                                        bounds=(1, None))
@@ -100,4 +105,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        if self.kv_store_master and not self.kv_tier_tokens:
+            raise ValueError("kv_store_master: the store holds the second tier's records: give kv_tier_tokens too")
         self.speculative = self.speculative or None  # "" (the flag's "off") is unset

@@ -58,6 +58,7 @@ class ServiceConfig(EndpointConfig):
     kv_cache_tokens: int = same_as(EngineConfig, "kv_cache_tokens")
     kv_tier_tokens: int = same_as(EngineConfig, "kv_tier_tokens")
     kv_tier_dir: str | None = same_as(EngineConfig, "kv_tier_dir")
+    kv_store_master: str | None = same_as(EngineConfig, "kv_store_master")
     no_prefix_cache: bool = flag(False, "no prefix cache: prefill recomputes every prompt, decode gets every block "
                                         "pushed")
     ep: int = flag(1, "expert-parallel ranks (divides the instance's ranks)")
@@ -95,6 +96,8 @@ class ServiceConfig(EndpointConfig):
         """The engine this service runs: its own flags where the names agree, then `overrides`."""
         names = {f.name for f in fields(EngineConfig)}
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name in names}
+        if self.kv_store_master:  # the store's clients meet at the address peers reach this instance at
+            values.update(kv_store_host=self.public_host, kv_store_protocol=self.mooncake_protocol)
         return EngineConfig(**{**values, **overrides})
 
     def __post_init__(self) -> None:

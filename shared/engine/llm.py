@@ -46,6 +46,7 @@ from shared.protocol.limits import RequestLimits
 from shared.protocol.sampling import TokenLogprob
 from shared.protocol.structured import ConstraintCompiler
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
+from shared.transfer.mooncake_store import shared_tier_store
 
 
 @dataclass
@@ -100,7 +101,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)
         self.kv = KVCache(self.layout, num_blocks, self.device)
         if config.kv_tier_tokens and not self.policy.mirror:  # mirrored ranks must restore alike: no tier there
-            self.kv.attach_tier(config.kv_tier_tokens, config.kv_tier_dir)
+            self.kv.attach_tier(config.kv_tier_tokens, config.kv_tier_dir, shared_tier_store(config, self.layout))
         self.scheduler = Scheduler(self.kv.ledger, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
         self.speculator = (MtpSpeculator(self, config.num_speculative_tokens, config.speculative_max_draft_tokens)

@@ -7,7 +7,7 @@ import torch
 from shared.kvcache.allocator import BlockAllocator
 from shared.kvcache.layout import KVLayout
 from shared.kvcache.ledger import BlockLedger
-from shared.kvcache.tier import KVTier
+from shared.kvcache.tier import KVTier, TierStore
 from shared.protocol.limits import blocks_for
 
 
@@ -37,10 +37,10 @@ class KVCache:
         """Every pool a block has rows in, block index at dim 1 (what a second tier copies per block)."""
         return [self.mla] + ([self.index] if self.index is not None else [])
 
-    def attach_tier(self, tokens: int, directory: str | None = None) -> KVTier:
+    def attach_tier(self, tokens: int, directory: str | None = None, store: TierStore | None = None) -> KVTier:
         """A second tier of `tokens` capacity behind this cache (shared.kvcache.tier): the ledger spills
-        registered blocks to it and reads prefixes back from it."""
-        self.tier = self.ledger.tier = KVTier.for_cache(self, tokens, directory)
+        registered blocks to it and reads prefixes back from it (from `store` when given: a cluster-wide one)."""
+        self.tier = self.ledger.tier = KVTier.for_cache(self, tokens, directory, store)
         return self.tier
 
     def blocks_needed(self, num_tokens: int) -> int:

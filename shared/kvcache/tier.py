@@ -21,7 +21,10 @@ the rest is computed).
 
 Staleness: **a fresh store per process** — the file store is a new temporary directory (under `kv_tier_dir`
 when given) removed on close and at exit; host memory dies with the process — so a restart serves nothing
-written before it. A prefix-cache reset (the allocator's CLEARED) forgets the tier at once.
+written before it. A prefix-cache reset (the allocator's CLEARED) forgets the tier at once. The exception is
+a *shared* store (`--kv-store-master`: Mooncake Store, shared.transfer.mooncake_store): its records are named
+by the checkpoint's and layout's digest and the block key, so what any instance of the same model wrote is
+what this one would compute; they are validated like any record and looked up when this rank's index misses.
 
 Capacity: `kv_tier_tokens // block_size` blocks, least recently used (stored or read) evicted first
 (`dropped_full`; reason=full). Every store, eviction and clear is told to the allocator's listeners as a
@@ -88,7 +91,14 @@ class PoolSlice:
 
 
 class TierStore(Protocol):
-    """Where records live; a handle names one record (a path, a host tensor)."""
+    """Where records live; a handle names one record (a path, a host tensor, a store's object name).
+    A `shared` store (Mooncake Store: shared.transfer.mooncake_store) outlives this process and serves
+    other instances: this rank's index only remembers what it wrote, `find` looks up what it did not, and
+    forgetting a record (capacity, a clear) never deletes it for the others."""
+
+    shared: bool
+
+    def find(self, keys: list[bytes]) -> list[object]: ...
 
     def put(self, key: bytes, record: bytes, payload: torch.Tensor) -> object: ...
 
@@ -102,6 +112,8 @@ class TierStore(Protocol):
 class FileStore:
     """One file per record in a fresh directory of this process (under `parent`, default the system's
     temporary directory); written to a temporary name and renamed, so a reader sees whole files or none."""
+
+    shared = False
 
     def __init__(self, parent: str | None):
         if parent:
@@ -126,6 +138,9 @@ class FileStore:
             return None
         return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
+    def find(self, keys: list[bytes]) -> list[object]:
+        return []  # private to this process: the index knows every record
+
     def delete(self, handle: object) -> None:
         Path(str(handle)).unlink(missing_ok=True)
 
@@ -136,6 +151,8 @@ class FileStore:
 class HostStore:
     """Records in host memory: page-locked on an accelerator (shared.device.host_buffer), so a hit's copy
     into the device pool is a DMA."""
+
+    shared = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -148,6 +165,9 @@ class HostStore:
 
     def get(self, handle: object) -> torch.Tensor | None:
         return handle if isinstance(handle, torch.Tensor) else None
+
+    def find(self, keys: list[bytes]) -> list[object]:
+        return []  # private to this process: the index knows every record
 
     def delete(self, handle: object) -> None:
         pass  # the index held the only reference
@@ -201,11 +221,13 @@ class KVTier:
         weakref.finalize(self, self._queue.put, None)
 
     @classmethod
-    def for_cache(cls, kv: object, tokens: int, directory: str | None) -> KVTier:
-        """The tier of a KVCache: host memory on an accelerator, files (under `directory`) on CPU."""
+    def for_cache(cls, kv: object, tokens: int, directory: str | None, store: TierStore | None = None) -> KVTier:
+        """The tier of a KVCache: in `store` when given, else host memory on an accelerator and files (under
+        `directory`) on CPU."""
         pools = kv.pools()  # type: ignore[attr-defined]
         device = pools[0].device
-        store: TierStore = FileStore(directory) if on_host(pools[0]) else HostStore(device)
+        if store is None:
+            store = FileStore(directory) if on_host(pools[0]) else HostStore(device)
         return cls(pools, kv.allocator, kv.layout.describe(), max(1, tokens // kv.layout.block_size), store)  # type: ignore[attr-defined]
 
     # -- state ------------------------------------------------------------------------------------
@@ -268,8 +290,9 @@ class KVTier:
                 self.stats.stored += 1
                 self.stats.written_bytes += len(record) + payload.numel()
                 self._emit(CacheEventKind.STORED, offer.key)
-        for old_handle in evicted:
-            self.store.delete(old_handle)
+        if not self.store.shared:  # a shared store's records serve others: forgetting one here deletes nothing
+            for old_handle in evicted:
+                self.store.delete(old_handle)
 
     def _copy(self, block: int) -> torch.Tensor:
         """The block's bytes of every pool, in one host buffer (pinned on an accelerator)."""
@@ -294,12 +317,19 @@ class KVTier:
         """The validated payloads of the longest run of `keys` (at most `limit`) the tier holds, each
         touched as recently used; a record that fails validation is dropped and ends the run."""
         found: list[tuple[bytes, torch.Tensor]] = []
-        for key in keys[: max(0, limit)]:
+        keys = keys[: max(0, limit)]
+        elsewhere: dict[bytes, object] | None = None  # a shared store's records of keys this rank did not write
+        for i, key in enumerate(keys):
             with self._lock:
                 handle = self._index.get(key)
-                if handle is None:
-                    break
-                self._index.move_to_end(key)
+                if handle is not None:
+                    self._index.move_to_end(key)
+            if handle is None and self.store.shared:
+                if elsewhere is None:  # one lookup for the rest of the prompt
+                    elsewhere = dict(zip(keys[i:], self.store.find(keys[i:])))
+                handle = elsewhere.get(key)
+            if handle is None:
+                break
             record = self.store.get(handle)
             if record is None:  # evicted while we looked
                 break
@@ -367,8 +397,9 @@ class KVTier:
             handles = list(self._index.values())
             self._index.clear()
             self._emit(CacheEventKind.CLEARED)
-        for handle in handles:
-            self.store.delete(handle)
+        if not self.store.shared:
+            for handle in handles:
+                self.store.delete(handle)
 
     def close(self) -> None:
         """Stop the writer and remove the store (files included)."""

@@ -89,11 +89,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --num-speculative-tokens
 - {{ include "pdserve.speculativeTokens" $.Values.engine.numSpeculativeTokens | quote }}
 {{- end }}
+{{- if and .Values.engine.kvStoreMaster (not .Values.engine.kvTierTokens) }}
+{{- fail "engine.kvStoreMaster: the store holds the second tier: set engine.kvTierTokens too" }}
+{{- end }}
 {{- with .Values.engine.kvTierTokens }}
 - --kv-tier-tokens
 - {{ include "pdserve.positive" (list "engine.kvTierTokens" .) | quote }}
 {{- with $.Values.engine.kvTierDir }}
 - --kv-tier-dir
+- {{ . | quote }}
+{{- end }}
+{{- with $.Values.engine.kvStoreMaster }}
+- --kv-store-master
 - {{ . | quote }}
 {{- end }}
 {{- end }}

@@ -1,0 +1,147 @@
+"""Mooncake Store as the cluster-wide second tier (`--kv-store-master`, shared.transfer.mooncake_store), against
+a real mooncake_master: a prefix one engine spilled is a tier hit on another with the same greedy tokens; records
+are named by the checkpoint's and layout's digest; a record altered in the store is dropped, never served; and
+`pdserve up --kv-store-master auto` serves a pushed-out prompt from the store on both services."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from bench.fleet_faults import UpProcess
+from router.kv_store import StoreMaster
+from shared.engine import LLM, SamplingParams
+from shared.protocol.prefix import prompt_block_hashes
+from shared.transfer.mooncake import mooncake_available
+from shared.transfer.mooncake_store import MooncakeStore, store_namespace
+from tests.helpers import random_prompts
+
+pytestmark = pytest.mark.skipif(not mooncake_available() and not os.environ.get("CI"),
+                                reason="Mooncake not installed (make installs it; under CI a missing one fails)")
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def master():
+    m = StoreMaster.start()
+    yield m.address
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def sparse_path(ckpt):
+    return str(ckpt("v32_sparse"))
+
+
+def _engine(path: str, master: str) -> LLM:
+    return LLM(path, block_size=BS, kv_cache_tokens=64, kv_tier_tokens=1024, kv_store_master=master)
+
+
+def _run(llm: LLM, prompt: list[int]):
+    seq = llm.engine.add_request(prompt, GREEDY)
+    while llm.engine.has_work:
+        llm.engine.step()
+    llm.engine.kv.tier.flush()
+    return seq
+
+
+def test_a_prefix_one_engine_spilled_is_a_hit_on_another(sparse_path, master):
+    target = random_prompts(1, [40], 512, seed=70)[0]
+    base = LLM(sparse_path, block_size=BS, kv_cache_tokens=64).generate([target], GREEDY)[0].token_ids
+    writer = _engine(sparse_path, master)
+    first = _run(writer, target)
+    assert first.output_token_ids == base and first.num_cached_prompt_tokens == 0
+    assert isinstance(writer.engine.kv.tier.store, MooncakeStore)
+    reader = _engine(sparse_path, master)  # another instance: nothing on its device, nothing in its own index
+    assert len(reader.engine.kv.tier) == 0
+    read = reader.engine.kv.tier.stats.read_blocks  # its warm-up's prompt may have been another's
+    seq = _run(reader, target)
+    assert seq.num_cached_prompt_tokens == seq.num_host_cached_prompt_tokens == 36  # 9 whole blocks of 4
+    assert seq.output_token_ids == base
+    assert reader.engine.kv.tier.stats.read_blocks - read == 9
+
+
+def test_records_are_named_by_checkpoint_and_layout(sparse_path, tmp_path):
+    """Two checkpoints of one architecture (one weight byte apart) and one checkpoint under two layouts never
+    share a record name."""
+    layout = {"block_size": BS, "dtype": "bfloat16"}
+    same = store_namespace(sparse_path, layout)
+    assert same == store_namespace(sparse_path, dict(layout))
+    assert store_namespace(sparse_path, {**layout, "block_size": 8}) != same
+    other = tmp_path / "other"
+    shutil.copytree(sparse_path, other)
+    weights = next(other.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01  # the last tensor's last bytes
+    weights.write_bytes(bytes(data))
+    assert store_namespace(str(other), layout) != same
+
+
+def test_a_record_altered_in_the_store_is_dropped_not_served(sparse_path, master):
+    target = random_prompts(1, [40], 512, seed=71)[0]
+    base = LLM(sparse_path, block_size=BS, kv_cache_tokens=64).generate([target], GREEDY)[0].token_ids
+    writer = _engine(sparse_path, master)
+    _run(writer, target)
+    store = writer.engine.kv.tier.store
+    first_key = prompt_block_hashes(target, BS, 1)[0]
+    name = store.name(first_key)
+    good = store._store.get(name)
+    record = bytearray(good)
+    record[-5] ^= 0x01  # one bit of the payload, rewritten under the same name (a bad replica, a bad actor)
+    assert store._store.remove(name, True) == 0 and store._store.put(name, bytes(record)) == 0
+    reader = _engine(sparse_path, master)
+    seq = _run(reader, target)
+    assert seq.num_cached_prompt_tokens == 0 and seq.output_token_ids == base  # a miss at block 0: computed
+    assert reader.engine.kv.tier.stats.dropped_corrupt == 1
+    reader.engine.kv.tier.flush()  # removed for every reader, then written again as the reader computed it
+    assert store._store.get(name) == good
+
+
+def test_kv_store_master_needs_a_tier_size(tmp_path):
+    """Hostile flags: a store without --kv-tier-tokens is refused in one line, before anything starts."""
+    out = subprocess.run([sys.executable, "-m", "router.cli", "up", "--model", "models/tiny-v32", "--port", "0",
+                          "--kv-store-master", "auto"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--kv-tier-tokens" in out.stderr, out.stderr
+
+
+def test_the_store_tier_through_pdserve_up(tmp_path):
+    """`pdserve up --kv-store-master auto` starts a mooncake_master; both services keep their tiers in its
+    store: a prompt pushed out of the 512-token device pools by others comes back from the store on prefill
+    and on decode (none computed, none pushed), with the same text, counted as host-tier hits."""
+    proc = UpProcess(["--model", "models/tiny-v32", "--port", "0", "--http-port", "0", "--kv-cache-tokens", "512",
+                      "--kv-tier-tokens", "8192", "--kv-store-master", "auto"], tmp_path / "logs")
+    try:
+        up = proc.start()
+        client = openai.OpenAI(base_url=up.http_url, api_key="none", max_retries=0)
+
+        def complete(prompt: list[int]) -> tuple[str, int]:
+            out = client.completions.create(model=up.model, prompt=prompt, max_tokens=4, temperature=0)
+            details = out.usage.prompt_tokens_details
+            return out.choices[0].text, details.cached_tokens if details else 0
+
+        target = [17 + i % 900 for i in range(200)]
+        text, cached = complete(target)
+        assert cached == 0
+        for seed in range(3):  # 400 tokens each of a 512-token pool: the target's blocks are evicted
+            time.sleep(0.5)  # the tier's writer copies off the engine thread
+            complete([(11 * seed + 7 * i) % 1000 + 3 for i in range(400)])
+        time.sleep(0.5)
+        again, cached = complete(target)
+        assert again == text and cached == 192  # 12 whole blocks of 16
+        (prefill,) = [name for name in up.metrics if name.startswith("prefill")]
+        (decode,) = [name for name in up.metrics if name.startswith("decode")]
+        assert up.metric(prefill, 'pdserve_prefix_cache_hit_tokens_total{service="prefill",tier="host"}') == 192
+        assert up.metric(decode, 'pdserve_prefix_cache_hit_tokens_total{service="decode",tier="host"}') == 192
+        assert (tmp_path / "logs" / "kv-store-master.log").exists()
+    finally:
+        proc.stop()
