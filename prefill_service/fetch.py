@@ -10,6 +10,8 @@ Both ends run on the engine thread, by command, over the machinery a KV push alr
 * the holder pins its cached blocks of the keys (`PushCachedBlocks`) and pushes the ones from `first` on
   into the lease; when the push ends the blocks go back (by command, on the engine thread) and the caller
   is answered with how many blocks travelled.
+The blocks travel like a prefill → decode push: over TCP, or by Mooncake one-sided writes into the fetch
+lease's registered blocks when the instance's --kv-transport is mooncake (RDMA on clusters).
 Keys are always hashed by the instance that uses them (from token ids and the tenant's salt), never taken
 from a caller. Only one-rank instances fetch or serve fetches (a CP group's pool is split over its ranks,
 a TP group's mirrored).
@@ -37,7 +39,8 @@ from shared.protocol.prefix import prompt_block_hashes
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from shared.rpc.service import Credentials, aio_channel, wait_future
 from shared.transfer import Destination, KVPush, TcpReceiver, TransferError
-from shared.transfer.base import cache_kinds
+from shared.transfer.base import KVReceiver, cache_kinds
+from shared.transfer.mooncake import MooncakeReceiver
 
 log = logging.getLogger("pdserve.prefill")
 FETCH_LEASE_SECONDS = 10.0  # a fetch lease nobody wrote to in this long goes back (the prompt is computed)
@@ -53,6 +56,9 @@ class FetchEndpoint:
     tls: object | None  # ssl.SSLContext of the receiver (server side), or None
     stall_seconds: float
     lease_seconds: float
+    transport: str = "tcp"  # the instance's --kv-transport: mooncake receives fetched blocks by one-sided writes
+    mooncake_protocol: str = "tcp"
+    mooncake_devices: str = ""
 
 
 # -- commands and answers -----------------------------------------------------------------------------
@@ -113,7 +119,7 @@ def fetch_endpoint(cfg: PrefillConfig) -> FetchEndpoint | None:
     if cfg.no_kv_fetch or cfg.world > 1:
         return None
     return FetchEndpoint(cfg.host, cfg.public_host, Credentials.of(cfg).ssl_context(server=True), cfg.kv_stall_seconds,
-                         FETCH_LEASE_SECONDS)
+                         FETCH_LEASE_SECONDS, cfg.kv_transport, cfg.mooncake_protocol, cfg.mooncake_devices)
 
 
 def new_fetch_id() -> str:
@@ -129,12 +135,17 @@ class FetchEnds:
         self.engine, self.open_push, self.later, self.on_done = engine, open_push, later, on_done
         kv = engine.kv
         self.leases: LeaseTable | None = None
-        self.receiver: TcpReceiver | None = None
+        self.receiver: KVReceiver | None = None
+        self._control: TcpReceiver | None = None
         if endpoint is not None:
             self.leases = LeaseTable(kv.ledger, kv.layout.block_size, kv.layout.num_layers, cache_kinds(kv.layout),
                                      endpoint.lease_seconds)
-            self.receiver = TcpReceiver(kv, self.leases, endpoint.host, 0, advertise_host=endpoint.advertise_host,
-                                        tls=endpoint.tls, stall_seconds=endpoint.stall_seconds)
+            self.receiver = self._control = TcpReceiver(kv, self.leases, endpoint.host, 0,
+                                                        advertise_host=endpoint.advertise_host, tls=endpoint.tls,
+                                                        stall_seconds=endpoint.stall_seconds)
+            if endpoint.transport == "mooncake":  # the holder writes the blocks one-sidedly, as prefill → decode
+                self.receiver = MooncakeReceiver(kv, self._control, endpoint.advertise_host or endpoint.host,
+                                                 endpoint.mooncake_protocol, endpoint.mooncake_devices)
 
     def apply(self, c: EngineCommand) -> object:
         if isinstance(c, OpenFetch):
@@ -207,8 +218,8 @@ class FetchEnds:
             self.leases.expire()
 
     def close(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
+        for receiver in {id(r): r for r in (self.receiver, self._control) if r is not None}.values():
+            receiver.close()
 
 
 # -- the front's side (the gRPC process) ---------------------------------------------------------------

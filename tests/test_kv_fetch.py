@@ -1,6 +1,7 @@
 """Cross-instance fetch (prefill_service.fetch): a prefill instance pulls the cached blocks of a prefix
-another instance holds over the TCP transfer engine, adopts them into its prefix cache and computes only
-the rest; greedy tokens equal a fresh computation; nothing leaks, nothing unwritten is adopted."""
+another instance holds over the transfer engine (TCP, or Mooncake one-sided writes), adopts them into its
+prefix cache and computes only the rest; greedy tokens equal a fresh computation; nothing leaks, nothing
+unwritten is adopted."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from prefill_service.worker import PrefillWorker
 from shared.engine import LLM, SamplingParams
 from shared.engine.core import RankCommand
 from shared.protocol.prefix import prompt_block_hashes
-from shared.transfer import TcpSender, TransferError
-from tests.helpers import random_prompts
+from shared.transfer import TransferError, make_sender
+from tests.helpers import TRANSPORTS, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 BS = 4
@@ -28,13 +29,13 @@ def path(ckpt):
 class Instance:
     """One prefill instance's engine and worker, commands applied here as its engine thread would."""
 
-    def __init__(self, path: str, fetch: bool):
+    def __init__(self, path: str, fetch: bool, transport: str = "tcp"):
         self.llm = LLM(path, dtype="float32", block_size=BS)
         self.answers: dict[str, object] = {}
         self.later: list = []
         self.answered = threading.Event()
-        endpoint = FetchEndpoint("127.0.0.1", None, None, 3.0, 30.0) if fetch else None
-        self.worker = PrefillWorker(self.llm.engine, lambda transport: TcpSender(self.llm.engine.kv),
+        endpoint = FetchEndpoint("127.0.0.1", None, None, 3.0, 30.0, transport) if fetch else None
+        self.worker = PrefillWorker(self.llm.engine, lambda transport: make_sender(transport, self.llm.engine.kv),
                                     on_done=self._done, later=self.later.append, fetch=endpoint)
 
     def _done(self, rid: str, outcome: object) -> None:
@@ -63,12 +64,14 @@ def _fetch(src: Instance, dst: Instance, keys: list[bytes]) -> tuple[FetchPlan, 
     return plan, src.answers[fid], adopted
 
 
-def test_fetched_prefix_serves_like_a_local_hit(path):
-    holder, fetcher = Instance(path, fetch=False), Instance(path, fetch=True)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fetched_prefix_serves_like_a_local_hit(path, transport):
+    holder, fetcher = Instance(path, fetch=False), Instance(path, fetch=True, transport=transport)
     prompt = random_prompts(1, [37], 512, seed=71)[0]
     want = holder.llm.generate([prompt], GREEDY)[0].token_ids  # computes and caches 9 full blocks
     keys = prompt_block_hashes(prompt, BS, (len(prompt) - 1) // BS)
     plan, pushed, adopted = _fetch(holder, fetcher, keys)
+    assert plan.destination.transport == transport
     assert plan.have == 0 and adopted == len(keys) == 9
     assert pushed.blocks == 9 and pushed.nbytes > 0
     assert fetcher.llm.engine.kv.allocator.cached_prefix(keys) == 9
@@ -154,9 +157,11 @@ def test_the_router_fetches_only_where_moving_beats_computing():
 
 
 # -- through the services ------------------------------------------------------------------------------------
-def test_a_prefill_instance_fetches_from_another_over_grpc(path, tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_prefill_instance_fetches_from_another_over_grpc(path, tmp_path, transport):
     """Two prefill instances, one decode: A prefills a prompt (caching it); B, told by the PrefillRequest to
-    fetch from A, pulls A's blocks (PushCached) and computes only the rest; the streamed greedy tokens equal the
+    fetch from A, pulls A's blocks (PushCached; by Mooncake one-sided writes under --kv-transport mooncake) and
+    computes only the rest; the streamed greedy tokens equal the
     in-process engine's. Hostile PushCached requests are INVALID_ARGUMENT naming the field."""
     import grpc
 
@@ -167,7 +172,7 @@ def test_a_prefill_instance_fetches_from_another_over_grpc(path, tmp_path):
     prompt = random_prompts(1, [45], 512, seed=74)[0]
     longer = prompt + [5, 6, 7, 8, 9, 10, 11]
     want = LLM(path, dtype="float32", block_size=BS).generate([longer], GREEDY)[0].token_ids
-    flags = ["--block-size", str(BS)]
+    flags = ["--block-size", str(BS), "--kv-transport", transport]
     with Cluster(path, num_prefill=2, dtype="float32", log_dir=tmp_path / "logs", extra_decode=flags,
                  extra_prefill=flags) as c:
         a, b = c.prefill_addrs
