@@ -43,8 +43,20 @@ def sparse_path(ckpt):
     return str(ckpt("v32_sparse"))
 
 
-def _engine(path: str, master: str) -> LLM:
-    return LLM(path, block_size=BS, kv_cache_tokens=64, kv_tier_tokens=1024, kv_store_master=master)
+@pytest.fixture
+def engine(sparse_path, master):
+    """engine() → an engine whose tier lives in the store; every one leaves the store (unmounts its segment)
+    when the test ends, as a process does when it exits."""
+    made: list[LLM] = []
+
+    def make() -> LLM:
+        made.append(LLM(sparse_path, block_size=BS, kv_cache_tokens=64, kv_tier_tokens=1024,
+                        kv_store_master=master))
+        return made[-1]
+
+    yield make
+    for llm in made:
+        llm.engine.kv.tier.close()
 
 
 def _run(llm: LLM, prompt: list[int]):
@@ -55,14 +67,14 @@ def _run(llm: LLM, prompt: list[int]):
     return seq
 
 
-def test_a_prefix_one_engine_spilled_is_a_hit_on_another(sparse_path, master):
+def test_a_prefix_one_engine_spilled_is_a_hit_on_another(sparse_path, engine):
     target = random_prompts(1, [40], 512, seed=70)[0]
     base = LLM(sparse_path, block_size=BS, kv_cache_tokens=64).generate([target], GREEDY)[0].token_ids
-    writer = _engine(sparse_path, master)
+    writer = engine()
     first = _run(writer, target)
     assert first.output_token_ids == base and first.num_cached_prompt_tokens == 0
     assert isinstance(writer.engine.kv.tier.store, MooncakeStore)
-    reader = _engine(sparse_path, master)  # another instance: nothing on its device, nothing in its own index
+    reader = engine()  # another instance: nothing on its device, nothing in its own index
     assert len(reader.engine.kv.tier) == 0
     read = reader.engine.kv.tier.stats.read_blocks  # its warm-up's prompt may have been another's
     seq = _run(reader, target)
@@ -87,10 +99,10 @@ def test_records_are_named_by_checkpoint_and_layout(sparse_path, tmp_path):
     assert store_namespace(str(other), layout) != same
 
 
-def test_a_record_altered_in_the_store_is_dropped_not_served(sparse_path, master):
+def test_a_record_altered_in_the_store_is_dropped_not_served(sparse_path, engine):
     target = random_prompts(1, [40], 512, seed=71)[0]
     base = LLM(sparse_path, block_size=BS, kv_cache_tokens=64).generate([target], GREEDY)[0].token_ids
-    writer = _engine(sparse_path, master)
+    writer = engine()
     _run(writer, target)
     store = writer.engine.kv.tier.store
     first_key = prompt_block_hashes(target, BS, 1)[0]
@@ -99,7 +111,7 @@ def test_a_record_altered_in_the_store_is_dropped_not_served(sparse_path, master
     record = bytearray(good)
     record[-5] ^= 0x01  # one bit of the payload, rewritten under the same name (a bad replica, a bad actor)
     assert store._store.remove(name, True) == 0 and store._store.put(name, bytes(record)) == 0
-    reader = _engine(sparse_path, master)
+    reader = engine()
     seq = _run(reader, target)
     assert seq.num_cached_prompt_tokens == 0 and seq.output_token_ids == base  # a miss at block 0: computed
     assert reader.engine.kv.tier.stats.dropped_corrupt == 1
