@@ -390,7 +390,7 @@ def test_few_token_step_indices_equal_the_general_ones():
 def test_drafts_per_request_under_the_cap(mtp_model):
     """B requests decoding draft min(K, cap // B) each, none past the cap; no cap: always K."""
     llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=3,
-              speculative_max_draft_tokens=16)
+              speculative_max_draft_tokens=16, speculative_tuning=False)
     spec = llm.engine.speculator
     assert [spec.drafts_per_request(b) for b in (1, 5, 6, 8, 9, 16, 17, 64)] == [3, 3, 2, 2, 1, 1, 0, 0]
     spec.max_draft_tokens = 0
@@ -407,12 +407,12 @@ def test_capped_drafting_equals_plain_greedy_and_resumes(mtp_model, monkeypatch)
     want = [o.token_ids for o in llm.generate(prompts, params)]
     monkeypatch.setattr(MtpSpeculator, "catch_up", _oracle({tuple(p): w for p, w in zip(prompts, want)}, 5))
     llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=2,
-              speculative_max_draft_tokens=6)  # 5 or 4 decoding: 1 draft each; 3: 2 each; never 0 ...
+              speculative_max_draft_tokens=6, speculative_tuning=False)  # 5/4 decoding: 1 each; 3: 2 each
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     spec = llm.engine.speculator
     assert spec.gated_steps == 0 and spec.stats.drafted[1] > 0
     llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=2,
-              speculative_max_draft_tokens=3)  # ... here 5 or 4 decoding: none, then drafts again
+              speculative_max_draft_tokens=3, speculative_tuning=False)  # 5/4 decoding: none, then drafts
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     spec = llm.engine.speculator
     print(f"cap 3: {spec.gated_steps} steps without drafts, drafted {spec.stats.drafted[:2]}, "

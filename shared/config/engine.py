@@ -102,6 +102,9 @@ class EngineConfig:
                                                  "decoding requests draft min(K, this // B) each, none past it (a "
                                                  "verified row costs about a decode row once a step has many)",
                                              bounds=(0, None))
+    # under that cap, each step's drafts per request are the count measured fastest for its batch size
+    # (shared.engine.draft_tuner); False: always the cap's count (tests that count drafts)
+    speculative_tuning: bool = True
 
     def __post_init__(self) -> None:
         check_bounds(self)

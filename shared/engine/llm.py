@@ -22,7 +22,7 @@ from shared.engine.isolation import IsolatedStep, isolate
 from shared.engine.policy import policy_for
 from shared.engine.sampler import SamplingParams, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence, Status
-from shared.engine.speculative import CatchUp, Draft, MtpSpeculator, SpecStats
+from shared.engine.speculative import CatchUp, Draft, MtpSpeculator
 from shared.engine.step import (
     Committed,
     Computed,
@@ -104,10 +104,9 @@ class LLMEngine:
             self.kv.attach_tier(config.kv_tier_tokens, config.kv_tier_dir, shared_tier_store(config, self.layout))
         self.scheduler = Scheduler(self.kv.ledger, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
-        self.speculator = (MtpSpeculator(self, config.num_speculative_tokens, config.speculative_max_draft_tokens)
-                           if mtp else None)
-        if mtp:  # a decode's drafts count against the step's token budget
-            self.scheduler.decode_width = 1 + config.num_speculative_tokens
+        self.speculator = MtpSpeculator(self, config.num_speculative_tokens, config.speculative_max_draft_tokens,
+                                        config.speculative_tuning) if mtp else None
+        self.scheduler.decode_width = 1 + (config.num_speculative_tokens if mtp else 0)  # drafts take budget
         self._requests: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.default_generator = torch.Generator().manual_seed(config.seed)
@@ -140,7 +139,7 @@ class LLMEngine:
             self.step()
         self.kv.allocator.reset_prefix_cache()
         if self.speculator is not None:
-            self.speculator.stats = SpecStats()
+            self.speculator.reset()
 
     @property
     def limits(self) -> RequestLimits:

@@ -25,12 +25,14 @@ positions are final and their MTP rows written, and no MTP or draft write ever l
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
 
 from shared.config import MAX_SPECULATIVE_TOKENS, ModelConfig
+from shared.engine.draft_tuner import DraftTuner
 from shared.engine.policy import ForwardTarget, Solo
 from shared.engine.sampler import SamplingParams, probabilities, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence
@@ -101,16 +103,25 @@ class MtpSpeculator:
     may draft less well once the batch shrinks, never with another output (verification decides). Under
     lock-step ranks (attention DP) every rank drafts K: their MTP forwards must pair up."""
 
-    def __init__(self, engine: DraftingEngine, num_tokens: int, max_draft_tokens: int = 0):
+    def __init__(self, engine: DraftingEngine, num_tokens: int, max_draft_tokens: int = 0, tune: bool = False):
         self.engine, self.k, self.max_draft_tokens = engine, num_tokens, max_draft_tokens
         self.drafts: dict[str, Draft] = {}
         self.stats = SpecStats()
-        self.gated_steps = 0  # steps the cap left without drafts
+        self.gated_steps = 0  # steps the cap (or the tuner) left without drafts
+        self.tuner = DraftTuner(num_tokens) if tune else None
+        self._timing = _StepTiming()
+
+    def reset(self) -> None:
+        """Forget what the warm-up measured: its counts and its (cold) step times."""
+        self.stats = SpecStats()
+        self.tuner = DraftTuner(self.k) if self.tuner is not None else None
+        self._timing = _StepTiming()
 
     # -- the engine step's plug points (shared.engine.llm.LLMEngine.step_chunks) -----------------------
     def take_drafts(self, chunks: list[ScheduledChunk]) -> list[Draft | None]:
         """Each chunk's drafts to verify this step (None: none), their KV blocks ensured."""
         engine = self.engine
+        self._timing.verify_start = time.perf_counter()
         for rid in list(self.drafts):
             if not engine.has_request(rid):  # finished or aborted since it drafted
                 del self.drafts[rid]
@@ -151,6 +162,7 @@ class MtpSpeculator:
             for i, d, accepted, token in zip(group, batch.drafts, n, last, strict=True):
                 out[i] = [*d.tokens[:accepted], token]
             self._count(batch.lengths, n)
+        self._timing.tokens = sum(map(len, out))
         return out
 
     def _accept_sampled(self, logits: torch.Tensor, batch: VerifyBatch, seqs: list[Sequence]
@@ -192,17 +204,22 @@ class MtpSpeculator:
         forwards per drafting step, dummy ones where it has nothing to draft, so the ranks' collectives
         pair up whatever each one's requests accept or finish."""
         engine, policy = self.engine, self.engine.policy
+        started = self._timing.step_measured(self.tuner)
         chain = self.k - 1 if draft else 0  # chained single-token forwards after the catch-up forward
         if not entries:
             if policy.lockstep:
                 self.dummy(1 + chain)
             return
-        per_request = self.drafts_per_request(sum(map(self._decodes_next, entries))) if draft else 0
+        decoding = sum(map(self._decodes_next, entries))
+        per_request = self.drafts_per_request(decoding) if draft else 0
+        if draft and decoding:  # the step after this one verifies what this one drafts: measured together
+            self._timing.drafting(decoding, per_request, started)
         if draft and per_request == 0:  # a plain step: no drafts, and the decode positions are not caught up
             self.gated_steps += 1
             draft = False
             entries = [e for e in entries if not e.seq.generated_from(e.start)]
             if not entries:
+                self._timing.drafted()
                 return
         chain = per_request - 1 if draft else 0
         chunks: list[SeqChunk] = []
@@ -254,6 +271,7 @@ class MtpSpeculator:
                 last_g[_index(keep, last_g.device)] = g_new
             self._draw(drafting, keep, logits, state)
         self.drafts.update({seq.request_id: d for seq, d in zip(drafting, state, strict=True) if d.tokens})
+        self._timing.drafted()
 
     @staticmethod
     def _decodes_next(e: CatchUp) -> bool:
@@ -261,11 +279,12 @@ class MtpSpeculator:
         return e.drafts and e.seq.num_uncached == 1 and bool(e.seq.output_token_ids)
 
     def drafts_per_request(self, decoding: int) -> int:
-        """Drafts each of `decoding` requests makes for the next step under `max_draft_tokens` (K under
-        lock-step: see the class docstring)."""
-        if not self.max_draft_tokens or self.engine.policy.lockstep or decoding == 0:
+        """Drafts each of `decoding` requests makes for the next step: under `max_draft_tokens`, the count the
+        tuner measured fastest for this batch size (K under lock-step: see the class docstring)."""
+        if self.engine.policy.lockstep or decoding == 0:
             return self.k
-        return min(self.k, self.max_draft_tokens // decoding)
+        most = min(self.k, self.max_draft_tokens // decoding) if self.max_draft_tokens else self.k
+        return self.tuner.choose(decoding, most) if self.tuner is not None else most
 
     def _draw(self, drafting: list[Sequence], active: list[int], logits: torch.Tensor, state: list[Draft]) -> None:
         """Each active request's next draft from its MTP logits (row j for active[j]): the argmax, or a draw
@@ -328,6 +347,33 @@ def accepted_prefix(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
     k = accept.shape[1]
     valid = torch.arange(k, device=accept.device)[None, :] < lengths[:, None]
     return (accept & valid).long().cumprod(1).sum(1)
+
+
+@dataclass
+class _StepTiming:
+    """What one drafting step and the verification after it cost (the tuner's samples: draft_tuner)."""
+
+    verify_start: float | None = None  # take_drafts of the step now verifying
+    tokens: int = 0  # the tokens its verification emitted
+    pending: tuple[int, int] | None = None  # (decoding, drafts per request) of the last drafting catch-up
+    draft_seconds: float = 0.0
+    _started: float = 0.0
+
+    def step_measured(self, tuner: DraftTuner | None) -> float:
+        """At a catch-up's start: the previous drafting step's cost ends here (its drafts are verified)."""
+        now = time.perf_counter()
+        if tuner is not None and self.pending is not None and self.verify_start is not None:
+            decoding, drafts = self.pending
+            tuner.observe(decoding, drafts, self.tokens, self.draft_seconds + now - self.verify_start)
+        self.pending = None
+        return now
+
+    def drafting(self, decoding: int, drafts: int, started: float) -> None:
+        self.pending, self._started = (decoding, drafts), started
+
+    def drafted(self) -> None:
+        if self.pending is not None:
+            self.draft_seconds = time.perf_counter() - self._started
 
 
 def accept_greedy(logits: torch.Tensor, batch: VerifyBatch) -> tuple[list[int], list[int]]:

@@ -1,0 +1,81 @@
+"""How many MTP drafts a step makes, chosen from what steps measured on this machine: speculation never costs.
+
+A draft pays when the tokens it adds per step outweigh what it costs: a verification row in the target's
+forward and an MTP forward per draft position. Both depend on the machine, the model, the batch and the
+acceptance, none of which a fixed K knows (at batch 1 a step is host overhead and drafts are nearly free; at
+batch 64 every row costs arithmetic). So the tuner measures: per batch-size bucket (a power of two of the
+requests decoding) and per draft count d in 0..K, an exponential average of the goodput a step with d drafts
+per request delivered (tokens emitted / seconds of drafting plus verifying), and each step uses the best d
+of its bucket. Every `EXPLORE_EVERY`-th step of a bucket tries another d (round robin), and a d without
+`MIN_SAMPLES` samples is tried first, so a bucket follows the machine as load changes; d = 0 (a plain step)
+is always one of the choices, so a bucket where drafts lose settles on none.
+
+Measured span (shared.engine.speculative.MtpSpeculator): from the start of the step's catch-up that drafted
+d tokens per request to the end of that catch-up, plus the next step's forward and verification (take_drafts
+to its catch-up): exactly the work of d drafts, no idle time between steps. Drafts never change a greedy
+output (verification decides), only how fast it comes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EXPLORE_EVERY = 32  # steps of a bucket between tries of another draft count
+MIN_SAMPLES = 2  # samples a draft count needs before the average is trusted
+SMOOTHING = 0.2  # weight of a new sample in the average
+
+
+@dataclass
+class _Bucket:
+    rates: list[float]  # average goodput (tokens / s) per draft count
+    samples: list[int]
+    steps: int = 0
+    next_try: int = 0  # round robin over the other draft counts
+
+
+@dataclass
+class DraftTuner:
+    """Drafts per request per step, by batch-size bucket (module doc)."""
+
+    k: int  # the most drafts a request makes (--num-speculative-tokens)
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+
+    def _bucket(self, decoding: int) -> _Bucket:
+        key = max(1, decoding).bit_length()
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket([0.0] * (self.k + 1), [0] * (self.k + 1))
+        return self.buckets[key]
+
+    def choose(self, decoding: int, most: int) -> int:
+        """Drafts per request for a step with `decoding` requests, at most `most` (the cap)."""
+        if most <= 0:
+            return 0
+        b = self._bucket(decoding)
+        b.steps += 1
+        choices = list(range(most, -1, -1))
+        untried = [d for d in choices if b.samples[d] < MIN_SAMPLES]
+        if untried:
+            return untried[0]
+        best = max(choices, key=lambda d: b.rates[d])
+        if b.steps % EXPLORE_EVERY == 0 and len(choices) > 1:
+            others = [d for d in choices if d != best]
+            b.next_try = (b.next_try + 1) % len(others)
+            return others[b.next_try]
+        return best
+
+    def observe(self, decoding: int, drafts: int, tokens: int, seconds: float) -> None:
+        """A step with `drafts` per request over `decoding` requests emitted `tokens` in `seconds`."""
+        if seconds <= 0 or tokens <= 0 or drafts > self.k:
+            return
+        b = self._bucket(decoding)
+        rate = tokens / seconds
+        n = b.samples[drafts]
+        b.rates[drafts] = rate if n == 0 else (1 - SMOOTHING) * b.rates[drafts] + SMOOTHING * rate
+        b.samples[drafts] = n + 1
+
+    def best(self, decoding: int) -> int | None:
+        """The draft count a bucket settled on (None before every count has its samples): tests, benches."""
+        b = self._bucket(decoding)
+        if min(b.samples) < MIN_SAMPLES:
+            return None
+        return max(range(self.k + 1), key=lambda d: b.rates[d])

@@ -1,0 +1,67 @@
+"""The MTP draft tuner (shared.engine.draft_tuner): each batch-size bucket settles on the draft count its steps
+measured fastest (none where drafts lose), keeps trying the others now and then, stays under the cap; wired
+into the engine, it learns from real steps and greedy output stays the plain model's."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine import LLM, SamplingParams
+from shared.engine.draft_tuner import EXPLORE_EVERY, MIN_SAMPLES, DraftTuner
+from shared.loader.tiny import write_checkpoint
+from tests.helpers import random_prompts
+
+
+def _feed(tuner: DraftTuner, decoding: int, rate_of) -> list[int]:
+    """Steps driven by the tuner's own choices, each observed at `rate_of(d)` tokens per second."""
+    chosen = []
+    for _ in range(4 * EXPLORE_EVERY):
+        d = tuner.choose(decoding, tuner.k)
+        chosen.append(d)
+        tuner.observe(decoding, d, 100, 100 / rate_of(d))
+    return chosen
+
+
+def test_each_bucket_settles_on_its_fastest_count_and_explores():
+    tuner = DraftTuner(3)
+    small = _feed(tuner, 1, lambda d: 100 + 60 * d)  # batch 1: every draft pays
+    large = _feed(tuner, 40, lambda d: 1000 - 50 * d)  # batch 40: every draft costs
+    assert tuner.best(1) == 3 and tuner.best(40) == 0 and tuner.best(33) == 0  # 33..63: one bucket
+    for chosen, best in ((small, 3), (large, 0)):
+        settled = chosen[MIN_SAMPLES * 4:]
+        tries = [d for d in settled if d != best]
+        assert 0 < len(tries) <= len(settled) // EXPLORE_EVERY + 1  # one try every EXPLORE_EVERY steps
+        assert set(tries) == {0, 1, 2, 3} - {best}  # round robin over the others
+
+
+def test_the_cap_bounds_every_choice_and_bad_samples_are_ignored():
+    tuner = DraftTuner(3)
+    assert tuner.choose(8, 0) == 0
+    assert all(tuner.choose(8, 1) <= 1 for _ in range(3 * EXPLORE_EVERY))
+    tuner.observe(8, 3, 0, 1.0)  # no tokens, no time, a count past K: not samples
+    tuner.observe(8, 3, 10, 0.0)
+    tuner.observe(8, 7, 10, 1.0)
+    assert tuner.buckets[(8).bit_length()].samples[3] == 0
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("mtp"), "deepseek_v32", tokenizer=False, mtp=True,
+                            index_topk=8, vocab_size=512, hidden_size=64, q_lora_rank=32, kv_lora_rank=64,
+                            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32,
+                            intermediate_size=128, num_hidden_layers=3, index_head_dim=32, index_n_heads=4)
+
+
+def test_the_engine_tunes_from_its_own_steps_with_plain_greedy_output(mtp_model):
+    prompts = random_prompts(6, [5, 17, 30, 9, 3, 12], 512, seed=21)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(mtp_model), dtype="float32", block_size=4).generate(prompts, params)]
+    llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=3)
+    spec = llm.engine.speculator
+    assert spec.tuner is not None and not spec.tuner.buckets  # the warm-up's cold steps were forgotten
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    samples = {key: sum(b.samples) for key, b in spec.tuner.buckets.items()}
+    assert samples and all(n > 0 for n in samples.values()), samples  # measured steps, by batch bucket
+    assert any(b.samples[0] > 0 for b in spec.tuner.buckets.values())  # plain steps were tried too
+    kv = llm.engine.kv
+    assert kv.allocator.num_free == kv.num_blocks
