@@ -6,9 +6,10 @@ acceptance, none of which a fixed K knows (at batch 1 a step is host overhead an
 batch 64 every row costs arithmetic). So the tuner measures: per batch-size bucket (a power of two of the
 requests decoding) and per draft count d in 0..K, an exponential average of the goodput a step with d drafts
 per request delivered (tokens emitted / seconds of drafting plus verifying), and each step uses the best d
-of its bucket. Every `EXPLORE_EVERY`-th step of a bucket tries another d (round robin), and a d without
-`MIN_SAMPLES` samples is tried first, so a bucket follows the machine as load changes; d = 0 (a plain step)
-is always one of the choices, so a bucket where drafts lose settles on none.
+of its bucket. A d without `MIN_SAMPLES` samples is tried first; then now and then a bucket tries another d
+for `HOLD` steps (round robin), first every `EXPLORE_EVERY` steps, less often each time a try confirms the
+best (a try costs: its drafts run on an MTP cache with gaps), so a bucket follows the machine as load
+changes; d = 0 (a plain step) is always one of the choices, so a bucket where drafts lose settles on none.
 
 Measured span (shared.engine.speculative.MtpSpeculator): from the start of the step's catch-up that drafted
 d tokens per request to the end of that catch-up, plus the next step's forward and verification (take_drafts
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EXPLORE_EVERY = 32  # steps of a bucket between tries of another draft count
-MIN_SAMPLES = 2  # samples a draft count needs before the average is trusted
+EXPLORE_EVERY = 16  # steps of a bucket between tries of another draft count, at first ...
+EXPLORE_EVERY_MOST = 512  # ... doubling each time a try leaves the best count where it was, up to this
+HOLD = 3  # steps a try lasts: a switch's first step is not a sample (the MTP layer catches up on positions
+# a plain step skipped, and its drafts were made under the previous count), the next ones are
+MIN_SAMPLES = 2  # samples a draft count needs before its average is trusted
 SMOOTHING = 0.2  # weight of a new sample in the average
 
 
@@ -30,7 +34,11 @@ class _Bucket:
     rates: list[float]  # average goodput (tokens / s) per draft count
     samples: list[int]
     steps: int = 0
+    explore_every: int = EXPLORE_EVERY
     next_try: int = 0  # round robin over the other draft counts
+    trying: int | None = None  # the count being tried, and for how many more steps
+    hold: int = 0
+    best_before: int = 0  # the best count when the try began
 
 
 @dataclass
@@ -52,20 +60,29 @@ class DraftTuner:
             return 0
         b = self._bucket(decoding)
         b.steps += 1
-        choices = list(range(most, -1, -1))
+        choices = list(range(min(most, self.k), -1, -1))
         untried = [d for d in choices if b.samples[d] < MIN_SAMPLES]
         if untried:
             return untried[0]
         best = max(choices, key=lambda d: b.rates[d])
-        if b.steps % EXPLORE_EVERY == 0 and len(choices) > 1:
+        if b.trying is not None and b.trying in choices and b.hold > 0:
+            b.hold -= 1
+            return b.trying
+        if b.trying is not None:  # a try just ended: back off while it confirms the best count
+            b.explore_every = (min(2 * b.explore_every, EXPLORE_EVERY_MOST) if best == b.best_before
+                               else EXPLORE_EVERY)
+            b.trying = None
+        if b.steps % b.explore_every == 0 and len(choices) > 1:
             others = [d for d in choices if d != best]
             b.next_try = (b.next_try + 1) % len(others)
-            return others[b.next_try]
+            b.trying, b.hold, b.best_before = others[b.next_try], HOLD - 1, best
+            return b.trying
         return best
 
-    def observe(self, decoding: int, drafts: int, tokens: int, seconds: float) -> None:
-        """A step with `drafts` per request over `decoding` requests emitted `tokens` in `seconds`."""
-        if seconds <= 0 or tokens <= 0 or drafts > self.k:
+    def observe(self, decoding: int, drafts: int, tokens: int, seconds: float, steady: bool = True) -> None:
+        """A step with `drafts` per request over `decoding` requests emitted `tokens` in `seconds`; `steady`:
+        the step before it drafted as many (a switch's first step is not a sample)."""
+        if not steady or seconds <= 0 or tokens <= 0 or drafts > self.k:
             return
         b = self._bucket(decoding)
         rate = tokens / seconds

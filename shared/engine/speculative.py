@@ -355,21 +355,23 @@ class _StepTiming:
 
     verify_start: float | None = None  # take_drafts of the step now verifying
     tokens: int = 0  # the tokens its verification emitted
-    pending: tuple[int, int] | None = None  # (decoding, drafts per request) of the last drafting catch-up
+    pending: tuple[int, int, bool] | None = None  # (decoding, drafts per request, steady) of the last catch-up
     draft_seconds: float = 0.0
     _started: float = 0.0
+    _previous: int = -1  # drafts per request of the drafting step before
 
     def step_measured(self, tuner: DraftTuner | None) -> float:
         """At a catch-up's start: the previous drafting step's cost ends here (its drafts are verified)."""
         now = time.perf_counter()
         if tuner is not None and self.pending is not None and self.verify_start is not None:
-            decoding, drafts = self.pending
-            tuner.observe(decoding, drafts, self.tokens, self.draft_seconds + now - self.verify_start)
+            decoding, drafts, steady = self.pending
+            tuner.observe(decoding, drafts, self.tokens, self.draft_seconds + now - self.verify_start, steady)
         self.pending = None
         return now
 
     def drafting(self, decoding: int, drafts: int, started: float) -> None:
-        self.pending, self._started = (decoding, drafts), started
+        self.pending, self._started = (decoding, drafts, drafts == self._previous), started
+        self._previous = drafts
 
     def drafted(self) -> None:
         if self.pending is not None:
