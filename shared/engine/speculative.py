@@ -147,7 +147,8 @@ class MtpSpeculator:
         for i, (seq, d) in enumerate(done):
             (plain if d is None else greedy if seq.params.greedy else sampled).append(i)
         if plain:
-            rows = logits[_index([firsts[i] for i in plain], logits.device)]
+            at = [firsts[i] for i in plain]
+            rows = logits if at == list(range(logits.shape[0])) else logits[_index(at, logits.device)]  # no drafts
             tokens = sample(rows, [done[i][0].params for i in plain], [done[i][0].generator for i in plain])
             for i, token in zip(plain, tokens, strict=True):
                 out[i] = [token]
