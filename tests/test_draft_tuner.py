@@ -11,22 +11,26 @@ from shared.engine.draft_tuner import EXPLORE_EVERY, HOLD, MIN_SAMPLES, DraftTun
 from shared.loader.tiny import write_checkpoint
 from tests.helpers import random_prompts
 
+DRAFTED, ACCEPTED = [1000, 900, 800], [900, 720, 560]  # acceptance 0.9, 0.8, 0.7 per position
 
-def _feed(tuner: DraftTuner, decoding: int, rate_of) -> list[int]:
-    """Steps driven by the tuner's own choices, each observed at `rate_of(d)` tokens per second."""
+
+def _feed(tuner: DraftTuner, decoding: int, cost_of) -> list[int]:
+    """Steps driven by the tuner's own choices, each costing `cost_of(d)` seconds per request."""
     chosen = []
     for _ in range(64 * EXPLORE_EVERY):
-        d = tuner.choose(decoding, tuner.k)
+        d = tuner.choose(decoding, tuner.k, DRAFTED, ACCEPTED)
         chosen.append(d)
-        tuner.observe(decoding, d, 100, 100 / rate_of(d))
+        tuner.observe(decoding, d, decoding * cost_of(d))
     return chosen
 
 
 def test_each_bucket_settles_on_its_fastest_count_and_explores():
     tuner = DraftTuner(3)
-    small = _feed(tuner, 1, lambda d: 100 + 60 * d)  # batch 1: every draft pays
-    large = _feed(tuner, 40, lambda d: 1000 - 50 * d)  # batch 40: every draft costs
-    assert tuner.best(1) == 3 and tuner.best(40) == 0 and tuner.best(33) == 0  # 33..63: one bucket
+    assert tuner.tokens_per_request(DRAFTED, ACCEPTED) == pytest.approx([1, 1.9, 2.7, 3.4])
+    small = _feed(tuner, 1, lambda d: 1 + 0.2 * d)  # batch 1: every draft pays (3.4 tokens for 1.6x the time)
+    large = _feed(tuner, 40, lambda d: 1 + 0.95 * d)  # batch 40: every draft costs more than it brings
+    assert tuner.best(1, DRAFTED, ACCEPTED) == 3 and tuner.best(40, DRAFTED, ACCEPTED) == 0
+    assert tuner.best(33, DRAFTED, ACCEPTED) == 0  # 32..63: one bucket
     for chosen, best in ((small, 3), (large, 0)):
         settled = chosen[MIN_SAMPLES * 4:]
         tries = [d for d in settled if d != best]
@@ -35,14 +39,19 @@ def test_each_bucket_settles_on_its_fastest_count_and_explores():
         assert settled[:EXPLORE_EVERY + HOLD].count(best) < EXPLORE_EVERY + HOLD  # but tries at first
 
 
+def test_unmeasured_positions_are_taken_to_accept_like_the_one_before():
+    tuner = DraftTuner(3)
+    assert tuner.tokens_per_request([0, 0, 0], [0, 0, 0]) == [1, 2, 3, 4]  # nothing drafted: sure ones, tried
+    assert tuner.tokens_per_request([100, 5, 0], [50, 5, 0]) == [1, 1.5, 2.0, 2.5]
+
+
 def test_the_cap_bounds_every_choice_and_bad_samples_are_ignored():
     tuner = DraftTuner(3)
-    assert tuner.choose(8, 0) == 0
-    assert all(tuner.choose(8, 1) <= 1 for _ in range(3 * EXPLORE_EVERY))
-    tuner.observe(8, 3, 0, 1.0)  # no tokens, no time, a count past K: not samples
-    tuner.observe(8, 3, 10, 0.0)
-    tuner.observe(8, 7, 10, 1.0)
-    tuner.observe(8, 3, 10, 1.0, steady=False)  # a switch's first step
+    assert tuner.choose(8, 0, DRAFTED, ACCEPTED) == 0
+    assert all(tuner.choose(8, 1, DRAFTED, ACCEPTED) <= 1 for _ in range(3 * EXPLORE_EVERY))
+    tuner.observe(8, 3, 0.0)  # no time, a count past K, a switch's first step: not samples
+    tuner.observe(8, 7, 1.0)
+    tuner.observe(8, 3, 1.0, steady=False)
     assert tuner.buckets[(8).bit_length()].samples[3] == 0
 
 

@@ -1,15 +1,19 @@
-"""How many MTP drafts a step makes, chosen from what steps measured on this machine: speculation never costs.
+"""How many MTP drafts a step makes, chosen from what steps cost on this machine: speculation never costs.
 
 A draft pays when the tokens it adds per step outweigh what it costs: a verification row in the target's
 forward and an MTP forward per draft position. Both depend on the machine, the model, the batch and the
 acceptance, none of which a fixed K knows (at batch 1 a step is host overhead and drafts are nearly free; at
-batch 64 every row costs arithmetic). So the tuner measures: per batch-size bucket (a power of two of the
-requests decoding) and per draft count d in 0..K, an exponential average of the goodput a step with d drafts
-per request delivered (tokens emitted / seconds of drafting plus verifying), and each step uses the best d
-of its bucket. A d without `MIN_SAMPLES` samples is tried first; then now and then a bucket tries another d
-for `HOLD` steps (round robin), first every `EXPLORE_EVERY` steps, less often each time a try confirms the
-best (a try costs: its drafts run on an MTP cache with gaps), so a bucket follows the machine as load
-changes; d = 0 (a plain step) is always one of the choices, so a bucket where drafts lose settles on none.
+batch 64 every row costs arithmetic). So the tuner measures the cost, and the engine's counters give the
+gain: per batch-size bucket (a power of two of the requests decoding) and per draft count d in 0..K, an
+exponential average of a step's seconds per request with d drafts each (drafting plus verifying); with the
+acceptance per draft position a_i (accepted / drafted over every step so far: many samples, so steady),
+a step with d drafts yields 1 + a_0 + ... + a_{d-1} tokens per request, and each step uses the d with the
+most tokens per second. A position not yet drafted enough is taken to accept like the one before it (the
+first like a sure one), so it is tried. A d without `MIN_SAMPLES` cost samples is tried first; then now and
+then a bucket tries another d for `HOLD` steps (round robin), first every `EXPLORE_EVERY` steps, less often
+each time a try confirms the best (a try costs: its drafts run on an MTP cache with gaps), so a bucket
+follows the machine as load changes; d = 0 (a plain step) is always one of the choices, so a bucket where
+drafts lose settles on none.
 
 Measured span (shared.engine.speculative.MtpSpeculator): from the start of the step's catch-up that drafted
 d tokens per request to the end of that catch-up, plus the next step's forward and verification (take_drafts
@@ -25,13 +29,14 @@ EXPLORE_EVERY = 16  # steps of a bucket between tries of another draft count, at
 EXPLORE_EVERY_MOST = 512  # ... doubling each time a try leaves the best count where it was, up to this
 HOLD = 3  # steps a try lasts: a switch's first step is not a sample (the MTP layer catches up on positions
 # a plain step skipped, and its drafts were made under the previous count), the next ones are
-MIN_SAMPLES = 2  # samples a draft count needs before its average is trusted
+MIN_SAMPLES = 2  # cost samples a draft count needs before its average is trusted
+MIN_DRAFTED = 32  # drafts at a position before its measured acceptance is used
 SMOOTHING = 0.2  # weight of a new sample in the average
 
 
 @dataclass
 class _Bucket:
-    rates: list[float]  # average goodput (tokens / s) per draft count
+    costs: list[float]  # average seconds per request of a step, per draft count
     samples: list[int]
     steps: int = 0
     explore_every: int = EXPLORE_EVERY
@@ -54,8 +59,19 @@ class DraftTuner:
             self.buckets[key] = _Bucket([0.0] * (self.k + 1), [0] * (self.k + 1))
         return self.buckets[key]
 
-    def choose(self, decoding: int, most: int) -> int:
-        """Drafts per request for a step with `decoding` requests, at most `most` (the cap)."""
+    def tokens_per_request(self, drafted: list[int], accepted: list[int]) -> list[float]:
+        """A step's expected tokens per request for each draft count (the counters per draft position)."""
+        out, total, rate = [1.0], 1.0, 1.0
+        for i in range(self.k):
+            if i < len(drafted) and drafted[i] >= MIN_DRAFTED:
+                rate = accepted[i] / drafted[i]
+            total += rate
+            out.append(total)
+        return out
+
+    def choose(self, decoding: int, most: int, drafted: list[int], accepted: list[int]) -> int:
+        """Drafts per request for a step with `decoding` requests, at most `most` (the cap), given the drafted
+        and accepted counts per draft position so far."""
         if most <= 0:
             return 0
         b = self._bucket(decoding)
@@ -64,7 +80,8 @@ class DraftTuner:
         untried = [d for d in choices if b.samples[d] < MIN_SAMPLES]
         if untried:
             return untried[0]
-        best = max(choices, key=lambda d: b.rates[d])
+        gain = self.tokens_per_request(drafted, accepted)
+        best = max(choices, key=lambda d: gain[d] / b.costs[d])
         if b.trying is not None and b.trying in choices and b.hold > 0:
             b.hold -= 1
             return b.trying
@@ -79,20 +96,21 @@ class DraftTuner:
             return b.trying
         return best
 
-    def observe(self, decoding: int, drafts: int, tokens: int, seconds: float, steady: bool = True) -> None:
-        """A step with `drafts` per request over `decoding` requests emitted `tokens` in `seconds`; `steady`:
-        the step before it drafted as many (a switch's first step is not a sample)."""
-        if not steady or seconds <= 0 or tokens <= 0 or drafts > self.k:
+    def observe(self, decoding: int, drafts: int, seconds: float, steady: bool = True) -> None:
+        """A step with `drafts` per request over `decoding` requests took `seconds` (drafting and verifying);
+        `steady`: the step before it drafted as many (a switch's first step is not a sample)."""
+        if not steady or seconds <= 0 or decoding <= 0 or drafts > self.k:
             return
         b = self._bucket(decoding)
-        rate = tokens / seconds
+        cost = seconds / decoding
         n = b.samples[drafts]
-        b.rates[drafts] = rate if n == 0 else (1 - SMOOTHING) * b.rates[drafts] + SMOOTHING * rate
+        b.costs[drafts] = cost if n == 0 else (1 - SMOOTHING) * b.costs[drafts] + SMOOTHING * cost
         b.samples[drafts] = n + 1
 
-    def best(self, decoding: int) -> int | None:
+    def best(self, decoding: int, drafted: list[int], accepted: list[int]) -> int | None:
         """The draft count a bucket settled on (None before every count has its samples): tests, benches."""
         b = self._bucket(decoding)
         if min(b.samples) < MIN_SAMPLES:
             return None
-        return max(range(self.k + 1), key=lambda d: b.rates[d])
+        gain = self.tokens_per_request(drafted, accepted)
+        return max(range(self.k + 1), key=lambda d: gain[d] / b.costs[d])

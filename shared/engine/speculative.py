@@ -163,7 +163,6 @@ class MtpSpeculator:
             for i, d, accepted, token in zip(group, batch.drafts, n, last, strict=True):
                 out[i] = [*d.tokens[:accepted], token]
             self._count(batch.lengths, n)
-        self._timing.tokens = sum(map(len, out))
         return out
 
     def _accept_sampled(self, logits: torch.Tensor, batch: VerifyBatch, seqs: list[Sequence]
@@ -285,7 +284,9 @@ class MtpSpeculator:
         if self.engine.policy.lockstep or decoding == 0:
             return self.k
         most = min(self.k, self.max_draft_tokens // decoding) if self.max_draft_tokens else self.k
-        return self.tuner.choose(decoding, most) if self.tuner is not None else most
+        if self.tuner is None:
+            return most
+        return self.tuner.choose(decoding, most, self.stats.drafted, self.stats.accepted)
 
     def _draw(self, drafting: list[Sequence], active: list[int], logits: torch.Tensor, state: list[Draft]) -> None:
         """Each active request's next draft from its MTP logits (row j for active[j]): the argmax, or a draw
@@ -355,7 +356,6 @@ class _StepTiming:
     """What one drafting step and the verification after it cost (the tuner's samples: draft_tuner)."""
 
     verify_start: float | None = None  # take_drafts of the step now verifying
-    tokens: int = 0  # the tokens its verification emitted
     pending: tuple[int, int, bool] | None = None  # (decoding, drafts per request, steady) of the last catch-up
     draft_seconds: float = 0.0
     _started: float = 0.0
@@ -366,7 +366,7 @@ class _StepTiming:
         now = time.perf_counter()
         if tuner is not None and self.pending is not None and self.verify_start is not None:
             decoding, drafts, steady = self.pending
-            tuner.observe(decoding, drafts, self.tokens, self.draft_seconds + now - self.verify_start, steady)
+            tuner.observe(decoding, drafts, self.draft_seconds + now - self.verify_start, steady)
         self.pending = None
         return now
 
