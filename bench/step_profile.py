@@ -7,10 +7,11 @@ The model is engine_throughput's tiny DeepSeek (the same checkpoint vLLM's CPU b
 engine prefills the batch, then decodes: `--steps` steps timed plainly (the step's wall time), then as many
 under torch.profiler, where each op's own time is sorted into
 
-* **matmul** — aten mm / addmm / bmm / grouped mm / int8 mm, wherever they run;
+* **matmul** — aten mm / addmm / bmm / grouped mm / int8 mm and the C matmuls (decode linears, absorbed
+  heads, W8A8), wherever they run;
 * **attention**, **indexer**, **MoE**, **sampling**, **other compute** — every other op's own time inside that
-  part of the step (the MLA module, the indexer, the MoE block, the sampler / MTP verification), and the
-  C kernels' (paged attention, index scores, KV writes, experts) own time beside the aten ops they call;
+  part of the step (the MLA module, the indexer, the MoE block, the sampler), the C kernels' (paged attention,
+  index scores, KV writes, routed experts, norms: each ctypes call) included;
 * **copies and gathers** (copy_, to, index, gather, cat, clone, contiguous, ...) and **allocation** (empty,
   zeros, full, ...), wherever they run;
 * **host** — the step's wall time less every op's own time: Python, dispatch, the engine's bookkeeping.
@@ -55,7 +56,8 @@ ALLOCS = {"aten::empty", "aten::empty_strided", "aten::zeros", "aten::full", "at
           "aten::new_zeros", "aten::zeros_like", "aten::resize_", "aten::ones", "aten::arange"}
 SCOPES = {"pdserve.attention": "attention", "pdserve.indexer": "indexer", "pdserve.moe": "MoE",
           "pdserve.sampling": "sampling"}
-KERNEL_PREFIX = "pdserve.kernel."  # a C kernel's scope: its own time is compute of the part it runs in
+KERNEL_PREFIX = "pdserve.kernel."  # a C kernel's scope: its own time is compute of the part it runs in ...
+C_MATMULS = {"linear_rows", "dots_bf16", "head_matmul", "w8a8_matmul"}  # ... or matmul: the C matmuls
 
 
 def _scoped(stack: ExitStack, owner: object, name: str, label: str) -> None:
@@ -71,9 +73,12 @@ def _scoped(stack: ExitStack, owner: object, name: str, label: str) -> None:
 
 
 def instrument(stack: ExitStack, llm: LLM) -> None:
-    """Scopes for the step's parts (module instances) and the C kernels (module functions)."""
+    """Scopes for the step's parts (module instances) and the C kernels (each ctypes entry point of the built
+    kernel libraries: its own time is the kernel's; the Python wrapper around it stays host time)."""
+    import ctypes
+
     import shared.model.cpu_kernels as cpu_kernels
-    import shared.model.moe_kernels as moe_kernels
+    import shared.model.int8_kernels as int8_kernels
     from shared.model.indexer import Indexer
     from shared.model.mla import MLA
     from shared.model.moe import MoE
@@ -83,12 +88,11 @@ def instrument(stack: ExitStack, llm: LLM) -> None:
             if isinstance(module, cls):
                 _scoped(stack, module, "forward", label)
     _scoped(stack, llm.engine, "sample", "pdserve.sampling")
-    for mod in (cpu_kernels, moe_kernels):
-        for name in dir(mod):
-            fn = getattr(mod, name)
-            if callable(fn) and getattr(fn, "__module__", None) == mod.__name__ and not name.startswith("_") \
-                    and not isinstance(fn, type):
-                _scoped(stack, mod, name, KERNEL_PREFIX + name)
+    for mod in (cpu_kernels, int8_kernels):
+        lib = mod.library()
+        for name, fn in list(vars(lib).items()) if lib is not None else []:
+            if isinstance(fn, ctypes._CFuncPtr):
+                _scoped(stack, lib, name, KERNEL_PREFIX + name)
 
 
 def _part_of(event) -> str:
@@ -108,8 +112,8 @@ def classify(events) -> dict[str, float]:
         own = ev.self_cpu_time_total / 1e6
         if ev.name in SCOPES or ev.name == "ProfilerStep*":
             continue  # a scope's own time is the Python around its ops: host
-        if ev.name.startswith(KERNEL_PREFIX):
-            out[_part_of(ev)] += own  # the C kernel's own time (its aten children counted on their own)
+        if ev.name.startswith(KERNEL_PREFIX):  # the C kernel's own time (its aten children counted on their own)
+            out["matmul" if ev.name.removeprefix(KERNEL_PREFIX) in C_MATMULS else _part_of(ev)] += own
         elif ev.name in MATMUL:
             out["matmul"] += own
         elif ev.name in MOVES:
@@ -125,7 +129,8 @@ def profile_batch(llm: LLM, batch: int, prompt_len: int, steps: int) -> tuple[fl
     """(median ms per decode step, ms per part) at a batch size."""
     eng = llm.engine
     params = SamplingParams(max_tokens=3 * steps + 4, temperature=0.0, ignore_eos=True)
-    seqs = [eng.add_request(torch.randint(2, 1000, (prompt_len,)).tolist(), params) for _ in range(batch)]
+    vocab = min(1000, eng.model_config.vocab_size)
+    seqs = [eng.add_request(torch.randint(2, vocab, (prompt_len,)).tolist(), params) for _ in range(batch)]
     while any(not s.output_token_ids for s in seqs):
         eng.step()
     for _ in range(2):
@@ -204,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
           f"ms per decode step by part (own time; host = wall less every op's own time)")
     print(table(["batch", "step ms", *PARTS, "host share", "tok/s"], rows))
     suffix = f"-{args.label}" if args.label else ""
+    OUT.mkdir(parents=True, exist_ok=True)
     out = {"batches": batches, "step_ms": [r[0] for r in results], "parts": [r[1] for r in results],
            "model_type": args.model_type, "dtype": args.dtype, "threads": torch.get_num_threads()}
     (OUT / f"step_profile{suffix}.json").write_text(json.dumps(out, indent=1))

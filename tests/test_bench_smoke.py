@@ -26,6 +26,7 @@ TINY_ARGS = {
     "trace_replay": ["--trace", str(ROOT / "tests" / "data" / "mooncake_conversation_first_2min.jsonl"), "--minutes",
                      "2", "--max-m", "2", "--max-n", "1", "--jobs", "1"],
     "indexer": ["--heads", "4", "--contexts", "128", "--queries", "2", "--repeat", "2"],
+    "step_profile": ["--batches", "1,2", "--prompt-len", "8", "--steps", "2", "--dtype", "float32"],
     "c8": ["--contexts", "64", "--batch", "1", "--tail", "4", "--new-tokens", "2", "--repeat", "1",
            "--index-topk", "32"],
 }
