@@ -56,9 +56,9 @@ class FetchEndpoint:
     tls: object | None  # ssl.SSLContext of the receiver (server side), or None
     stall_seconds: float
     lease_seconds: float
-    transport: str = "tcp"  # the instance's --kv-transport: mooncake receives fetched blocks by one-sided writes
-    mooncake_protocol: str = "tcp"
-    mooncake_devices: str = ""
+    transport: str  # the instance's --kv-transport: mooncake receives fetched blocks by one-sided writes
+    mooncake_protocol: str  # and its Mooncake flags
+    mooncake_devices: str
 
 
 # -- commands and answers -----------------------------------------------------------------------------

@@ -167,3 +167,28 @@ def concurrent_generate(address: str, requests: list, timeout: float = 180) -> l
         for t in threads:
             t.join(timeout)
     return [got.get(i) for i in range(len(requests))]
+
+
+def served_after_push_out(up, target: list[int], stride: int) -> tuple[str, str, int]:
+    """Through `pdserve up`'s HTTP API (the openai SDK) with 512-token device pools: complete `target` (nothing
+    cached), push it out of the pools with three 400-token prompts (waits let each tier's writer copy off the
+    engine thread), complete it again: (first text, second text, the second's cached prompt tokens)."""
+    import time
+
+    import openai
+
+    client = openai.OpenAI(base_url=up.http_url, api_key="none", max_retries=0)
+
+    def complete(prompt: list[int]) -> tuple[str, int]:
+        out = client.completions.create(model=up.model, prompt=prompt, max_tokens=4, temperature=0)
+        details = out.usage.prompt_tokens_details
+        return out.choices[0].text, details.cached_tokens if details else 0
+
+    text, cached = complete(target)
+    assert cached == 0
+    for seed in range(3):
+        time.sleep(0.5)
+        complete([(7 * seed + stride * i) % 1000 + 3 for i in range(400)])
+    time.sleep(0.5)
+    again, cached = complete(target)
+    return text, again, cached

@@ -1,15 +1,12 @@
 """The MTP draft tuner (shared.engine.draft_tuner): each batch-size bucket settles on the draft count its steps
-measured fastest (none where drafts lose), keeps trying the others now and then, stays under the cap; wired
-into the engine, it learns from real steps and greedy output stays the plain model's."""
+measured fastest (none where drafts lose), keeps trying the others now and then, stays under the cap (wired into
+the engine: tests/test_speculative.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.engine import LLM, SamplingParams
 from shared.engine.draft_tuner import EXPLORE_EVERY, HOLD, MIN_SAMPLES, DraftTuner
-from shared.loader.tiny import write_checkpoint
-from tests.helpers import random_prompts
 
 DRAFTED, ACCEPTED = [1000, 900, 800], [900, 720, 560]  # acceptance 0.9, 0.8, 0.7 per position
 
@@ -53,26 +50,3 @@ def test_the_cap_bounds_every_choice_and_bad_samples_are_ignored():
     tuner.observe(8, 7, 1.0)
     tuner.observe(8, 3, 1.0, steady=False)
     assert tuner.buckets[(8).bit_length()].samples[3] == 0
-
-
-@pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("mtp"), "deepseek_v32", tokenizer=False, mtp=True,
-                            index_topk=8, vocab_size=512, hidden_size=64, q_lora_rank=32, kv_lora_rank=64,
-                            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32,
-                            intermediate_size=128, num_hidden_layers=3, index_head_dim=32, index_n_heads=4)
-
-
-def test_the_engine_tunes_from_its_own_steps_with_plain_greedy_output(mtp_model):
-    prompts = random_prompts(6, [5, 17, 30, 9, 3, 12], 512, seed=21)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(mtp_model), dtype="float32", block_size=4).generate(prompts, params)]
-    llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=3)
-    spec = llm.engine.speculator
-    assert spec.tuner is not None and not spec.tuner.buckets  # the warm-up's cold steps were forgotten
-    assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    samples = {key: sum(b.samples) for key, b in spec.tuner.buckets.items()}
-    assert samples and all(n > 0 for n in samples.values()), samples  # measured steps, by batch bucket
-    assert any(b.samples[0] > 0 for b in spec.tuner.buckets.values())  # plain steps were tried too
-    kv = llm.engine.kv
-    assert kv.allocator.num_free == kv.num_blocks

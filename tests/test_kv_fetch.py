@@ -34,7 +34,7 @@ class Instance:
         self.answers: dict[str, object] = {}
         self.later: list = []
         self.answered = threading.Event()
-        endpoint = FetchEndpoint("127.0.0.1", None, None, 3.0, 30.0, transport) if fetch else None
+        endpoint = FetchEndpoint("127.0.0.1", None, None, 3.0, 30.0, transport, "tcp", "") if fetch else None
         self.worker = PrefillWorker(self.llm.engine, lambda transport: make_sender(transport, self.llm.engine.kv),
                                     on_done=self._done, later=self.later.append, fetch=endpoint)
 

@@ -9,10 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import openai
 import pytest
 
 from bench.fleet_faults import UpProcess
@@ -21,7 +19,7 @@ from shared.engine import LLM, SamplingParams
 from shared.protocol.prefix import prompt_block_hashes
 from shared.transfer.mooncake import mooncake_available
 from shared.transfer.mooncake_store import MooncakeStore, store_namespace
-from tests.helpers import random_prompts
+from tests.helpers import random_prompts, served_after_push_out
 
 pytestmark = pytest.mark.skipif(not mooncake_available() and not os.environ.get("CI"),
                                 reason="Mooncake not installed (make installs it; under CI a missing one fails)")
@@ -134,21 +132,7 @@ def test_the_store_tier_through_pdserve_up(tmp_path):
                       "--kv-tier-tokens", "8192", "--kv-store-master", "auto"], tmp_path / "logs")
     try:
         up = proc.start()
-        client = openai.OpenAI(base_url=up.http_url, api_key="none", max_retries=0)
-
-        def complete(prompt: list[int]) -> tuple[str, int]:
-            out = client.completions.create(model=up.model, prompt=prompt, max_tokens=4, temperature=0)
-            details = out.usage.prompt_tokens_details
-            return out.choices[0].text, details.cached_tokens if details else 0
-
-        target = [17 + i % 900 for i in range(200)]
-        text, cached = complete(target)
-        assert cached == 0
-        for seed in range(3):  # 400 tokens each of a 512-token pool: the target's blocks are evicted
-            time.sleep(0.5)  # the tier's writer copies off the engine thread
-            complete([(11 * seed + 7 * i) % 1000 + 3 for i in range(400)])
-        time.sleep(0.5)
-        again, cached = complete(target)
+        text, again, cached = served_after_push_out(up, [17 + i % 900 for i in range(200)], 7)
         assert again == text and cached == 192  # 12 whole blocks of 16
         (prefill,) = [name for name in up.metrics if name.startswith("prefill")]
         (decode,) = [name for name in up.metrics if name.startswith("decode")]

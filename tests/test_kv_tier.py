@@ -5,11 +5,9 @@ kind's bytes round-trip; a fresh store per process; and host-tier hits through `
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 
@@ -22,7 +20,7 @@ from shared.kvcache.tier import HostStore, TierStats, totals
 from shared.metrics import LoadCollector
 from shared.protocol.load import RankLoad
 from shared.protocol.prefix import prompt_block_hashes
-from tests.helpers import random_prompts
+from tests.helpers import random_prompts, served_after_push_out
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -279,21 +277,7 @@ def test_host_tier_hits_through_pdserve_up(tmp_path):
                       "--kv-tier-tokens", "8192", "--kv-tier-dir", str(tmp_path / "tier")], tmp_path / "logs")
     try:
         up = proc.start()
-        client = openai.OpenAI(base_url=up.http_url, api_key="none", max_retries=0)
-
-        def complete(prompt: list[int]) -> tuple[str, int]:
-            out = client.completions.create(model=up.model, prompt=prompt, max_tokens=4, temperature=0)
-            details = out.usage.prompt_tokens_details
-            return out.choices[0].text, details.cached_tokens if details else 0
-
-        target = [11 + i % 900 for i in range(200)]
-        text, cached = complete(target)
-        assert cached == 0
-        for seed in range(3):  # 400 tokens each of a 512-token pool: the target's blocks are evicted
-            time.sleep(0.5)  # the tier's writer copies off the engine thread
-            complete([(7 * seed + 13 * i) % 1000 + 3 for i in range(400)])
-        time.sleep(0.5)
-        again, cached = complete(target)
+        text, again, cached = served_after_push_out(up, [11 + i % 900 for i in range(200)], 13)
         assert again == text and cached == 192  # 12 whole blocks of 16
         (prefill,) = [name for name in up.metrics if name.startswith("prefill")]
         (decode,) = [name for name in up.metrics if name.startswith("decode")]

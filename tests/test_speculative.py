@@ -443,3 +443,18 @@ def test_a_request_ending_inside_accepted_drafts(mtp_model, monkeypatch, end):
     assert stats.accepted[2] > 0  # whole runs of drafts accepted
     kv = llm.engine.kv
     assert kv.allocator.num_free == kv.num_blocks
+
+
+def test_the_engine_tunes_from_its_own_steps_with_plain_greedy_output(mtp_model):
+    prompts = random_prompts(6, [5, 17, 30, 9, 3, 12], 512, seed=21)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(mtp_model), dtype="float32", block_size=4).generate(prompts, params)]
+    llm = LLM(str(mtp_model), dtype="float32", block_size=4, speculative="mtp", num_speculative_tokens=3)
+    spec = llm.engine.speculator
+    assert spec.tuner is not None and not spec.tuner.buckets  # the warm-up's cold steps were forgotten
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    samples = {key: sum(b.samples) for key, b in spec.tuner.buckets.items()}
+    assert samples and all(n > 0 for n in samples.values()), samples  # measured steps, by batch bucket
+    assert any(b.samples[0] > 0 for b in spec.tuner.buckets.values())  # plain steps were tried too
+    kv = llm.engine.kv
+    assert kv.allocator.num_free == kv.num_blocks
