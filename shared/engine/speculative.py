@@ -280,11 +280,12 @@ class MtpSpeculator:
 
     def drafts_per_request(self, decoding: int) -> int:
         """Drafts each of `decoding` requests makes for the next step: under `max_draft_tokens`, the count the
-        tuner measured fastest for this batch size (K under lock-step: see the class docstring)."""
+        tuner measured fastest for this batch size on a one-rank instance (the cap's count on mirrored TP
+        ranks; K under lock-step: see the class docstring)."""
         if self.engine.policy.lockstep or decoding == 0:
             return self.k
         most = min(self.k, self.max_draft_tokens // decoding) if self.max_draft_tokens else self.k
-        if self.tuner is None:
+        if self.tuner is None or self.engine.policy.mirror:  # mirrored ranks must choose alike: not by their clocks
             return most
         return self.tuner.choose(decoding, most, self.stats.drafted, self.stats.accepted)
 
