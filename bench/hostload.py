@@ -40,6 +40,25 @@ def tree_seconds(root: int) -> float:
     return total / TICK
 
 
+def own_seconds(pid: int) -> float:
+    """CPU seconds of one process alone (its threads; not its children)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(f[11]) + int(f[12])) / TICK
+
+
+def front_and_engine(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named service process (its front: the process itself) and of what it started
+    (its engine ranks: its descendants), as "NAME front" / "NAME engine"."""
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        own = own_seconds(pid)
+        out[f"{name} front"], out[f"{name} engine"] = own, tree_seconds(pid) - own
+    return out
+
+
 class ForeignLoad:
     """`start()`, then `cores()`: the average number of cores others kept busy since."""
 

@@ -39,7 +39,7 @@ import grpc
 import torch
 
 from bench.common import OUT, line_plot, pct, table
-from bench.hostload import ForeignLoad, wait_quiet
+from bench.hostload import ForeignLoad, front_and_engine, wait_quiet
 from bench.peers import VLLM_CONFIG, VllmServer, stream_completion, vllm_bench_serve
 from router.cluster import Cluster
 from shared.engine import EngineConfig, LLMEngine, SamplingParams
@@ -49,6 +49,8 @@ from shared.loader.tiny import ensure_tiny_model, write_checkpoint
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.transfer import TcpReceiver, make_sender
 from shared.transfer.base import cache_kinds
+
+CPU_PARTS = ["router front", "prefill front", "prefill engine", "decode front", "decode engine"]
 
 
 def stream_once(stub, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
@@ -80,7 +82,7 @@ def run_streams(open_stream, prompts: list[list[int]], max_tokens: int) -> dict:
 
     stamps, t0, t1 = asyncio.run(go())
     return {"ttft": [s[0] - t0 for s in stamps], "tpot": [(s[-1] - s[0]) / max(len(s) - 1, 1) for s in stamps],
-            "tok/s": sum(len(s) for s in stamps) / (t1 - t0)}
+            "tok/s": sum(len(s) for s in stamps) / (t1 - t0), "tokens": sum(len(s) for s in stamps)}
 
 
 def run_router(address: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -251,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
             for run in systems.values():
                 run(2, "warmup", min(16, args.prompt_len), 4)
             runs = {name: {n: [] for n in levels} for name in systems}
+            pids = {"router": cluster.process(cluster.address).pid,
+                    "prefill": cluster.process(cluster.prefill_addrs[0]).pid,
+                    "decode": cluster.process(cluster.decode_addrs[0]).pid}
             for n in levels:
                 for r in range(args.rounds):
                     order = list(systems) if r % 2 == 0 else list(systems)[::-1]  # ABBA: drift hits all alike
@@ -258,9 +263,12 @@ def main(argv: list[str] | None = None) -> None:
                         if args.quiet_below > 0:
                             wait_quiet(args.quiet_below, args.quiet_wait)
                         print(f"{n} concurrent streams, round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                        others = ForeignLoad()
+                        others, cpu0 = ForeignLoad(), front_and_engine(pids)
                         res = systems[name](n, f"{n}-r{r}", args.prompt_len, args.max_tokens)
                         res["others"] = others.cores()
+                        if name in (GRPC, HTTP):  # each process's CPU per generated token
+                            res["cpu"] = {k: 1e3 * (v - cpu0[k]) / max(res["tokens"], 1)
+                                          for k, v in front_and_engine(pids).items()}
                         if res["others"] > 0.1:
                             print(f"  other programs kept {res['others']:.2f} cores busy meanwhile", flush=True)
                         runs[name][n].append(res)
@@ -294,6 +302,11 @@ def main(argv: list[str] | None = None) -> None:
         print(table(["system / path [load tool]", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
                      "tok/s", "TPOT p50 / gRPC", "tok/s / vLLM (same tool)"], rows))
     http_rows = [name for name in (HTTP, HTTP_VB) if name in results]
+    cpu_rows = [[n, name, *(f"{statistics.median(r['cpu'][k] for r in runs[name][n]):.3f}" for k in CPU_PARTS)]
+                for n in levels for name in (GRPC, HTTP)]
+    print("\nCPU ms per generated token, by process (median over rounds; front: the service's own process, engine: "
+          "the engine ranks it started; the router's engine column is 0: it has none)")
+    print(table(["streams", "path", *CPU_PARTS], cpu_rows))
 
     def round_ratio(name: str, n: int, r: int) -> float:  # TPOT p50 of `name` / gRPC's, one round
         return pct(runs[name][n][r]["tpot"], .5) / pct(runs[GRPC][n][r]["tpot"], .5)
