@@ -13,15 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from router.cluster import free_port
+
 AUTO = "auto"
 START_TIMEOUT_S = 30.0
-
-
-def _free_port() -> int:
-    """A port free now (mooncake_master takes its ports as flags and cannot report one it chose)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def master_binary() -> str:
@@ -43,8 +38,8 @@ class StoreMaster:
 
     @classmethod
     def start(cls, log_dir: Path | None = None) -> StoreMaster:
-        port = _free_port()
-        argv = [master_binary(), f"-rpc_port={port}", f"-metrics_port={_free_port()}", "-rpc_address=127.0.0.1",
+        port = free_port()  # mooncake_master takes its ports as flags: it cannot report one it chose
+        argv = [master_binary(), f"-rpc_port={port}", f"-metrics_port={free_port()}", "-rpc_address=127.0.0.1",
                 "-metrics_host=127.0.0.1"]
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)

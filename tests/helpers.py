@@ -192,3 +192,11 @@ def served_after_push_out(up, target: list[int], stride: int) -> tuple[str, str,
     time.sleep(0.5)
     again, cached = complete(target)
     return text, again, cached
+
+
+def host_tier_hits(up) -> tuple[float, float]:
+    """Prompt tokens served from the second tier so far, by the prefill and the decode front (their /metrics)."""
+    (prefill,) = [name for name in up.metrics if name.startswith("prefill")]
+    (decode,) = [name for name in up.metrics if name.startswith("decode")]
+    return (up.metric(prefill, 'pdserve_prefix_cache_hit_tokens_total{service="prefill",tier="host"}'),
+            up.metric(decode, 'pdserve_prefix_cache_hit_tokens_total{service="decode",tier="host"}'))

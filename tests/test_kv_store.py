@@ -15,18 +15,17 @@ import pytest
 
 from bench.fleet_faults import UpProcess
 from router.kv_store import StoreMaster
-from shared.engine import LLM, SamplingParams
+from shared.engine import LLM
 from shared.protocol.prefix import prompt_block_hashes
 from shared.transfer.mooncake import mooncake_available
 from shared.transfer.mooncake_store import MooncakeStore, store_namespace
-from tests.helpers import random_prompts, served_after_push_out
+from tests.helpers import host_tier_hits, random_prompts, served_after_push_out
+from tests.test_kv_tier import BS, GREEDY, _run  # one engine run, then the tier's writer flushed
 
 pytestmark = pytest.mark.skipif(not mooncake_available() and not os.environ.get("CI"),
                                 reason="Mooncake not installed (make installs it; under CI a missing one fails)")
 
 ROOT = Path(__file__).resolve().parents[1]
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-BS = 4
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +54,6 @@ def engine(sparse_path, master):
     yield make
     for llm in made:
         llm.engine.kv.tier.close()
-
-
-def _run(llm: LLM, prompt: list[int]):
-    seq = llm.engine.add_request(prompt, GREEDY)
-    while llm.engine.has_work:
-        llm.engine.step()
-    llm.engine.kv.tier.flush()
-    return seq
 
 
 def test_a_prefix_one_engine_spilled_is_a_hit_on_another(sparse_path, engine):
@@ -134,10 +125,7 @@ def test_the_store_tier_through_pdserve_up(tmp_path):
         up = proc.start()
         text, again, cached = served_after_push_out(up, [17 + i % 900 for i in range(200)], 7)
         assert again == text and cached == 192  # 12 whole blocks of 16
-        (prefill,) = [name for name in up.metrics if name.startswith("prefill")]
-        (decode,) = [name for name in up.metrics if name.startswith("decode")]
-        assert up.metric(prefill, 'pdserve_prefix_cache_hit_tokens_total{service="prefill",tier="host"}') == 192
-        assert up.metric(decode, 'pdserve_prefix_cache_hit_tokens_total{service="decode",tier="host"}') == 192
+        assert host_tier_hits(up) == (192, 192)
         assert (tmp_path / "logs" / "kv-store-master.log").exists()
     finally:
         proc.stop()
