@@ -60,6 +60,7 @@ class UpProcess:
     lines: list[Line] = field(default_factory=list)
     grpc_address: str = ""
     http_url: str = ""
+    kserve_address: str = ""  # with --kserve-port
     model: str = ""
     metrics: dict[str, str] = field(default_factory=dict)  # service name → its /metrics URL
     pools: dict[str, list[str]] = field(default_factory=dict)  # prefill / decode → addresses
@@ -79,6 +80,8 @@ class UpProcess:
                 self.pools = {k: re.findall(r"'([^']+)'", m.group(i)) for i, k in ((2, "prefill"), (3, "decode"))}
             if m := re.search(r"HTTP API at (\S+) \(model (.+)\)", line.text):
                 self.http_url, self.model = m.group(1), m.group(2)
+            if m := re.search(r"KServe v2 gRPC \(Open Inference Protocol\) at (\S+)", line.text):
+                self.kserve_address = m.group(1)
             if m := re.search(r"restarts counted at (\S+/metrics)", line.text):
                 self.supervisor_metrics = m.group(1)
             if line.text.startswith("metrics: "):

@@ -103,6 +103,7 @@ class Cluster:
     elastic: bool = False  # the router follows pool files: instances join and leave at run time (--autoscale)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # service address → its /metrics port
     http_address: str = ""  # the router's OpenAI-compatible HTTP API (host:port), when --http-port is given
+    kserve_address: str = ""  # the router's KServe v2 gRPC API (host:port), when --kserve-port is given
     _commands: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # address → (name, argv)
     _by_address: dict[str, subprocess.Popen] = field(default_factory=dict)
     _draining: list[subprocess.Popen] = field(default_factory=list)  # removed instances on their way out
@@ -131,8 +132,10 @@ class Cluster:
         restarted router where it was. It reports to `proc.pdserve_port_file` once it listens."""
         name, args = self._commands[address]
         pinned = {"--port": address.rpartition(":")[2]}
-        if address == self.address and self.http_address:
-            pinned["--http-port"] = self.http_address.rpartition(":")[2]
+        if address == self.address:
+            for flag, where in (("--http-port", self.http_address), ("--kserve-port", self.kserve_address)):
+                if where:
+                    pinned[flag] = where.rpartition(":")[2]
         port_file = Path(tempfile.mkdtemp(prefix="pdserve-restart-")) / name
         pinned["--port-file"] = str(port_file)
         args = [pinned.get(prev, a) for prev, a in zip(["", *args], args)]
@@ -225,6 +228,8 @@ class Cluster:
             http_file = Path(f"{file}.http")
             if http_file.exists():  # written before the router's port file
                 self.http_address = f"{self.host}:{int(http_file.read_text())}"
+            if (kserve_file := Path(f"{file}.kserve")).exists():
+                self.kserve_address = f"{self.host}:{int(kserve_file.read_text())}"
             self._commands[self.address] = proc.pdserve_command
             for addr in [*self.decode_addrs, *self.prefill_addrs, self.address]:
                 wait_serving(addr, timeout, credentials=self.credentials)

@@ -4,6 +4,7 @@ and the chart's values are derived (shared.config)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from router.autoscale import (
     AUTOSCALE_TPOT_MS,
@@ -78,6 +79,10 @@ class RouterConfig(EndpointConfig):
                                        "/v1/chat/completions, /v1/models, /health) on this port (0: a free one, "
                                        "reported in PORT_FILE.http); TLS with --tls-cert/--tls-key when given",
                                  bounds=(0, 65535))
+    kserve_port: int | None = flag(None, "also serve KServe v2 / the Open Inference Protocol over gRPC "
+                                         "(inference.GRPCInferenceService: tritonclient, KServe; text in "
+                                         "`text_input`, out in `text_output`) on this port (0: a free one, reported "
+                                         "in PORT_FILE.kserve); TLS as the gRPC API's", bounds=(0, 65535))
     api_key_file: str | None = flag(None, "HTTP API keys, one per line: /v1/ calls need Authorization: Bearer KEY "
                                           "(401 otherwise)")
     served_model_name: str | None = flag(None, "the model id of the HTTP API (default: the --model directory's "
@@ -99,6 +104,11 @@ class RouterConfig(EndpointConfig):
         return Autoscaler(perf, (self.ttft_slo_ms or AUTOSCALE_TTFT_MS) / 1e3, (self.tpot_slo_ms or AUTOSCALE_TPOT_MS)
                           / 1e3, bounds, bounds, headroom=self.autoscale_headroom,
                           down_after_s=self.autoscale_down_after, ranks=self.decode_dp, fleet=fleet)
+
+    @property
+    def model_name(self) -> str:
+        """The model's name on the HTTP and KServe APIs: --served-model-name, else the --model directory's."""
+        return self.served_model_name or Path(self.model).resolve().name
 
     def __post_init__(self) -> None:
         check_bounds(self, flag_name)

@@ -132,6 +132,7 @@ class RouterSpec:
     no_kv_fetch: bool = same_as(RouterConfig, "no_kv_fetch")
     migration_limit: int = same_as(RouterConfig, "migration_limit")
     http_port: int | None = same_as(RouterConfig, "http_port")
+    kserve_port: int | None = same_as(RouterConfig, "kserve_port")
     api_key_file: str | None = same_as(RouterConfig, "api_key_file")
     served_model_name: str | None = same_as(RouterConfig, "served_model_name")
     chat_max_tokens: int = same_as(RouterConfig, "chat_max_tokens")
@@ -243,7 +244,7 @@ class Deployment:
         """The router's flags (the chart's router.yaml): its own, and the decode instances' DP ranks
         (--decode-dp: --autoscale plans an instance as that many ranks)."""
         r = self.router
-        optional = {"--http-port": r.http_port, "--api-key-file": r.api_key_file,
+        optional = {"--http-port": r.http_port, "--kserve-port": r.kserve_port, "--api-key-file": r.api_key_file,
                     "--served-model-name": r.served_model_name, "--profile": r.profile}
         return ["--request-timeout", _s(r.request_timeout), "--instance-wait", _s(r.instance_wait),
                 "--max-prompt-bytes", _s(r.max_prompt_bytes),

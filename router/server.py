@@ -1,6 +1,6 @@
 """The router's process: the public `pdserve.v1.Generation/Generate` (router.servicer) on gRPC, the
-OpenAI-compatible HTTP API beside it (router.http), the pools' watchers (router.pools), readiness,
-autoscaling and the drain on SIGTERM.
+OpenAI-compatible HTTP API beside it (router.http), KServe v2 gRPC on --kserve-port (router.kserve), the pools'
+watchers (router.pools), readiness, autoscaling and the drain on SIGTERM.
 
     python -m router --model DIR --prefill HOST:PORT[,HOST:PORT...] --decode HOST:PORT[,...]
                      [--host 127.0.0.1] [--port 50051] [--metrics-port N]
@@ -13,7 +13,6 @@ import asyncio
 import collections
 import logging
 import time
-from pathlib import Path
 
 import grpc
 
@@ -21,6 +20,7 @@ from router.autoscale import Autoscaler, Target, observe, read_counters
 from router.config import RouterConfig
 from router.drain import DrainGate
 from router.http import OpenAIFrontDoor, read_api_keys, start_http
+from router.kserve import KServeServicer, register_kserve
 from router.request import lenient
 from router.servicer import GenerationServicer
 from shared import metrics
@@ -47,8 +47,13 @@ async def serve(cfg: RouterConfig) -> tuple[grpc.aio.Server, int, Lifecycle]:
             response_serializer=generation_pb2.GenerateResponse.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Generate": handler}),))
 
-    server, port, life = await start_server(cfg.host, cfg.port, [register], [SERVICE], servicer.credentials,
-                                            public=True)
+    handlers = [register]
+    if cfg.kserve_port is not None:  # the Open Inference Protocol on its own port (the same server)
+        kserve_servicer = KServeServicer(servicer, cfg.model_name, servicer.model_config.model_type)
+        handlers.append(lambda server: register_kserve(server, kserve_servicer))
+    extra_ports = [] if cfg.kserve_port is None else [cfg.kserve_port]
+    server, port, life = await start_server(cfg.host, cfg.port, handlers, [SERVICE], servicer.credentials,
+                                            public=True, extra_ports=extra_ports)
     life.servicer = servicer
     return server, port, life
 
@@ -105,7 +110,7 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
     servicer.background.update(watchers)  # referenced for the life of the process
     http = gate = None
     if cfg.http_port is not None:  # up before the port file appears: a launcher may call both at once
-        front = OpenAIFrontDoor(servicer, cfg.served_model_name or Path(cfg.model).resolve().name,
+        front = OpenAIFrontDoor(servicer, cfg.model_name,
                                 read_api_keys(cfg.api_key_file), cfg.http_max_body_bytes, cfg.http_max_prompts)
         gate = DrainGate(front.app)
         http, http_task, http_port = await start_http(gate, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
@@ -113,6 +118,11 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
         log.info("OpenAI-compatible HTTP API at %s://%s:%d/v1", scheme, cfg.host, http_port)
         if cfg.port_file:
             write_port_file(f"{cfg.port_file}.http", http_port)
+    if life.extra_ports:
+        log.info("KServe v2 gRPC (Open Inference Protocol) at %s:%d, model %s", cfg.host, life.extra_ports[0],
+                 cfg.model_name)
+        if cfg.port_file:
+            write_port_file(f"{cfg.port_file}.kserve", life.extra_ports[0])
     life.announce(port, cfg.port_file, f"router listening on {cfg.host}:{port}")
 
     async def refuse_new() -> None:

@@ -250,6 +250,9 @@ def _banner(cluster: Cluster) -> None:
         scheme = "https" if cluster.certs is not None else "http"
         print(f"OpenAI-compatible HTTP API at {scheme}://{cluster.http_address}/v1 "
               f"(model {cluster.served_model_name})")
+    if cluster.kserve_address:
+        print(f"KServe v2 gRPC (Open Inference Protocol) at {cluster.kserve_address} (model "
+              f"{cluster.served_model_name})")
     if cluster.certs is not None:
         print(f"mutual TLS on every hop; clients verify the router with --tls-ca {cluster.certs.ca}")
     print("metrics: " + "; ".join(f"{cluster.service_name(a)} http://{cluster.host}:{port}/metrics"

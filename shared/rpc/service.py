@@ -34,7 +34,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,6 +208,7 @@ class Lifecycle:
         self.loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
         self.servicer: object | None = None  # the service's own servicer, for its main
+        self.extra_ports: list[int] = []  # start_server's extra_ports, bound
 
     async def set(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -258,10 +259,12 @@ class Lifecycle:
 
 async def start_server(host: str, port: int, register: Iterable[Callable[[grpc.aio.Server], None]],
                        service_names: list[str], credentials: Credentials | None = None,
-                       public: bool = False) -> tuple[grpc.aio.Server, int, Lifecycle]:
+                       public: bool = False, extra_ports: Sequence[int] = ()
+                       ) -> tuple[grpc.aio.Server, int, Lifecycle]:
     """Start an asyncio server with health checking and reflection (only of its own services) and
-    mark it SERVING; returns it with its bound port. Under TLS an internal server demands a client
-    certificate from the cluster CA; a `public` one (the router) serves TLS to any client."""
+    mark it SERVING; returns it with its bound port (`extra_ports`: more ports serving the same, bound ones in
+    `life.extra_ports`). Under TLS an internal server demands a client certificate from the cluster CA; a
+    `public` one (the router) serves TLS to any client."""
     credentials = credentials or Credentials()
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[_Authenticate(credentials)])
     for add in register:
@@ -271,15 +274,19 @@ async def start_server(host: str, port: int, register: Iterable[Callable[[grpc.a
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     tls = credentials.server_credentials(require_client_cert=not public)
-    address = f"{host}:{port}"
-    bound = server.add_secure_port(address, tls) if tls else server.add_insecure_port(address)
-    if bound == 0:
-        raise RuntimeError(f"cannot bind {address}")
+    bound_ports = []
+    for p in (port, *extra_ports):
+        address = f"{host}:{p}"
+        bound = server.add_secure_port(address, tls) if tls else server.add_insecure_port(address)
+        if bound == 0:
+            raise RuntimeError(f"cannot bind {address}")
+        bound_ports.append(bound)
     await server.start()
     life = Lifecycle(server, health_servicer, service_names)
+    life.extra_ports = bound_ports[1:]
     await life.set(True)
     await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound, life
+    return server, bound_ports[0], life
 
 
 class LoopQueue:
