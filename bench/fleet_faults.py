@@ -61,6 +61,7 @@ class UpProcess:
     grpc_address: str = ""
     http_url: str = ""
     kserve_address: str = ""  # with --kserve-port
+    epp_address: str = ""  # with --epp-port
     model: str = ""
     metrics: dict[str, str] = field(default_factory=dict)  # service name → its /metrics URL
     pools: dict[str, list[str]] = field(default_factory=dict)  # prefill / decode → addresses
@@ -82,6 +83,8 @@ class UpProcess:
                 self.http_url, self.model = m.group(1), m.group(2)
             if m := re.search(r"KServe v2 gRPC \(Open Inference Protocol\) at (\S+)", line.text):
                 self.kserve_address = m.group(1)
+            if m := re.search(r"endpoint picker \(Envoy ext_proc\) at (\S+)", line.text):
+                self.epp_address = m.group(1)
             if m := re.search(r"restarts counted at (\S+/metrics)", line.text):
                 self.supervisor_metrics = m.group(1)
             if line.text.startswith("metrics: "):

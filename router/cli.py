@@ -70,7 +70,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                    "speculativeMaxDraftTokens": args.speculative_max_draft_tokens,
                    "kvCacheTokens": args.kv_cache_tokens},
         "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port,
-                   "kservePort": args.kserve_port,
+                   "kservePort": args.kserve_port, "eppPort": args.epp_port,
                    "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms, "drainSeconds": args.drain_seconds,
                    "apiKeyFile": args.api_key_file,
                    "servedModelName": args.served_model_name, "chatMaxTokens": args.chat_max_tokens,
@@ -307,7 +307,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
     add_flags(up, DecodeConfig, only=("speculative_max_draft_tokens",))  # decode's own flag, with --speculative
-    add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "kserve_port", "api_key_file",
+    add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "kserve_port", "epp_port", "api_key_file",
                                       "ttft_slo_ms", "tpot_slo_ms", "profile", "served_model_name", "chat_max_tokens",
                                       "drain_seconds"))
     add_flags(up, PrefillConfig, only=("no_prefix_cache", "no_kv_fetch"))

@@ -104,6 +104,7 @@ class Cluster:
     metrics_ports: dict[str, int] = field(default_factory=dict)  # service address → its /metrics port
     http_address: str = ""  # the router's OpenAI-compatible HTTP API (host:port), when --http-port is given
     kserve_address: str = ""  # the router's KServe v2 gRPC API (host:port), when --kserve-port is given
+    epp_address: str = ""  # the router's endpoint picker (Envoy ext_proc), when --epp-port is given
     _commands: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # address → (name, argv)
     _by_address: dict[str, subprocess.Popen] = field(default_factory=dict)
     _draining: list[subprocess.Popen] = field(default_factory=list)  # removed instances on their way out
@@ -133,7 +134,8 @@ class Cluster:
         name, args = self._commands[address]
         pinned = {"--port": address.rpartition(":")[2]}
         if address == self.address:
-            for flag, where in (("--http-port", self.http_address), ("--kserve-port", self.kserve_address)):
+            for flag, where in (("--http-port", self.http_address), ("--kserve-port", self.kserve_address),
+                                ("--epp-port", self.epp_address)):
                 if where:
                     pinned[flag] = where.rpartition(":")[2]
         port_file = Path(tempfile.mkdtemp(prefix="pdserve-restart-")) / name
@@ -230,6 +232,8 @@ class Cluster:
                 self.http_address = f"{self.host}:{int(http_file.read_text())}"
             if (kserve_file := Path(f"{file}.kserve")).exists():
                 self.kserve_address = f"{self.host}:{int(kserve_file.read_text())}"
+            if (epp_file := Path(f"{file}.epp")).exists():
+                self.epp_address = f"{self.host}:{int(epp_file.read_text())}"
             self._commands[self.address] = proc.pdserve_command
             for addr in [*self.decode_addrs, *self.prefill_addrs, self.address]:
                 wait_serving(addr, timeout, credentials=self.credentials)

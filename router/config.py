@@ -83,6 +83,13 @@ class RouterConfig(EndpointConfig):
                                          "(inference.GRPCInferenceService: tritonclient, KServe; text in "
                                          "`text_input`, out in `text_output`) on this port (0: a free one, reported "
                                          "in PORT_FILE.kserve); TLS as the gRPC API's", bounds=(0, 65535))
+    epp_port: int | None = flag(None, "also serve the Gateway API Inference Extension's endpoint picker (Envoy "
+                                      "ext_proc) on this port (0: a free one, reported in PORT_FILE.epp): a "
+                                      "Gateway asks it which router serves each request; it places the request "
+                                      "as this router would and names the pair in headers", bounds=(0, 65535))
+    epp_endpoints: list[str] = flag([], "the routers the endpoint picker picks from when the gateway names no "
+                                        "subset: their HTTP addresses, comma-separated (dns:NAME:PORT: every "
+                                        "address NAME resolves to; default: this router's own --http-port)")
     api_key_file: str | None = flag(None, "HTTP API keys, one per line: /v1/ calls need Authorization: Bearer KEY "
                                           "(401 otherwise)")
     served_model_name: str | None = flag(None, "the model id of the HTTP API (default: the --model directory's "
@@ -112,6 +119,9 @@ class RouterConfig(EndpointConfig):
 
     def __post_init__(self) -> None:
         check_bounds(self, flag_name)
+        if self.epp_port is not None and self.http_port is None and not self.epp_endpoints:
+            raise ValueError("--epp-port picks among routers' HTTP APIs: give --http-port (this router) or "
+                             "--epp-endpoints")
 
 
 __all__ = ["RouterConfig"]

@@ -133,6 +133,7 @@ class RouterSpec:
     migration_limit: int = same_as(RouterConfig, "migration_limit")
     http_port: int | None = same_as(RouterConfig, "http_port")
     kserve_port: int | None = same_as(RouterConfig, "kserve_port")
+    epp_port: int | None = same_as(RouterConfig, "epp_port")
     api_key_file: str | None = same_as(RouterConfig, "api_key_file")
     served_model_name: str | None = same_as(RouterConfig, "served_model_name")
     chat_max_tokens: int = same_as(RouterConfig, "chat_max_tokens")
@@ -244,7 +245,8 @@ class Deployment:
         """The router's flags (the chart's router.yaml): its own, and the decode instances' DP ranks
         (--decode-dp: --autoscale plans an instance as that many ranks)."""
         r = self.router
-        optional = {"--http-port": r.http_port, "--kserve-port": r.kserve_port, "--api-key-file": r.api_key_file,
+        optional = {"--http-port": r.http_port, "--kserve-port": r.kserve_port, "--epp-port": r.epp_port,
+                    "--api-key-file": r.api_key_file,
                     "--served-model-name": r.served_model_name, "--profile": r.profile}
         return ["--request-timeout", _s(r.request_timeout), "--instance-wait", _s(r.instance_wait),
                 "--max-prompt-bytes", _s(r.max_prompt_bytes),

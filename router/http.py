@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.hint import PairHint
 from router.openai_chat import ChatFormat
 from router.openai_choices import CallRules, Choice, OpenStream, TokenText, merged, spent, usage
 from router.openai_completions import CompletionFormat, completion_requests
@@ -158,6 +159,9 @@ class OpenAIFrontDoor:
         rid = fmt.id_prefix + uuid.uuid4().hex
         todo = samples(reqs, body.n)
         calls = [http_call(body) for _ in todo]  # made together: the request's timeout runs from now for all
+        hint = PairHint.from_headers(request.headers)  # the endpoint picker's pair (router.epp), if it named one
+        for call in calls:
+            call.hint = hint
         gens = [self._generate(req, call, rules) for req, call in zip(todo, calls, strict=True)]
         # a prompt's logprobs are computed over the whole prompt (no prefix-cache hit): then nothing to share
         shared = not reqs[0].sampling_params.HasField("prompt_logprobs")

@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.hint import PairHint
+
 RETRY_AFTER_S = 1  # the Retry-After of a 429 that has no estimate of its own (the router's concurrency limit)
 
 # gRPC status → (HTTP status, OpenAI error type)
@@ -70,6 +72,7 @@ class HttpCall:
         self.deadline = time.monotonic() + timeout_s if timeout_s else None
         self.retry_after_s: float | None = None
         self.constraint_field = constraint_field
+        self.hint: PairHint | None = None  # an endpoint picker's pair, from the request's headers (router.hint)
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()

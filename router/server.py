@@ -19,6 +19,8 @@ import grpc
 from router.autoscale import Autoscaler, Target, observe, read_counters
 from router.config import RouterConfig
 from router.drain import DrainGate
+from router.epp import SERVICE as EPP_SERVICE
+from router.epp import EndpointList, EndpointPicker, register_epp
 from router.http import OpenAIFrontDoor, read_api_keys, start_http
 from router.kserve import KServeServicer, register_kserve
 from router.request import lenient
@@ -30,6 +32,8 @@ from shared.rpc.service import Lifecycle, die_with_launcher, start_server, write
 
 log = logging.getLogger("pdserve.router")
 SERVICE = "pdserve.v1.Generation"
+EXTRA_PORTS = {"kserve": "KServe v2 gRPC (Open Inference Protocol)",
+               "epp": "Gateway API Inference Extension endpoint picker (Envoy ext_proc)"}
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -38,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     return parse_flags(RouterConfig, p, argv)
 
 
-async def serve(cfg: RouterConfig) -> tuple[grpc.aio.Server, int, Lifecycle]:
+async def serve(cfg: RouterConfig, endpoints: EndpointList | None = None) -> tuple[grpc.aio.Server, int, Lifecycle]:
+    """The router's gRPC server (Generate; with --kserve-port / --epp-port those services on their own ports;
+    `endpoints`: the routers the endpoint picker picks from)."""
     servicer = GenerationServicer(cfg)
 
     def register(server: grpc.aio.Server) -> None:
@@ -51,10 +57,17 @@ async def serve(cfg: RouterConfig) -> tuple[grpc.aio.Server, int, Lifecycle]:
     if cfg.kserve_port is not None:  # the Open Inference Protocol on its own port (the same server)
         kserve_servicer = KServeServicer(servicer, cfg.model_name, servicer.model_config.model_type)
         handlers.append(lambda server: register_kserve(server, kserve_servicer))
-    extra_ports = [] if cfg.kserve_port is None else [cfg.kserve_port]
-    server, port, life = await start_server(cfg.host, cfg.port, handlers, [SERVICE], servicer.credentials,
-                                            public=True, extra_ports=extra_ports)
+    services = [SERVICE]
+    if cfg.epp_port is not None:  # the inference extension's endpoint picker (Envoy ext_proc), its own port
+        picker = EndpointPicker(servicer, endpoints if endpoints is not None else EndpointList(cfg.epp_endpoints))
+        handlers.append(lambda server: register_epp(server, picker))
+        services.append(EPP_SERVICE)  # its health: the router's readiness (the protocol's service check)
+    extra = {"kserve": cfg.kserve_port, "epp": cfg.epp_port}
+    extra = {name: p for name, p in extra.items() if p is not None}
+    server, port, life = await start_server(cfg.host, cfg.port, handlers, services, servicer.credentials,
+                                            public=True, extra_ports=list(extra.values()))
     life.servicer = servicer
+    life.named_ports = dict(zip(extra, life.extra_ports, strict=True))
     return server, port, life
 
 
@@ -96,7 +109,8 @@ async def _autoscale(servicer: GenerationServicer, controller: Autoscaler, perio
 
 
 async def _serve_until_stopped(cfg: RouterConfig) -> None:
-    _, port, life = await serve(cfg)
+    endpoints = EndpointList(cfg.epp_endpoints)
+    _, port, life = await serve(cfg, endpoints)
     servicer = life.servicer
     watchers = [asyncio.create_task(pool.watch_health()) for pool in (servicer.prefill, servicer.decode)]
     watchers += [asyncio.create_task(pool.poll_loads(cfg.load_interval, servicer.metadata))
@@ -118,11 +132,13 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
         log.info("OpenAI-compatible HTTP API at %s://%s:%d/v1", scheme, cfg.host, http_port)
         if cfg.port_file:
             write_port_file(f"{cfg.port_file}.http", http_port)
-    if life.extra_ports:
-        log.info("KServe v2 gRPC (Open Inference Protocol) at %s:%d, model %s", cfg.host, life.extra_ports[0],
-                 cfg.model_name)
+    if not cfg.epp_endpoints and http is not None:
+        endpoints.static = [f"{cfg.host}:{http_port}"]  # the endpoint picker's default: this router
+    servicer.background.add(asyncio.create_task(endpoints.discover(cfg.discovery_interval)))
+    for name, bound in life.named_ports.items():
+        log.info("%s at %s:%d", EXTRA_PORTS[name], cfg.host, bound)
         if cfg.port_file:
-            write_port_file(f"{cfg.port_file}.kserve", life.extra_ports[0])
+            write_port_file(f"{cfg.port_file}.{name}", bound)
     life.announce(port, cfg.port_file, f"router listening on {cfg.host}:{port}")
 
     async def refuse_new() -> None:

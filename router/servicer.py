@@ -19,6 +19,7 @@ import grpc
 from router.config import RouterConfig
 from router.drain import DRAINING_MESSAGE, RETRY_AFTER_S
 from router.fetch import FetchAdvisor
+from router.hint import PairHint
 from router.kv_index import KvIndex
 from router.perf import PerfModel
 from router.policy import POLICIES, Choice, PrefillView, RankView, Rejected, Request
@@ -245,20 +246,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     task.add_done_callback(self.background.discard)
 
     async def _place(self, context, progress: Progress, ids: list[int], remaining: int) -> Placement:
-        """The policy's pairs for this try (a refusal aborts the call before any work anywhere), the request
-        counted at once on the chosen pair until their next reports: admissions made while its Reserve is in
-        flight must see it, or a burst lands on views that all still say idle."""
-        req, first_try = progress.request, progress.migrations == 0
-        ttft_s = (req.ttft_ms or self.cfg.ttft_slo_ms) / 1e3 if first_try else 0.0  # a started stream goes on
-        tpot_s = (req.tpot_ms or self.cfg.tpot_slo_ms) / 1e3
+        """The policy's pairs for this try (a refusal aborts the call before any work anywhere); an endpoint
+        picker's pair (the HTTP call's `hint`) first where the policy admits it."""
         prefills, decodes = await self._reachable(context, progress.t_end)
         try:
-            cached = self._cached_prefix(ids, prefills, decodes, req.cache_salt)
-            pairs = await self._admit(ids, remaining, ttft_s, tpot_s, req, cached, prefills, decodes, progress.t0)
+            return await self.plan(progress.request, ids, remaining, prefills, decodes, progress.t0,
+                                   progress.migrations == 0, getattr(context, "hint", None))
         except Rejected as exc:  # before any work anywhere
             metrics.request_done("router", "RESOURCE_EXHAUSTED", "sla")
             context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1e3))),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry after {exc.retry_after_s:.1f} s")
+
+    async def plan(self, req: GenerationRequest, ids: list[int], remaining: int, prefills: list[Instance],
+                   decodes: list[Instance], t0: float, first_try: bool = True, hint: PairHint | None = None
+                   ) -> Placement:
+        """The policy's pairs for a request (Rejected when none meets its targets), `hint`'s pair first where
+        admitted, the request counted at once on the chosen pair until their next reports: admissions made while
+        its Reserve is in flight must see it, or a burst lands on views that all still say idle. The endpoint
+        picker (router.epp) asks this too."""
+        ttft_s = (req.ttft_ms or self.cfg.ttft_slo_ms) / 1e3 if first_try else 0.0  # a started stream goes on
+        tpot_s = (req.tpot_ms or self.cfg.tpot_slo_ms) / 1e3
+        cached = self._cached_prefix(ids, prefills, decodes, req.cache_salt)
+        pairs = await self._admit(ids, remaining, ttft_s, tpot_s, req, cached, prefills, decodes, t0)
+        if hint is not None:
+            pairs = hint.first(pairs, prefills, decodes)
         best = pairs[0]
         counted_prefill = None if best.local else prefills[best.prefill].view
         decode_view = decodes[best.decode].view

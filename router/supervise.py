@@ -253,6 +253,8 @@ def _banner(cluster: Cluster) -> None:
     if cluster.kserve_address:
         print(f"KServe v2 gRPC (Open Inference Protocol) at {cluster.kserve_address} (model "
               f"{cluster.served_model_name})")
+    if cluster.epp_address:
+        print(f"Gateway API Inference Extension endpoint picker (Envoy ext_proc) at {cluster.epp_address}")
     if cluster.certs is not None:
         print(f"mutual TLS on every hop; clients verify the router with --tls-ca {cluster.certs.ca}")
     print("metrics: " + "; ".join(f"{cluster.service_name(a)} http://{cluster.host}:{port}/metrics"

@@ -55,6 +55,12 @@ HTTP_REQUESTS = Counter("pdserve_router_http_requests_total", "OpenAI-compatible
 KV_FETCH_DECISIONS = Counter("pdserve_router_kv_fetch_decisions_total", "Per prefill try: whether the prefill "
                              "instance was told to fetch the prompt's cached prefix from another instance, and why",
                              ["decision", "reason"])
+EPP_HINTS = Counter("pdserve_router_epp_hints_total", "HTTP requests that came with an endpoint picker's (prefill, "
+                    "decode) pair: followed (admitted, placed first) or not admitted (the router's own choice)",
+                    ["outcome"])
+EPP_PICKS = Counter("pdserve_epp_picks_total", "Endpoint picker (ext_proc) answers: picked (with a pair), "
+                    "unplaced (an endpoint, no pair: a body it does not place), refused_503 / refused_429",
+                    ["outcome"])
 PREFILL_PATHS = Counter("pdserve_router_prefill_path_total", "Requests by where their prompt was prefilled: "
                         "disaggregated (a prefill instance, KV pushed) or local (on the decode instance, "
                         "--local-prefill-tokens)", ["path"])

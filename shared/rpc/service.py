@@ -209,6 +209,7 @@ class Lifecycle:
         self.stopping = asyncio.Event()
         self.servicer: object | None = None  # the service's own servicer, for its main
         self.extra_ports: list[int] = []  # start_server's extra_ports, bound
+        self.named_ports: dict[str, int] = {}  # what the service calls them
 
     async def set(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
