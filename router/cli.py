@@ -70,7 +70,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                    "speculativeMaxDraftTokens": args.speculative_max_draft_tokens,
                    "kvCacheTokens": args.kv_cache_tokens},
         "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port,
-                   "kservePort": args.kserve_port, "eppPort": args.epp_port,
+                   "kservePort": args.kserve_port,
                    "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms, "drainSeconds": args.drain_seconds,
                    "apiKeyFile": args.api_key_file,
                    "servedModelName": args.served_model_name, "chatMaxTokens": args.chat_max_tokens,
@@ -89,6 +89,8 @@ def cluster_from_args(args: argparse.Namespace, log_dir: Path | None = None) -> 
                             ("--served-model-name", args.served_model_name)):
             if value is not None:
                 cluster.extra_router += [flag, value]
+    if args.epp_port is not None:  # the chart runs the endpoint picker as its own Deployment (gateway.enabled)
+        cluster.extra_router += ["--epp-port", str(args.epp_port)]
     if args.autoscale:  # the router decides the pools' sizes, the cluster follows (LocalAutoscaler)
         Bounds.parse(args.autoscale)
         cluster.elastic = True

@@ -26,7 +26,7 @@ from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, check_boun
 KUBERNETES_ONLY = {"image", "auth", "lws", "autoscaling", "masterPort", "monitoring", "podDisruptionBudget",
                    "resources", "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "replicas",
                    "serviceType", "source", "pvc", "hostPath", "uri", "secretName", "rdmaResource", "hostNetwork",
-                   "apiKeySecret", "profileJson"}
+                   "apiKeySecret", "profileJson", "gateway"}
 SHARED_WEIGHTS_DIR = "/dev/shm/pdserve"  # engine.shareWeights: the chart mounts a memory emptyDir at /dev/shm
 _LAYERS = re.compile(r"\d+(-\d+)?")
 
@@ -133,7 +133,6 @@ class RouterSpec:
     migration_limit: int = same_as(RouterConfig, "migration_limit")
     http_port: int | None = same_as(RouterConfig, "http_port")
     kserve_port: int | None = same_as(RouterConfig, "kserve_port")
-    epp_port: int | None = same_as(RouterConfig, "epp_port")
     api_key_file: str | None = same_as(RouterConfig, "api_key_file")
     served_model_name: str | None = same_as(RouterConfig, "served_model_name")
     chat_max_tokens: int = same_as(RouterConfig, "chat_max_tokens")
@@ -245,7 +244,7 @@ class Deployment:
         """The router's flags (the chart's router.yaml): its own, and the decode instances' DP ranks
         (--decode-dp: --autoscale plans an instance as that many ranks)."""
         r = self.router
-        optional = {"--http-port": r.http_port, "--kserve-port": r.kserve_port, "--epp-port": r.epp_port,
+        optional = {"--http-port": r.http_port, "--kserve-port": r.kserve_port,
                     "--api-key-file": r.api_key_file,
                     "--served-model-name": r.served_model_name, "--profile": r.profile}
         return ["--request-timeout", _s(r.request_timeout), "--instance-wait", _s(r.instance_wait),

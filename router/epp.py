@@ -76,6 +76,7 @@ class Exchange:
     subset: list[str] | None = None
     body: bytearray = field(default_factory=bytearray)
     picked: bool = False
+    answered: bool = False  # an immediate response ended the request: the rest of the stream is not read
 
 
 def _header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
@@ -105,8 +106,8 @@ def _common(headers: dict[str, str] | None = None, body: bytes | None = None, en
 
 
 def _immediate(refusal: Refusal) -> ext.ProcessingResponse:
-    body = {"error": {"message": str(refusal), "type": "rate_limit_error" if refusal.status == 429 else
-                      "service_unavailable", "param": None, "code": refusal.status}}
+    kind = {429: "rate_limit_error", 413: "invalid_request_error"}.get(refusal.status, "service_unavailable")
+    body = {"error": {"message": str(refusal), "type": kind, "param": None, "code": refusal.status}}
     response = ext.ImmediateResponse(status=http_status_pb2.HttpStatus(code=refusal.status),
                                      body=json.dumps(body).encode(), details=str(refusal))
     response.headers.set_headers.add(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))
@@ -122,6 +123,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
 
     def __init__(self, servicer: Any, endpoints: Callable[[], list[str]]):
         self.servicer, self.endpoints = servicer, endpoints
+        self.max_body_bytes = servicer.cfg.http_max_body_bytes  # the router's limit: a larger body is refused
         self.tokens = TokenText(servicer.tokenizer)
         self._turn = itertools.count()  # round robin over the routers: any of them places alike
 
@@ -129,7 +131,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                       ) -> AsyncIterator[ext.ProcessingResponse]:
         state = Exchange()
         async for request in request_iterator:
-            for response in await self._on(request, state):
+            for response in [] if state.answered else await self._on(request, state):
+                state.answered |= response.HasField("immediate_response")
                 yield response
 
     async def _on(self, request: ext.ProcessingRequest, state: Exchange) -> list[ext.ProcessingResponse]:
@@ -146,6 +149,10 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 [ext.ProcessingResponse(request_headers=ext.HeadersResponse())]
         if kind == "request_body":
             state.body += request.request_body.body
+            if len(state.body) > self.max_body_bytes and not state.picked:  # as the router would: 413
+                state.picked = True
+                metrics.EPP_PICKS.labels("refused_413").inc()
+                return [_immediate(Refusal(413, f"the request body exceeds {self.max_body_bytes} bytes"))]
             if state.request_mode in BUFFERED:
                 return [await self._pick(state, "request_body")]
             if state.picked:  # a full-duplex body goes on after the pick: sent back as it comes

@@ -59,7 +59,7 @@ EPP_HINTS = Counter("pdserve_router_epp_hints_total", "HTTP requests that came w
                     "decode) pair: followed (admitted, placed first) or not admitted (the router's own choice)",
                     ["outcome"])
 EPP_PICKS = Counter("pdserve_epp_picks_total", "Endpoint picker (ext_proc) answers: picked (with a pair), "
-                    "unplaced (an endpoint, no pair: a body it does not place), refused_503 / refused_429",
+                    "unplaced (an endpoint, no pair: a body it does not place), refused_503 / _429 / _413",
                     ["outcome"])
 PREFILL_PATHS = Counter("pdserve_router_prefill_path_total", "Requests by where their prompt was prefilled: "
                         "disaggregated (a prefill instance, KV pushed) or local (on the decode instance, "

@@ -55,9 +55,10 @@ def converse(up, body: bytes | None, mode: int = Mode.FULL_DUPLEX_STREAMED, subs
         hint.update({"x-gateway-destination-endpoint-subset": subset})
         first.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
     messages = [first]
-    if body is not None:
-        messages += [ext.ProcessingRequest(request_body=ext.HttpBody(body=body[:7])),
-                     ext.ProcessingRequest(request_body=ext.HttpBody(body=body[7:], end_of_stream=True))]
+    if body is not None:  # in chunks, as Envoy streams it: 7 bytes, then up to 1 MiB each
+        cuts = [0, *range(7, len(body), 1 << 20), len(body)]
+        messages += [ext.ProcessingRequest(request_body=ext.HttpBody(body=body[a:b], end_of_stream=b == len(body)))
+                     for a, b in zip(cuts, cuts[1:])]
     if mode == Mode.BUFFERED and body is not None:  # Envoy buffers the body: one message
         messages[1:] = [ext.ProcessingRequest(request_body=ext.HttpBody(body=body, end_of_stream=True))]
     with grpc.insecure_channel(up.epp_address) as ch:
@@ -135,6 +136,8 @@ def test_buffered_mode_and_a_body_it_cannot_place(up):
     assert mutation(answer) == {DESTINATION: router_endpoint(up)}
     (answer,) = converse(up, None, path="/v1/models")  # no body: picked on the headers
     assert mutation(answer)[DESTINATION] == router_endpoint(up)
+    (huge,) = converse(up, b"x" * (33 << 20))  # past the router's --http-max-body-bytes: refused, not held
+    assert huge.immediate_response.status.code == 413
 
 
 def test_subset_and_refusals(up):

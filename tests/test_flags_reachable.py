@@ -66,6 +66,7 @@ UP_SETS = {
     ("decode", "kv_port"): "one host: every decode instance picks free KV ports (decode.kvPort in the cluster)",
     ("router", "autoscale_prometheus"): "one router: its own counters are all the load (no Prometheus needed)",
     ("router", "autoscale_routers"): "as --autoscale-prometheus",
+    ("router", "epp_endpoints"): "one router: the endpoint picker names it (gateway.enabled: the router pods)",
 }
 # `pdserve up` flags named otherwise than the service's flag: (role, field) → the `pdserve up` option.
 UP_FLAGS = {("prefill", "cp"): "--prefill-cp", ("prefill", "tp"): "--prefill-tp", ("prefill", "ep"): "--prefill-ep",
@@ -78,13 +79,15 @@ CHART_KEYS = {"mooncake_protocol": ("engine", "mooncake", "protocol"),
               "autoscale_window": ("autoscaling", "window"), "autoscale_down_after": ("autoscaling", "downAfter"),
               "autoscale_headroom": ("autoscaling", "headroom"),
               "autoscale_prometheus": ("autoscaling", "prometheusAddress"),
-              "autoscale_routers": ("autoscaling", "routerSelector")}
+              "autoscale_routers": ("autoscaling", "routerSelector"), "epp_port": ("gateway", "eppPort")}
 # Flags the chart renders from other values: files it mounts (the mounted path), the autoscaler's bounds.
 CHART_DERIVED = {"api_key_file": ({"router": {"apiKeySecret": "my-keys"}}, "/etc/pdserve/api-keys/api-keys"),
                  "profile": ({"router": {"profileJson": '{"prefill_base_s": 0.01}'}},
                              "/etc/pdserve/profile/profile.json"),
                  "autoscale": ({"lws": {"enabled": True}, "autoscaling": {"enabled": True, "min": 2, "max": 6}},
-                               "2:6")}
+                               "2:6"),
+                 "epp_endpoints": ({"router": {"httpPort": 8000}, "gateway": {"enabled": True}},
+                                   ["dns:demo-pdserve-router-pods:8000"])}
 # What else a value needs to be rendered at all (the chart's values / `pdserve up`'s flags).
 AUTOSCALING = {"lws": {"enabled": True}, "autoscaling": {"enabled": True}}
 CHART_CONTEXT = {"mooncake_protocol": {"engine": {"kvTransport": "mooncake"}},
@@ -94,13 +97,14 @@ CHART_CONTEXT = {"mooncake_protocol": {"engine": {"kvTransport": "mooncake"}},
                  "speculative_max_draft_tokens": {"engine": {"speculative": "mtp"}},
                  "kv_tier_dir": {"engine": {"kvTierTokens": 4096}},
                  "kv_store_master": {"engine": {"kvTierTokens": 4096}},
+                 "epp_port": {"router": {"httpPort": 8000}, "gateway": {"enabled": True}},  # the EPP's Deployment
                  **{name: AUTOSCALING for name in ("autoscale_period", "autoscale_window", "autoscale_down_after",
                                                    "autoscale_headroom", "autoscale_prometheus",
                                                    "autoscale_routers")}}
 UP_CONTEXT = {"mooncake_protocol": ["--kv-transport", "mooncake"], "mooncake_devices": ["--kv-transport", "mooncake"],
               "offload_buffers": ["--offload-layers", "3,5"], "num_speculative_tokens": ["--speculative", "mtp"],
               "speculative_max_draft_tokens": ["--speculative", "mtp"], "kv_tier_dir": ["--kv-tier-tokens", "4096"],
-              "kv_store_master": ["--kv-tier-tokens", "4096"],
+              "kv_store_master": ["--kv-tier-tokens", "4096"], "epp_port": ["--http-port", "0"],
               **{name: ["--autoscale", "1:3"] for name in ("autoscale_period", "autoscale_window",
                                                            "autoscale_down_after", "autoscale_headroom")}}
 # A value other than the default, where the type alone does not give one.
@@ -108,7 +112,8 @@ VALUES = {"autoscale": "2:6", "autoscale_prometheus": "http://prometheus.test:90
           "http_port": 8000, "api_key_file": "/tmp/keys.txt", "served_model_name": "deepseek-v3.2-test",
           "profile": "/tmp/profile.json", "offload_layers": "3,5", "share_weights_dir": "/tmp/weights",
           "mooncake_devices": "mlx5_0", "layer_sharding": ("o_proj",), "speculative": "mtp",
-          "kv_tier_dir": "/tmp/kv-tier", "kv_store_master": "mooncake-master.pdserve:50051"}
+          "kv_tier_dir": "/tmp/kv-tier", "kv_store_master": "mooncake-master.pdserve:50051",
+          "epp_endpoints": ("10.0.0.9:8000",)}
 ISSUE = {("prefill", "no_prefix_cache"), ("decode", "no_prefix_cache"), ("router", "api_key_file"),
          ("router", "served_model_name"), ("router", "chat_max_tokens")}
 

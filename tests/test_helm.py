@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -38,8 +39,22 @@ CASES = {
                                                      "profileJson": "{}", "servedModelName": "dsv32",
                                                      "chatMaxTokens": 512},
                                           "prefill": {"noPrefixCache": True}},
+    "gateway-kserve": {"router": {"httpPort": 8000, "kservePort": 8001}, "gateway": {"enabled": True,
+                                                                                   "gatewayNamespace": "infra"}},
 }
-CUSTOM = {"PodMonitor", "LeaderWorkerSet"}  # CRDs, not in the core schemas (their pod templates are checked)
+CUSTOM = {"PodMonitor", "LeaderWorkerSet", "InferencePool", "HTTPRoute"}  # CRDs, not in the core schemas
+CRDS = Path(__file__).resolve().parent / "data" / "crds"  # the Gateway API's and its inference extension's
+CRD_SCHEMAS = {"InferencePool": "inference.networking.k8s.io_inferencepools.yaml",
+               "HTTPRoute": "gateway.networking.k8s.io_httproutes.yaml"}
+
+
+def _crd_schema(kind: str, api_version: str) -> dict:
+    """The vendored CRD's OpenAPI v3 schema for `api_version` (tests/data/crds)."""
+    crd = yaml.safe_load((CRDS / CRD_SCHEMAS[kind]).read_text())
+    group, _, version = api_version.partition("/")
+    assert crd["spec"]["group"] == group and crd["spec"]["names"]["kind"] == kind
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
+    return served["schema"]["openAPIV3Schema"]
 
 
 def _render(values: dict) -> list[dict]:
@@ -78,6 +93,8 @@ def test_rendered_objects_validate_and_args_parse(name):
     for doc in docs:
         if doc["kind"] not in CUSTOM:
             kubernetes_validate.validate(doc, KUBE, strict=True)
+        elif doc["kind"] in CRD_SCHEMAS:  # the extension's and the Gateway API's own schemas
+            jsonschema.Draft7Validator(_crd_schema(doc["kind"], doc["apiVersion"])).validate(doc)
         elif doc["kind"] == "LeaderWorkerSet":  # no CRD schema offline: its pod template is a core one
             lwt = doc["spec"]["leaderWorkerTemplate"]
             assert set(lwt) <= {"size", "restartPolicy", "workerTemplate", "leaderTemplate"}
@@ -147,6 +164,8 @@ def _engine_pods(docs: list[dict]) -> dict[str, list[dict]]:
     for doc in docs:
         if doc["kind"] == "StatefulSet":
             spec = doc["spec"]["template"]["spec"]
+        elif doc["kind"] in CRD_SCHEMAS:  # the extension's and the Gateway API's own schemas
+            jsonschema.Draft7Validator(_crd_schema(doc["kind"], doc["apiVersion"])).validate(doc)
         elif doc["kind"] == "LeaderWorkerSet":
             spec = doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
         else:
@@ -436,3 +455,34 @@ def test_no_prefix_cache_renders_into_prefill_only():
     assert prefill_args(_args(pods["prefill"][0]["containers"][0])).no_prefix_cache
     assert "--no-prefix-cache" not in _args(pods["decode"][0]["containers"][0])
     assert all("--no-prefix-cache" not in _args(s["containers"][0]) for s in _engine_pods(_render({}))["prefill"])
+
+
+def test_gateway_resources_on_and_off():
+    """gateway.enabled renders the InferencePool over the router pods' HTTP port, its endpoint picker (a router
+    with --epp-port naming the router pods) and an HTTPRoute to the pool; off, none of them; without the HTTP API
+    the render fails naming router.httpPort."""
+    assert not {"InferencePool", "HTTPRoute"} & {d["kind"] for d in _render({})}
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _render(CASES["gateway-kserve"])}
+    pool = docs["InferencePool", "demo-pdserve"]["spec"]
+    assert pool["targetPorts"] == [{"number": 8000}]
+    assert pool["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    epp_service = docs["Service", pool["endpointPickerRef"]["name"]]
+    assert epp_service["spec"]["ports"][0]["port"] == pool["endpointPickerRef"]["port"]["number"] == 9002
+    (epp,) = _containers(docs["Deployment", "demo-pdserve-epp"])
+    cfg = router_args(_args(epp))
+    assert cfg.epp_port == 9002 and cfg.epp_endpoints == ["dns:demo-pdserve-router-pods:8000"]
+    assert docs["Service", "demo-pdserve-router-pods"]["spec"]["clusterIP"] == "None"
+    route = docs["HTTPRoute", "demo-pdserve"]["spec"]
+    assert route["parentRefs"][0] == {"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                      "name": "inference-gateway", "namespace": "infra"}
+    assert route["rules"][0]["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                                 "name": "demo-pdserve"}]
+    (router,) = _containers(docs["Deployment", "demo-pdserve-router"])
+    assert router_args(_args(router)).kserve_port == 8001 and "--epp-port" not in router["args"]
+    assert {"name": "kserve", "port": 8001, "targetPort": "kserve", "appProtocol": "grpc"} in \
+        docs["Service", "demo-pdserve-router"]["spec"]["ports"]
+    with pytest.raises(Exception, match="router.httpPort"):
+        _render({"gateway": {"enabled": True}})
+    bad = {"router": {"httpPort": 8000}, "gateway": {"enabled": True, "failureMode": "Sometimes"}}
+    with pytest.raises(Exception, match="gateway.failureMode"):
+        _render(bad)
