@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import struct
 import time
@@ -35,6 +36,7 @@ from router.request import Malformed, lenient
 from shared.rpc.pdserve.v1 import generation_pb2
 from shared.rpc.pdserve.v1 import kserve_pb2 as pb
 
+log = logging.getLogger("pdserve.router")
 SERVICE = "inference.GRPCInferenceService"  # the protocol's service name, on the wire
 VERSION = "1"  # the one version of the one model a router serves
 INPUTS = {"text_input": "BYTES", "stream": "BOOL", "sampling_parameters": "BYTES", "exclude_input_in_output": "BOOL",
@@ -340,12 +342,14 @@ class KServeServicer:
         tasks: set[asyncio.Task] = set()
 
         async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.ensure_future(self._one(request, out))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            await asyncio.gather(*list(tasks), return_exceptions=True)
-            out.put_nowait(None)
+            try:
+                async for request in request_iterator:
+                    task = asyncio.ensure_future(self._one(request, out))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                await asyncio.gather(*list(tasks), return_exceptions=True)
+            finally:
+                out.put_nowait(None)  # the client's half ended (or broke): the responses end when its requests do
 
         reader = asyncio.ensure_future(read())
         try:
@@ -378,10 +382,16 @@ class KServeServicer:
                 out.put_nowait(pb.ModelStreamInferResponse(
                     infer_response=infer_response(req, self.model_name, Reply(), True, with_outputs=False)))
         except (Invalid, RequestFailed) as exc:
-            code = exc.code
-            out.put_nowait(pb.ModelStreamInferResponse(
-                error_message=f"{code.name}: {exc}", infer_response=pb.ModelInferResponse(
-                    model_name=self.model_name, id=getattr(request, "id", ""))))
+            out.put_nowait(_stream_error(request, self.model_name, f"{exc.code.name}: {exc}"))
+        except Exception as exc:  # one request's failure is its own, never the stream's
+            log.exception("KServe stream request failed")
+            out.put_nowait(_stream_error(request, self.model_name, f"INTERNAL: {exc}"))
+
+
+def _stream_error(request: pb.ModelInferRequest | Malformed, model_name: str, message: str
+                  ) -> pb.ModelStreamInferResponse:
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(
+        model_name=model_name, id=getattr(request, "id", "")))
 
 
 def register_kserve(server: grpc.aio.Server, kserve: KServeServicer) -> None:
