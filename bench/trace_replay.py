@@ -5,17 +5,20 @@ instance keeps an LRU prefix cache of the hashed blocks), with a performance mod
 published for DeepSeek-V3 on H800 nodes. Prints SLA attainment against instance-hours for static M/N
 splits and for the autoscaler (router.autoscale), and plots both.
 
-    python bench/trace_replay.py [--ttft-s 5] [--tpot-ms 50] [--min-m 1] [--max-m 6] [--max-n 2]
-                                 [--startup-s 60] [--global-cache] [--minutes M] [--scale K] [--jobs 2]
+    python bench/trace_replay.py [--scales 1,4,16] [--ttft-s 5] [--tpot-ms 50] [--startup-s 60] [--min-m 1]
+                                 [--max-m M] [--max-n N] [--global-cache] [--minutes M] [--jobs 2]
 
-Runs every static split M = min-m..max-m, N = 1..max-n and three autoscalers (router.autoscale.Autoscaler
-within the same bounds): as `pdserve up --autoscale` ships it (a decision every 5 s on the last 5 s), with a
-120 s observation window (decisions every 15 s), and with that window counting only the prompt tokens the
-chosen prefill instance does not hold in its prefix cache. Saves bench/out/trace_replay.png (attainment vs
-instance-hours, all and zoomed; the last autoscaler's rate, M and N over the hour) and trace_replay.json.
---scale K superposes K copies of the hour (copy k shifted by 7.5·k s, its own prefix hashes): K times the
-traffic with the same hourly shape (outputs trace_replay_xK.*; the policy is shown the 4 fastest instances
-of each pool, see simulate_trace's `candidates`).
+Per scale (--scales K: K copies of the hour superposed, copy k shifted by 7.5·k s with its own prefix hashes:
+K times the traffic with the same hourly shape; the policy is shown the 4 fastest instances of each pool, see
+simulate_trace's `candidates`), the fixed splits are searched wide enough that the cheapest one reaching 95 %
+attainment lies inside the bounds (search_static: the fewest decode instances that reach it with ample prefill,
+then for that N and N + 1 the fewest prefill instances, by bisection; bounds M <= 4·K + 2, N <= K/4 + 2 unless
+given), and the autoscalers (router.autoscale.Autoscaler within the same bounds, a decision every 5 s on the
+last 120 s, cached prompt tokens counted apart) run against it: as `pdserve up --autoscale` ships it, reactive
+(the load seen + 30 %, before it planned ahead) and planning ahead (the load forecast one boot time ahead).
+Each row: instance-hours and their ratio to the cheapest fixed split, attainment, pool changes per hour and
+the instance-seconds spent booting. Saves bench/out/trace_replay[_xK_..].png (attainment vs instance-hours per
+scale; the planning-ahead autoscaler's hour at the largest scale) and .json.
 
 One instance = one 8×H800 node (the unit DeepSeek publishes its per-node throughputs in). Weights do not
 fit one node (DeepSeek deploys prefill in units of 4 nodes, decode in units of 18), so an instance here is
@@ -90,6 +93,7 @@ from pathlib import Path as _Path
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -142,25 +146,65 @@ def deepseek_v3_h800() -> PerfModel:
 
 SHIPPED_PERIOD = knob_default(AutoscaleConfig, "autoscale_period")
 SHIPPED_WINDOW = knob_default(AutoscaleConfig, "autoscale_window")
-AUTOSCALERS = {  # name: (period s, observation window s, headroom, down after s, observe cached prompt tokens)
-    "autoscaler, as shipped": (SHIPPED_PERIOD, SHIPPED_WINDOW, None, None, True),  # `pdserve up --autoscale`
-    "autoscaler, sized on all prompt tokens": (SHIPPED_PERIOD, SHIPPED_WINDOW, None, None, False),
-    "autoscaler, one-period window": (SHIPPED_PERIOD, SHIPPED_PERIOD, None, None, True),
+GOAL = 0.95  # the attainment the cheapest fixed split is sought for (--goal)
+AUTOSCALERS = {  # name: the Autoscaler's knobs (None: its shipped default; "startup": the bench's --startup-s)
+    "autoscaler, as shipped": {},  # `pdserve up --autoscale` / the chart, with their defaults
+    "autoscaler, reactive +15 %": {"lead_s": 0.0, "headroom": 1.15},  # the load seen, +15 % (shipped: +30 %)
+    # the load forecast one boot time ahead, times the forecast's own error margin, +10 %; down after 2 min
+    "autoscaler, planning ahead": {"lead_s": "startup", "headroom": 1.1, "down_after_s": 120.0},
 }
+HINDSIGHT_S = 600.0  # the hindsight reference re-chooses the fixed split every this many seconds
+WARM_S = 120.0  # ... each segment's simulation starting this much earlier (its prefix caches warm), not scored
+
+
+def _segment(job: tuple) -> tuple[int, int, int, int]:
+    """One hindsight segment at one split: (segment, M, requests met, requests scored)."""
+    k, m, n, requests, args = job
+    t0 = k * HINDSIGHT_S
+    part = [TraceRequest(r.arrival - t0 + WARM_S, r.prompt_tokens, r.output_tokens, r.blocks)
+            for r in requests if t0 - WARM_S <= r.arrival < t0 + HINDSIGHT_S]
+    start = min(WARM_S, t0)  # the first segment has nothing before it
+    part = [r for r in part if r.arrival >= WARM_S - start]
+    r = simulate_trace(deepseek_v3_h800(), part, Target(m, n), args["ttft_s"], args["tpot_s"],
+                       startup_s=args["startup_s"], block_tokens=BLOCK_TOKENS, prefix_cache_blocks=args["cache_blocks"],
+                       decode_kv_tokens=args["decode_kv_tokens"], candidates=args["candidates"])
+    scored = [met for req, met in zip(part, r.met, strict=True) if req.arrival >= WARM_S]
+    return k, m, sum(scored), len(scored)
+
+
+def hindsight(runner: Runner, cheapest: Target, goal: float, end_s: float) -> tuple[float, float]:
+    """A reference no causal autoscaler can expect to beat: a prefill count per HINDSIGHT_S segment (the cheapest
+    split's decode count), chosen knowing the whole hour, resized for free and at once, the cheapest combination
+    whose attainment over the hour reaches `goal` (every combination of the counts near the cheapest split's
+    tried), until `end_s` (when the fixed split's last request ended). Its (instance-hours, attainment)."""
+    span = runner.requests[-1].arrival
+    segments = int(span // HINDSIGHT_S) + 1
+    ms = range(max(1, cheapest.prefill - 3), cheapest.prefill + 2)
+    jobs = [(k, m, cheapest.decode, runner.requests, runner.args) for k in range(segments) for m in ms]
+    out = {(k, m): (met, n) for k, m, met, n in (runner.pool.map(_segment, jobs) if runner.pool else
+                                                  map(_segment, jobs))}
+    lengths = [HINDSIGHT_S if k + 1 < segments else end_s - k * HINDSIGHT_S for k in range(segments)]
+    total = sum(out[0, m][1] for m in ms[:1]) + sum(out[k, ms[0]][1] for k in range(1, segments))
+    best = (math.inf, 0.0)
+    for choice in itertools.product(ms, repeat=segments):
+        met = sum(out[k, m][0] for k, m in enumerate(choice))
+        if met >= goal * total:
+            hours = sum((m + cheapest.decode) * length for m, length in zip(choice, lengths, strict=True)) / 3600
+            best = min(best, (hours, met / total))
+    return best
 
 
 def _run(job: tuple) -> tuple[str, TraceResult]:
     name, requests, sizing, initial, args = job
     perf = deepseek_v3_h800()
     period = window = 15.0
-    cached = False
     if sizing in AUTOSCALERS:
-        period, window, headroom, down_after, cached = AUTOSCALERS[sizing]
-        knobs = {k: v for k, v in (("headroom", headroom), ("down_after_s", down_after)) if v is not None}
+        period, window = SHIPPED_PERIOD, SHIPPED_WINDOW
+        knobs = {k: args["startup_s"] if v == "startup" else v for k, v in AUTOSCALERS[sizing].items()}
         sizing = Autoscaler(perf, args["ttft_s"], args["tpot_s"], Bounds(args["min_m"], args["max_m"]),
-                            Bounds(1, args["max_n"]), **knobs)
+                            Bounds(1, args["max_n"]), window_s=window, **knobs)
     return name, simulate_trace(perf, requests, sizing, args["ttft_s"], args["tpot_s"], period=period, window=window,
-                                startup_s=args["startup_s"], initial=initial, observe_cached=cached,
+                                startup_s=args["startup_s"], initial=initial, observe_cached=True,
                                 block_tokens=BLOCK_TOKENS, prefix_cache_blocks=args["cache_blocks"],
                                 decode_kv_tokens=args["decode_kv_tokens"], candidates=args["candidates"])
 
@@ -187,16 +231,96 @@ def scale_trace(requests: list[TraceRequest], copies: int, shift_s: float = 7.5)
     return sorted(out, key=lambda r: r.arrival)
 
 
+class Runner:
+    """The scale's simulations, run `jobs` at a time, each split simulated once."""
+
+    def __init__(self, requests: list[TraceRequest], args: dict, pool: ProcessPoolExecutor | None):
+        self.requests, self.args, self.pool = requests, args, pool
+        self.results: dict[str, TraceResult] = {}
+
+    def run(self, jobs: list[tuple[str, object, Target | None]]) -> None:
+        todo = [(name, self.requests, sizing, initial, self.args) for name, sizing, initial in jobs
+                if name not in self.results]
+        self.results.update(self.pool.map(_run, todo) if self.pool else map(_run, todo))
+
+    def static(self, targets: list[Target]) -> list[TraceResult]:
+        names = [f"static {t.prefill}P+{t.decode}D" for t in targets]
+        self.run([(name, t, None) for name, t in zip(names, targets)])
+        return [self.results[name] for name in names]
+
+
+def search_static(runner: Runner, max_m: int, max_n: int, goal: float = GOAL) -> Target | None:
+    """The cheapest fixed split reaching `goal`, searched wide: the fewest decode instances N that reach it with
+    `max_m` prefill instances, then for N and N + 1 the fewest prefill instances M that do (bisection: attainment
+    rises with M). None when even max_m + max_n cannot."""
+    n = next((n for n in range(1, max_n + 1) if runner.static([Target(max_m, n)])[0].attainment >= goal), None)
+    if n is None:
+        return None
+    best = []
+    spans = {d: [0, max_m] for d in (n, n + 1) if d <= max_n}  # attainment < goal at lo (0: none), >= goal at hi
+    while any(hi - lo > 1 for lo, hi in spans.values()):
+        asked = {d: (lo + hi) // 2 for d, (lo, hi) in spans.items() if hi - lo > 1}
+        for (d, m), r in zip(asked.items(), runner.static([Target(m, d) for d, m in asked.items()]), strict=True):
+            spans[d][1 if r.attainment >= goal else 0] = m  # hi when it reaches the goal, lo when short of it
+    for d, (lo, hi) in spans.items():
+        runner.static([Target(hi, d)] + ([Target(lo, d)] if lo else []))
+        best.append((hi + d, Target(hi, d)))
+    return min(best, key=lambda x: (x[0], x[1].decode))[1]
+
+
+def replay_scale(trace: list[TraceRequest], scale: int, a: argparse.Namespace, pool) -> dict:
+    """One scale: the fixed-split search and the autoscalers (their bounds the search's), printed as a table."""
+    requests = scale_trace(trace, scale)
+    max_m = a.max_m or 4 * scale + 2
+    max_n = a.max_n or max(2, scale // 4 + 2)
+    args = {"ttft_s": a.ttft_s, "tpot_s": a.tpot_ms / 1e3, "min_m": a.min_m, "max_m": max_m, "max_n": max_n,
+            "startup_s": a.startup_s,
+            "cache_blocks": (1 << 40) if a.global_cache else int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS),
+            "decode_kv_tokens": int(DECODE_KV_BYTES / KV_BYTES), "candidates": None if scale == 1 else 4}
+    t0 = time.perf_counter()
+    runner = Runner(requests, args, pool)
+    cheapest = search_static(runner, max_m, max_n, a.goal)
+    warm = _warm_start(requests, args)
+    runner.run([(name, name, warm) for name in AUTOSCALERS])
+    wall = time.perf_counter() - t0
+    base = runner.results[f"static {cheapest.prefill}P+{cheapest.decode}D"] if cheapest else None
+    bound = hindsight(runner, cheapest, a.goal, base.end_s) if cheapest else None
+    print(f"\n--- scale {scale}: {len(requests):,} requests; fixed splits searched within M <= {max_m}, N <= {max_n}; "
+          f"autoscalers within M {a.min_m}:{max_m}, N 1:{max_n} ({wall:.0f} s wall)")
+    headers = ["config", "instance-hours", "vs cheapest", "attainment %", "TTFT p90 s", "TPOT p90 ms", "refused %",
+               "changes / h", "booting inst-s", "prefix hit %", "sizes (M P + N D)"]
+    rows = []
+    for name, r in sorted(runner.results.items(), key=lambda kv: (kv[0] in AUTOSCALERS, kv[1].instance_hours)):
+        seen = sorted({(m, n) for _, m, n in r.sizes})
+        rows.append([name + (f" (cheapest >= {a.goal:.0%})" if r is base else ""), f"{r.instance_hours:.2f}",
+                     f"{r.instance_hours / base.instance_hours:.2f}x" if base else "-", round(100 * r.attainment, 1),
+                     round(r.quantile("ttft", 0.9), 2), round(1e3 * r.quantile("tpot", 0.9), 1),
+                     round(100 * r.rejected / max(1, len(r.met)), 1), round(r.changes_per_hour, 1),
+                     round(3600 * r.booting_hours), round(100 * r.cache_hit_rate, 1),
+                     " ".join(f"{m}+{n}" for m, n in seen) if len(seen) <= 6 else
+                     f"{min(seen)[0]}..{max(seen)[0]} P, {min(n for _, n in seen)}..{max(n for _, n in seen)} D"])
+    if bound is not None:
+        rows.append([f"hindsight, per {HINDSIGHT_S / 60:.0f} min (reference)", f"{bound[0]:.2f}",
+                     f"{bound[0] / base.instance_hours:.2f}x", round(100 * bound[1], 1), *["-"] * 7])
+    print(table(headers, rows))
+    return {"scale": scale, "hindsight": bound, "cheapest": [cheapest.prefill, cheapest.decode] if cheapest else None,
+            "rows": [dict(zip(headers, row)) for row in rows],
+            "points": {k: [v.instance_hours, v.attainment] for k, v in runner.results.items()},
+            "series": {k: runner.results[k].series for k in AUTOSCALERS},
+            "sizes": {k: runner.results[k].sizes for k in AUTOSCALERS}}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--minutes", type=float, default=None, help="replay only the first MINUTES of the trace")
-    ap.add_argument("--scale", type=int, default=1, help="superpose SCALE copies of the trace (see scale_trace)")
+    ap.add_argument("--scales", default="1", help="comma-separated copies of the trace superposed (scale_trace)")
+    ap.add_argument("--goal", type=float, default=GOAL, help="the attainment the cheapest fixed split must reach")
     ap.add_argument("--ttft-s", type=float, default=5.0)
     ap.add_argument("--tpot-ms", type=float, default=50.0)
-    ap.add_argument("--min-m", type=int, default=1, help="static grid and autoscaler bound: fewest prefill instances")
-    ap.add_argument("--max-m", type=int, default=6, help="static grid and autoscaler bound: most prefill instances")
-    ap.add_argument("--max-n", type=int, default=2, help="static grid and autoscaler bound: most decode instances")
+    ap.add_argument("--min-m", type=int, default=1, help="autoscaler bound: fewest prefill instances")
+    ap.add_argument("--max-m", type=int, default=None, help="search and autoscaler bound (default 4 x scale + 2)")
+    ap.add_argument("--max-n", type=int, default=None, help="search and autoscaler bound (default scale / 4 + 2)")
     ap.add_argument("--startup-s", type=float, default=60.0, help="seconds from asking for an instance to serving")
     ap.add_argument("--global-cache", action="store_true", help="one unlimited prefix cache pool instead of HBM")
     ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
@@ -204,124 +328,88 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(a.trace).is_file():
         ap.error(f"--trace {a.trace}: no such file (the repository ships it at {TRACE.relative_to(ROOT)}; "
                  f"it is {TRACE_SOURCE})")
-    requests = scale_trace(load_trace(a.trace, minutes=a.minutes), a.scale)
+    trace = load_trace(a.trace, minutes=a.minutes)
     perf = deepseek_v3_h800()
-    args = {"ttft_s": a.ttft_s, "tpot_s": a.tpot_ms / 1e3, "min_m": a.min_m, "max_m": a.max_m, "max_n": a.max_n,
-            "startup_s": a.startup_s,
-            "cache_blocks": (1 << 40) if a.global_cache else int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS),
-            "decode_kv_tokens": int(DECODE_KV_BYTES / KV_BYTES), "candidates": None if a.scale == 1 else 4}
-    span = requests[-1].arrival - requests[0].arrival if requests else 0.0
-    print(f"trace: {len(requests)} requests over {span / 60:.1f} min ({a.scale} cop{'y' if a.scale == 1 else 'ies'}),"
-          f" mean prompt {sum(r.prompt_tokens for r in requests) / max(1, len(requests)):,.0f} tokens, mean output "
-          f"{sum(r.output_tokens for r in requests) / max(1, len(requests)):,.0f}")
-    cache = "unlimited" if a.global_cache else f"{args['cache_blocks']:,} blocks"
+    span = trace[-1].arrival - trace[0].arrival if trace else 0.0
+    print(f"trace: {len(trace)} requests over {span / 60:.1f} min, mean prompt "
+          f"{sum(r.prompt_tokens for r in trace) / max(1, len(trace)):,.0f} tokens, mean output "
+          f"{sum(r.output_tokens for r in trace) / max(1, len(trace)):,.0f}")
     print(f"model (one 8×H800 node): prefill {perf.prefill_per_token_s * 1e6:.1f} µs/token + "
           f"{perf.prefill_per_token2_s * 1e9:.2f} ns/token²; decode step {perf.decode_base_s * 1e3:.1f} ms + "
           f"{perf.decode_per_seq_s * 1e6:.1f} µs/request + {perf.decode_per_context_token_s * 1e9:.2f} ns/context "
           f"token; transfer {perf.kv_bytes_per_token / perf.transfer_bytes_per_s * 1e6:.2f} µs/token; prefix cache "
-          f"{cache} per prefill instance")
+          f"{'unlimited' if a.global_cache else f'{int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS):,} blocks'} "
+          f"per prefill instance")
     print(f"SLA: TTFT <= {a.ttft_s:g} s and TPOT <= {a.tpot_ms:g} ms per request; instances boot in "
-          f"{a.startup_s:g} s; autoscalers within M {a.min_m}:{a.max_m}, N 1:{a.max_n}, starting where the first "
-          f"minute's load puts them")
-    warm = _warm_start(requests, args)
-    jobs = [(name, requests, name, warm, args) for name in AUTOSCALERS]
-    jobs += [(f"static {m}P+{n}D", requests, Target(m, n), None, args)
-             for n in range(1, a.max_n + 1) for m in range(a.min_m, a.max_m + 1)]
-    t0 = time.perf_counter()
-    if a.jobs > 1:
-        with ProcessPoolExecutor(a.jobs) as pool:
-            results = dict(pool.map(_run, jobs))
-    else:
-        results = dict(map(_run, jobs))
-    wall = time.perf_counter() - t0
-    headers = ["config", "instance-hours", "attainment %", "TTFT p90 s", "TPOT p90 ms", "refused %", "migrations",
-               "prefix hit %", "sizes (M P + N D)"]
-    rows = []
-    for name, *_ in jobs:
-        r = results[name]
-        seen = sorted({(m, n) for _, m, n in r.sizes})
-        changes = f" ({len(r.sizes) - 1} changes)" if len(seen) > 1 else ""
-        rows.append([name, f"{r.instance_hours:.2f}", round(100 * r.attainment, 1), round(r.quantile("ttft", 0.9), 2),
-                     round(1e3 * r.quantile("tpot", 0.9), 1), round(100 * r.rejected / max(1, len(r.met)), 1),
-                     r.migrations, round(100 * r.cache_hit_rate, 1),
-                     " ".join(f"{m}+{n}" for m, n in seen) + changes])
-    print(table(headers, rows))
-    static = {k: v for k, v in results.items() if k not in AUTOSCALERS}
-    for goal in (0.9, 0.95):
-        ok = [(v.instance_hours, k) for k, v in static.items() if v.attainment >= goal]
-        cheapest = f"{min(ok)[1][len('static '):]} at {min(ok)[0]:.2f} instance-hours" if ok else "none in the grid"
-        autos = "; ".join(f"{k}: {results[k].instance_hours:.2f} h, {results[k].attainment:.1%}" for k in AUTOSCALERS)
-        print(f"attainment >= {goal:.0%}: cheapest static {cheapest}; {autos}")
-    print(f"ceiling: {max(v.attainment for v in static.values()):.1%} (prompts whose prefill alone exceeds the TTFT "
-          f"target are refused at once); {wall:.0f} s wall for {len(jobs)} simulations")
+          f"{a.startup_s:g} s; autoscalers start where the first minute's load puts them")
+    scales = [int(x) for x in a.scales.split(",")]
+    with ProcessPoolExecutor(a.jobs) if a.jobs > 1 else _no_pool() as pool:
+        out = [replay_scale(trace, scale, a, pool) for scale in scales]
+    for o in out:
+        r = {row["config"].split(" (")[0]: row for row in o["rows"]}
+        autos = "; ".join(f"{k.removeprefix('autoscaler, ')}: {r[k]['vs cheapest']} at {r[k]['attainment %']} %, "
+                          f"{r[k]['changes / h']} changes/h" for k in AUTOSCALERS)
+        split = "{}P+{}D".format(*o["cheapest"]) if o["cheapest"] else "none in the bounds"
+        print(f"scale {o['scale']}: cheapest fixed split >= {a.goal:.0%}: {split}; {autos}")
     OUT.mkdir(parents=True, exist_ok=True)
-    stem = "trace_replay" if a.scale == 1 else f"trace_replay_x{a.scale}"
-    (OUT / f"{stem}.json").write_text(json.dumps({
-        "args": vars(a), "rows": [dict(zip(headers, row)) for row in rows],
-        "series": {k: results[k].series for k in AUTOSCALERS}, "sizes": {k: results[k].sizes for k in AUTOSCALERS}},
-        indent=1, default=str) + "\n")
-    _plot(OUT / f"{stem}.png", results, a)
+    stem = "trace_replay" + ("" if scales == [1] else "_x" + "_".join(map(str, scales)))
+    (OUT / f"{stem}.json").write_text(json.dumps({"args": vars(a), "scales": out}, indent=1, default=str) + "\n")
+    _plot(OUT / f"{stem}.png", out, a)
     print(f"plot: {OUT / f'{stem}.png'}")
 
 
-def _plot(path: _Path, results: dict[str, TraceResult], a: argparse.Namespace) -> None:
-    """Attainment vs instance-hours (all, and zoomed on the top), and the last autoscaler's hour."""
+class _no_pool:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _plot(path: _Path, scales: list[dict], a: argparse.Namespace) -> None:
+    """Per scale, attainment against instance-hours (fixed splits, the autoscalers); then the planning-ahead
+    autoscaler's hour at the largest scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, zx, bx) = plt.subplots(1, 3, figsize=(18, 5), gridspec_kw={"width_ratios": [1, 1, 1.2]})
-    static = sorted((v.instance_hours, v.attainment, k) for k, v in results.items() if k not in AUTOSCALERS)
-    frontier, best = [], -1.0
-    for h, att, _ in static:
-        if att > best:
-            frontier.append((h, att))
-            best = att
-    top = [p for p in static if p[1] >= 0.85] or static
-    for axis in (ax, zx):
-        for n in sorted({k.split("+")[1] for _, _, k in static}):
-            pts = [(h, att, k) for h, att, k in static if k.endswith("+" + n)]
-            axis.scatter([p[0] for p in pts], [100 * p[1] for p in pts], label=f"static, {n}", zorder=3)
-            for h, att, k in pts:
-                if axis is ax or att >= top[0][1] - 0.05:
-                    axis.annotate(k.split()[1], (h, 100 * att), textcoords="offset points", xytext=(4, -10),
-                                  fontsize=7)
-        axis.plot([p[0] for p in frontier], [100 * p[1] for p in frontier], color="grey", linestyle=":",
-                  label="static frontier")
-        for (name, auto), color in zip(((k, results[k]) for k in AUTOSCALERS), ("red", "darkorange", "purple")):
-            axis.scatter([auto.instance_hours], [100 * auto.attainment], marker="*", s=220, color=color, zorder=4,
-                         label=name)
-        axis.axhline(90, color="grey", linewidth=0.8, linestyle="--")
-        axis.set_xlabel("instance-hours (8×H800 nodes × hours)")
-    lows = [100 * p[1] for p in top] + [100 * results[k].attainment for k in AUTOSCALERS]
-    zx.set_ylim(max(0.0, min(lows) - 1.5), min(100.0, max(lows) + 1.0))
-    zx.set_title("the same, zoomed on the top", fontsize=9)
-    ax.set_ylabel(f"SLA attainment % (TTFT ≤ {a.ttft_s:g} s, TPOT ≤ {a.tpot_ms:g} ms)")
-    scale = "" if a.scale == 1 else f" × {a.scale} copies"
-    ax.set_title(f"Mooncake conversation trace{scale}, DeepSeek-V3 on 8×H800 nodes (published figures)", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
-    name = list(AUTOSCALERS)[-1]
-    auto = results[name]
-    minutes = [s[0] / 60 for s in auto.series]
-    bx.plot(minutes, [s[1] for s in auto.series], color="black", label="arrivals / s")
-    bx.step(minutes, [s[2] for s in auto.series], where="post", label="M (prefill, mean)")
-    bx.step(minutes, [s[3] for s in auto.series], where="post", label="N (decode, mean)")
+    fig, axes = plt.subplots(1, len(scales) + 1, figsize=(6 * (len(scales) + 1), 5))
+    for ax, o in zip(axes, scales, strict=False):
+        static = [(h, att, k) for k, (h, att) in o["points"].items() if k not in AUTOSCALERS]
+        ax.scatter([p[0] for p in static], [100 * p[1] for p in static], color="grey", label="fixed splits", zorder=3)
+        for h, att, k in static:
+            ax.annotate(k.split()[1], (h, 100 * att), textcoords="offset points", xytext=(4, -10), fontsize=7)
+        for name, color in zip(AUTOSCALERS, ("red", "darkorange", "purple", "green"), strict=False):
+            h, att = o["points"][name]
+            ax.scatter([h], [100 * att], marker="*", s=220, color=color, zorder=4, label=name)
+        ax.axhline(100 * a.goal, color="grey", linewidth=0.8, linestyle="--")
+        tops = [100 * att for _, att, _ in static if att >= 0.85] + [100 * o["points"][k][1] for k in AUTOSCALERS]
+        ax.set_ylim(max(0.0, min(tops) - 1.5), min(100.0, max(tops) + 1.0))
+        ax.set_xlabel("instance-hours (8×H800 nodes × hours)")
+        ax.set_ylabel(f"SLA attainment % (TTFT ≤ {a.ttft_s:g} s, TPOT ≤ {a.tpot_ms:g} ms)")
+        ax.set_title(f"Mooncake conversation trace × {o['scale']}", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    bx = axes[-1]
+    name, o = "autoscaler, planning ahead", scales[-1]
+    series = o["series"][name]
+    minutes = [s[0] / 60 for s in series]
+    bx.plot(minutes, [s[1] for s in series], color="black", label="arrivals / s")
+    bx.step(minutes, [s[2] for s in series], where="post", label="M (prefill, mean)")
+    bx.step(minutes, [s[3] for s in series], where="post", label="N (decode, mean)")
     bx.set_xlabel("minute")
     bx.set_ylabel("requests / s, instances")
     bx.set_ylim(bottom=0)
     cx = bx.twinx()
-    cx.plot(minutes, [100 * s[4] if not math.isnan(s[4]) else None for s in auto.series], color="red",
-            linestyle=":", label="attainment % (right)")
+    cx.plot(minutes, [100 * s[4] if not math.isnan(s[4]) else None for s in series], color="red", linestyle=":",
+            label="attainment % (right)")
     cx.set_ylim(0, 105)
-    cx.set_ylabel("attainment %")
-    lines = bx.get_legend_handles_labels()
-    more = cx.get_legend_handles_labels()
+    lines, more = bx.get_legend_handles_labels(), cx.get_legend_handles_labels()
     bx.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="lower right")
-    bx.set_title(f"{name}: load and pools over the hour", fontsize=9)
+    bx.set_title(f"{name}, scale {o['scale']}: load and pools over the hour", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -30,6 +30,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from router.forecast import LoadForecast
 from router.perf import PerfModel
 from router.planner import Dist, Observation, Target, Workload, analytic, plan
 from shared.config import flag, knob_default
@@ -54,6 +55,10 @@ class AutoscaleConfig:
                                    bounds=(0.5, None))
     autoscale_headroom: float = flag(1.3, "plan for this much more load than observed (arrivals are bursty)",
                                      bounds=(1.0, None))
+    autoscale_lead: float = flag(0.0, "plan ahead: size the pools for the load forecast this many seconds from "
+                                      "now (an instance's boot time: asked for now, it serves then), times a "
+                                      "margin learned from the forecast's own recent errors (0: the load seen)",
+                                 bounds=(0.0, None))
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,9 @@ class Autoscaler:
     down_after_s: float = knob_default(AutoscaleConfig, "autoscale_down_after")
     ranks: int = 1  # DP ranks per decode instance
     fleet: FleetLoad | None = None  # several routers: decide on all their load, not the observation given
+    lead_s: float = knob_default(AutoscaleConfig, "autoscale_lead")  # > 0: size for the load forecast this far ahead
+    window_s: float = knob_default(AutoscaleConfig, "autoscale_window")  # what each observation covers
+    _forecast: LoadForecast | None = None
     _wanted: list[tuple[float, Target]] = field(default_factory=list)  # (time, what the load needed)
     _changed: float | None = None  # when the sizes last changed (or the controller started)
 
@@ -117,7 +125,15 @@ class Autoscaler:
             obs = self.fleet.observation(obs)
         if self._changed is None:
             self._changed = now
+        if obs.seconds < self.window_s / 4:
+            return current  # a few seconds of load are no estimate of it (one burst would size the pools)
         need = self.needed(obs)
+        if self.lead_s > 0:  # planning ahead: the load's trend now and once an instance asked for now serves
+            self._forecast = self._forecast or LoadForecast(self.window_s)
+            self._forecast.observe(now, obs)
+            now_need = self.needed(self._forecast.ahead(now, 0.0, obs, scored=False))
+            ahead = self.needed(self._forecast.ahead(now, self.lead_s, obs))
+            need = Target(max(now_need.prefill, ahead.prefill), max(now_need.decode, ahead.decode))
         self._wanted = [(t, w) for t, w in self._wanted if t > now - self.down_after_s] + [(now, need)]
         settled = now - self._changed >= self.down_after_s  # a whole low window since the last change
 
@@ -161,7 +177,7 @@ def observe(prev: dict[str, float], cur: dict[str, float], seconds: float) -> Ob
         return max(0.0, cur[key] - prev[key]) / max(count, 1.0)
 
     return Observation(arrived / seconds if seconds > 0 else 0.0, per("prompt_tokens", arrived),
-                       per("output_tokens", completed), per("cached_prompt_tokens", arrived))
+                       per("output_tokens", completed), per("cached_prompt_tokens", arrived), seconds)
 
 
 def prometheus_query(base_url: str, timeout: float = 5.0) -> Callable[[str], float | None]:

@@ -42,7 +42,8 @@ SLOW = PerfModel(decode_base_s=0.04, decode_per_seq_s=0.004, prefill_per_token_s
 
 
 def controller(down_after_s: float = 8.0, hi: int = 3, ranks: int = 1) -> Autoscaler:
-    return Autoscaler(SLOW, 1.0, 0.08, Bounds(1, hi), Bounds(1, hi), down_after_s=down_after_s, ranks=ranks)
+    return Autoscaler(SLOW, 1.0, 0.08, Bounds(1, hi), Bounds(1, hi), down_after_s=down_after_s, ranks=ranks,
+                      window_s=2.0)  # the decision at t sees t - 2 .. t
 
 
 def test_controller_grows_at_once_and_shrinks_one_at_a_time_after_a_low_window():
@@ -272,8 +273,42 @@ def test_dp_decode_instances_are_planned_and_replayed_with_their_ranks():
     assert one_rank.attainment < 0.7 and two_ranks.attainment > 0.9
     peaks = {}
     for d in (1, 2):
-        scaler = Autoscaler(flat, 2.0, 0.025, Bounds(1, 4), Bounds(1, 4), headroom=1.0, ranks=d)
+        scaler = Autoscaler(flat, 2.0, 0.025, Bounds(1, 4), Bounds(1, 4), headroom=1.0, ranks=d, window_s=2.0)
         replay = simulate_trace(flat, reqs, scaler, ttft_s=2.0, tpot_s=0.025, period=2.0, startup_s=0.0, ranks=d)
         assert replay.attainment > 0.95
         peaks[d] = max(n for _, _, n in replay.sizes)
     assert peaks[2] < peaks[1]
+
+
+def test_forecast_follows_a_trend_and_learns_its_margin():
+    """Holt's trend through the windows' midpoints extrapolates a steady ramp; the margin is what the forecasts
+    missed by: back to 1 on a steady ramp once the trend has it (the first, wrong forecasts forgotten), above 1
+    once the load jumps past what the forecasts said."""
+    from router.forecast import LoadForecast
+
+    f = LoadForecast(window_s=20.0)
+    for t in range(20, 1000, 5):  # arrivals / s = 0.01 × time: a window's mean is its middle's rate
+        rate = 0.01 * (t - 10)
+        f.observe(float(t), Observation(rate, 100, 10))
+        ahead = f.ahead(float(t), 60.0, Observation(rate, 100, 10))
+    assert f.margin.value < 1.02 and abs(ahead.rate - 0.01 * (995 + 60)) < 0.3
+    for t in range(1000, 1200, 5):  # a step up no trend foresaw
+        f.observe(float(t), Observation(20.0, 100, 10))
+        f.ahead(float(t), 60.0, Observation(20.0, 100, 10))
+    assert f.margin.value > 1.2
+
+
+def test_planning_ahead_grows_a_boot_time_before_the_load_needs_it():
+    """On a ramp, the controller with lead_s = the boot time asks for the second instances before the reactive
+    one does (once they serve, the load needs them)."""
+    def first_growth(lead_s: float) -> float:
+        c = Autoscaler(SLOW, 1.0, 0.08, Bounds(1, 3), Bounds(1, 3), headroom=1.0, lead_s=lead_s, window_s=20.0)
+        size = Target(1, 1)
+        for t in range(20, 600, 5):
+            size = c.decide(float(t), Observation(0.5 + 0.005 * (t - 10), 64, 32), size)
+            if size != Target(1, 1):
+                return float(t)
+        return float("inf")
+
+    reactive, ahead = first_growth(0.0), first_growth(60.0)
+    assert ahead < reactive < float("inf") and reactive - ahead >= 30

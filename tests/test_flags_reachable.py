@@ -77,7 +77,7 @@ CHART_KEYS = {"mooncake_protocol": ("engine", "mooncake", "protocol"),
               "mooncake_devices": ("engine", "mooncake", "devices"),
               "decode_dp": ("decode", "dp"), "autoscale_period": ("autoscaling", "period"),
               "autoscale_window": ("autoscaling", "window"), "autoscale_down_after": ("autoscaling", "downAfter"),
-              "autoscale_headroom": ("autoscaling", "headroom"),
+              "autoscale_headroom": ("autoscaling", "headroom"), "autoscale_lead": ("autoscaling", "lead"),
               "autoscale_prometheus": ("autoscaling", "prometheusAddress"),
               "autoscale_routers": ("autoscaling", "routerSelector"), "epp_port": ("gateway", "eppPort")}
 # Flags the chart renders from other values: files it mounts (the mounted path), the autoscaler's bounds.
@@ -99,14 +99,15 @@ CHART_CONTEXT = {"mooncake_protocol": {"engine": {"kvTransport": "mooncake"}},
                  "kv_store_master": {"engine": {"kvTierTokens": 4096}},
                  "epp_port": {"router": {"httpPort": 8000}, "gateway": {"enabled": True}},  # the EPP's Deployment
                  **{name: AUTOSCALING for name in ("autoscale_period", "autoscale_window", "autoscale_down_after",
-                                                   "autoscale_headroom", "autoscale_prometheus",
+                                                   "autoscale_headroom", "autoscale_lead", "autoscale_prometheus",
                                                    "autoscale_routers")}}
 UP_CONTEXT = {"mooncake_protocol": ["--kv-transport", "mooncake"], "mooncake_devices": ["--kv-transport", "mooncake"],
               "offload_buffers": ["--offload-layers", "3,5"], "num_speculative_tokens": ["--speculative", "mtp"],
               "speculative_max_draft_tokens": ["--speculative", "mtp"], "kv_tier_dir": ["--kv-tier-tokens", "4096"],
               "kv_store_master": ["--kv-tier-tokens", "4096"], "epp_port": ["--http-port", "0"],
               **{name: ["--autoscale", "1:3"] for name in ("autoscale_period", "autoscale_window",
-                                                           "autoscale_down_after", "autoscale_headroom")}}
+                                                           "autoscale_down_after", "autoscale_headroom",
+                                                           "autoscale_lead")}}
 # A value other than the default, where the type alone does not give one.
 VALUES = {"autoscale": "2:6", "autoscale_prometheus": "http://prometheus.test:9090", "autoscale_routers": 'job="x"',
           "http_port": 8000, "api_key_file": "/tmp/keys.txt", "served_model_name": "deepseek-v3.2-test",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,7 @@ def test_the_autoscaler_grows_then_shrinks_the_pools_and_loses_no_request():
     or refused at arrival; it costs far fewer instance-hours than the static maximum and attains far
     more than the static minimum."""
     reqs = _step_trace()
-    scaler = Autoscaler(FLAT, 1.0, 0.05, Bounds(1, 4), Bounds(1, 4), headroom=1.0, down_after_s=10.0)
+    scaler = Autoscaler(FLAT, 1.0, 0.05, Bounds(1, 4), Bounds(1, 4), headroom=1.0, down_after_s=10.0, window_s=2.0)
     auto = simulate_trace(FLAT, reqs, scaler, ttft_s=1.0, tpot_s=0.05, period=2.0, startup_s=5.0)
     peak = max(m for _, m, _ in auto.sizes)
     assert auto.sizes[0][1:] == (1, 1) and peak >= 3
@@ -133,7 +134,9 @@ def test_the_bench_runs_on_two_minutes(tmp_path, monkeypatch, capsys):
     is left to tests/test_bench_smoke.py: matplotlib alone takes seconds)."""
     monkeypatch.setattr(trace_replay, "OUT", tmp_path)
     monkeypatch.setattr(trace_replay, "_plot", lambda path, results, args: path.write_bytes(b""))
-    trace_replay.main(["--trace", str(FIRST_MINUTES), "--minutes", "2", "--max-m", "2", "--max-n", "1", "--jobs", "1"])
+    trace_replay.main(["--trace", str(FIRST_MINUTES), "--minutes", "2", "--max-m", "4", "--max-n", "2", "--jobs", "1",
+                       "--goal", "0.9"])  # two minutes' ceiling is under 95 %
     out = capsys.readouterr().out
-    assert "static 2P+1D" in out and "autoscaler, as shipped" in out
+    assert "(cheapest >= 90%)" in out and "autoscaler, as shipped" in out and "autoscaler, planning ahead" in out
+    assert re.search(r"scale 1: cheapest fixed split >= 90%: \dP\+\dD", out)
     assert (tmp_path / "trace_replay.png").exists() and (tmp_path / "trace_replay.json").exists()

@@ -77,6 +77,7 @@ class TraceReplay:
         self.buckets = 1 + int((requests[-1].arrival if requests else 0.0) // settings.bucket_s)  # holding arrivals
         self.area_m, self.area_n = [0.0] * self.buckets, [0.0] * self.buckets
         self.accounted_t, self.live_m, self.live_n, self.hours = 0.0, 0, 0, 0.0
+        self.booting, self.booting_hours = 0, 0.0  # instances asked for and not serving yet, and their hours
         self.sizes: list[tuple[float, int, int]] = []
         self.arrived: list[tuple[float, int, int]] = []  # (time, prompt tokens, cached ones) of every arrival
         self.completed: list[tuple[float, int]] = []  # (time, output tokens) of every completion
@@ -116,7 +117,7 @@ class TraceReplay:
                    (sum(self.met[i] for i in ix) / len(ix)) if ix else math.nan) for b, ix in enumerate(arrivals_in)]
         return TraceResult(self.ttft, self.tpot, self.met, self.cfg.ttft_s, self.cfg.tpot_s, self.hours, end,
                            self.rejected, self.migrations, self.prompt_tokens, self.computed_tokens, series,
-                           self.sizes)
+                           self.sizes, self.booting_hours)
 
     def push(self, t: float, kind: Event, payload: object) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
@@ -126,6 +127,7 @@ class TraceReplay:
         t0, m, n = self.accounted_t, self.live_m, self.live_n
         if now > t0:
             self.hours += (m + n) * (now - t0) / 3600.0
+            self.booting_hours += self.booting * (now - t0) / 3600.0
             b = int(t0 // self.cfg.bucket_s)
             while t0 < now and b < self.buckets:
                 t1 = min(now, (b + 1) * self.cfg.bucket_s)
@@ -135,6 +137,7 @@ class TraceReplay:
         self.accounted_t = now
         self.live_m = sum(1 for p in self.prefills if p.state != State.GONE)
         self.live_n = sum(1 for d in self.decodes if d.state != State.GONE)
+        self.booting = sum(1 for x in (*self.prefills, *self.decodes) if x.state == State.STARTING)
 
     def provisioned(self) -> tuple[int, int]:
         return (sum(1 for p in self.prefills if p.state in (State.STARTING, State.UP)),
@@ -153,7 +156,9 @@ class TraceReplay:
 
     def on_ready(self, inst: ReplayPrefill | ReplayDecode, now: float) -> None:
         if inst.state == State.STARTING:
+            self.account(now)  # its boot ends: counted as booting until now
             inst.state = State.UP
+            self.account(now)
 
     def on_decide(self, _: None, now: float) -> None:
         for j, xs in enumerate((self.arrived, self.completed)):
@@ -162,7 +167,7 @@ class TraceReplay:
         ins, outs = self.arrived[self.seen[0]:], self.completed[self.seen[1]:]
         obs = Observation(len(ins) / min(self.cfg.window, now), sum(x[1] for x in ins) / max(1, len(ins)),
                           sum(x for _, x in outs) / len(outs) if outs else 0.0,
-                          sum(x[2] for x in ins) / max(1, len(ins)))
+                          sum(x[2] for x in ins) / max(1, len(ins)), min(self.cfg.window, now))
         m, n = self.provisioned()
         self.resize(self.sizing.decide(now, obs, Target(m, n)), now)
         self.account(now)
@@ -177,6 +182,7 @@ class TraceReplay:
                 live = [x for x in pool if x.state in (State.STARTING, State.UP)]
                 booting = [x for x in live if x.state == State.STARTING]
                 if booting:
+                    self.account(now)
                     booting[-1].state = State.GONE
                 elif kind == "prefill":
                     self.retire_prefill(min(live, key=lambda p: (p.queued_tokens(now), len(p.queue) - p.head)), now)

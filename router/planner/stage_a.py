@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.perf import PerfModel
 
@@ -64,6 +64,7 @@ class Observation:
     mean_prompt_tokens: float
     mean_output_tokens: float
     mean_cached_prompt_tokens: float = 0.0  # of the prompt tokens, those a prefill instance found in its cache
+    seconds: float = field(default=math.inf, compare=False)  # how long the counts cover (a window just begun: less)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,12 @@ class TraceResult:
     computed_tokens: int  # of them, the tokens not found in the instance's prefix cache
     series: list[tuple[float, float, float, float, float]]
     sizes: list[tuple[float, int, int]]
+    booting_hours: float = 0.0  # of the instance-hours, those of instances asked for and not serving yet
+
+    @property
+    def changes_per_hour(self) -> float:
+        """How often the pools' provisioned sizes changed, per hour of the replay."""
+        return (len(self.sizes) - 1) * 3600.0 / self.end_s if self.end_s > 0 else 0.0
 
     @property
     def attainment(self) -> float:
