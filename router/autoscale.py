@@ -48,12 +48,12 @@ class AutoscaleConfig:
                                        "planner's model under --ttft-slo-ms / --tpot-slo-ms); scale-down drains an "
                                        "instance")
     autoscale_period: float = flag(5.0, "seconds between autoscaling decisions", bounds=(0.5, None))
-    autoscale_down_after: float = flag(30.0, "seconds the load must need fewer instances before one is drained",
-                                       bounds=(0.0, None))
+    autoscale_down_after: float = flag(60.0, "seconds the load must need fewer instances before the pool shrinks "
+                                             "(to the most that time needed)", bounds=(0.0, None))
     autoscale_window: float = flag(120.0, "seconds of load each decision looks back over (longer than the decision "
                                           "period: a few heavy prompts in one period must not resize the pools)",
                                    bounds=(0.5, None))
-    autoscale_headroom: float = flag(1.3, "plan for this much more load than observed (arrivals are bursty)",
+    autoscale_headroom: float = flag(1.15, "plan for this much more load than observed (arrivals are bursty)",
                                      bounds=(1.0, None))
     autoscale_lead: float = flag(0.0, "plan ahead: size the pools for the load forecast this many seconds from "
                                       "now (an instance's boot time: asked for now, it serves then), times a "
@@ -82,8 +82,8 @@ class Bounds:
 @dataclass
 class Autoscaler:
     """Decides (M, N) every `decide` call. Up: at once, to what the planner says the load × `headroom`
-    needs. Down: only once every decision of the last `down_after_s` seconds allowed fewer instances (the
-    most of them is taken), one instance at a time."""
+    needs. Down: only once every decision of the last `down_after_s` seconds allowed fewer instances, to the
+    most of them (the instances that whole time did not need are drained at once)."""
 
     perf: PerfModel
     ttft_p90_s: float
@@ -96,6 +96,7 @@ class Autoscaler:
     fleet: FleetLoad | None = None  # several routers: decide on all their load, not the observation given
     lead_s: float = knob_default(AutoscaleConfig, "autoscale_lead")  # > 0: size for the load forecast this far ahead
     window_s: float = knob_default(AutoscaleConfig, "autoscale_window")  # what each observation covers
+    down_to_most: bool = True  # shrink to the most the hold time needed (False: one instance at a time)
     _forecast: LoadForecast | None = None
     _wanted: list[tuple[float, Target]] = field(default_factory=list)  # (time, what the load needed)
     _changed: float | None = None  # when the sizes last changed (or the controller started)
@@ -140,8 +141,8 @@ class Autoscaler:
         def side(cur: int, wanted: list[int]) -> int:
             if wanted[-1] > cur:
                 return wanted[-1]  # up at once
-            if settled and max(wanted) < cur:
-                return cur - 1  # down one at a time, after a whole window that needed fewer
+            if settled and max(wanted) < cur:  # a whole window needed fewer: down to the most it needed
+                return max(wanted) if self.down_to_most else cur - 1
             return cur
 
         target = Target(side(current.prefill, [w.prefill for _, w in self._wanted]),

@@ -43,10 +43,10 @@ SLOW = PerfModel(decode_base_s=0.04, decode_per_seq_s=0.004, prefill_per_token_s
 
 def controller(down_after_s: float = 8.0, hi: int = 3, ranks: int = 1) -> Autoscaler:
     return Autoscaler(SLOW, 1.0, 0.08, Bounds(1, hi), Bounds(1, hi), down_after_s=down_after_s, ranks=ranks,
-                      window_s=2.0)  # the decision at t sees t - 2 .. t
+                      window_s=2.0, headroom=1.3)  # the decision at t sees t - 2 .. t; SLOW is sized for +30 %
 
 
-def test_controller_grows_at_once_and_shrinks_one_at_a_time_after_a_low_window():
+def test_controller_grows_at_once_and_shrinks_after_a_low_window():
     c, size = controller(down_after_s=10), Target(1, 1)
     assert c.needed(Observation(1.0, 64, 32)) == Target(1, 1) and c.needed(Observation(3.0, 64, 32)) == Target(2, 2)
     sizes = []
@@ -312,3 +312,21 @@ def test_planning_ahead_grows_a_boot_time_before_the_load_needs_it():
 
     reactive, ahead = first_growth(0.0), first_growth(60.0)
     assert ahead < reactive < float("inf") and reactive - ahead >= 30
+
+
+def test_a_pool_shrinks_to_what_the_hold_time_needed_and_a_window_just_begun_decides_nothing():
+    """After a spike, a low window brings both pools down to what it needed at once (the previous
+    controller drained one instance per hold time); a decision on a few seconds of counts keeps the sizes."""
+    c = Autoscaler(SLOW, 1.0, 0.08, Bounds(1, 8), Bounds(1, 8), down_after_s=10.0, window_s=20.0)
+    assert c.decide(0.0, Observation(30.0, 64, 32, seconds=2.0), Target(1, 1)) == Target(1, 1)
+    size = c.decide(5.0, Observation(12.0, 64, 32, seconds=20.0), Target(1, 1))
+    assert size.prefill >= 3 and size.decode >= 3
+    for t in range(10, 40, 5):
+        size = c.decide(float(t), Observation(1.0, 64, 32, seconds=20.0), size)
+    assert size == Target(1, 1)
+    one_by_one = Autoscaler(SLOW, 1.0, 0.08, Bounds(1, 8), Bounds(1, 8), down_after_s=10.0, window_s=20.0,
+                            down_to_most=False)
+    size = one_by_one.decide(5.0, Observation(12.0, 64, 32, seconds=20.0), Target(1, 1))
+    for t in range(10, 40, 5):
+        size = one_by_one.decide(float(t), Observation(1.0, 64, 32, seconds=20.0), size)
+    assert size != Target(1, 1)  # still draining, one instance per hold time
