@@ -112,10 +112,11 @@ def protocol_names(details: str) -> str:
     return details
 
 
-def _bytes_elements(raw: bytes, name: str) -> list[bytes]:
-    """BYTES elements from raw contents: each a 4-byte little-endian length, then that many bytes."""
+def _bytes_elements(raw: bytes, name: str, most: int = 2) -> list[bytes]:
+    """BYTES elements from raw contents (each a 4-byte little-endian length, then that many bytes), read up to
+    `most` of them: one more than a request may carry already says it carries too many."""
     out, at = [], 0
-    while at < len(raw):
+    while at < len(raw) and len(out) < most:
         if at + 4 > len(raw):
             raise Invalid(f"input '{name}': raw BYTES contents end inside an element's length")
         (size,) = struct.unpack_from("<I", raw, at)
