@@ -6,7 +6,7 @@ published for DeepSeek-V3 on H800 nodes. Prints SLA attainment against instance-
 splits and for the autoscaler (router.autoscale), and plots both.
 
     python bench/trace_replay.py [--scales 1,4,16] [--ttft-s 5] [--tpot-ms 50] [--startup-s 60] [--min-m 1]
-                                 [--max-m M] [--max-n N] [--global-cache] [--minutes M] [--jobs 2]
+                                 [--max-m M] [--max-n N] [--swing D] [--global-cache] [--minutes M] [--jobs 2]
 
 Per scale (--scales K: K copies of the hour superposed, copy k shifted by 7.5·k s with its own prefix hashes:
 K times the traffic with the same hourly shape; the policy is shown the 4 fastest instances of each pool, see
@@ -19,6 +19,7 @@ seen + 15 %, down after 60 s to the most that time needed), with the previous de
 time after 30 s) and planning ahead (--autoscale-lead: the load forecast one boot time ahead). A hindsight
 reference rechooses the prefill count every 10 minutes knowing the hour (the cheapest choice whose attainment
 over the hour reaches 95 %): what no causal autoscaler can expect to beat.
+--swing D presses a day's shape into the hour (the middle thinned to 1 - D of its rate; see `swing`).
 Each row: instance-hours and their ratio to the cheapest fixed split, attainment, pool changes per hour and
 the instance-seconds spent booting. Saves bench/out/trace_replay[_xK_..].png (attainment vs instance-hours per
 scale; the planning-ahead autoscaler's hour at the largest scale) and .json.
@@ -99,6 +100,7 @@ import argparse
 import itertools
 import json
 import math
+import random
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -272,9 +274,19 @@ def search_static(runner: Runner, max_m: int, max_n: int, goal: float = GOAL) ->
     return min(best, key=lambda x: (x[0], x[1].decode))[1]
 
 
+def swing(requests: list[TraceRequest], depth: float, seed: int = 0) -> list[TraceRequest]:
+    """The trace with a day's shape compressed into its hour: each request kept with probability
+    1 - depth·(1 + cos(2πt / hour)) / 2 (the full rate at the hour's ends, 1 - depth of it in the middle), so
+    the load falls and rises again as traffic does over a day. depth 0: the trace as recorded."""
+    if depth <= 0:
+        return requests
+    rng, hour = random.Random(seed), max(r.arrival for r in requests) + 1e-3
+    return [r for r in requests if rng.random() < 1 - depth * (1 - math.cos(2 * math.pi * r.arrival / hour)) / 2]
+
+
 def replay_scale(trace: list[TraceRequest], scale: int, a: argparse.Namespace, pool) -> dict:
     """One scale: the fixed-split search and the autoscalers (their bounds the search's), printed as a table."""
-    requests = scale_trace(trace, scale)
+    requests = swing(scale_trace(trace, scale), a.swing)
     max_m = a.max_m or 4 * scale + 2
     max_n = a.max_n or max(2, scale // 4 + 2)
     args = {"ttft_s": a.ttft_s, "tpot_s": a.tpot_ms / 1e3, "min_m": a.min_m, "max_m": max_m, "max_n": max_n,
@@ -326,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-m", type=int, default=None, help="search and autoscaler bound (default 4 x scale + 2)")
     ap.add_argument("--max-n", type=int, default=None, help="search and autoscaler bound (default scale / 4 + 2)")
     ap.add_argument("--startup-s", type=float, default=60.0, help="seconds from asking for an instance to serving")
+    ap.add_argument("--swing", type=float, default=0.0, help="a day's shape in the hour: thin the middle of the hour "
+                    "to 1 - SWING of its rate (see `swing`; 0: the trace as recorded)")
     ap.add_argument("--global-cache", action="store_true", help="one unlimited prefix cache pool instead of HBM")
     ap.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     a = ap.parse_args(argv)
@@ -356,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
         split = "{}P+{}D".format(*o["cheapest"]) if o["cheapest"] else "none in the bounds"
         print(f"scale {o['scale']}: cheapest fixed split >= {a.goal:.0%}: {split}; {autos}")
     OUT.mkdir(parents=True, exist_ok=True)
-    stem = "trace_replay" + ("" if scales == [1] else "_x" + "_".join(map(str, scales)))
+    stem = "trace_replay" + ("" if scales == [1] else "_x" + "_".join(map(str, scales))) + \
+        (f"_swing{a.swing:g}" if a.swing else "")
     (OUT / f"{stem}.json").write_text(json.dumps({"args": vars(a), "scales": out}, indent=1, default=str) + "\n")
     _plot(OUT / f"{stem}.png", out, a)
     print(f"plot: {OUT / f'{stem}.png'}")
