@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from router.hint import LOCAL, PairHint
 from router.openai_choices import TokenText
 from router.openai_completions import completion_requests
-from router.openai_errors import HttpAbort
+from router.openai_errors import HTTP_TYPES, HttpAbort
 from router.openai_models import ChatCompletionRequest, CompletionRequest, chat_request
 from router.policy import Rejected
 from router.pools import resolve_addresses
@@ -106,8 +106,8 @@ def _common(headers: dict[str, str] | None = None, body: bytes | None = None, en
 
 
 def _immediate(refusal: Refusal) -> ext.ProcessingResponse:
-    kind = {429: "rate_limit_error", 413: "invalid_request_error"}.get(refusal.status, "service_unavailable")
-    body = {"error": {"message": str(refusal), "type": kind, "param": None, "code": refusal.status}}
+    body = {"error": {"message": str(refusal), "type": HTTP_TYPES[refusal.status], "param": None,
+                      "code": refusal.status}}  # OpenAI's error body, as the router's HTTP API answers
     response = ext.ImmediateResponse(status=http_status_pb2.HttpStatus(code=refusal.status),
                                      body=json.dumps(body).encode(), details=str(refusal))
     response.headers.set_headers.add(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))
