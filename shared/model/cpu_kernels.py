@@ -16,7 +16,9 @@ the package; it is built (shared.model.kernel_build) with the system C compiler 
 through ctypes, which drops the GIL while they run. Without a compiler, with
 `PDSERVE_CPU_KERNELS=0`, under torch.compile, or for tensors not in host memory, every function says
 so (None / False) and the caller keeps its portable torch path. Results agree with it to fp32
-rounding (RoPE and the row write bit for bit; sums elsewhere run in another order).
+rounding (RoPE and the row write bit for bit; sums elsewhere run in another order), except that a bf16
+model's attention rounds its probabilities to bf16 before p.V, as the portable path computing in bf16 and
+DeepSeek's own model do (closer to the fp32 result than that path comes: tests/test_cpu_kernels.py).
 """
 
 from __future__ import annotations
