@@ -483,35 +483,47 @@ def test_fused_indexer_rows_match_rope_hadamard_fp8(portable, dtype):
     assert torch.equal(got, want)
 
 
-def test_fused_linear_and_head_matmul_match_torch(portable):
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_and_head_matmul_match_torch(portable, weight_dtype):
     """The generated rows of a step's linears, and MLA's per-head absorbed matmuls, in one call each:
     torch's result to a bf16 rounding step (fp32 sums in another order), strided views included; the
-    step's prompt rows are the portable path's own."""
+    step's prompt rows are the portable path's own. With bf16 weights (a bf16 model's, where the CPU has bf16
+    dot products: vdpbf16ps) too."""
     from shared.model.layers import Linear
 
     gen = torch.Generator().manual_seed(12)
-    lin = Linear(256, 96, bias=False)
+    lin = Linear(256, 96, bias=False, dtype=weight_dtype)
     lin.weight.data.copy_(torch.randn(96, 256, generator=gen) * 0.05)
+    kernel_calls = []
+    real = cpu_kernels.linear
     for rows, generated in ((1, 1), (40, 40), (12, 5)):
         x = torch.randn(rows, 256, generator=gen).bfloat16()
         portable(True)
         want = lin(x)
         portable(False)
-        got = lin(x, generated)
+        cpu_kernels.linear = lambda *a: kernel_calls.append(1) or real(*a)
+        try:
+            got = lin(x, generated)
+        finally:
+            cpu_kernels.linear = real
+        assert kernel_calls, "the generated rows did not take the kernel"
         assert got.dtype == torch.bfloat16 and (got.float() - want.float()).abs().max() <= 2 ** -7 * want.abs().max()
         assert torch.equal(got[generated:], want[generated:])
+        assert torch.equal(lin(x[:1], 1), got[:1])  # a generated row alone: the bits it has in its batch
     assert torch.equal(lin(x), want)  # outside a step: no generated rows, the portable path
 
     q = torch.randn(5, 4, 96, generator=gen).bfloat16()[..., :32]  # q_nope: a strided split of q
-    w_uk = torch.randn(4, 32, 512, generator=gen)
+    w_uk = torch.randn(4, 32, 512, generator=gen).to(weight_dtype)
     query = torch.zeros(5, 4, 576)
     assert cpu_kernels.head_matmul(q, w_uk, query[..., :512])
-    want = torch.bmm(q.float().transpose(0, 1), w_uk).transpose(0, 1)
+    want = torch.bmm(q.float().transpose(0, 1), w_uk.float()).transpose(0, 1)
     assert (query[..., :512] - want).abs().max() < 1e-4 and not query[..., 512:].any()
-    o_lat, w_uv = torch.randn(5, 4, 512, generator=gen), torch.randn(4, 512, 32, generator=gen)
+    o_lat, w_uv = torch.randn(5, 4, 512, generator=gen), torch.randn(4, 512, 32, generator=gen).to(weight_dtype)
+    if weight_dtype == torch.bfloat16:
+        o_lat = o_lat.bfloat16()  # a bf16 model's latent: bf16 times bf16 by vdpbf16ps
     o = torch.empty(5, 4 * 32, dtype=torch.bfloat16)
     assert cpu_kernels.head_matmul(o_lat, w_uv, o.view(5, 4, 32))
-    want = torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(5, 128).bfloat16()
+    want = torch.bmm(o_lat.float().transpose(0, 1), w_uv.float()).transpose(0, 1).reshape(5, 128).bfloat16()
     assert (o.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
@@ -520,9 +532,10 @@ def test_head_matmul_rows_are_batch_invariant_at_many_heads():
     a row gets the same bits alone as in any group of rows (row groups of 8 and their remainders), over k and
     m that are not multiples of the kernel's steps."""
     gen = torch.Generator().manual_seed(13)
-    for heads, k, m in ((40, 30, 37), (128, 64, 48)):
+    for heads, k, m, dtype in ((40, 30, 37, torch.float32), (128, 64, 48, torch.float32), (128, 64, 48, torch.bfloat16),
+                               (6, 512, 32, torch.bfloat16)):
         x = torch.randn(11, heads, k, generator=gen).bfloat16()
-        w = torch.randn(heads, k, m, generator=gen)
+        w = torch.randn(heads, k, m, generator=gen).to(dtype)
         batched = torch.empty(11, heads, m)
         assert cpu_kernels.head_matmul(x, w, batched)
         for i in (0, 7, 8, 10):
@@ -531,6 +544,26 @@ def test_head_matmul_rows_are_batch_invariant_at_many_heads():
             assert torch.equal(alone[0], batched[i]), (heads, i)
         want = torch.bmm(x.double().transpose(0, 1), w.double()).transpose(0, 1)
         assert (batched.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_bf16_linear_rows_are_batch_invariant():
+    """A bf16 model's decode linears (bf16 rows times a bf16 weight by vdpbf16ps, where the CPU has it): a row
+    gets the same bits alone as in any batch (register blocks of 6, 4 and 2 rows and their remainders; outputs
+    past a whole block of 4), and each output is the fp32 dot to its bf16 rounding; a K the kernel does not
+    take (not a multiple of 16) leaves the portable path."""
+    if not cpu_kernels.library().dots_bf16():
+        pytest.skip("this CPU has no bf16 dot products (the kernel declines bf16 weights)")
+    gen = torch.Generator().manual_seed(14)
+    w = torch.randn(38, 64, generator=gen).bfloat16()
+    x = torch.randn(13, 64, generator=gen).bfloat16()
+    batched = cpu_kernels.linear(x, w)
+    for i in range(13):
+        assert torch.equal(cpu_kernels.linear(x[i : i + 1], w)[0], batched[i]), i
+    for n in (2, 3, 5, 7, 12):
+        assert torch.equal(cpu_kernels.linear(x[:n], w), batched[:n]), n
+    want = (x.double() @ w.double().T).bfloat16()
+    assert ((batched.double() - want.double()).abs() <= 2**-7 * want.double().abs()).all()
+    assert cpu_kernels.linear(torch.randn(3, 40).bfloat16(), torch.randn(8, 40).bfloat16()) is None
 
 def _mla_row_inputs(gen: torch.Generator, c: int, r: int, dtype: torch.dtype):
     """kv_a outputs [6, c + r], the kv norm (random weight), RoPE angles and the step's slots (a fake step)."""

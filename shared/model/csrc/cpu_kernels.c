@@ -1741,25 +1741,93 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
     free(xf);
 }
 
+static inline void put4(void *y, int y_bf16, int64_t k, v8 v) {  /* put of lanes 0-3 */
+    if (!y_bf16) {
+        memcpy((float *)y + k, &v, 4 * sizeof(float));
+        return;
+    }
+    v8h h = __builtin_convertvector((v8ui)round_bf16x8(v) >> 16, v8h);
+    memcpy((uint16_t *)y + k, &h, 4 * sizeof(uint16_t));
+}
+
+#if HAVE_DPBF16
+/* Rows [i, i + Q) of x (past n: repeated, not written) against weight rows wr[0..3] = 4b..4b + 3 (past m:
+   repeated, not written): Q x 4 chains of 16 exact products a vdpbf16ps, each output's over k in order. */
+static inline __attribute__((always_inline)) void
+linear_block_bf16(const uint16_t *x, const uint16_t *const wr[4], void *y, int y_bf16, int64_t n, int64_t k,
+                  int64_t m, int64_t b, int64_t i, const int Q) {
+    const uint16_t *xr[6];
+    for (int q = 0; q < Q; q++) xr[q] = x + (i + q < n ? i + q : n - 1) * k;
+    v8 part[6][HB] = {{{0}}};  /* part[q][o]: x row i + q, weight row 4b + o */
+    for (int64_t d = 0; d < k; d += 2 * DW) {
+        __m256bh wv[4];
+        for (int o = 0; o < 4; o++) wv[o] = (__m256bh)_mm256_loadu_si256((const __m256i *)(wr[o] + d));
+        for (int q = 0; q < Q; q++) {
+            __m256bh xv = (__m256bh)_mm256_loadu_si256((const __m256i *)(xr[q] + d));
+            for (int o = 0; o < 4; o++) part[q][o] = (v8)_mm256_dpbf16_ps((__m256)part[q][o], wv[o], xv);
+        }
+    }
+    for (int h = 0; h < Q / 2 && i + 2 * h < n; h++) {  /* lanes 0-3: x row i + 2h's four outputs, 4-7: the next's */
+        v8 sums = lane_sums(part + 2 * h);
+        for (int q = 2 * h; q < 2 * h + 2 && i + q < n; q++) {
+            if (4 * b + 4 <= m) {
+                put4(y, y_bf16, (i + q) * m + 4 * b, q % 2 ? __builtin_shufflevector(sums, sums, 4, 5, 6, 7, 4, 5, 6, 7) : sums);
+            } else {
+                for (int o = 0; 4 * b + o < m; o++) put(y, y_bf16, (i + q) * m + 4 * b + o, sums[q % 2 * 4 + o]);
+            }
+        }
+    }
+}
+#endif
+
+/* y[i, r] = x[i, :] . w[r, :] for bf16 rows x [n, k] and a bf16 weight [m, k] (a bf16 model's linears on decode
+   rows), y bf16 (rounded once) or fp32; k a multiple of 16. 16 exact products a vdpbf16ps summed in fp32 in pairs,
+   up to six x rows by four weight rows a register block (24 chains); each output's sums run in the same order
+   whatever n is, so a row's result does not depend on its batch. Returns 1 without the instruction or with k
+   not a multiple of 16 (nothing written), else 0. */
+int32_t linear_rows_bf16(const uint16_t *x, const uint16_t *w, void *y, int32_t y_bf16, int64_t n, int64_t k,
+                         int64_t m, int32_t threads) {
+#if HAVE_DPBF16
+    if (k % (2 * DW)) return 1;
+    int64_t blocks = (m + 3) / 4;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * k * (n < 4 ? 4 : n) >= 131072)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *wr[4];
+        for (int o = 0; o < 4; o++) wr[o] = w + (4 * b + o < m ? 4 * b + o : m - 1) * k;
+        int64_t i = 0;
+        for (; i + 6 <= n; i += 6) linear_block_bf16(x, wr, y, y_bf16, n, k, m, b, i, 6);
+        if (n - i > 2) linear_block_bf16(x, wr, y, y_bf16, n, k, m, b, i, 4);
+        else if (n - i > 0) linear_block_bf16(x, wr, y, y_bf16, n, k, m, b, i, 2);
+        if (n - i > 4) linear_block_bf16(x, wr, y, y_bf16, n, k, m, b, i + 4, 2);
+    }
+    return 0;
+#else
+    (void)x; (void)w; (void)y; (void)y_bf16; (void)n; (void)k; (void)m; (void)threads;
+    return 1;
+#endif
+}
+
 /* y[i, h, :] = x[i, h, :] @ w[h] per head: x [n, heads, k] (strides xs_row, xs_head; bf16 or fp32),
-   w [heads, k, m] fp32, y [n, heads, m] (strides ys_row, ys_head; fp32, or bf16 rounded once at the end).
+   w [heads, k, m] fp32 (or bf16: w_bf16), y [n, heads, m] (strides ys_row, ys_head; fp32, or bf16 rounded once).
    MLA's absorbed matmuls (q_nope . W_UK, o_lat . W_UV^T) for generated rows, at any head count. Each output
    is one chain of fused multiply-adds over k in order (fmaf's bits in every lane); up to HR rows of a head
    share each weight load. */
 #define HR 8
 
-/* acc[q, :] = xr[q, :] @ wh for ROWS rows (a constant where inlined). The weight is streamed in order, four
+/* acc[q, :] = xr[q, :] @ wh for ROWS rows (a constant where inlined); wh fp32, or bf16 with w_bf16 (widened
+   exactly as read: the products of its fp32 copy). The weight is streamed in order, four
    of its rows at a time (their pages are read as sequential streams, which strided column blocks were not:
    latency-bound at 8 GFLOP/s); each output's chain of fused multiply-adds still runs over k in order. */
 static inline __attribute__((always_inline)) void
-head_rows(const float *xr, const float *wh, float *acc, int64_t k, int64_t m, const int ROWS) {
+head_rows(const float *xr, const void *wh, int w_bf16, float *acc, int64_t k, int64_t m, const int ROWS) {
     memset(acc, 0, sizeof(float) * ROWS * m);
     int64_t j = 0;
     for (; j + 4 <= k; j += 4) {
-        const float *w0 = wh + j * m, *w1 = w0 + m, *w2 = w1 + m, *w3 = w2 + m;
+        const int64_t w0 = j * m, w1 = w0 + m, w2 = w1 + m, w3 = w2 + m;
         int64_t c = 0;
         for (; c + DW <= m; c += DW) {
-            v8 r0 = LOAD(w0 + c), r1 = LOAD(w1 + c), r2 = LOAD(w2 + c), r3 = LOAD(w3 + c);
+            v8 r0 = wload(wh, w_bf16, w0 + c), r1 = wload(wh, w_bf16, w1 + c), r2 = wload(wh, w_bf16, w2 + c),
+               r3 = wload(wh, w_bf16, w3 + c);
             for (int q = 0; q < ROWS; q++) {
                 const float *xq = xr + q * k + j;
                 v8 a = LOAD(acc + q * m + c);
@@ -1772,17 +1840,75 @@ head_rows(const float *xr, const float *wh, float *acc, int64_t k, int64_t m, co
         }
         for (; c < m; c++)
             for (int q = 0; q < ROWS; q++)
-                for (int u = 0; u < 4; u++) acc[q * m + c] = fmaf(xr[q * k + j + u], wh[(j + u) * m + c], acc[q * m + c]);
+                for (int u = 0; u < 4; u++) acc[q * m + c] = fmaf(xr[q * k + j + u], widen(wh, w_bf16, (j + u) * m + c), acc[q * m + c]);
     }
     for (; j < k; j++)  /* the last k % 4 weight rows */
         for (int q = 0; q < ROWS; q++)
-            for (int64_t c = 0; c < m; c++) acc[q * m + c] = fmaf(xr[q * k + j], wh[j * m + c], acc[q * m + c]);
+            for (int64_t c = 0; c < m; c++) acc[q * m + c] = fmaf(xr[q * k + j], widen(wh, w_bf16, j * m + c), acc[q * m + c]);
 }
 
-void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head, const float *w,
+#if HAVE_DPBF16
+/* y rows [i0, i0 + Q) of head h (Q a constant where inlined) for bf16 x and weights: acc[q, c] += x[q, j] w[j, c]
+   over pairs of weight rows (j, j + 1) interleaved (vpunpck: dims {0-3, 8-11} and {4-7, 12-15} of each 16) and
+   x's pair broadcast, 16 exact products a vdpbf16ps summed in fp32 (pv_block_bf16's pattern); 32 outputs a
+   block, 4 x Q chains. k even, m a multiple of 16. */
+static inline __attribute__((always_inline)) void
+head_rows_bf16(const uint16_t *x, int64_t xs_row, const uint16_t *wh, void *y, int y_bf16, int64_t ys_row,
+               int64_t k, int64_t m, const int Q) {
+    for (int64_t c0 = 0; c0 < m; c0 += 32) {
+        const int blocks = c0 + 32 <= m ? 2 : 1;
+        __m256 a[6][4];
+        for (int q = 0; q < Q; q++)
+            for (int v = 0; v < 4; v++) a[q][v] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < k; j += 2) {
+            __m256bh wv[4];
+            for (int bk = 0; bk < blocks; bk++) {
+                __m256i r0 = _mm256_loadu_si256((const __m256i *)(wh + j * m + c0 + 16 * bk));
+                __m256i r1 = _mm256_loadu_si256((const __m256i *)(wh + (j + 1) * m + c0 + 16 * bk));
+                wv[2 * bk] = (__m256bh)_mm256_unpacklo_epi16(r0, r1);
+                wv[2 * bk + 1] = (__m256bh)_mm256_unpackhi_epi16(r0, r1);
+            }
+            for (int q = 0; q < Q; q++) {
+                uint32_t pair;
+                memcpy(&pair, x + q * xs_row + j, sizeof pair);
+                __m256bh xv = (__m256bh)_mm256_set1_epi32((int)pair);
+                for (int v = 0; v < 2 * blocks; v++) a[q][v] = _mm256_dpbf16_ps(a[q][v], xv, wv[v]);
+            }
+        }
+        for (int q = 0; q < Q; q++)
+            for (int bk = 0; bk < blocks; bk++) {
+                int64_t at = q * ys_row + c0 + 16 * bk;
+                put8(y, y_bf16, at, (v8)_mm256_permute2f128_ps(a[q][2 * bk], a[q][2 * bk + 1], 0x20));
+                put8(y, y_bf16, at + 8, (v8)_mm256_permute2f128_ps(a[q][2 * bk], a[q][2 * bk + 1], 0x31));
+            }
+    }
+}
+#endif
+
+void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head, const void *w, int32_t w_bf16,
                  void *y, int32_t y_bf16, int64_t ys_row, int64_t ys_head, int64_t n, int64_t heads,
                  int64_t k, int64_t m, int32_t threads) {
     const int64_t groups = (n + HR - 1) / HR;
+#if HAVE_DPBF16
+    if (x_bf16 && w_bf16 && k % 2 == 0 && m % 16 == 0) {  /* bf16 x and weights: vdpbf16ps, four rows a block */
+        const int64_t quads = (n + 5) / 6;
+        #pragma omp parallel for num_threads(threads) schedule(static) if (n * heads * k * m >= 262144)
+        for (int64_t t = 0; t < quads * heads; t++) {
+            int64_t h = t / quads, i0 = t % quads * 6, rows = n - i0 < 6 ? n - i0 : 6;
+            const uint16_t *xq = (const uint16_t *)x + i0 * xs_row + h * xs_head, *wh = (const uint16_t *)w + h * k * m;
+            void *yq = (uint8_t *)y + (i0 * ys_row + h * ys_head) * (y_bf16 ? 2 : 4);
+            switch (rows) {
+                case 1: head_rows_bf16(xq, xs_row, wh, yq, y_bf16, ys_row, k, m, 1); break;
+                case 2: head_rows_bf16(xq, xs_row, wh, yq, y_bf16, ys_row, k, m, 2); break;
+                case 3: head_rows_bf16(xq, xs_row, wh, yq, y_bf16, ys_row, k, m, 3); break;
+                case 4: head_rows_bf16(xq, xs_row, wh, yq, y_bf16, ys_row, k, m, 4); break;
+                case 5: head_rows_bf16(xq, xs_row, wh, yq, y_bf16, ys_row, k, m, 5); break;
+                default: head_rows_bf16(xq, xs_row, wh, yq, y_bf16, ys_row, k, m, 6); break;
+            }
+        }
+        return;
+    }
+#endif
     #pragma omp parallel num_threads(threads) if (n * heads * k * m >= 262144)
     {
         float *xr = xmalloc(sizeof(float) * HR * k), *acc = xmalloc(sizeof(float) * HR * m);
@@ -1791,16 +1917,16 @@ void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head,
             int64_t h = t / groups, i0 = t % groups * HR, rows = n - i0 < HR ? n - i0 : HR;
             for (int q = 0; q < rows; q++)
                 for (int64_t j = 0; j < k; j++) xr[q * k + j] = widen(x, x_bf16, (i0 + q) * xs_row + h * xs_head + j);
-            const float *wh = w + h * k * m;
+            const void *wh = (const uint8_t *)w + h * k * m * (w_bf16 ? 2 : 4);
             switch (rows) {
-                case 1: head_rows(xr, wh, acc, k, m, 1); break;
-                case 2: head_rows(xr, wh, acc, k, m, 2); break;
-                case 3: head_rows(xr, wh, acc, k, m, 3); break;
-                case 4: head_rows(xr, wh, acc, k, m, 4); break;
-                case 5: head_rows(xr, wh, acc, k, m, 5); break;
-                case 6: head_rows(xr, wh, acc, k, m, 6); break;
-                case 7: head_rows(xr, wh, acc, k, m, 7); break;
-                default: head_rows(xr, wh, acc, k, m, HR); break;
+                case 1: head_rows(xr, wh, w_bf16, acc, k, m, 1); break;
+                case 2: head_rows(xr, wh, w_bf16, acc, k, m, 2); break;
+                case 3: head_rows(xr, wh, w_bf16, acc, k, m, 3); break;
+                case 4: head_rows(xr, wh, w_bf16, acc, k, m, 4); break;
+                case 5: head_rows(xr, wh, w_bf16, acc, k, m, 5); break;
+                case 6: head_rows(xr, wh, w_bf16, acc, k, m, 6); break;
+                case 7: head_rows(xr, wh, w_bf16, acc, k, m, 7); break;
+                default: head_rows(xr, wh, w_bf16, acc, k, m, HR); break;
             }
             for (int q = 0; q < rows; q++)
                 for (int64_t c = 0; c < m; c++) {
