@@ -22,6 +22,7 @@ from pathlib import Path as _Path
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-type", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32"])
     p.add_argument("--compile", action="store_true", help="pdserve with torch.compile of the per-token parts")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate the systems this many times per batch; the table shows medians (and ranges)")
     p.add_argument("--peer", action="append", choices=["vllm", "transformers", "none"], default=None,
                    help="systems to compare with in the same run (default: transformers)")
     args = p.parse_args(argv)
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
     results: dict[str, list[float]] = {"pdserve": [], **{peer: [] for peer in peers}}
+    spans: dict[str, list[str]] = {name: [] for name in results}  # per batch: the rounds' range
+    ratios: list[list[float]] = []  # per batch, per peer: the median of the rounds' pdserve / peer
     with tempfile.TemporaryDirectory() as tmp:
         extra = {"index_topk": 64} if args.model_type == "deepseek_v32" else VLLM_CONFIG
         path = write_checkpoint(Path(tmp) / args.model_type, args.model_type, tokenizer=False, **extra)
@@ -84,32 +89,38 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for batch in batches:
                 prompts = torch.randint(2, 1024, (batch, args.prompt_len)).tolist()
-                print(f"batch {batch}: pdserve ...", end="", flush=True)
-                results["pdserve"].append(run_pdserve(llm, prompts, args.new_tokens))
+                runs: dict[str, list[float]] = {name: [] for name in results}
+                for r in range(args.rounds):
+                    print(f"batch {batch} round {r + 1}: pdserve ...", end="", flush=True)
+                    runs["pdserve"].append(run_pdserve(llm, prompts, args.new_tokens))
+                    print(f" {runs['pdserve'][-1]:,.0f} tok/s", end="", flush=True)
+                    if vllm is not None:
+                        runs["vllm"].append(vllm.run(prompts, args.new_tokens))
+                        print(f"; vLLM {runs['vllm'][-1]:,.0f} tok/s", end="", flush=True)
+                    if hf is not None:
+                        runs["transformers"].append(run_transformers(hf, prompts, args.new_tokens))
+                        print(f"; transformers {runs['transformers'][-1]:,.0f} tok/s", end="", flush=True)
+                    print(flush=True)
+                for name, got in runs.items():
+                    results[name].append(statistics.median(got))
+                    spans[name].append(f"{min(got):,.0f}-{max(got):,.0f}")
+                ratios.append([statistics.median(p / q for p, q in zip(runs["pdserve"], runs[peer])) for peer in peers])
                 seconds.append(batch * args.new_tokens / results["pdserve"][-1])
-                print(f" {results['pdserve'][-1]:,.0f} tok/s", end="", flush=True)
-                if vllm is not None:
-                    results["vllm"].append(vllm.run(prompts, args.new_tokens))
-                    print(f"; vLLM {results['vllm'][-1]:,.0f} tok/s", end="", flush=True)
-                if hf is not None:
-                    results["transformers"].append(run_transformers(hf, prompts, args.new_tokens))
-                    print(f"; transformers {results['transformers'][-1]:,.0f} tok/s", end="", flush=True)
-                print(flush=True)
         finally:
             if vllm is not None:
                 vllm.close()
-    headers = ["batch", "pdserve tok/s"]
+    headers = ["batch", "pdserve tok/s"] + (["range"] if args.rounds > 1 else [])
     for peer in peers:
-        headers += [f"{peer} tok/s", f"pdserve / {peer}"]
+        headers += [f"{peer} tok/s"] + (["range"] if args.rounds > 1 else []) + [f"pdserve / {peer}"]
     rows = []
     for i, batch in enumerate(batches):
-        row: list[object] = [batch, results["pdserve"][i]]
-        for peer in peers:
-            row += [results[peer][i], f"{results['pdserve'][i] / results[peer][i]:.2f}x"]
+        row: list[object] = [batch, results["pdserve"][i]] + ([spans["pdserve"][i]] if args.rounds > 1 else [])
+        for j, peer in enumerate(peers):
+            row += [results[peer][i]] + ([spans[peer][i]] if args.rounds > 1 else []) + [f"{ratios[i][j]:.2f}x"]
         rows.append(row)
     print()
     print(f"{args.model_type}, {args.dtype}, {args.prompt_len}-token prompts → {args.new_tokens} tokens, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, median of {args.rounds} alternating round(s) per batch")
     print(table(headers, rows))
     limits = MachineLimits.measure()
     print(f"{limits.describe()}; the model: {cost.describe(args.prompt_len + args.new_tokens)}")
