@@ -359,7 +359,10 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
 #endif
         for (int64_t h0 = 0; h0 < hp; h0 += HB) {
 #if HAVE_DPBF16
-            for (int j = 0; kind == ROWS_BF16 && qb && j < used; j += 4) {  /* bf16: four rows at a time */
+            /* bf16: four rows at a time, their lanes summed in a tree (lane_sums). Only generated rows of a bf16
+               model come here (prompt rows of bf16 models keep the portable path); fp32 rows keep the in-order
+               sums below, which fp32 prompt tokens taking this kernel share with the decodes' */
+            for (int j = 0; kind == ROWS_BF16 && qb && j < used; j += 4) {
                 const uint16_t *r[4];
                 for (int jj = 0; jj < 4; jj++) r[jj] = rows[j + jj < used ? j + jj : j];
                 for (int f = j + AHEAD; h0 == 0 && f < j + AHEAD + 4; f++)  /* this tile's, then the next's */
@@ -431,9 +434,12 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
                         part[1][hh] = vfma(qv, rv1, part[1][hh]);
                     }
                 }
-                v8 sums = lane_sums(part) * splat(scale);  /* lane jj * HB + hh: row j + jj's score, head h0 + hh */
                 for (int jj = 0; jj < 2 && j + jj < used; jj++)
-                    for (int hh = 0; hh < HB; hh++) score[(h0 + hh) * TILE + j + jj] = sums[jj * HB + hh];
+                    for (int hh = 0; hh < HB; hh++) {
+                        float sc = 0.f;
+                        for (int dd = 0; dd < DW; dd++) sc += part[jj][hh][dd];
+                        score[(h0 + hh) * TILE + j + jj] = sc * scale;
+                    }
             }
             /* online softmax: rescale what was accumulated if the running max grew */
             for (int hh = 0; hh < HB; hh++) {
