@@ -159,6 +159,36 @@ def allocated_bytes(device: torch.device) -> int:
 _GROUPED_MM_MISSING: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) whose kernel is missing
 
 
+HOST_GEMM_BUCKET_LIMIT = 256  # host GEMMs of up to this many rows run at a few row counts (host_gemm_rows)
+
+
+def host_gemm_rows(rows: int, dtype: torch.dtype) -> int:
+    """The row count a host GEMM of `rows` rows of `dtype` runs at (the rest repeat its last row; their results
+    are dropped). bf16 / fp16 (oneDNN): oneDNN builds a primitive (JIT code, ~0.5 ms on this CPU) for every new
+    (rows, K, N); a short prompt's step paid it for each linear and each expert's group (a demo-model prefill of
+    50 tokens: about half its time), and every new prompt length paid again. Rounded up to one of
+    host_gemm_sizes(), each is built once, before the engine reports ready (Model.warm_host_gemms): up to 8 rows
+    multiples of 4, to 64 of 8, to HOST_GEMM_BUCKET_LIMIT of 16 (at most one row in nine is padding there),
+    beyond as they are (the GEMM outweighs building it). oneDNN gives a row the same bits at every row count
+    from 2 (measured 2-300) but runs one row alone by a GEMV that rounds otherwise. fp32 (torch's fp32 GEMM,
+    no per-shape build; a row's bits there depend on the rows beside it at some counts, so counts stay as they
+    are): one row runs as two, as before."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return 2 if rows == 1 else rows
+    if rows <= 8:
+        return -(-rows // 4) * 4
+    if rows <= 64:
+        return -(-rows // 8) * 8
+    if rows <= HOST_GEMM_BUCKET_LIMIT:
+        return -(-rows // 16) * 16
+    return rows
+
+
+def host_gemm_sizes() -> list[int]:
+    """Every row count host_gemm_rows runs bf16 GEMMs of up to HOST_GEMM_BUCKET_LIMIT rows at (21 sizes)."""
+    return sorted({host_gemm_rows(r, torch.bfloat16) for r in range(1, HOST_GEMM_BUCKET_LIMIT + 1)})
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of x [M, K] in consecutive groups (group g ends at offsets[g], int32, on the device) times
     w[g] [K, N]: one grouped matmul with no host read-back (`F.grouped_mm`). A device or dtype whose

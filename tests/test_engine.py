@@ -86,6 +86,48 @@ def test_the_warm_up_request_leaves_nothing_behind(sparse_path, monkeypatch):
     assert engine.add_request([5], GREEDY).request_id == cold.engine.add_request([5], GREEDY).request_id
 
 
+def _gemms_built(verbose: str) -> list[str]:
+    """The 2-D matmuls (M x K : K x N; not attention's batched ones) oneDNN's verbose output says it built."""
+    shapes = [line.split(",")[-2] for line in verbose.splitlines()
+              if "create:cache_miss" in line and ",matmul," in line]
+    return [s for s in shapes if all(side.count("x") == 1 for side in s.split(":"))]
+
+
+def test_a_new_prompt_length_builds_no_gemm_primitive(sparse_path, capfd):
+    """A bf16 engine's host GEMMs run at a few row counts (shared.device.host_gemm_rows), each built by oneDNN
+    before the engine serves (Model.warm_host_gemms): prompts of lengths no step has had build no 2-D matmul
+    primitive (oneDNN reports each it creates), and their tokens are those of an engine at exact row counts (a
+    row's bits in bf16 do not depend on the rows beside it), which does build primitives for new lengths (the
+    check can fail)."""
+    import shared.device as device
+    from shared.engine.llm import LLMEngine
+
+    prompts = [list(range(3, 40)), list(range(5, 58))]  # 37 and 53 tokens: 90 rows in one step, 37 + 53 apart
+    llm = LLM(sparse_path, dtype="bfloat16", seed=0)
+    assert llm.engine.gemm_warm_seconds > 0
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+        warm_tokens = _tokens(llm, prompts)
+        alone = [_tokens(llm, [p]) for p in prompts]
+    assert _gemms_built(capfd.readouterr().out) == []
+    assert [a[0] for a in alone] == warm_tokens
+
+    exact = pytest.MonkeyPatch()
+    exact.setattr(device, "host_gemm_rows", lambda rows, dtype: 2 if rows == 1 else rows)
+    exact.setattr(LLMEngine, "warm_up", lambda self: None)
+    for module in ("shared.model.ops", "shared.model.moe"):
+        exact.setattr(f"{module}.host_gemm_rows", lambda rows, dtype: 2 if rows == 1 else rows)
+    try:
+        cold = LLM(sparse_path, dtype="bfloat16", seed=0)
+        capfd.readouterr()
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+            _tokens(cold, [list(range(7, 48)), list(range(9, 70))])  # 41 and 61 rows: not built before
+        assert _gemms_built(capfd.readouterr().out)
+        assert _tokens(cold, prompts) == warm_tokens
+    finally:
+        exact.undo()
+
+
 def test_sampling_seeded_and_filters(sparse_path):
     llm = LLM(sparse_path, block_size=4)
     prompt = random_prompts(1, [10], 512, seed=15)

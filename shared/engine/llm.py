@@ -116,6 +116,7 @@ class LLMEngine:
         self.poison = Poison.from_env()  # fault injection for tests (off unless $PDSERVE_FAULT_POISON is set)
         int8 = any(p.dtype == torch.int8 for p in self.model.parameters())  # W8A8 weights take the int8 kernels
         self.kernel_build_seconds = cpu_kernels.prepare(self.model, *([int8_kernels.library] if int8 else []))
+        self.gemm_warm_seconds = self.model.warm_host_gemms()  # parallel ranks too: no collective in it
         if not self.parallel.is_parallel:
             self.warm_up()
 
@@ -130,8 +131,7 @@ class LLMEngine:
                 self.max_model_len - new_tokens - 1)
         if n < 1 or self.has_work:
             return
-        vocab = self.model_config.vocab_size
-        seq = self.make_sequence([1 + t % (vocab - 1) for t in range(n)],
+        seq = self.make_sequence([1 + t % (self.model_config.vocab_size - 1) for t in range(n)],
                                  SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
                                  request_id="warm-up")
         self.scheduler.add(seq)

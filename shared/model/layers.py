@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shared.model.ops as ops
+from shared.device import host_gemm_sizes
 from shared.quant import fp8, int8
 
 
@@ -59,6 +60,13 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
         return ops.linear(x, self.weight, generated)
+
+    def warm_host_gemms(self) -> None:
+        """The portable matmul once at each of host_gemm_sizes() (see shared.device.host_gemm_rows): bf16 / fp16
+        weights, the ones oneDNN builds a primitive per row count for."""
+        if self.weight.dim() == 2 and self.weight.numel() and self.weight.dtype in (torch.bfloat16, torch.float16):
+            for size in host_gemm_sizes():
+                ops.matmul_rows(self.weight.new_zeros(size, self.weight.shape[1]), self.weight)
 
 
 class W8A8Linear(int8.Int8Linear):

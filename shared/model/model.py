@@ -6,6 +6,7 @@ loader maps tensors by name; the routed experts are stacked per layer (see moe.E
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 import shared.model.attention as attention
 from shared.config import EngineConfig, ModelConfig, knob_choices
-from shared.device import compute_dtype
+from shared.device import compute_dtype, on_host
 from shared.kvcache import KVCache
 from shared.model.attention import HeadDims
 from shared.model.batch import ForwardBatch
@@ -164,6 +165,24 @@ class DeepseekForCausalLM(nn.Module):
             w = layer.self_attn.kv_b_weight()
             out[name] = w.to(self.stored_dtypes.get(name, w.dtype))
         return out
+
+    @torch.inference_mode()
+    def warm_host_gemms(self) -> float:
+        """Build oneDNN's primitives for every host GEMM a prompt step can run (each floating-point linear, the
+        router, the grouped experts, at each of shared.device.host_gemm_sizes()) before the engine serves, so
+        no prompt length pays for them later. Returns the seconds it took; 0 off the host."""
+        if not on_host(self.model.embed_tokens.weight):
+            return 0.0
+        start = time.perf_counter()
+        seen: set[tuple] = set()
+        for module in self.modules():
+            warm = getattr(module, "warm_host_gemms", None)
+            weight = getattr(module, "weight", getattr(module, "gate_up_proj", None))
+            key = (type(module), None if weight is None else (tuple(weight.shape), weight.dtype))
+            if warm is not None and module is not self and key not in seen:
+                seen.add(key)
+                warm()
+        return time.perf_counter() - start
 
     @torch.inference_mode()
     def expand_from(self) -> int:

@@ -19,7 +19,7 @@ import shared.model.int8_kernels as int8_kernels
 import shared.model.moe_kernels as moe_kernels
 import shared.model.ops as ops
 from shared.config import ModelConfig
-from shared.device import grouped_mm, on_host
+from shared.device import grouped_mm, host_gemm_rows, host_gemm_sizes, on_host
 from shared.model.layers import MLP, LinearFormats, WeightFormat
 from shared.model.ops import matmul_input
 from shared.parallel.comm import all_to_all_v, exchange_counts
@@ -96,6 +96,18 @@ class Experts(nn.Module):
             self.down_proj_scale_inv = nn.Parameter(torch.ones(e, -(-hidden // br), -(-inter // bc)),
                                                     requires_grad=False)
 
+    def warm_host_gemms(self) -> None:
+        """Run this rank's grouped expert matmuls once at each of host_gemm_sizes() (one group), so oneDNN has
+        built their primitives before the first prompt (see shared.device.host_gemm_rows). Unquantized only."""
+        if self.fmt is not None or self.gate_up_proj.dtype not in (torch.bfloat16, torch.float16):
+            return
+        offsets = torch.zeros(self.num_local, dtype=torch.int32)
+        for size in host_gemm_sizes():
+            offsets.fill_(size)  # group 0 holds every row
+            rows = torch.zeros(size, self.gate_up_proj.shape[-1], dtype=self.gate_up_proj.dtype)
+            grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets)
+            grouped_mm(rows.new_zeros(size, self.inter), self.down_proj.transpose(1, 2), offsets)
+
     def run(self, rows: torch.Tensor, local_ids: torch.Tensor, padded: bool = False) -> torch.Tensor:
         """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]. With
         `padded`, ids outside 0..E_local-1 mark padding slots (EP: picks held by other ranks): their
@@ -108,14 +120,19 @@ class Experts(nn.Module):
         kind = self.fmt.kind if self.fmt is not None else None
         wanted = rows.shape[0]
         if kind is None and on_host(rows):
-            # oneDNN multiplies a group of one row by another routine (a GEMV) that rounds otherwise than its
-            # GEMM at some shapes (DeepSeek's experts): such a row goes in twice, so a token's expert output
-            # does not depend on how many others picked the same expert
-            lone = (counts[key] == 1) & (key < self.num_local)
-            if bool(lone.any()):
-                rows, key = torch.cat([rows, rows[lone]]), torch.cat([key, key[lone]])
-                valid = None if valid is None else torch.cat([valid, valid[lone]])
-                counts[: self.num_local] += counts[: self.num_local] == 1
+            # each group at host_gemm_rows' row count, its first row repeated: oneDNN builds no new primitive
+            # per group size, and a group of one row goes in twice (oneDNN's one-row GEMV rounds otherwise than
+            # its GEMM at some shapes, DeepSeek's experts), so a token's expert output does not depend on how
+            # many others picked the same expert
+            dtype = self.gate_up_proj.dtype
+            pads = torch.tensor([host_gemm_rows(c, dtype) - c if c else 0 for c in counts[: self.num_local].tolist()])
+            if bool(pads.any()):
+                starts = (counts[: self.num_local].cumsum(0) - counts[: self.num_local]).clamp(max=key.numel() - 1)
+                firsts = key.argsort(stable=True)[starts]  # each group's first row (empty groups: unused)
+                extra = firsts.repeat_interleave(pads)
+                rows, key = torch.cat([rows, rows[extra]]), torch.cat([key, key[extra]])
+                valid = None if valid is None else torch.cat([valid, valid[extra]])
+                counts[: self.num_local] += pads
         order = key.argsort(stable=True)
         offsets = counts[: self.num_local].cumsum(0).to(torch.int32)
         if kind == "int8":

@@ -24,7 +24,7 @@ import shared.model.attention as attention
 import shared.model.cpu_kernels as cpu_kernels
 import shared.model.int8_kernels as int8_kernels
 import shared.model.moe_kernels as moe_kernels
-from shared.device import compute_dtype, on_host
+from shared.device import compute_dtype, host_gemm_rows, on_host
 from shared.kvcache.layout import RowCodec
 from shared.model.batch import ForwardBatch, write_rows
 from shared.quant import fp8, int8
@@ -65,13 +65,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, generated: int = 0) -> torch.T
 
 
 def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) with a single host row computed as two: oneDNN multiplies one row by another routine
-    (a GEMV) that rounds otherwise than its GEMM at some shapes (DeepSeek's q_a_proj, q_b_proj and o_proj), so a
-    token decoded alone would differ from the same token in a batch. Two rows cost no more (10-20% less at
-    those shapes)."""
-    if x.numel() == x.shape[-1] and on_host(x):
-        return F.linear(x.reshape(1, -1).expand(2, -1), weight)[:1].view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight)
+    """F.linear(x, weight), on the host at host_gemm_rows' row counts (the last row repeated): in bf16 oneDNN
+    builds no new primitive for a new prompt length, and a single row is never computed alone (oneDNN multiplies
+    one row by another routine, a GEMV, that rounds otherwise than its GEMM at some shapes: DeepSeek's q_a_proj,
+    q_b_proj and o_proj; extra rows cost no more there)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    padded = host_gemm_rows(rows, x.dtype) if on_host(x) and rows else rows
+    if padded == rows:
+        return F.linear(x, weight)
+    flat = x.reshape(rows, x.shape[-1])
+    flat = torch.cat([flat, flat[-1:].expand(padded - rows, -1)])
+    return F.linear(flat, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
