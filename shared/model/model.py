@@ -168,9 +168,9 @@ class DeepseekForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def warm_host_gemms(self) -> float:
-        """Build oneDNN's primitives for every host GEMM a prompt step can run (each floating-point linear, the
-        router, the grouped experts, at each of shared.device.host_gemm_sizes()) before the engine serves, so
-        no prompt length pays for them later. Returns the seconds it took; 0 off the host."""
+        """Build oneDNN's primitives for every bf16 host GEMM a prompt step can run (each linear weight shape and
+        the grouped experts, at each of shared.device.host_gemm_sizes()) before the engine serves, so no prompt
+        length pays for them later. Returns the seconds it took; 0 off the host."""
         if not on_host(self.model.embed_tokens.weight):
             return 0.0
         start = time.perf_counter()
