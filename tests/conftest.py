@@ -51,3 +51,18 @@ def served_model(ckpt, tmp_path_factory):
     shutil.copytree(ckpt("v32_sparse"), path)
     train_tokenizer(512, path / "tokenizer.json")
     return path
+
+
+@pytest.fixture
+def portable(monkeypatch):
+    """portable(True) forces the CPU kernels' portable path, portable(False) the built kernels."""
+    from shared.model import cpu_kernels
+
+    lib = cpu_kernels.library()
+    assert lib is not None, "the kernel must build here (a C compiler is part of the install)"
+
+    def force(on: bool) -> None:
+        monkeypatch.setattr(cpu_kernels, "_library", None if on else lib)
+        monkeypatch.setattr(cpu_kernels, "_tried", True)
+
+    return force

@@ -1,0 +1,270 @@
+"""The CPU kernels' matmuls (shared.model.cpu_kernels, shared.model.moe_kernels), as shared.model.ops chooses them,
+against the portable torch path: a step's decode linears and MLA head matmuls, the router and the fused MoE. The
+`portable` fixture (the library off or on) is in tests/conftest.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.model import cpu_kernels, moe_kernels
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_and_head_matmul_match_torch(portable, weight_dtype):
+    """The generated rows of a step's linears, and MLA's per-head absorbed matmuls, in one call each:
+    torch's result to a bf16 rounding step (fp32 sums in another order), strided views included; the
+    step's prompt rows are the portable path's own. With bf16 weights (a bf16 model's, where the CPU has bf16
+    dot products: vdpbf16ps) too."""
+    from shared.model.layers import Linear
+
+    gen = torch.Generator().manual_seed(12)
+    lin = Linear(256, 96, bias=False, dtype=weight_dtype)
+    lin.weight.data.copy_(torch.randn(96, 256, generator=gen) * 0.05)
+    kernel_calls = []
+    real = cpu_kernels.linear
+    for rows, generated in ((1, 1), (40, 40), (12, 5)):
+        x = torch.randn(rows, 256, generator=gen).bfloat16()
+        portable(True)
+        want = lin(x)
+        portable(False)
+        cpu_kernels.linear = lambda *a: kernel_calls.append(1) or real(*a)
+        try:
+            got = lin(x, generated)
+        finally:
+            cpu_kernels.linear = real
+        assert kernel_calls, "the generated rows did not take the kernel"
+        assert got.dtype == torch.bfloat16 and (got.float() - want.float()).abs().max() <= 2 ** -7 * want.abs().max()
+        assert torch.equal(got[generated:], want[generated:])
+        assert torch.equal(lin(x[:1], 1), got[:1])  # a generated row alone: the bits it has in its batch
+    assert torch.equal(lin(x), want)  # outside a step: no generated rows, the portable path
+
+    q = torch.randn(5, 4, 96, generator=gen).bfloat16()[..., :32]  # q_nope: a strided split of q
+    w_uk = torch.randn(4, 32, 512, generator=gen).to(weight_dtype)
+    query = torch.zeros(5, 4, 576)
+    assert cpu_kernels.head_matmul(q, w_uk, query[..., :512])
+    want = torch.bmm(q.float().transpose(0, 1), w_uk.float()).transpose(0, 1)
+    assert (query[..., :512] - want).abs().max() < 1e-4 and not query[..., 512:].any()
+    o_lat, w_uv = torch.randn(5, 4, 512, generator=gen), torch.randn(4, 512, 32, generator=gen).to(weight_dtype)
+    if weight_dtype == torch.bfloat16:
+        o_lat = o_lat.bfloat16()  # a bf16 model's latent: bf16 times bf16 by vdpbf16ps
+    o = torch.empty(5, 4 * 32, dtype=torch.bfloat16)
+    assert cpu_kernels.head_matmul(o_lat, w_uv, o.view(5, 4, 32))
+    want = torch.bmm(o_lat.float().transpose(0, 1), w_uv.float()).transpose(0, 1).reshape(5, 128).bfloat16()
+    assert (o.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+def test_head_matmul_rows_are_batch_invariant_at_many_heads():
+    """MLA's absorbed matmuls for generated rows take the kernel at any head count (DeepSeek's 128 included):
+    a row gets the same bits alone as in any group of rows (row groups of 8 and their remainders), over k and
+    m that are not multiples of the kernel's steps."""
+    gen = torch.Generator().manual_seed(13)
+    for heads, k, m, dtype in ((40, 30, 37, torch.float32), (128, 64, 48, torch.float32), (128, 64, 48, torch.bfloat16),
+                               (6, 512, 32, torch.bfloat16)):
+        x = torch.randn(11, heads, k, generator=gen).bfloat16()
+        w = torch.randn(heads, k, m, generator=gen).to(dtype)
+        batched = torch.empty(11, heads, m)
+        assert cpu_kernels.head_matmul(x, w, batched)
+        for i in (0, 7, 8, 10):
+            alone = torch.empty(1, heads, m)
+            assert cpu_kernels.head_matmul(x[i : i + 1], w, alone)
+            assert torch.equal(alone[0], batched[i]), (heads, i)
+        want = torch.bmm(x.double().transpose(0, 1), w.double()).transpose(0, 1)
+        assert (batched.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_bf16_linear_rows_are_batch_invariant():
+    """A bf16 model's decode linears (bf16 rows times a bf16 weight by vdpbf16ps, where the CPU has it): a row
+    gets the same bits alone as in any batch (register blocks of 6, 4 and 2 rows and their remainders; outputs
+    past a whole block of 4), and each output is the fp32 dot to its bf16 rounding; a K the kernel does not
+    take (not a multiple of 16) leaves the portable path."""
+    if not cpu_kernels.library().dots_bf16():
+        pytest.skip("this CPU has no bf16 dot products (the kernel declines bf16 weights)")
+    gen = torch.Generator().manual_seed(14)
+    w = torch.randn(38, 64, generator=gen).bfloat16()
+    x = torch.randn(13, 64, generator=gen).bfloat16()
+    batched = cpu_kernels.linear(x, w)
+    for i in range(13):
+        assert torch.equal(cpu_kernels.linear(x[i : i + 1], w)[0], batched[i]), i
+    for n in (2, 3, 5, 7, 12):
+        assert torch.equal(cpu_kernels.linear(x[:n], w), batched[:n]), n
+    want = (x.double() @ w.double().T).bfloat16()
+    assert ((batched.double() - want.double()).abs() <= 2**-7 * want.double().abs()).all()
+    assert cpu_kernels.linear(torch.randn(3, 40).bfloat16(), torch.randn(8, 40).bfloat16()) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("groups", [(2, 1, 2, 8), (1, 1, 2, 8), (4, 2, 4, 16)])  # n_group, topk_group, top_k, E
+def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
+    """The fused router + routed + shared experts picks moe.Gate's experts and gives moe.MoE's portable
+    output (bf16: within a rounding step; fp32: to rounding) for the generated rows of a step, any
+    number of them (chunked past MOE_CHUNK_ROWS), while the step's prompt rows keep the portable path;
+    outside a step (no generated rows) nothing is fused."""
+    from shared.config import ModelConfig
+    from shared.loader.tiny import make_config
+    from shared.model.moe import MoE
+
+    n_group, topk_group, top_k, experts = groups
+    cfg = ModelConfig.from_dict(make_config("deepseek_v3", n_group=n_group, topk_group=topk_group,
+                                            num_experts_per_tok=top_k, n_routed_experts=experts))
+    moe = MoE(cfg, torch.float32)
+    gen = torch.Generator().manual_seed(experts + top_k)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    real = moe_kernels.moe_routed
+    fused_rows: list[int] = []
+
+    def counting(x: torch.Tensor, *args, **kwargs):
+        fused_rows.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    with torch.inference_mode():
+        for rows, generated in ((1, 1), (8, 8), (moe_kernels.MOE_CHUNK_ROWS + 5, moe_kernels.MOE_CHUNK_ROWS + 5),
+                                (10, 4), (6, 0)):
+            x = torch.randn(rows, cfg.hidden_size, generator=gen).to(dtype)
+            portable(True)
+            want, prompt_rows = moe(x), moe(x[generated:])
+            want_ids, _ = moe.gate(x)
+            portable(False)
+            fused_rows.clear()
+            moe_kernels.moe_routed = counting
+            try:
+                got = moe(x, generated)
+            finally:
+                moe_kernels.moe_routed = real
+            assert fused_rows == ([generated] if generated else [])
+            if generated:
+                _, ids = real(x[:generated], moe.gate.weight, moe.gate.e_score_correction_bias, n_group, topk_group,
+                              top_k, True, moe.gate.scaling, moe.experts.gate_up_proj, moe.experts.down_proj)
+                assert torch.equal(ids.sort(-1).values, want_ids[:generated].sort(-1).values)
+            assert torch.equal(got[generated:], prompt_rows)  # prompt rows: the portable path itself
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= (1e-5 if dtype == torch.float32 else 2 ** -7) * want.float().abs().max().item(), err
+
+
+def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_and_over_ep(portable):
+    """A bf16 model's MoE (weights bf16, as it keeps them on CPUs with bf16 arithmetic): the shared expert stays
+    portable, a step's generated rows are routed by the router kernel (route); the routed experts of a step's
+    generated rows run in moe_experts, on one rank and on
+    each EP rank alike (EP ranks pass each received row's generated flag), so a decode does not depend on the
+    instance shape that serves it (tests/test_selective.py and tests/test_mtp_served.py compare a DP2/EP2
+    decode with a one-rank engine). Prompt rows keep the portable grouped matmuls bit for bit; a generated
+    row's bits do not depend on the rows beside it; bf16 weights give their fp32 copies' result (their bits where
+    the CPU has no bf16 dot products)."""
+    from shared.config import ModelConfig
+    from shared.loader.tiny import make_config
+    from shared.model.moe import Experts, MoE
+
+    cfg = ModelConfig.from_dict(make_config("deepseek_v3", n_group=2, topk_group=1, num_experts_per_tok=2,
+                                            n_routed_experts=8))
+    moe = MoE(cfg, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    weights = moe.fused_weights()
+    assert weights is not None and not moe_kernels.moe_usable(torch.zeros(1, cfg.hidden_size).bfloat16(),
+                                                              weights.gate_up, weights.down)
+    with torch.inference_mode():
+        x = torch.randn(13, cfg.hidden_size, generator=gen).bfloat16()
+        portable(True)
+        want = moe(x, 9)
+        portable(False)
+        got = moe(x, 9)
+        assert torch.equal(got[9:], want[9:])  # prompt rows: the portable path itself
+        assert not torch.equal(got[:9], want[:9])  # generated rows: the kernel's sums (rounded otherwise)
+        err = (got[:9].float() - want[:9].float()).abs().max().item()
+        assert err <= 2 ** -6 * want.float().abs().max().item(), err
+        ids, w = moe.gate(x, 9)
+        routed = moe_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj, moe.experts.down_proj)
+        assert torch.equal(got[:9], (routed + moe.shared_experts(x[:9], 9).float()).to(torch.bfloat16))
+        assert torch.equal(moe(x[3:4], 1), got[3:4])  # alone or beside others
+        # fp32 weight copies (a CPU without bf16 arithmetic keeps them): fused multiply-adds; bf16 rows and weights
+        # take vdpbf16ps where the CPU has it: the same sums to rounding, each expert's output then rounded to bf16
+        copies = moe_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj.float(),
+                                         moe.experts.down_proj.float())
+        assert (routed - copies).abs().max().item() <= 2**-7 * routed.abs().max().item()
+        if not cpu_kernels.bf16_dots():
+            assert torch.equal(routed, copies)  # widened in registers: the copies' bits
+        # two EP ranks of four experts each: partial sums of the picks each holds (foreign ones masked to -1,
+        # as _forward_ep sends them), added as the combine does
+        generated = torch.arange(13) < 9
+        one_rank = moe.experts(x, ids, w, generated=generated)
+        total = torch.zeros_like(one_rank)
+        for rank in range(2):
+            held = Experts(8, cfg.hidden_size, cfg.moe_intermediate_size, torch.bfloat16, first_expert=4 * rank,
+                           num_local=4)
+            held.gate_up_proj.data.copy_(moe.experts.gate_up_proj[4 * rank:4 * rank + 4])
+            held.down_proj.data.copy_(moe.experts.down_proj[4 * rank:4 * rank + 4])
+            mine = ids // 4 == rank
+            total += held(x, torch.where(mine, ids, -1), torch.where(mine, w, 0.0), padded=True, generated=generated)
+        one_side = (ids // 4 == ids[:, :1] // 4).all(1)  # rows whose picks one rank holds: nothing to reorder
+        assert one_side[:9].any() and torch.equal(total[one_side], one_rank[one_side])
+        err = (total - one_rank).abs().max().item()
+        assert err <= 1e-6 * one_rank.abs().max().item(), err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_kernel_routes_generated_rows_as_the_gate_alone_or_batched(portable, dtype):
+    """moe.Gate's generated rows through moe_kernels.route: the portable router's experts and weights (to fp32
+    rounding), the fused MoE's picks bit for bit (the same row function), a row's picks and weights the same
+    alone as beside others; the step's prompt rows keep the portable router; a gate the kernel does not take
+    (a bias of the wrong length) is refused by name."""
+    from shared.config import ModelConfig
+    from shared.loader.tiny import make_config
+    from shared.model.moe import Gate
+
+    cfg = ModelConfig.from_dict(make_config("deepseek_v3", n_group=4, topk_group=2, num_experts_per_tok=4,
+                                            n_routed_experts=16))
+    gate = Gate(cfg, dtype)
+    gen = torch.Generator().manual_seed(11)
+    gate.weight.data.copy_(torch.randn(gate.weight.shape, generator=gen) * 0.05)
+    gate.e_score_correction_bias.data.copy_(torch.randn(16, generator=gen) * 0.01)
+    x = torch.randn(40, cfg.hidden_size, generator=gen).to(dtype)
+    with torch.inference_mode():
+        portable(True)
+        want_ids, want_w = gate(x, 40)
+        portable(False)
+        ids, w = gate(x, 40)
+        order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+        assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+        err = (w.gather(1, order) - want_w.gather(1, want_order)).abs().max().item()
+        assert err <= 1e-6, err
+        for r in (0, 17, 39):
+            alone = gate(x[r:r + 1], 1)
+            assert torch.equal(alone[0], ids[r:r + 1]) and torch.equal(alone[1], w[r:r + 1])
+        mixed_ids, mixed_w = gate(x, 10)
+        assert torch.equal(mixed_ids[:10], ids[:10]) and torch.equal(mixed_w[:10], w[:10])
+        assert torch.equal(mixed_ids[10:], want_ids[10:]) and torch.equal(mixed_w[10:], want_w[10:])
+        inter = cfg.moe_intermediate_size
+        _, fused_ids = moe_kernels.moe_routed(x, gate.weight.float(), gate.e_score_correction_bias, 4, 2, 4, True,
+                                              gate.scaling, torch.zeros(16, 2 * inter, cfg.hidden_size),
+                                              torch.zeros(16, cfg.hidden_size, inter))
+        assert torch.equal(fused_ids, ids)
+        with pytest.raises(ValueError, match="route"):
+            moe_kernels.route(x, gate.weight, torch.zeros(15), 4, 2, 4, True, 1.0)
+
+
+def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
+    """moe_experts multiplies in fp32: past BF16_EXPERT_MAX (hidden × moe_intermediate) a bf16 model's experts
+    keep the portable grouped GEMMs (oneDNN's bf16 arithmetic, 2-4x faster there at 16-256 rows) for every row;
+    the choice depends on the expert's shape only, so it is the same at every batch size and on an EP rank
+    holding a slice of the experts. fp32 weights take the kernel at any size."""
+    from shared.model.moe import Experts
+
+    gen = torch.Generator().manual_seed(8)
+    small_d, small_i = 256, moe_kernels.BF16_EXPERT_MAX // 256
+    big_d, big_i = 512, 2 * moe_kernels.BF16_EXPERT_MAX // 512
+    for d, i, takes in ((small_d, small_i, True), (big_d, big_i, False)):
+        for local in (8, 4):  # one rank, an EP rank
+            ex = Experts(8, d, i, torch.bfloat16, num_local=local)
+            x = torch.zeros(1, d).bfloat16()
+            assert moe_kernels.experts_usable(x, ex.gate_up_proj, ex.down_proj) is takes
+            assert moe_kernels.experts_usable(x, ex.gate_up_proj.float(), ex.down_proj.float())
+    ex = Experts(8, big_d, big_i, torch.bfloat16)
+    for p in ex.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    x = torch.randn(6, big_d, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=gen)
+    with torch.inference_mode():
+        assert torch.equal(ex(x, ids, w, generated=torch.ones(6, dtype=torch.bool)), ex._weighted(x, ids, w, False))
