@@ -17,16 +17,10 @@ BLOCK = 16
 
 
 @pytest.fixture
-def kernels(monkeypatch):
-    """kernels(False) forces the portable path (the library off), kernels(True) the built kernels."""
-    lib = cpu_kernels.library()
-    assert lib is not None, "the kernel must build here (a C compiler is part of the install)"
-
-    def use(on: bool) -> None:
-        monkeypatch.setattr(cpu_kernels, "_library", lib if on else None)
-        monkeypatch.setattr(cpu_kernels, "_tried", True)
-
-    return use
+def kernels(portable):
+    """kernels(False) forces the portable path (the library off), kernels(True) the built kernels (conftest's
+    `portable`, the other way round)."""
+    return lambda on: portable(not on)
 
 
 @pytest.fixture
