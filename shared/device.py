@@ -160,6 +160,7 @@ _GROUPED_MM_MISSING: set[tuple[str, torch.dtype]] = set()  # (device type, dtype
 
 
 HOST_GEMM_BUCKET_LIMIT = 256  # host GEMMs of up to this many rows run at a few row counts (host_gemm_rows)
+BUCKETED_GEMM_DTYPES = (torch.bfloat16, torch.float16)  # oneDNN's: a primitive built per row count
 
 
 def host_gemm_rows(rows: int, dtype: torch.dtype) -> int:
@@ -173,7 +174,7 @@ def host_gemm_rows(rows: int, dtype: torch.dtype) -> int:
     from 2 (measured 2-300) but runs one row alone by a GEMV that rounds otherwise. fp32 (torch's fp32 GEMM,
     no per-shape build; a row's bits there depend on the rows beside it at some counts, so counts stay as they
     are): one row runs as two, as before."""
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in BUCKETED_GEMM_DTYPES:
         return 2 if rows == 1 else rows
     if rows <= 8:
         return -(-rows // 4) * 4

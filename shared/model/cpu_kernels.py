@@ -359,6 +359,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     bf16 = BF16_FLAG.get(x.dtype)
     if bf16 is None or x.dim() != 2 or weight.dtype not in (torch.float32, x.dtype):
         return None
+    if weight.dtype == torch.bfloat16 and not bf16_dots():  # checked before anything is allocated
+        return None
     (n, k), (m, wk) = x.shape, weight.shape
     if k != wk or not weight.is_contiguous() or not runnable(x, weight):
         return None

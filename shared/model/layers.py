@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shared.model.ops as ops
-from shared.device import host_gemm_sizes
+from shared.device import BUCKETED_GEMM_DTYPES, host_gemm_sizes
 from shared.quant import fp8, int8
 
 
@@ -64,7 +64,7 @@ class Linear(nn.Linear):
     def warm_host_gemms(self) -> None:
         """The portable matmul once at each of host_gemm_sizes() (see shared.device.host_gemm_rows): bf16 / fp16
         weights, the ones oneDNN builds a primitive per row count for."""
-        if self.weight.dim() == 2 and self.weight.numel() and self.weight.dtype in (torch.bfloat16, torch.float16):
+        if self.weight.dim() == 2 and self.weight.numel() and self.weight.dtype in BUCKETED_GEMM_DTYPES:
             for size in host_gemm_sizes():
                 ops.matmul_rows(self.weight.new_zeros(size, self.weight.shape[1]), self.weight)
 

@@ -19,7 +19,7 @@ import shared.model.int8_kernels as int8_kernels
 import shared.model.moe_kernels as moe_kernels
 import shared.model.ops as ops
 from shared.config import ModelConfig
-from shared.device import grouped_mm, host_gemm_rows, host_gemm_sizes, on_host
+from shared.device import BUCKETED_GEMM_DTYPES, grouped_mm, host_gemm_rows, host_gemm_sizes, on_host
 from shared.model.layers import MLP, LinearFormats, WeightFormat
 from shared.model.ops import matmul_input
 from shared.parallel.comm import all_to_all_v, exchange_counts
@@ -99,7 +99,7 @@ class Experts(nn.Module):
     def warm_host_gemms(self) -> None:
         """Run this rank's grouped expert matmuls once at each of host_gemm_sizes() (one group), so oneDNN has
         built their primitives before the first prompt (see shared.device.host_gemm_rows). Unquantized only."""
-        if self.fmt is not None or self.gate_up_proj.dtype not in (torch.bfloat16, torch.float16):
+        if self.fmt is not None or self.gate_up_proj.dtype not in BUCKETED_GEMM_DTYPES:
             return
         offsets = torch.zeros(self.num_local, dtype=torch.int32)
         for size in host_gemm_sizes():
