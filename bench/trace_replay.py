@@ -15,8 +15,9 @@ attainment lies inside the bounds (search_static: the fewest decode instances th
 then for that N and N + 1 the fewest prefill instances, by bisection; bounds M <= 4·K + 2, N <= K/4 + 2 unless
 given), and the autoscalers (router.autoscale.Autoscaler within the same bounds, a decision every 5 s on the
 last 120 s, cached prompt tokens counted apart) run against it: as `pdserve up --autoscale` ships it (the load
-seen + 15 %, down after 60 s to the most that time needed), with the previous defaults (+30 %, one instance at a
-time after 30 s) and planning ahead (--autoscale-lead: the load forecast one boot time ahead). A hindsight
+seen plus 3.5 standard deviations of its arrival count, down after 120 s to the most that time needed), with the
+previous defaults (the load seen + 15 % at every scale, down after 60 s) and planning ahead (--autoscale-lead:
+the load forecast one boot time ahead). A hindsight
 reference rechooses the prefill count every 10 minutes knowing the hour (the cheapest choice whose attainment
 over the hour reaches 95 %): what no causal autoscaler can expect to beat.
 --swing D presses a day's shape into the hour (the middle thinned to 1 - D of its rate; see `swing`).
@@ -154,10 +155,10 @@ SHIPPED_WINDOW = knob_default(AutoscaleConfig, "autoscale_window")
 GOAL = 0.95  # the attainment the cheapest fixed split is sought for (--goal)
 AUTOSCALERS = {  # name: the Autoscaler's knobs (None: its shipped default; "startup": the bench's --startup-s)
     "autoscaler, as shipped": {},  # `pdserve up --autoscale` / the chart, with their defaults
-    # before this session's defaults: the load seen + 30 %, down one instance at a time after 30 s
-    "autoscaler, previous defaults": {"lead_s": 0.0, "headroom": 1.3, "down_after_s": 30.0, "down_to_most": False},
+    # the previous defaults: the load seen + 15 % whatever the fleet's size, down after 60 s
+    "autoscaler, fixed +15 %": {"lead_s": 0.0, "headroom": 1.15, "burst_sigmas": 0.0, "down_after_s": 60.0},
     # the load forecast one boot time ahead, times the forecast's own error margin, +10 %; down after 2 min
-    "autoscaler, planning ahead": {"lead_s": "startup", "headroom": 1.1, "down_after_s": 120.0},
+    "autoscaler, planning ahead": {"lead_s": "startup", "headroom": 1.1, "burst_sigmas": 0.0, "down_after_s": 120.0},
 }
 HINDSIGHT_S = 600.0  # the hindsight reference re-chooses the fixed split every this many seconds
 WARM_S = 120.0  # ... each segment's simulation starting this much earlier (its prefix caches warm), not scored

@@ -97,6 +97,7 @@ def cluster_from_args(args: argparse.Namespace, log_dir: Path | None = None) -> 
         cluster.extra_router += ["--autoscale", args.autoscale, "--autoscale-period", str(args.autoscale_period),
                                  "--autoscale-down-after", str(args.autoscale_down_after),
                                  "--autoscale-headroom", str(args.autoscale_headroom),
+                                 "--autoscale-burst-sigmas", str(args.autoscale_burst_sigmas),
                                  "--autoscale-window", str(args.autoscale_window),
                                  "--autoscale-lead", str(args.autoscale_lead)]
     return cluster

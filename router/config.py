@@ -64,6 +64,7 @@ class RouterConfig(EndpointConfig):
     autoscale_period: float = same_as(AutoscaleConfig, "autoscale_period")
     autoscale_down_after: float = same_as(AutoscaleConfig, "autoscale_down_after")
     autoscale_headroom: float = same_as(AutoscaleConfig, "autoscale_headroom")
+    autoscale_burst_sigmas: float = same_as(AutoscaleConfig, "autoscale_burst_sigmas")
     autoscale_window: float = same_as(AutoscaleConfig, "autoscale_window")
     autoscale_lead: float = same_as(AutoscaleConfig, "autoscale_lead")
     autoscale_prometheus: str | None = flag(None, "several routers: size the pools for all their load, every "
@@ -111,6 +112,7 @@ class RouterConfig(EndpointConfig):
                           self.autoscale_period) if self.autoscale_prometheus else None
         return Autoscaler(perf, (self.ttft_slo_ms or AUTOSCALE_TTFT_MS) / 1e3, (self.tpot_slo_ms or AUTOSCALE_TPOT_MS)
                           / 1e3, bounds, bounds, headroom=self.autoscale_headroom,
+                          burst_sigmas=self.autoscale_burst_sigmas,
                           down_after_s=self.autoscale_down_after, ranks=self.decode_dp, fleet=fleet,
                           lead_s=self.autoscale_lead, window_s=self.autoscale_window)
 

@@ -330,3 +330,21 @@ def test_a_pool_shrinks_to_what_the_hold_time_needed_and_a_window_just_begun_dec
     for t in range(10, 40, 5):
         size = one_by_one.decide(float(t), Observation(1.0, 64, 32, seconds=20.0), size)
     assert size != Target(1, 1)  # still draining, one instance per hold time
+
+
+def test_the_burst_margin_is_the_arrivals_noise_and_shrinks_as_the_fleet_grows():
+    """The load seen is sized with burst_sigmas standard deviations of its arrival count on top (× (1 + z/√k)
+    for k arrivals): 9 arrivals are planned as twice their rate, 900 as 1.1 times; counts of no known span
+    (an observation without seconds) get the headroom alone; 16 times the load, a quarter of the margin."""
+    shipped = Autoscaler(SLOW, 1.0, 0.08, Bounds(1, 64), Bounds(1, 64), window_s=20.0)
+    assert (shipped.headroom, shipped.burst_sigmas) == (1.0, 3.5)
+    c = Autoscaler(SLOW, 1.0, 0.08, Bounds(1, 64), Bounds(1, 64), window_s=20.0, burst_sigmas=3.0)
+    assert c.margin(Observation(0.45, 64, 32, seconds=20.0)) == 2.0
+    assert abs(c.margin(Observation(45.0, 64, 32, seconds=20.0)) - 1.1) < 1e-12
+    assert c.margin(Observation(45.0, 64, 32)) == 1.0
+    plain = Autoscaler(SLOW, 1.0, 0.08, Bounds(1, 64), Bounds(1, 64), window_s=20.0, burst_sigmas=0.0)
+    for rate in (0.45, 3.0, 45.0):
+        seen = Observation(rate, 64, 32, seconds=20.0)
+        assert c.needed(seen) == plain.needed(Observation(rate * c.margin(seen), 64, 32))
+    small, large = (c.margin(Observation(r, 64, 32, seconds=20.0)) - 1.0 for r in (1.0, 16.0))
+    assert abs(large - small / 4) < 1e-12  # 16x the load: a quarter of the margin

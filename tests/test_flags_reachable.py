@@ -78,6 +78,7 @@ CHART_KEYS = {"mooncake_protocol": ("engine", "mooncake", "protocol"),
               "decode_dp": ("decode", "dp"), "autoscale_period": ("autoscaling", "period"),
               "autoscale_window": ("autoscaling", "window"), "autoscale_down_after": ("autoscaling", "downAfter"),
               "autoscale_headroom": ("autoscaling", "headroom"), "autoscale_lead": ("autoscaling", "lead"),
+              "autoscale_burst_sigmas": ("autoscaling", "burstSigmas"),
               "autoscale_prometheus": ("autoscaling", "prometheusAddress"),
               "autoscale_routers": ("autoscaling", "routerSelector"), "epp_port": ("gateway", "eppPort")}
 # Flags the chart renders from other values: files it mounts (the mounted path), the autoscaler's bounds.
@@ -99,15 +100,15 @@ CHART_CONTEXT = {"mooncake_protocol": {"engine": {"kvTransport": "mooncake"}},
                  "kv_store_master": {"engine": {"kvTierTokens": 4096}},
                  "epp_port": {"router": {"httpPort": 8000}, "gateway": {"enabled": True}},  # the EPP's Deployment
                  **{name: AUTOSCALING for name in ("autoscale_period", "autoscale_window", "autoscale_down_after",
-                                                   "autoscale_headroom", "autoscale_lead", "autoscale_prometheus",
-                                                   "autoscale_routers")}}
+                                                   "autoscale_headroom", "autoscale_burst_sigmas", "autoscale_lead",
+                                                   "autoscale_prometheus", "autoscale_routers")}}
 UP_CONTEXT = {"mooncake_protocol": ["--kv-transport", "mooncake"], "mooncake_devices": ["--kv-transport", "mooncake"],
               "offload_buffers": ["--offload-layers", "3,5"], "num_speculative_tokens": ["--speculative", "mtp"],
               "speculative_max_draft_tokens": ["--speculative", "mtp"], "kv_tier_dir": ["--kv-tier-tokens", "4096"],
               "kv_store_master": ["--kv-tier-tokens", "4096"], "epp_port": ["--http-port", "0"],
               **{name: ["--autoscale", "1:3"] for name in ("autoscale_period", "autoscale_window",
                                                            "autoscale_down_after", "autoscale_headroom",
-                                                           "autoscale_lead")}}
+                                                           "autoscale_burst_sigmas", "autoscale_lead")}}
 # A value other than the default, where the type alone does not give one.
 VALUES = {"autoscale": "2:6", "autoscale_prometheus": "http://prometheus.test:9090", "autoscale_routers": 'job="x"',
           "http_port": 8000, "api_key_file": "/tmp/keys.txt", "served_model_name": "deepseek-v3.2-test",
@@ -269,9 +270,10 @@ def test_the_flags_the_issue_named_are_reachable_both_ways_by_name(tmp_path):
 
 
 def test_the_charts_autoscaling_values_are_the_routers_defaults():
-    """autoscaling.period / window / downAfter / headroom in values.yaml are AutoscaleConfig's defaults (the
-    chart renders them as the router's --autoscale-* flags)."""
+    """autoscaling.period / window / downAfter / headroom / burstSigmas in values.yaml are AutoscaleConfig's
+    defaults (the chart renders them as the router's --autoscale-* flags)."""
     values = yaml.safe_load((CHART / "values.yaml").read_text())["autoscaling"]
     for key, name in (("period", "autoscale_period"), ("window", "autoscale_window"),
-                      ("downAfter", "autoscale_down_after"), ("headroom", "autoscale_headroom")):
+                      ("downAfter", "autoscale_down_after"), ("headroom", "autoscale_headroom"),
+                      ("burstSigmas", "autoscale_burst_sigmas")):
         assert values[key] == AutoscaleConfig.__dataclass_fields__[name].default, key

@@ -376,7 +376,7 @@ def test_several_routers_decide_on_the_load_of_all_of_them_and_keda_takes_their_
     KEDA's query selects the same routers' decisions (max: they agree). The autoscaler's knobs are values."""
     values = {"lws": {"enabled": True}, "router": {"replicas": 3}, "decode": {"dp": 4},
               "autoscaling": {"enabled": True, "prometheusAddress": "http://prom.monitoring:9090", "period": 10,
-                              "window": 300, "downAfter": 60, "headroom": 1.5}}
+                              "window": 300, "downAfter": 60, "headroom": 1.5, "burstSigmas": 2}}
     docs = _render(values)
     router = next(d for d in docs if d["kind"] == "Deployment")
     assert router["spec"]["replicas"] == 3
@@ -384,10 +384,10 @@ def test_several_routers_decide_on_the_load_of_all_of_them_and_keda_takes_their_
     selector = 'namespace="ml",pod=~"demo-pdserve-router-.+"'
     assert (cfg.autoscale_prometheus, cfg.autoscale_routers, cfg.decode_dp) == ("http://prom.monitoring:9090",
                                                                                   selector, 4)
-    assert (cfg.autoscale_period, cfg.autoscale_window, cfg.autoscale_down_after, cfg.autoscale_headroom) == (
-        10.0, 300.0, 60.0, 1.5)
+    assert (cfg.autoscale_period, cfg.autoscale_window, cfg.autoscale_down_after, cfg.autoscale_headroom,
+            cfg.autoscale_burst_sigmas) == (10.0, 300.0, 60.0, 1.5, 2.0)
     scaler = cfg.autoscaler(PerfModel())
-    assert scaler.ranks == 4 and scaler.fleet is not None
+    assert scaler.ranks == 4 and scaler.fleet is not None and scaler.burst_sigmas == 2.0
     assert all(selector in q and "[300s]" in q for q in scaler.fleet.queries().values())
     for doc in (d for d in docs if d["kind"] == "ScaledObject"):
         pool = doc["spec"]["scaleTargetRef"]["name"].rsplit("-", 1)[1]

@@ -211,6 +211,17 @@ class TraceReplay:
             self.migrations += 1
             self.place(r, now, r.isl + r.done, r.osl - r.done, must=True)
 
+    def others_busy(self, me: ReplayPrefill | ReplayDecode, now: float) -> int:
+        """Engines computing beside `me` (prefills mid-prompt, decodes stepping, instances booting: a boot loads a
+        model on the same cores) where the model's instances share cores (perf.colocated); 0 on dedicated
+        hardware. An operation's length is set by those busy as it starts."""
+        if not self.perf.colocated:
+            return 0
+        busy = sum(1 for p in self.prefills if p is not me and p.state != State.GONE
+                   and (p.busy_until > now or p.state == State.STARTING))
+        return busy + sum(1 for d in self.decodes if d is not me and (d.stepping or d.state == State.STARTING)
+                          and d.state != State.GONE)
+
     # --- placement -----------------------------------------------------------------------------------
     def views(self, now: float, tokens: int, remaining: int, blocks: tuple[int, ...]) -> _Placement:
         perf, candidates = self.perf, self.cfg.candidates
@@ -266,8 +277,9 @@ class TraceReplay:
         hit = min(p.cached_prefix(req.blocks, touch=True) * self.cfg.block_tokens, tokens - 1)
         new = tokens - hit
         perf = self.perf
-        seconds = perf.prefill_base_s + perf.prefill_per_token_s * new \
-            + perf.prefill_per_token2_s * (tokens * tokens - hit * hit)
+        seconds = (perf.prefill_base_s + perf.prefill_per_token_s * new
+                   + perf.prefill_per_token2_s * (tokens * tokens - hit * hit)) * perf.prefill_slowdown(
+                       self.others_busy(p, now))
         self.prompt_tokens += tokens
         self.computed_tokens += new
         p.busy_from, p.busy_until, p.busy_tokens = now, now + seconds, new
@@ -319,7 +331,8 @@ class TraceReplay:
             d.stepping = False
             return
         d.stepping = True
-        self.push(now + d.step_seconds(self.perf), Event.STEP, (d, d.epoch))
+        seconds = d.step_seconds(self.perf) * self.perf.decode_slowdown(self.others_busy(d, now))
+        self.push(now + seconds, Event.STEP, (d, d.epoch))
 
     def on_step(self, payload: tuple[ReplayDecode, int], now: float) -> None:
         d, epoch = payload
@@ -383,6 +396,9 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
       view names (its least loaded); the ranks step in lock-step, each step as long as the busiest rank's
       perf.decode_step_seconds(batch, context tokens), a new request joining at the next step; TPOT = (last −
       first token) / (output − 1). `decode_kv_tokens`: a rank's KV capacity (what the policy's room check sees).
+    * Shared cores (a colocated perf model: `pdserve profile --router` measured interference, as on one host):
+      a prefill or a decode step takes perf.prefill_slowdown / decode_slowdown of the other engines busy as it
+      starts (computing, or booting: loading a model), so instances added to the same cores add no compute.
 
     Instance-hours: ∫ (M + N) dt over instances booting, up or draining, until the last request ends."""
     settings = ReplaySettings(ttft_s, tpot_s, period, window or period, startup_s, observe_cached, block_tokens,
