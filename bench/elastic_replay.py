@@ -7,8 +7,8 @@ measured speeds (the same autoscaler, the same performance model).
                                    [--model models/demo-v32] [--profile PATH] [--log-dir DIR]
 
 1. Calibrate (skipped with --profile): `pdserve up` with one prefill and one decode instance, and `pdserve profile
-   --router` through it: the served prefill and decode curves and the interference of engines sharing this
-   machine's cores, as profile.json.
+   --router` through it: the served prefill curve (on prompts up to the window's longest) and decode curve and the
+   interference of engines sharing this machine's cores, as profile.json.
 2. Live: `pdserve up --autoscale A:B --profile profile.json --ttft-slo-ms --tpot-slo-ms --http-port 0` (the
    command, as a user runs it), AIPerf (`aiperf profile`, bench/peers/aiperf.py) replaying the window at its own
    timestamps (fixed schedule, streamed /v1/completions, prompts built from the hash ids at 16 tokens a block,
@@ -17,8 +17,9 @@ measured speeds (the same autoscaler, the same performance model).
    are within the targets (a failed or missing request misses).
 3. Simulated: router.planner.simulate_trace over the same requests (prompt and output lengths as sent, 16-token
    prefix blocks, each prefill instance's cache its KV pool) with the same profile (its interference terms model
-   the shared cores), the same autoscaler knobs, and a boot time measured in (2): from a pool's desired size
-   rising to its new instance up.
+   the shared cores), the same autoscaler knobs, and a boot measured: its time in (2), from a pool's desired size
+   rising to its new instance up, and its CPU seconds (one instance started alone before (2)), so a booting
+   instance counts as that share of a busy engine.
 Prints both runs side by side (the goal: attainment within 3 points) and saves
 bench/out/elastic_replay.png (pool sizes over time, live and simulated) and .json.
 """
@@ -32,7 +33,9 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python
 
 import argparse
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -48,7 +51,7 @@ from bench.kv_reuse import load_trace as load_window_trace
 from bench.kv_reuse import select_window, write_window
 from bench.peers.aiperf import run_aiperf
 from bench.trace_replay import TRACE
-from router.autoscale import Autoscaler, Bounds
+from router.autoscale import AUTOSCALE_TPOT_MS, AUTOSCALE_TTFT_MS, Autoscaler, Bounds
 from router.perf import PerfModel
 from router.planner import TraceRequest, simulate_trace
 
@@ -64,17 +67,56 @@ class Sample:
     up: tuple[int, int]
 
 
-def calibrate(model: str, log_dir: Path) -> Path:
-    """profile.json of this machine: `pdserve profile --router` through `pdserve up` (1 prefill + 1 decode)."""
+def calibrate(model: str, log_dir: Path, longest: int) -> Path:
+    """profile.json of this machine: `pdserve profile --router` through `pdserve up` (1 prefill + 1 decode), its
+    prefill curve fitted on prompts up to the window's `longest`."""
     out = log_dir / "profile.json"
     up = UpProcess(["--model", model, "--num-prefill", "1", "--num-decode", "1", "--port", "0"], log_dir / "calibrate")
     up.start()
     try:
         exe = Path(_sys.executable).with_name("pdserve")
-        subprocess.run([str(exe), "profile", "--router", up.grpc_address, "--out", str(out)], check=True, cwd=ROOT)
+        lengths = sorted({16, 64, 256, max(17, longest // 2), longest})
+        subprocess.run([str(exe), "profile", "--router", up.grpc_address, "--out", str(out), "--prompt-lengths",
+                        ",".join(map(str, lengths))], check=True, cwd=ROOT)
     finally:
         up.stop()
     return out
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of process `root` and its descendants (Linux /proc)."""
+    tick, stats = os.sysconf("SC_CLK_TCK"), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(pid)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, (ppid, _) in stats.items() if ppid in tree} - tree
+        tree, grew = tree | more, bool(more)
+    return sum(stats[pid][1] for pid in tree if pid in stats)
+
+
+def boot_cpu_seconds(model: str) -> float:
+    """CPU seconds one instance's boot takes (a prefill service started alone, until its CPU time stops growing):
+    what a booting instance takes from the cores the serving ones share."""
+    proc = subprocess.Popen([_sys.executable, "-m", "prefill_service", "--model", model, "--port", "0", "--insecure"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        seen, still = 0.0, 0
+        for _ in range(240):
+            time.sleep(0.5)
+            now = tree_cpu_seconds(proc.pid)
+            still = still + 1 if now - seen < 0.05 else 0
+            seen = now
+            if still >= 6:
+                break
+        return seen
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def read_sizes(metrics_url: str) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -117,18 +159,26 @@ class Outcome:
     error: str | None = None
 
 
-def per_request(artifacts: Path) -> list[Outcome]:
-    """AIPerf's per-record export (profile_export.jsonl): each request's TTFT and inter-token latency, or its error."""
-    out = []
+def per_request(artifacts: Path) -> tuple[list[Outcome], float | None]:
+    """AIPerf's per-record export (profile_export.jsonl): each request's TTFT and inter-token latency, or its error;
+    and when (wall clock, s) the first request was sent."""
+    out, first = [], None
     for path in sorted(artifacts.rglob("profile_export.jsonl"))[-1:]:
         for line in path.read_text().splitlines():
             rec = json.loads(line)
+            sent = (rec.get("metadata") or {}).get("request_start_ns")
+            first = min(first, sent / 1e9) if first is not None and sent else (sent / 1e9 if sent else first)
             metrics, err = rec.get("metrics") or {}, rec.get("error")
             ttft = (metrics.get("time_to_first_token") or {}).get("value")
             itl = (metrics.get("inter_token_latency") or {}).get("value")
             out.append(Outcome(ttft / 1e3 if ttft is not None else None, itl / 1e3 if itl is not None else 0.0,
                                str(err)[:200] if err else (None if ttft is not None else "no token")))
-    return out
+    return out, first
+
+
+def refused(o: Outcome) -> bool:
+    """A 429 from the router's SLA admission (load shed by design, not a failure of the pools)."""
+    return o.error is not None and "'code': 429" in o.error
 
 
 def changes(sizes: list[tuple[float, int, int]]) -> int:
@@ -143,15 +193,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speed", type=float, default=3.0, help="replay speed factor (the window's rate × this)")
     p.add_argument("--max-output", type=int, default=48)
     p.add_argument("--autoscale", default="1:3")
-    p.add_argument("--ttft-ms", type=float, default=2000.0)
-    p.add_argument("--tpot-ms", type=float, default=200.0)
+    p.add_argument("--ttft-ms", type=float, default=AUTOSCALE_TTFT_MS)
+    p.add_argument("--tpot-ms", type=float, default=AUTOSCALE_TPOT_MS)
+    p.add_argument("--admission", action="store_true",
+                   help="give the router the targets (--ttft-slo-ms / --tpot-slo-ms): it refuses (429) what it "
+                        "predicts will miss them; without it the router refuses nothing and its autoscaler sizes "
+                        "for its default targets, which --ttft-ms / --tpot-ms must then be")
     p.add_argument("--period", type=float, default=2.0, help="--autoscale-period")
     p.add_argument("--window", type=float, default=20.0, help="--autoscale-window")
     p.add_argument("--down-after", type=float, default=30.0, help="--autoscale-down-after")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="per instance (its prefix cache too)")
     p.add_argument("--profile", default=None, help="profile.json to use (default: measure one first)")
     p.add_argument("--log-dir", default=None)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not a.admission and (a.ttft_ms, a.tpot_ms) != (AUTOSCALE_TTFT_MS, AUTOSCALE_TPOT_MS):
+        p.error(f"without --admission the router sizes for TTFT {AUTOSCALE_TTFT_MS:g} ms / TPOT {AUTOSCALE_TPOT_MS:g} "
+                "ms: other targets need --admission")
+    return a
 
 
 def live_run(a: argparse.Namespace, profile: Path, trace_file: Path, span: float, log_dir: Path
@@ -159,12 +217,13 @@ def live_run(a: argparse.Namespace, profile: Path, trace_file: Path, span: float
     """The window through `pdserve up --autoscale` and AIPerf: each request's outcome, the pools once a second."""
     knobs = ["--autoscale-period", str(a.period), "--autoscale-window", str(a.window), "--autoscale-down-after",
              str(a.down_after)]
+    targets = ["--ttft-slo-ms", str(a.ttft_ms), "--tpot-slo-ms", str(a.tpot_ms)] if a.admission else []
     up = UpProcess(["--model", a.model, "--port", "0", "--http-port", "0", "--autoscale", a.autoscale, *knobs,
-                    "--profile", str(profile), "--ttft-slo-ms", str(a.ttft_ms), "--tpot-slo-ms", str(a.tpot_ms),
-                    "--kv-cache-tokens", str(a.kv_cache_tokens)], log_dir / "live")
+                    "--profile", str(profile), *targets, "--kv-cache-tokens", str(a.kv_cache_tokens)],
+                   log_dir / "live")
     up.start()
     samples: list[Sample] = []
-    stop, t0 = threading.Event(), time.monotonic()
+    stop, t0, wall0 = threading.Event(), time.monotonic(), time.time()
     poller = threading.Thread(target=poll, args=(up.metrics["router"], t0, stop, samples), daemon=True)
     poller.start()
     try:
@@ -175,7 +234,9 @@ def live_run(a: argparse.Namespace, profile: Path, trace_file: Path, span: float
         stop.set()
         poller.join(5)
         up.stop()
-    return per_request(log_dir / "aiperf"), samples
+    outcomes, first = per_request(log_dir / "aiperf")
+    shift = (first - wall0) if first is not None else 0.0  # the window's time 0: AIPerf's first request
+    return outcomes, [Sample(s.t - shift, s.desired, s.up) for s in samples]
 
 
 def report(a: argparse.Namespace, sent: int, live: list[Outcome], samples: list[Sample], sim, boot: float | None,
@@ -186,8 +247,9 @@ def report(a: argparse.Namespace, sent: int, live: list[Outcome], samples: list[
     ok = [o for o in live if o.ttft is not None]
     live_sizes = [(s.t, *s.desired) for s in samples]
     rows = [["requests", sent, len(sim.met)],
-            ["failed (live) / refused (simulated)", sum(o.error is not None for o in live) + sent - len(live),
-             sim.rejected],
+            ["refused (429: no pair meets the targets)", sum(refused(o) for o in live), sim.rejected],
+            ["failed (any other error, or never answered)",
+             sum(o.error is not None and not refused(o) for o in live) + sent - len(live), "-"],
             ["SLA attainment %", round(100 * met / sent, 1), round(100 * sim.attainment, 1)],
             ["TTFT p90 s", round(pct([o.ttft for o in ok], 0.9), 2), round(sim.quantile("ttft", 0.9), 2)],
             ["TPOT p90 ms", round(1e3 * pct([o.tpot for o in ok], 0.9), 1), round(1e3 * sim.quantile("tpot", 0.9), 1)],
@@ -214,21 +276,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"window: {len(window.requests)} requests over {span:.0f} s ({len(window.requests) / span:.2f} req/s), "
           f"prompts {statistics.mean(r.input_length for r in window.requests):.0f} tokens mean, outputs "
           f"{statistics.mean(r.output_length for r in window.requests):.0f}; logs in {log_dir}", flush=True)
-    profile = Path(a.profile) if a.profile else calibrate(a.model, log_dir)
+    longest = max(r.input_length for r in window.requests)
+    profile = Path(a.profile) if a.profile else calibrate(a.model, log_dir, longest)
     perf = PerfModel.load(profile)
     print(f"profile {profile}: prefill {perf.prefill_base_s * 1e3:.1f} ms + {perf.prefill_per_token_s * 1e6:.1f} "
           f"µs/token, decode {perf.decode_base_s * 1e3:.1f} ms + {perf.decode_per_seq_s * 1e3:.2f} ms/seq, "
           f"interference {perf.prefill_interference:.2f} / {perf.decode_interference:.2f}", flush=True)
+    boot_cpu = boot_cpu_seconds(a.model)
     live, samples = live_run(a, profile, trace_file, span, log_dir)
-    boot = boot_seconds(samples)
+    boot = boot_seconds(samples) or 15.0
+    print(f"an instance boots in {boot:.1f} s (live, desired to up) on {boot_cpu:.1f} CPU seconds", flush=True)
     requests = [TraceRequest(r.timestamp_ms / 1e3, r.input_length, r.output_length, r.hash_ids)
                 for r in window.requests]
     bounds = Bounds.parse(a.autoscale)
     scaler = Autoscaler(perf, a.ttft_ms / 1e3, a.tpot_ms / 1e3, bounds, bounds, window_s=a.window,
                         down_after_s=a.down_after)
     sim = simulate_trace(perf, requests, scaler, a.ttft_ms / 1e3, a.tpot_ms / 1e3, period=a.period, window=a.window,
-                         startup_s=boot or 15.0, observe_cached=True, block_tokens=BLOCK,
-                         prefix_cache_blocks=a.kv_cache_tokens // BLOCK, decode_kv_tokens=a.kv_cache_tokens)
+                         startup_s=boot, boot_busy=min(1.0, boot_cpu / boot), observe_cached=True, block_tokens=BLOCK,
+                         prefix_cache_blocks=a.kv_cache_tokens // BLOCK, decode_kv_tokens=a.kv_cache_tokens,
+                         admission=a.admission)
     report(a, len(window.requests), live, samples, sim, boot, span)
 
 

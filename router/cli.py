@@ -222,7 +222,14 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
     if args.router:
         args.address = args.router
-        perf = profile_served(args.router, open_channel=lambda _: client_channel(args))
+        try:
+            lengths = tuple(int(x) for x in args.prompt_lengths.split(","))
+        except ValueError:
+            raise SystemExit(f"--prompt-lengths {args.prompt_lengths!r}: expected comma-separated token "
+                             "counts") from None
+        if len(lengths) < 3 or min(lengths) < 1:
+            raise SystemExit("--prompt-lengths: at least three positive lengths (the curve has three terms)")
+        perf = profile_served(args.router, lengths=lengths, open_channel=lambda _: client_channel(args))
     else:
         perf = profile_engine(args.model or default_model(), args.dtype)
     perf.save(args.out)
@@ -281,6 +288,13 @@ def parser() -> argparse.ArgumentParser:
     chat.set_defaults(fn=cmd_chat)
     prof = sub.add_parser("profile", help="measure the engine's prefill and decode curves → profile.json")
     prof.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    prof.add_argument("--router", default=None, metavar="ADDR",
+                      help="measure through a running router instead (the served path, and the interference of "
+                           "instances sharing cores)")
+    prof.add_argument("--tls-ca", default=None, help="with --router: the router serves TLS, verify it with this CA")
+    prof.add_argument("--prompt-lengths", default="16,64,256",
+                      help="with --router: the prompt lengths the prefill curve is fitted on (cover your prompts': "
+                           "the quadratic term extrapolates badly)")
     add_flags(prof, ServiceConfig, only=("dtype",))
     prof.add_argument("--out", default="profile.json")
     prof.set_defaults(fn=cmd_profile)

@@ -42,6 +42,8 @@ class ReplaySettings:
     candidates: int | None
     bucket_s: float
     ranks: int
+    admission: bool
+    boot_busy: float
 
 
 @dataclass
@@ -211,16 +213,19 @@ class TraceReplay:
             self.migrations += 1
             self.place(r, now, r.isl + r.done, r.osl - r.done, must=True)
 
-    def others_busy(self, me: ReplayPrefill | ReplayDecode, now: float) -> int:
-        """Engines computing beside `me` (prefills mid-prompt, decodes stepping, instances booting: a boot loads a
-        model on the same cores) where the model's instances share cores (perf.colocated); 0 on dedicated
-        hardware. An operation's length is set by those busy as it starts."""
+    def others_busy(self, me: ReplayPrefill | ReplayDecode, now: float) -> float:
+        """Engines computing beside `me` (prefills mid-prompt, decodes stepping; an instance booting counts as
+        `boot_busy` of one: a boot loads a model on the same cores for part of its time) where the model's
+        instances share cores (perf.colocated); 0 on dedicated hardware. An operation's length is set by those
+        busy as it starts."""
         if not self.perf.colocated:
-            return 0
-        busy = sum(1 for p in self.prefills if p is not me and p.state != State.GONE
-                   and (p.busy_until > now or p.state == State.STARTING))
-        return busy + sum(1 for d in self.decodes if d is not me and (d.stepping or d.state == State.STARTING)
-                          and d.state != State.GONE)
+            return 0.0
+        others = [x for x in (*self.prefills, *self.decodes) if x is not me]
+        booting = sum(1 for x in others if x.state == State.STARTING)
+        busy = sum(1 for p in self.prefills if p is not me and p.state in (State.UP, State.DRAINING)
+                   and p.busy_until > now)
+        return busy + sum(1 for d in self.decodes if d is not me and d.state == State.UP and d.stepping) \
+            + self.cfg.boot_busy * booting
 
     # --- placement -----------------------------------------------------------------------------------
     def views(self, now: float, tokens: int, remaining: int, blocks: tuple[int, ...]) -> _Placement:
@@ -268,7 +273,7 @@ class TraceReplay:
 
     def on_arrive(self, r: ReplayRequest, now: float) -> None:
         self.arrived.append((now, r.isl, 0))
-        if not self.place(r, now, r.isl, r.osl, must=False):
+        if not self.place(r, now, r.isl, r.osl, must=not self.cfg.admission):
             self.rejected += 1
 
     # --- prefill -------------------------------------------------------------------------------------
@@ -366,7 +371,7 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
                    initial: object | None = None, observe_cached: bool = False,
                    block_tokens: int = 512, prefix_cache_blocks: int = 1 << 30, decode_kv_tokens: int = 1 << 40,
                    policy: SlaPolicy | None = None, candidates: int | None = None, bucket_s: float = 60.0,
-                   seed: int = 0, ranks: int = 1) -> TraceResult:
+                   seed: int = 0, ranks: int = 1, admission: bool = True, boot_busy: float = 1.0) -> TraceResult:
     """Replay `requests` (a recorded trace: real arrival times, lengths, prefix hashes) over prefill and decode
     pools whose sizes follow `sizing`: a router.autoscale.Target (static M/N) or a controller with
     `decide(now, Observation, current Target) -> Target` (router.autoscale.Autoscaler), called every `period`
@@ -378,7 +383,9 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
     cached-prompt token counter does (the autoscaler then sizes prefill on the tokens it computes).
     `candidates`: show the policy only that many prefill and decode instances, those its own curves predict
     fastest (on dedicated hardware a pair's cost is a prefill term plus a decode term, so the best pair is
-    among them; near-ties spread over fewer); None: all, as the router does.
+    among them; near-ties spread over fewer); None: all, as the router does. `admission` False: nothing is
+    refused (the policy's cheapest pair takes a request no pair can serve in time), as a router without SLA
+    targets of its own (its autoscaler still sizes for `ttft_s` / `tpot_s`).
 
     * A new instance serves `startup_s` after it is asked for (booting, it counts in instance-hours); a
       static sizing's and `initial`'s instances are up from the start (`initial`: the controller's sizes
@@ -398,9 +405,11 @@ def simulate_trace(perf: PerfModel, requests: list[TraceRequest], sizing: object
       first token) / (output − 1). `decode_kv_tokens`: a rank's KV capacity (what the policy's room check sees).
     * Shared cores (a colocated perf model: `pdserve profile --router` measured interference, as on one host):
       a prefill or a decode step takes perf.prefill_slowdown / decode_slowdown of the other engines busy as it
-      starts (computing, or booting: loading a model), so instances added to the same cores add no compute.
+      starts (computing; a booting instance counts as `boot_busy` of one, its CPU time over its boot), so
+      instances added to the same cores add no compute.
 
     Instance-hours: ∫ (M + N) dt over instances booting, up or draining, until the last request ends."""
     settings = ReplaySettings(ttft_s, tpot_s, period, window or period, startup_s, observe_cached, block_tokens,
-                              prefix_cache_blocks, decode_kv_tokens, candidates, bucket_s, ranks)
+                              prefix_cache_blocks, decode_kv_tokens, candidates, bucket_s, ranks, admission,
+                              boot_busy)
     return TraceReplay(perf, requests, sizing, settings, policy or SlaPolicy(perf, seed=seed), initial).run()
