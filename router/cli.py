@@ -36,7 +36,7 @@ from router.perf import PerfModel, profile_engine, profile_served
 from router.planner import Dist, Workload, run_plan
 from router.server import RouterConfig
 from router.supervise import SupervisorConfig, supervise_cluster
-from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, add_flags, from_flags
+from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, add_flags, check_bounds, flag_name, from_flags
 from shared.protocol.chat import EOS, split_reasoning
 from shared.rpc.certs import make_cluster_certs
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -111,6 +111,8 @@ def cmd_up(args: argparse.Namespace) -> None:
                 raise ValueError("--kv-store-master: the store holds the second tier: give --kv-tier-tokens too")
             master = StoreMaster.start(Path(args.log_dir) if args.log_dir else None)
             args.kv_store_master = master.address
+        autoscaling = from_flags(AutoscaleConfig, args)
+        check_bounds(autoscaling, flag_name)  # before anything starts: the router would refuse them later
         cluster = cluster_from_args(args, Path(args.log_dir) if args.log_dir else None)
         restarts = from_flags(SupervisorConfig, args)
     except (ValueError, OSError) as exc:  # a bad flag or description: one line naming the key, not a traceback
@@ -119,7 +121,7 @@ def cmd_up(args: argparse.Namespace) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     try:
-        supervise_cluster(cluster, restarts, from_flags(AutoscaleConfig, args))
+        supervise_cluster(cluster, restarts, autoscaling)
     finally:
         if master:
             master.stop()

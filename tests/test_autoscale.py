@@ -348,3 +348,17 @@ def test_the_burst_margin_is_the_arrivals_noise_and_shrinks_as_the_fleet_grows()
         assert c.needed(seen) == plain.needed(Observation(rate * c.margin(seen), 64, 32))
     small, large = (c.margin(Observation(r, 64, 32, seconds=20.0)) - 1.0 for r in (1.0, 16.0))
     assert abs(large - small / 4) < 1e-12  # 16x the load: a quarter of the margin
+
+
+def test_pdserve_up_refuses_bad_autoscale_knobs_before_starting_anything():
+    """A negative or NaN burst margin (NaN passes every `<` bound) is one line naming the flag, exit 2, and
+    nothing started (no traceback from a router that died on it)."""
+    import subprocess
+    import sys
+
+    for value, why in (("-1", "expected at least 0.0"), ("nan", "expected a number")):
+        done = subprocess.run([sys.executable, "-m", "router.cli", "up", "--autoscale", "1:3",
+                               "--autoscale-burst-sigmas", value, "--port", "0"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2 and f"--autoscale-burst-sigmas: {why}" in done.stderr, done.stderr
+        assert "starting" not in done.stdout and "Traceback" not in done.stderr

@@ -54,6 +54,8 @@ def check_bounds(obj: Any, label: Callable[[str], str] = str) -> None:
         bounds, choices = f.metadata.get("bounds"), f.metadata.get("choices")
         if bounds and value is not None:
             lo, hi = bounds
+            if value != value:  # NaN compares false with every bound
+                raise ValueError(f"{label(f.name)}: expected a number, got {value}")
             if value < lo or (hi is not None and value > hi):
                 raise ValueError(f"{label(f.name)}: expected " + (f"at least {lo}" if hi is None else f"{lo}..{hi}")
                                  + f", got {value}")
