@@ -33,6 +33,7 @@ TINY_ARGS = {
 # Benches whose smallest run still starts several clusters or a peer's server (minutes each): run by hand.
 BY_HAND = {"elastic", "structured", "profile_router", "hostload",
            "kv_reuse",  # AIPerf from its own venv; its pure parts: tests/test_kv_reuse_bench.py
+           "elastic_replay",  # AIPerf too; its pure parts and `pdserve profile --router`: tests/test_elastic_replay.py
            "fleet_faults"}  # run by tests/test_migration.py, through its functions, on every fault
 
 
