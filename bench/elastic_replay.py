@@ -140,13 +140,13 @@ def poll(metrics_url: str, t0: float, stop: threading.Event, out: list[Sample]) 
 def boot_seconds(samples: list[Sample]) -> float | None:
     """Median time from a pool's desired size rising to that many of its instances up."""
     waits = []
-    for i, s in enumerate(samples):
+    for before, s in zip(samples, samples[1:]):
         for k in (0, 1):
-            if i and s.desired[k] > samples[i - 1].desired[k] and s.up[k] < s.desired[k]:
-                done = next((x.t for x in samples[i:] if x.up[k] >= s.desired[k] or x.desired[k] < s.desired[k]),
-                            None)
-                if done is not None and any(x.up[k] >= s.desired[k] for x in samples[i:] if x.t <= done):
-                    waits.append(done - s.t)
+            if s.desired[k] > before.desired[k] and s.up[k] < s.desired[k]:  # asked to grow: until up or given up
+                end = next((x for x in samples if x.t >= s.t and (x.up[k] >= s.desired[k]
+                                                                  or x.desired[k] < s.desired[k])), None)
+                if end is not None and end.up[k] >= s.desired[k]:
+                    waits.append(end.t - s.t)
     return statistics.median(waits) if waits else None
 
 
@@ -162,18 +162,18 @@ class Outcome:
 def per_request(artifacts: Path) -> tuple[list[Outcome], float | None]:
     """AIPerf's per-record export (profile_export.jsonl): each request's TTFT and inter-token latency, or its error;
     and when (wall clock, s) the first request was sent."""
-    out, first = [], None
+    out, sent = [], []
     for path in sorted(artifacts.rglob("profile_export.jsonl"))[-1:]:
         for line in path.read_text().splitlines():
             rec = json.loads(line)
-            sent = (rec.get("metadata") or {}).get("request_start_ns")
-            first = min(first, sent / 1e9) if first is not None and sent else (sent / 1e9 if sent else first)
+            if start_ns := (rec.get("metadata") or {}).get("request_start_ns"):
+                sent.append(start_ns / 1e9)
             metrics, err = rec.get("metrics") or {}, rec.get("error")
             ttft = (metrics.get("time_to_first_token") or {}).get("value")
             itl = (metrics.get("inter_token_latency") or {}).get("value")
             out.append(Outcome(ttft / 1e3 if ttft is not None else None, itl / 1e3 if itl is not None else 0.0,
                                str(err)[:200] if err else (None if ttft is not None else "no token")))
-    return out, first
+    return out, min(sent, default=None)
 
 
 def refused(o: Outcome) -> bool:

@@ -224,18 +224,22 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
     if args.router:
         args.address = args.router
-        try:
-            lengths = tuple(int(x) for x in args.prompt_lengths.split(","))
-        except ValueError:
-            raise SystemExit(f"--prompt-lengths {args.prompt_lengths!r}: expected comma-separated token "
-                             "counts") from None
-        if len(lengths) < 3 or min(lengths) < 1:
-            raise SystemExit("--prompt-lengths: at least three positive lengths (the curve has three terms)")
-        perf = profile_served(args.router, lengths=lengths, open_channel=lambda _: client_channel(args))
+        perf = profile_served(args.router, lengths=args.prompt_lengths, open_channel=lambda _: client_channel(args))
     else:
         perf = profile_engine(args.model or default_model(), args.dtype)
     perf.save(args.out)
     print(f"wrote {args.out}")
+
+
+def _prompt_lengths(text: str) -> tuple[int, ...]:
+    """`pdserve profile --prompt-lengths`: at least three positive token counts (the prefill curve has three terms)."""
+    try:
+        lengths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token counts") from None
+    if len(lengths) < 3 or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least three positive lengths (the curve has three terms)")
+    return lengths
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -294,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
                       help="measure through a running router instead (the served path, and the interference of "
                            "instances sharing cores)")
     prof.add_argument("--tls-ca", default=None, help="with --router: the router serves TLS, verify it with this CA")
-    prof.add_argument("--prompt-lengths", default="16,64,256",
+    prof.add_argument("--prompt-lengths", type=_prompt_lengths, default=(16, 64, 256),
                       help="with --router: the prompt lengths the prefill curve is fitted on (cover your prompts': "
                            "the quadratic term extrapolates badly)")
     add_flags(prof, ServiceConfig, only=("dtype",))

@@ -220,12 +220,15 @@ class TraceReplay:
         busy as it starts."""
         if not self.perf.colocated:
             return 0.0
-        others = [x for x in (*self.prefills, *self.decodes) if x is not me]
-        booting = sum(1 for x in others if x.state == State.STARTING)
-        busy = sum(1 for p in self.prefills if p is not me and p.state in (State.UP, State.DRAINING)
-                   and p.busy_until > now)
-        return busy + sum(1 for d in self.decodes if d is not me and d.state == State.UP and d.stepping) \
-            + self.cfg.boot_busy * booting
+        busy = 0.0
+        for x in (*self.prefills, *self.decodes):
+            if x is me or x.state == State.GONE:
+                continue
+            if x.state == State.STARTING:
+                busy += self.cfg.boot_busy
+            elif (x.busy_until > now) if isinstance(x, ReplayPrefill) else x.stepping:
+                busy += 1.0
+        return busy
 
     # --- placement -----------------------------------------------------------------------------------
     def views(self, now: float, tokens: int, remaining: int, blocks: tuple[int, ...]) -> _Placement:
