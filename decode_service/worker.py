@@ -23,6 +23,7 @@ import torch.distributed as dist
 from shared.config import DecodeConfig
 from shared.engine import LLMEngine, SamplingParams, StepEvent
 from shared.engine.core import CommandError, EncodedReport, EngineCommand, RankCommand, RankReport
+from shared.engine.graphs import GraphStats
 from shared.engine.scheduler import Sequence
 from shared.engine.speculative import MAX_SPECULATIVE_TOKENS
 from shared.kvcache import CacheEvent, OutOfBlocks, event_log
@@ -362,6 +363,7 @@ class DecodeWorker:
         spec = self.engine.speculator
         requests = [*sched.running, *sched.waiting]
         tier = tier_totals(kv.tier)  # exported by the front (shared.metrics.LoadCollector)
+        graphs = self.engine.graphs.stats if self.engine.graphs is not None else GraphStats()
         return DecodeRankReport(
             RankLoad(rank=self.rank, running=len(sched.running), waiting=len(sched.waiting),
                      free_blocks=kv.allocator.num_free, total_blocks=self.engine.usable_blocks,
@@ -369,7 +371,8 @@ class DecodeWorker:
                      tokens=sum(s.num_tokens for s in requests) + reserved,
                      queued_prompt_tokens=sum(s.num_uncached for s in requests if s.is_prefilling),
                      tier_written_bytes=tier.written_bytes, tier_read_bytes=tier.read_bytes,
-                     tier_dropped_corrupt=tier.dropped_corrupt, tier_dropped_full=tier.dropped_full),
+                     tier_dropped_corrupt=tier.dropped_corrupt, tier_dropped_full=tier.dropped_full,
+                     graph_replayed=graphs.replays, graph_recorded=graphs.captures, graph_eager=graphs.eager),
             has_work=int(self.engine.has_work), applied_cid=self.applied_cid, kv_bytes_received=self.tcp.bytes_received,
             spec_drafted=list(spec.stats.drafted) if spec else [0] * MAX_SPECULATIVE_TOKENS,
             spec_accepted=list(spec.stats.accepted) if spec else [0] * MAX_SPECULATIVE_TOKENS,

@@ -67,7 +67,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                     "kvCacheTokens": args.kv_cache_tokens},
         "decode": {"instances": args.num_decode, "dp": args.decode_dp, "tp": args.decode_tp, "ep": args.decode_ep,
                    "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache,
-                   "speculativeMaxDraftTokens": args.speculative_max_draft_tokens,
+                   "speculativeMaxDraftTokens": args.speculative_max_draft_tokens, "enforceEager": args.enforce_eager,
                    "kvCacheTokens": args.kv_cache_tokens},
         "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port,
                    "kservePort": args.kserve_port,
@@ -330,7 +330,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--decode-tp", type=int, default=1, help="local-TP ranks per decode instance (with dp 1)")
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
-    add_flags(up, DecodeConfig, only=("speculative_max_draft_tokens",))  # decode's own flag, with --speculative
+    add_flags(up, DecodeConfig, only=("speculative_max_draft_tokens", "enforce_eager"))  # decode's own flags
     add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "kserve_port", "epp_port", "api_key_file",
                                       "ttft_slo_ms", "tpot_slo_ms", "profile", "served_model_name", "chat_max_tokens",
                                       "drain_seconds"))

@@ -178,6 +178,7 @@ class DecodeSpec:
     kv_stall_seconds: float = same_as(DecodeConfig, "kv_stall_seconds")
     reserve_wait_seconds: float = same_as(DecodeConfig, "reserve_wait_seconds")
     speculative_max_draft_tokens: int = same_as(DecodeConfig, "speculative_max_draft_tokens")  # with MTP
+    enforce_eager: bool = same_as(DecodeConfig, "enforce_eager")
     no_prefix_cache: bool = same_as(DecodeConfig, "no_prefix_cache")
 
     def __post_init__(self) -> None:
@@ -234,7 +235,8 @@ class Deployment:
             out += ["--dp", _s(d.dp), "--kv-port", _s(d.kv_port), "--lease-seconds", _s(d.lease_seconds),
                     "--max-num-seqs", _s(d.max_num_seqs), "--kv-stall-seconds", _s(d.kv_stall_seconds),
                     "--reserve-wait-seconds", _s(d.reserve_wait_seconds),
-                    *(["--no-prefix-cache"] if d.no_prefix_cache else [])]
+                    *(["--no-prefix-cache"] if d.no_prefix_cache else []),
+                    *(["--enforce-eager"] if d.enforce_eager else [])]
             if e.speculative:
                 out += ["--speculative-max-draft-tokens", _s(d.speculative_max_draft_tokens)]
         return out

@@ -107,6 +107,12 @@ def synchronize(device: torch.device) -> None:
         torch.npu.synchronize(device)
 
 
+def step_graphs(device: torch.device) -> bool:
+    """Whether decode steps on `device` may be recorded and replayed (shared.engine.graphs): the host tape on
+    CPU. CUDA graphs and torch-npu's ACL graphs are not built yet: steps there run eagerly."""
+    return device.type == _CPU
+
+
 def accelerator() -> torch.device | None:
     """The accelerator torch can reach, whatever `PDSERVE_DEVICE` says (tests that need one); None on CPU."""
     if _npu_available():

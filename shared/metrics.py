@@ -143,6 +143,15 @@ class LoadCollector(Collector):
                 received.add_metric([self.service, str(load["rank"])], load["kv_bytes_received"])
         yield received
         yield from self._tier(loads)
+        steps = CounterMetricFamily("pdserve_decode_steps", "Engine steps by how they ran: replayed (a plain decode "
+                                    "step from a recorded one), recorded (run eagerly while recorded), eager (the "
+                                    "rest); none without decode graphs (--enforce-eager, parallel ranks)",
+                                    labels=["service", "rank", "mode"])
+        for load in loads:
+            for mode in ("replayed", "recorded", "eager"):
+                if load.get(f"graph_{mode}"):
+                    steps.add_metric([self.service, str(load["rank"]), mode], load[f"graph_{mode}"])
+        yield steps
         for kind, doc in (("drafted", "MTP draft tokens proposed"), ("accepted", "MTP draft tokens accepted")):
             family = CounterMetricFamily(f"pdserve_spec_{kind}_tokens", f"{doc}, by draft position (acceptance "
                                          "rate per position: accepted / drafted)",

@@ -128,6 +128,7 @@ class DecodeConfig(ServiceConfig):
 
     dp: int = flag(1, "attention data-parallel ranks")
     speculative_max_draft_tokens: int = same_as(EngineConfig, "speculative_max_draft_tokens")
+    enforce_eager: bool = same_as(EngineConfig, "enforce_eager")
     kv_port: int = flag(0, "TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
     lease_seconds: float = flag(30.0, "unused reservations expire after this")
     kv_stall_seconds: float = flag(3.0, "a KV write being received that gets no byte this long is dropped and its "

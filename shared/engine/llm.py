@@ -18,6 +18,7 @@ import shared.model.cpu_kernels as cpu_kernels
 import shared.model.int8_kernels as int8_kernels
 from shared.config import EngineConfig
 from shared.device import compute_dtype, get_device
+from shared.engine.graphs import DecodeGraphs
 from shared.engine.isolation import IsolatedStep, isolate
 from shared.engine.policy import policy_for
 from shared.engine.sampler import SamplingParams, sample
@@ -92,9 +93,8 @@ class LLMEngine:
         compiler = ConstraintCompiler(self.tokenizer.path if self.tokenizer else None, self.model_config.vocab_size,
                                       list(self.model_config.eos_token_ids))
         self.grammars = Grammars(compiler, self.tokenizer.token_to_id(THINK_END) if self.tokenizer else None)
-        # The cache holds what attention multiplies: the model dtype, except on CPUs without bf16
-        # arithmetic, where bf16 rows are held as exact fp32 copies (no [rows, T, 576] upcast per step;
-        # a peer with the other layout is refused at the KV handshake).
+        # The cache holds what attention multiplies: the model dtype, except on CPUs without bf16 arithmetic, where
+        # bf16 rows are held as exact fp32 copies (no upcast per step; a peer of the other layout is refused).
         kv_dtype = compute_dtype(self.dtype, self.device)
         self.layout = KVLayout.from_model_config(self.model_config, config.block_size, kv_dtype,
                                                  kv_cache_dtype=config.kv_cache_dtype, extra_layers=int(mtp))
@@ -110,8 +110,9 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.default_generator = torch.Generator().manual_seed(config.seed)
-        # parallel ranks keep one scratch block for dummy batches (DP idle ranks, empty CP shares)
+        # a scratch block for parallel ranks' dummy batches (DP idle ranks, empty CP shares) or the graphs' padding
         self.scratch_blocks: list[int] | None = self.kv.ledger.hold_scratch() if self.parallel.is_parallel else None
+        self.graphs = DecodeGraphs.for_engine(self)  # recorded decode steps (one rank, CPU)
         self.stepped = False  # whether the last step() ran a forward (a dummy one included)
         self.poison = Poison.from_env()  # fault injection for tests (off unless $PDSERVE_FAULT_POISON is set)
         int8 = any(p.dtype == torch.int8 for p in self.model.parameters())  # W8A8 weights take the int8 kernels
@@ -149,7 +150,7 @@ class LLMEngine:
 
     @property
     def usable_blocks(self) -> int:
-        """KV blocks requests can use (the pool minus the scratch block of a parallel rank)."""
+        """KV blocks requests can use (the pool minus the scratch block of a parallel rank or of the graphs)."""
         return self.kv.num_blocks - (1 if self.scratch_blocks else 0)
 
     @property

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from shared.engine.graphs import DecodeGraphs
 from shared.kvcache import KVCache, KVLayout
 from shared.model import ForwardBatch, SeqChunk
 from shared.model.cp import build_cp_batch, piece_logits, zigzag_ranges
@@ -35,6 +36,7 @@ class ForwardTarget(Protocol):
     layout: KVLayout
     device: torch.device
     scratch_blocks: list[int] | None
+    graphs: DecodeGraphs | None  # recorded decode steps (one rank, where the device has a backend)
     expand_from: int  # prompt chunks this long or longer take parts of their own (ForwardBatch.build)
 
     @property
@@ -46,6 +48,7 @@ class Solo:
 
     mirror = False  # every rank applies every command (identical schedulers on all ranks)
     lockstep = False  # ranks step different batches: each must still run as many forwards as the others
+    graphs_apply = True  # a step may replay a recorded one (no collective inside the model)
 
     def __init__(self, state: ParallelState):
         self.state = state
@@ -77,7 +80,12 @@ class Solo:
 
     def forward(self, engine: ForwardTarget, chunks: list[SeqChunk], layer_done: Callable[[int], None] | None = None,
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits of the chunks that want them; with `return_hidden` also every token's post-norm state."""
+        """Logits of the chunks that want them; with `return_hidden` also every token's post-norm state. A plain
+        decode step of one rank replays a recorded step where the engine has them (shared.engine.graphs)."""
+        if engine.graphs is not None and self.graphs_apply and layer_done is None and not return_hidden:
+            logits = engine.graphs.forward(chunks)
+            if logits is not None:
+                return logits
         out = engine.model(self.batch(engine, chunks), engine.kv, layer_done, return_hidden)
         if return_hidden:
             return self.logits(chunks, out[0]), out[1]
@@ -88,6 +96,7 @@ class LockStep(Solo):
     """Attention-DP: every rank has its own batch; all step while any has work."""
 
     lockstep = True
+    graphs_apply = False
 
     def wants_step(self, has_chunks: bool) -> bool:
         flag = torch.tensor([int(has_chunks)])
@@ -99,6 +108,7 @@ class Mirror(Solo):
     """Local TP: identical batches on every rank (the model's TP collectives need the same tokens)."""
 
     mirror = True
+    graphs_apply = False
 
     @property
     def answers(self) -> bool:

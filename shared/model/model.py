@@ -184,6 +184,15 @@ class DeepseekForCausalLM(nn.Module):
                 warm()
         return time.perf_counter() - start
 
+    def context_bound(self, context: int, capacity: int) -> int:
+        """The `max_context` a step whose longest context is `context` may be given in place of its own, up to
+        `capacity`, and still take every branch its own would (a recorded decode step's, shared.engine.graphs):
+        with an indexer, index_topk while the context fits it (dense attention), else the capacity."""
+        cfg = self.config
+        if cfg.has_indexer and context <= cfg.index_topk:
+            return min(cfg.index_topk, capacity)
+        return capacity
+
     @torch.inference_mode()
     def expand_from(self) -> int:
         """The fewest queries a request needs in a step to take the expanded prompt form (per request: steps

@@ -173,11 +173,11 @@ class Experts(nn.Module):
                                 self.down_proj_scale, x.dtype, padded, shared_w)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, padded: bool = False,
-                generated: torch.Tensor | None = None) -> torch.Tensor:
+                generated: torch.Tensor | int | None = None) -> torch.Tensor:
         """Weighted sum over each row's k picks [N, k] (global ids; with `padded`, foreign ids and their
-        weight-0 picks contribute nothing): fp32 [N, D]. `generated` ([N] bool) marks the rows that are a step's
-        generated tokens: unquantized experts compute them with the CPU kernel's arithmetic where it runs
-        (ops.routed_experts), on one rank and on EP ranks alike."""
+        weight-0 picks contribute nothing): fp32 [N, D]. `generated` ([N] bool, or an int: the leading rows) marks
+        the rows that are a step's generated tokens: unquantized experts compute them with the CPU kernel's
+        arithmetic where it runs (ops.routed_experts), on one rank and on EP ranks alike."""
         fused = self.fused_w8a8(x, ids, weights, padded)
         if fused is not None:
             return fused
@@ -238,7 +238,7 @@ class MoE(nn.Module):
             fused = self.experts.fused_w8a8(x, ids, weights, shared=self.shared_experts)
             if fused is not None:
                 return fused.to(x.dtype)
-            y = self.experts(x, ids, weights, generated=_leading(x.shape[0], generated))
+            y = self.experts(x, ids, weights, generated=generated or None)
             if self.shared_experts is not None:
                 y = y + self.shared_experts(x, generated).float()
             return y.to(x.dtype)
@@ -284,11 +284,6 @@ class MoE(nn.Module):
         if shared is not None:
             y = y + shared
         return y.to(x.dtype)
-
-
-def _leading(n: int, generated: int) -> torch.Tensor | None:
-    """The mask of the leading `generated` of n rows (a step's generated tokens come first); None for none."""
-    return torch.arange(n) < generated if generated else None
 
 
 def _untraced(event: str) -> None:

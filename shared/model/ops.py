@@ -272,16 +272,20 @@ class MoEWeights:
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
-def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, generated: torch.Tensor | None,
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, generated: torch.Tensor | int | None,
                    gate_up: torch.Tensor, down: torch.Tensor,
                    portable: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The routed experts of rows x [N, D] for picks made by a router (ids local to gate_up / down, [N, k]; on
     an EP rank the foreign ones out of range): the rows `generated` marks ([N] bool: a step's generated tokens,
-    wherever they came from) in one kernel call where it takes them, `portable(rows, ids, weights)` for the
-    rest. fp32 [N, D]. One rank and every EP rank call this, so a generated token's experts have the kernel's
-    arithmetic in every instance shape."""
+    wherever they came from; an int: the leading rows, one rank's step) in one kernel call where it takes them,
+    `portable(rows, ids, weights)` for the rest. fp32 [N, D]. One rank and every EP rank call this, so a
+    generated token's experts have the kernel's arithmetic in every instance shape."""
     if generated is None or not moe_kernels.experts_usable(x, gate_up, down):
         return portable(x, ids, weights)
+    if isinstance(generated, int):  # the leading rows: no mask to read back (a recorded step can take it)
+        return generated_first(x, generated, lambda rows: moe_kernels.moe_experts(
+            rows, ids[:generated], weights[:generated], gate_up, down),
+            lambda rows, g: portable(rows, ids[x.shape[0] - rows.shape[0]:], weights[x.shape[0] - rows.shape[0]:]))
     rows = generated.nonzero().squeeze(1)
     if rows.numel() == x.shape[0]:
         return moe_kernels.moe_experts(x, ids, weights, gate_up, down)

@@ -27,6 +27,10 @@ class RankLoad:
     tier_read_bytes: int = 0
     tier_dropped_corrupt: int = 0  # blocks whose record failed its checks
     tier_dropped_full: int = 0  # blocks evicted for room
+    # the rank's steps since start by how they ran (shared.engine.graphs; 0 without graphs): exported by the front
+    graph_replayed: int = 0  # plain decode steps replayed from a recorded one
+    graph_recorded: int = 0  # plain decode steps run eagerly while recorded (one per new batch size and context)
+    graph_eager: int = 0  # other steps (prompt chunks, MTP, a context or batch no recording takes)
 
 
 @dataclass(frozen=True)

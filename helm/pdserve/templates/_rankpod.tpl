@@ -57,6 +57,9 @@ spec:
         {{- if $spec.noPrefixCache }}
         - --no-prefix-cache
         {{- end }}
+        {{- if $spec.enforceEager }}
+        - --enforce-eager
+        {{- end }}
         {{- if $root.Values.engine.speculative }}
         - --speculative-max-draft-tokens
         - {{ $spec.speculativeMaxDraftTokens | quote }}

@@ -1,0 +1,220 @@
+"""A host step recorded once and replayed without Python: the CPU's answer to CUDA graphs.
+
+A decode step on a CPU spends a large share of its time in the host code around its kernels (modules,
+wrappers, checks, dispatch), not in them. CUDA and ACL graphs remove that on an accelerator by recording
+the kernels a step launches and relaunching them with the same pointers. `record` does the same on the
+host: while a function runs once (eagerly, its result is a normal result), every torch op that computes
+something (its `out=` form, writing the same output tensor again) and every call into the C kernel
+libraries (the same entry point with the same arguments) is appended to a `Tape`; views and allocations
+are not, since the tape keeps every tensor it touched alive, so every pointer stays valid and every view
+still sees its storage. `Tape.replay()` then runs that list: the same kernels on the same buffers,
+bit for bit what the function computes on whatever the caller wrote into its input tensors first.
+
+A function may be taped only if nothing it does depends on tensor values seen from Python (a `.item()`,
+`.tolist()`, a data-dependent shape) or draws random numbers: `record` notes any such op and returns no
+tape (`Recording.refused` says why), and values the function reads from Python objects are frozen into
+the tape, so the caller keys its tapes on every such value that can change (shared.engine.graphs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_REFUSED_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.nondeterministic_seeded)
+_UNRECORDED = {  # allocations whose contents are undefined: the tape keeps the first one's storage
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default,
+}
+_INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default,
+             torch.ops.aten._index_put_impl_.default}
+_CASTS = {torch.ops.aten._to_copy, torch.ops.aten.to}
+_BAKED = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}  # torch.tensor(python data)
+KERNEL_MODULES = ("shared.model.cpu_kernels", "shared.model.int8_kernels")  # their `_library`: C entry points
+
+
+class TapeMismatch(RuntimeError):
+    """A replayed kernel returned another status than when it was recorded (its inputs took it elsewhere):
+    the replay's results are void; run the step eagerly."""
+
+
+@dataclass
+class Tape:
+    """What `record` saw: calls to run in order, and every tensor they use kept alive."""
+
+    calls: list[Callable[[], None]] = field(default_factory=list)
+    kept: list[Any] = field(default_factory=list)
+    made: list[torch.Tensor] = field(default_factory=list)  # the tensors it allocated (not the weights, the cache)
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        for call in self.calls:
+            call()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the distinct storages the tape allocated and holds (what recording a step costs in memory)."""
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.made}.values())
+
+
+@dataclass
+class Recording:
+    """record's outcome: the tape, or None and why not."""
+
+    tape: Tape | None
+    refused: str | None = None
+
+
+def _aliases(out: Any, args: tuple) -> bool:
+    """Whether every tensor `out` holds is a view of an input's storage (`to`, `reshape`, `contiguous` are
+    views only where they need no copy)."""
+    storages = {t.untyped_storage().data_ptr() for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in storages for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+
+
+def _integer_indexing(func: Any, args: tuple) -> bool:
+    """x[i] with integer index tensors: its shape is the indices' (only boolean masks make it data-dependent)."""
+    if func not in _INDEXING:
+        return False
+    indices = args[1] if len(args) > 1 else ()
+    return all(i is None or (isinstance(i, torch.Tensor) and i.dtype != torch.bool) for i in indices)
+
+
+def _kernel_call(fn: Any, args: tuple, status: Any) -> None:
+    if fn(*args) != status:
+        raise TapeMismatch(f"kernel {getattr(fn, '__name__', fn)} returned otherwise than when recorded")
+
+
+def _out_call(op: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+    op(*args, **kwargs, out=out)
+
+
+def _replay_of(func: Any, args: tuple, kwargs: dict, out: Any) -> Callable[[], None]:
+    """A functional op's replay: its out= form writing `out` again where that form takes the same arguments (tried
+    once here: an op without side effects), else computed anew and copied into `out`."""
+    out_op = getattr(func.overloadpacket, "out", None)
+    if isinstance(out, torch.Tensor) and out_op is not None:
+        call = functools.partial(_out_call, out_op, args, kwargs, out)
+        try:
+            call()
+            return call
+        except (RuntimeError, TypeError):
+            pass
+    return functools.partial(_copy_call, func, args, kwargs, tree_flatten(out)[0])
+
+
+def _copy_call(func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> None:
+    fresh, _ = tree_flatten(func(*args, **kwargs))
+    for dst, src in zip(outs, fresh, strict=True):
+        dst.copy_(src)
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs every op, and notes how to run it again into the same outputs."""
+
+    def __init__(self, tape: Tape):
+        super().__init__()
+        self.tape, self.refused = tape, None
+
+    def refuse(self, why: str) -> None:
+        self.refused = self.refused or why
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(tag in func.tags for tag in _REFUSED_TAGS) and not _integer_indexing(func, args):
+            self.refuse(f"{func} depends on tensor values or draws random numbers")
+        if func in _BAKED:
+            self.refuse(f"{func}: a tensor made from Python values inside the step")
+        out = func(*args, **kwargs)
+        self.tape.kept.append((args, kwargs, out))  # every buffer, a kernel's (seen only by its pointer) too
+        if func.is_view and _aliases(out, args):
+            return out
+        if not func._schema.is_mutable:
+            self.tape.made += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if func in _UNRECORDED:
+            return out
+        if func._schema.is_mutable:  # in place or out=: runs again as it is
+            self.tape.calls.append(functools.partial(func, *args, **kwargs))
+        elif func.overloadpacket in _CASTS and isinstance(out, torch.Tensor):  # a cast: copy_ rounds alike
+            self.tape.calls.append(functools.partial(out.copy_, args[0]))
+        else:
+            self.tape.calls.append(_replay_of(func, args, kwargs, out))
+        return out
+
+
+class _LibraryTap:
+    """A kernel library whose calls are recorded (with their status) as they run."""
+
+    def __init__(self, lib: ctypes.CDLL, tape: Tape):
+        self._lib, self._tape = lib, tape
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self._lib, name)
+
+        def call(*args: Any) -> Any:
+            status = fn(*args)
+            self._tape.kept.append(args)
+            self._tape.calls.append(functools.partial(_kernel_call, fn, args, status))
+            return status
+
+        return call
+
+
+@contextmanager
+def _tapped_libraries(tape: Tape) -> Iterator[None]:
+    """The kernel modules' libraries swapped for recording taps (built first, so the tap is what they return)."""
+    swapped = []
+    for name in KERNEL_MODULES:
+        module = sys.modules.get(name)
+        if module is None or module.library() is None:
+            continue
+        swapped.append((module, module._library))
+        module._library = _LibraryTap(module._library, tape)
+    try:
+        yield
+    finally:
+        for module, lib in swapped:
+            module._library = lib
+
+
+@contextmanager
+def _host_reads_refused(recorder: _Recorder) -> Iterator[None]:
+    """`.tolist()` and `.numpy()` read values without a torch op the recorder would see: noted as refusals."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def watch(name: str) -> Callable[..., Any]:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            recorder.refuse(f"Tensor.{name}() inside the step")
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    for name in originals:
+        setattr(torch.Tensor, name, watch(name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def record(fn: Callable[[], Any]) -> tuple[Any, Recording]:
+    """Run `fn()` once, eagerly, recording it: (its result, the recording). The result is what `fn` returned
+    whether or not a tape came of it; after `tape.replay()` the same tensors hold what `fn` would compute
+    from the current contents of the tensors it read."""
+    tape = Tape()
+    recorder = _Recorder(tape)
+    with _tapped_libraries(tape), _host_reads_refused(recorder), recorder:
+        result = fn()
+    tape.kept.append(result)
+    if recorder.refused:
+        return result, Recording(None, recorder.refused)
+    return result, Recording(tape)

@@ -1,0 +1,163 @@
+"""Recorded decode steps (shared.model.tape, shared.engine.graphs): a replayed step gives the eager step's bits in
+every configuration that takes it, refuses what it cannot replay, and is reachable (and visible) through
+`pdserve up`."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import pytest
+import torch
+
+from bench.fleet_faults import UpProcess
+from shared.engine import LLM, SamplingParams
+from shared.engine.graphs import graph_sizes
+from shared.model import cpu_kernels
+from shared.model.tape import TapeMismatch, record
+from shared.protocol.structured import ConstraintKind, StructuredOutput
+from tests.helpers import concurrent_greedy
+
+TINY = "models/tiny-v32"  # the random tiny model with a tokenizer (made on first use, as `pdserve up` does)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 500, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _run(path, eager: bool, params: list[SamplingParams], prompts: list[list[int]], **kw):
+    llm = LLM(str(path), max_num_seqs=16, enforce_eager=eager, **kw)
+    out = llm.generate(prompts, params)
+    return [o.token_ids for o in out], llm.engine.graphs
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("v3", {}),
+    ("v3", {"quantization": "w8a8"}),
+    ("v32_dense", {"kv_cache_dtype": "int8"}),
+    ("v32_dense", {"dtype": "float32"}),
+])
+def test_replayed_decode_steps_are_the_eager_ones(ckpt, name, kw):
+    """13 requests of different lengths finishing at different steps (the batch pads to 16, then 8, 4, 2, 1):
+    every token equals the eager engine's, and most steps were replays."""
+    prompts = _prompts(13)
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(13)]
+    eager, none = _run(ckpt(name), True, params, prompts, **kw)
+    replayed, graphs = _run(ckpt(name), False, params, prompts, **kw)
+    assert none is None and replayed == eager
+    assert graphs.stats.replays > graphs.stats.captures >= 4, graphs.stats
+    assert not graphs.stats.refused, graphs.stats.refused
+
+
+def test_sampled_and_constrained_requests_replay_alike():
+    """Seeded sampling (top-p, penalties) and a JSON-schema constraint: the same tokens with and without graphs."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    prompts = _prompts(6, seed=1)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=i, presence_penalty=0.5)
+              for i in range(5)]
+    params.append(SamplingParams(max_tokens=12, temperature=0.0,
+                                 structured=StructuredOutput(ConstraintKind.JSON_SCHEMA, json.dumps(schema))))
+    eager, _ = _run(TINY, True, params, prompts)
+    replayed, graphs = _run(TINY, False, params, prompts)
+    assert replayed == eager and graphs.stats.replays > 0
+
+
+def test_the_portable_path_is_refused_where_it_reads_values(ckpt, portable):
+    """Without the C kernels the grouped experts size their groups from counts read on the host (`.tolist()`,
+    which no torch op shows): the recording notices, keeps why, and the steps run eagerly with the same tokens."""
+    portable(True)
+    prompts = _prompts(5, seed=2)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 5
+    eager, _ = _run(ckpt("v3"), True, params, prompts)
+    replayed, graphs = _run(ckpt("v3"), False, params, prompts)
+    assert replayed == eager and graphs.stats.replays == 0
+    assert graphs.stats.refused and all("tolist" in why for why in graphs.stats.refused.values())
+
+
+def test_a_sparse_context_is_refused_and_runs_eagerly(ckpt):
+    """Past index_topk the indexer's selection reads values on the host: that key is refused (why is kept), its
+    steps run eagerly, and the tokens are still the eager engine's."""
+    prompts = _prompts(3, seed=3)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 3
+    eager, _ = _run(ckpt("v32_sparse"), True, params, prompts)
+    replayed, graphs = _run(ckpt("v32_sparse"), False, params, prompts)
+    assert replayed == eager
+    assert graphs.stats.refused and all("tensor values" in why for why in graphs.stats.refused.values())
+
+
+def test_graph_sizes():
+    assert graph_sizes(256)[:6] == [1, 2, 4, 8, 16, 24] and graph_sizes(256)[-1] == 256
+    assert graph_sizes(1) == [1] and graph_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_a_tape_replays_torch_ops_and_kernels_on_new_inputs():
+    """Casts, views, functional and in-place ops and a C kernel (rms_norm), replayed after the inputs change."""
+    x, w = torch.randn(3, 16).bfloat16(), torch.rand(16).bfloat16()
+
+    def step() -> torch.Tensor:
+        y = cpu_kernels.rms_norm(x, w, 1e-6)
+        z = (y.float() * 2).view(-1)[:24]
+        z.add_(1)
+        return torch.cat([z, z.to(torch.bfloat16).float()])
+
+    with torch.inference_mode():
+        out, recording = record(step)
+        assert recording.tape is not None and recording.tape.kept_bytes > 0
+        x.copy_(torch.randn(3, 16))
+        recording.tape.replay()
+        assert torch.equal(out, step())
+
+
+@pytest.mark.parametrize("reads", [lambda t: t.sum().item(), lambda t: t.tolist(), lambda t: t[t > 0],
+                                   lambda t: torch.randn(2)])
+def test_a_step_that_reads_values_on_the_host_is_not_taped(reads):
+    t = torch.randn(4)
+    with torch.inference_mode():
+        _, recording = record(lambda: reads(t + 1))
+    assert recording.tape is None and recording.refused
+
+
+def test_a_kernel_taking_another_branch_voids_the_replay():
+    """Hostile: a replayed KV write whose slot now lies outside the pool returns another status than recorded:
+    the replay raises TapeMismatch (the engine drops that recording and runs the step eagerly)."""
+    from shared.kvcache.layout import Fp8KeyRows
+
+    codec = Fp8KeyRows(dim=16)
+    pool = torch.zeros(2, 4, codec.width, dtype=torch.uint8)
+    keys, slots = torch.randn(1, 16), torch.tensor([3])
+    with torch.inference_mode():
+        _, recording = record(lambda: cpu_kernels.index_key_write(keys, pool, slots, codec))
+        slots.fill_(1000)
+        with pytest.raises(TapeMismatch):
+            recording.tape.replay()
+
+
+def _steps(metrics_url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {m: float(v) for m, v in re.findall(r'pdserve_decode_steps_total\{[^}]*mode="(\w+)"[^}]*\} (\S+)', text)}
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_pdserve_up_replays_decode_steps_unless_told_not_to(tmp_path, eager):
+    """Through the command: the decode instance replays its plain decode steps by default (its /metrics say
+    so), `--enforce-eager` turns that off, and the greedy tokens are the in-process engine's either way."""
+    prompts = [list(range(5 + i, 29 + 3 * i)) for i in range(3)]
+    args = ["--model", TINY, "--port", "0", "--http-port", "0", *(["--enforce-eager"] if eager else [])]
+    proc = UpProcess(args, tmp_path / "logs")
+    try:
+        up = proc.start()
+        tokens = concurrent_greedy(up.grpc_address, prompts, max_tokens=24)
+        (decode,) = [name for name in up.metrics if name.startswith("decode")]
+        steps = _steps(up.metrics[decode])
+    finally:
+        assert proc.stop() == 0, proc.output()
+    expected = LLM(TINY).generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
+                                                                       ignore_eos=True))
+    assert tokens == [o.token_ids for o in expected]
+    if eager:
+        assert steps == {}
+    else:
+        assert steps.get("replayed", 0) >= 20 and steps.get("recorded", 0) >= 1, steps
