@@ -1,12 +1,13 @@
 """Decode steps run from recorded tapes (shared.model.tape), one per padded batch size: no host overhead.
 
-A decode step of R requests is padded to the smallest captured size B ≥ R (rows past R decode token 0 at
-position 0 of a scratch block the graphs hold), and its inputs are written into one static ForwardBatch per
-(B, key-axis width, context regime). The first step at a key runs eagerly while the tape records it (its
-logits are that step's: capture costs no extra step, so there is no cold start); every later step at that
-key writes its tokens, positions, slots, block tables and lengths into the static batch and replays the
-tape. Decode rows are computed alike however they are batched (shared.model.ops: generated tokens take
-batch-invariant kernels), so a padded replay gives every real row the eager step's bits.
+A decode step of R requests is padded to the smallest captured size B ≥ R (rows past R repeat the first row:
+its token at its position, writing its KV row into its slot again with the same bits, so padding needs no block
+of its own), and its inputs are written into one static ForwardBatch per (B, key-axis width, context regime).
+The first step at a key runs eagerly while the tape records it (its logits are that step's: capture costs no
+extra step, so there is no cold start); every later step at that key writes its tokens, positions, slots, block
+tables and lengths into the static batch and replays the tape. Decode rows are computed alike however they are
+batched (shared.model.ops: generated tokens take batch-invariant kernels), so a padded replay gives every real
+row the eager step's bits.
 
 What stays eager: prompt chunks, MTP verification and drafts, steps of a parallel instance (their
 collectives), steps needing a key-axis width or batch past the largest size, contexts past the indexer's
@@ -59,25 +60,22 @@ class DecodeGraphs:
     """The captured decode steps of one single-rank engine (its model, KV cache and a scratch block)."""
 
     def __init__(self, model: torch.nn.Module, kv: object, block_size: int, max_batch: int, max_blocks: int,
-                 scratch_block: int, memory_bytes: int = DEFAULT_MEMORY_BYTES):
+                 memory_bytes: int = DEFAULT_MEMORY_BYTES):
         self.model, self.kv, self.block_size = model, kv, block_size
-        self.sizes, self.max_blocks, self.scratch = graph_sizes(max_batch), max_blocks, scratch_block
+        self.sizes, self.max_blocks = graph_sizes(max_batch), max_blocks
         self.memory_bytes, self.used_bytes = memory_bytes, 0
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.stats = GraphStats()
 
     @classmethod
     def for_engine(cls, engine: object) -> DecodeGraphs | None:
-        """An engine's graphs, None where they do not apply: `enforce_eager`, parallel ranks, torch.compile'd
-        parts, offloaded layers, a device without a backend. They hold the engine's scratch block."""
+        """An engine's graphs, None where they do not apply: `enforce_eager`, parallel ranks, MTP (its steps
+        verify drafts), torch.compile'd parts, offloaded layers, a device without a backend."""
         cfg, model = engine.config, engine.model
-        if (cfg.enforce_eager or cfg.compile or engine.parallel.is_parallel or model.offloader is not None
-                or not step_graphs(engine.device)):
+        if (cfg.enforce_eager or cfg.compile or cfg.speculative or engine.parallel.is_parallel
+                or model.offloader is not None or not step_graphs(engine.device)):
             return None
-        if engine.scratch_blocks is None:
-            engine.scratch_blocks = engine.kv.ledger.hold_scratch()
-        max_blocks = -(-engine.max_model_len // cfg.block_size)
-        return cls(model, engine.kv, cfg.block_size, cfg.max_num_seqs, max_blocks, engine.scratch_blocks[0])
+        return cls(model, engine.kv, cfg.block_size, cfg.max_num_seqs, -(-engine.max_model_len // cfg.block_size))
 
     @staticmethod
     def applies(chunks: list[SeqChunk]) -> bool:
@@ -120,9 +118,9 @@ class DecodeGraphs:
             self.used_bytes -= graph.tape.kept_bytes
         self.stats.refused[key] = why
 
-    def _padded(self, chunks: list[SeqChunk], size: int) -> list[SeqChunk]:
-        pad = SeqChunk([0], 0, [self.scratch], generated=True)
-        return chunks + [pad] * (size - len(chunks))
+    @staticmethod
+    def _padded(chunks: list[SeqChunk], size: int) -> list[SeqChunk]:
+        return chunks + [chunks[0]] * (size - len(chunks))
 
     def _capture(self, key: tuple[int, int, int], chunks: list[SeqChunk]) -> torch.Tensor | None:
         """Run the step eagerly on a static batch of the key's shape, recording it."""
@@ -144,7 +142,7 @@ class DecodeGraphs:
         return logits[: len(chunks)]
 
     def _fill(self, fb: ForwardBatch, chunks: list[SeqChunk]) -> None:
-        """Write the step's inputs into the static batch's rows (the padding rows keep theirs)."""
+        """Write the step's inputs into the static batch's rows, the padding rows the first row's."""
         n, size = len(chunks), self.block_size
         starts = [c.start_pos for c in chunks]
         nb = max(-(-(p + 1) // size) for p in starts)
@@ -155,3 +153,5 @@ class DecodeGraphs:
                                            dtype=torch.long)
         fb.context_lens[:n] = fb.positions[:n] + 1
         fb.block_tables[:n, :nb] = torch.tensor(tables, dtype=torch.long)
+        for t in (fb.input_ids, fb.positions, fb.slot_mapping, fb.context_lens, fb.block_tables):
+            t[n:] = t[0]

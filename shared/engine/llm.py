@@ -110,7 +110,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.default_generator = torch.Generator().manual_seed(config.seed)
-        # a scratch block for parallel ranks' dummy batches (DP idle ranks, empty CP shares) or the graphs' padding
+        # a scratch block for parallel ranks' dummy batches (DP idle ranks, empty CP shares)
         self.scratch_blocks: list[int] | None = self.kv.ledger.hold_scratch() if self.parallel.is_parallel else None
         self.graphs = DecodeGraphs.for_engine(self)  # recorded decode steps (one rank, CPU)
         self.stepped = False  # whether the last step() ran a forward (a dummy one included)
@@ -150,7 +150,7 @@ class LLMEngine:
 
     @property
     def usable_blocks(self) -> int:
-        """KV blocks requests can use (the pool minus the scratch block of a parallel rank or of the graphs)."""
+        """KV blocks requests can use (the pool minus the scratch block of a parallel rank)."""
         return self.kv.num_blocks - (1 if self.scratch_blocks else 0)
 
     @property

@@ -170,20 +170,26 @@ class _LibraryTap:
 
 
 @contextmanager
-def _tapped_libraries(tape: Tape) -> Iterator[None]:
-    """The kernel modules' libraries swapped for recording taps (built first, so the tap is what they return)."""
-    swapped = []
+def _tapped_libraries(tape: Tape, recorder: _Recorder) -> Iterator[None]:
+    """The built kernel modules' libraries swapped for recording taps. A library first built inside the step
+    would run untapped: noted as a refusal (an engine builds its kernels before it serves)."""
+    swapped, untried = [], []
     for name in KERNEL_MODULES:
         module = sys.modules.get(name)
-        if module is None or module.library() is None:
-            continue
-        swapped.append((module, module._library))
-        module._library = _LibraryTap(module._library, tape)
+        if module is None or not module._tried:
+            untried.append(name)
+        elif module._library is not None:
+            swapped.append((module, module._library))
+            module._library = _LibraryTap(module._library, tape)
     try:
         yield
     finally:
         for module, lib in swapped:
             module._library = lib
+        for name in untried:
+            module = sys.modules.get(name)
+            if module is not None and module._library is not None:
+                recorder.refuse(f"{name}'s kernels were built inside the step")
 
 
 @contextmanager
@@ -212,7 +218,7 @@ def record(fn: Callable[[], Any]) -> tuple[Any, Recording]:
     from the current contents of the tensors it read."""
     tape = Tape()
     recorder = _Recorder(tape)
-    with _tapped_libraries(tape), _host_reads_refused(recorder), recorder:
+    with _tapped_libraries(tape, recorder), _host_reads_refused(recorder), recorder:
         result = fn()
     tape.kept.append(result)
     if recorder.refused:
