@@ -2,7 +2,7 @@
 checkpoint, same prompts, alternating the systems batch by batch in one run.
 
     python bench/engine_throughput.py [--batches 1,8,64,256] [--prompt-len 128] [--new-tokens 128]
-                                      [--dtype bfloat16] [--peer vllm] [--peer transformers]
+                                      [--dtype bfloat16] [--peer vllm] [--peer transformers] [--peer eager]
                                       [--model-type deepseek_v3] [--compile]
 
 The model is the embedded tiny DeepSeek (hidden 256, 4 layers, kv_lora 512, rope 64, 8 experts
@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true", help="pdserve with torch.compile of the per-token parts")
     p.add_argument("--rounds", type=int, default=1,
                    help="alternate the systems this many times per batch; the table shows medians (and ranges)")
-    p.add_argument("--peer", action="append", choices=["vllm", "transformers", "none"], default=None,
-                   help="systems to compare with in the same run (default: transformers)")
+    p.add_argument("--peer", action="append", choices=["vllm", "transformers", "eager", "none"], default=None,
+                   help="systems to compare with in the same run (default: transformers; eager: pdserve's own engine "
+                        "with --enforce-eager, no decode step replayed)")
     args = p.parse_args(argv)
     peers = [x for x in args.peer if x != "none"] if args.peer is not None else ["transformers"]
     batches = [int(b) for b in args.batches.split(",")]
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         cost = TokenCost.of(llm.engine.model, llm.engine.layout.bytes_per_token())
         seconds: list[float] = []
         vllm = VllmOffline(str(path), args.dtype) if "vllm" in peers else None
+        eager = LLM(str(path), dtype=args.dtype, max_num_seqs=max(batches), enforce_eager=True) \
+            if "eager" in peers else None
         hf = None
         if "transformers" in peers:
             from transformers import AutoModelForCausalLM
@@ -97,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
                     if vllm is not None:
                         runs["vllm"].append(vllm.run(prompts, args.new_tokens))
                         print(f"; vLLM {runs['vllm'][-1]:,.0f} tok/s", end="", flush=True)
+                    if eager is not None:
+                        runs["eager"].append(run_pdserve(eager, prompts, args.new_tokens))
+                        print(f"; eager {runs['eager'][-1]:,.0f} tok/s", end="", flush=True)
                     if hf is not None:
                         runs["transformers"].append(run_transformers(hf, prompts, args.new_tokens))
                         print(f"; transformers {runs['transformers'][-1]:,.0f} tok/s", end="", flush=True)

@@ -1,7 +1,7 @@
 """Where a decode step goes: kernels by kind against host time, per batch size.
 
     python bench/step_profile.py [--batches 1,64,256] [--prompt-len 128] [--steps 16] [--dtype bfloat16]
-                                 [--model-type deepseek_v3] [--threads 0] [--label NAME]
+                                 [--model-type deepseek_v3] [--threads 0] [--label NAME] [--enforce-eager]
 
 The model is engine_throughput's tiny DeepSeek (the same checkpoint vLLM's CPU build runs). Per batch size the
 engine prefills the batch, then decodes: `--steps` steps timed plainly (the step's wall time), then as many
@@ -16,9 +16,13 @@ under torch.profiler, where each op's own time is sorted into
   zeros, full, ...), wherever they run;
 * **host** — the step's wall time less every op's own time: Python, dispatch, the engine's bookkeeping.
 
-The shares are the profiled steps'; the ms are those shares of the plain steps' median (the profiler slows
-the host part, so its share is an upper bound). Prints a table and saves bench/out/step_profile[-LABEL].png
-(stacked ms per part and batch) and .json (to compare a later run: `--label after`).
+With `--enforce-eager` the shares are the profiled steps'; the ms are those shares of the plain steps' median
+(the profiler slows the host part, so its share is an upper bound). As the engine ships, plain decode steps replay
+a recorded step (shared.engine.graphs): the same kernels and ops without the host code around them, which the
+profiler cannot see into; the parts are then the time the replayed calls take (each timed) split as the eager
+steps' own times (profiled with the recordings set aside), and host is what the replayed steps' median wall time
+leaves. Prints a table and saves bench/out/step_profile[-LABEL].png (stacked ms per part and batch) and .json (to
+compare a later run: `--label after`).
 """
 
 from __future__ import annotations
@@ -125,10 +129,34 @@ def classify(events) -> dict[str, float]:
     return out
 
 
+def replayed_calls_ms(eng, steps: int) -> float:
+    """Median ms per step spent inside the calls of the replayed recordings (kernels and torch ops), each timed."""
+    from shared.model import tape
+
+    spent: list[float] = []
+
+    def timed(self) -> None:
+        inside = 0.0
+        with torch.inference_mode():
+            for call in self.calls:
+                t0 = time.perf_counter()
+                call()
+                inside += time.perf_counter() - t0
+        spent.append(inside)
+
+    plain, tape.Tape.replay = tape.Tape.replay, timed
+    try:
+        for _ in range(steps):
+            eng.step()
+    finally:
+        tape.Tape.replay = plain
+    return 1e3 * statistics.median(spent) if spent else 0.0
+
+
 def profile_batch(llm: LLM, batch: int, prompt_len: int, steps: int) -> tuple[float, dict[str, float]]:
     """(median ms per decode step, ms per part) at a batch size."""
     eng = llm.engine
-    params = SamplingParams(max_tokens=3 * steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4 * steps + 4, temperature=0.0, ignore_eos=True)
     vocab = min(1000, eng.model_config.vocab_size)
     seqs = [eng.add_request(torch.randint(2, vocab, (prompt_len,)).tolist(), params) for _ in range(batch)]
     while any(not s.output_token_ids for s in seqs):
@@ -140,6 +168,7 @@ def profile_batch(llm: LLM, batch: int, prompt_len: int, steps: int) -> tuple[fl
         t0 = time.perf_counter()
         eng.step()
         wall.append(time.perf_counter() - t0)
+    graphs, eng.graphs = eng.graphs, None  # profiled eagerly: a replay runs the same kernels and ops, nothing else
     with ExitStack() as stack:
         instrument(stack, llm)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -147,11 +176,19 @@ def profile_batch(llm: LLM, batch: int, prompt_len: int, steps: int) -> tuple[fl
             for _ in range(steps):
                 eng.step()
             profiled = time.perf_counter() - t0
+    eng.graphs = graphs
+    calls_ms = replayed_calls_ms(eng, steps) if graphs is not None else 0.0
     while eng.has_work:
         eng.step()
     own = classify(prof.events())
-    own["host"] = max(0.0, profiled - sum(own.values()))
     step_ms = 1e3 * statistics.median(wall)
+    if graphs is not None:  # replayed: the recorded calls' own time split as the eager ops', sampling as it ran
+        sampling = 1e3 * own.get("sampling", 0.0) / steps  # after the forward, outside the recording
+        total = sum(v for k, v in own.items() if k != "sampling")
+        parts = {part: calls_ms * own.get(part, 0.0) / total for part in PARTS if part != "sampling"}
+        parts.update(sampling=sampling, host=max(0.0, step_ms - calls_ms - sampling))
+        return step_ms, parts
+    own["host"] = max(0.0, profiled - sum(own.values()))
     total = sum(own.values())
     return step_ms, {part: step_ms * own.get(part, 0.0) / total for part in PARTS}
 
@@ -188,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-type", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--label", default="", help="suffix of the output files (e.g. before / after)")
+    p.add_argument("--enforce-eager", action="store_true", help="every step eagerly (default: plain decode steps "
+                                                                "replay recorded ones, as the engine ships)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -196,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         extra = {"index_topk": 64} if args.model_type == "deepseek_v32" else VLLM_CONFIG
         path = write_checkpoint(Path(tmp) / args.model_type, args.model_type, tokenizer=False, **extra)
-        llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(batches))
+        llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(batches), enforce_eager=args.enforce_eager)
         results = []
         for batch in batches:
             print(f"batch {batch} ...", flush=True)
