@@ -161,3 +161,13 @@ def test_pdserve_up_replays_decode_steps_unless_told_not_to(tmp_path, eager):
         assert steps == {}
     else:
         assert steps.get("replayed", 0) >= 20 and steps.get("recorded", 0) >= 1, steps
+
+
+def test_recordings_past_the_memory_budget_stay_eager(ckpt):
+    """graph_memory_mb bounds what the recordings keep (their intermediates): past it a key runs eagerly."""
+    prompts = _prompts(3, seed=4)
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)] * 3
+    eager, _ = _run(ckpt("v3"), True, params, prompts)
+    replayed, graphs = _run(ckpt("v3"), False, params, prompts, graph_memory_mb=0)
+    assert replayed == eager and graphs.stats.replays == 0 and graphs.used_bytes == 0
+    assert all("memory budget" in why for why in graphs.stats.refused.values()) and graphs.stats.refused

@@ -12,8 +12,8 @@ row the eager step's bits.
 What stays eager: prompt chunks, MTP verification and drafts, steps of a parallel instance (their
 collectives), steps needing a key-axis width or batch past the largest size, contexts past the indexer's
 top-k (its selection reads values on the host: the tape refuses it), and any key whose capture was refused
-or would hold more than `memory_bytes` in all. The backend per device: `shared.device.step_graphs` (the
-host tape on CPU; none yet on CUDA / NPU, which run eagerly).
+or would hold more than `graph_memory_mb` (EngineConfig) in all. The backend per device:
+`shared.device.step_graphs` (the host tape on CPU; none yet on CUDA / NPU, which run eagerly).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import torch
 from shared.device import step_graphs
 from shared.model import ForwardBatch, SeqChunk
 from shared.model.tape import Tape, TapeMismatch, record
-
-DEFAULT_MEMORY_BYTES = 2 << 30  # all captured sizes' buffers together; a key past it stays eager
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -60,7 +58,7 @@ class DecodeGraphs:
     """The captured decode steps of one single-rank engine (its model, KV cache and a scratch block)."""
 
     def __init__(self, model: torch.nn.Module, kv: object, block_size: int, max_batch: int, max_blocks: int,
-                 memory_bytes: int = DEFAULT_MEMORY_BYTES):
+                 memory_bytes: int):
         self.model, self.kv, self.block_size = model, kv, block_size
         self.sizes, self.max_blocks = graph_sizes(max_batch), max_blocks
         self.memory_bytes, self.used_bytes = memory_bytes, 0
@@ -75,7 +73,8 @@ class DecodeGraphs:
         if (cfg.enforce_eager or cfg.compile or cfg.speculative or engine.parallel.is_parallel
                 or model.offloader is not None or not step_graphs(engine.device)):
             return None
-        return cls(model, engine.kv, cfg.block_size, cfg.max_num_seqs, -(-engine.max_model_len // cfg.block_size))
+        return cls(model, engine.kv, cfg.block_size, cfg.max_num_seqs, -(-engine.max_model_len // cfg.block_size),
+                   cfg.graph_memory_mb << 20)
 
     @staticmethod
     def applies(chunks: list[SeqChunk]) -> bool:
