@@ -87,7 +87,8 @@ STEP_PARTS = {"linears (bf16 / fp32)": "linear", "W8A8 linears": "w8a8_linear", 
 
 def decode_parts(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict[str, float]]:
     """(ms per decode step, ms per step in each of STEP_PARTS, each exclusive of the others) over one greedy
-    run's decode steps (the steps after every request has its first token) of an LLM."""
+    run's decode steps (the steps after every request has its first token) of an LLM, run eagerly: the parts
+    are timed around the ops' Python functions, which a replayed step (shared.engine.graphs) does not call."""
     import shared.model.ops as ops
     from shared.engine import SamplingParams
 
@@ -97,12 +98,16 @@ def decode_parts(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     while any(not s.output_token_ids for s in seqs):
         eng.step()
     steps, seconds = 0, 0.0
-    with OpTimes({label: (ops, name) for label, name in STEP_PARTS.items()}) as parts:
-        while eng.has_work:
-            t0 = time.perf_counter()
-            eng.step()
-            seconds += time.perf_counter() - t0
-            steps += 1
+    graphs, eng.graphs = eng.graphs, None
+    try:
+        with OpTimes({label: (ops, name) for label, name in STEP_PARTS.items()}) as parts:
+            while eng.has_work:
+                t0 = time.perf_counter()
+                eng.step()
+                seconds += time.perf_counter() - t0
+                steps += 1
+    finally:
+        eng.graphs = graphs
     steps = max(steps, 1)
     return 1e3 * seconds / steps, {k: 1e3 * v / steps for k, v in parts.seconds.items()}
 

@@ -40,7 +40,7 @@ from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E
 
 FAULTS = ("decode-kill", "decode-term", "prefill-kill", "router-term", "router-kill")
 STREAMS = 24
-TOKENS = 128  # per stream: long enough that every stream is under way together, even on a loaded machine
+TOKENS = 256  # per stream: long enough that every stream is under way together, even on a loaded machine
 EACH_TOKENS = 4  # a mid-stream fault strikes once every stream has this many tokens
 
 

@@ -185,8 +185,9 @@ def profile_batch(llm: LLM, batch: int, prompt_len: int, steps: int) -> tuple[fl
     if graphs is not None:  # replayed: the recorded calls' own time split as the eager ops', sampling as it ran
         sampling = 1e3 * own.get("sampling", 0.0) / steps  # after the forward, outside the recording
         total = sum(v for k, v in own.items() if k != "sampling")
-        parts = {part: calls_ms * own.get(part, 0.0) / total for part in PARTS if part != "sampling"}
-        parts.update(sampling=sampling, host=max(0.0, step_ms - calls_ms - sampling))
+        inside = min(calls_ms, step_ms - sampling)  # (each call's timer costs a little: never past the wall)
+        parts = {part: inside * own.get(part, 0.0) / total for part in PARTS if part != "sampling"}
+        parts.update(sampling=sampling, host=max(0.0, step_ms - inside - sampling))
         return step_ms, parts
     own["host"] = max(0.0, profiled - sum(own.values()))
     total = sum(own.values())

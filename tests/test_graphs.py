@@ -20,6 +20,7 @@ from shared.protocol.structured import ConstraintKind, StructuredOutput
 from tests.helpers import concurrent_greedy
 
 TINY = "models/tiny-v32"  # the random tiny model with a tokenizer (made on first use, as `pdserve up` does)
+DEMO = "models/demo-v32"  # the trained demo model: it has an MTP layer
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -77,15 +78,26 @@ def test_the_portable_path_is_refused_where_it_reads_values(ckpt, portable):
     assert graphs.stats.refused and all("tolist" in why for why in graphs.stats.refused.values())
 
 
-def test_a_sparse_context_is_refused_and_runs_eagerly(ckpt):
-    """Past index_topk the indexer's selection reads values on the host: that key is refused (why is kept), its
-    steps run eagerly, and the tokens are still the eager engine's."""
+@pytest.mark.parametrize("kw", [{}, {"kv_cache_dtype": "int8"}])
+def test_sparse_contexts_replay_alike(ckpt, kw):
+    """Past index_topk (8 here) every query attends to its top-k rows: the indexer's scores and selection read
+    nothing on the host, so those steps are recorded and replayed too, with the eager tokens (C8 keys too)."""
     prompts = _prompts(3, seed=3)
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 3
-    eager, _ = _run(ckpt("v32_sparse"), True, params, prompts)
-    replayed, graphs = _run(ckpt("v32_sparse"), False, params, prompts)
-    assert replayed == eager
-    assert graphs.stats.refused and all("tensor values" in why for why in graphs.stats.refused.values())
+    eager, _ = _run(ckpt("v32_sparse"), True, params, prompts, **kw)
+    replayed, graphs = _run(ckpt("v32_sparse"), False, params, prompts, **kw)
+    assert replayed == eager and graphs.stats.replays > 0 and not graphs.stats.refused, graphs.stats
+
+
+def test_mtp_verification_steps_replay_alike():
+    """MTP (K = 2): verification steps (each request's last token and its drafts, logits and hidden states of
+    every one) are recorded per draft count; the output is still plain greedy decoding's."""
+    prompts = _prompts(4, seed=5)
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 4
+    plain, _ = _run(DEMO, True, params, prompts)
+    replayed, graphs = _run(DEMO, False, params, prompts, speculative="mtp", num_speculative_tokens=2)
+    assert replayed == plain and not graphs.stats.refused
+    assert any(key.each > 1 and key.hidden for key in graphs.graphs), list(graphs.graphs)
 
 
 def test_graph_sizes():

@@ -1,19 +1,20 @@
 """Decode steps run from recorded tapes (shared.model.tape), one per padded batch size: no host overhead.
 
-A decode step of R requests is padded to the smallest captured size B ≥ R (rows past R repeat the first row:
-its token at its position, writing its KV row into its slot again with the same bits, so padding needs no block
-of its own), and its inputs are written into one static ForwardBatch per (B, key-axis width, context regime).
-The first step at a key runs eagerly while the tape records it (its logits are that step's: capture costs no
-extra step, so there is no cold start); every later step at that key writes its tokens, positions, slots, block
-tables and lengths into the static batch and replays the tape. Decode rows are computed alike however they are
-batched (shared.model.ops: generated tokens take batch-invariant kernels), so a padded replay gives every real
-row the eager step's bits.
+A decode step of R requests with L generated tokens each (a plain decode: 1; an MTP verification: the last token
+and its drafts) is padded to the smallest recorded size B ≥ R (rows past R repeat the first request: its tokens
+at its positions, writing its KV rows into its slots again with the same bits, so padding needs no block of its
+own), and its inputs are written into one static ForwardBatch per key (B, L, key-axis blocks, context regime,
+whether it returns the hidden states MTP drafts from). The first step at a key runs eagerly while the tape
+records it (its outputs are that step's: recording costs no extra step, so there is no cold start); every later
+step at that key writes its tokens, positions, slots, block tables and lengths into the static batch and replays
+the tape. Generated rows are computed alike however they are batched (shared.model.ops: batch-invariant
+kernels), so a padded replay gives every real row the eager step's bits.
 
-What stays eager: prompt chunks, MTP verification and drafts, steps of a parallel instance (their
-collectives), steps needing a key-axis width or batch past the largest size, contexts past the indexer's
-top-k (its selection reads values on the host: the tape refuses it), and any key whose capture was refused
-or would hold more than `graph_memory_mb` (EngineConfig) in all. The backend per device:
-`shared.device.step_graphs` (the host tape on CPU; none yet on CUDA / NPU, which run eagerly).
+What stays eager: prompt chunks, the MTP layer's own forwards (catch-up and chained drafts), an MTP step whose
+requests draft different counts, steps of a parallel instance (their collectives), steps needing a key-axis
+width or batch past the largest size, and any key whose recording was refused or would hold more than
+`graph_memory_mb` (EngineConfig) in all. The backend per device: `shared.device.step_graphs` (the host tape on
+CPU; none yet on CUDA / NPU, which run eagerly).
 """
 
 from __future__ import annotations
@@ -35,12 +36,27 @@ def graph_sizes(max_batch: int) -> list[int]:
     return sorted({*sizes, max_batch})
 
 
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # logits, or logits and the post-norm hidden states
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What a recording is made for: the padded batch, tokens per request, key-axis blocks (a power of two), the
+    context bound given the static batch (Model.context_bound) and whether it returns the hidden states."""
+
+    size: int
+    each: int
+    blocks: int
+    bound: int
+    hidden: bool
+
+
 @dataclass
 class _Graph:
-    """One captured key: the static batch the tape reads and the logits tensor it writes."""
+    """One recorded key: the static batch the tape reads and the output it writes."""
 
     batch: ForwardBatch
-    logits: torch.Tensor
+    out: Output
     tape: Tape
 
 
@@ -51,7 +67,7 @@ class GraphStats:
     replays: int = 0
     captures: int = 0  # steps recorded (each ran eagerly)
     eager: int = 0  # steps the graphs did not take
-    refused: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    refused: dict[GraphKey, str] = field(default_factory=dict)
 
 
 class DecodeGraphs:
@@ -62,56 +78,62 @@ class DecodeGraphs:
         self.model, self.kv, self.block_size = model, kv, block_size
         self.sizes, self.max_blocks = graph_sizes(max_batch), max_blocks
         self.memory_bytes, self.used_bytes = memory_bytes, 0
-        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.graphs: dict[GraphKey, _Graph] = {}
         self.stats = GraphStats()
 
     @classmethod
     def for_engine(cls, engine: object) -> DecodeGraphs | None:
-        """An engine's graphs, None where they do not apply: `enforce_eager`, parallel ranks, MTP (its steps
-        verify drafts), torch.compile'd parts, offloaded layers, a device without a backend."""
+        """An engine's graphs, None where they do not apply: `enforce_eager`, parallel ranks, torch.compile'd
+        parts, offloaded layers, a device without a backend."""
         cfg, model = engine.config, engine.model
-        if (cfg.enforce_eager or cfg.compile or cfg.speculative or engine.parallel.is_parallel
-                or model.offloader is not None or not step_graphs(engine.device)):
+        if (cfg.enforce_eager or cfg.compile or engine.parallel.is_parallel or model.offloader is not None
+                or not step_graphs(engine.device)):
             return None
         return cls(model, engine.kv, cfg.block_size, cfg.max_num_seqs, -(-engine.max_model_len // cfg.block_size),
                    cfg.graph_memory_mb << 20)
 
     @staticmethod
-    def applies(chunks: list[SeqChunk]) -> bool:
-        """A plain decode step: every request one generated token whose logits it wants."""
-        return bool(chunks) and all(len(c.token_ids) == 1 and c.generated and c.need_logits and c.num_logits == 1
-                                    for c in chunks)
+    def tokens_each(chunks: list[SeqChunk]) -> int | None:
+        """L where every request has L generated tokens and wants the logits of each (a plain decode: 1; an MTP
+        verification: 1 + its drafts); None for any other step."""
+        n = len(chunks[0].token_ids) if chunks else 0
+        ok = n and all(len(c.token_ids) == n and c.generated and c.need_logits and c.num_logits == n for c in chunks)
+        return n if ok else None
 
-    def key(self, chunks: list[SeqChunk]) -> tuple[int, int, int] | None:
-        """(batch size, key-axis blocks, context bound) of a step, None where no size fits it."""
+    def key(self, chunks: list[SeqChunk], hidden: bool) -> GraphKey | None:
+        """A step's key, None where no recording can take it."""
+        each = self.tokens_each(chunks)
+        if each is None:
+            return None
         i = bisect.bisect_left(self.sizes, len(chunks))
-        context = max(c.start_pos + 1 for c in chunks)
+        context = max(c.start_pos + each for c in chunks)
         needed = -(-context // self.block_size)
         if i == len(self.sizes) or needed > self.max_blocks:
             return None
         blocks = min(1 << (needed - 1).bit_length(), self.max_blocks)  # a power of two ≥ the blocks, or all
-        return self.sizes[i], blocks, self.model.context_bound(context, blocks * self.block_size)
+        return GraphKey(self.sizes[i], each, blocks, self.model.context_bound(context, blocks * self.block_size),
+                        hidden)
 
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
-        """The step's logits [len(chunks), vocab] from a tape (captured now where the key is new), or None:
-        the caller runs the step eagerly."""
-        key = self.key(chunks) if self.applies(chunks) else None
+    def forward(self, chunks: list[SeqChunk], hidden: bool = False) -> Output | None:
+        """The step's logits [rows, vocab] (with `hidden`, and every token's post-norm state [rows, H]: what MTP
+        drafts from) from a recording (made now where the key is new), or None: the caller runs it eagerly."""
+        key = self.key(chunks, hidden)
         if key is None or key in self.stats.refused:
             self.stats.eager += 1
             return None
         graph = self.graphs.get(key)
         if graph is None:
             return self._capture(key, chunks)
-        self._fill(graph.batch, chunks)
+        self._fill(graph.batch, chunks, key.each)
         try:
             graph.tape.replay()
         except TapeMismatch as exc:  # its inputs took a kernel elsewhere than at capture: never replay it again
             self._drop(key, str(exc))
             return None
         self.stats.replays += 1
-        return graph.logits[: len(chunks)]
+        return _rows(graph.out, len(chunks) * key.each)
 
-    def _drop(self, key: tuple[int, int, int], why: str) -> None:
+    def _drop(self, key: GraphKey, why: str) -> None:
         graph = self.graphs.pop(key, None)
         if graph is not None:
             self.used_bytes -= graph.tape.kept_bytes
@@ -121,36 +143,43 @@ class DecodeGraphs:
     def _padded(chunks: list[SeqChunk], size: int) -> list[SeqChunk]:
         return chunks + [chunks[0]] * (size - len(chunks))
 
-    def _capture(self, key: tuple[int, int, int], chunks: list[SeqChunk]) -> torch.Tensor | None:
+    def _capture(self, key: GraphKey, chunks: list[SeqChunk]) -> Output:
         """Run the step eagerly on a static batch of the key's shape, recording it."""
-        size, blocks, bound = key
-        static = ForwardBatch.build(self._padded(chunks, size), self.block_size, torch.device("cpu"), split=False)
-        tables = torch.zeros(size, blocks, dtype=torch.long)
+        static = ForwardBatch.build(self._padded(chunks, key.size), self.block_size, torch.device("cpu"), split=False)
+        tables = torch.zeros(key.size, key.blocks, dtype=torch.long)
         tables[:, : static.block_tables.shape[1]] = static.block_tables
-        static.block_tables, static.max_context = tables, bound
+        static.block_tables, static.max_context = tables, key.bound
         with torch.inference_mode():
-            logits, recording = record(lambda: self.model(static, self.kv))
+            out, recording = record(lambda: self.model(static, self.kv, None, key.hidden))
         if recording.tape is None:
             self.stats.refused[key] = recording.refused or "refused"
         elif self.used_bytes + recording.tape.kept_bytes > self.memory_bytes:
             self.stats.refused[key] = f"past the graphs' memory budget ({self.memory_bytes} bytes)"
         else:
             self.used_bytes += recording.tape.kept_bytes
-            self.graphs[key] = _Graph(static, logits, recording.tape)
+            self.graphs[key] = _Graph(static, out, recording.tape)
             self.stats.captures += 1
-        return logits[: len(chunks)]
+        return _rows(out, len(chunks) * key.each)
 
-    def _fill(self, fb: ForwardBatch, chunks: list[SeqChunk]) -> None:
+    def _fill(self, fb: ForwardBatch, chunks: list[SeqChunk], each: int) -> None:
         """Write the step's inputs into the static batch's rows, the padding rows the first row's."""
         n, size = len(chunks), self.block_size
         starts = [c.start_pos for c in chunks]
-        nb = max(-(-(p + 1) // size) for p in starts)
+        nb = max(-(-(p + each) // size) for p in starts)
         tables = [c.block_table[:nb] + [0] * (nb - len(c.block_table[:nb])) for c in chunks]
-        fb.input_ids[:n] = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long)
-        fb.positions[:n] = torch.tensor(starts, dtype=torch.long)  # query_pos is a view of it
-        fb.slot_mapping[:n] = torch.tensor([t[p // size] * size + p % size for t, p in zip(tables, starts)],
-                                           dtype=torch.long)
-        fb.context_lens[:n] = fb.positions[:n] + 1
+        fb.input_ids[: n * each] = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        fb.positions[: n * each] = torch.tensor([p + j for p in starts for j in range(each)], dtype=torch.long)
+        fb.slot_mapping[: n * each] = torch.tensor([t[q // size] * size + q % size for t, p in zip(tables, starts)
+                                                    for q in range(p, p + each)], dtype=torch.long)
+        fb.query_pos[:n] = fb.positions[: n * each].view(n, each)  # (one token each: a view of the same rows)
+        fb.context_lens[:n] = fb.query_pos[:n, -1] + 1
         fb.block_tables[:n, :nb] = torch.tensor(tables, dtype=torch.long)
-        for t in (fb.input_ids, fb.positions, fb.slot_mapping, fb.context_lens, fb.block_tables):
+        for t in (fb.input_ids, fb.positions, fb.slot_mapping):
+            t.view(-1, each)[n:] = t.view(-1, each)[0]
+        for t in (fb.query_pos, fb.context_lens, fb.block_tables):
             t[n:] = t[0]
+
+
+def _rows(out: Output, rows: int) -> Output:
+    """The first `rows` rows of a recording's output (its padding rows come last)."""
+    return (out[0][:rows], out[1][:rows]) if isinstance(out, tuple) else out[:rows]

@@ -82,10 +82,10 @@ class Solo:
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits of the chunks that want them; with `return_hidden` also every token's post-norm state. A plain
         decode step of one rank replays a recorded step where the engine has them (shared.engine.graphs)."""
-        if engine.graphs is not None and self.graphs_apply and layer_done is None and not return_hidden:
-            logits = engine.graphs.forward(chunks)
-            if logits is not None:
-                return logits
+        if engine.graphs is not None and self.graphs_apply and layer_done is None:
+            out = engine.graphs.forward(chunks, return_hidden)
+            if out is not None:
+                return out
         out = engine.model(self.batch(engine, chunks), engine.kv, layer_done, return_hidden)
         if return_hidden:
             return self.logits(chunks, out[0]), out[1]

@@ -87,18 +87,16 @@ class Indexer(nn.Module):
         compute = torch.float32 if self.numerics == "deepseek" else compute_dtype(stored, q.device)
         picks, valid = ops.indexer_topk(q, w, fb, index_pool, min(self.topk, fb.max_context), self.scale, compute,
                                         codec)
-        short = fb.positions < picks.shape[1]  # queries whose whole context is picked
-        if bool(short.any()):
-            picks[short], valid[short] = _in_position_order(picks[short], valid[short])
-        return Selection(picks, valid)
+        return Selection(*_whole_contexts_in_order(picks, valid, fb.positions))
 
 
-def _in_position_order(picks: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Picks [n, k] in context order, the real ones first. A query whose whole context is picked (context
-    ≤ index_topk, in a step part that goes sparse because another request's context is longer) then attends
-    over the same rows in the same order as dense attention, so its output does not depend on which
-    requests share its step (generated rows bit for bit, through the fused kernel). Longer contexts always
-    go sparse: their picks keep the top-k's order."""
-    key = torch.where(valid, picks, torch.iinfo(picks.dtype).max)
-    order = key.argsort(-1)
-    return picks.gather(-1, order), valid.gather(-1, order)
+def _whole_contexts_in_order(picks: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Picks [n, k] with each query whose whole context is picked (position < k: context ≤ index_topk, in a step
+    part that goes sparse because another request's context is longer) taking positions 0..k-1 in context order,
+    the first position + 1 valid: the rows the top-k picked, in the order dense attention reads them, so its
+    output does not depend on which requests share its step (generated rows bit for bit, through the fused
+    kernel). Longer contexts keep the top-k's order. No value is read on the host (a recorded step can take it)."""
+    order = torch.arange(picks.shape[1], device=picks.device)
+    whole = (positions < picks.shape[1])[:, None]
+    return torch.where(whole, order, picks), torch.where(whole, order <= positions[:, None], valid)

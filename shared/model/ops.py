@@ -242,15 +242,13 @@ def _indexer_topk_kernel(q: torch.Tensor, weights: torch.Tensor, fb: ForwardBatc
     picks = torch.empty(n_all, k, dtype=torch.long, device=q.device)
     valid = torch.empty(n_all, k, dtype=torch.bool, device=q.device)
     counts_all = fb.positions + 1  # the causal keys of each query
-    columns = int(counts_all.max())
+    columns = fb.max_context  # at least every count, known on the host (-inf past a query's count)
     # the scores, 4 bytes per (query, key), tiled to the workspace (the top-k's scratch is one row per thread)
     step = max(1, fb.workspace_bytes // (4 * columns))
     for n0 in range(0, n_all, step):
         tile = slice(n0, min(n_all, n0 + step))
-        counts = counts_all[tile]
-        width = int(counts.max())
         scores = cpu_kernels.index_scores(q[tile], weights[tile], pool, codec, fb.block_tables, fb.block_size,
-                                          fb.token_request[tile], counts, width, scale)
+                                          fb.token_request[tile], counts_all[tile], columns, scale)
         picks[tile], valid[tile] = cpu_kernels.topk_rows(scores, k)  # by value, ties to the earliest position
     return picks, valid
 
