@@ -89,15 +89,18 @@ def test_sparse_contexts_replay_alike(ckpt, kw):
     assert replayed == eager and graphs.stats.replays > 0 and not graphs.stats.refused, graphs.stats
 
 
-def test_mtp_verification_steps_replay_alike():
+def test_mtp_steps_replay_alike():
     """MTP (K = 2): verification steps (each request's last token and its drafts, logits and hidden states of
-    every one) are recorded per draft count; the output is still plain greedy decoding's."""
+    every one) are recorded per draft count, and so are the MTP layer's own forwards (its catch-up over the
+    accepted positions, its chained drafts); the output is still plain greedy decoding's."""
     prompts = _prompts(4, seed=5)
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 4
     plain, _ = _run(DEMO, True, params, prompts)
     replayed, graphs = _run(DEMO, False, params, prompts, speculative="mtp", num_speculative_tokens=2)
     assert replayed == plain and not graphs.stats.refused
     assert any(key.each > 1 and key.hidden for key in graphs.graphs), list(graphs.graphs)
+    assert any(key.mtp and key.each == 1 for key in graphs.graphs) and any(key.mtp and key.each > 1
+                                                                          for key in graphs.graphs)
 
 
 def test_graph_sizes():

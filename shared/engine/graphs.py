@@ -10,8 +10,10 @@ step at that key writes its tokens, positions, slots, block tables and lengths i
 the tape. Generated rows are computed alike however they are batched (shared.model.ops: batch-invariant
 kernels), so a padded replay gives every real row the eager step's bits.
 
-What stays eager: prompt chunks, the MTP layer's own forwards (catch-up and chained drafts), an MTP step whose
-requests draft different counts, steps of a parallel instance (their collectives), steps needing a key-axis
+The MTP layer's own forwards (its catch-up over each request's accepted positions, its chained single-token
+drafts) are recorded the same way, their input states copied into a static buffer. What stays eager: prompt
+chunks, steps whose requests have different token counts (an MTP step whose requests accepted or draft
+different counts), steps of a parallel instance (their collectives), steps needing a key-axis
 width or batch past the largest size, and any key whose recording was refused or would hold more than
 `graph_memory_mb` (EngineConfig) in all. The backend per device: `shared.device.step_graphs` (the host tape on
 CPU; none yet on CUDA / NPU, which run eagerly).
@@ -41,14 +43,17 @@ Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # logits, or logits a
 
 @dataclass(frozen=True)
 class GraphKey:
-    """What a recording is made for: the padded batch, tokens per request, key-axis blocks (a power of two), the
-    context bound given the static batch (Model.context_bound) and whether it returns the hidden states."""
+    """What a recording is made for: the padded batch, tokens and logits per request, key-axis blocks (a power of
+    two), the context bound given the static batch (Model.context_bound), whether it returns the hidden states,
+    and whether it is the MTP layer's forward."""
 
     size: int
     each: int
+    logits: int
     blocks: int
     bound: int
     hidden: bool
+    mtp: bool
 
 
 @dataclass
@@ -58,6 +63,7 @@ class _Graph:
     batch: ForwardBatch
     out: Output
     tape: Tape
+    mtp_input: torch.Tensor | None = None  # the MTP layer's static input states
 
 
 @dataclass
@@ -93,45 +99,50 @@ class DecodeGraphs:
                    cfg.graph_memory_mb << 20)
 
     @staticmethod
-    def tokens_each(chunks: list[SeqChunk]) -> int | None:
-        """L where every request has L generated tokens and wants the logits of each (a plain decode: 1; an MTP
-        verification: 1 + its drafts); None for any other step."""
-        n = len(chunks[0].token_ids) if chunks else 0
-        ok = n and all(len(c.token_ids) == n and c.generated and c.need_logits and c.num_logits == n for c in chunks)
-        return n if ok else None
+    def shape_of(chunks: list[SeqChunk]) -> tuple[int, int] | None:
+        """(L, logits per request) where every request has L generated tokens and wants the logits of its last
+        one or of each (a plain decode: (1, 1); an MTP verification: (1 + drafts, the same); the MTP layer's
+        catch-up: (accepted + 1, 1)); None for any other step."""
+        n, rows = (len(chunks[0].token_ids), chunks[0].num_logits) if chunks else (0, 0)
+        same = all(len(c.token_ids) == n and c.generated and c.need_logits and c.num_logits == rows for c in chunks)
+        return (n, rows) if n and same and rows in (1, n) else None
 
-    def key(self, chunks: list[SeqChunk], hidden: bool) -> GraphKey | None:
+    def key(self, chunks: list[SeqChunk], hidden: bool, mtp: bool) -> GraphKey | None:
         """A step's key, None where no recording can take it."""
-        each = self.tokens_each(chunks)
-        if each is None:
+        shape = self.shape_of(chunks)
+        if shape is None:
             return None
         i = bisect.bisect_left(self.sizes, len(chunks))
-        context = max(c.start_pos + each for c in chunks)
+        context = max(c.start_pos + shape[0] for c in chunks)
         needed = -(-context // self.block_size)
         if i == len(self.sizes) or needed > self.max_blocks:
             return None
         blocks = min(1 << (needed - 1).bit_length(), self.max_blocks)  # a power of two ≥ the blocks, or all
-        return GraphKey(self.sizes[i], each, blocks, self.model.context_bound(context, blocks * self.block_size),
-                        hidden)
+        return GraphKey(self.sizes[i], *shape, blocks, self.model.context_bound(context, blocks * self.block_size),
+                        hidden, mtp)
 
-    def forward(self, chunks: list[SeqChunk], hidden: bool = False) -> Output | None:
-        """The step's logits [rows, vocab] (with `hidden`, and every token's post-norm state [rows, H]: what MTP
-        drafts from) from a recording (made now where the key is new), or None: the caller runs it eagerly."""
-        key = self.key(chunks, hidden)
+    def forward(self, chunks: list[SeqChunk], hidden: bool = False, mtp_input: torch.Tensor | None = None
+                ) -> Output | None:
+        """The step's logits [rows, vocab] (with `hidden`, and every token's post-norm state [tokens, H]: what MTP
+        drafts from) from a recording (made now where the key is new), or None: the caller runs it eagerly. With
+        `mtp_input` (the states h_j of the chunks' tokens), the MTP layer's forward instead: its logits and g_j."""
+        key = self.key(chunks, hidden, mtp_input is not None)
         if key is None or key in self.stats.refused:
             self.stats.eager += 1
             return None
         graph = self.graphs.get(key)
         if graph is None:
-            return self._capture(key, chunks)
+            return self._capture(key, chunks, mtp_input)
         self._fill(graph.batch, chunks, key.each)
+        if mtp_input is not None:
+            _fill_rows(graph.mtp_input, mtp_input, len(chunks), key.each)
         try:
             graph.tape.replay()
         except TapeMismatch as exc:  # its inputs took a kernel elsewhere than at capture: never replay it again
             self._drop(key, str(exc))
             return None
         self.stats.replays += 1
-        return _rows(graph.out, len(chunks) * key.each)
+        return _rows(graph.out, key, len(chunks))
 
     def _drop(self, key: GraphKey, why: str) -> None:
         graph = self.graphs.pop(key, None)
@@ -143,23 +154,30 @@ class DecodeGraphs:
     def _padded(chunks: list[SeqChunk], size: int) -> list[SeqChunk]:
         return chunks + [chunks[0]] * (size - len(chunks))
 
-    def _capture(self, key: GraphKey, chunks: list[SeqChunk]) -> Output:
+    def _capture(self, key: GraphKey, chunks: list[SeqChunk], mtp_input: torch.Tensor | None) -> Output:
         """Run the step eagerly on a static batch of the key's shape, recording it."""
         static = ForwardBatch.build(self._padded(chunks, key.size), self.block_size, torch.device("cpu"), split=False)
         tables = torch.zeros(key.size, key.blocks, dtype=torch.long)
         tables[:, : static.block_tables.shape[1]] = static.block_tables
         static.block_tables, static.max_context = tables, key.bound
+        states = None  # the MTP layer's input, static: [B·L, H]
+        if mtp_input is not None:
+            states = mtp_input.new_empty(key.size * key.each, mtp_input.shape[1])
+            _fill_rows(states, mtp_input, len(chunks), key.each)
         with torch.inference_mode():
-            out, recording = record(lambda: self.model(static, self.kv, None, key.hidden))
+            if states is None:
+                out, recording = record(lambda: self.model(static, self.kv, None, key.hidden))
+            else:
+                out, recording = record(lambda: self.model.forward_mtp(static, self.kv, states))
         if recording.tape is None:
             self.stats.refused[key] = recording.refused or "refused"
         elif self.used_bytes + recording.tape.kept_bytes > self.memory_bytes:
             self.stats.refused[key] = f"past the graphs' memory budget ({self.memory_bytes} bytes)"
         else:
             self.used_bytes += recording.tape.kept_bytes
-            self.graphs[key] = _Graph(static, out, recording.tape)
+            self.graphs[key] = _Graph(static, out, recording.tape, states)
             self.stats.captures += 1
-        return _rows(out, len(chunks) * key.each)
+        return _rows(out, key, len(chunks))
 
     def _fill(self, fb: ForwardBatch, chunks: list[SeqChunk], each: int) -> None:
         """Write the step's inputs into the static batch's rows, the padding rows the first row's."""
@@ -180,6 +198,15 @@ class DecodeGraphs:
             t[n:] = t[0]
 
 
-def _rows(out: Output, rows: int) -> Output:
-    """The first `rows` rows of a recording's output (its padding rows come last)."""
-    return (out[0][:rows], out[1][:rows]) if isinstance(out, tuple) else out[:rows]
+def _fill_rows(static: torch.Tensor, rows: torch.Tensor, n: int, each: int) -> None:
+    """Per-token input rows into a static [B·L, H] buffer, the padding requests' rows the first request's."""
+    static[: n * each] = rows
+    static.view(-1, each, static.shape[1])[n:] = static.view(-1, each, static.shape[1])[0]
+
+
+def _rows(out: Output, key: GraphKey, n: int) -> Output:
+    """The first n requests' rows of a recording's output (its padding requests' rows come last): logits, and the
+    hidden states or the MTP layer's g of every token."""
+    if isinstance(out, tuple):
+        return out[0][: n * key.logits], out[1][: n * key.each]
+    return out[: n * key.logits]

@@ -70,6 +70,16 @@ class Solo:
         """The completing chunks' logits, the same on every rank that samples them."""
         return logits
 
+    def forward_mtp(self, engine: ForwardTarget, chunks: list[SeqChunk], states: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer's forward (Model.forward_mtp) over `chunks` with their input states, replayed where the
+        engine has a recording of it."""
+        if engine.graphs is not None and self.graphs_apply:
+            out = engine.graphs.forward(chunks, mtp_input=states)
+            if out is not None:
+                return out
+        return engine.model.forward_mtp(self.batch(engine, chunks), engine.kv, states)
+
     def push_share(self, first: int, last: int) -> tuple[int, int]:
         """The part of a chunk's blocks [first, last) this rank sends to decode (prefill)."""
         return first, last

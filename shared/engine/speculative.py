@@ -237,7 +237,7 @@ class MtpSpeculator:
                 ends.append(len(rows) - 1)
         every = rows == list(range(hidden.shape[0]))  # all of the step's rows, in order: no gather
         h = hidden if every else policy.hidden_rows(hidden, [_index(rows, hidden.device)])
-        logits, g = engine.model.forward_mtp(policy.batch(engine, chunks), engine.kv, h)
+        logits, g = policy.forward_mtp(engine, chunks, h)
         budgets = [min(per_request, self._budget(seq)) for seq in drafting]
         state = [Draft([], []) for _ in drafting]
         active = [i for i, b in enumerate(budgets) if b > 0]
@@ -263,7 +263,7 @@ class MtpSpeculator:
                 continue
             # rows of last_g: the drafting requests in order; `keep` is a subset (usually all of them)
             g_in = last_g if len(keep) == len(drafting) else last_g[_index(keep, last_g.device)]
-            logits, g_new = engine.model.forward_mtp(policy.batch(engine, batch), engine.kv, g_in)
+            logits, g_new = policy.forward_mtp(engine, batch, g_in)
             if len(keep) == len(drafting):
                 last_g = g_new
             else:

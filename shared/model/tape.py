@@ -99,17 +99,28 @@ def _out_call(op: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
 
 
 def _replay_of(func: Any, args: tuple, kwargs: dict, out: Any) -> Callable[[], None]:
-    """A functional op's replay: its out= form writing `out` again where that form takes the same arguments (tried
-    once here: an op without side effects), else computed anew and copied into `out`."""
-    out_op = getattr(func.overloadpacket, "out", None)
-    if isinstance(out, torch.Tensor) and out_op is not None:
+    """A functional op's replay: its out= form (`add.Tensor` → `add.out`, `index.Tensor` → `index.Tensor_out`)
+    writing `out` again where that form takes the same arguments and gives the same bits (tried once here: an op
+    without side effects), else computed anew and copied into `out`."""
+    packet, name = func.overloadpacket, func._overloadname
+    forms = [getattr(packet, f, None) for f in (f"{name}_out", "out")] if isinstance(out, torch.Tensor) else []
+    for out_op in filter(None, forms):
         call = functools.partial(_out_call, out_op, args, kwargs, out)
+        first = out.clone()
         try:
             call()
-            return call
+            if torch.equal(out.nan_to_num(), first.nan_to_num()) and torch.equal(out.isnan(), first.isnan()):
+                return call
         except (RuntimeError, TypeError):
             pass
+        out.copy_(first)
+    if isinstance(out, torch.Tensor):
+        return functools.partial(_copy_one, func, args, kwargs, out)
     return functools.partial(_copy_call, func, args, kwargs, tree_flatten(out)[0])
+
+
+def _copy_one(func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+    out.copy_(func(*args, **kwargs))
 
 
 def _copy_call(func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> None:
