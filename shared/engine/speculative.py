@@ -204,7 +204,8 @@ class MtpSpeculator:
         forwards per drafting step, dummy ones where it has nothing to draft, so the ranks' collectives
         pair up whatever each one's requests accept or finish."""
         engine, policy = self.engine, self.engine.policy
-        started = self._timing.step_measured(self.tuner)
+        recorded = engine.graphs.stats.captures if engine.graphs is not None else 0
+        started = self._timing.step_measured(self.tuner, recorded)
         chain = self.k - 1 if draft else 0  # chained single-token forwards after the catch-up forward
         if not entries:
             if policy.lockstep:
@@ -213,7 +214,7 @@ class MtpSpeculator:
         decoding = sum(map(self._decodes_next, entries))
         per_request = self.drafts_per_request(decoding) if draft else 0
         if draft and decoding:  # the step after this one verifies what this one drafts: measured together
-            self._timing.drafting(decoding, per_request, started)
+            self._timing.drafting(decoding, per_request, started, recorded)
         if draft and per_request == 0:  # a plain step: no drafts, and the decode positions are not caught up
             self.gated_steps += 1
             draft = False
@@ -361,19 +362,22 @@ class _StepTiming:
     draft_seconds: float = 0.0
     _started: float = 0.0
     _previous: int = -1  # drafts per request of the drafting step before
+    _recorded: int = 0  # the engine's recorded steps (shared.engine.graphs) when the span began
 
-    def step_measured(self, tuner: DraftTuner | None) -> float:
-        """At a catch-up's start: the previous drafting step's cost ends here (its drafts are verified)."""
+    def step_measured(self, tuner: DraftTuner | None, recorded: int = 0) -> float:
+        """At a catch-up's start: the previous drafting step's cost ends here (its drafts are verified). A span in
+        which a step was recorded (run eagerly under the recorder, several times a replay's cost) is no sample."""
         now = time.perf_counter()
         if tuner is not None and self.pending is not None and self.verify_start is not None:
             decoding, drafts, steady = self.pending
-            tuner.observe(decoding, drafts, self.draft_seconds + now - self.verify_start, steady)
+            tuner.observe(decoding, drafts, self.draft_seconds + now - self.verify_start,
+                          steady and recorded == self._recorded)
         self.pending = None
         return now
 
-    def drafting(self, decoding: int, drafts: int, started: float) -> None:
+    def drafting(self, decoding: int, drafts: int, started: float, recorded: int = 0) -> None:
         self.pending, self._started = (decoding, drafts, drafts == self._previous), started
-        self._previous = drafts
+        self._previous, self._recorded = drafts, recorded
 
     def drafted(self) -> None:
         if self.pending is not None:
