@@ -16,6 +16,7 @@ from shared.engine import LLM, SamplingParams
 from shared.engine.graphs import graph_sizes
 from shared.model import cpu_kernels
 from shared.model.tape import TapeMismatch, record
+from shared.model.tape import _kernel_call as tape_kernel_call
 from shared.protocol.structured import ConstraintKind, StructuredOutput
 from tests.helpers import concurrent_greedy
 
@@ -110,6 +111,7 @@ def test_graph_sizes():
 
 def test_a_tape_replays_torch_ops_and_kernels_on_new_inputs():
     """Casts, views, functional and in-place ops and a C kernel (rms_norm), replayed after the inputs change."""
+    assert cpu_kernels.library() is not None  # built first, as an engine does before it serves
     x, w = torch.randn(3, 16).bfloat16(), torch.rand(16).bfloat16()
 
     def step() -> torch.Tensor:
@@ -140,6 +142,7 @@ def test_a_kernel_taking_another_branch_voids_the_replay():
     the replay raises TapeMismatch (the engine drops that recording and runs the step eagerly)."""
     from shared.kvcache.layout import Fp8KeyRows
 
+    assert cpu_kernels.library() is not None
     codec = Fp8KeyRows(dim=16)
     pool = torch.zeros(2, 4, codec.width, dtype=torch.uint8)
     keys, slots = torch.randn(1, 16), torch.tensor([3])
@@ -186,3 +189,32 @@ def test_recordings_past_the_memory_budget_stay_eager(ckpt):
     replayed, graphs = _run(ckpt("v3"), False, params, prompts, graph_memory_mb=0)
     assert replayed == eager and graphs.stats.replays == 0 and graphs.used_bytes == 0
     assert all("memory budget" in why for why in graphs.stats.refused.values()) and graphs.stats.refused
+
+
+def test_another_threads_kernels_are_not_recorded():
+    """Two engines in one process (in-process clusters run them on threads): a kernel another thread calls while
+    this one records passes through, and is not in this recording."""
+    import threading
+
+    assert cpu_kernels.library() is not None
+    x, w = torch.randn(2, 16).bfloat16(), torch.rand(16).bfloat16()
+    started, finish = threading.Event(), threading.Event()
+
+    def other() -> None:
+        started.wait(10)
+        cpu_kernels.rms_norm(x, w, 1e-6)  # while the main thread records
+        finish.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+
+    def step() -> torch.Tensor:
+        started.set()
+        finish.wait(10)
+        return x.float() * 2
+
+    with torch.inference_mode():
+        _, recording = record(step)
+    thread.join()
+    assert recording.tape is not None and finish.is_set()
+    assert not any(getattr(call, "func", None) is tape_kernel_call for call in recording.tape.calls)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ _INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, tor
 _CASTS = {torch.ops.aten._to_copy, torch.ops.aten.to}
 _BAKED = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}  # torch.tensor(python data)
 KERNEL_MODULES = ("shared.model.cpu_kernels", "shared.model.int8_kernels")  # their `_library`: C entry points
+_ONE_AT_A_TIME = threading.Lock()  # the taps are the process's: one recording at a time (other threads pass through)
 
 
 class TapeMismatch(RuntimeError):
@@ -163,13 +165,16 @@ class _Recorder(TorchDispatchMode):
 
 
 class _LibraryTap:
-    """A kernel library whose calls are recorded (with their status) as they run."""
+    """A kernel library whose calls on the recording thread are recorded (with their status) as they run; other
+    threads' calls (another engine in the process) pass through unrecorded."""
 
     def __init__(self, lib: ctypes.CDLL, tape: Tape):
-        self._lib, self._tape = lib, tape
+        self._lib, self._tape, self._thread = lib, tape, threading.get_ident()
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         fn = getattr(self._lib, name)
+        if threading.get_ident() != self._thread:
+            return fn
 
         def call(*args: Any) -> Any:
             status = fn(*args)
@@ -205,12 +210,15 @@ def _tapped_libraries(tape: Tape, recorder: _Recorder) -> Iterator[None]:
 
 @contextmanager
 def _host_reads_refused(recorder: _Recorder) -> Iterator[None]:
-    """`.tolist()` and `.numpy()` read values without a torch op the recorder would see: noted as refusals."""
+    """`.tolist()` and `.numpy()` read values without a torch op the recorder would see: noted as refusals (on the
+    recording thread: the dispatch mode is the thread's own, the methods are every thread's)."""
     originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+    recording = threading.get_ident()
 
     def watch(name: str) -> Callable[..., Any]:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            recorder.refuse(f"Tensor.{name}() inside the step")
+            if threading.get_ident() == recording:
+                recorder.refuse(f"Tensor.{name}() inside the step")
             return originals[name](self, *args, **kwargs)
         return read
 
@@ -229,7 +237,7 @@ def record(fn: Callable[[], Any]) -> tuple[Any, Recording]:
     from the current contents of the tensors it read."""
     tape = Tape()
     recorder = _Recorder(tape)
-    with _tapped_libraries(tape, recorder), _host_reads_refused(recorder), recorder:
+    with _ONE_AT_A_TIME, _tapped_libraries(tape, recorder), _host_reads_refused(recorder), recorder:
         result = fn()
     tape.kept.append(result)
     if recorder.refused:
