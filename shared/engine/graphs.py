@@ -164,15 +164,14 @@ class DecodeGraphs:
         if mtp_input is not None:
             states = mtp_input.new_empty(key.size * key.each, mtp_input.shape[1])
             _fill_rows(states, mtp_input, len(chunks), key.each)
+        left = max(0, self.memory_bytes - self.used_bytes)
         with torch.inference_mode():
             if states is None:
-                out, recording = record(lambda: self.model(static, self.kv, None, key.hidden))
+                out, recording = record(lambda: self.model(static, self.kv, None, key.hidden), left)
             else:
-                out, recording = record(lambda: self.model.forward_mtp(static, self.kv, states))
+                out, recording = record(lambda: self.model.forward_mtp(static, self.kv, states), left)
         if recording.tape is None:
             self.stats.refused[key] = recording.refused or "refused"
-        elif self.used_bytes + recording.tape.kept_bytes > self.memory_bytes:
-            self.stats.refused[key] = f"past the graphs' memory budget ({self.memory_bytes} bytes)"
         else:
             self.used_bytes += recording.tape.kept_bytes
             self.graphs[key] = _Graph(static, out, recording.tape, states)

@@ -134,12 +134,17 @@ def _copy_call(func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -
 class _Recorder(TorchDispatchMode):
     """Runs every op, and notes how to run it again into the same outputs."""
 
-    def __init__(self, tape: Tape):
+    def __init__(self, tape: Tape, limit_bytes: int | None):
         super().__init__()
-        self.tape, self.refused = tape, None
+        self.tape, self.refused, self.limit_bytes, self.made_bytes = tape, None, limit_bytes, 0
 
     def refuse(self, why: str) -> None:
+        """No tape comes of this recording: drop what it kept, so the rest of the step frees as it would eagerly
+        (a long context's intermediates, every layer's, are never all held at once)."""
         self.refused = self.refused or why
+        self.tape.calls.clear()
+        self.tape.kept.clear()
+        self.tape.made.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -148,11 +153,18 @@ class _Recorder(TorchDispatchMode):
         if func in _BAKED:
             self.refuse(f"{func}: a tensor made from Python values inside the step")
         out = func(*args, **kwargs)
+        if self.refused:
+            return out
         self.tape.kept.append((args, kwargs, out))  # every buffer, a kernel's (seen only by its pointer) too
         if func.is_view and _aliases(out, args):
             return out
         if not func._schema.is_mutable:
-            self.tape.made += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self.tape.made += made
+            self.made_bytes += sum(t.untyped_storage().nbytes() for t in made)
+            if self.limit_bytes is not None and self.made_bytes > self.limit_bytes:
+                self.refuse(f"past the recordings' memory budget ({self.limit_bytes} bytes left)")
+                return out
         if func in _UNRECORDED:
             return out
         if func._schema.is_mutable:  # in place or out=: runs again as it is
@@ -168,25 +180,26 @@ class _LibraryTap:
     """A kernel library whose calls on the recording thread are recorded (with their status) as they run; other
     threads' calls (another engine in the process) pass through unrecorded."""
 
-    def __init__(self, lib: ctypes.CDLL, tape: Tape):
-        self._lib, self._tape, self._thread = lib, tape, threading.get_ident()
+    def __init__(self, lib: ctypes.CDLL, recorder: _Recorder):
+        self._lib, self._recorder, self._thread = lib, recorder, threading.get_ident()
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         fn = getattr(self._lib, name)
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self._thread or self._recorder.refused:
             return fn
+        tape = self._recorder.tape
 
         def call(*args: Any) -> Any:
             status = fn(*args)
-            self._tape.kept.append(args)
-            self._tape.calls.append(functools.partial(_kernel_call, fn, args, status))
+            tape.kept.append(args)
+            tape.calls.append(functools.partial(_kernel_call, fn, args, status))
             return status
 
         return call
 
 
 @contextmanager
-def _tapped_libraries(tape: Tape, recorder: _Recorder) -> Iterator[None]:
+def _tapped_libraries(recorder: _Recorder) -> Iterator[None]:
     """The built kernel modules' libraries swapped for recording taps. A library first built inside the step
     would run untapped: noted as a refusal (an engine builds its kernels before it serves)."""
     swapped, untried = [], []
@@ -196,7 +209,7 @@ def _tapped_libraries(tape: Tape, recorder: _Recorder) -> Iterator[None]:
             untried.append(name)
         elif module._library is not None:
             swapped.append((module, module._library))
-            module._library = _LibraryTap(module._library, tape)
+            module._library = _LibraryTap(module._library, recorder)
     try:
         yield
     finally:
@@ -231,13 +244,14 @@ def _host_reads_refused(recorder: _Recorder) -> Iterator[None]:
             setattr(torch.Tensor, name, fn)
 
 
-def record(fn: Callable[[], Any]) -> tuple[Any, Recording]:
+def record(fn: Callable[[], Any], limit_bytes: int | None = None) -> tuple[Any, Recording]:
     """Run `fn()` once, eagerly, recording it: (its result, the recording). The result is what `fn` returned
     whether or not a tape came of it; after `tape.replay()` the same tensors hold what `fn` would compute
-    from the current contents of the tensors it read."""
+    from the current contents of the tensors it read. `limit_bytes`: the most the tape may allocate and keep
+    (past it the recording is refused at once, and what it kept is let go)."""
     tape = Tape()
-    recorder = _Recorder(tape)
-    with _ONE_AT_A_TIME, _tapped_libraries(tape, recorder), _host_reads_refused(recorder), recorder:
+    recorder = _Recorder(tape, limit_bytes)
+    with _ONE_AT_A_TIME, _tapped_libraries(recorder), _host_reads_refused(recorder), recorder:
         result = fn()
     tape.kept.append(result)
     if recorder.refused:
