@@ -1127,8 +1127,9 @@ static void smallest(uint64_t *a, int64_t n, int64_t k, uint64_t *tmp) {
     }
     int64_t taken = 0, nc = n;  /* a[0..taken) chosen; the candidates: a[taken..n) at first, then tmp[0..nc) */
     const uint64_t *cand = a;
-    for (int shift = 53; shift >= 32 && taken < k; shift -= 11) {
-        const int bits = shift == 32 ? 10 : 11;
+    static const int shifts[3] = {53, 42, 32};  /* digits: bits 53..63, 42..52, 32..41 (the rank's 32 bits) */
+    for (int pass = 0; pass < 3 && taken < k; pass++) {
+        const int shift = shifts[pass], bits = shift == 32 ? 10 : 11;
         int64_t count[2048] = {0};
         for (int64_t i = 0; i < nc; i++) count[(cand[i] >> shift) & ((1u << bits) - 1)]++;
         int64_t need = k - taken, below = 0, b = 0;
