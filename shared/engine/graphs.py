@@ -4,8 +4,9 @@ A decode step of R requests with L generated tokens each (a plain decode: 1; an 
 and its drafts) is padded to the smallest recorded size B ≥ R (rows past R repeat the first request: its tokens
 at its positions, writing its KV rows into its slots again with the same bits, so padding needs no block of its
 own), and its inputs are written into one static ForwardBatch per key (B, L, key-axis blocks, context regime,
-whether it returns the hidden states MTP drafts from). The first step at a key runs eagerly while the tape
-records it (its outputs are that step's: recording costs no extra step, so there is no cold start); every later
+whether it returns the hidden states MTP drafts from). The first step at a key runs eagerly, the second
+eagerly while the tape records it (its outputs are that step's: recording costs no extra step; a key met once, a
+short request's or a passing batch size's, is never recorded: recording costs several eager steps); every later
 step at that key writes its tokens, positions, slots, block tables and lengths into the static batch and replays
 the tape. Generated rows are computed alike however they are batched (shared.model.ops: batch-invariant
 kernels), so a padded replay gives every real row the eager step's bits.
@@ -85,6 +86,7 @@ class DecodeGraphs:
         self.sizes, self.max_blocks = graph_sizes(max_batch), max_blocks
         self.memory_bytes, self.used_bytes = memory_bytes, 0
         self.graphs: dict[GraphKey, _Graph] = {}
+        self.seen: set[GraphKey] = set()  # keys a step has had once
         self.stats = GraphStats()
 
     @classmethod
@@ -132,6 +134,10 @@ class DecodeGraphs:
             return None
         graph = self.graphs.get(key)
         if graph is None:
+            if key not in self.seen:  # a key seen once runs eagerly: recording costs several steps, and many
+                self.seen.add(key)  # keys (a short request's, a passing batch size) never come back
+                self.stats.eager += 1
+                return None
             return self._capture(key, chunks, mtp_input)
         self._fill(graph.batch, chunks, key.each)
         if mtp_input is not None:
