@@ -78,7 +78,7 @@ class GraphStats:
 
 
 class DecodeGraphs:
-    """The captured decode steps of one single-rank engine (its model, KV cache and a scratch block)."""
+    """The recorded decode steps of one single-rank engine (its model and KV cache)."""
 
     def __init__(self, model: torch.nn.Module, kv: object, block_size: int, max_batch: int, max_blocks: int,
                  memory_bytes: int):
@@ -126,7 +126,7 @@ class DecodeGraphs:
     def forward(self, chunks: list[SeqChunk], hidden: bool = False, mtp_input: torch.Tensor | None = None
                 ) -> Output | None:
         """The step's logits [rows, vocab] (with `hidden`, and every token's post-norm state [tokens, H]: what MTP
-        drafts from) from a recording (made now where the key is new), or None: the caller runs it eagerly. With
+        drafts from) from a recording (made on a key's second step), or None: the caller runs it eagerly. With
         `mtp_input` (the states h_j of the chunks' tokens), the MTP layer's forward instead: its logits and g_j."""
         key = self.key(chunks, hidden, mtp_input is not None)
         if key is None or key in self.stats.refused:
