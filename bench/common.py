@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +87,17 @@ STEP_PARTS = {"linears (bf16 / fp32)": "linear", "W8A8 linears": "w8a8_linear", 
               "indexer top-k": "indexer_topk", "absorbed heads": "head_matmul"}
 
 
+@contextlib.contextmanager
+def eager_steps(engine) -> Iterator[None]:
+    """The engine's recorded decode steps set aside for a while (shared.engine.graphs): every step runs its ops'
+    Python functions, which timers and profilers see (a replay runs the same kernels and ops, nothing else)."""
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        yield
+    finally:
+        engine.graphs = graphs
+
+
 def decode_parts(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict[str, float]]:
     """(ms per decode step, ms per step in each of STEP_PARTS, each exclusive of the others) over one greedy
     run's decode steps (the steps after every request has its first token) of an LLM, run eagerly: the parts
@@ -98,16 +111,12 @@ def decode_parts(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     while any(not s.output_token_ids for s in seqs):
         eng.step()
     steps, seconds = 0, 0.0
-    graphs, eng.graphs = eng.graphs, None
-    try:
-        with OpTimes({label: (ops, name) for label, name in STEP_PARTS.items()}) as parts:
-            while eng.has_work:
-                t0 = time.perf_counter()
-                eng.step()
-                seconds += time.perf_counter() - t0
-                steps += 1
-    finally:
-        eng.graphs = graphs
+    with eager_steps(eng), OpTimes({label: (ops, name) for label, name in STEP_PARTS.items()}) as parts:
+        while eng.has_work:
+            t0 = time.perf_counter()
+            eng.step()
+            seconds += time.perf_counter() - t0
+            steps += 1
     steps = max(steps, 1)
     return 1e3 * seconds / steps, {k: 1e3 * v / steps for k, v in parts.seconds.items()}
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.common import OUT, table
+from bench.common import OUT, eager_steps, table
 from bench.peers import VLLM_CONFIG
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
@@ -168,15 +168,14 @@ def profile_batch(llm: LLM, batch: int, prompt_len: int, steps: int) -> tuple[fl
         t0 = time.perf_counter()
         eng.step()
         wall.append(time.perf_counter() - t0)
-    graphs, eng.graphs = eng.graphs, None  # profiled eagerly: a replay runs the same kernels and ops, nothing else
-    with ExitStack() as stack:
+    graphs = eng.graphs
+    with ExitStack() as stack, eager_steps(eng):
         instrument(stack, llm)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
                 eng.step()
             profiled = time.perf_counter() - t0
-    eng.graphs = graphs
     calls_ms = replayed_calls_ms(eng, steps) if graphs is not None else 0.0
     while eng.has_work:
         eng.step()
