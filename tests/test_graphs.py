@@ -17,7 +17,9 @@ from shared.engine.graphs import graph_sizes
 from shared.model import cpu_kernels
 from shared.model.tape import TapeMismatch, record
 from shared.model.tape import _kernel_call as tape_kernel_call
+from shared.parallel import ParallelConfig, ParallelState
 from shared.protocol.structured import ConstraintKind, StructuredOutput
+from tests.dist_utils import run_ranks
 from tests.helpers import concurrent_greedy
 
 TINY = "models/tiny-v32"  # the random tiny model with a tokenizer (made on first use, as `pdserve up` does)
@@ -102,6 +104,61 @@ def test_mtp_steps_replay_alike():
     assert any(key.each > 1 and key.hidden for key in graphs.graphs), list(graphs.graphs)
     assert any(key.mtp and key.each == 1 for key in graphs.graphs) and any(key.mtp and key.each > 1
                                                                           for key in graphs.graphs)
+
+
+def _tp_rank(rank: int, world: int, path: str, prompts: list[list[int]], params: list[SamplingParams], kw: dict):
+    """The TP engine's tokens eagerly (MTP aside: plain greedy decoding's), then with `kw` and recorded steps."""
+    state = ParallelState.initialize(ParallelConfig(world=world, tp=world), rank, torch.device("cpu"))
+    plain = {k: v for k, v in kw.items() if not k.startswith(("speculative", "num_speculative", "graph_memory"))}
+    eager = LLM(path, max_num_seqs=8, parallel=state, enforce_eager=True, **plain).generate(prompts, params)
+    kw = {k: v[rank] if k == "graph_memory_mb" else v for k, v in kw.items()}  # a budget per rank
+    llm = LLM(path, max_num_seqs=8, parallel=state, **kw)
+    stats = llm.engine.graphs.stats
+    tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    return tokens == [o.token_ids for o in eager], stats.replays, stats.captures, stats.refused
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("v32_sparse", {}),
+    ("v32_sparse", {"quantization": "w8a8", "kv_cache_dtype": "int8"}),
+    (DEMO, {"speculative": "mtp", "num_speculative_tokens": 2}),
+])
+def test_tp2_ranks_replay_their_collectives(ckpt, name, kw):
+    """Local TP: both ranks record and replay the same keys, their all-reduces and all-gathers included; the
+    tokens are the eager TP engine's (MTP's: plain greedy decoding's on the same shape)."""
+    path = DEMO if name == DEMO else str(ckpt(name))
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
+    for same, replays, captures, refused in run_ranks(_tp_rank, 2, path, _prompts(5, seed=7), params, kw):
+        assert same and not refused, refused
+        assert replays > captures > 0, (replays, captures)
+
+
+def test_a_tp_rank_refused_a_recording_its_peers_drop_theirs(ckpt):
+    """Rank 0 has no memory for recordings, rank 1 plenty: rank 1 must not replay a padded step while rank 0 runs
+    it eagerly (their all-reduces would differ in shape): neither replays, and the tokens are the eager ones."""
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3
+    results = run_ranks(_tp_rank, 2, str(ckpt("v32_sparse")), _prompts(3, seed=8), params,
+                        {"graph_memory_mb": (0, 2048)})
+    for rank, (same, replays, captures, refused) in enumerate(results):
+        assert same and replays == captures == 0
+        assert all(("budget" if rank == 0 else "another rank") in why for why in refused.values()), refused
+
+
+def _collectives_rank(rank: int, world: int):
+    from shared.parallel.comm import all_reduce_sum, all_to_all_v
+
+    ParallelState.initialize(ParallelConfig(world=world, tp=world), rank, torch.device("cpu"))
+    x = torch.zeros(4)
+    total, recording = record(lambda: all_reduce_sum(x * 1, None).clone())
+    x.fill_(rank + 1.0)  # new inputs: the replay reduces them
+    recording.tape.replay()
+    _, varlen = record(lambda: all_to_all_v(x, [2, 2], [2, 2], None))
+    return total.tolist(), varlen.tape is None and "collective" in varlen.refused
+
+
+def test_a_tape_replays_fixed_collectives_and_refuses_host_sized_ones():
+    for total, refused in run_ranks(_collectives_rank, 2, timeout=60):
+        assert total == [3.0] * 4 and refused
 
 
 def test_graph_sizes():

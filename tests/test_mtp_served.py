@@ -108,9 +108,16 @@ def _acceptance(url: str, k: int) -> list[float]:
     return [counts.get(("accepted", i), 0) / max(counts.get(("drafted", i), 0), 1) for i in range(k)]
 
 
-def _serve(argv: list[str], cases: list[Case], log_dir, k: int = 0) -> tuple[list[Completion | None], list[float]]:
-    """Every case at once through `pdserve up ARGV`; with `k`, the decode instance's acceptance too. Prints
-    where the prompts were prefilled (the router's pdserve_router_prefill_path_total)."""
+def _replayed(url: str) -> float:
+    """Decode steps the instance replayed from recordings (shared.engine.graphs), from its /metrics."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(r'pdserve_decode_steps_total\{[^}]*mode="replayed"[^}]*\} (\S+)', text))
+
+
+def _serve(argv: list[str], cases: list[Case], log_dir, k: int = 0
+           ) -> tuple[list[Completion | None], list[float], float]:
+    """Every case at once through `pdserve up ARGV`; with `k`, the decode instance's acceptance and replayed steps
+    too. Prints where the prompts were prefilled (the router's pdserve_router_prefill_path_total)."""
     from router.cli import up_cluster
 
     cluster = up_cluster(["--model", DEMO, "--port", "0", *argv], log_dir)
@@ -122,13 +129,14 @@ def _serve(argv: list[str], cases: list[Case], log_dir, k: int = 0) -> tuple[lis
         got = concurrent_generate(cluster.address, requests)
         url = f"http://127.0.0.1:{cluster.metrics_ports[cluster.decode_addrs[0]]}/metrics"
         print("prefill paths:", prefill_paths(f"http://127.0.0.1:{cluster.metrics_ports[cluster.address]}/metrics"))
-        return got, (_acceptance(url, k) if k else [])
+        acceptance = _acceptance(url, k) if k else []
+        return got, acceptance, _replayed(url)
 
 
 @pytest.mark.parametrize(("shape", "k"), CASES, ids=[f"{s}-K{k}" for s, k in CASES])
 def test_mtp_served_equals_plain_greedy(cases, shape, k, tmp_path):
-    got, acceptance = _serve(["--speculative", "mtp", "--num-speculative-tokens", str(k), *SHAPES[shape]], cases,
-                             tmp_path / "logs", k)
+    mtp = ["--speculative", "mtp", "--num-speculative-tokens", str(k)]
+    got, acceptance, replayed = _serve([*mtp, *SHAPES[shape]], cases, tmp_path / "logs", k)
     want = [c.want for c in cases]
     if shape in OWN_NUMERICS:
         want = _serve(SHAPES[shape], cases, tmp_path / "plain")[0]
@@ -140,6 +148,7 @@ def test_mtp_served_equals_plain_greedy(cases, shape, k, tmp_path):
         assert g == w, (c.params, g, w)
     assert {w.finish_reason for w in want} == {"length", "stop"}
     assert acceptance[0] > 0.5  # drafts were accepted: the tails under test existed
+    assert (replayed > 0) == ("dp2" not in shape), replayed  # one rank and TP replay recorded steps; DP ranks do not
 
 
 def test_mtp_with_the_prefill_prefix_cache_served(tmp_path):

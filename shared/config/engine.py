@@ -79,7 +79,8 @@ class EngineConfig:
     progress: bool = False
     compile: bool = False  # torch.compile (inductor) the per-token layer parts (norms, MLPs, router); see README
     enforce_eager: bool = flag(False, "run every decode step eagerly: no recorded steps replayed (one rank's "
-                                      "plain decode steps are recorded once per padded batch size and replayed)")
+                                      "or local-TP ranks' decode steps are recorded once per padded batch size "
+                                      "and replayed)")
     graph_memory_mb: int = 2048  # what the recorded decode steps may keep (their intermediates), all together
     quantization: str = flag("auto", "weights: w8a8 quantizes MLA's projections (kv_b aside), the indexer's "
                                      "wq_b, dense MLPs and the experts to INT8 while loading; fp8 keeps an "

@@ -14,7 +14,8 @@ kernels), so a padded replay gives every real row the eager step's bits.
 The MTP layer's own forwards (its catch-up over each request's accepted positions, its chained single-token
 drafts) are recorded the same way, their input states copied into a static buffer. What stays eager: prompt
 chunks, steps whose requests have different token counts (an MTP step whose requests accepted or draft
-different counts), steps of a parallel instance (their collectives), steps needing a key-axis
+different counts), steps of attention-DP and CP ranks (each rank's batch is its own; TP ranks replay their
+fixed-shape collectives, the same keys on every rank), steps needing a key-axis
 width or batch past the largest size, and any key whose recording was refused or would hold more than
 `graph_memory_mb` (EngineConfig) in all. The backend per device: `shared.device.step_graphs` (the host tape on
 CPU; none yet on CUDA / NPU, which run eagerly).
@@ -23,6 +24,7 @@ CPU; none yet on CUDA / NPU, which run eagerly).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,11 +80,12 @@ class GraphStats:
 
 
 class DecodeGraphs:
-    """The recorded decode steps of one single-rank engine (its model and KV cache)."""
+    """The recorded decode steps of one engine (its model and KV cache; on TP ranks, this rank's shards)."""
 
     def __init__(self, model: torch.nn.Module, kv: object, block_size: int, max_batch: int, max_blocks: int,
-                 memory_bytes: int):
+                 memory_bytes: int, agree: Callable[[bool], bool] = bool):
         self.model, self.kv, self.block_size = model, kv, block_size
+        self.agree = agree  # whether every rank kept its recording (TP ranks must replay the same keys)
         self.sizes, self.max_blocks = graph_sizes(max_batch), max_blocks
         self.memory_bytes, self.used_bytes = memory_bytes, 0
         self.graphs: dict[GraphKey, _Graph] = {}
@@ -91,14 +94,15 @@ class DecodeGraphs:
 
     @classmethod
     def for_engine(cls, engine: object) -> DecodeGraphs | None:
-        """An engine's graphs, None where they do not apply: `enforce_eager`, parallel ranks, torch.compile'd
-        parts, offloaded layers, a device without a backend."""
-        cfg, model = engine.config, engine.model
-        if (cfg.enforce_eager or cfg.compile or engine.parallel.is_parallel or model.offloader is not None
+        """An engine's graphs, None where they do not apply: `enforce_eager`, ranks that step different batches
+        (attention-DP, CP: engine.policy.graphs_apply), torch.compile'd parts, offloaded layers, a device
+        without a backend. TP ranks record and replay the same steps, their collectives included."""
+        cfg, model, policy = engine.config, engine.model, engine.policy
+        if (cfg.enforce_eager or cfg.compile or not policy.graphs_apply or model.offloader is not None
                 or not step_graphs(engine.device)):
             return None
         return cls(model, engine.kv, cfg.block_size, cfg.max_num_seqs, -(-engine.max_model_len // cfg.block_size),
-                   cfg.graph_memory_mb << 20)
+                   cfg.graph_memory_mb << 20, policy.agree)
 
     @staticmethod
     def shape_of(chunks: list[SeqChunk]) -> tuple[int, int] | None:
@@ -145,7 +149,7 @@ class DecodeGraphs:
         try:
             graph.tape.replay()
         except TapeMismatch as exc:  # its inputs took a kernel elsewhere than at capture: never replay it again
-            self._drop(key, str(exc))
+            self._drop(key, str(exc))  # (TP ranks have the same inputs: each drops it at the same call)
             return None
         self.stats.replays += 1
         return _rows(graph.out, key, len(chunks))
@@ -176,8 +180,8 @@ class DecodeGraphs:
                 out, recording = record(lambda: self.model(static, self.kv, None, key.hidden), left)
             else:
                 out, recording = record(lambda: self.model.forward_mtp(static, self.kv, states), left)
-        if recording.tape is None:
-            self.stats.refused[key] = recording.refused or "refused"
+        if not self.agree(recording.tape is not None):
+            self.stats.refused[key] = recording.refused or "another rank's recording was refused"
         else:
             self.used_bytes += recording.tape.kept_bytes
             self.graphs[key] = _Graph(static, out, recording.tape, states)

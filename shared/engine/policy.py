@@ -36,7 +36,7 @@ class ForwardTarget(Protocol):
     layout: KVLayout
     device: torch.device
     scratch_blocks: list[int] | None
-    graphs: DecodeGraphs | None  # recorded decode steps (one rank, where the device has a backend)
+    graphs: DecodeGraphs | None  # recorded decode steps (one rank or TP, where the device has a backend)
     expand_from: int  # prompt chunks this long or longer take parts of their own (ForwardBatch.build)
 
     @property
@@ -48,7 +48,7 @@ class Solo:
 
     mirror = False  # every rank applies every command (identical schedulers on all ranks)
     lockstep = False  # ranks step different batches: each must still run as many forwards as the others
-    graphs_apply = True  # a step may replay a recorded one (no collective inside the model)
+    graphs_apply = True  # a step may replay a recorded one (every rank replays the same steps in the same order)
 
     def __init__(self, state: ParallelState):
         self.state = state
@@ -84,6 +84,10 @@ class Solo:
         """The part of a chunk's blocks [first, last) this rank sends to decode (prefill)."""
         return first, last
 
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank of the instance says `ok` (one rank: its own word)."""
+        return ok
+
     def hidden_rows(self, hidden: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
         """The MTP layer's inputs h_j: `rows` (indexes into the step's flat tokens) of the step's hidden states."""
         return hidden[torch.cat(rows).to(hidden.device)]
@@ -118,11 +122,17 @@ class Mirror(Solo):
     """Local TP: identical batches on every rank (the model's TP collectives need the same tokens)."""
 
     mirror = True
-    graphs_apply = False
 
     @property
     def answers(self) -> bool:
         return self.state.rank == 0
+
+    def agree(self, ok: bool) -> bool:
+        """Mirrored ranks keep a recording only if all made one: a rank replaying a padded step while another
+        runs it eagerly would issue collectives of other shapes."""
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.state.world_group)
+        return bool(flag.item())
 
     def push_share(self, first: int, last: int) -> tuple[int, int]:
         return (first, last) if self.state.rank == 0 else (first, first)  # the KV is identical everywhere
@@ -130,6 +140,8 @@ class Mirror(Solo):
 
 class ContextSplit(Mirror):
     """CP prefill: every chunk split zigzag over the ranks; each rank pushes a slice of its blocks."""
+
+    graphs_apply = False  # each rank's batch is its own pieces
 
     def batch(self, engine: ForwardTarget, chunks: list[SeqChunk]) -> ForwardBatch:
         # a rank with no piece of the step runs a dummy token in the scratch block every parallel engine has

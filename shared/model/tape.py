@@ -5,9 +5,10 @@ wrappers, checks, dispatch), not in them. CUDA and ACL graphs remove that on an 
 the kernels a step launches and relaunching them with the same pointers. `record` does the same on the
 host: while a function runs once (eagerly, its result is a normal result), every torch op that computes
 something (its `out=` form, writing the same output tensor again) and every call into the C kernel
-libraries (the same entry point with the same arguments) is appended to a `Tape`; views and allocations
-are not, since the tape keeps every tensor it touched alive, so every pointer stays valid and every view
-still sees its storage. `Tape.replay()` then runs that list: the same kernels on the same buffers,
+libraries (the same entry point with the same arguments) and every fixed-shape collective (a TP all-reduce or
+all-gather, issued again and waited for: the peers replay theirs in the same order) is appended to a `Tape`;
+views and allocations are not, since the tape keeps every tensor it touched alive, so every pointer stays
+valid and every view still sees its storage. `Tape.replay()` then runs that list: the same kernels on the same buffers,
 bit for bit what the function computes on whatever the caller wrote into its input tensors first.
 
 A function may be taped only if nothing it does depends on tensor values seen from Python (a `.item()`,
@@ -40,6 +41,10 @@ _INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, tor
              torch.ops.aten._index_put_impl_.default}
 _CASTS = {torch.ops.aten._to_copy, torch.ops.aten.to}
 _BAKED = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}  # torch.tensor(python data)
+# collectives whose shapes are their tensors' (a TP all-reduce, an all-gather of equal parts): replayed and waited
+# for; any other (an all-to-all-v's split sizes are host values) is refused
+_COLLECTIVES = ({torch.ops.c10d.allreduce_.default, torch.ops.c10d.allgather_.default}
+                if torch.distributed.is_available() else set())
 KERNEL_MODULES = ("shared.model.cpu_kernels", "shared.model.int8_kernels")  # their `_library`: C entry points
 _ONE_AT_A_TIME = threading.Lock()  # the taps are the process's: one recording at a time (other threads pass through)
 
@@ -94,6 +99,11 @@ def _integer_indexing(func: Any, args: tuple) -> bool:
 def _kernel_call(fn: Any, args: tuple, status: Any) -> None:
     if fn(*args) != status:
         raise TapeMismatch(f"kernel {getattr(fn, '__name__', fn)} returned otherwise than when recorded")
+
+
+def _collective_call(op: Any, args: tuple, kwargs: dict) -> None:
+    """A collective issued again on the same tensors, waited for as the eager call was (its peers replay theirs)."""
+    op(*args, **kwargs)[-1].wait()
 
 
 def _out_call(op: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
@@ -152,10 +162,15 @@ class _Recorder(TorchDispatchMode):
             self.refuse(f"{func} depends on tensor values or draws random numbers")
         if func in _BAKED:
             self.refuse(f"{func}: a tensor made from Python values inside the step")
+        if func.namespace == "c10d" and func not in _COLLECTIVES:
+            self.refuse(f"{func}: a collective whose sizes may be host values")
         out = func(*args, **kwargs)
         if self.refused:
             return out
         self.tape.kept.append((args, kwargs, out))  # every buffer, a kernel's (seen only by its pointer) too
+        if func in _COLLECTIVES:  # in place on tensors the step made before
+            self.tape.calls.append(functools.partial(_collective_call, func, args, kwargs))
+            return out
         if func.is_view and _aliases(out, args):
             return out
         if not func._schema.is_mutable:
