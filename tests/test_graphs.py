@@ -144,6 +144,66 @@ def test_a_tp_rank_refused_a_recording_its_peers_drop_theirs(ckpt):
         assert all(("budget" if rank == 0 else "another rank") in why for why in refused.values()), refused
 
 
+def _lockstep_tokens(engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+    """Step a DP rank until no rank has work (an idle rank runs dummy steps meanwhile), as the decode worker does."""
+    tokens: dict[str, list[int]] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(prompt, p, f"r{i}")
+    while True:
+        for ev in engine.step():
+            tokens.setdefault(ev.seq.request_id, []).append(ev.token_id)
+        if not engine.stepped:
+            return tokens
+
+
+def _failing_once() -> None:
+    _failing_once.calls = getattr(_failing_once, "calls", 0) + 1
+    if _failing_once.calls == 1:
+        raise TapeMismatch("sabotaged")
+
+
+def _dp_rank(rank: int, world: int, path: str, prompts: list[list[int]], params: list[SamplingParams], kw: dict):
+    """This DP rank's requests (every other one) eagerly, then with recorded steps: rank 1's last request ends
+    early, so it runs dummy steps while rank 0 decodes on. With `sabotage`, rank 0's first replay meets a kernel
+    returning otherwise halfway through."""
+    state = ParallelState.initialize(ParallelConfig(world=world, dp=world, ep=world), rank, torch.device("cpu"))
+    kw = dict(kw)
+    sabotage = kw.pop("sabotage", False)
+    mine, my_params = prompts[rank::world], params[rank::world]
+    eager = _lockstep_tokens(LLM(path, max_num_seqs=8, parallel=state, enforce_eager=True, **kw).engine, mine,
+                             my_params)
+    engine = LLM(path, max_num_seqs=8, parallel=state, **kw).engine
+    graphs = engine.graphs
+    if sabotage and rank == 0:
+        capture = graphs._capture
+
+        def sabotaged(*args):
+            out = capture(*args)
+            for graph in graphs.graphs.values():
+                graph.tape.calls.insert(len(graph.tape.calls) // 2, _failing_once)
+            return out
+
+        graphs._capture = sabotaged
+    tokens = _lockstep_tokens(engine, mine, my_params)
+    return tokens == eager, graphs.stats.replays, graphs.stats.captures, graphs.stats.refused
+
+
+@pytest.mark.parametrize("kw", [{}, {"quantization": "w8a8", "kv_cache_dtype": "int8"}, {"sabotage": True}],
+                         ids=["plain", "w8a8-c8", "mismatch"])
+def test_dp2_ep2_ranks_pad_to_one_size_and_replay(ckpt, kw):
+    """Attention-DP + EP: each rank's batch is its own (3 requests finishing at different steps on rank 0, 2 on
+    rank 1, which then idles), all pad to the largest rank's size and exchange experts' rows in fixed shapes, so
+    each rank replays its own recordings; the tokens are the eager DP engine's. Hostile: a replay on one rank
+    that meets a kernel returning otherwise makes every rank run that step again eagerly (the tokens hold)."""
+    prompts = _prompts(5, seed=9)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 10, 20, 14, 16)]
+    results = run_ranks(_dp_rank, 2, str(ckpt("v32_sparse")), prompts, params, kw)
+    for rank, (same, replays, captures, refused) in enumerate(results):
+        sabotaged = kw.get("sabotage", False) and rank == 0  # its longest-lived key was dropped: eager after
+        assert same and captures > 0 and replays > (0 if sabotaged else captures), (rank, replays, captures)
+        assert list(refused.values()) == (["sabotaged"] if sabotaged else []), refused
+
+
 def _collectives_rank(rank: int, world: int):
     from shared.parallel.comm import all_reduce_sum, all_to_all_v
 

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from shared.device import step_graphs
 from shared.model import ForwardBatch, SeqChunk
+from shared.model.moe import fixed_exchange
 from shared.model.tape import Tape, TapeMismatch, record
 
 
@@ -83,9 +85,11 @@ class DecodeGraphs:
     """The recorded decode steps of one engine (its model and KV cache; on TP ranks, this rank's shards)."""
 
     def __init__(self, model: torch.nn.Module, kv: object, block_size: int, max_batch: int, max_blocks: int,
-                 memory_bytes: int, agree: Callable[[bool], bool] = bool):
+                 memory_bytes: int, agree: Callable[[bool], bool] = bool, padded_exchange: bool = False):
         self.model, self.kv, self.block_size = model, kv, block_size
-        self.agree = agree  # whether every rank kept its recording (TP ranks must replay the same keys)
+        self.agree = agree  # whether every rank of the instance says yes (one all-reduce; one rank: its own word)
+        # attention-DP ranks: steps padded to a size every rank agreed on, their EP exchange fixed-shape (moe)
+        self.padded_exchange = padded_exchange
         self.sizes, self.max_blocks = graph_sizes(max_batch), max_blocks
         self.memory_bytes, self.used_bytes = memory_bytes, 0
         self.graphs: dict[GraphKey, _Graph] = {}
@@ -102,7 +106,7 @@ class DecodeGraphs:
                 or not step_graphs(engine.device)):
             return None
         return cls(model, engine.kv, cfg.block_size, cfg.max_num_seqs, -(-engine.max_model_len // cfg.block_size),
-                   cfg.graph_memory_mb << 20, policy.agree)
+                   cfg.graph_memory_mb << 20, policy.agree, policy.lockstep)
 
     @staticmethod
     def shape_of(chunks: list[SeqChunk]) -> tuple[int, int] | None:
@@ -127,11 +131,15 @@ class DecodeGraphs:
         return GraphKey(self.sizes[i], *shape, blocks, self.model.context_bound(context, blocks * self.block_size),
                         hidden, mtp)
 
-    def forward(self, chunks: list[SeqChunk], hidden: bool = False, mtp_input: torch.Tensor | None = None
-                ) -> Output | None:
+    def forward(self, chunks: list[SeqChunk], hidden: bool = False, mtp_input: torch.Tensor | None = None,
+                size: int | None = None) -> Output | None:
         """The step's logits [rows, vocab] (with `hidden`, and every token's post-norm state [tokens, H]: what MTP
         drafts from) from a recording (made on a key's second step), or None: the caller runs it eagerly. With
-        `mtp_input` (the states h_j of the chunks' tokens), the MTP layer's forward instead: its logits and g_j."""
+        `mtp_input` (the states h_j of the chunks' tokens), the MTP layer's forward instead: its logits and g_j.
+        With `size` (attention-DP ranks: the padded size every rank agreed on for this plain decode step), never
+        None: the step runs padded to it, replayed, recorded or eagerly (`padded_step`)."""
+        if size is not None:
+            return self.padded_step(replace(self.key(chunks, hidden, False), size=size), chunks)
         key = self.key(chunks, hidden, mtp_input is not None)
         if key is None or key in self.stats.refused:
             self.stats.eager += 1
@@ -154,6 +162,37 @@ class DecodeGraphs:
         self.stats.replays += 1
         return _rows(graph.out, key, len(chunks))
 
+    def padded_step(self, key: GraphKey, chunks: list[SeqChunk]) -> Output:
+        """An attention-DP rank's step at the agreed size, its EP exchange fixed-shape whether it is replayed,
+        recorded or run eagerly, so the ranks' collectives pair up whichever each does. A replay issues every call
+        even past a kernel that returned otherwise; then the ranks agree (one all-reduce, every rank after its
+        step) whether all replays held: if not, every rank runs the step again eagerly (a replay's KV writes are
+        the eager step's rows)."""
+        graph, why = self.graphs.get(key), ""
+        if graph is not None:
+            self._fill(graph.batch, chunks, key.each)
+            try:
+                graph.tape.replay(finish=True)
+                out = _rows(graph.out, key, len(chunks))
+            except TapeMismatch as exc:
+                why = str(exc)
+        elif key in self.seen and key not in self.stats.refused:
+            out = self._capture(key, chunks, None)
+        else:
+            self.seen.add(key)
+            out = self._padded_eager(key, chunks)
+        if not self.agree(not why):
+            if why:
+                self._drop(key, why)
+            return self._padded_eager(key, chunks)
+        self.stats.replays += graph is not None
+        return out
+
+    def _padded_eager(self, key: GraphKey, chunks: list[SeqChunk]) -> Output:
+        self.stats.eager += 1
+        static, _ = self._static(key, chunks, None)
+        return _rows(self._run(key, static, None), key, len(chunks))
+
     def _drop(self, key: GraphKey, why: str) -> None:
         graph = self.graphs.pop(key, None)
         if graph is not None:
@@ -164,8 +203,9 @@ class DecodeGraphs:
     def _padded(chunks: list[SeqChunk], size: int) -> list[SeqChunk]:
         return chunks + [chunks[0]] * (size - len(chunks))
 
-    def _capture(self, key: GraphKey, chunks: list[SeqChunk], mtp_input: torch.Tensor | None) -> Output:
-        """Run the step eagerly on a static batch of the key's shape, recording it."""
+    def _static(self, key: GraphKey, chunks: list[SeqChunk], mtp_input: torch.Tensor | None
+                ) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """A static batch of the key's shape holding the step (and the MTP layer's static input states)."""
         static = ForwardBatch.build(self._padded(chunks, key.size), self.block_size, torch.device("cpu"), split=False)
         tables = torch.zeros(key.size, key.blocks, dtype=torch.long)
         tables[:, : static.block_tables.shape[1]] = static.block_tables
@@ -174,13 +214,24 @@ class DecodeGraphs:
         if mtp_input is not None:
             states = mtp_input.new_empty(key.size * key.each, mtp_input.shape[1])
             _fill_rows(states, mtp_input, len(chunks), key.each)
-        left = max(0, self.memory_bytes - self.used_bytes)
-        with torch.inference_mode():
+        return static, states
+
+    def _run(self, key: GraphKey, static: ForwardBatch, states: torch.Tensor | None) -> Output:
+        """The model (or its MTP layer) on a static batch, eagerly (DP ranks: with the fixed EP exchange)."""
+        with torch.inference_mode(), fixed_exchange(self.model) if self.padded_exchange else nullcontext():
             if states is None:
-                out, recording = record(lambda: self.model(static, self.kv, None, key.hidden), left)
-            else:
-                out, recording = record(lambda: self.model.forward_mtp(static, self.kv, states), left)
-        if not self.agree(recording.tape is not None):
+                return self.model(static, self.kv, None, key.hidden)
+            return self.model.forward_mtp(static, self.kv, states)
+
+    def _capture(self, key: GraphKey, chunks: list[SeqChunk], mtp_input: torch.Tensor | None) -> Output:
+        """Run the step eagerly on a static batch of the key's shape, recording it. TP ranks keep it only if every
+        rank made one (their padded and unpadded steps' collectives differ); DP ranks' padded steps issue the same
+        collectives recorded or not (padded_step), so each keeps its own."""
+        static, states = self._static(key, chunks, mtp_input)
+        left = max(0, self.memory_bytes - self.used_bytes)
+        out, recording = record(lambda: self._run(key, static, states), left)
+        made = recording.tape is not None
+        if not (made if self.padded_exchange else self.agree(made)):
             self.stats.refused[key] = recording.refused or "another rank's recording was refused"
         else:
             self.used_bytes += recording.tape.kept_bytes

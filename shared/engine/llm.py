@@ -38,7 +38,7 @@ from shared.engine.step import (
 from shared.engine.structured import Grammars, MaskRow
 from shared.kvcache import KVCache, KVLayout
 from shared.loader import load_model
-from shared.model import ForwardBatch, SeqChunk
+from shared.model import SeqChunk
 from shared.model.offload import parse_layers
 from shared.parallel.state import ParallelState
 from shared.protocol.chat import THINK_END, ChatMessage, render_messages
@@ -294,16 +294,14 @@ class LLMEngine:
     def dummy_step(self) -> None:
         """A one-token forward into a scratch block, for a parallel rank with nothing to do: every
         rank must enter the same collectives (EP all-to-all, layer-sharding broadcasts) each step."""
-        self.model(self.dummy_batch(), self.kv)
+        self.policy.forward(self, [self.dummy_chunk()])  # a generated token: DP ranks may replay its step
         if self.speculator is not None:  # and the MTP forwards a drafting rank runs
             self.speculator.dummy(self.speculator.k)
 
-    def dummy_batch(self) -> ForwardBatch:
-        """One token at position 0 of the scratch block, logits of none."""
-        if self.scratch_blocks is None:
-            self.scratch_blocks = self.kv.ledger.hold_scratch()
-        return ForwardBatch.build([SeqChunk([0], 0, self.scratch_blocks, need_logits=False)], self.layout.block_size,
-                                  self.device)
+    def dummy_chunk(self) -> SeqChunk:
+        """One generated token at position 0 of the scratch block (its logits are dropped)."""
+        self.scratch_blocks = self.scratch_blocks or self.kv.ledger.hold_scratch()
+        return SeqChunk([0], 0, self.scratch_blocks, generated=True)
 
     def step_chunks(self, chunks: list[ScheduledChunk], observer: StepObserver | None = None) -> list[StepEvent]:
         """The one step body, whatever the service or shape: forward → sample → append.

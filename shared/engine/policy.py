@@ -85,8 +85,12 @@ class Solo:
         return first, last
 
     def agree(self, ok: bool) -> bool:
-        """Whether every rank of the instance says `ok` (one rank: its own word)."""
-        return ok
+        """Whether every rank of the instance says `ok` (one all-reduce; one rank: its own word)."""
+        if not self.state.is_parallel:
+            return ok
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.state.world_group)
+        return bool(flag.item())
 
     def hidden_rows(self, hidden: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
         """The MTP layer's inputs h_j: `rows` (indexes into the step's flat tokens) of the step's hidden states."""
@@ -100,6 +104,12 @@ class Solo:
             out = engine.graphs.forward(chunks, return_hidden)
             if out is not None:
                 return out
+        return self.eager_forward(engine, chunks, layer_done, return_hidden)
+
+    def eager_forward(self, engine: ForwardTarget, chunks: list[SeqChunk],
+                      layer_done: Callable[[int], None] | None = None, return_hidden: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward over the step as it is, every op run from Python."""
         out = engine.model(self.batch(engine, chunks), engine.kv, layer_done, return_hidden)
         if return_hidden:
             return self.logits(chunks, out[0]), out[1]
@@ -107,15 +117,39 @@ class Solo:
 
 
 class LockStep(Solo):
-    """Attention-DP: every rank has its own batch; all step while any has work."""
+    """Attention-DP: every rank has its own batch; all step while any has work. Where every rank's step is a plain
+    decode step (an idle rank's dummy token is one), all pad to the largest rank's graph size and run it with the
+    fixed-shape EP exchange, replayed where recorded (shared.engine.graphs); any other step runs eagerly on all."""
 
     lockstep = True
-    graphs_apply = False
 
     def wants_step(self, has_chunks: bool) -> bool:
         flag = torch.tensor([int(has_chunks)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.state.world_group)
         return bool(flag.item())
+
+    def forward(self, engine: ForwardTarget, chunks: list[SeqChunk], layer_done: Callable[[int], None] | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        size = self.common_size(engine, chunks, layer_done is None and not return_hidden)
+        if size:
+            return engine.graphs.forward(chunks, size=size)
+        return self.eager_forward(engine, chunks, layer_done, return_hidden)
+
+    def common_size(self, engine: ForwardTarget, chunks: list[SeqChunk], plain: bool) -> int:
+        """The graph size every rank pads this step to (one all-reduce), 0 where any rank's step is not a plain
+        decode step a recording could take."""
+        if engine.graphs is None:
+            return 0
+        key = engine.graphs.key(chunks, False, False) if plain else None
+        mine = key.size if key is not None and key.each == key.logits == 1 else 0
+        flag = torch.tensor([int(mine == 0), mine])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.state.world_group)
+        return 0 if flag[0] else int(flag[1])
+
+    def forward_mtp(self, engine: ForwardTarget, chunks: list[SeqChunk], states: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eagerly: the ranks' MTP forwards differ in count and shape (their EP exchange is the all-to-all-v)."""
+        return engine.model.forward_mtp(self.batch(engine, chunks), engine.kv, states)
 
 
 class Mirror(Solo):
@@ -127,12 +161,6 @@ class Mirror(Solo):
     def answers(self) -> bool:
         return self.state.rank == 0
 
-    def agree(self, ok: bool) -> bool:
-        """Mirrored ranks keep a recording only if all made one: a rank replaying a padded step while another
-        runs it eagerly would issue collectives of other shapes."""
-        flag = torch.tensor([int(ok)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.state.world_group)
-        return bool(flag.item())
 
     def push_share(self, first: int, last: int) -> tuple[int, int]:
         return (first, last) if self.state.rank == 0 else (first, first)  # the KV is identical everywhere

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 import torch
@@ -36,7 +36,7 @@ from shared.engine.draft_tuner import DraftTuner
 from shared.engine.policy import ForwardTarget, Solo
 from shared.engine.sampler import SamplingParams, probabilities, sample
 from shared.engine.scheduler import ScheduledChunk, Scheduler, Sequence
-from shared.model import ForwardBatch, SeqChunk
+from shared.model import SeqChunk
 
 
 @dataclass
@@ -86,7 +86,7 @@ class DraftingEngine(ForwardTarget, Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    def dummy_batch(self) -> ForwardBatch: ...
+    def dummy_chunk(self) -> SeqChunk: ...
 
     def has_request(self, request_id: str) -> bool: ...
 
@@ -310,10 +310,10 @@ class MtpSpeculator:
         """MTP forwards of one token in the scratch block: a lock-step rank with nothing to draft still
         enters the MTP block's collectives (EP all-to-all) as often as the ranks that draft."""
         engine = self.engine
+        chunk = replace(engine.dummy_chunk(), need_logits=False, generated=False)
         for _ in range(forwards):
-            fb = engine.dummy_batch()
-            engine.model.forward_mtp(fb, engine.kv, torch.zeros(1, engine.model_config.hidden_size,
-                                                                dtype=engine.dtype, device=engine.device))
+            engine.policy.forward_mtp(engine, [chunk], torch.zeros(1, engine.model_config.hidden_size,
+                                                                   dtype=engine.dtype, device=engine.device))
 
     def _budget(self, seq: Sequence) -> int:
         """Drafts worth making: never past max_tokens or the model's context."""

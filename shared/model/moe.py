@@ -9,7 +9,8 @@ grouped matmul over the stacked weights with device-side offsets (no host read-b
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from shared.config import ModelConfig
 from shared.device import BUCKETED_GEMM_DTYPES, grouped_mm, host_gemm_rows, host_gemm_sizes, on_host
 from shared.model.layers import MLP, LinearFormats, WeightFormat
 from shared.model.ops import matmul_input
-from shared.parallel.comm import all_to_all_v, exchange_counts
+from shared.parallel.comm import all_to_all_equal, all_to_all_v, exchange_counts, gather_equal
 from shared.quant.fp8 import grouped_fp8
 from shared.quant.int8 import Int8Linear, grouped_w8a8
 
@@ -204,7 +205,10 @@ class MoE(nn.Module):
             raise ValueError(f"{cfg.n_routed_experts} experts do not split over ep={ep}")
         per_rank = cfg.n_routed_experts // ep
         fmt = (fmts or LinearFormats()).target
-        self.ep, self.ep_group, self.per_rank = ep, ep_group, per_rank
+        self.ep, self.ep_group, self.per_rank, self.ep_rank = ep, ep_group, per_rank, ep_rank
+        # set (fixed_exchange) while a decode step padded to the same size on every EP rank runs: its exchange
+        # then has fixed shapes (a recorded step can replay it), not the all-to-all-v's host-read sizes
+        self.fixed_exchange = False
         # called with the EP path's step events in order (dispatch_start/issued, shared_start/end,
         # dispatch_wait/done): the overlap of the shared expert with the dispatch is proven by their order
         self.trace: Callable[[str], None] | None = None
@@ -242,7 +246,33 @@ class MoE(nn.Module):
             if self.shared_experts is not None:
                 y = y + self.shared_experts(x, generated).float()
             return y.to(x.dtype)
+        if self.fixed_exchange:
+            return self._forward_ep_fixed(x, ids, weights, generated)
         return self._forward_ep(x, ids, weights, generated)
+
+    def _forward_ep_fixed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, generated: int
+                          ) -> torch.Tensor:
+        """EP for a decode step of N generated rows on every rank: every rank gathers all ranks' rows with their
+        picks, computes its experts' weighted partial sum of each (foreign picks masked), and sends each rank
+        its rows' partials back; each row adds them in rank order, as the all-to-all-v path's index_add does
+        (a rank holding none of a row's picks returns zeros, which add nothing): the same bits, fixed shapes."""
+        n, k = ids.shape
+        if generated != n:
+            raise ValueError(f"the fixed EP exchange takes generated rows only ({generated} of {n})")
+        rows = gather_equal(x, self.ep_group)  # [ep·N, D]
+        picks = gather_equal(torch.cat([ids.float(), weights], 1), self.ep_group)  # ids: exact in fp32
+        got_ids = picks[:, :k].long()
+        mine = got_ids // self.per_rank == self.ep_rank
+        shared = self.shared_experts(x, generated).float() if self.shared_experts is not None else None
+        partial = self.experts(rows, torch.where(mine, got_ids, -1), torch.where(mine, picks[:, k:], 0.0),
+                               padded=True, generated=rows.shape[0])
+        back = all_to_all_equal(partial, self.ep_group).view(self.ep, n, x.shape[1])
+        y = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+        for part in back:
+            y += part
+        if shared is not None:
+            y = y + shared
+        return y.to(x.dtype)
 
     def _forward_ep(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, generated: int) -> torch.Tensor:
         """Each token travels once to every EP rank holding at least one of its experts, with its k
@@ -288,3 +318,17 @@ class MoE(nn.Module):
 
 def _untraced(event: str) -> None:
     """MoE.trace when nobody listens."""
+
+
+@contextmanager
+def fixed_exchange(model: nn.Module) -> Iterator[None]:
+    """Inside: the model's EP layers take the fixed-shape exchange (MoE._forward_ep_fixed); every EP rank must
+    run the step padded to the same rows."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.ep > 1]
+    for m in layers:
+        m.fixed_exchange = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.fixed_exchange = False

@@ -45,6 +45,7 @@ _BAKED = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.defa
 # for; any other (an all-to-all-v's split sizes are host values) is refused
 _COLLECTIVES = ({torch.ops.c10d.allreduce_.default, torch.ops.c10d.allgather_.default}
                 if torch.distributed.is_available() else set())
+_ALL_TO_ALL = torch.ops.c10d.alltoall_base_.default if torch.distributed.is_available() else None  # equal splits only
 KERNEL_MODULES = ("shared.model.cpu_kernels", "shared.model.int8_kernels")  # their `_library`: C entry points
 _ONE_AT_A_TIME = threading.Lock()  # the taps are the process's: one recording at a time (other threads pass through)
 
@@ -63,9 +64,21 @@ class Tape:
     made: list[torch.Tensor] = field(default_factory=list)  # the tensors it allocated (not the weights, the cache)
 
     @torch.inference_mode()
-    def replay(self) -> None:
+    def replay(self, finish: bool = False) -> None:
+        """Run the calls. A kernel returning another status than recorded raises TapeMismatch at once, or with
+        `finish` after the last call (ranks whose collectives pair up must all issue every one of them)."""
+        if not finish:
+            for call in self.calls:
+                call()
+            return
+        mismatch = None
         for call in self.calls:
-            call()
+            try:
+                call()
+            except TapeMismatch as exc:
+                mismatch = mismatch or exc
+        if mismatch is not None:
+            raise mismatch
 
     @property
     def kept_bytes(self) -> int:
@@ -103,7 +116,14 @@ def _kernel_call(fn: Any, args: tuple, status: Any) -> None:
 
 def _collective_call(op: Any, args: tuple, kwargs: dict) -> None:
     """A collective issued again on the same tensors, waited for as the eager call was (its peers replay theirs)."""
-    op(*args, **kwargs)[-1].wait()
+    out = op(*args, **kwargs)
+    (out[-1] if isinstance(out, tuple | list) else out).wait()
+
+
+def _fixed_collective(func: Any, args: tuple) -> bool:
+    """Whether a collective's shapes are its tensors' alone: an all-reduce, an all-gather, an all-to-all of equal
+    blocks (no split sizes: those are host values)."""
+    return func in _COLLECTIVES or (func == _ALL_TO_ALL and not args[3] and not args[4])
 
 
 def _out_call(op: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
@@ -162,13 +182,13 @@ class _Recorder(TorchDispatchMode):
             self.refuse(f"{func} depends on tensor values or draws random numbers")
         if func in _BAKED:
             self.refuse(f"{func}: a tensor made from Python values inside the step")
-        if func.namespace == "c10d" and func not in _COLLECTIVES:
+        if func.namespace == "c10d" and not _fixed_collective(func, args):
             self.refuse(f"{func}: a collective whose sizes may be host values")
         out = func(*args, **kwargs)
         if self.refused:
             return out
         self.tape.kept.append((args, kwargs, out))  # every buffer, a kernel's (seen only by its pointer) too
-        if func in _COLLECTIVES:  # in place on tensors the step made before
+        if func.namespace == "c10d":  # in place on tensors the step made before
             self.tape.calls.append(functools.partial(_collective_call, func, args, kwargs))
             return out
         if func.is_view and _aliases(out, args):

@@ -1,4 +1,5 @@
-"""Collectives the model uses: EP all-to-all-v with send-count pre-exchange, CP gather, TP reduce."""
+"""Collectives the model uses: EP all-to-all-v with send-count pre-exchange (or, for padded decode steps, the
+fixed-shape gather and all-to-all), CP gather, TP reduce."""
 
 from __future__ import annotations
 
@@ -34,3 +35,18 @@ def gather_varlen(rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
+
+
+def gather_equal(rows: torch.Tensor, group) -> torch.Tensor:
+    """All-gather of equally many rows from every rank, concatenated in rank order: shapes known without an
+    exchange (a recorded step can replay it)."""
+    parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, rows.contiguous(), group=group)
+    return torch.cat(parts, 0)
+
+
+def all_to_all_equal(rows: torch.Tensor, group) -> torch.Tensor:
+    """The i-th of the world's equal row blocks goes to rank i; block i of the result came from rank i."""
+    out = torch.empty_like(rows)
+    dist.all_to_all_single(out, rows.contiguous(), group=group)
+    return out
