@@ -188,17 +188,21 @@ def _dp_rank(rank: int, world: int, path: str, prompts: list[list[int]], params:
     return tokens == eager, graphs.stats.replays, graphs.stats.captures, graphs.stats.refused
 
 
-@pytest.mark.parametrize("kw", [{}, {"quantization": "w8a8", "kv_cache_dtype": "int8"}, {"sabotage": True}],
-                         ids=["plain", "w8a8-c8", "mismatch"])
+@pytest.mark.parametrize("kw", [{}, {"quantization": "w8a8", "kv_cache_dtype": "int8"}, {"sabotage": True},
+                                {"graph_memory_mb": 0}], ids=["plain", "w8a8-c8", "mismatch", "no-room"])
 def test_dp2_ep2_ranks_pad_to_one_size_and_replay(ckpt, kw):
     """Attention-DP + EP: each rank's batch is its own (3 requests finishing at different steps on rank 0, 2 on
     rank 1, which then idles), all pad to the largest rank's size and exchange experts' rows in fixed shapes, so
     each rank replays its own recordings; the tokens are the eager DP engine's. Hostile: a replay on one rank
-    that meets a kernel returning otherwise makes every rank run that step again eagerly (the tokens hold)."""
+    that meets a kernel returning otherwise makes every rank run that step again eagerly (the tokens hold).
+    Without room for the fixed exchange's buffers the ranks keep the all-to-all-v, eagerly."""
     prompts = _prompts(5, seed=9)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 10, 20, 14, 16)]
     results = run_ranks(_dp_rank, 2, str(ckpt("v32_sparse")), prompts, params, kw)
     for rank, (same, replays, captures, refused) in enumerate(results):
+        if kw.get("graph_memory_mb") == 0:
+            assert same and replays == captures == 0 and not refused
+            continue
         sabotaged = kw.get("sabotage", False) and rank == 0  # its longest-lived key was dropped: eager after
         assert same and captures > 0 and replays > (0 if sabotaged else captures), (rank, replays, captures)
         assert list(refused.values()) == (["sabotaged"] if sabotaged else []), refused
@@ -276,11 +280,13 @@ def _steps(metrics_url: str) -> dict[str, float]:
 
 
 def test_pdserve_up_replays_decode_steps(tmp_path):
-    """Through the command, as a user starts it: the decode instance replays its plain decode steps (its /metrics
-    say so), and the greedy tokens are the in-process engine's (`--enforce-eager` reaching the decode service
-    from `pdserve up` and the chart: tests/test_flags_reachable.py)."""
-    prompts = [list(range(5 + i, 29 + 3 * i)) for i in range(3)]
-    proc = UpProcess(["--model", TINY, "--port", "0", "--http-port", "0"], tmp_path / "logs")
+    """Through the command, as a user starts it, with the decode pool's own shape (attention-DP 2 + EP 2): the
+    decode instance replays its plain decode steps (its /metrics say so), and the greedy tokens are the in-process
+    single-rank engine's (one rank and TP replay through the services too: tests/test_mtp_served.py;
+    `--enforce-eager` reaching the decode service from `pdserve up` and the chart: tests/test_flags_reachable.py)."""
+    prompts = [list(range(5 + i, 29 + 3 * i)) for i in range(4)]
+    proc = UpProcess(["--model", TINY, "--port", "0", "--http-port", "0", "--decode-dp", "2", "--decode-ep", "2"],
+                     tmp_path / "logs")
     try:
         up = proc.start()
         tokens = concurrent_greedy(up.grpc_address, prompts, max_tokens=24)

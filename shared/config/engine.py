@@ -78,8 +78,8 @@ class EngineConfig:
     seed: int = 0
     progress: bool = False
     compile: bool = False  # torch.compile (inductor) the per-token layer parts (norms, MLPs, router); see README
-    enforce_eager: bool = flag(False, "run every decode step eagerly: no recorded steps replayed (one rank's "
-                                      "or local-TP ranks' decode steps are recorded once per padded batch size "
+    enforce_eager: bool = flag(False, "run every decode step eagerly: no recorded steps replayed (decode steps, "
+                                      "on one rank, TP or DP/EP ranks, are recorded once per padded batch size "
                                       "and replayed)")
     graph_memory_mb: int = 2048  # what the recorded decode steps may keep (their intermediates), all together
     quantization: str = flag("auto", "weights: w8a8 quantizes MLA's projections (kv_b aside), the indexer's "

@@ -14,11 +14,16 @@ kernels), so a padded replay gives every real row the eager step's bits.
 The MTP layer's own forwards (its catch-up over each request's accepted positions, its chained single-token
 drafts) are recorded the same way, their input states copied into a static buffer. What stays eager: prompt
 chunks, steps whose requests have different token counts (an MTP step whose requests accepted or draft
-different counts), steps of attention-DP and CP ranks (each rank's batch is its own; TP ranks replay their
-fixed-shape collectives, the same keys on every rank), steps needing a key-axis
+different counts), CP prefill ranks (each rank's batch is its pieces), steps needing a key-axis
 width or batch past the largest size, and any key whose recording was refused or would hold more than
 `graph_memory_mb` (EngineConfig) in all. The backend per device: `shared.device.step_graphs` (the host tape on
 CPU; none yet on CUDA / NPU, which run eagerly).
+
+Parallel ranks: TP ranks replay their fixed-shape collectives (the tape issues them again), meeting the same keys
+at the same steps; they keep a recording only if every rank made one. Attention-DP ranks each have their own
+batch: for a plain decode step on every rank they pad to the largest rank's size (shared.engine.policy.LockStep)
+and take the fixed-shape EP exchange (shared.model.moe.fixed_exchange) whether they replay, record or run eagerly
+(`padded_step`), so each keeps its own recordings.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 
 from shared.device import step_graphs
 from shared.model import ForwardBatch, SeqChunk
-from shared.model.moe import fixed_exchange
+from shared.model.moe import MoE, fixed_exchange
 from shared.model.tape import Tape, TapeMismatch, record
 
 
@@ -90,6 +95,7 @@ class DecodeGraphs:
         self.agree = agree  # whether every rank of the instance says yes (one all-reduce; one rank: its own word)
         # attention-DP ranks: steps padded to a size every rank agreed on, their EP exchange fixed-shape (moe)
         self.padded_exchange = padded_exchange
+        self.moe_layers = sum(isinstance(m, MoE) and m.ep > 1 for m in model.modules())
         self.sizes, self.max_blocks = graph_sizes(max_batch), max_blocks
         self.memory_bytes, self.used_bytes = memory_bytes, 0
         self.graphs: dict[GraphKey, _Graph] = {}
@@ -161,6 +167,13 @@ class DecodeGraphs:
             return None
         self.stats.replays += 1
         return _rows(graph.out, key, len(chunks))
+
+    def exchange_fits(self, size: int, ranks: int) -> bool:
+        """Whether a padded step's fixed EP exchange could be recorded at all: each EP layer keeps every rank's rows
+        (bf16) and their fp32 partial sums out and back, ranks · size · hidden · 10 bytes, within graph_memory_mb.
+        Past it (real shapes: 58 layers, hidden 7,168, 32 ranks → about 15 rows a rank at 2 GiB) the ranks take
+        the all-to-all-v, eagerly, which moves only the rows each rank's experts need."""
+        return size * ranks * self.model.config.hidden_size * 10 * self.moe_layers <= self.memory_bytes
 
     def padded_step(self, key: GraphKey, chunks: list[SeqChunk]) -> Output:
         """An attention-DP rank's step at the agreed size, its EP exchange fixed-shape whether it is replayed,

@@ -112,7 +112,7 @@ class LLMEngine:
         self.default_generator = torch.Generator().manual_seed(config.seed)
         # a scratch block for parallel ranks' dummy batches (DP idle ranks, empty CP shares)
         self.scratch_blocks: list[int] | None = self.kv.ledger.hold_scratch() if self.parallel.is_parallel else None
-        self.graphs = DecodeGraphs.for_engine(self)  # recorded decode steps (one rank or TP, CPU)
+        self.graphs = DecodeGraphs.for_engine(self)  # recorded decode steps (CPU; not on CP ranks)
         self.stepped = False  # whether the last step() ran a forward (a dummy one included)
         self.poison = Poison.from_env()  # fault injection for tests (off unless $PDSERVE_FAULT_POISON is set)
         int8 = any(p.dtype == torch.int8 for p in self.model.parameters())  # W8A8 weights take the int8 kernels

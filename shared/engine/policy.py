@@ -4,7 +4,7 @@ shapes, so one engine loop (shared.engine.core) serves them all.
 * `Solo` — one rank.
 * `LockStep` — attention-DP ranks, each with its own requests; while any rank has work every rank
   steps (an idle one runs a dummy token), so the EP all-to-alls inside the model are always entered
-  by all.
+  by all; plain decode steps on every rank pad to one size and may replay recorded steps.
 * `Mirror` — local-TP ranks: every rank applies every command in the same order, so their schedulers,
   block tables and samplers stay identical; rank 0 alone answers and pushes.
 * `ContextSplit` — CP prefill ranks: mirrored like TP, but each scheduled chunk is cut into zigzag
@@ -36,7 +36,7 @@ class ForwardTarget(Protocol):
     layout: KVLayout
     device: torch.device
     scratch_blocks: list[int] | None
-    graphs: DecodeGraphs | None  # recorded decode steps (one rank or TP, where the device has a backend)
+    graphs: DecodeGraphs | None  # recorded decode steps (where the device has a backend; not on CP ranks)
     expand_from: int  # prompt chunks this long or longer take parts of their own (ForwardBatch.build)
 
     @property
@@ -144,7 +144,8 @@ class LockStep(Solo):
         mine = key.size if key is not None and key.each == key.logits == 1 else 0
         flag = torch.tensor([int(mine == 0), mine])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.state.world_group)
-        return 0 if flag[0] else int(flag[1])
+        size = 0 if flag[0] else int(flag[1])
+        return size if engine.graphs.exchange_fits(size, self.state.config.ep) else 0
 
     def forward_mtp(self, engine: ForwardTarget, chunks: list[SeqChunk], states: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
