@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.draft_tuner import EXPLORE_EVERY, HOLD, MIN_SAMPLES, DraftTuner
+from shared.engine.draft_tuner import EXPLORE_EVERY, HOLD, MIN_SAMPLES, TIE, DraftTuner
 
 DRAFTED, ACCEPTED = [1000, 900, 800], [900, 720, 560]  # acceptance 0.9, 0.8, 0.7 per position
 
@@ -50,3 +50,31 @@ def test_the_cap_bounds_every_choice_and_bad_samples_are_ignored():
     tuner.observe(8, 7, 1.0)
     tuner.observe(8, 3, 1.0, steady=False)
     assert tuner.buckets[(8).bit_length()].samples[3] == 0
+
+
+def test_a_tie_takes_the_fewest_drafts():
+    """Counts within TIE of the fastest are as fast: the fewest drafts among them (switches cost)."""
+    tuner = DraftTuner(1)
+    gain = tuner.tokens_per_request([1000], [700])  # 1.7 tokens a step with one draft
+    for d, cost in ((0, 1.0), (1, 1.7 / (1 + TIE / 2))):  # the draft's tokens a second: TIE / 2 more
+        for _ in range(MIN_SAMPLES):
+            tuner.observe(1, d, cost)
+    assert gain[1] / tuner.buckets[1].costs[1] > 1 and tuner.best(1, [1000], [700]) == 0
+    tuner.observe(1, 1, 1.7 / (1 + 3 * TIE))  # now clearly faster (the average follows)
+    assert tuner.best(1, [1000], [700]) == 1
+
+
+def test_a_counts_old_average_gives_way_to_a_new_tries_samples():
+    """The machine's load drifts between tries: a count sampled again after a gap starts its average anew, so a
+    try is compared with the best's current cost, not with the count's cost from another time."""
+    tuner = DraftTuner(1)
+    for _ in range(8):
+        tuner.observe(1, 0, 1.0)
+    bucket = tuner.buckets[1]
+    assert bucket.costs[0] == pytest.approx(1.0)
+    for _ in range(HOLD + 2):  # steps go by at another count
+        tuner.choose(1, 1, DRAFTED[:1], ACCEPTED[:1])
+    tuner.observe(1, 0, 2.0)
+    assert bucket.costs[0] == pytest.approx(2.0)  # not 0.8 · 1.0 + 0.2 · 2.0
+    tuner.observe(1, 0, 3.0)
+    assert bucket.costs[0] == pytest.approx(2.5)  # then a running mean of the fresh samples

@@ -11,9 +11,10 @@ a step with d drafts yields 1 + a_0 + ... + a_{d-1} tokens per request, and each
 most tokens per second. A position not yet drafted enough is taken to accept like the one before it (the
 first like a sure one), so it is tried. A d without `MIN_SAMPLES` cost samples is tried first; then now and
 then a bucket tries another d for `HOLD` steps (round robin), first every `EXPLORE_EVERY` steps, less often
-each time a try confirms the best (a try costs: its drafts run on an MTP cache with gaps), so a bucket
+each time a try confirms the best (a try costs: its drafts run on an MTP cache with gaps); a try's samples
+replace the tried count's old average (the machine's load drifts between tries), so a bucket
 follows the machine as load changes; d = 0 (a plain step) is always one of the choices, so a bucket where
-drafts lose settles on none.
+drafts lose settles on none, and one where they only tie (within `TIE`) on the fewest.
 
 Measured span (shared.engine.speculative.MtpSpeculator): from the start of the step's catch-up that drafted
 d tokens per request to the end of that catch-up, plus the next step's forward and verification (take_drafts
@@ -32,12 +33,15 @@ HOLD = 3  # steps a try lasts: a switch's first step is not a sample (the MTP la
 MIN_SAMPLES = 2  # cost samples a draft count needs before its average is trusted
 MIN_DRAFTED = 32  # drafts at a position before its measured acceptance is used
 SMOOTHING = 0.2  # weight of a new sample in the average
+TIE = 0.05  # counts within this share of the fastest are as fast: the fewest drafts among them is taken
 
 
 @dataclass
 class _Bucket:
     costs: list[float]  # average seconds per request of a step, per draft count
     samples: list[int]
+    fresh: list[int]  # samples since the count's average restarted (its last sample came steps before)
+    last: list[int]  # the bucket's step count at each count's last sample
     steps: int = 0
     explore_every: int = EXPLORE_EVERY
     next_try: int = 0  # round robin over the other draft counts
@@ -56,7 +60,8 @@ class DraftTuner:
     def _bucket(self, decoding: int) -> _Bucket:
         key = max(1, decoding).bit_length()
         if key not in self.buckets:
-            self.buckets[key] = _Bucket([0.0] * (self.k + 1), [0] * (self.k + 1))
+            self.buckets[key] = _Bucket(*([0.0] * (self.k + 1), [0] * (self.k + 1), [0] * (self.k + 1),
+                                          [0] * (self.k + 1)))
         return self.buckets[key]
 
     def tokens_per_request(self, drafted: list[int], accepted: list[int]) -> list[float]:
@@ -80,8 +85,7 @@ class DraftTuner:
         untried = [d for d in choices if b.samples[d] < MIN_SAMPLES]
         if untried:
             return untried[0]
-        gain = self.tokens_per_request(drafted, accepted)
-        best = max(choices, key=lambda d: gain[d] / b.costs[d])
+        best = _fastest(choices, self.tokens_per_request(drafted, accepted), b.costs)
         if b.trying is not None and b.trying in choices and b.hold > 0:
             b.hold -= 1
             return b.trying
@@ -102,15 +106,26 @@ class DraftTuner:
         if not steady or seconds <= 0 or decoding <= 0 or drafts > self.k:
             return
         b = self._bucket(decoding)
-        cost = seconds / decoding
-        n = b.samples[drafts]
-        b.costs[drafts] = cost if n == 0 else (1 - SMOOTHING) * b.costs[drafts] + SMOOTHING * cost
-        b.samples[drafts] = n + 1
+        if b.steps - b.last[drafts] > HOLD + 1:  # its average is from another time (the machine's load drifts):
+            b.fresh[drafts] = 0  # start it again from this try's samples, compared with the best's current ones
+        b.fresh[drafts] += 1
+        weight = max(SMOOTHING, 1 / b.fresh[drafts])  # a running mean of the fresh samples, then an average
+        b.costs[drafts] = (1 - weight) * b.costs[drafts] + weight * seconds / decoding
+        b.samples[drafts] += 1
+        b.last[drafts] = b.steps
 
     def best(self, decoding: int, drafted: list[int], accepted: list[int]) -> int | None:
         """The draft count a bucket settled on (None before every count has its samples): tests, benches."""
         b = self._bucket(decoding)
         if min(b.samples) < MIN_SAMPLES:
             return None
-        gain = self.tokens_per_request(drafted, accepted)
-        return max(range(self.k + 1), key=lambda d: gain[d] / b.costs[d])
+        return _fastest(list(range(self.k + 1)), self.tokens_per_request(drafted, accepted), b.costs)
+
+
+def _fastest(choices: list[int], gain: list[float], costs: list[float]) -> int:
+    """The draft count with the most tokens a second, or the fewest drafts among those within TIE of it: where
+    drafts only tie a plain step (a batch where they just pay for themselves), the machine's noise would flip
+    the choice back and forth, and every switch costs (the MTP cache has gaps, new shapes get recorded)."""
+    rate = {d: gain[d] / costs[d] for d in choices}
+    top = max(rate.values())
+    return min(d for d in choices if rate[d] * (1 + TIE) >= top)
