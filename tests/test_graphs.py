@@ -56,14 +56,18 @@ def test_replayed_decode_steps_are_the_eager_ones(ckpt, name, kw):
     assert not graphs.stats.refused, graphs.stats.refused
 
 
+def _sampled_and_constrained(n: int, max_tokens: int = 12) -> list[SamplingParams]:
+    """Seeded sampling (top-p, penalties) for all but the last request, a JSON-schema constraint for it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=i, presence_penalty=0.5)
+              for i in range(n - 1)]
+    return params + [SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=StructuredOutput(
+        ConstraintKind.JSON_SCHEMA, json.dumps(schema)))]
+
+
 def test_sampled_and_constrained_requests_replay_alike():
     """Seeded sampling (top-p, penalties) and a JSON-schema constraint: the same tokens with and without graphs."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    prompts = _prompts(6, seed=1)
-    params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=i, presence_penalty=0.5)
-              for i in range(5)]
-    params.append(SamplingParams(max_tokens=12, temperature=0.0,
-                                 structured=StructuredOutput(ConstraintKind.JSON_SCHEMA, json.dumps(schema))))
+    prompts, params = _prompts(6, seed=1), _sampled_and_constrained(6)
     eager, _ = _run(TINY, True, params, prompts)
     replayed, graphs = _run(TINY, False, params, prompts)
     assert replayed == eager and graphs.stats.replays > 0
@@ -122,12 +126,15 @@ def _tp_rank(rank: int, world: int, path: str, prompts: list[list[int]], params:
     ("v32_sparse", {}),
     ("v32_sparse", {"quantization": "w8a8", "kv_cache_dtype": "int8"}),
     (DEMO, {"speculative": "mtp", "num_speculative_tokens": 2}),
+    (TINY, {}),  # seeded sampling with penalties, a JSON schema
 ])
 def test_tp2_ranks_replay_their_collectives(ckpt, name, kw):
     """Local TP: both ranks record and replay the same keys, their all-reduces and all-gathers included; the
     tokens are the eager TP engine's (MTP's: plain greedy decoding's on the same shape)."""
-    path = DEMO if name == DEMO else str(ckpt(name))
+    path = name if name in (DEMO, TINY) else str(ckpt(name))
     params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
+    if name == TINY:
+        params = _sampled_and_constrained(5, max_tokens=16)
     for same, replays, captures, refused in run_ranks(_tp_rank, 2, path, _prompts(5, seed=7), params, kw):
         assert same and not refused, refused
         assert replays > captures > 0, (replays, captures)
@@ -188,17 +195,21 @@ def _dp_rank(rank: int, world: int, path: str, prompts: list[list[int]], params:
     return tokens == eager, graphs.stats.replays, graphs.stats.captures, graphs.stats.refused
 
 
-@pytest.mark.parametrize("kw", [{}, {"quantization": "w8a8", "kv_cache_dtype": "int8"}, {"sabotage": True},
-                                {"graph_memory_mb": 0}], ids=["plain", "w8a8-c8", "mismatch", "no-room"])
+@pytest.mark.parametrize("kw", [{}, {"quantization": "w8a8", "kv_cache_dtype": "int8"}, {"sampled": True},
+                                {"sabotage": True}, {"graph_memory_mb": 0}],
+                         ids=["plain", "w8a8-c8", "sampled-schema", "mismatch", "no-room"])
 def test_dp2_ep2_ranks_pad_to_one_size_and_replay(ckpt, kw):
     """Attention-DP + EP: each rank's batch is its own (3 requests finishing at different steps on rank 0, 2 on
     rank 1, which then idles), all pad to the largest rank's size and exchange experts' rows in fixed shapes, so
     each rank replays its own recordings; the tokens are the eager DP engine's. Hostile: a replay on one rank
     that meets a kernel returning otherwise makes every rank run that step again eagerly (the tokens hold).
     Without room for the fixed exchange's buffers the ranks keep the all-to-all-v, eagerly."""
-    prompts = _prompts(5, seed=9)
+    prompts, path = _prompts(5, seed=9), str(ckpt("v32_sparse"))
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 10, 20, 14, 16)]
-    results = run_ranks(_dp_rank, 2, str(ckpt("v32_sparse")), prompts, params, kw)
+    kw = dict(kw)
+    if kw.pop("sampled", False):  # seeded sampling with penalties, and a JSON schema (rank 0's last request)
+        path, params = TINY, _sampled_and_constrained(5, max_tokens=20)
+    results = run_ranks(_dp_rank, 2, path, prompts, params, kw)
     for rank, (same, replays, captures, refused) in enumerate(results):
         if kw.get("graph_memory_mb") == 0:
             assert same and replays == captures == 0 and not refused
