@@ -289,3 +289,17 @@ def against_limits(limits: MachineLimits, flop_per_s: float, kv_bytes_per_s: flo
     gflops, gbps = flop_per_s / 1e9, kv_bytes_per_s / 1e9
     return (f"{gflops:,.1f} GFLOP/s ({100 * gflops / peak:.0f}% of the {dtype_name} GEMM rate), "
             f"KV read {gbps:,.2f} GB/s ({100 * gbps / limits.copy_gbps:.1f}% of copy bandwidth)")
+
+
+def proxy_shapes(hidden: int) -> dict[str, int]:
+    """DeepSeek-V3's layer shapes scaled to `hidden` (7,168 there): its head dims, latent and rope as they are
+    (kv_lora 512, nope 128, rope 64, v 128), heads, q_lora and the MLPs' widths in proportion (rounded to powers
+    of two or multiples of 512), 64 experts top-8 in 8 groups (a batch of 256 gives each expert 32 rows, as
+    256 experts on 4 EP ranks would); 4 layers, the first dense, vocabulary 1,024 (the head would dominate 4
+    layers at the real 129,280)."""
+    scale = hidden / 7168
+    return {"hidden_size": hidden, "num_attention_heads": max(4, 1 << round(scale * 128).bit_length() - 1),
+            "q_lora_rank": max(64, 512 * round(1536 * scale / 512)), "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": max(512, 512 * round(18432 * scale / 512)),
+            "moe_intermediate_size": max(128, 512 * round(2048 * scale / 512)), "n_routed_experts": 64,
+            "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4}

@@ -3,11 +3,12 @@ checkpoint, same prompts, alternating the systems batch by batch in one run.
 
     python bench/engine_throughput.py [--batches 1,8,64,256] [--prompt-len 128] [--new-tokens 128]
                                       [--dtype bfloat16] [--peer vllm] [--peer transformers] [--peer eager]
-                                      [--model-type deepseek_v3] [--compile]
+                                      [--model-type deepseek_v3] [--compile] [--hidden 2048]
 
 The model is the embedded tiny DeepSeek (hidden 256, 4 layers, kv_lora 512, rope 64, 8 experts
 top-2), which vLLM's CPU MLA backend accepts; vLLM does not run the V3.2 indexer, so its rows use
-deepseek_v3 (`--model-type deepseek_v32` measures pdserve's sparse path alone). Greedy, ignore_eos.
+deepseek_v3 (`--model-type deepseek_v32` measures pdserve's sparse path alone); `--hidden H` generates a
+proxy of DeepSeek's layer shapes at hidden H instead (proxy_shapes). Greedy, ignore_eos.
 `--peer vllm` installs vLLM into its own venv on first use (bench/peers). Prints a table of tok/s
 and ratios and saves bench/out/engine_throughput.png. Under the table: this machine's GEMM rate and copy
 bandwidth (bench.common.MachineLimits) and, per batch, the FLOP/s and KV bytes/s pdserve's runs imply
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import OUT, MachineLimits, TokenCost, against_limits, line_plot, table
+from bench.common import OUT, MachineLimits, TokenCost, against_limits, line_plot, proxy_shapes, table
 from bench.peers import VLLM_CONFIG, VllmOffline
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-type", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32"])
     p.add_argument("--compile", action="store_true", help="pdserve with torch.compile of the per-token parts")
+    p.add_argument("--hidden", type=int, default=0, help="a proxy of DeepSeek-V3's layer shapes at this hidden size "
+                                                         "(proxy_shapes) instead of the tiny model")
     p.add_argument("--rounds", type=int, default=1,
                    help="alternate the systems this many times per batch; the table shows medians (and ranges)")
     p.add_argument("--peer", action="append", choices=["vllm", "transformers", "eager", "none"], default=None,
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ratios: list[list[float]] = []  # per batch, per peer: the median of the rounds' pdserve / peer
     with tempfile.TemporaryDirectory() as tmp:
         extra = {"index_topk": 64} if args.model_type == "deepseek_v32" else VLLM_CONFIG
+        extra = {**extra, **proxy_shapes(args.hidden)} if args.hidden else extra
         path = write_checkpoint(Path(tmp) / args.model_type, args.model_type, tokenizer=False, **extra)
         llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(batches), compile=args.compile)
         run_pdserve(llm, [[5, 6, 7, 8]], 4)  # warm-up
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
             row += [results[peer][i]] + ([spans[peer][i]] if args.rounds > 1 else []) + [f"{ratios[i][j]:.2f}x"]
         rows.append(row)
     print()
-    print(f"{args.model_type}, {args.dtype}, {args.prompt_len}-token prompts → {args.new_tokens} tokens, "
+    shape = f", hidden {args.hidden} proxy ({proxy_shapes(args.hidden)})" if args.hidden else ""
+    print(f"{args.model_type}{shape}, {args.dtype}, {args.prompt_len}-token prompts → {args.new_tokens} tokens, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} alternating round(s) per batch")
     print(table(headers, rows))
     limits = MachineLimits.measure()

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.common import OUT, eager_steps, table
+from bench.common import OUT, eager_steps, proxy_shapes, table
 from bench.peers import VLLM_CONFIG
 from shared.engine import LLM, SamplingParams
 from shared.loader.tiny import write_checkpoint
@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-type", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v32"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--hidden", type=int, default=0, help="a proxy of DeepSeek-V3's layer shapes at this hidden size "
+                                                         "(bench.common.proxy_shapes) instead of the tiny model")
     p.add_argument("--label", default="", help="suffix of the output files (e.g. before / after)")
     p.add_argument("--enforce-eager", action="store_true", help="every step eagerly (default: plain decode steps "
                                                                 "replay recorded ones, as the engine ships)")
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         extra = {"index_topk": 64} if args.model_type == "deepseek_v32" else VLLM_CONFIG
+        extra = {**extra, **proxy_shapes(args.hidden)} if args.hidden else extra
         path = write_checkpoint(Path(tmp) / args.model_type, args.model_type, tokenizer=False, **extra)
         llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(batches), enforce_eager=args.enforce_eager)
         results = []
