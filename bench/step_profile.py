@@ -181,7 +181,8 @@ def profile_batch(llm: LLM, batch: int, prompt_len: int, steps: int) -> tuple[fl
         eng.step()
     own = classify(prof.events())
     step_ms = 1e3 * statistics.median(wall)
-    if graphs is not None:  # replayed: the recorded calls' own time split as the eager ops', sampling as it ran
+    if calls_ms > 0:  # replayed: the recorded calls' own time split as the eager ops', sampling as it ran
+        # (a key whose recording was refused, past graph_memory_mb at a large model's batch, ran eagerly: below)
         sampling = 1e3 * own.get("sampling", 0.0) / steps  # after the forward, outside the recording
         total = sum(v for k, v in own.items() if k != "sampling")
         inside = min(calls_ms, step_ms - sampling)  # (each call's timer costs a little: never past the wall)

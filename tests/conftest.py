@@ -23,6 +23,8 @@ CHECKPOINTS = {
     "v32_yarn": ("deepseek_v32", dict(index_topk=12, rope_parameters=YARN)),
     "v3": ("deepseek_v3", {}),
     "v32_4layers": ("deepseek_v32", dict(index_topk=8, num_hidden_layers=4)),
+    # experts past moe_kernels.BF16_EXPERT_MAX in bf16 (as DeepSeek's): oneDNN's grouped GEMMs, not the kernel
+    "v3_wide_experts": ("deepseek_v3", dict(hidden_size=512, moe_intermediate_size=256)),
 }
 
 

@@ -43,6 +43,7 @@ def _run(path, eager: bool, params: list[SamplingParams], prompts: list[list[int
     ("v3", {"quantization": "w8a8"}),
     ("v32_dense", {"kv_cache_dtype": "int8"}),
     ("v32_dense", {"dtype": "float32"}),
+    ("v3_wide_experts", {"dtype": "bfloat16"}),  # bf16 experts through oneDNN's grouped GEMMs (DeepSeek's sizes take that path)
 ])
 def test_replayed_decode_steps_are_the_eager_ones(ckpt, name, kw):
     """13 requests of different lengths finishing at different steps (the batch pads to 16, then 8, 4, 2, 1):

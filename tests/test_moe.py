@@ -144,3 +144,32 @@ def test_padded_expert_slots_contribute_nothing(ckpt):
     padded_ids = torch.cat([ids, torch.full((6, 1), -1)], 1)
     padded_w = torch.cat([w, torch.zeros(6, 1)], 1)
     assert torch.allclose(experts(x, padded_ids, padded_w, padded=True), experts(x, ids, w), atol=1e-5)
+
+
+def test_a_decode_steps_large_bf16_experts_read_nothing_back_and_keep_their_bits():
+    """bf16 experts past moe_kernels.BF16_EXPERT_MAX (DeepSeek's) take oneDNN's grouped GEMMs, whose group sizes
+    the host buckets (a count read back). A decode step's rows (`static`) give every group one zero row more
+    instead: the same bits as the bucketed groups (a group of one never runs as oneDNN's GEMV), no read back, so a
+    recorded step takes it and replays it on other picks."""
+    from shared.model import moe_kernels
+    from shared.model.moe import Experts
+    from shared.model.tape import record
+
+    torch.manual_seed(0)
+    experts = Experts(16, 512, 256, torch.bfloat16, first_expert=0, num_local=16, fmt=None)
+    assert 512 * 256 > moe_kernels.BF16_EXPERT_MAX
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.02)
+        experts.down_proj.normal_(0, 0.02)
+    for m in (1, 2, 5, 17, 64):
+        rows, ids = torch.randn(m, 512).bfloat16(), torch.randint(0, 16, (m,))
+        for padded in (False, True):
+            picks = torch.where(torch.rand(m) < 0.3, 19, ids) if padded else ids  # EP: foreign picks
+            assert torch.equal(experts.run(rows, picks, padded, static=True), experts.run(rows, picks, padded))
+    x, ids, weights = torch.randn(6, 512).bfloat16(), torch.randint(0, 16, (6, 4)), torch.rand(6, 4)
+    with torch.inference_mode():
+        out, recording = record(lambda: experts(x, ids, weights, generated=6))
+        assert recording.tape is not None, recording.refused
+        ids.copy_(torch.randint(0, 16, (6, 4)))  # other picks, other group sizes
+        recording.tape.replay()
+        assert torch.equal(out, experts(x, ids, weights, generated=6))

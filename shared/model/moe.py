@@ -109,18 +109,32 @@ class Experts(nn.Module):
             grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets)
             grouped_mm(rows.new_zeros(size, self.inter), self.down_proj.transpose(1, 2), offsets)
 
-    def run(self, rows: torch.Tensor, local_ids: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    def run(self, rows: torch.Tensor, local_ids: torch.Tensor, padded: bool = False, static: bool = False
+            ) -> torch.Tensor:
         """Unweighted expert outputs for rows [M, D] routed to local experts `local_ids` [M]. With
         `padded`, ids outside 0..E_local-1 mark padding slots (EP: picks held by other ranks): their
         output is zero; without, every id must be local (one rank holds every expert). On the host a row alone
-        in its expert's group goes in twice (see below): a row's result does not depend on the other rows."""
+        in its expert's group goes in twice (see below): a row's result does not depend on the other rows.
+        `static` (a decode step's rows): no count is read back, so a recorded step can take it (see below)."""
         valid = (local_ids >= 0) & (local_ids < self.num_local) if padded else None
         key = local_ids if valid is None else torch.where(valid, local_ids, self.num_local)  # padding sorts last
         counts = torch.zeros(self.num_local + 1, dtype=torch.long, device=rows.device)
         counts.index_add_(0, key, torch.ones_like(key))  # bincount would read the max back on accelerators
         kind = self.fmt.kind if self.fmt is not None else None
         wanted = rows.shape[0]
-        if kind is None and on_host(rows):
+        if kind is None and on_host(rows) and static and self.gate_up_proj.dtype in BUCKETED_GEMM_DTYPES:
+            # every picked expert's group one row more, a zero row (its output dropped; an unpicked expert's
+            # extra row sorts past the last group, as padding does, so it computes nothing): no group runs as one
+            # row, so every row has the bits the bucketed groups below give it (oneDNN's GEMM rows do not depend
+            # on the row count from 2), and the shapes are the step's alone: nothing read back (a decode step is
+            # recorded whatever its experts' sizes: shared.model.tape). Its group sizes are not bucketed: oneDNN
+            # builds a primitive per new size once (a decode batch's sizes are few)
+            picked = counts[: self.num_local] > 0
+            extra = torch.where(picked, torch.arange(self.num_local, device=rows.device), self.num_local)
+            rows, key = torch.cat([rows, rows.new_zeros(self.num_local, rows.shape[1])]), torch.cat([key, extra])
+            valid = None if valid is None else torch.cat([valid, picked])
+            counts[: self.num_local] += picked
+        elif kind is None and on_host(rows):
             # each group at host_gemm_rows' row count, its first row repeated: oneDNN builds no new primitive
             # per group size, and a group of one row goes in twice (oneDNN's one-row GEMV rounds otherwise than
             # its GEMM at some shapes, DeepSeek's experts), so a token's expert output does not depend on how
@@ -183,13 +197,15 @@ class Experts(nn.Module):
         if fused is not None:
             return fused
         local = ids - self.first_expert if self.first_expert else ids
+        static = isinstance(generated, int) and generated == x.shape[0]  # a decode step's rows (may be recorded)
         return ops.routed_experts(x, local, weights, generated if self.fmt is None else None, self.gate_up_proj,
-                                  self.down_proj, functools.partial(self._weighted, padded=padded))
+                                  self.down_proj, functools.partial(self._weighted, padded=padded, static=static))
 
-    def _weighted(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, padded: bool) -> torch.Tensor:
+    def _weighted(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, padded: bool,
+                  static: bool = False) -> torch.Tensor:
         """The portable weighted sum: every pick through run() (grouped matmuls), then summed in pick order."""
         n, k = local_ids.shape
-        out = self.run(x.repeat_interleave(k, 0), local_ids.flatten(), padded)  # [N·k, D]
+        out = self.run(x.repeat_interleave(k, 0), local_ids.flatten(), padded, static)  # [N·k, D]
         return (out.view(n, k, x.shape[1]).float() * weights[..., None]).sum(1)
 
 
