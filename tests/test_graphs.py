@@ -43,7 +43,7 @@ def _run(path, eager: bool, params: list[SamplingParams], prompts: list[list[int
     ("v3", {"quantization": "w8a8"}),
     ("v32_dense", {"kv_cache_dtype": "int8"}),
     ("v32_dense", {"dtype": "float32"}),
-    ("v3_wide_experts", {"dtype": "bfloat16"}),  # bf16 experts through oneDNN's grouped GEMMs (DeepSeek's sizes take that path)
+    ("v3_wide_experts", {"dtype": "bfloat16"}),  # bf16 experts through oneDNN's grouped GEMMs (DeepSeek's sizes)
 ])
 def test_replayed_decode_steps_are_the_eager_ones(ckpt, name, kw):
     """13 requests of different lengths finishing at different steps (the batch pads to 16, then 8, 4, 2, 1):
@@ -125,8 +125,7 @@ def _tp_rank(rank: int, world: int, path: str, prompts: list[list[int]], params:
 
 @pytest.mark.parametrize("name, kw", [
     ("v32_sparse", {}),
-    ("v32_sparse", {"quantization": "w8a8", "kv_cache_dtype": "int8"}),
-    (DEMO, {"speculative": "mtp", "num_speculative_tokens": 2}),
+    (DEMO, {"speculative": "mtp", "num_speculative_tokens": 2, "quantization": "w8a8", "kv_cache_dtype": "int8"}),
     (TINY, {}),  # seeded sampling with penalties, a JSON schema
 ])
 def test_tp2_ranks_replay_their_collectives(ckpt, name, kw):
@@ -196,9 +195,9 @@ def _dp_rank(rank: int, world: int, path: str, prompts: list[list[int]], params:
     return tokens == eager, graphs.stats.replays, graphs.stats.captures, graphs.stats.refused
 
 
-@pytest.mark.parametrize("kw", [{}, {"quantization": "w8a8", "kv_cache_dtype": "int8"}, {"sampled": True},
-                                {"sabotage": True}, {"graph_memory_mb": 0}],
-                         ids=["plain", "w8a8-c8", "sampled-schema", "mismatch", "no-room"])
+@pytest.mark.parametrize("kw", [{}, {"quantization": "w8a8", "kv_cache_dtype": "int8", "sabotage": True},
+                                {"sampled": True}, {"graph_memory_mb": 0}],
+                         ids=["plain", "w8a8-c8-mismatch", "sampled-schema", "no-room"])
 def test_dp2_ep2_ranks_pad_to_one_size_and_replay(ckpt, kw):
     """Attention-DP + EP: each rank's batch is its own (3 requests finishing at different steps on rank 0, 2 on
     rank 1, which then idles), all pad to the largest rank's size and exchange experts' rows in fixed shapes, so
