@@ -196,19 +196,24 @@ def _dp_rank(rank: int, world: int, path: str, prompts: list[list[int]], params:
 
 
 @pytest.mark.parametrize("kw", [{}, {"quantization": "w8a8", "kv_cache_dtype": "int8", "sabotage": True},
-                                {"sampled": True}, {"graph_memory_mb": 0}],
-                         ids=["plain", "w8a8-c8-mismatch", "sampled-schema", "no-room"])
+                                {"sampled": True}, {"speculative": "mtp", "num_speculative_tokens": 2},
+                                {"graph_memory_mb": 0}],
+                         ids=["plain", "w8a8-c8-mismatch", "sampled-schema", "mtp", "no-room"])
 def test_dp2_ep2_ranks_pad_to_one_size_and_replay(ckpt, kw):
     """Attention-DP + EP: each rank's batch is its own (3 requests finishing at different steps on rank 0, 2 on
     rank 1, which then idles), all pad to the largest rank's size and exchange experts' rows in fixed shapes, so
     each rank replays its own recordings; the tokens are the eager DP engine's. Hostile: a replay on one rank
     that meets a kernel returning otherwise makes every rank run that step again eagerly (the tokens hold).
+    With MTP the verification steps (1 + K tokens a request, and their hidden states) are replayed alike.
     Without room for the fixed exchange's buffers the ranks keep the all-to-all-v, eagerly."""
     prompts, path = _prompts(5, seed=9), str(ckpt("v32_sparse"))
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 10, 20, 14, 16)]
     kw = dict(kw)
     if kw.pop("sampled", False):  # seeded sampling with penalties, and a JSON schema (rank 0's last request)
         path, params = TINY, _sampled_and_constrained(5, max_tokens=20)
+    if "speculative" in kw:  # MTP verification steps (the idle rank's dummy takes their shape) on the demo model
+        path = DEMO  # (its drafts are accepted: about 2.3 tokens a step, so three times the tokens)
+        params = [SamplingParams(max_tokens=3 * p.max_tokens, temperature=0.0, ignore_eos=True) for p in params]
     results = run_ranks(_dp_rank, 2, path, prompts, params, kw)
     for rank, (same, replays, captures, refused) in enumerate(results):
         if kw.get("graph_memory_mb") == 0:

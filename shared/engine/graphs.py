@@ -21,7 +21,8 @@ CPU; none yet on CUDA / NPU, which run eagerly).
 
 Parallel ranks: TP ranks replay their fixed-shape collectives (the tape issues them again), meeting the same keys
 at the same steps; they keep a recording only if every rank made one. Attention-DP ranks each have their own
-batch: for a plain decode step on every rank they pad to the largest rank's size (shared.engine.policy.LockStep)
+batch: for a decode step of the same shape on every rank (a plain decode, an MTP verification) they pad to the
+largest rank's size (shared.engine.policy.LockStep)
 and take the fixed-shape EP exchange (shared.model.moe.fixed_exchange) whether they replay, record or run eagerly
 (`padded_step`), so each keeps its own recordings.
 """
@@ -142,7 +143,7 @@ class DecodeGraphs:
         """The step's logits [rows, vocab] (with `hidden`, and every token's post-norm state [tokens, H]: what MTP
         drafts from) from a recording (made on a key's second step), or None: the caller runs it eagerly. With
         `mtp_input` (the states h_j of the chunks' tokens), the MTP layer's forward instead: its logits and g_j.
-        With `size` (attention-DP ranks: the padded size every rank agreed on for this plain decode step), never
+        With `size` (attention-DP ranks: the padded size every rank agreed on for this decode step), never
         None: the step runs padded to it, replayed, recorded or eagerly (`padded_step`)."""
         if size is not None:
             return self.padded_step(replace(self.key(chunks, hidden, False), size=size), chunks)

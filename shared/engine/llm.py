@@ -294,14 +294,16 @@ class LLMEngine:
     def dummy_step(self) -> None:
         """A one-token forward into a scratch block, for a parallel rank with nothing to do: every
         rank must enter the same collectives (EP all-to-all, layer-sharding broadcasts) each step."""
-        self.policy.forward(self, [self.dummy_chunk()])  # a generated token: DP ranks may replay its step
+        tokens = 1 + (self.speculator.k if self.speculator is not None else 0)  # a drafting rank's verification
+        self.policy.forward(self, [self.dummy_chunk(tokens)], return_hidden=tokens > 1)  # (DP ranks may replay it)
         if self.speculator is not None:  # and the MTP forwards a drafting rank runs
             self.speculator.dummy(self.speculator.k)
 
-    def dummy_chunk(self) -> SeqChunk:
-        """One generated token at position 0 of the scratch block (its logits are dropped)."""
+    def dummy_chunk(self, tokens: int = 1) -> SeqChunk:
+        """Generated tokens from position 0 of the scratch block, each with logits (all dropped)."""
         self.scratch_blocks = self.scratch_blocks or self.kv.ledger.hold_scratch()
-        return SeqChunk([0], 0, self.scratch_blocks, generated=True)
+        tokens = min(tokens, len(self.scratch_blocks) * self.layout.block_size)
+        return SeqChunk([0] * tokens, 0, self.scratch_blocks, num_logits=tokens, generated=True)
 
     def step_chunks(self, chunks: list[ScheduledChunk], observer: StepObserver | None = None) -> list[StepEvent]:
         """The one step body, whatever the service or shape: forward → sample → append.

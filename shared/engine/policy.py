@@ -4,7 +4,7 @@ shapes, so one engine loop (shared.engine.core) serves them all.
 * `Solo` — one rank.
 * `LockStep` — attention-DP ranks, each with its own requests; while any rank has work every rank
   steps (an idle one runs a dummy token), so the EP all-to-alls inside the model are always entered
-  by all; plain decode steps on every rank pad to one size and may replay recorded steps.
+  by all; decode steps of one shape on every rank pad to one size and may replay recorded steps.
 * `Mirror` — local-TP ranks: every rank applies every command in the same order, so their schedulers,
   block tables and samplers stay identical; rank 0 alone answers and pushes.
 * `ContextSplit` — CP prefill ranks: mirrored like TP, but each scheduled chunk is cut into zigzag
@@ -117,9 +117,10 @@ class Solo:
 
 
 class LockStep(Solo):
-    """Attention-DP: every rank has its own batch; all step while any has work. Where every rank's step is a plain
-    decode step (an idle rank's dummy token is one), all pad to the largest rank's graph size and run it with the
-    fixed-shape EP exchange, replayed where recorded (shared.engine.graphs); any other step runs eagerly on all."""
+    """Attention-DP: every rank has its own batch; all step while any has work. Where every rank's step is a decode
+    step of the same tokens per request (a plain decode or an MTP verification of K drafts; an idle rank's dummy
+    takes that shape), all pad to the largest rank's graph size and run it with the fixed-shape EP exchange,
+    replayed where recorded (shared.engine.graphs); any other step, and the MTP layer's forwards, run eagerly."""
 
     lockstep = True
 
@@ -130,22 +131,25 @@ class LockStep(Solo):
 
     def forward(self, engine: ForwardTarget, chunks: list[SeqChunk], layer_done: Callable[[int], None] | None = None,
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        size = self.common_size(engine, chunks, layer_done is None and not return_hidden)
+        size = self.common_size(engine, chunks, return_hidden, layer_done is None)
         if size:
-            return engine.graphs.forward(chunks, size=size)
+            return engine.graphs.forward(chunks, return_hidden, size=size)
         return self.eager_forward(engine, chunks, layer_done, return_hidden)
 
-    def common_size(self, engine: ForwardTarget, chunks: list[SeqChunk], plain: bool) -> int:
-        """The graph size every rank pads this step to (one all-reduce), 0 where any rank's step is not a plain
-        decode step a recording could take."""
+    def common_size(self, engine: ForwardTarget, chunks: list[SeqChunk], hidden: bool, usable: bool) -> int:
+        """The graph size every rank pads this step to (one all-reduce), 0 where any rank's step is not a decode
+        step a recording could take or the ranks' steps differ in tokens per request or in returning the hidden
+        states (a plain decode: 1 token; an MTP verification: 1 + K and its states, an idle rank's dummy alike)."""
         if engine.graphs is None:
             return 0
-        key = engine.graphs.key(chunks, False, False) if plain else None
-        mine = key.size if key is not None and key.each == key.logits == 1 else 0
-        flag = torch.tensor([int(mine == 0), mine])
+        key = engine.graphs.key(chunks, hidden, False) if usable else None
+        each = key.each if key is not None else 0
+        flag = torch.tensor([int(key is None), key.size if key else 0, each, -each, int(hidden), -int(hidden)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.state.world_group)
-        size = 0 if flag[0] else int(flag[1])
-        return size if engine.graphs.exchange_fits(size, self.state.config.ep) else 0
+        if flag[0] or flag[2] != -flag[3] or flag[4] != -flag[5]:
+            return 0
+        size = int(flag[1])
+        return size if engine.graphs.exchange_fits(size * each, self.state.config.ep) else 0
 
     def forward_mtp(self, engine: ForwardTarget, chunks: list[SeqChunk], states: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
