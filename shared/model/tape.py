@@ -6,7 +6,8 @@ the kernels a step launches and relaunching them with the same pointers. `record
 host: while a function runs once (eagerly, its result is a normal result), every torch op that computes
 something (its `out=` form, writing the same output tensor again) and every call into the C kernel
 libraries (the same entry point with the same arguments) and every fixed-shape collective (a TP all-reduce or
-all-gather, issued again and waited for: the peers replay theirs in the same order) is appended to a `Tape`;
+all-gather, a DP step's all-to-all of equal blocks: issued again and waited for, the peers replay theirs in the
+same order) is appended to a `Tape`;
 views and allocations are not, since the tape keeps every tensor it touched alive, so every pointer stays
 valid and every view still sees its storage. `Tape.replay()` then runs that list: the same kernels on the same buffers,
 bit for bit what the function computes on whatever the caller wrote into its input tensors first.
@@ -41,8 +42,8 @@ _INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, tor
              torch.ops.aten._index_put_impl_.default}
 _CASTS = {torch.ops.aten._to_copy, torch.ops.aten.to}
 _BAKED = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}  # torch.tensor(python data)
-# collectives whose shapes are their tensors' (a TP all-reduce, an all-gather of equal parts): replayed and waited
-# for; any other (an all-to-all-v's split sizes are host values) is refused
+# collectives whose shapes are their tensors' (a TP all-reduce, an all-gather of equal parts; an all-to-all without
+# split sizes, _fixed_collective): replayed and waited for; any other (an all-to-all-v's sizes are host values) refused
 _COLLECTIVES = ({torch.ops.c10d.allreduce_.default, torch.ops.c10d.allgather_.default}
                 if torch.distributed.is_available() else set())
 _ALL_TO_ALL = torch.ops.c10d.alltoall_base_.default if torch.distributed.is_available() else None  # equal splits only
