@@ -32,13 +32,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.device import step_graphs
 from shared.model import ForwardBatch, SeqChunk
-from shared.model.moe import MoE, fixed_exchange
+from shared.model.moe import ep_layers, fixed_exchange
 from shared.model.tape import Tape, TapeMismatch, record
 
 
@@ -96,7 +96,7 @@ class DecodeGraphs:
         self.agree = agree  # whether every rank of the instance says yes (one all-reduce; one rank: its own word)
         # attention-DP ranks: steps padded to a size every rank agreed on, their EP exchange fixed-shape (moe)
         self.padded_exchange = padded_exchange
-        self.moe_layers = sum(isinstance(m, MoE) and m.ep > 1 for m in model.modules())
+        self.ep_layers = ep_layers(model)  # found once: the fixed exchange is switched on around each padded step
         self.sizes, self.max_blocks = graph_sizes(max_batch), max_blocks
         self.memory_bytes, self.used_bytes = memory_bytes, 0
         self.graphs: dict[GraphKey, _Graph] = {}
@@ -138,15 +138,12 @@ class DecodeGraphs:
         return GraphKey(self.sizes[i], *shape, blocks, self.model.context_bound(context, blocks * self.block_size),
                         hidden, mtp)
 
-    def forward(self, chunks: list[SeqChunk], hidden: bool = False, mtp_input: torch.Tensor | None = None,
-                size: int | None = None) -> Output | None:
+    def forward(self, chunks: list[SeqChunk], hidden: bool = False, mtp_input: torch.Tensor | None = None
+                ) -> Output | None:
         """The step's logits [rows, vocab] (with `hidden`, and every token's post-norm state [tokens, H]: what MTP
         drafts from) from a recording (made on a key's second step), or None: the caller runs it eagerly. With
         `mtp_input` (the states h_j of the chunks' tokens), the MTP layer's forward instead: its logits and g_j.
-        With `size` (attention-DP ranks: the padded size every rank agreed on for this decode step), never
-        None: the step runs padded to it, replayed, recorded or eagerly (`padded_step`)."""
-        if size is not None:
-            return self.padded_step(replace(self.key(chunks, hidden, False), size=size), chunks)
+        (Attention-DP ranks take `padded_step` instead, with the key every rank agreed on.)"""
         key = self.key(chunks, hidden, mtp_input is not None)
         if key is None or key in self.stats.refused:
             self.stats.eager += 1
@@ -174,7 +171,7 @@ class DecodeGraphs:
         (bf16) and their fp32 partial sums out and back, ranks · size · hidden · 10 bytes, within graph_memory_mb.
         Past it (real shapes: 58 layers, hidden 7,168, 32 ranks → about 15 rows a rank at 2 GiB) the ranks take
         the all-to-all-v, eagerly, which moves only the rows each rank's experts need."""
-        return size * ranks * self.model.config.hidden_size * 10 * self.moe_layers <= self.memory_bytes
+        return size * ranks * self.model.config.hidden_size * 10 * len(self.ep_layers) <= self.memory_bytes
 
     def padded_step(self, key: GraphKey, chunks: list[SeqChunk]) -> Output:
         """An attention-DP rank's step at the agreed size, its EP exchange fixed-shape whether it is replayed,
@@ -232,7 +229,7 @@ class DecodeGraphs:
 
     def _run(self, key: GraphKey, static: ForwardBatch, states: torch.Tensor | None) -> Output:
         """The model (or its MTP layer) on a static batch, eagerly (DP ranks: with the fixed EP exchange)."""
-        with torch.inference_mode(), fixed_exchange(self.model) if self.padded_exchange else nullcontext():
+        with torch.inference_mode(), fixed_exchange(self.ep_layers) if self.padded_exchange else nullcontext():
             if states is None:
                 return self.model(static, self.kv, None, key.hidden)
             return self.model.forward_mtp(static, self.kv, states)

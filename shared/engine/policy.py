@@ -15,12 +15,13 @@ shapes, so one engine loop (shared.engine.core) serves them all.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from shared.engine.graphs import DecodeGraphs
+from shared.engine.graphs import DecodeGraphs, GraphKey
 from shared.kvcache import KVCache, KVLayout
 from shared.model import ForwardBatch, SeqChunk
 from shared.model.cp import build_cp_batch, piece_logits, zigzag_ranges
@@ -131,25 +132,27 @@ class LockStep(Solo):
 
     def forward(self, engine: ForwardTarget, chunks: list[SeqChunk], layer_done: Callable[[int], None] | None = None,
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        size = self.common_size(engine, chunks, return_hidden, layer_done is None)
-        if size:
-            return engine.graphs.forward(chunks, return_hidden, size=size)
+        key = self.common_key(engine, chunks, return_hidden, layer_done is None)
+        if key is not None:
+            return engine.graphs.padded_step(key, chunks)
         return self.eager_forward(engine, chunks, layer_done, return_hidden)
 
-    def common_size(self, engine: ForwardTarget, chunks: list[SeqChunk], hidden: bool, usable: bool) -> int:
-        """The graph size every rank pads this step to (one all-reduce), 0 where any rank's step is not a decode
-        step a recording could take or the ranks' steps differ in tokens per request or in returning the hidden
-        states (a plain decode: 1 token; an MTP verification: 1 + K and its states, an idle rank's dummy alike)."""
+    def common_key(self, engine: ForwardTarget, chunks: list[SeqChunk], hidden: bool, usable: bool
+                   ) -> GraphKey | None:
+        """This rank's graph key at the size every rank pads this step to (one all-reduce), None where any rank's
+        step is not a decode step a recording could take or the ranks' steps differ in tokens per request or in
+        returning the hidden states (a plain decode: 1 token; an MTP verification: 1 + K and its states, an idle
+        rank's dummy alike)."""
         if engine.graphs is None:
-            return 0
+            return None
         key = engine.graphs.key(chunks, hidden, False) if usable else None
         each = key.each if key is not None else 0
         flag = torch.tensor([int(key is None), key.size if key else 0, each, -each, int(hidden), -int(hidden)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.state.world_group)
         if flag[0] or flag[2] != -flag[3] or flag[4] != -flag[5]:
-            return 0
+            return None
         size = int(flag[1])
-        return size if engine.graphs.exchange_fits(size * each, self.state.config.ep) else 0
+        return replace(key, size=size) if engine.graphs.exchange_fits(size * each, self.state.config.ep) else None
 
     def forward_mtp(self, engine: ForwardTarget, chunks: list[SeqChunk], states: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -336,11 +336,15 @@ def _untraced(event: str) -> None:
     """MoE.trace when nobody listens."""
 
 
+def ep_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE layers whose experts are split over EP ranks (the ones with an exchange)."""
+    return [m for m in model.modules() if isinstance(m, MoE) and m.ep > 1]
+
+
 @contextmanager
-def fixed_exchange(model: nn.Module) -> Iterator[None]:
-    """Inside: the model's EP layers take the fixed-shape exchange (MoE._forward_ep_fixed); every EP rank must
-    run the step padded to the same rows."""
-    layers = [m for m in model.modules() if isinstance(m, MoE) and m.ep > 1]
+def fixed_exchange(layers: list[MoE]) -> Iterator[None]:
+    """Inside: these EP layers (ep_layers) take the fixed-shape exchange (MoE._forward_ep_fixed); every EP rank
+    must run the step padded to the same rows."""
     for m in layers:
         m.fixed_exchange = True
     try:
