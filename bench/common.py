@@ -223,8 +223,8 @@ class MachineLimits:
         flops = 2.0 * gemm**3
         a32, b32 = torch.randn(gemm, gemm), torch.randn(gemm, gemm)
         a16, b16 = a32.bfloat16(), b32.bfloat16()
-        src = torch.empty(copy_mib << 20, dtype=torch.uint8)
-        dst = torch.empty_like(src)
+        src = torch.ones(copy_mib << 20, dtype=torch.uint8)  # written: pages never touched all read the zero page
+        dst = torch.ones_like(src)
         return cls(threads=torch.get_num_threads(), fp32_gflops=flops / best_seconds(lambda: a32 @ b32, rounds) / 1e9,
                    bf16_gflops=flops / best_seconds(lambda: a16 @ b16, rounds) / 1e9,
                    copy_gbps=2 * src.numel() / best_seconds(lambda: dst.copy_(src), rounds) / 1e9)
@@ -284,7 +284,14 @@ class TokenCost:
 
 def against_limits(limits: MachineLimits, flop_per_s: float, kv_bytes_per_s: float, dtype_name: str) -> str:
     """The rates a measured run implies, as shares of the machine's GEMM rate in the dtype the model computes
-    in (`bfloat16` or `float32`) and of its copy bandwidth."""
+    in and of its copy bandwidth. A `bfloat16` model computes in bf16 where the CPU multiplies bf16, else in fp32
+    (shared.device.compute_dtype: its matmul weights are kept as fp32 copies), so that rate is its limit."""
+    import torch
+
+    from shared.device import compute_dtype
+
+    if dtype_name == "bfloat16" and compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32:
+        dtype_name = "float32 (a bf16 model on a CPU without bf16 arithmetic)"
     peak = limits.bf16_gflops if dtype_name == "bfloat16" else limits.fp32_gflops
     gflops, gbps = flop_per_s / 1e9, kv_bytes_per_s / 1e9
     return (f"{gflops:,.1f} GFLOP/s ({100 * gflops / peak:.0f}% of the {dtype_name} GEMM rate), "

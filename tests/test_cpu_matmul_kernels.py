@@ -96,10 +96,11 @@ def test_bf16_linear_rows_are_batch_invariant():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("groups", [(2, 1, 2, 8), (1, 1, 2, 8), (4, 2, 4, 16)])  # n_group, topk_group, top_k, E
-def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
+def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups, monkeypatch):
     """The fused router + routed + shared experts picks moe.Gate's experts and gives moe.MoE's portable
     output (bf16: within a rounding step; fp32: to rounding) for the generated rows of a step, any
-    number of them (chunked past MOE_CHUNK_ROWS), while the step's prompt rows keep the portable path;
+    number of them (chunked past chunk_rows: its scratch budget set to 64 rows here), while the step's prompt
+    rows keep the portable path;
     outside a step (no generated rows) nothing is fused."""
     from shared.config import ModelConfig
     from shared.loader.tiny import make_config
@@ -109,6 +110,10 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
     cfg = ModelConfig.from_dict(make_config("deepseek_v3", n_group=n_group, topk_group=topk_group,
                                             num_experts_per_tok=top_k, n_routed_experts=experts))
     moe = MoE(cfg, torch.float32)
+    chunk = 64
+    per_row = moe_kernels.MOE_SCRATCH_BYTES // moe_kernels.chunk_rows(cfg.hidden_size, cfg.moe_intermediate_size, top_k)
+    monkeypatch.setattr(moe_kernels, "MOE_SCRATCH_BYTES", chunk * per_row)
+    assert moe_kernels.chunk_rows(cfg.hidden_size, cfg.moe_intermediate_size, top_k) == chunk
     gen = torch.Generator().manual_seed(experts + top_k)
     for p in moe.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
@@ -120,7 +125,7 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups):
         return real(x, *args, **kwargs)
 
     with torch.inference_mode():
-        for rows, generated in ((1, 1), (8, 8), (moe_kernels.MOE_CHUNK_ROWS + 5, moe_kernels.MOE_CHUNK_ROWS + 5),
+        for rows, generated in ((1, 1), (8, 8), (chunk + 5, chunk + 5),
                                 (10, 4), (6, 0)):
             x = torch.randn(rows, cfg.hidden_size, generator=gen).to(dtype)
             portable(True)
@@ -149,7 +154,8 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
     generated rows run in moe_experts, on one rank and on
     each EP rank alike (EP ranks pass each received row's generated flag), so a decode does not depend on the
     instance shape that serves it (tests/test_selective.py and tests/test_mtp_served.py compare a DP2/EP2
-    decode with a one-rank engine). Prompt rows keep the portable grouped matmuls bit for bit; a generated
+    decode with a one-rank engine). Prompt rows keep the portable grouped matmuls bit for bit (on a CPU without
+    bf16 arithmetic the kernel takes them too: moe_kernels.widened_experts); a generated
     row's bits do not depend on the rows beside it; bf16 weights give their fp32 copies' result (their bits where
     the CPU has no bf16 dot products)."""
     from shared.config import ModelConfig
@@ -171,11 +177,15 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
         want = moe(x, 9)
         portable(False)
         got = moe(x, 9)
-        assert torch.equal(got[9:], want[9:])  # prompt rows: the portable path itself
+        ids, w = moe.gate(x, 9)
+        if moe_kernels.widened_experts(moe.experts.gate_up_proj):  # no bf16 arithmetic: every row the kernel's
+            routed = moe_kernels.moe_experts(x[9:], ids[9:], w[9:], moe.experts.gate_up_proj, moe.experts.down_proj)
+            assert torch.equal(got[9:], (routed + moe.shared_experts(x[9:]).float()).to(torch.bfloat16))
+        else:
+            assert torch.equal(got[9:], want[9:])  # prompt rows: the portable path itself
         assert not torch.equal(got[:9], want[:9])  # generated rows: the kernel's sums (rounded otherwise)
         err = (got[:9].float() - want[:9].float()).abs().max().item()
         assert err <= 2 ** -6 * want.float().abs().max().item(), err
-        ids, w = moe.gate(x, 9)
         routed = moe_kernels.moe_experts(x[:9], ids[:9], w[:9], moe.experts.gate_up_proj, moe.experts.down_proj)
         assert torch.equal(got[:9], (routed + moe.shared_experts(x[:9], 9).float()).to(torch.bfloat16))
         assert torch.equal(moe(x[3:4], 1), got[3:4])  # alone or beside others
@@ -249,7 +259,8 @@ def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
     """moe_experts multiplies in fp32: past BF16_EXPERT_MAX (hidden × moe_intermediate) a bf16 model's experts
     keep the portable grouped GEMMs (oneDNN's bf16 arithmetic, 2-4x faster there at 16-256 rows) for every row;
     the choice depends on the expert's shape only, so it is the same at every batch size and on an EP rank
-    holding a slice of the experts. fp32 weights take the kernel at any size."""
+    holding a slice of the experts. fp32 weights take the kernel at any size, and so do bf16 ones on a CPU without
+    bf16 arithmetic (widened in registers; every row: oneDNN would emulate bf16 there)."""
     from shared.model.moe import Experts
 
     gen = torch.Generator().manual_seed(8)
@@ -259,7 +270,8 @@ def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
         for local in (8, 4):  # one rank, an EP rank
             ex = Experts(8, d, i, torch.bfloat16, num_local=local)
             x = torch.zeros(1, d).bfloat16()
-            assert moe_kernels.experts_usable(x, ex.gate_up_proj, ex.down_proj) is takes
+            widened = moe_kernels.widened_experts(ex.gate_up_proj)
+            assert moe_kernels.experts_usable(x, ex.gate_up_proj, ex.down_proj) is (takes or widened)
             assert moe_kernels.experts_usable(x, ex.gate_up_proj.float(), ex.down_proj.float())
     ex = Experts(8, big_d, big_i, torch.bfloat16)
     for p in ex.parameters():
@@ -268,4 +280,60 @@ def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
     ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(6)])
     w = torch.rand(6, 2, generator=gen)
     with torch.inference_mode():
-        assert torch.equal(ex(x, ids, w, generated=torch.ones(6, dtype=torch.bool)), ex._weighted(x, ids, w, False))
+        want = (moe_kernels.moe_experts(x, ids, w, ex.gate_up_proj, ex.down_proj) if widened
+                else ex._weighted(x, ids, w, False))
+        assert torch.equal(ex(x, ids, w, generated=torch.ones(6, dtype=torch.bool)), want)
+        assert torch.equal(ex(x, ids, w), want)  # prompt rows alike
+
+
+def _fp32_decode_matmuls(gen: torch.Generator) -> list[torch.Tensor]:
+    """linear_rows, moe_experts and head_matmul on fp32 weights (a bf16 model's copies on a CPU without bf16
+    arithmetic) over row counts that leave every remainder of the kernels' register blocks (pairs, groups of four
+    pairs, four weight rows), each row also alone, and the picks of experts holding one, two and many rows."""
+    out = []
+    for n, k, m in ((2, 64, 48), (3, 256, 130), (9, 520, 33), (17, 2048, 517), (70, 64, 7), (5, 60, 9)):
+        x, w = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(m, k, generator=gen)
+        out += [cpu_kernels.linear(x, w), torch.cat([cpu_kernels.linear(x[i : i + 1], w) for i in range(n)])]
+    gate_up, down = torch.randn(6, 2 * 40, 128, generator=gen) * 0.1, torch.randn(6, 128, 40, generator=gen) * 0.1
+    x = torch.randn(37, 128, generator=gen).bfloat16()
+    ids = torch.randint(0, 6, (37, 2), generator=gen)
+    ids[:, 1] = torch.where(ids[:, 0] == 5, 4, 5)  # expert 5 picked by many, 0-4 by a few
+    ids[3, 0] = 7  # an EP rank's foreign pick: skipped
+    weights = torch.rand(37, 2, generator=gen)
+    out.append(moe_kernels.moe_experts(x, ids, weights, gate_up, down))
+    out.append(torch.cat([moe_kernels.moe_experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], gate_up, down)
+                          for i in range(37)]))
+    for heads, k, m in ((3, 40, 64), (2, 512, 128), (5, 9, 33)):  # MLA's absorbed matmuls, 8 rows a group
+        x, w = torch.randn(11, heads, k, generator=gen).bfloat16(), torch.randn(heads, k, m, generator=gen)
+        batched, alone = torch.empty(11, heads, m), torch.empty(11, heads, m)
+        assert cpu_kernels.head_matmul(x, w, batched)
+        for i in range(11):
+            assert cpu_kernels.head_matmul(x[i : i + 1], w, alone[i : i + 1])
+        out += [batched, alone]
+    return out
+
+
+def test_fp32_decode_matmuls_keep_a_rows_bits_on_every_isa(monkeypatch, tmp_path):
+    """The fp32 decode linears, experts and MLA head matmuls give a row the same bits alone as in any batch, and
+    the same on every ISA the kernels build for: AVX-512 (two rows' lanes a register, four weight rows by eight
+    input rows a pass; a head's 32 outputs of 8 rows in registers: where this CPU has it), AVX2 + FMA (two by
+    four) and SSE (no FMA unit: fmaf in software). Each output is the fp32 dot product to a rounding."""
+    flags = next((line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")), "").split()
+    arches = ["native"] + [arch for arch, need in (("haswell", {"avx2", "fma", "bmi2"}),
+                                                   ("x86-64-v2", {"sse4_2", "popcnt"})) if need <= set(flags)]
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    results = {}
+    for arch in arches:
+        monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
+        monkeypatch.setattr(cpu_kernels, "_tried", False)
+        monkeypatch.setattr(cpu_kernels, "_library", None)
+        results[arch] = _fp32_decode_matmuls(torch.Generator().manual_seed(21))
+        for batched, alone in zip(results[arch][::2], results[arch][1::2], strict=True):
+            assert torch.equal(batched, alone), arch
+    for arch in arches[1:]:
+        for got, want in zip(results[arch], results["native"], strict=True):
+            assert torch.equal(got, want), arch
+    gen = torch.Generator().manual_seed(21)
+    x, w = torch.randn(2, 64, generator=gen).bfloat16(), torch.randn(48, 64, generator=gen)
+    want = (x.double() @ w.double().T).bfloat16()
+    assert ((results["native"][0].double() - want.double()).abs() <= 2**-7 * want.double().abs() + 1e-6).all()

@@ -16,6 +16,7 @@ import shared.model.attention as attention
 from shared.config import EngineConfig, ModelConfig, knob_choices
 from shared.device import compute_dtype, on_host
 from shared.kvcache import KVCache
+from shared.model import moe_kernels
 from shared.model.attention import HeadDims
 from shared.model.batch import ForwardBatch
 from shared.model.decoder import DecoderLayer
@@ -137,12 +138,15 @@ class DeepseekForCausalLM(nn.Module):
         """On a CPU without bf16 arithmetic (oneDNN emulates it, 4-250× slower) a bf16 model keeps its
         matmul weights in fp32: exact copies, fp32 accumulation, outputs rounded back to bf16 — the
         numerics of a bf16 GEMM on an accelerator, at fp32 speed, for twice the weight memory.
-        Elsewhere nothing changes."""
+        Routed experts stay bf16 where the CPU kernels run (moe_kernels.widened_experts: widened in registers,
+        half the memory and half the bytes a decode step reads). Elsewhere nothing changes."""
         weight = self.model.embed_tokens.weight
         cdt = compute_dtype(self.dtype, weight.device)
         if cdt == self.dtype:
             return
         for prefix, module in self.named_modules():
+            if isinstance(module, Experts) and moe_kernels.widened_experts(module.gate_up_proj):
+                continue
             if isinstance(module, (nn.Linear, Experts, Gate)):
                 for name, param in list(module.named_parameters(recurse=False)):
                     if param.dtype in (torch.bfloat16, torch.float16) and param.dtype != cdt:  # not FP8/int8

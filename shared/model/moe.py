@@ -99,8 +99,10 @@ class Experts(nn.Module):
 
     def warm_host_gemms(self) -> None:
         """Run this rank's grouped expert matmuls once at each of host_gemm_sizes() (one group), so oneDNN has
-        built their primitives before the first prompt (see shared.device.host_gemm_rows). Unquantized only."""
-        if self.fmt is not None or self.gate_up_proj.dtype not in BUCKETED_GEMM_DTYPES:
+        built their primitives before the first prompt (see shared.device.host_gemm_rows). Unquantized only, and
+        not for widened bf16 experts (moe_kernels.widened_experts: the kernel takes all their rows)."""
+        if (self.fmt is not None or self.gate_up_proj.dtype not in BUCKETED_GEMM_DTYPES
+                or moe_kernels.widened_experts(self.gate_up_proj)):
             return
         offsets = torch.zeros(self.num_local, dtype=torch.int32)
         for size in host_gemm_sizes():

@@ -7,14 +7,24 @@ from __future__ import annotations
 
 import torch
 
+from shared.device import compute_dtype
 from shared.model.cpu_kernels import BF16_FLAG, library, runnable
 
-MOE_CHUNK_ROWS = 64  # the fused MoE runs this many tokens per call: its scratch stays bounded
+MOE_SCRATCH_BYTES = 64 << 20  # the fused MoE's scratch per call: rows past it run in further calls
 # Largest bf16 expert (hidden × moe_intermediate) moe_experts takes: its fp32 arithmetic (~50 GFLOP/s a core)
 # beats oneDNN's bf16 grouped GEMMs (~200 with AVX512-BF16) only while per-call costs dominate. Measured one
 # thread, 8 experts top-2, kernel / portable time: 256 × 128 0.14 / 0.29 / 0.91 at 1 / 16 / 64 rows; 512 × 256
 # 0.34 / 0.76 / 1.45; 1024 × 512 0.43 / 1.04 / 2.05; DeepSeek's 7168 × 2048 0.79 / 1.84 / 2.44 (4 experts).
 BF16_EXPERT_MAX = 512 * 128
+
+
+def chunk_rows(dim: int, inter: int, top_k: int) -> int:
+    """Rows per kernel call: as many as MOE_SCRATCH_BYTES holds (each pick's input, gate / up, activation and
+    output rows in fp32), at least one. Rows are independent, so a chunk bounds only the scratch; but every call
+    reads each picked expert's weights once, so a batch cut in more calls reads them again (at DeepSeek's shapes
+    the experts' reads, not their arithmetic, bound a decode step: 64-row chunks made a 256-row step 3x slower on
+    a 20 GB/s machine)."""
+    return max(1, MOE_SCRATCH_BYTES // (4 * top_k * (2 * dim + 3 * inter)))
 
 
 def moe_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -82,8 +92,9 @@ def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n
     y = torch.empty(n, dim, dtype=torch.float32)
     ids = torch.empty(n, top_k, dtype=torch.int64)
     sg, su, sd = (w.data_ptr() for w in shared) if shared is not None else (None, None, None)
-    for r0 in range(0, n, MOE_CHUNK_ROWS):  # rows are independent: chunks only bound the scratch
-        m = min(MOE_CHUNK_ROWS, n - r0)
+    chunk = chunk_rows(dim, two_inter // 2, top_k)
+    for r0 in range(0, n, chunk):  # rows are independent: chunks only bound the scratch
+        m = min(chunk, n - r0)
         library().moe_routed(rows[r0].data_ptr(), m, dim, gate_weight.data_ptr(), bias.data_ptr(), experts, n_group,
                              topk_group, top_k, int(norm_topk_prob), scaling, gate_up.data_ptr(), down.data_ptr(),
                              two_inter // 2, int(x.dtype == torch.bfloat16), sg, su, sd, shared_inter,
@@ -91,13 +102,24 @@ def moe_routed(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n
     return y, ids
 
 
+def widened_experts(weight: torch.Tensor) -> bool:
+    """bf16 experts on a CPU without bf16 arithmetic (shared.device.compute_dtype says fp32): kept bf16 in memory
+    (Model.store_for_compute leaves them so where the kernels run) and widened in registers by moe_experts, which
+    takes every row of them, prompt rows too: half the bytes of fp32 copies, and a decode step's experts are
+    bound by reading them (oneDNN would emulate bf16 products, ~5x slower than its fp32 GEMMs)."""
+    return (weight.dtype == torch.bfloat16 and compute_dtype(weight.dtype, weight.device) == torch.float32
+            and runnable(weight))
+
+
 def experts_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether moe_experts takes these rows: host rows in bf16/fp32 and contiguous expert weights, both fp32
     or both bf16 (a bf16 model's own, widened in registers: its fp32 copies' products), bf16 ones no larger
-    than BF16_EXPERT_MAX (hidden × moe_intermediate). A property of the model, not of the step: every step's
-    generated rows (and every EP rank's) take the same path."""
+    than BF16_EXPERT_MAX (hidden × moe_intermediate) where the CPU multiplies bf16 (widened_experts: any size
+    elsewhere). A property of the model, not of the step: every step's generated rows (and every EP rank's)
+    take the same path."""
     return (x.dtype in BF16_FLAG and gate_up.dtype == down.dtype and gate_up.dtype in BF16_FLAG
-            and (gate_up.dtype != torch.bfloat16 or down.shape[1] * down.shape[2] <= BF16_EXPERT_MAX)
+            and (gate_up.dtype != torch.bfloat16 or down.shape[1] * down.shape[2] <= BF16_EXPERT_MAX
+                 or widened_experts(gate_up))
             and gate_up.is_contiguous() and down.is_contiguous() and runnable(x, gate_up, down))
 
 
@@ -119,8 +141,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     picks = ids.to(torch.int64).contiguous()
     wts = weights.float().contiguous()
     y = torch.empty(n, dim, dtype=torch.float32)
-    for r0 in range(0, n, MOE_CHUNK_ROWS):  # rows are independent: chunks only bound the scratch
-        m = min(MOE_CHUNK_ROWS, n - r0)
+    chunk = chunk_rows(dim, two_inter // 2, ids.shape[1])
+    for r0 in range(0, n, chunk):  # rows are independent: chunks only bound the scratch
+        m = min(chunk, n - r0)
         library().moe_experts(rows[r0].data_ptr(), m, dim, picks[r0].data_ptr(), wts[r0].data_ptr(), ids.shape[1],
                               experts, gate_up.data_ptr(), down.data_ptr(), two_inter // 2,
                               BF16_FLAG[gate_up.dtype], int(x.dtype == torch.bfloat16), y[r0].data_ptr(),

@@ -277,8 +277,12 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ge
     an EP rank the foreign ones out of range): the rows `generated` marks ([N] bool: a step's generated tokens,
     wherever they came from; an int: the leading rows, one rank's step) in one kernel call where it takes them,
     `portable(rows, ids, weights)` for the rest. fp32 [N, D]. One rank and every EP rank call this, so a
-    generated token's experts have the kernel's arithmetic in every instance shape."""
-    if generated is None or not moe_kernels.experts_usable(x, gate_up, down):
+    generated token's experts have the kernel's arithmetic in every instance shape. Widened bf16 experts
+    (moe_kernels.widened_experts) take every row there."""
+    usable = moe_kernels.experts_usable(x, gate_up, down)
+    if usable and moe_kernels.widened_experts(gate_up):
+        return moe_kernels.moe_experts(x, ids, weights, gate_up, down)
+    if generated is None or not usable:
         return portable(x, ids, weights)
     if isinstance(generated, int):  # the leading rows: no mask to read back (a recorded step can take it)
         return generated_first(x, generated, lambda rows: moe_kernels.moe_experts(

@@ -1208,6 +1208,95 @@ static inline __attribute__((always_inline)) void tile_2x4(const void *w, int w_
     for (int q = 0; q < 4; q++) { out[0][q] = s0[q]; out[1][q] = s1[q]; }
 }
 
+/* ---- Wide tiles: a 512-bit register holds two outputs' eight lanes ---- */
+
+/* Where the CPU has AVX-512, fp32 decode matmuls (a bf16 model's linears and experts on a CPU without bf16
+   arithmetic, their weights kept as fp32 copies) run four weight rows by eight input rows a pass: each register
+   holds the eight lanes of two outputs (input rows 2p and 2p + 1, packed side by side), each lane the same chain
+   of fused multiply-adds as tile_2x4's and wdot's, summed by sum4: every output keeps wdot()'s bits, so a row's
+   result is the same whichever kernel, ISA or batch computes it. Two thirds fewer loads per product than
+   tile_2x4 (whose loads, not its multiplies, bound it: ~35 GFLOP/s a core against the core's ~130). */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define HAVE_WIDE 1
+#define WP 4  /* input-row pairs per wide pass */
+
+/* rows[0..n) (fp32, k values each, k % DW == 0) packed for wide_tile: pair p's chunk at d is 16 floats, row 2p's
+   d..d+7 then row 2p+1's (an odd n's last pair holds its row twice); pair p starts at xp + 2pk. */
+static void pack_pairs(const float *const *rows, int64_t n, int64_t k, float *xp) {
+    for (int64_t p = 0; p < (n + 1) / 2; p++) {
+        const float *a = rows[2 * p], *b = rows[2 * p + 1 < n ? 2 * p + 1 : 2 * p];
+        for (int64_t d = 0; d < k; d += DW) {
+            memcpy(xp + 2 * (p * k + d), a + d, DW * sizeof(float));
+            memcpy(xp + 2 * (p * k + d) + DW, b + d, DW * sizeof(float));
+        }
+    }
+}
+
+/* Eight weights from w at i (fp32, or bf16 widened exactly: the bits move up) in both halves of a register. */
+static inline __attribute__((always_inline)) __m512 wide_weights(const void *w, const int bf16, int64_t i) {
+    if (!bf16) return _mm512_broadcast_f32x8(_mm256_loadu_ps((const float *)w + i));
+    __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+#define FMA4(x, c0, c1, c2, c3) do { __m512 xv = _mm512_loadu_ps(x); c0 = _mm512_fmadd_ps(v0, xv, c0); \
+    c1 = _mm512_fmadd_ps(v1, xv, c1); c2 = _mm512_fmadd_ps(v2, xv, c2); c3 = _mm512_fmadd_ps(v3, xv, c3); } while (0)
+
+/* out[o][q] = weight row w + off[o] (fp32, or bf16 with bf16) . packed input row q (q < 2P, the P pairs from xp,
+   2k floats apart), each the sum wdot() makes. Inlined with P and bf16 constant, so unused accumulators vanish
+   (named: see tile_2x4). */
+static inline __attribute__((always_inline)) void wide_tile(const void *w, const int bf16, const int64_t off[4],
+                                                             const float *xp, int64_t k, const int P,
+                                                             float out[4][2 * WP]) {
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+    __m512 c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
+    for (int64_t d = 0; d < k; d += DW) {
+        __m512 v0 = wide_weights(w, bf16, off[0] + d), v1 = wide_weights(w, bf16, off[1] + d);
+        __m512 v2 = wide_weights(w, bf16, off[2] + d), v3 = wide_weights(w, bf16, off[3] + d);
+        const float *x = xp + 2 * d;
+        FMA4(x, c00, c10, c20, c30);
+        if (P > 1) FMA4(x + 2 * k, c01, c11, c21, c31);
+        if (P > 2) FMA4(x + 4 * k, c02, c12, c22, c32);
+        if (P > 3) FMA4(x + 6 * k, c03, c13, c23, c33);
+    }
+    const __m512 acc[4][WP] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
+    for (int o = 0; o < 4; o += 2)
+        for (int p = 0; p < P; p++) {
+            v8 lo0 = (v8)_mm512_castps512_ps256(acc[o][p]), hi0 = (v8)_mm512_extractf32x8_ps(acc[o][p], 1);
+            v8 lo1 = (v8)_mm512_castps512_ps256(acc[o + 1][p]), hi1 = (v8)_mm512_extractf32x8_ps(acc[o + 1][p], 1);
+            v4 s = sum4(lo0, hi0, lo1, hi1);
+            out[o][2 * p] = s[0]; out[o][2 * p + 1] = s[1]; out[o + 1][2 * p] = s[2]; out[o + 1][2 * p + 1] = s[3];
+        }
+}
+#undef FMA4
+
+/* wide_tile for weight rows [r, min(r + 4, r1)) (an end short of four repeats row r1 - 1, not written) and
+   pairs [p0, p0 + P) of xp, P <= WP; out as wide_tile's. */
+static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1, const float *xp, int64_t p0,
+                      int64_t P, float out[4][2 * WP]) {
+    int64_t off[4];
+    for (int o = 0; o < 4; o++) off[o] = (r + o < r1 ? r + o : r1 - 1) * k;
+    const float *x = xp + 2 * p0 * k;
+    if (bf16) {
+        switch (P) {
+        case 4: wide_tile(w, 1, off, x, k, 4, out); break;
+        case 3: wide_tile(w, 1, off, x, k, 3, out); break;
+        case 2: wide_tile(w, 1, off, x, k, 2, out); break;
+        default: wide_tile(w, 1, off, x, k, 1, out); break;
+        }
+        return;
+    }
+    switch (P) {
+    case 4: wide_tile(w, 0, off, x, k, 4, out); break;
+    case 3: wide_tile(w, 0, off, x, k, 3, out); break;
+    case 2: wide_tile(w, 0, off, x, k, 2, out); break;
+    default: wide_tile(w, 0, off, x, k, 1, out); break;
+    }
+}
+#else
+#define HAVE_WIDE 0
+#endif
+
 /* DeepSeek's router for one row (spec 7.2): s = sigmoid(x.Wg); choose by s + bias within the
    topk_group groups of best top-2 sums; weights are the unbiased s of the picks, normalized, x scaling.
    Ties go to the lower index. The gate weight fp32, or bf16 with w_bf16 (its fp32 copy's products). */
@@ -1288,10 +1377,54 @@ static void picks_bf16(const uint16_t *w0, const uint16_t *w1, int two_rows, int
    weight row is read once for all the picks that use it. W fp32, or bf16 with w_bf16 (the same sums); with
    in_bf16 (the inputs as bf16 bits, in_ld apart: a bf16 model's rows) and bf16 weights, by picks_bf16. */
 #define RB 16
+#if HAVE_WIDE
+/* expert_gemm's fp32 path by wide tiles: each active expert's picks packed in pairs once (in parallel), then
+   expert_gemm's tasks (an expert's block of RB weight rows), each passed by every group of WP of its pairs. */
+static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t cols, const int64_t *order,
+                             const int64_t *start,
+                             const int64_t *active, int64_t num_active, const float *in, int64_t in_ld, float *out,
+                             int64_t out_ld, int threads) {
+    int64_t *first = xmalloc(sizeof(int64_t) * (num_active + 1));  /* each active expert's first pair in xp */
+    first[0] = 0;
+    for (int64_t a = 0; a < num_active; a++) first[a + 1] = first[a] + (start[active[a] + 1] - start[active[a]] + 1) / 2;
+    float *xp = xmalloc(sizeof(float) * 2 * first[num_active] * cols);
+    const float **ptrs = xmalloc(sizeof(float *) * 2 * first[num_active]);
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t a = 0; a < num_active; a++) {
+        int64_t e = active[a], n = start[e + 1] - start[e];
+        for (int64_t q = 0; q < n; q++) ptrs[2 * first[a] + q] = in + order[start[e] + q] * in_ld;
+        pack_pairs(ptrs + 2 * first[a], n, cols, xp + 2 * first[a] * cols);
+    }
+    int64_t blocks = (rows + RB - 1) / RB;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_active * blocks; t++) {
+        int64_t a = t / blocks, e = active[a], n = start[e + 1] - start[e], pairs = first[a + 1] - first[a];
+        int64_t r0 = (t % blocks) * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
+        const void *we = (const uint8_t *)w + e * rows * cols * (w_bf16 ? 2 : 4);
+        const float *xe = xp + 2 * first[a] * cols;
+        for (int64_t p0 = 0; p0 < pairs; p0 += WP)
+            for (int64_t r = r0; r < r1; r += 4) {
+                float o4[4][2 * WP];
+                wide_pass(we, w_bf16, cols, r, r1, xe, p0, pairs - p0 < WP ? pairs - p0 : WP, o4);
+                for (int o = 0; o < 4 && r + o < r1; o++)
+                    for (int q = 0; q < 2 * WP && 2 * p0 + q < n; q++)
+                        out[order[start[e] + 2 * p0 + q] * out_ld + r + o] = o4[o][q];
+            }
+    }
+    free(first); free(xp); free(ptrs);
+}
+#endif
+
 static void expert_gemm(const void *w, int w_bf16, int64_t rows, int64_t cols, const int64_t *order,
                         const int64_t *start, const int64_t *active, int64_t num_active, const float *in,
                         const uint16_t *in_bf16, int64_t in_ld, float *out, int64_t out_ld, int threads) {
     (void)in_bf16;  /* read where the build has vdpbf16ps */
+#if HAVE_WIDE
+    if (!in_bf16 && cols % DW == 0 && num_active) {  /* fp32 inputs (bf16 ones take picks_bf16) */
+        expert_gemm_wide(w, w_bf16, rows, cols, order, start, active, num_active, in, in_ld, out, out_ld, threads);
+        return;
+    }
+#endif
     int64_t blocks = (rows + RB - 1) / RB;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < num_active * blocks; t++) {
@@ -1740,10 +1873,46 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
    (as layers.Linear: fp32 products, the output in the input's dtype). Weight rows are read once per four
    input rows, two at a time: eight independent sums in registers. Every output is dot()'s sum, whichever
    pass computes it (a row's bits do not depend on the rows beside it). */
+#if HAVE_WIDE
+#define WIDE_BLOCK_BYTES (1 << 20)  /* a thread's block of weight rows stays in its L2 while every row passes it */
+
+/* linear_rows by wide tiles: the rows packed in pairs once, the weight split into one block of rows per thread
+   (more where a block would outgrow WIDE_BLOCK_BYTES), each block passed by every group of WP pairs. */
+static void linear_rows_wide(const float *xf, int64_t n, int64_t k, const float *w, void *y, int y_bf16, int64_t m,
+                             int threads) {
+    const float **rows = xmalloc(sizeof(float *) * n);
+    for (int64_t i = 0; i < n; i++) rows[i] = xf + i * k;
+    int64_t pairs = (n + 1) / 2;
+    float *xp = xmalloc(sizeof(float) * 2 * pairs * k);
+    pack_pairs(rows, n, k, xp);
+    int64_t parts = (int64_t)threads * ((m * k * (int64_t)sizeof(float) / threads + WIDE_BLOCK_BYTES - 1) / WIDE_BLOCK_BYTES);
+    int64_t per = ((m + parts - 1) / parts + 3) / 4 * 4, blocks = (m + per - 1) / per;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t r1 = (b + 1) * per < m ? (b + 1) * per : m;
+        for (int64_t p0 = 0; p0 < pairs; p0 += WP)
+            for (int64_t r = b * per; r < r1; r += 4) {
+                float out[4][2 * WP];
+                wide_pass(w, 0, k, r, r1, xp, p0, pairs - p0 < WP ? pairs - p0 : WP, out);
+                for (int o = 0; o < 4 && r + o < r1; o++)
+                    for (int q = 0; q < 2 * WP && 2 * p0 + q < n; q++) put(y, y_bf16, (2 * p0 + q) * m + r + o, out[o][q]);
+            }
+    }
+    free(rows); free(xp);
+}
+#endif
+
 void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t n, int64_t k, int64_t m,
                  int32_t threads) {
     float *xf = xmalloc(sizeof(float) * n * k);
     for (int64_t e = 0; e < n * k; e++) xf[e] = widen(x, x_bf16, e);
+#if HAVE_WIDE
+    if (n >= 2 && k % DW == 0) {
+        linear_rows_wide(xf, n, k, w, y, x_bf16, m, threads);
+        free(xf);
+        return;
+    }
+#endif
     int64_t blocks = (m + RB - 1) / RB;
     #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
     for (int64_t b = 0; b < blocks; b++) {
@@ -1872,6 +2041,30 @@ head_rows(const float *xr, const void *wh, int w_bf16, float *acc, int64_t k, in
             for (int64_t c = 0; c < m; c++) acc[q * m + c] = fmaf(xr[q * k + j], widen(wh, w_bf16, j * m + c), acc[q * m + c]);
 }
 
+#if HAVE_WIDE
+#define HW_FMA(q) if (ROWS > q) { __m512 xb = _mm512_set1_ps(xr[q * k + j]); \
+    a##q##0 = _mm512_fmadd_ps(xb, w0, a##q##0); a##q##1 = _mm512_fmadd_ps(xb, w1, a##q##1); }
+#define HW_PUT(q) if (ROWS > q) { _mm512_storeu_ps(acc + q * m + c0, a##q##0); _mm512_storeu_ps(acc + q * m + c0 + 16, a##q##1); }
+
+/* head_rows for an fp32 weight where the CPU has AVX-512 (m a multiple of 32): 32 outputs of each of ROWS rows held
+   in registers over the whole of k (head_rows reloads its sums every four weight rows: loads, not multiplies,
+   bounded it), each output the same chain of fused multiply-adds over k in order: head_rows' bits. */
+static inline __attribute__((always_inline)) void
+head_rows_wide(const float *xr, const float *wh, float *acc, int64_t k, int64_t m, const int ROWS) {
+    for (int64_t c0 = 0; c0 < m; c0 += 32) {
+        __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+        __m512 a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00, a61 = a00, a70 = a00, a71 = a00;
+        for (int64_t j = 0; j < k; j++) {
+            __m512 w0 = _mm512_loadu_ps(wh + j * m + c0), w1 = _mm512_loadu_ps(wh + j * m + c0 + 16);
+            HW_FMA(0) HW_FMA(1) HW_FMA(2) HW_FMA(3) HW_FMA(4) HW_FMA(5) HW_FMA(6) HW_FMA(7)
+        }
+        HW_PUT(0) HW_PUT(1) HW_PUT(2) HW_PUT(3) HW_PUT(4) HW_PUT(5) HW_PUT(6) HW_PUT(7)
+    }
+}
+#undef HW_FMA
+#undef HW_PUT
+#endif
+
 #if HAVE_DPBF16
 /* y rows [i0, i0 + Q) of head h (Q a constant where inlined) for bf16 x and weights: acc[q, c] += x[q, j] w[j, c]
    over pairs of weight rows (j, j + 1) interleaved (vpunpck: dims {0-3, 8-11} and {4-7, 12-15} of each 16) and
@@ -1943,6 +2136,20 @@ void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head,
             for (int q = 0; q < rows; q++)
                 for (int64_t j = 0; j < k; j++) xr[q * k + j] = widen(x, x_bf16, (i0 + q) * xs_row + h * xs_head + j);
             const void *wh = (const uint8_t *)w + h * k * m * (w_bf16 ? 2 : 4);
+#if HAVE_WIDE
+            if (!w_bf16 && m % 32 == 0) {
+                switch (rows) {
+                    case 1: head_rows_wide(xr, wh, acc, k, m, 1); break;
+                    case 2: head_rows_wide(xr, wh, acc, k, m, 2); break;
+                    case 3: head_rows_wide(xr, wh, acc, k, m, 3); break;
+                    case 4: head_rows_wide(xr, wh, acc, k, m, 4); break;
+                    case 5: head_rows_wide(xr, wh, acc, k, m, 5); break;
+                    case 6: head_rows_wide(xr, wh, acc, k, m, 6); break;
+                    case 7: head_rows_wide(xr, wh, acc, k, m, 7); break;
+                    default: head_rows_wide(xr, wh, acc, k, m, HR); break;
+                }
+            } else
+#endif
             switch (rows) {
                 case 1: head_rows(xr, wh, w_bf16, acc, k, m, 1); break;
                 case 2: head_rows(xr, wh, w_bf16, acc, k, m, 2); break;
