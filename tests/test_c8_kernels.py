@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.device import compute_dtype
 from shared.engine import LLM, SamplingParams
 from shared.kvcache.layout import Fp8KeyRows, Int8LatentRows
 from shared.loader.tiny import write_checkpoint
@@ -378,8 +379,8 @@ def test_sparse_attention_tiles_reuse_their_rows_buffer(rows, monkeypatch):
     gen = torch.Generator().manual_seed(11)
     codec = Int8LatentRows(512, 64) if rows == "c8" else None
     fb, num_blocks = _batch([40, 90, 70], 9, gen, generated=False)
-    if codec is None:
-        pool = torch.randn(num_blocks, BLOCK, 576, generator=gen).bfloat16()
+    if codec is None:  # a bf16 model's pool, in the dtype its engine keeps it (fp32 on a CPU without bf16 arithmetic)
+        pool = torch.randn(num_blocks, BLOCK, 576, generator=gen).to(compute_dtype(torch.bfloat16, torch.device("cpu")))
     else:
         pool = _c8_pool(codec, num_blocks, gen)
     query = torch.randn(fb.num_tokens, 4, 576, generator=gen).bfloat16()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model import cpu_kernels, kernel_build, ops
+from shared.device import compute_dtype
+from shared.model import attention, cpu_kernels, kernel_build, ops
 from shared.model.batch import ForwardBatch, SeqChunk
 
 BLOCK = 16
@@ -108,19 +109,33 @@ def test_softmax_at_extreme_score_spreads_matches_the_portable_path(portable, mo
 
 
 def test_prefill_chunks_and_many_heads_keep_the_matmul_path(monkeypatch):
-    """Prompt chunks (a gathered row reused by many queries) and many heads take the batched matmul path:
-    the kernel is never called."""
-    monkeypatch.setattr(cpu_kernels, "paged_mqa", lambda *a, **k: pytest.fail("fused kernel used"))
+    """Prompt chunks (a gathered row reused by many queries) computed in bf16 and a head count past MAX_HEADS that
+    is not a whole multiple of it take the batched matmul path; prompt chunks computed in fp32 (fp32 queries, or
+    bf16 ones on a CPU without bf16 arithmetic) take the kernel, whose rows round alike however they are batched
+    (torch's fp32 matmuls over the step's padded context do not), as do 64 heads there, 32 a call."""
+    calls = []
+    real = cpu_kernels.paged_mqa
+    monkeypatch.setattr(cpu_kernels, "paged_mqa", lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k))
+    fp32_cpu = compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32
     gen = torch.Generator().manual_seed(4)
     fb, num_blocks = _batch([40, 60], 9, gen)
     fb.generated = 0  # prompt chunks
-    pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
-    ops.dense_attention(torch.randn(2, fb.query_index.shape[1], 4, 576), fb, pool, 0.1, 512)
+    for dtype, takes in ((torch.bfloat16, fp32_cpu), (torch.float32, True)):
+        calls.clear()
+        pool = torch.randn(num_blocks, BLOCK, 576, generator=gen).to(compute_dtype(dtype, torch.device("cpu")))
+        query = torch.randn(2, fb.query_index.shape[1], 4, 576, generator=gen).to(dtype)
+        got = ops.dense_attention(query, fb, pool, 0.1, 512)
+        assert bool(calls) is takes, dtype
+        if takes:  # the portable path's result, to fp32 rounding
+            want = attention.dense_attention(query, fb, pool, 0.1, 512)
+            assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
     fb, num_blocks = _batch([40, 60], 1, gen)
     pool = torch.randn(num_blocks, BLOCK, 576, generator=gen)
+    calls.clear()
     ops.dense_attention(torch.randn(2, 1, cpu_kernels.MAX_HEADS + 1, 576), fb, pool, 0.1, 512)
-    fb.generated = 0  # the same one-query step, as prompt tokens
-    ops.dense_attention(torch.randn(2, 1, 4, 576), fb, pool, 0.1, 512)
+    assert not calls
+    ops.dense_attention(torch.randn(2, 1, 2 * cpu_kernels.MAX_HEADS, 576), fb, pool, 0.1, 512)
+    assert calls == [cpu_kernels.MAX_HEADS] * 2
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, "bfloat16 + mixed queries"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model import cpu_kernels, moe_kernels
+from shared.model import cpu_kernels, moe_kernels, ops
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
@@ -100,8 +100,8 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups, m
     """The fused router + routed + shared experts picks moe.Gate's experts and gives moe.MoE's portable
     output (bf16: within a rounding step; fp32: to rounding) for the generated rows of a step, any
     number of them (chunked past chunk_rows: its scratch budget set to 64 rows here), while the step's prompt
-    rows keep the portable path;
-    outside a step (no generated rows) nothing is fused."""
+    rows keep the portable path (where ops.every_row holds, an AVX-512 build's fp32 weights, every row is
+    fused); outside a step (no generated rows) nothing is fused."""
     from shared.config import ModelConfig
     from shared.loader.tiny import make_config
     from shared.model.moe import MoE
@@ -124,6 +124,7 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups, m
         fused_rows.append(x.shape[0])
         return real(x, *args, **kwargs)
 
+    every_row = ops.every_row(moe.experts.gate_up_proj)
     with torch.inference_mode():
         for rows, generated in ((1, 1), (8, 8), (chunk + 5, chunk + 5),
                                 (10, 4), (6, 0)):
@@ -138,12 +139,17 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups, m
                 got = moe(x, generated)
             finally:
                 moe_kernels.moe_routed = real
-            assert fused_rows == ([generated] if generated else [])
+            if every_row:  # fp32 weights where the kernels have wide tiles: the prompt rows are the kernel's too
+                assert fused_rows == [rows]
+                assert torch.equal(got[generated:], moe(x[generated:], rows - generated))
+                generated = rows
+            else:
+                assert fused_rows == ([generated] if generated else [])
+                assert torch.equal(got[generated:], prompt_rows)  # prompt rows: the portable path itself
             if generated:
                 _, ids = real(x[:generated], moe.gate.weight, moe.gate.e_score_correction_bias, n_group, topk_group,
                               top_k, True, moe.gate.scaling, moe.experts.gate_up_proj, moe.experts.down_proj)
                 assert torch.equal(ids.sort(-1).values, want_ids[:generated].sort(-1).values)
-            assert torch.equal(got[generated:], prompt_rows)  # prompt rows: the portable path itself
             err = (got.float() - want.float()).abs().max().item()
             assert err <= (1e-5 if dtype == torch.float32 else 2 ** -7) * want.float().abs().max().item(), err
 
@@ -218,7 +224,8 @@ def test_a_bf16_models_generated_rows_take_the_experts_kernel_alike_on_one_rank_
 def test_router_kernel_routes_generated_rows_as_the_gate_alone_or_batched(portable, dtype):
     """moe.Gate's generated rows through moe_kernels.route: the portable router's experts and weights (to fp32
     rounding), the fused MoE's picks bit for bit (the same row function), a row's picks and weights the same
-    alone as beside others; the step's prompt rows keep the portable router; a gate the kernel does not take
+    alone as beside others; the step's prompt rows keep the portable router (where ops.every_row holds for the
+    gate's weight, the kernel's too); a gate the kernel does not take
     (a bias of the wrong length) is refused by name."""
     from shared.config import ModelConfig
     from shared.loader.tiny import make_config
@@ -245,7 +252,8 @@ def test_router_kernel_routes_generated_rows_as_the_gate_alone_or_batched(portab
             assert torch.equal(alone[0], ids[r:r + 1]) and torch.equal(alone[1], w[r:r + 1])
         mixed_ids, mixed_w = gate(x, 10)
         assert torch.equal(mixed_ids[:10], ids[:10]) and torch.equal(mixed_w[:10], w[:10])
-        assert torch.equal(mixed_ids[10:], want_ids[10:]) and torch.equal(mixed_w[10:], want_w[10:])
+        prompt_ids, prompt_w = (ids, w) if ops.every_row(gate.weight) else (want_ids, want_w)  # fp32, wide: kernel
+        assert torch.equal(mixed_ids[10:], prompt_ids[10:]) and torch.equal(mixed_w[10:], prompt_w[10:])
         inter = cfg.moe_intermediate_size
         _, fused_ids = moe_kernels.moe_routed(x, gate.weight.float(), gate.e_score_correction_bias, 4, 2, 4, True,
                                               gate.scaling, torch.zeros(16, 2 * inter, cfg.hidden_size),

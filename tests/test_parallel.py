@@ -26,6 +26,17 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
     return (a - b).abs().max().item() <= rel * max(b.abs().max().item(), 1e-6)
 
 
+def _close_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Indexer keys, stored FP8-rounded: as _close, but where a step computes in fp32 (a CPU without bf16
+    arithmetic: torch's fp32 GEMMs round a row by its batch's size, so a CP rank's inputs differ from one rank's by
+    an ulp) a value may round to the neighbouring FP8 step: at most one value in a hundred, by at most one step
+    (an eighth of the largest), where a half-computed block differs everywhere."""
+    if _close(a, b):
+        return True
+    scale = max(b.abs().max().item(), 1e-6)
+    return (a != b).float().mean().item() <= 0.01 and (a - b).abs().max().item() <= scale / 8
+
+
 def _kv_rows(model, kv: KVCache, table: list[int], n: int) -> list[dict]:
     return [kv.read_tokens(table, n, layer) for layer in range(model.config.num_hidden_layers)]
 
@@ -184,7 +195,8 @@ def test_cp_prefill_pushes_each_block_once_when_final(tmp_path):
         for layer, block, got in mine:
             real = min(4, n - 4 * block)  # the prompt's rows in this block (the last one may be partial)
             for kind, ref in rows[layer].items():
-                assert _close(got[kind][:real], ref[4 * block : 4 * block + real]), (i, layer, block, kind)
+                close = _close_fp8 if kind == "index" else _close
+                assert close(got[kind][:real], ref[4 * block : 4 * block + real]), (i, layer, block, kind)
 
 
 @pytest.mark.parametrize("cp", [2, 3])

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import shared.model.attention as attention
+import shared.model.moe_kernels as moe_kernels
 from shared.config import EngineConfig, ModelConfig, knob_choices
 from shared.device import compute_dtype, on_host
 from shared.kvcache import KVCache
-from shared.model import moe_kernels
 from shared.model.attention import HeadDims
 from shared.model.batch import ForwardBatch
 from shared.model.decoder import DecoderLayer

@@ -39,7 +39,11 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, generated: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids [N, k], weights [N, k] fp32). The leading `generated` rows (a step's decodes)
         take the kernel router where it runs (moe_kernels.route: one call instead of a dozen ops, each row's
-        scores its own dot products, as the fused one-rank MoE routes them); the other rows are routed here."""
+        scores its own dot products, as the fused one-rank MoE routes them); the other rows are routed here, unless
+        ops.every_row() holds for the gate's weight (then every row takes the kernel)."""
+        if ops.every_row(self.weight):
+            generated = x.shape[0]
+
         def kernel(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
             return moe_kernels.route(rows, self.weight, self.e_score_correction_bias, self.n_group, self.topk_group,
                                      self.top_k, self.norm_topk_prob, self.scaling)

@@ -49,6 +49,14 @@ def generated_first(x: torch.Tensor, generated: int, kernel: Callable[[torch.Ten
     return torch.cat([y, rest])
 
 
+def every_row(weight: torch.Tensor) -> bool:
+    """fp32 weights where the kernels have wide tiles (cpu_kernels.wide_tiles: AVX-512): every row of a step,
+    prompt rows too, takes the kernels, whose rows round alike whatever rows share the step (torch's fp32 GEMMs
+    round a row by its batch's size), at about torch's speed. A CPU without bf16 arithmetic computes a bf16
+    model so (its weights' fp32 copies), as an fp32 model is computed anywhere."""
+    return weight.dtype == torch.float32 and on_host(weight) and cpu_kernels.wide_tiles()
+
+
 def matmul_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x in the weight's dtype: weights may be held in the compute dtype (see store_for_compute)."""
     return x if x.dtype == weight.dtype else x.to(weight.dtype)
@@ -56,11 +64,13 @@ def matmul_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, generated: int = 0) -> torch.Tensor:
     """x · weightᵀ in x's dtype, the product in the weight's dtype; the leading `generated` rows in one kernel
-    call (each weight row read once for all of them)."""
+    call (each weight row read once for all of them); every row where every_row(weight)."""
 
     def portable(rows: torch.Tensor, _: int) -> torch.Tensor:
         return matmul_rows(matmul_input(rows, weight), weight).to(rows.dtype)
 
+    if x.dim() == 2 and every_row(weight):
+        generated = x.shape[0]
     return generated_first(x, generated, lambda rows: cpu_kernels.linear(rows, weight), portable)
 
 
@@ -171,8 +181,8 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Per head, x[i, h] @ weight[h]: x [N, H, K] and weight [H, K, M] (MLA's absorbed W_UK, W_UV^T) give
     [N, H, M] in the weight's dtype, written into `out` when given (a view in that dtype). One batched matmul
-    over the heads, or for `generated` rows (all of x) one kernel call."""
-    if generated:
+    over the heads, or for `generated` rows (all of x) one kernel call (any rows where every_row(weight))."""
+    if generated or every_row(weight):
         dest = out if out is not None else x.new_empty(*x.shape[:2], weight.shape[-1], dtype=weight.dtype)
         if cpu_kernels.head_matmul(x, weight, dest):
             return dest
@@ -183,6 +193,27 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
     return out
 
 
+def _fused_heads(query: torch.Tensor) -> bool:
+    """Whether the attention kernel takes these heads: up to cpu_kernels.MAX_HEADS, and any whole multiple of it
+    where the step computes in fp32 (a CPU without bf16 arithmetic, an fp32 model), MAX_HEADS heads a call
+    (_paged_mqa): torch's fp32 batched matmul, the path beyond, rounds a row by its batch's sizes (a token
+    decoded alone and beside others differed by 0.016 in the logits at DeepSeek's 128 heads), while bf16's
+    rounds each row alike."""
+    heads = query.shape[-2]
+    return heads <= cpu_kernels.MAX_HEADS or (
+        heads % cpu_kernels.MAX_HEADS == 0 and compute_dtype(query.dtype, query.device) == torch.float32)
+
+
+def _paged_mqa(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """cpu_kernels.paged_mqa over query [N, H, D] in slices of MAX_HEADS heads (each head attends on its own:
+    the bits of one call)."""
+    step = cpu_kernels.MAX_HEADS
+    if query.shape[1] <= step:
+        return cpu_kernels.paged_mqa(query, *args, **kwargs)
+    return torch.cat([cpu_kernels.paged_mqa(query[:, h: h + step].contiguous(), *args, **kwargs)
+                      for h in range(0, query.shape[1], step)], dim=1)
+
+
 def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, scale: float, out_dim: int,
                     codec: RowCodec | None = None) -> torch.Tensor:
     """attention.dense_attention (padded queries [R, S, H, D] → [R, S, H, out_dim]). Generated tokens
@@ -190,13 +221,16 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
     kernel call that reads each cached row in place through the block table (C8 rows dequantized in registers
     and tile scratch, never unpacked into a gathered copy), each query on its own with fp32 queries and sums:
     a generated token's row is the same however it is batched, which a migrated or preempted request's
-    recompute relies on (its outputs are recomputed as generated rows: shared.engine.scheduler)."""
+    recompute relies on (its outputs are recomputed as generated rows: shared.engine.scheduler). Prompt tokens
+    take it where the kernel's arithmetic is the portable path's kind (sparse_attention's rule): there torch's
+    fp32 matmuls over the step's padded context would round a row by the longest context beside it."""
     r_all, s_all, heads, dim = query.shape
-    if fb.generated == fb.num_tokens and heads <= cpu_kernels.MAX_HEADS:
+    prompt_ok = codec is None and compute_dtype(query.dtype, query.device) == torch.float32
+    if (prompt_ok or fb.generated == fb.num_tokens) and _fused_heads(query):
         flat = query.reshape(r_all * s_all, heads, dim)
         if cpu_kernels.attention_usable(flat, pool, out_dim, codec):
             requests, counts = fb.query_rows
-            out = cpu_kernels.paged_mqa(flat.float(), pool, fb.block_tables, fb.block_size, requests, counts, scale,
+            out = _paged_mqa(flat.float(), pool, fb.block_tables, fb.block_size, requests, counts, scale,
                                         out_dim, codec=codec)
             return out.view(r_all, s_all, heads, out_dim).to(query.dtype)
     return attention.dense_attention(query, fb, pool, scale, out_dim, codec)
@@ -211,14 +245,14 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
     in fp32 where the portable path rounds rows to the compute dtype, and on CPUs with bf16 arithmetic the
     portable path multiplies in bf16, so a prompt token attends alike, sparse or dense (its chunk's context
     under index_topk), however its prompt is chunked."""
-    n_all, heads, _ = query.shape
+    n_all = query.shape[0]
     prompt_ok = codec is None and compute_dtype(query.dtype, query.device) == torch.float32
-    if heads <= cpu_kernels.MAX_HEADS and (prompt_ok or fb.generated == fb.num_tokens):
+    if _fused_heads(query) and (prompt_ok or fb.generated == fb.num_tokens):
         if cpu_kernels.attention_usable(query, pool, out_dim, codec):
             slots = fb.slots_of(fb.token_request, picks)  # [N, k]
             rows = torch.arange(n_all, device=query.device)
             counts = torch.full((n_all,), picks.shape[1], dtype=torch.long, device=query.device)
-            return cpu_kernels.paged_mqa(query.float(), pool, slots, 1, rows, counts, scale, out_dim, mask=valid,
+            return _paged_mqa(query.float(), pool, slots, 1, rows, counts, scale, out_dim, mask=valid,
                                          codec=codec).to(query.dtype)
     return attention.sparse_attention(query, fb, pool, picks, valid, scale, out_dim, codec)
 
@@ -278,9 +312,9 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ge
     wherever they came from; an int: the leading rows, one rank's step) in one kernel call where it takes them,
     `portable(rows, ids, weights)` for the rest. fp32 [N, D]. One rank and every EP rank call this, so a
     generated token's experts have the kernel's arithmetic in every instance shape. Widened bf16 experts
-    (moe_kernels.widened_experts) take every row there."""
+    (moe_kernels.widened_experts) and fp32 ones where every_row() holds take every row there."""
     usable = moe_kernels.experts_usable(x, gate_up, down)
-    if usable and moe_kernels.widened_experts(gate_up):
+    if usable and (moe_kernels.widened_experts(gate_up) or every_row(gate_up)):
         return moe_kernels.moe_experts(x, ids, weights, gate_up, down)
     if generated is None or not usable:
         return portable(x, ids, weights)
@@ -304,7 +338,10 @@ def moe(x: torch.Tensor, generated: int, weights: MoEWeights | None,
         portable: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
     """DeepSeek's MoE of rows x in x's dtype: the leading `generated` rows in one kernel call (router, routed
     and shared experts) where `weights` are given and the kernel takes them; `portable(rows, generated)` (the
-    MoE module's own router, grouped experts and EP exchange) for the rest."""
+    MoE module's own router, grouped experts and EP exchange) for the rest; every row where every_row() holds
+    for the fused weights."""
+    if weights is not None and every_row(weights.gate_up):
+        generated = x.shape[0]
 
     def fused(rows: torch.Tensor) -> torch.Tensor | None:
         if weights is None:

@@ -1297,6 +1297,8 @@ static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1,
 #define HAVE_WIDE 0
 #endif
 
+int32_t wide_tiles(void) { return HAVE_WIDE; }
+
 /* DeepSeek's router for one row (spec 7.2): s = sigmoid(x.Wg); choose by s + bias within the
    topk_group groups of best top-2 sums; weights are the unbiased s of the picks, normalized, x scaling.
    Ties go to the lower index. The gate weight fp32, or bf16 with w_bf16 (its fp32 copy's products). */
