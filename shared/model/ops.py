@@ -230,8 +230,8 @@ def dense_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, s
         flat = query.reshape(r_all * s_all, heads, dim)
         if cpu_kernels.attention_usable(flat, pool, out_dim, codec):
             requests, counts = fb.query_rows
-            out = _paged_mqa(flat.float(), pool, fb.block_tables, fb.block_size, requests, counts, scale,
-                                        out_dim, codec=codec)
+            out = _paged_mqa(flat.float(), pool, fb.block_tables, fb.block_size, requests, counts, scale, out_dim,
+                             codec=codec)
             return out.view(r_all, s_all, heads, out_dim).to(query.dtype)
     return attention.dense_attention(query, fb, pool, scale, out_dim, codec)
 
@@ -253,7 +253,7 @@ def sparse_attention(query: torch.Tensor, fb: ForwardBatch, pool: torch.Tensor, 
             rows = torch.arange(n_all, device=query.device)
             counts = torch.full((n_all,), picks.shape[1], dtype=torch.long, device=query.device)
             return _paged_mqa(query.float(), pool, slots, 1, rows, counts, scale, out_dim, mask=valid,
-                                         codec=codec).to(query.dtype)
+                              codec=codec).to(query.dtype)
     return attention.sparse_attention(query, fb, pool, picks, valid, scale, out_dim, codec)
 
 
