@@ -71,6 +71,7 @@ def _build() -> ctypes.CDLL | None:
     lib.dots_bf16.restype = ctypes.c_int32
     lib.wide_tiles.argtypes = []
     lib.wide_tiles.restype = ctypes.c_int32
+    lib.wide = bool(lib.wide_tiles())  # asked once: ops.every_row reads it on every linear
     lib.topk_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int32]
     lib.topk_rows.restype = None
     f32, i32 = ctypes.c_float, ctypes.c_int32
@@ -275,7 +276,8 @@ def wide_tiles() -> bool:
     """Whether the built kernels multiply fp32 weights by AVX-512 wide tiles (linear_rows, moe_experts, head_matmul:
     two outputs' lanes a register, several times the AVX2 build's rate, near torch's fp32 GEMM at prompt sizes),
     so every row of an fp32 linear takes them (ops.linear): each row the bits it has alone."""
-    return library() is not None and bool(library().wide_tiles())
+    lib = library()
+    return lib is not None and lib.wide
 
 
 def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

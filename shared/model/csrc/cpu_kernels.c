@@ -1210,9 +1210,10 @@ static inline __attribute__((always_inline)) void tile_2x4(const void *w, int w_
 
 /* ---- Wide tiles: a 512-bit register holds two outputs' eight lanes ---- */
 
-/* Where the CPU has AVX-512, fp32 decode matmuls (a bf16 model's linears and experts on a CPU without bf16
-   arithmetic, their weights kept as fp32 copies) run four weight rows by eight input rows a pass: each register
-   holds the eight lanes of two outputs (input rows 2p and 2p + 1, packed side by side), each lane the same chain
+/* Where the CPU has AVX-512, matmuls of fp32 rows (a bf16 model's on a CPU without bf16 arithmetic: its linears'
+   fp32 weight copies, its experts' bf16 weights widened as read) run four weight rows by eight input rows a
+   pass: each register holds the eight lanes of two outputs (input rows 2p and 2p + 1, packed side by side), each
+   lane the same chain
    of fused multiply-adds as tile_2x4's and wdot's, summed by sum4: every output keeps wdot()'s bits, so a row's
    result is the same whichever kernel, ISA or batch computes it. Two thirds fewer loads per product than
    tile_2x4 (whose loads, not its multiplies, bound it: ~35 GFLOP/s a core against the core's ~130). */
@@ -1383,12 +1384,12 @@ static void picks_bf16(const uint16_t *w0, const uint16_t *w1, int two_rows, int
 /* expert_gemm's fp32 path by wide tiles: each active expert's picks packed in pairs once (in parallel), then
    expert_gemm's tasks (an expert's block of RB weight rows), each passed by every group of WP of its pairs. */
 static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t cols, const int64_t *order,
-                             const int64_t *start,
-                             const int64_t *active, int64_t num_active, const float *in, int64_t in_ld, float *out,
-                             int64_t out_ld, int threads) {
+                             const int64_t *start, const int64_t *active, int64_t num_active, const float *in,
+                             int64_t in_ld, float *out, int64_t out_ld, int threads) {
     int64_t *first = xmalloc(sizeof(int64_t) * (num_active + 1));  /* each active expert's first pair in xp */
     first[0] = 0;
-    for (int64_t a = 0; a < num_active; a++) first[a + 1] = first[a] + (start[active[a] + 1] - start[active[a]] + 1) / 2;
+    for (int64_t a = 0; a < num_active; a++)
+        first[a + 1] = first[a] + (start[active[a] + 1] - start[active[a]] + 1) / 2;
     float *xp = xmalloc(sizeof(float) * 2 * first[num_active] * cols);
     const float **ptrs = xmalloc(sizeof(float *) * 2 * first[num_active]);
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -1871,10 +1872,6 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
 
 /* ---- Small matmuls of decode steps ---- */
 
-/* y[i] = w . x[i] for a few rows: w [m, k] fp32, x [n, k] (bf16 or fp32), y [n, m] rounded to x's dtype
-   (as layers.Linear: fp32 products, the output in the input's dtype). Weight rows are read once per four
-   input rows, two at a time: eight independent sums in registers. Every output is dot()'s sum, whichever
-   pass computes it (a row's bits do not depend on the rows beside it). */
 #if HAVE_WIDE
 #define WIDE_BLOCK_BYTES (1 << 20)  /* a thread's block of weight rows stays in its L2 while every row passes it */
 
@@ -1887,7 +1884,8 @@ static void linear_rows_wide(const float *xf, int64_t n, int64_t k, const float 
     int64_t pairs = (n + 1) / 2;
     float *xp = xmalloc(sizeof(float) * 2 * pairs * k);
     pack_pairs(rows, n, k, xp);
-    int64_t parts = (int64_t)threads * ((m * k * (int64_t)sizeof(float) / threads + WIDE_BLOCK_BYTES - 1) / WIDE_BLOCK_BYTES);
+    int64_t per_thread = m * k * (int64_t)sizeof(float) / threads;
+    int64_t parts = (int64_t)threads * ((per_thread + WIDE_BLOCK_BYTES - 1) / WIDE_BLOCK_BYTES);
     int64_t per = ((m + parts - 1) / parts + 3) / 4 * 4, blocks = (m + per - 1) / per;
     #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
     for (int64_t b = 0; b < blocks; b++) {
@@ -1897,13 +1895,18 @@ static void linear_rows_wide(const float *xf, int64_t n, int64_t k, const float 
                 float out[4][2 * WP];
                 wide_pass(w, 0, k, r, r1, xp, p0, pairs - p0 < WP ? pairs - p0 : WP, out);
                 for (int o = 0; o < 4 && r + o < r1; o++)
-                    for (int q = 0; q < 2 * WP && 2 * p0 + q < n; q++) put(y, y_bf16, (2 * p0 + q) * m + r + o, out[o][q]);
+                    for (int q = 0; q < 2 * WP && 2 * p0 + q < n; q++)
+                        put(y, y_bf16, (2 * p0 + q) * m + r + o, out[o][q]);
             }
     }
     free(rows); free(xp);
 }
 #endif
 
+/* y[i] = w . x[i] for a few rows: w [m, k] fp32, x [n, k] (bf16 or fp32), y [n, m] rounded to x's dtype
+   (as layers.Linear: fp32 products, the output in the input's dtype). Weight rows are read once per four
+   input rows, two at a time: eight independent sums in registers. Every output is dot()'s sum, whichever
+   pass computes it (a row's bits do not depend on the rows beside it). */
 void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t n, int64_t k, int64_t m,
                  int32_t threads) {
     float *xf = xmalloc(sizeof(float) * n * k);
@@ -2046,7 +2049,8 @@ head_rows(const float *xr, const void *wh, int w_bf16, float *acc, int64_t k, in
 #if HAVE_WIDE
 #define HW_FMA(q) if (ROWS > q) { __m512 xb = _mm512_set1_ps(xr[q * k + j]); \
     a##q##0 = _mm512_fmadd_ps(xb, w0, a##q##0); a##q##1 = _mm512_fmadd_ps(xb, w1, a##q##1); }
-#define HW_PUT(q) if (ROWS > q) { _mm512_storeu_ps(acc + q * m + c0, a##q##0); _mm512_storeu_ps(acc + q * m + c0 + 16, a##q##1); }
+#define HW_PUT(q) if (ROWS > q) { _mm512_storeu_ps(acc + q * m + c0, a##q##0); \
+    _mm512_storeu_ps(acc + q * m + c0 + 16, a##q##1); }
 
 /* head_rows for an fp32 weight where the CPU has AVX-512 (m a multiple of 32): 32 outputs of each of ROWS rows held
    in registers over the whole of k (head_rows reloads its sums every four weight rows: loads, not multiplies,
