@@ -265,17 +265,43 @@ def probe_draining(up: UpProcess) -> list[str]:
     return notes
 
 
-def make_fault(up: UpProcess, fault: str, notes: list[str]) -> tuple[str, Callable[[], None], int]:
-    """(victim service, the fault, tokens each stream has before it strikes: -1, at once: a prefill instance is
-    frozen as the requests arrive and killed a second later, with its share in flight)."""
-    victim = {"decode": "decode0", "prefill": "prefill0", "router": "router"}[fault.split("-")[0]]
-    pid = up.service_pid(victim)
+def busiest_decode(up: UpProcess, timeout: float = 10.0) -> str:
+    """The decode instance running the most requests, once one runs any (within `timeout`): the router may keep
+    every stream on one instance (where their prompts' blocks are cached from an earlier round), so a decode fault
+    strikes there to hit requests."""
+    decodes = sorted(n for n in up.metrics if n.startswith("decode"))
+    deadline = time.monotonic() + timeout
+    while True:
+        running = {n: up.metric(n, "pdserve_running_requests") for n in decodes}
+        if max(running.values()) > 0 or time.monotonic() > deadline:
+            return max(decodes, key=lambda n: running[n])
+        time.sleep(0.01)
 
-    def strike() -> None:
-        if fault == "decode-term":  # once it runs streams: its drain must hand them back
-            deadline = time.monotonic() + 10
-            while up.metric(victim, "pdserve_running_requests") == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
+
+@dataclass
+class Fault:
+    """One fault of the matrix: its victim service (a decode fault's is picked when it strikes, see
+    busiest_decode) and the tokens each stream has before it strikes (-1: at once: a prefill instance is frozen
+    as the requests arrive and killed a second later, with its share in flight)."""
+
+    name: str
+    up: UpProcess
+    victim: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.victim = {"decode": "decode0", "prefill": "prefill0", "router": "router"}[self.name.split("-")[0]]
+
+    @property
+    def each_tokens(self) -> int:
+        return -1 if self.name == "prefill-kill" else EACH_TOKENS
+
+    def strike(self) -> None:
+        up, fault = self.up, self.name
+        if fault.startswith("decode"):  # where streams run: a drain must hand them back, a kill must lose them
+            self.victim = busiest_decode(up)
+        pid = up.service_pid(self.victim)
+        if fault == "decode-term":
             os.killpg(pid, signal.SIGTERM)
         elif fault == "prefill-kill":  # with its share of the prompts in flight: an instance computes its share
             os.kill(pid, signal.SIGSTOP)  # in one step, too short to catch from outside; frozen, they stay
@@ -285,9 +311,7 @@ def make_fault(up: UpProcess, fault: str, notes: list[str]) -> tuple[str, Callab
             os.kill(pid, signal.SIGTERM if fault == "router-term" else signal.SIGKILL)
         if fault == "router-term":
             time.sleep(0.3)
-            notes.extend(probe_draining(up))
-
-    return victim, strike, -1 if fault == "prefill-kill" else EACH_TOKENS
+            self.notes.extend(probe_draining(up))
 
 
 def recover(up: UpProcess, victim: str, since: float, timeout: float = 180.0) -> tuple[bool, float]:
@@ -337,14 +361,13 @@ def unfaulted(up: UpProcess, tokens: int, vocab: int) -> tuple[list[StreamSpec],
 def run_fault(up: UpProcess, fault: str, specs: list[StreamSpec], reference: list[Outcome],
               tokens: int) -> RoundResult:
     """One round with `fault` striking mid-stream, then the cluster whole again."""
-    notes: list[str] = []
-    victim, strike, after = make_fault(up, fault, notes)
+    strike = Fault(fault, up)
     t0 = time.monotonic()
-    result = judge(fault, run_round(up, specs, tokens, strike, after), reference)
-    result.served_after, result.recovery_s = recover(up, victim, t0)
-    if not nothing_held(up, victim):
+    result = judge(fault, run_round(up, specs, tokens, strike.strike, strike.each_tokens), reference)
+    result.served_after, result.recovery_s = recover(up, strike.victim, t0)
+    if not nothing_held(up, strike.victim):
         result.notes.append("survivors still hold KV blocks, leases or requests")
-    result.notes = notes + result.notes
+    result.notes = strike.notes + [f"victim {strike.victim}"] + result.notes
     return result
 
 
