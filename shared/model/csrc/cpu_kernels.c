@@ -1244,14 +1244,23 @@ static inline __attribute__((always_inline)) __m512 wide_weights(const void *w, 
     c1 = _mm512_fmadd_ps(v1, xv, c1); c2 = _mm512_fmadd_ps(v2, xv, c2); c3 = _mm512_fmadd_ps(v3, xv, c3); } while (0)
 
 /* out[o][q] = weight row w + off[o] (fp32, or bf16 with bf16) . packed input row q (q < 2P, the P pairs from xp,
-   2k floats apart), each the sum wdot() makes. Inlined with P and bf16 constant, so unused accumulators vanish
+   2k floats apart), each the sum wdot() makes, over dims [d0, d1) a call: a call from d0 > 0 goes on from the
+   chains `state` holds (16 registers' worth), one ending before k leaves them there, one ending at k sums them
+   into out.
+   The chains run in the same order however k is cut: the cut only lets a pass's input chunk stay in L1 while
+   every weight row of a block passes it. Inlined with P and bf16 constant, so unused accumulators vanish
    (named: see tile_2x4). */
 static inline __attribute__((always_inline)) void wide_tile(const void *w, const int bf16, const int64_t off[4],
-                                                             const float *xp, int64_t k, const int P,
-                                                             float out[4][2 * WP]) {
+                                                             const float *xp, int64_t k, const int P, int64_t d0,
+                                                             int64_t d1, float *state, float out[4][2 * WP]) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
     __m512 c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
-    for (int64_t d = 0; d < k; d += DW) {
+#define CHAINS(X) X(c00, 0) X(c01, 1) X(c02, 2) X(c03, 3) X(c10, 4) X(c11, 5) X(c12, 6) X(c13, 7) X(c20, 8) \
+    X(c21, 9) X(c22, 10) X(c23, 11) X(c30, 12) X(c31, 13) X(c32, 14) X(c33, 15)
+#define LOAD_CHAIN(c, i) c = _mm512_loadu_ps(state + 16 * i);
+#define STORE_CHAIN(c, i) _mm512_storeu_ps(state + 16 * i, c);
+    if (d0 > 0) { CHAINS(LOAD_CHAIN) }
+    for (int64_t d = d0; d < d1; d += DW) {
         __m512 v0 = wide_weights(w, bf16, off[0] + d), v1 = wide_weights(w, bf16, off[1] + d);
         __m512 v2 = wide_weights(w, bf16, off[2] + d), v3 = wide_weights(w, bf16, off[3] + d);
         const float *x = xp + 2 * d;
@@ -1260,6 +1269,10 @@ static inline __attribute__((always_inline)) void wide_tile(const void *w, const
         if (P > 2) FMA4(x + 4 * k, c02, c12, c22, c32);
         if (P > 3) FMA4(x + 6 * k, c03, c13, c23, c33);
     }
+    if (d1 < k) { CHAINS(STORE_CHAIN) return; }
+#undef LOAD_CHAIN
+#undef STORE_CHAIN
+#undef CHAINS
     const __m512 acc[4][WP] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
     for (int o = 0; o < 4; o += 2)
         for (int p = 0; p < P; p++) {
@@ -1272,26 +1285,38 @@ static inline __attribute__((always_inline)) void wide_tile(const void *w, const
 #undef FMA4
 
 /* wide_tile for weight rows [r, min(r + 4, r1)) (an end short of four repeats row r1 - 1, not written) and
-   pairs [p0, p0 + P) of xp, P <= WP; out as wide_tile's. */
+   pairs [p0, p0 + P) of xp, P <= WP, over dims [d0, d1); state and out as wide_tile's. */
 static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1, const float *xp, int64_t p0,
-                      int64_t P, float out[4][2 * WP]) {
+                      int64_t P, int64_t d0, int64_t d1, float *state, float out[4][2 * WP]) {
     int64_t off[4];
     for (int o = 0; o < 4; o++) off[o] = (r + o < r1 ? r + o : r1 - 1) * k;
     const float *x = xp + 2 * p0 * k;
-    if (bf16) {
-        switch (P) {
-        case 4: wide_tile(w, 1, off, x, k, 4, out); break;
-        case 3: wide_tile(w, 1, off, x, k, 3, out); break;
-        case 2: wide_tile(w, 1, off, x, k, 2, out); break;
-        default: wide_tile(w, 1, off, x, k, 1, out); break;
+#define WIDE_CASES(B) switch (P) { \
+        case 4: wide_tile(w, B, off, x, k, 4, d0, d1, state, out); break; \
+        case 3: wide_tile(w, B, off, x, k, 3, d0, d1, state, out); break; \
+        case 2: wide_tile(w, B, off, x, k, 2, d0, d1, state, out); break; \
+        default: wide_tile(w, B, off, x, k, 1, d0, d1, state, out); break; }
+    if (bf16) WIDE_CASES(1) else WIDE_CASES(0)
+#undef WIDE_CASES
+}
+
+#define WIDE_KC 512  /* dims a wide pass takes at a time: a group's 8 input rows (16 KiB) stay in L1 */
+#define WIDE_BLOCK_BYTES (1 << 20)  /* a task's block of weight rows stays in its L2 while every input row passes it */
+
+/* Weight rows [r0, r1) (4 a pass) by pairs [p0, p0 + P) of xp (n rows packed), each output through emit(ctx,
+   weight row, input row, value): the group's input chunk of WIDE_KC dims passed by every weight row before the
+   next chunk (their chains kept in `state`, 256 floats per 4 weight rows). */
+typedef void (*wide_emit)(void *ctx, int64_t row, int64_t q, float value);
+static void wide_block(const void *w, int bf16, int64_t k, int64_t r0, int64_t r1, const float *xp, int64_t n,
+                       int64_t p0, int64_t P, float *state, wide_emit emit, void *ctx) {
+    for (int64_t d0 = 0; d0 < k; d0 += WIDE_KC) {
+        int64_t d1 = d0 + WIDE_KC < k ? d0 + WIDE_KC : k;
+        for (int64_t r = r0; r < r1; r += 4) {
+            float out[4][2 * WP];
+            wide_pass(w, bf16, k, r, r1, xp, p0, P, d0, d1, state + (r - r0) / 4 * 256, out);
+            for (int o = 0; d1 == k && o < 4 && r + o < r1; o++)
+                for (int q = 0; q < 2 * P && 2 * p0 + q < n; q++) emit(ctx, r + o, 2 * p0 + q, out[o][q]);
         }
-        return;
-    }
-    switch (P) {
-    case 4: wide_tile(w, 0, off, x, k, 4, out); break;
-    case 3: wide_tile(w, 0, off, x, k, 3, out); break;
-    case 2: wide_tile(w, 0, off, x, k, 2, out); break;
-    default: wide_tile(w, 0, off, x, k, 1, out); break;
     }
 }
 #else
@@ -1381,8 +1406,14 @@ static void picks_bf16(const uint16_t *w0, const uint16_t *w1, int two_rows, int
    in_bf16 (the inputs as bf16 bits, in_ld apart: a bf16 model's rows) and bf16 weights, by picks_bf16. */
 #define RB 16
 #if HAVE_WIDE
+struct picks_out { float *out; const int64_t *order; int64_t out_ld; };  /* an expert's picks' output rows */
+static void put_pick(void *ctx, int64_t row, int64_t q, float value) {
+    struct picks_out *c = ctx;
+    c->out[c->order[q] * c->out_ld + row] = value;
+}
+
 /* expert_gemm's fp32 path by wide tiles: each active expert's picks packed in pairs once (in parallel), then
-   expert_gemm's tasks (an expert's block of RB weight rows), each passed by every group of WP of its pairs. */
+   tasks of an expert's block of weight rows, each passed by every group of WP of its pairs. */
 static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t cols, const int64_t *order,
                              const int64_t *start, const int64_t *active, int64_t num_active, const float *in,
                              int64_t in_ld, float *out, int64_t out_ld, int threads) {
@@ -1398,21 +1429,22 @@ static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t co
         for (int64_t q = 0; q < n; q++) ptrs[2 * first[a] + q] = in + order[start[e] + q] * in_ld;
         pack_pairs(ptrs + 2 * first[a], n, cols, xp + 2 * first[a] * cols);
     }
-    int64_t blocks = (rows + RB - 1) / RB;
+    /* blocks of up to WIDE_BLOCK_BYTES: an expert's inputs are read once a block (64 KiB blocks made a prefill's
+       inputs stream from L3 sixteen times more often than its weights, ~100 GFLOP/s where linears make ~230) */
+    int64_t rb = WIDE_BLOCK_BYTES / (cols * (w_bf16 ? 2 : 4)) / 4 * 4;
+    rb = rb < 4 ? 4 : rb > rows ? rows : rb;
+    int64_t blocks = (rows + rb - 1) / rb;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < num_active * blocks; t++) {
         int64_t a = t / blocks, e = active[a], n = start[e + 1] - start[e], pairs = first[a + 1] - first[a];
-        int64_t r0 = (t % blocks) * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
+        int64_t r0 = (t % blocks) * rb, r1 = r0 + rb < rows ? r0 + rb : rows;
         const void *we = (const uint8_t *)w + e * rows * cols * (w_bf16 ? 2 : 4);
-        const float *xe = xp + 2 * first[a] * cols;
+        float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * 256);
+        struct picks_out ctx = {out, order + start[e], out_ld};
         for (int64_t p0 = 0; p0 < pairs; p0 += WP)
-            for (int64_t r = r0; r < r1; r += 4) {
-                float o4[4][2 * WP];
-                wide_pass(we, w_bf16, cols, r, r1, xe, p0, pairs - p0 < WP ? pairs - p0 : WP, o4);
-                for (int o = 0; o < 4 && r + o < r1; o++)
-                    for (int q = 0; q < 2 * WP && 2 * p0 + q < n; q++)
-                        out[order[start[e] + 2 * p0 + q] * out_ld + r + o] = o4[o][q];
-            }
+            wide_block(we, w_bf16, cols, r0, r1, xp + 2 * first[a] * cols, n, p0, pairs - p0 < WP ? pairs - p0 : WP,
+                       state, put_pick, &ctx);
+        free(state);
     }
     free(first); free(xp); free(ptrs);
 }
@@ -1504,10 +1536,13 @@ static void experts_sum(const float *x, int64_t n, int64_t dim, const int64_t *i
     float *xs = dots ? NULL : xmalloc(sizeof(float) * (valid + 1) * dim);
     uint16_t *xb = dots ? xmalloc(sizeof(uint16_t) * (valid + 1) * dim) : NULL;
     for (int64_t p = 0, v = 0; p < picks; p++) {
-        slot[p] = -1;
-        if (ids[p] < 0 || ids[p] >= experts) continue;
-        slot[p] = v;
-        order[fill[ids[p]]++] = v;
+        slot[p] = ids[p] < 0 || ids[p] >= experts ? -1 : v++;
+        if (slot[p] >= 0) order[fill[ids[p]]++] = slot[p];
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static) if (valid * dim >= 65536)
+    for (int64_t p = 0; p < picks; p++) {  /* each slot's row copied, in parallel: a prefill's are many MB */
+        int64_t v = slot[p];
+        if (v < 0) continue;
         const float *row = x + (p / top_k) * dim;
         if (dots)
             for (int64_t d = 0; d < dim; d += DW) {
@@ -1516,7 +1551,6 @@ static void experts_sum(const float *x, int64_t n, int64_t dim, const int64_t *i
             }
         else
             memcpy(xs + v * dim, row, sizeof(float) * dim);
-        v++;
     }
     free(fill);
     float *gu = xmalloc(sizeof(float) * (valid + 1) * 2 * inter), *act = xmalloc(sizeof(float) * (valid + 1) * inter);
@@ -1524,12 +1558,14 @@ static void experts_sum(const float *x, int64_t n, int64_t dim, const int64_t *i
     expert_gemm(gate_up, w_bf16, 2 * inter, dim, order, start, active, num_active, xs, xb, dim, gu, 2 * inter,
                 threads);
     free(xb);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (valid * inter >= 65536)
     for (int64_t v = 0; v < valid; v++)
         for (int64_t c = 0; c < inter; c++) {
             float g = gu[v * 2 * inter + c];
             act[v * inter + c] = g / (1.f + expf(-g)) * gu[v * 2 * inter + inter + c];
         }
     expert_gemm(down, w_bf16, dim, inter, order, start, active, num_active, act, NULL, inter, o, dim, threads);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n * dim >= 65536)
     for (int64_t i = 0; i < n; i++)
         for (int64_t d = 0; d < dim; d++) {
             float acc = 0.f;
@@ -1873,10 +1909,15 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
 /* ---- Small matmuls of decode steps ---- */
 
 #if HAVE_WIDE
-#define WIDE_BLOCK_BYTES (1 << 20)  /* a thread's block of weight rows stays in its L2 while every row passes it */
 
 /* linear_rows by wide tiles: the rows packed in pairs once, the weight split into one block of rows per thread
    (more where a block would outgrow WIDE_BLOCK_BYTES), each block passed by every group of WP pairs. */
+struct rows_out { void *y; int y_bf16; int64_t m; };  /* a linear's output rows */
+static void put_row(void *ctx, int64_t row, int64_t q, float value) {
+    struct rows_out *c = ctx;
+    put(c->y, c->y_bf16, q * c->m + row, value);
+}
+
 static void linear_rows_wide(const float *xf, int64_t n, int64_t k, const float *w, void *y, int y_bf16, int64_t m,
                              int threads) {
     const float **rows = xmalloc(sizeof(float *) * n);
@@ -1889,15 +1930,12 @@ static void linear_rows_wide(const float *xf, int64_t n, int64_t k, const float 
     int64_t per = ((m + parts - 1) / parts + 3) / 4 * 4, blocks = (m + per - 1) / per;
     #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t r1 = (b + 1) * per < m ? (b + 1) * per : m;
+        int64_t r0 = b * per, r1 = (b + 1) * per < m ? (b + 1) * per : m;
+        float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * 256);
+        struct rows_out ctx = {y, y_bf16, m};
         for (int64_t p0 = 0; p0 < pairs; p0 += WP)
-            for (int64_t r = b * per; r < r1; r += 4) {
-                float out[4][2 * WP];
-                wide_pass(w, 0, k, r, r1, xp, p0, pairs - p0 < WP ? pairs - p0 : WP, out);
-                for (int o = 0; o < 4 && r + o < r1; o++)
-                    for (int q = 0; q < 2 * WP && 2 * p0 + q < n; q++)
-                        put(y, y_bf16, (2 * p0 + q) * m + r + o, out[o][q]);
-            }
+            wide_block(w, 0, k, r0, r1, xp, n, p0, pairs - p0 < WP ? pairs - p0 : WP, state, put_row, &ctx);
+        free(state);
     }
     free(rows); free(xp);
 }
