@@ -55,6 +55,13 @@ def served_model(ckpt, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def arch_builds(tmp_path_factory) -> Path:
+    """One kernel cache for every test that builds for another -march: builds are keyed by source, flags and
+    ISA, so each is compiled once a session (a fresh cache per test compiled the same three builds 5 times)."""
+    return tmp_path_factory.mktemp("kernel-builds")
+
+
 @pytest.fixture
 def portable(monkeypatch):
     """portable(True) forces the CPU kernels' portable path, portable(False) the built kernels."""

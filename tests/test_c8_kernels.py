@@ -25,10 +25,10 @@ def kernels(portable):
 
 
 @pytest.fixture
-def build_for(monkeypatch, tmp_path):
-    """build_for(arch) rebuilds the kernels for another -march (PDSERVE_KERNEL_ARCH; None: this CPU) into a
-    fresh cache; the module's state is restored afterwards."""
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+def build_for(monkeypatch, arch_builds):
+    """build_for(arch) loads the kernels built for another -march (PDSERVE_KERNEL_ARCH; None: this CPU), from
+    the session's cache of such builds; the module's state is restored afterwards."""
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(arch_builds))
 
     def build(arch: str | None) -> None:
         if arch:

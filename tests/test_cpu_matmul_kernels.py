@@ -321,7 +321,7 @@ def _fp32_decode_matmuls(gen: torch.Generator) -> list[torch.Tensor]:
     return out
 
 
-def test_fp32_decode_matmuls_keep_a_rows_bits_on_every_isa(monkeypatch, tmp_path):
+def test_fp32_decode_matmuls_keep_a_rows_bits_on_every_isa(monkeypatch, arch_builds):
     """The fp32 decode linears, experts and MLA head matmuls give a row the same bits alone as in any batch, and
     the same on every ISA the kernels build for: AVX-512 (two rows' lanes a register, four weight rows by eight
     input rows a pass; a head's 32 outputs of 8 rows in registers: where this CPU has it), AVX2 + FMA (two by
@@ -329,7 +329,7 @@ def test_fp32_decode_matmuls_keep_a_rows_bits_on_every_isa(monkeypatch, tmp_path
     flags = next((line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")), "").split()
     arches = ["native"] + [arch for arch, need in (("haswell", {"avx2", "fma", "bmi2"}),
                                                    ("x86-64-v2", {"sse4_2", "popcnt"})) if need <= set(flags)]
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(arch_builds))
     results = {}
     for arch in arches:
         monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
