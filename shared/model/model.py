@@ -60,9 +60,10 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, indexer_numerics: str, parallel: ParallelState,
                  fmts: LinearFormats | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta")
-        self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                                requires_grad=False)
+        # given its (uninitialized) weight, nn.Embedding skips its random init: that init (even on the meta
+        # device) imports torch._dynamo, 1.8 s of every process's start
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, dtype, indexer_numerics, parallel, fmts) for i in range(cfg.num_hidden_layers)
         )
