@@ -294,6 +294,37 @@ def test_large_bf16_experts_keep_onednn_and_every_rank_chooses_alike(portable):
         assert torch.equal(ex(x, ids, w), want)  # prompt rows alike
 
 
+def _many_picks(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """fp32 experts (6 × 2·40 × 128) and 37 rows' top-2 picks: expert 5 picked by many, 0-4 by a few, one foreign
+    pick (an EP rank's: skipped): (gate_up, down, x, ids, weights)."""
+    gate_up, down = torch.randn(6, 2 * 40, 128, generator=gen) * 0.1, torch.randn(6, 128, 40, generator=gen) * 0.1
+    x = torch.randn(37, 128, generator=gen).bfloat16()
+    ids = torch.randint(0, 6, (37, 2), generator=gen)
+    ids[:, 1] = torch.where(ids[:, 0] == 5, 4, 5)
+    ids[3, 0] = 7
+    return gate_up, down, x, ids, torch.rand(37, 2, generator=gen)
+
+
+def _experts_alone_and_batched(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                               down: torch.Tensor) -> list[torch.Tensor]:
+    """moe_experts over all rows, and over each row alone (concatenated)."""
+    return [moe_kernels.moe_experts(x, ids, weights, gate_up, down),
+            torch.cat([moe_kernels.moe_experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], gate_up, down)
+                       for i in range(len(x))])]
+
+
+def test_bf16_experts_keep_their_fp32_copies_bits_alone_and_batched():
+    """bf16 experts on a CPU without bf16 dot products run widened (exact), as read or, for an expert many rows
+    pick, its weight block widened once for all its rows' passes: every row gets its fp32 copies' bits, alone or
+    beside the others. With bf16 dot products the kernel sums in pairs: alone == batched still holds."""
+    gate_up, down, x, ids, weights = _many_picks(torch.Generator().manual_seed(23))
+    batched, alone = _experts_alone_and_batched(x, ids, weights, gate_up.bfloat16(), down.bfloat16())
+    assert torch.equal(batched, alone)
+    if not cpu_kernels.bf16_dots():
+        copies = _experts_alone_and_batched(x, ids, weights, gate_up.bfloat16().float(), down.bfloat16().float())
+        assert torch.equal(batched, copies[0]) and torch.equal(alone, copies[1])
+
+
 def _fp32_decode_matmuls(gen: torch.Generator) -> list[torch.Tensor]:
     """linear_rows, moe_experts and head_matmul on fp32 weights (a bf16 model's copies on a CPU without bf16
     arithmetic) over row counts that leave every remainder of the kernels' register blocks (pairs, groups of four
@@ -302,15 +333,8 @@ def _fp32_decode_matmuls(gen: torch.Generator) -> list[torch.Tensor]:
     for n, k, m in ((2, 64, 48), (3, 256, 130), (9, 520, 33), (17, 2048, 517), (70, 64, 7), (5, 60, 9)):
         x, w = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(m, k, generator=gen)
         out += [cpu_kernels.linear(x, w), torch.cat([cpu_kernels.linear(x[i : i + 1], w) for i in range(n)])]
-    gate_up, down = torch.randn(6, 2 * 40, 128, generator=gen) * 0.1, torch.randn(6, 128, 40, generator=gen) * 0.1
-    x = torch.randn(37, 128, generator=gen).bfloat16()
-    ids = torch.randint(0, 6, (37, 2), generator=gen)
-    ids[:, 1] = torch.where(ids[:, 0] == 5, 4, 5)  # expert 5 picked by many, 0-4 by a few
-    ids[3, 0] = 7  # an EP rank's foreign pick: skipped
-    weights = torch.rand(37, 2, generator=gen)
-    out.append(moe_kernels.moe_experts(x, ids, weights, gate_up, down))
-    out.append(torch.cat([moe_kernels.moe_experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], gate_up, down)
-                          for i in range(37)]))
+    gate_up, down, x, ids, weights = _many_picks(gen)
+    out += _experts_alone_and_batched(x, ids, weights, gate_up, down)
     for heads, k, m in ((3, 40, 64), (2, 512, 128), (5, 9, 33)):  # MLA's absorbed matmuls, 8 rows a group
         x, w = torch.randn(11, heads, k, generator=gen).bfloat16(), torch.randn(heads, k, m, generator=gen)
         batched, alone = torch.empty(11, heads, m), torch.empty(11, heads, m)

@@ -1406,10 +1406,19 @@ static void picks_bf16(const uint16_t *w0, const uint16_t *w1, int two_rows, int
    in_bf16 (the inputs as bf16 bits, in_ld apart: a bf16 model's rows) and bf16 weights, by picks_bf16. */
 #define RB 16
 #if HAVE_WIDE
-struct picks_out { float *out; const int64_t *order; int64_t out_ld; };  /* an expert's picks' output rows */
+/* an expert's picks' output rows, weight row `row` of a block being row row0 + row of the expert */
+struct picks_out { float *out; const int64_t *order; int64_t out_ld, row0; };
 static void put_pick(void *ctx, int64_t row, int64_t q, float value) {
     struct picks_out *c = ctx;
-    c->out[c->order[q] * c->out_ld + row] = value;
+    c->out[c->order[q] * c->out_ld + c->row0 + row] = value;
+}
+
+/* n bf16 values widened to fp32 (exact: the bits move up), 16 an instruction; n % 16 == 0. */
+static void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
 }
 
 /* expert_gemm's fp32 path by wide tiles: each active expert's picks packed in pairs once (in parallel), then
@@ -1431,20 +1440,28 @@ static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t co
     }
     /* blocks of up to WIDE_BLOCK_BYTES: an expert's inputs are read once a block (64 KiB blocks made a prefill's
        inputs stream from L3 sixteen times more often than its weights, ~100 GFLOP/s where linears make ~230) */
-    int64_t rb = WIDE_BLOCK_BYTES / (cols * (w_bf16 ? 2 : 4)) / 4 * 4;
+    int64_t rb = WIDE_BLOCK_BYTES / (cols * 4) / 4 * 4;  /* fp32 rows: bf16 ones widened once a block, below */
     rb = rb < 4 ? 4 : rb > rows ? rows : rb;
     int64_t blocks = (rows + rb - 1) / rb;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < num_active * blocks; t++) {
         int64_t a = t / blocks, e = active[a], n = start[e + 1] - start[e], pairs = first[a + 1] - first[a];
         int64_t r0 = (t % blocks) * rb, r1 = r0 + rb < rows ? r0 + rb : rows;
-        const void *we = (const uint8_t *)w + e * rows * cols * (w_bf16 ? 2 : 4);
+        const void *block = (const uint8_t *)w + (e * rows + r0) * cols * (w_bf16 ? 2 : 4);
+        int bf16 = w_bf16;
+        float *widened = NULL;
+        if (bf16 && pairs > WP && cols % 16 == 0) {  /* several groups pass the block: widen it once, not per pass */
+            widened = xmalloc(sizeof(float) * (r1 - r0) * cols);  /* (widening takes ports the FMAs need) */
+            widen_bf16(block, (r1 - r0) * cols, widened);
+            block = widened;
+            bf16 = 0;
+        }
         float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * 256);
-        struct picks_out ctx = {out, order + start[e], out_ld};
+        struct picks_out ctx = {out, order + start[e], out_ld, r0};
         for (int64_t p0 = 0; p0 < pairs; p0 += WP)
-            wide_block(we, w_bf16, cols, r0, r1, xp + 2 * first[a] * cols, n, p0, pairs - p0 < WP ? pairs - p0 : WP,
+            wide_block(block, bf16, cols, 0, r1 - r0, xp + 2 * first[a] * cols, n, p0, pairs - p0 < WP ? pairs - p0 : WP,
                        state, put_pick, &ctx);
-        free(state);
+        free(state); free(widened);
     }
     free(first); free(xp); free(ptrs);
 }
