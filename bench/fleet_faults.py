@@ -361,13 +361,13 @@ def unfaulted(up: UpProcess, tokens: int, vocab: int) -> tuple[list[StreamSpec],
 def run_fault(up: UpProcess, fault: str, specs: list[StreamSpec], reference: list[Outcome],
               tokens: int) -> RoundResult:
     """One round with `fault` striking mid-stream, then the cluster whole again."""
-    strike = Fault(fault, up)
+    hit = Fault(fault, up)
     t0 = time.monotonic()
-    result = judge(fault, run_round(up, specs, tokens, strike.strike, strike.each_tokens), reference)
-    result.served_after, result.recovery_s = recover(up, strike.victim, t0)
-    if not nothing_held(up, strike.victim):
+    result = judge(fault, run_round(up, specs, tokens, hit.strike, hit.each_tokens), reference)
+    result.served_after, result.recovery_s = recover(up, hit.victim, t0)
+    if not nothing_held(up, hit.victim):
         result.notes.append("survivors still hold KV blocks, leases or requests")
-    result.notes = strike.notes + [f"victim {strike.victim}"] + result.notes
+    result.notes = hit.notes + [f"victim {hit.victim}"] + result.notes
     return result
 
 

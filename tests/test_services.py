@@ -188,8 +188,11 @@ def test_unused_reservation_expires(cluster):
         reply = internal_pb2_grpc.DecodeStub(ch).Reserve(
             internal_pb2.ReserveRequest(request_id="never-used", num_prompt_tokens=20, max_tokens=20), timeout=5)
     assert len(reply.destination.block_ids) == 10  # 40 tokens / block size 4
-    load = decode_load(cluster)
-    assert load.free_blocks == total - 10 and load.active_leases == 1
+    def reserved() -> bool:  # GetLoad shows the engine's last loop turn: the lease appears within a turn
+        load = decode_load(cluster)
+        return load.free_blocks == total - 10 and load.active_leases == 1
+
+    assert wait_for(reserved, timeout=LEASE_SECONDS / 2)
     assert wait_for(lambda: decode_load(cluster).free_blocks == total, timeout=LEASE_SECONDS + 5)
     assert decode_load(cluster).active_leases == 0
 

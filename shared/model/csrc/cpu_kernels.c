@@ -1246,9 +1246,8 @@ static inline __attribute__((always_inline)) __m512 wide_weights(const void *w, 
 /* out[o][q] = weight row w + off[o] (fp32, or bf16 with bf16) . packed input row q (q < 2P, the P pairs from xp,
    2k floats apart), each the sum wdot() makes, over dims [d0, d1) a call: a call from d0 > 0 goes on from the
    chains `state` holds (16 registers' worth), one ending before k leaves them there, one ending at k sums them
-   into out.
-   The chains run in the same order however k is cut: the cut only lets a pass's input chunk stay in L1 while
-   every weight row of a block passes it. Inlined with P and bf16 constant, so unused accumulators vanish
+   into out. The chains run in the same order however k is cut: the cut only lets a pass's input chunk stay in
+   L1 while every weight row of a block passes it. Inlined with P and bf16 constant, so unused accumulators vanish
    (named: see tile_2x4). */
 static inline __attribute__((always_inline)) void wide_tile(const void *w, const int bf16, const int64_t off[4],
                                                              const float *xp, int64_t k, const int P, int64_t d0,
@@ -1438,8 +1437,7 @@ static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t co
         for (int64_t q = 0; q < n; q++) ptrs[2 * first[a] + q] = in + order[start[e] + q] * in_ld;
         pack_pairs(ptrs + 2 * first[a], n, cols, xp + 2 * first[a] * cols);
     }
-    /* blocks of up to WIDE_BLOCK_BYTES: an expert's inputs are read once a block (64 KiB blocks made a prefill's
-       inputs stream from L3 sixteen times more often than its weights, ~100 GFLOP/s where linears make ~230) */
+    /* blocks of up to WIDE_BLOCK_BYTES of fp32 rows (16 rows before): an expert's inputs are read once a block */
     int64_t rb = WIDE_BLOCK_BYTES / (cols * 4) / 4 * 4;  /* fp32 rows: bf16 ones widened once a block, below */
     rb = rb < 4 ? 4 : rb > rows ? rows : rb;
     int64_t blocks = (rows + rb - 1) / rb;
