@@ -88,6 +88,17 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype KV cache rows are stored in for a model stored as `dtype`: the model's own where attention
+    reads it in place (bf16 on every CPU: the host kernels widen bf16 rows in registers, exactly, and a
+    bf16 model's rows are bf16 values whatever the CPU computes in), else the compute dtype (fp16 on a CPU
+    without fp16 arithmetic: fp32). Half the bytes of fp32 rows a step reads and a block holds, and one
+    layout for a model across CPUs."""
+    if dtype == torch.bfloat16:
+        return dtype
+    return compute_dtype(dtype, device)
+
+
 def check_weight_sharing(share_weights_dir: str | None, device: torch.device) -> None:
     """--share-weights-dir maps one host-memory file into every co-located process: it shares weights that
     live in host memory, i.e. on CPU instances. On an accelerator the weights live in device memory,

@@ -345,11 +345,30 @@ def _fp32_decode_matmuls(gen: torch.Generator) -> list[torch.Tensor]:
     return out
 
 
-def test_fp32_decode_matmuls_keep_a_rows_bits_on_every_isa(monkeypatch, arch_builds):
-    """The fp32 decode linears, experts and MLA head matmuls give a row the same bits alone as in any batch, and
-    the same on every ISA the kernels build for: AVX-512 (two rows' lanes a register, four weight rows by eight
-    input rows a pass; a head's 32 outputs of 8 rows in registers: where this CPU has it), AVX2 + FMA (two by
-    four) and SSE (no FMA unit: fmaf in software). Each output is the fp32 dot product to a rounding."""
+def _decode_attention(gen: torch.Generator) -> list[torch.Tensor]:
+    """paged_mqa of fp32 queries (not bf16 values: the FMA path on every CPU) over fp32 and bf16 rows, 1 to 9
+    heads (HB blocks and a partial one), contexts that leave every remainder of the kernel's four-row and 32-row
+    tiles, a mask, and an output of 48 dims (a 32-dim block and a 16-dim one): all queries in one call, and each
+    query alone (concatenated)."""
+    out = []
+    for rows_dtype, heads in ((torch.float32, 4), (torch.bfloat16, 1), (torch.bfloat16, 9)):
+        pool = torch.randn(40, 8, 64, generator=gen).to(rows_dtype)
+        tables = torch.randperm(40, generator=gen)[:35].view(5, 7)
+        q, counts = torch.randn(5, heads, 64, generator=gen), torch.tensor([56, 1, 33, 30, 45])
+        mask = torch.rand(5, 56, generator=gen) > 0.25
+        for m in (None, mask):
+            calls = [cpu_kernels.paged_mqa(q[i], pool, tables, 8, torch.arange(5)[i], counts[i], 0.125, 48, mask=m)
+                     for i in [slice(0, 5)] + [slice(i, i + 1) for i in range(5)]]
+            out += [calls[0], torch.cat(calls[1:])]
+    return out
+
+
+def test_fp32_decode_matmuls_and_attention_keep_a_rows_bits_on_every_isa(monkeypatch, arch_builds):
+    """The fp32 decode linears, experts and MLA head matmuls, and attention over fp32 or bf16 rows, give a row the
+    same bits alone as in any batch, and the same on every ISA the kernels build for: AVX-512 (two rows' lanes a
+    register, four weight rows by eight input rows a pass; a head's 32 outputs of 8 rows in registers;
+    attention's scores of two rows and p.V of 16 dims a register: where this CPU has it), AVX2 + FMA (two by four)
+    and SSE (no FMA unit: fmaf in software). Each output is the fp32 dot product to a rounding."""
     flags = next((line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")), "").split()
     arches = ["native"] + [arch for arch, need in (("haswell", {"avx2", "fma", "bmi2"}),
                                                    ("x86-64-v2", {"sse4_2", "popcnt"})) if need <= set(flags)]
@@ -359,7 +378,8 @@ def test_fp32_decode_matmuls_keep_a_rows_bits_on_every_isa(monkeypatch, arch_bui
         monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
         monkeypatch.setattr(cpu_kernels, "_tried", False)
         monkeypatch.setattr(cpu_kernels, "_library", None)
-        results[arch] = _fp32_decode_matmuls(torch.Generator().manual_seed(21))
+        gen = torch.Generator().manual_seed(21)
+        results[arch] = _fp32_decode_matmuls(gen) + _decode_attention(gen)
         for batched, alone in zip(results[arch][::2], results[arch][1::2], strict=True):
             assert torch.equal(batched, alone), arch
     for arch in arches[1:]:

@@ -130,6 +130,28 @@ def test_a_new_prompt_length_builds_no_gemm_primitive(sparse_path, capfd):
         exact.undo()
 
 
+def test_bf16_cache_rows_where_the_cpu_computes_bf16_models_in_fp32(sparse_path, monkeypatch):
+    """A CPU without bf16 arithmetic computes a bf16 model in fp32 but keeps its KV cache rows (latent and indexer
+    keys) in bf16: half the bytes fp32 copies took, one layout for the model on every CPU. The rows a bf16 model
+    writes are bf16 values anyway and the kernels widen them exactly, so every token and log-probability is the
+    bits of an engine that holds fp32 copies (prompts past index_topk: the indexer reads its keys too)."""
+    import shared.device as device
+    import shared.engine.llm as engine_llm
+
+    monkeypatch.setattr(device, "_cpu_has_native_bf16", lambda: False)  # fp32 compute on every CI machine
+    prompts = random_prompts(3, [9, 70, 150], 512, seed=4)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    held = LLM(sparse_path, dtype="bfloat16", seed=0)
+    assert held.engine.kv.mla.dtype == held.engine.kv.index.dtype == torch.bfloat16
+    want = [(o.token_ids, o.logprobs) for o in held.generate(prompts, params)]
+    monkeypatch.setattr(engine_llm, "cache_dtype", lambda dtype, dev: torch.float32)
+    copies = LLM(sparse_path, dtype="bfloat16", seed=0)
+    assert copies.engine.kv.mla.dtype == torch.float32
+    assert [(o.token_ids, o.logprobs) for o in copies.generate(prompts, params)] == want
+    rows = copies.engine.kv.mla.flatten()
+    assert rows.abs().sum() > 0 and torch.equal(rows.bfloat16().float(), rows)  # what fp32 copies held: bf16 values
+
+
 def test_sampling_seeded_and_filters(sparse_path):
     llm = LLM(sparse_path, block_size=4)
     prompt = random_prompts(1, [10], 512, seed=15)

@@ -17,7 +17,7 @@ import torch
 import shared.model.cpu_kernels as cpu_kernels
 import shared.model.int8_kernels as int8_kernels
 from shared.config import EngineConfig
-from shared.device import compute_dtype, get_device
+from shared.device import cache_dtype, get_device
 from shared.engine.graphs import DecodeGraphs
 from shared.engine.isolation import IsolatedStep, isolate
 from shared.engine.policy import policy_for
@@ -93,9 +93,7 @@ class LLMEngine:
         compiler = ConstraintCompiler(self.tokenizer.path if self.tokenizer else None, self.model_config.vocab_size,
                                       list(self.model_config.eos_token_ids))
         self.grammars = Grammars(compiler, self.tokenizer.token_to_id(THINK_END) if self.tokenizer else None)
-        # The cache holds what attention multiplies: the model dtype, except on CPUs without bf16 arithmetic, where
-        # bf16 rows are held as exact fp32 copies (no upcast per step; a peer of the other layout is refused).
-        kv_dtype = compute_dtype(self.dtype, self.device)
+        kv_dtype = cache_dtype(self.dtype, self.device)  # bf16 rows for a bf16 model on any CPU
         self.layout = KVLayout.from_model_config(self.model_config, config.block_size, kv_dtype,
                                                  kv_cache_dtype=config.kv_cache_dtype, extra_layers=int(mtp))
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_tokens // config.block_size)

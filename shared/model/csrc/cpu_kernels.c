@@ -330,6 +330,86 @@ quad_scores_bf16(const uint16_t *qb, int64_t h0, int64_t dim, const uint16_t *co
 }
 #endif
 
+/* AVX-512 without changing a sum's order: two rows' 8 lanes (scores) or 16 more output dims (p.V) side by side in
+   one 16-lane register, every lane's FMA chain the 8-lane path's, so a row's bits are the same on every ISA, at
+   twice the values an instruction; four rows (or 32 dims) by HB heads keep 8 chains in flight, as the 8-lane
+   path's two rows (16 dims) do. */
+#if defined(__AVX512F__)
+#define HAVE_ZMM_ATTEND 1
+/* Values d..d+7 of rows a (lanes 0-7) and b (lanes 8-15): fp32 as stored, bf16 widened exactly. */
+static inline __m512 rows_side_by_side(const void *a, const void *b, const int kind, int64_t d) {
+    if (kind == ROWS_F32)
+        return _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castpd256_pd512(_mm256_loadu_pd((const double *)((const float *)a + d))),
+            _mm256_loadu_pd((const double *)((const float *)b + d)), 1));
+    __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((const uint16_t *)a + d))),
+                                        _mm_loadu_si128((const __m128i *)((const uint16_t *)b + d)), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Sixteen values c..c+15 of a row: fp32 as stored, bf16 widened exactly. */
+static inline __m512 row16(const void *row, const int kind, int64_t c) {
+    if (kind == ROWS_F32) return _mm512_loadu_ps((const float *)row + c);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c))), 16));
+}
+
+/* part[jj][hh] = the 8-lane dots of query rows qp[h0 + hh] (dim apart) with rows r[jj] (jj < 4) over all dims,
+   each lane's chain the 8-lane scores loop's (attend_tiles), two rows a register. */
+static inline __attribute__((always_inline)) void
+quad_scores_zmm(const float *qp, int64_t h0, int64_t dim, const void *const r[4], const int kind, v8 part[4][HB]) {
+    __m512 acc[2][HB];
+    for (int p = 0; p < 2; p++)
+        for (int hh = 0; hh < HB; hh++) acc[p][hh] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += DW) {
+        __m512 rv0 = rows_side_by_side(r[0], r[1], kind, d), rv1 = rows_side_by_side(r[2], r[3], kind, d);
+        for (int hh = 0; hh < HB; hh++) {
+            __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(qp + (h0 + hh) * dim + d))));
+            acc[0][hh] = _mm512_fmadd_ps(qv, rv0, acc[0][hh]);
+            acc[1][hh] = _mm512_fmadd_ps(qv, rv1, acc[1][hh]);
+        }
+    }
+    for (int p = 0; p < 2; p++)
+        for (int hh = 0; hh < HB; hh++) {
+            part[2 * p][hh] = (v8)_mm512_castps512_ps256(acc[p][hh]);
+            part[2 * p + 1][hh] = (v8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p][hh]), 1));
+        }
+}
+
+/* acc[hh, c] += sum_j p[hh, j] row_j[c] for the 32 dims from c0 of HB heads (p: [HB][TILE], acc: [HB][out_dim]):
+   the 8-lane p.V's chains (one per output lane, rows in order), 16 lanes a register. */
+static inline __attribute__((always_inline)) void
+pv_block_zmm(const float *p, const void *const *rows, int used, int64_t c0, float *acc, int64_t out_dim,
+             const int kind) {
+    __m512 a[HB][2];
+    for (int hh = 0; hh < HB; hh++) {
+        a[hh][0] = _mm512_loadu_ps(acc + hh * out_dim + c0);
+        a[hh][1] = _mm512_loadu_ps(acc + hh * out_dim + c0 + 16);
+    }
+    for (int j = 0; j < used; j++) {
+        __m512 r0 = row16(rows[j], kind, c0), r1 = row16(rows[j], kind, c0 + 16);
+        for (int hh = 0; hh < HB; hh++) {
+            __m512 pv = _mm512_set1_ps(p[hh * TILE + j]);
+            a[hh][0] = _mm512_fmadd_ps(pv, r0, a[hh][0]);
+            a[hh][1] = _mm512_fmadd_ps(pv, r1, a[hh][1]);
+        }
+    }
+    for (int hh = 0; hh < HB; hh++) {
+        _mm512_storeu_ps(acc + hh * out_dim + c0, a[hh][0]);
+        _mm512_storeu_ps(acc + hh * out_dim + c0 + 16, a[hh][1]);
+    }
+}
+#else
+#define HAVE_ZMM_ATTEND 0
+#endif
+
+/* A score: the lanes of an 8-lane dot summed in order, times the scale (every scores path but vdpbf16ps'). */
+static inline float lanes_in_order(v8 v, float scale) {
+    float sc = 0.f;
+    for (int dd = 0; dd < DW; dd++) sc += v[dd];
+    return sc * scale;
+}
+
 #define AHEAD 8
 static inline __attribute__((always_inline)) void
 attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const void *pool, const RowFormat *fmt,
@@ -382,9 +462,23 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
                     for (int hh = 0; hh < HB; hh++) score[(h0 + hh) * TILE + j + jj] = sums[jj / 2][jj % 2 * HB + hh];
             }
 #endif
+            /* fp32 or bf16 rows with AVX-512: the loop below's sums, four rows at a time, two a register */
+            const int zmm_rows = HAVE_ZMM_ATTEND && kind != ROWS_C8 && !(HAVE_DPBF16 && kind == ROWS_BF16 && qb);
+#if HAVE_ZMM_ATTEND
+            for (int j = 0; zmm_rows && j < used; j += 4) {
+                const void *r[4];
+                for (int jj = 0; jj < 4; jj++) r[jj] = rows[j + jj < used ? j + jj : j];
+                for (int f = j + AHEAD; h0 == 0 && f < j + AHEAD + 4; f++)  /* this tile's, then the next's */
+                    if (f < used || f - used < next_used) prefetch_row(f < used ? rows[f] : next[f - used], fmt->bytes);
+                v8 part[4][HB];
+                quad_scores_zmm(qp, h0, dim, r, kind, part);
+                for (int jj = 0; jj < 4 && j + jj < used; jj++)
+                    for (int hh = 0; hh < HB; hh++) score[(h0 + hh) * TILE + j + jj] = lanes_in_order(part[jj][hh], scale);
+            }
+#endif
             /* scores of HB heads against the tile's rows, two rows at a time: each query chunk loaded
                once for two rows, each row chunk once for HB heads (a row's sums are the same alone) */
-            for (int j = 0; !(HAVE_DPBF16 && kind == ROWS_BF16 && qb) && j < used; j += 2) {
+            for (int j = 0; !zmm_rows && !(HAVE_DPBF16 && kind == ROWS_BF16 && qb) && j < used; j += 2) {
                 const void *r0 = rows[j], *r1 = rows[j + 1 < used ? j + 1 : j];
                 for (int f = j + AHEAD; h0 == 0 && !widened && f < j + AHEAD + 2; f++)  /* this tile's, then the next's */
                     if (f < used || f - used < next_used) prefetch_row(f < used ? rows[f] : next[f - used], fmt->bytes);
@@ -443,11 +537,7 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
                     }
                 }
                 for (int jj = 0; jj < 2 && j + jj < used; jj++)
-                    for (int hh = 0; hh < HB; hh++) {
-                        float sc = 0.f;
-                        for (int dd = 0; dd < DW; dd++) sc += part[jj][hh][dd];
-                        score[(h0 + hh) * TILE + j + jj] = sc * scale;
-                    }
+                    for (int hh = 0; hh < HB; hh++) score[(h0 + hh) * TILE + j + jj] = lanes_in_order(part[jj][hh], scale);
             }
             /* online softmax: rescale what was accumulated if the running max grew */
             for (int hh = 0; hh < HB; hh++) {
@@ -488,6 +578,14 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
                scale in p; a CW block lies in one group) */
             int ahead = 0;
             for (int64_t c0 = 0; c0 < out_dim; c0 += CW) {
+#if HAVE_ZMM_ATTEND
+                if (kind != ROWS_C8 && c0 + 2 * CW <= out_dim) {  /* 32 dims a block, 16 lanes a register */
+                    prefetch_share(next, h0 == 0 ? next_used : 0, &ahead, out_dim / (2 * CW), fmt->bytes);
+                    pv_block_zmm(score + h0 * TILE, rows, used, c0, acc + h0 * out_dim, out_dim, kind);
+                    c0 += CW;
+                    continue;
+                }
+#endif
                 prefetch_share(next, h0 == 0 ? next_used : 0, &ahead, out_dim / CW, fmt->bytes);
                 v8 a[HB][2];
                 for (int hh = 0; hh < HB; hh++) {
