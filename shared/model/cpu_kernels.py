@@ -88,7 +88,7 @@ def _build() -> ctypes.CDLL | None:
     lib.rope.restype = None
     lib.index_rows.argtypes = [ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i64, i32, i64, ptr, i32]
     lib.index_rows.restype = ctypes.c_int32
-    lib.mla_kv_write.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i32, i64, ptr]
+    lib.mla_kv_write.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i32, i64, ptr, i32]
     lib.mla_kv_write.restype = ctypes.c_int32
     lib.mla_kv_write_c8.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i64, i64, ptr, i64, i64]
     lib.mla_kv_write_c8.restype = ctypes.c_int32
@@ -449,7 +449,8 @@ def mla_kv_write(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
     where = (kv.data_ptr(), bf16, n, c, width - c, norm_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
              interleaved, pool.data_ptr())
     if codec is None:
-        bad = library().mla_kv_write(*where, pool_bf16, pool.numel() // width, slots.data_ptr())
+        bad = library().mla_kv_write(*where, pool_bf16, pool.numel() // width, slots.data_ptr(),
+                                     torch.get_num_threads())
     else:
         bad = library().mla_kv_write_c8(*where, row_width, pool.numel() // row_width, slots.data_ptr(),
                                         codec.group, codec.groups)

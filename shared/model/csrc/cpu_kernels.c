@@ -1400,10 +1400,12 @@ static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1,
 #define WIDE_KC 512  /* dims a wide pass takes at a time: a group's 8 input rows (16 KiB) stay in L1 */
 #define WIDE_BLOCK_BYTES (1 << 20)  /* a task's block of weight rows stays in its L2 while every input row passes it */
 
-/* Weight rows [r0, r1) (4 a pass) by pairs [p0, p0 + P) of xp (n rows packed), each output through emit(ctx,
-   weight row, input row, value): the group's input chunk of WIDE_KC dims passed by every weight row before the
-   next chunk (their chains kept in `state`, 256 floats per 4 weight rows). */
-typedef void (*wide_emit)(void *ctx, int64_t row, int64_t q, float value);
+/* Weight rows [r0, r1) (4 a pass) by pairs [p0, p0 + P) of xp (n rows packed), each pass's outputs through
+   emit(ctx, weight row r, rows, input row q0, inputs, out): out[o][q] for weight row r + o (o < rows) and input
+   row q0 + q (q < inputs), one call a pass (a call per output cost more than the pass at small k: 35 GFLOP/s at
+   k = 64); the group's input chunk of WIDE_KC dims passed by every weight row before the next chunk (their
+   chains kept in `state`, 256 floats per 4 weight rows). */
+typedef void (*wide_emit)(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[4][2 * WP]);
 static void wide_block(const void *w, int bf16, int64_t k, int64_t r0, int64_t r1, const float *xp, int64_t n,
                        int64_t p0, int64_t P, float *state, wide_emit emit, void *ctx) {
     for (int64_t d0 = 0; d0 < k; d0 += WIDE_KC) {
@@ -1411,8 +1413,9 @@ static void wide_block(const void *w, int bf16, int64_t k, int64_t r0, int64_t r
         for (int64_t r = r0; r < r1; r += 4) {
             float out[4][2 * WP];
             wide_pass(w, bf16, k, r, r1, xp, p0, P, d0, d1, state + (r - r0) / 4 * 256, out);
-            for (int o = 0; d1 == k && o < 4 && r + o < r1; o++)
-                for (int q = 0; q < 2 * P && 2 * p0 + q < n; q++) emit(ctx, r + o, 2 * p0 + q, out[o][q]);
+            if (d1 == k)
+                emit(ctx, r, r1 - r < 4 ? (int)(r1 - r) : 4, 2 * p0, n - 2 * p0 < 2 * P ? (int)(n - 2 * p0) : (int)(2 * P),
+                     out);
         }
     }
 }
@@ -1505,9 +1508,10 @@ static void picks_bf16(const uint16_t *w0, const uint16_t *w1, int two_rows, int
 #if HAVE_WIDE
 /* an expert's picks' output rows, weight row `row` of a block being row row0 + row of the expert */
 struct picks_out { float *out; const int64_t *order; int64_t out_ld, row0; };
-static void put_pick(void *ctx, int64_t row, int64_t q, float value) {
+static void put_picks(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[4][2 * WP]) {
     struct picks_out *c = ctx;
-    c->out[c->order[q] * c->out_ld + c->row0 + row] = value;
+    for (int q = 0; q < inputs; q++)
+        for (int o = 0; o < rows; o++) c->out[c->order[q0 + q] * c->out_ld + c->row0 + r + o] = out[o][q];
 }
 
 /* n bf16 values widened to fp32 (exact: the bits move up), 16 an instruction; n % 16 == 0. */
@@ -1556,7 +1560,7 @@ static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t co
         struct picks_out ctx = {out, order + start[e], out_ld, r0};
         for (int64_t p0 = 0; p0 < pairs; p0 += WP)
             wide_block(block, bf16, cols, 0, r1 - r0, xp + 2 * first[a] * cols, n, p0, pairs - p0 < WP ? pairs - p0 : WP,
-                       state, put_pick, &ctx);
+                       state, put_picks, &ctx);
         free(state); free(widened);
     }
     free(first); free(xp); free(ptrs);
@@ -1742,28 +1746,6 @@ static inline void put(void *y, int y_bf16, int64_t k, float v) {  /* store as b
     else ((float *)y)[k] = v;
 }
 
-/* One row: y[yoff + d] = w[d] * round(x[xoff + d] / rms(x)) in x's arithmetic (bf16: the normalized value
-   and the product rounded to bf16), stored bf16 or fp32. */
-static void norm_row(const void *x, int64_t xoff, int bf16, const void *w, int64_t dim, float eps,
-                     void *y, int64_t yoff, int y_bf16) {
-    float ss = 0.f;
-    for (int64_t d = 0; d < dim; d++) { float v = widen(x, bf16, xoff + d); ss += v * v; }
-    float r = 1.f / sqrtf(ss / (float)dim + eps);
-    for (int64_t d = 0; d < dim; d++) {
-        float v = widen(x, bf16, xoff + d) * r;
-        put(y, y_bf16, yoff + d, bf16 ? round_bf16(widen(w, 1, d) * round_bf16(v)) : ((const float *)w)[d] * v);
-    }
-}
-
-/* x, w and y all bf16 (bf16 != 0) or all fp32; rows of `dim` values. */
-void rms_norm(const void *x, const void *w, void *y, int64_t n, int64_t dim, float eps, int32_t bf16,
-              int32_t threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static) if (n * dim >= 65536)
-    for (int64_t i = 0; i < n; i++) norm_row(x, i * dim, bf16, w, dim, eps, y, i * dim, bf16);
-}
-
-/* ---- RoPE: y = x * cos + swap(x) * sin (rope.RopeAngles' widened tables, sign folded into sin) ---- */
-
 /* Rows handled eight values at a time, each lane computing exactly what the scalar code computes for its value. */
 static inline v8 vsel(v8i m, v8 a, v8 b) { return (v8)((m & (v8i)a) | (~m & (v8i)b)); }  /* m ? a : b per lane */
 
@@ -1780,6 +1762,40 @@ static inline void put8(void *y, int y_bf16, int64_t k, v8 v) {  /* put of eight
     v8h h = __builtin_convertvector((v8ui)round_bf16x8(v) >> 16, v8h);
     memcpy((uint16_t *)y + k, &h, sizeof h);
 }
+
+/* One row: y[yoff + d] = w[d] * round(x[xoff + d] / rms(x)) in x's arithmetic (bf16: the normalized value
+   and the product rounded to bf16), stored bf16 or fp32. The squares summed in 8 lanes, then hsum8's order, then
+   any last values (one chain of dim additions took a prompt's cache-row writes ~4 us a row); eight values a step
+   after, each lane what the scalar code computes for its value. */
+static void norm_row(const void *x, int64_t xoff, int bf16, const void *w, int64_t dim, float eps,
+                     void *y, int64_t yoff, int y_bf16) {
+    v8 lanes = splat(0.f);
+    int64_t d = 0;
+    for (; d + DW <= dim; d += DW) {
+        v8 v = wload(x, bf16, xoff + d);
+        lanes = lanes + v * v;
+    }
+    float ss = hsum8(lanes);
+    for (int64_t e = d; e < dim; e++) { float v = widen(x, bf16, xoff + e); ss += v * v; }
+    float r = 1.f / sqrtf(ss / (float)dim + eps);
+    for (d = 0; d + DW <= dim; d += DW) {
+        v8 v = wload(x, bf16, xoff + d) * splat(r);
+        put8(y, y_bf16, yoff + d, bf16 ? round_bf16x8(wload(w, 1, d) * round_bf16x8(v)) : LOAD((const float *)w + d) * v);
+    }
+    for (; d < dim; d++) {
+        float v = widen(x, bf16, xoff + d) * r;
+        put(y, y_bf16, yoff + d, bf16 ? round_bf16(widen(w, 1, d) * round_bf16(v)) : ((const float *)w)[d] * v);
+    }
+}
+
+/* x, w and y all bf16 (bf16 != 0) or all fp32; rows of `dim` values. */
+void rms_norm(const void *x, const void *w, void *y, int64_t n, int64_t dim, float eps, int32_t bf16,
+              int32_t threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n * dim >= 65536)
+    for (int64_t i = 0; i < n; i++) norm_row(x, i * dim, bf16, w, dim, eps, y, i * dim, bf16);
+}
+
+/* ---- RoPE: y = x * cos + swap(x) * sin (rope.RopeAngles' widened tables, sign folded into sin) ---- */
 
 /* One rotary vector of d values at x[xoff..] with cos/sin[coff..]; interleaved: swap(x) exchanges pairs
    (2i, 2i+1), else the halves (NeoX). In bf16 each product and the sum is rounded, as torch's bf16 ops
@@ -1967,11 +1983,12 @@ int32_t index_key_write_fp8(const void *x, int32_t bf16, int64_t n, int64_t dim,
 
 /* kv [n, c + r] (x's dtype: bf16 or fp32, contiguous): the kv_a projection of the step's tokens; the row
    of token i goes to pool slot slots[i] (rows of c + r values, bf16 or fp32 storage). Returns 1 if a slot
-   is outside the pool (that token is not written), else 0. */
+   is outside the pool (that token is not written), else 0. Rows on `threads` threads where a prompt's are many. */
 int32_t mla_kv_write(const void *kv, int32_t bf16, int64_t n, int64_t c, int64_t r, const void *norm_w, float eps,
                      const void *cos, const void *sin, int32_t interleaved, void *pool, int32_t pool_bf16,
-                     int64_t num_slots, const int64_t *slots) {
+                     int64_t num_slots, const int64_t *slots, int32_t threads) {
     int32_t bad = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad) if (n * (c + r) >= 65536)
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) { bad = 1; continue; }
         int64_t src = i * (c + r), dst = slots[i] * (c + r);
@@ -2026,31 +2043,47 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
 /* linear_rows by wide tiles: the rows packed in pairs once, the weight split into one block of rows per thread
    (more where a block would outgrow WIDE_BLOCK_BYTES), each block passed by every group of WP pairs. */
 struct rows_out { void *y; int y_bf16; int64_t m; };  /* a linear's output rows */
-static void put_row(void *ctx, int64_t row, int64_t q, float value) {
+static void put_rows(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[4][2 * WP]) {
     struct rows_out *c = ctx;
-    put(c->y, c->y_bf16, q * c->m + row, value);
+    for (int q = 0; q < inputs; q++)
+        for (int o = 0; o < rows; o++) put(c->y, c->y_bf16, (q0 + q) * c->m + r + o, out[o][q]);
 }
 
-static void linear_rows_wide(const float *xf, int64_t n, int64_t k, const float *w, void *y, int y_bf16, int64_t m,
-                             int threads) {
-    const float **rows = xmalloc(sizeof(float *) * n);
-    for (int64_t i = 0; i < n; i++) rows[i] = xf + i * k;
+/* Enough multiply-adds for a call to share them among threads (a fork and join costs a few microseconds). */
+#define PARALLEL_MACS (1 << 18)
+
+/* The rows x [n, k] (bf16 widened exactly, or fp32) packed in pairs for wide_tile as pack_pairs packs them, in
+   one parallel pass (prompt-sized calls packed them after widening them, both on one thread: ~15 % of a
+   4,096-row call at k = 256). */
+static void pack_rows(const void *x, int x_bf16, int64_t n, int64_t k, float *xp, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= PARALLEL_MACS / 16)
+    for (int64_t p = 0; p < (n + 1) / 2; p++) {
+        int64_t a = 2 * p * k, b = (2 * p + 1 < n ? 2 * p + 1 : 2 * p) * k;
+        for (int64_t d = 0; d < k; d += DW) {
+            STORE(xp + 2 * (p * k + d), wload(x, x_bf16, a + d));
+            STORE(xp + 2 * (p * k + d) + DW, wload(x, x_bf16, b + d));
+        }
+    }
+}
+
+static void linear_rows_wide(const void *x, int x_bf16, int64_t n, int64_t k, const float *w, void *y, int y_bf16,
+                             int64_t m, int threads) {
     int64_t pairs = (n + 1) / 2;
     float *xp = xmalloc(sizeof(float) * 2 * pairs * k);
-    pack_pairs(rows, n, k, xp);
+    pack_rows(x, x_bf16, n, k, xp, threads);
     int64_t per_thread = m * k * (int64_t)sizeof(float) / threads;
     int64_t parts = (int64_t)threads * ((per_thread + WIDE_BLOCK_BYTES - 1) / WIDE_BLOCK_BYTES);
     int64_t per = ((m + parts - 1) / parts + 3) / 4 * 4, blocks = (m + per - 1) / per;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n * m * k >= PARALLEL_MACS)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t r0 = b * per, r1 = (b + 1) * per < m ? (b + 1) * per : m;
         float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * 256);
         struct rows_out ctx = {y, y_bf16, m};
         for (int64_t p0 = 0; p0 < pairs; p0 += WP)
-            wide_block(w, 0, k, r0, r1, xp, n, p0, pairs - p0 < WP ? pairs - p0 : WP, state, put_row, &ctx);
+            wide_block(w, 0, k, r0, r1, xp, n, p0, pairs - p0 < WP ? pairs - p0 : WP, state, put_rows, &ctx);
         free(state);
     }
-    free(rows); free(xp);
+    free(xp);
 }
 #endif
 
@@ -2060,15 +2093,14 @@ static void linear_rows_wide(const float *xf, int64_t n, int64_t k, const float 
    pass computes it (a row's bits do not depend on the rows beside it). */
 void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t n, int64_t k, int64_t m,
                  int32_t threads) {
-    float *xf = xmalloc(sizeof(float) * n * k);
-    for (int64_t e = 0; e < n * k; e++) xf[e] = widen(x, x_bf16, e);
 #if HAVE_WIDE
     if (n >= 2 && k % DW == 0) {
-        linear_rows_wide(xf, n, k, w, y, x_bf16, m, threads);
-        free(xf);
+        linear_rows_wide(x, x_bf16, n, k, w, y, x_bf16, m, threads);
         return;
     }
 #endif
+    float *xf = xmalloc(sizeof(float) * n * k);
+    for (int64_t e = 0; e < n * k; e++) xf[e] = widen(x, x_bf16, e);
     int64_t blocks = (m + RB - 1) / RB;
     #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
     for (int64_t b = 0; b < blocks; b++) {
