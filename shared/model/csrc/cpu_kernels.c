@@ -1338,6 +1338,17 @@ static inline __attribute__((always_inline)) __m512 wide_weights(const void *w, 
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* The eight outputs of four registers (each two outputs' 8 lanes, as wide_tile holds them), each summed in sum4's
+   order ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) by shuffles of whole registers: lanes 0-3 the first
+   outputs of a, b, c, d, lanes 8-11 their second ones (4-7 and 12-15 the same again). A third of the
+   instructions of four sum4 calls, which took a pass about as long as its multiplies at k = 64. */
+static inline __m512 sum4x2(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));  /* pairs of lanes */
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_ps(c, d, 0x88), _mm512_shuffle_ps(c, d, 0xDD));
+    __m512 q = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x88), _mm512_shuffle_ps(ab, cd, 0xDD));  /* fours */
+    return _mm512_add_ps(q, _mm512_shuffle_f32x4(q, q, 0xB1));  /* lanes 0-3 with 4-7 of each output */
+}
+
 #define FMA4(x, c0, c1, c2, c3) do { __m512 xv = _mm512_loadu_ps(x); c0 = _mm512_fmadd_ps(v0, xv, c0); \
     c1 = _mm512_fmadd_ps(v1, xv, c1); c2 = _mm512_fmadd_ps(v2, xv, c2); c3 = _mm512_fmadd_ps(v3, xv, c3); } while (0)
 
@@ -1349,7 +1360,7 @@ static inline __attribute__((always_inline)) __m512 wide_weights(const void *w, 
    (named: see tile_2x4). */
 static inline __attribute__((always_inline)) void wide_tile(const void *w, const int bf16, const int64_t off[4],
                                                              const float *xp, int64_t k, const int P, int64_t d0,
-                                                             int64_t d1, float *state, float out[4][2 * WP]) {
+                                                             int64_t d1, float *state, float out[2 * WP][4]) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
     __m512 c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
 #define CHAINS(X) X(c00, 0) X(c01, 1) X(c02, 2) X(c03, 3) X(c10, 4) X(c11, 5) X(c12, 6) X(c13, 7) X(c20, 8) \
@@ -1371,20 +1382,19 @@ static inline __attribute__((always_inline)) void wide_tile(const void *w, const
 #undef STORE_CHAIN
 #undef CHAINS
     const __m512 acc[4][WP] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
-    for (int o = 0; o < 4; o += 2)
-        for (int p = 0; p < P; p++) {
-            v8 lo0 = (v8)_mm512_castps512_ps256(acc[o][p]), hi0 = (v8)_mm512_extractf32x8_ps(acc[o][p], 1);
-            v8 lo1 = (v8)_mm512_castps512_ps256(acc[o + 1][p]), hi1 = (v8)_mm512_extractf32x8_ps(acc[o + 1][p], 1);
-            v4 s = sum4(lo0, hi0, lo1, hi1);
-            out[o][2 * p] = s[0]; out[o][2 * p + 1] = s[1]; out[o + 1][2 * p] = s[2]; out[o + 1][2 * p + 1] = s[3];
-        }
+    for (int p = 0; p < P; p++) {
+        float s[16];
+        _mm512_storeu_ps(s, sum4x2(acc[0][p], acc[1][p], acc[2][p], acc[3][p]));
+        memcpy(out[2 * p], s, sizeof out[0]);
+        memcpy(out[2 * p + 1], s + 8, sizeof out[0]);
+    }
 }
 #undef FMA4
 
 /* wide_tile for weight rows [r, min(r + 4, r1)) (an end short of four repeats row r1 - 1, not written) and
    pairs [p0, p0 + P) of xp, P <= WP, over dims [d0, d1); state and out as wide_tile's. */
 static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1, const float *xp, int64_t p0,
-                      int64_t P, int64_t d0, int64_t d1, float *state, float out[4][2 * WP]) {
+                      int64_t P, int64_t d0, int64_t d1, float *state, float out[2 * WP][4]) {
     int64_t off[4];
     for (int o = 0; o < 4; o++) off[o] = (r + o < r1 ? r + o : r1 - 1) * k;
     const float *x = xp + 2 * p0 * k;
@@ -1401,17 +1411,17 @@ static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1,
 #define WIDE_BLOCK_BYTES (1 << 20)  /* a task's block of weight rows stays in its L2 while every input row passes it */
 
 /* Weight rows [r0, r1) (4 a pass) by pairs [p0, p0 + P) of xp (n rows packed), each pass's outputs through
-   emit(ctx, weight row r, rows, input row q0, inputs, out): out[o][q] for weight row r + o (o < rows) and input
+   emit(ctx, weight row r, rows, input row q0, inputs, out): out[q][o] for weight row r + o (o < rows) and input
    row q0 + q (q < inputs), one call a pass (a call per output cost more than the pass at small k: 35 GFLOP/s at
    k = 64); the group's input chunk of WIDE_KC dims passed by every weight row before the next chunk (their
    chains kept in `state`, 256 floats per 4 weight rows). */
-typedef void (*wide_emit)(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[4][2 * WP]);
+typedef void (*wide_emit)(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[2 * WP][4]);
 static void wide_block(const void *w, int bf16, int64_t k, int64_t r0, int64_t r1, const float *xp, int64_t n,
                        int64_t p0, int64_t P, float *state, wide_emit emit, void *ctx) {
     for (int64_t d0 = 0; d0 < k; d0 += WIDE_KC) {
         int64_t d1 = d0 + WIDE_KC < k ? d0 + WIDE_KC : k;
         for (int64_t r = r0; r < r1; r += 4) {
-            float out[4][2 * WP];
+            float out[2 * WP][4];
             wide_pass(w, bf16, k, r, r1, xp, p0, P, d0, d1, state + (r - r0) / 4 * 256, out);
             if (d1 == k)
                 emit(ctx, r, r1 - r < 4 ? (int)(r1 - r) : 4, 2 * p0, n - 2 * p0 < 2 * P ? (int)(n - 2 * p0) : (int)(2 * P),
@@ -1508,10 +1518,10 @@ static void picks_bf16(const uint16_t *w0, const uint16_t *w1, int two_rows, int
 #if HAVE_WIDE
 /* an expert's picks' output rows, weight row `row` of a block being row row0 + row of the expert */
 struct picks_out { float *out; const int64_t *order; int64_t out_ld, row0; };
-static void put_picks(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[4][2 * WP]) {
+static void put_picks(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[2 * WP][4]) {
     struct picks_out *c = ctx;
     for (int q = 0; q < inputs; q++)
-        for (int o = 0; o < rows; o++) c->out[c->order[q0 + q] * c->out_ld + c->row0 + r + o] = out[o][q];
+        memcpy(c->out + c->order[q0 + q] * c->out_ld + c->row0 + r, out[q], sizeof(float) * rows);
 }
 
 /* n bf16 values widened to fp32 (exact: the bits move up), 16 an instruction; n % 16 == 0. */
@@ -1761,6 +1771,15 @@ static inline void put8(void *y, int y_bf16, int64_t k, v8 v) {  /* put of eight
     }
     v8h h = __builtin_convertvector((v8ui)round_bf16x8(v) >> 16, v8h);
     memcpy((uint16_t *)y + k, &h, sizeof h);
+}
+
+static inline void put4(void *y, int y_bf16, int64_t k, v8 v) {  /* put of lanes 0-3 */
+    if (!y_bf16) {
+        memcpy((float *)y + k, &v, 4 * sizeof(float));
+        return;
+    }
+    v8h h = __builtin_convertvector((v8ui)round_bf16x8(v) >> 16, v8h);
+    memcpy((uint16_t *)y + k, &h, 4 * sizeof(uint16_t));
 }
 
 /* One row: y[yoff + d] = w[d] * round(x[xoff + d] / rms(x)) in x's arithmetic (bf16: the normalized value
@@ -2043,10 +2062,15 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
 /* linear_rows by wide tiles: the rows packed in pairs once, the weight split into one block of rows per thread
    (more where a block would outgrow WIDE_BLOCK_BYTES), each block passed by every group of WP pairs. */
 struct rows_out { void *y; int y_bf16; int64_t m; };  /* a linear's output rows */
-static void put_rows(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[4][2 * WP]) {
+static void put_rows(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[2 * WP][4]) {
     struct rows_out *c = ctx;
     for (int q = 0; q < inputs; q++)
-        for (int o = 0; o < rows; o++) put(c->y, c->y_bf16, (q0 + q) * c->m + r + o, out[o][q]);
+        if (rows == 4) {
+            v8 v = {out[q][0], out[q][1], out[q][2], out[q][3]};
+            put4(c->y, c->y_bf16, (q0 + q) * c->m + r, v);
+        } else {
+            for (int o = 0; o < rows; o++) put(c->y, c->y_bf16, (q0 + q) * c->m + r + o, out[q][o]);
+        }
 }
 
 /* Enough multiply-adds for a call to share them among threads (a fork and join costs a few microseconds). */
@@ -2121,15 +2145,6 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
         }
     }
     free(xf);
-}
-
-static inline void put4(void *y, int y_bf16, int64_t k, v8 v) {  /* put of lanes 0-3 */
-    if (!y_bf16) {
-        memcpy((float *)y + k, &v, 4 * sizeof(float));
-        return;
-    }
-    v8h h = __builtin_convertvector((v8ui)round_bf16x8(v) >> 16, v8h);
-    memcpy((uint16_t *)y + k, &h, 4 * sizeof(uint16_t));
 }
 
 #if HAVE_DPBF16
