@@ -389,3 +389,27 @@ def test_fp32_decode_matmuls_and_attention_keep_a_rows_bits_on_every_isa(monkeyp
     x, w = torch.randn(2, 64, generator=gen).bfloat16(), torch.randn(48, 64, generator=gen)
     want = (x.double() @ w.double().T).bfloat16()
     assert ((results["native"][0].double() - want.double()).abs() <= 2**-7 * want.double().abs() + 1e-6).all()
+
+
+def test_expert_activation_holds_over_the_whole_range():
+    """The experts' silu (gate · sigmoid(gate), eight lanes at a time from one exp of -|gate|) is torch's silu to
+    two fp32 ulps at every gate value, including past ±88 where e^|gate| overflows fp32 (the output there: the
+    gate; below -87, where the exp flushes to zero, -0 for values under 1e-35), and NaN stays NaN. One expert
+    whose gate row reads x[:, 0], up row x[:, 1] (= 1), and whose down projection copies the activation out."""
+    dim, inter = 16, 8
+    gate = torch.cat([torch.linspace(-300, 300, 6001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.5, -87.5,
+                                                                     88.8, -88.8, float("nan")])])
+    x = torch.zeros(len(gate), dim)
+    x[:, 0], x[:, 1] = gate, 1.0
+    gate_up = torch.zeros(1, 2 * inter, dim)
+    gate_up[0, :inter, 0] = 1.0
+    gate_up[0, inter:, 1] = 1.0
+    down = torch.zeros(1, dim, inter)
+    down[0, :inter, :inter] = torch.eye(inter)
+    ids, weights = torch.zeros(len(gate), 1, dtype=torch.long), torch.ones(len(gate), 1)
+    got = moe_kernels.moe_experts(x, ids, weights, gate_up, down)[:, :inter]
+    want = torch.nn.functional.silu(gate.double())[:, None].expand(-1, inter)
+    finite = ~gate.isnan()
+    err = (got[finite].double() - want[finite]).abs()
+    assert (err <= 2 * 2.0**-23 * want[finite].abs() + 1e-35).all()
+    assert got[~finite].isnan().all()
