@@ -154,3 +154,41 @@ def test_instances_on_shared_cores_add_no_compute():
            for name, perf in (("dedicated", FLAT), ("shared", shared)) for m in (1, 2)}
     assert end["dedicated", 2] < 0.9 * end["dedicated", 1]
     assert end["shared", 2] >= 0.99 * end["shared", 1]
+
+
+def test_the_elastic_bound_is_below_every_schedule_that_meets_the_goal():
+    """trace_bound's Lagrangian bound on random knapsacks of segments × sizes: never above the cheapest
+    combination (found by brute force) that meets the goal, and the schedule it returns meets the goal and costs
+    no less than that optimum; a goal no combination meets gives None. Then on two minutes of the trace at three
+    sizes through the simulation: the bound sits at or below the cheapest fixed size's hours."""
+    import itertools
+
+    from bench import trace_bound
+
+    rng = random.Random(3)
+    for _ in range(40):
+        segments, sizes = rng.randint(2, 4), rng.randint(2, 4)
+        choices = []
+        for k in range(segments):
+            mets = sorted(rng.randint(0, 50) for _ in range(sizes))
+            choices.append([trace_bound.Choice(k, Target(m + 1, 1), (m + 2) * 0.1, mets[m]) for m in range(sizes)])
+        scored, goal = 50 * segments, rng.uniform(0.3, 1.0)
+        need = math.ceil(goal * scored)
+        feasible = [sum(c.hours for c in combo) for combo in itertools.product(*choices)
+                    if sum(c.met for c in combo) >= need]
+        bound = trace_bound.lagrangian_bound(choices, scored, goal, 60.0, 1)
+        if not feasible:
+            assert bound is None
+            continue
+        assert bound.lower_hours <= min(feasible) + 1e-9 <= bound.schedule_hours + 1e-9
+        assert bound.schedule_attainment * scored >= need - 1e-9 and len(bound.sizes) == segments
+    requests = [r for r in trace_replay.load_trace(str(trace_replay.TRACE)) if r.arrival < 120]
+    args = {"ttft_s": 5.0, "tpot_s": 0.05, "startup_s": 60.0, "candidates": None, "decode_kv_tokens": 1 << 40,
+            "cache_blocks": int(trace_replay.PREFILL_KV_BYTES / trace_replay.KV_BYTES / trace_replay.BLOCK_TOKENS)}
+    runner = trace_replay.Runner(requests, args, None)
+    (fixed,) = runner.static([Target(2, 1)])
+    choices, scored = trace_bound.segment_choices(runner, trace_bound.sizes_around(Target(2, 1), 1, 1), 60.0,
+                                                  fixed.end_s)
+    assert scored == len(requests) and [len(c) for c in choices] == [3, 3]
+    bound = trace_bound.lagrangian_bound(choices, scored, fixed.attainment, 60.0, 1)
+    assert bound is not None and bound.lower_hours <= fixed.instance_hours + 1e-9

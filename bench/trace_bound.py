@@ -1,0 +1,195 @@
+"""How cheap can elastic pools be on the trace hour at all? A bound no autoscaler can beat, for
+bench/trace_replay.py.
+
+Cut the hour into segments of `segment_s` seconds. In each, let the pools take any size (M prefill, N decode) in a
+range around the cheapest fixed split's, resized for free and at once, chosen knowing the whole hour: the
+cheapest such schedule whose attainment over the hour reaches the goal is what a perfect-foresight autoscaler with
+no boot time would spend. Each segment is simulated on its own at each size (its requests only, the pools warmed
+by the WARM_S before it at the same size, as trace_replay.hindsight does), so a segment's requests met depend on
+its own size only, and the cheapest schedule is a knapsack over segments. Its Lagrangian dual,
+
+    max over λ >= 0 of  λ · need + Σ_segments min_sizes (instance-hours − λ · requests met),
+
+is at most that schedule's cost: a lower bound, solved exactly (the dual is concave in λ; bisection on the
+point where the schedule the inner minimum picks starts to meet `need`). The schedule picked just past that point
+meets the goal: an achievable hindsight schedule, at most a few segments' upgrades above the bound. A causal
+autoscaler pays boot time and forecast error on top, so where even this bound exceeds a target ratio to the
+cheapest fixed split (--target, 0.9), no autoscaler can meet it on this trace and model.
+
+    python bench/trace_bound.py [--scales 1,4,16] [--segments 600,300,120] [--below B] [--target 0.9] [--jobs 2]
+
+Scale 4 takes ~3 min on 2 cores; scale 16's search and its 10- and 5-minute bounds ~28 min (each segment at each
+of 18 sizes is a simulation of 4 minutes of 16 copies of the trace). The README has the table.
+"""
+
+from __future__ import annotations
+
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python bench/X.py` too
+
+import argparse
+import math
+import time
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from bench.common import table
+from bench.trace_replay import (
+    BLOCK_TOKENS,
+    DECODE_KV_BYTES,
+    GOAL,
+    KV_BYTES,
+    PREFILL_KV_BYTES,
+    TRACE,
+    WARM_S,
+    Runner,
+    _no_pool,
+    deepseek_v3_h800,
+    scale_trace,
+    search_static,
+)
+from router.autoscale import Target
+from router.planner import TraceRequest, load_trace, simulate_trace
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One size for one segment: its cost and the scored requests it meets."""
+
+    segment: int
+    size: Target
+    hours: float
+    met: int
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The dual's value (a lower bound on any schedule's instance-hours) and the schedule found at its optimum
+    that meets the goal (instance-hours, attainment, the sizes it took, segments at the range's lower edge)."""
+
+    segment_s: float
+    lower_hours: float
+    schedule_hours: float
+    schedule_attainment: float
+    sizes: tuple[Target, ...]
+    at_floor: int
+
+
+def _segment(job: tuple) -> tuple[int, int, int, int, int]:
+    """One segment at one size: (segment, M, N, requests met, requests scored)."""
+    k, segment_s, m, n, requests, args = job
+    t0 = k * segment_s
+    part = [TraceRequest(r.arrival - t0 + WARM_S, r.prompt_tokens, r.output_tokens, r.blocks)
+            for r in requests if t0 - WARM_S <= r.arrival < t0 + segment_s]
+    r = simulate_trace(deepseek_v3_h800(), part, Target(m, n), args["ttft_s"], args["tpot_s"],
+                       startup_s=args["startup_s"], block_tokens=BLOCK_TOKENS, prefix_cache_blocks=args["cache_blocks"],
+                       decode_kv_tokens=args["decode_kv_tokens"], candidates=args["candidates"])
+    scored = [met for req, met in zip(part, r.met, strict=True) if req.arrival >= WARM_S]
+    return k, m, n, sum(scored), len(scored)
+
+
+def segment_choices(runner: Runner, sizes: list[Target], segment_s: float, end_s: float) -> tuple[list[list[Choice]],
+                                                                                                   int]:
+    """Every segment at every size (simulated on the runner's pool): the choices per segment, and the number of
+    requests scored over the hour. The last segment lasts until `end_s` (when the fixed split's last request
+    ended), as the fixed split is charged."""
+    span = runner.requests[-1].arrival
+    segments = int(span // segment_s) + 1
+    jobs = [(k, segment_s, t.prefill, t.decode, runner.requests, runner.args) for k in range(segments) for t in sizes]
+    runs = runner.pool.map(_segment, jobs) if runner.pool else map(_segment, jobs)
+    choices: list[list[Choice]] = [[] for _ in range(segments)]
+    scored = [0] * segments
+    for k, m, n, met, count in runs:
+        length = segment_s if k + 1 < segments else max(segment_s, end_s - k * segment_s)
+        choices[k].append(Choice(k, Target(m, n), (m + n) * length / 3600, met))
+        scored[k] = count
+    return choices, sum(scored)
+
+
+def _pick(choices: list[list[Choice]], lam: float) -> list[Choice]:
+    """Per segment the size minimizing hours − λ · met (ties: the cheaper)."""
+    return [min(options, key=lambda c: (c.hours - lam * c.met, c.hours)) for options in choices]
+
+
+def lagrangian_bound(choices: list[list[Choice]], scored: int, goal: float, segment_s: float,
+                     floor: int) -> Bound | None:
+    """The dual's maximum and the schedule at it that meets `goal` of the `scored` requests; None where no
+    schedule in the range meets it. `floor`: the smallest prefill count in the range (segments picking it are
+    counted: had the range gone lower, the bound could only have been lower there)."""
+    need = math.ceil(goal * scored)
+
+    def dual(lam: float) -> float:
+        return lam * need + sum(c.hours - lam * c.met for c in _pick(choices, lam))
+
+    def met(lam: float) -> int:
+        return sum(c.met for c in _pick(choices, lam))
+
+    lo, hi = 0.0, 1.0
+    while met(hi) < need:
+        hi *= 2
+        if hi > 1e9:
+            return None
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if met(mid) < need else (lo, mid)
+    schedule = _pick(choices, hi)
+    return Bound(segment_s, max(dual(lo), dual(hi)), sum(c.hours for c in schedule),
+                 sum(c.met for c in schedule) / scored, tuple(c.size for c in schedule),
+                 sum(c.size.prefill == floor for c in schedule))
+
+
+def sizes_around(cheapest: Target, below: int, above: int) -> list[Target]:
+    """Prefill counts from `below` under the cheapest split's to `above` over it, with its decode count and one
+    fewer (where it has more than one)."""
+    decodes: Iterable[int] = sorted({max(1, cheapest.decode - 1), cheapest.decode})
+    prefills = range(max(1, cheapest.prefill - below), cheapest.prefill + above + 1)
+    return [Target(m, n) for n in decodes for m in prefills]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scales", default="1,4,16")
+    ap.add_argument("--segments", default="600,300,120", help="segment lengths (s) to bound at")
+    ap.add_argument("--below", type=int, default=None, help="prefill counts under the cheapest split's tried "
+                    "(default: a third of it, at least 3)")
+    ap.add_argument("--target", type=float, default=0.9, help="the ratio to the cheapest fixed split asked for")
+    ap.add_argument("--jobs", type=int, default=2)
+    a = ap.parse_args(argv)
+    trace = load_trace(str(TRACE))
+    rows = []
+    with ProcessPoolExecutor(a.jobs) if a.jobs > 1 else _no_pool() as pool:
+        for scale in (int(x) for x in a.scales.split(",")):
+            requests = scale_trace(trace, scale)
+            max_m, max_n = 4 * scale + 2, max(2, scale // 4 + 2)
+            args = {"ttft_s": 5.0, "tpot_s": 0.05, "min_m": 1, "max_m": max_m, "max_n": max_n, "startup_s": 60.0,
+                    "cache_blocks": int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS),
+                    "decode_kv_tokens": int(DECODE_KV_BYTES / KV_BYTES), "candidates": None if scale == 1 else 4}
+            runner = Runner(requests, args, pool)
+            t0 = time.perf_counter()
+            cheapest = search_static(runner, max_m, max_n, GOAL)
+            base = runner.results[f"static {cheapest.prefill}P+{cheapest.decode}D"]
+            below = a.below if a.below is not None else max(3, cheapest.prefill // 3)
+            sizes = sizes_around(cheapest, below, 1)
+            for seg in (float(x) for x in a.segments.split(",")):
+                choices, scored = segment_choices(runner, sizes, seg, base.end_s)
+                b = lagrangian_bound(choices, scored, GOAL, seg, min(t.prefill for t in sizes))
+                rows.append([scale, f"{cheapest.prefill}P+{cheapest.decode}D: {base.instance_hours:.2f} h",
+                             f"{seg:g}", f"{b.lower_hours:.2f} ({b.lower_hours / base.instance_hours:.2f}x)",
+                             f"{b.schedule_hours:.2f} ({b.schedule_hours / base.instance_hours:.2f}x), "
+                             f"{100 * b.schedule_attainment:.1f} %", b.at_floor,
+                             "yes" if b.lower_hours <= a.target * base.instance_hours else "no",
+                             f"{time.perf_counter() - t0:.0f}"])
+                print(table(HEADERS, rows[-1:]), flush=True)
+    print(f"\n{len(rows)} bounds (sizes: prefill from the cheapest split's less --below to one more, its decode "
+          f"count and one fewer):")
+    print(table(HEADERS, rows))
+
+
+HEADERS = ["scale", "cheapest fixed split >= 95 %", "segment s", "lower bound, instance-h",
+           "hindsight schedule meeting 95 %", "segments at the range's floor", "bound <= target?", "wall s"]
+
+if __name__ == "__main__":
+    main()
