@@ -16,10 +16,12 @@ meets the goal: an achievable hindsight schedule, at most a few segments' upgrad
 autoscaler pays boot time and forecast error on top, so where even this bound exceeds a target ratio to the
 cheapest fixed split (--target, 0.9), no autoscaler can meet it on this trace and model.
 
-    python bench/trace_bound.py [--scales 1,4,16] [--segments 600,300,120] [--below B] [--target 0.9] [--jobs 2]
+    python bench/trace_bound.py [--scales 1,4,16] [--segments 600,300,120] [--below B] [--target 0.9]
+                                [--goal 0.95] [--trace PATH] [--minutes M] [--jobs 2]
 
 Scale 4 takes ~3 min on 2 cores; scale 16's search and its 10- and 5-minute bounds ~28 min (each segment at each
-of 18 sizes is a simulation of 4 minutes of 16 copies of the trace). The README has the table.
+of 18 sizes is a simulation of 4 minutes of 16 copies of the trace). Prints a table and saves
+bench/out/trace_bound.png (% of the cheapest fixed split against segment length, per scale). The README has the table.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from bench.common import table
+from bench.common import OUT, line_plot, table
 from bench.trace_replay import (
     BLOCK_TOKENS,
     DECODE_KV_BYTES,
@@ -151,45 +153,71 @@ def sizes_around(cheapest: Target, below: int, above: int) -> list[Target]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--minutes", type=float, default=None, help="bound only the first MINUTES of the trace")
     ap.add_argument("--scales", default="1,4,16")
     ap.add_argument("--segments", default="600,300,120", help="segment lengths (s) to bound at")
+    ap.add_argument("--goal", type=float, default=GOAL, help="the attainment every schedule must reach")
     ap.add_argument("--below", type=int, default=None, help="prefill counts under the cheapest split's tried "
                     "(default: a third of it, at least 3)")
     ap.add_argument("--target", type=float, default=0.9, help="the ratio to the cheapest fixed split asked for")
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args(argv)
-    trace = load_trace(str(TRACE))
-    rows = []
+    trace = load_trace(a.trace, minutes=a.minutes)
+    rows, curves = [], {}
+    segments = sorted(float(x) for x in a.segments.split(","))
     with ProcessPoolExecutor(a.jobs) if a.jobs > 1 else _no_pool() as pool:
         for scale in (int(x) for x in a.scales.split(",")):
-            requests = scale_trace(trace, scale)
-            max_m, max_n = 4 * scale + 2, max(2, scale // 4 + 2)
-            args = {"ttft_s": 5.0, "tpot_s": 0.05, "min_m": 1, "max_m": max_m, "max_n": max_n, "startup_s": 60.0,
-                    "cache_blocks": int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS),
-                    "decode_kv_tokens": int(DECODE_KV_BYTES / KV_BYTES), "candidates": None if scale == 1 else 4}
-            runner = Runner(requests, args, pool)
-            t0 = time.perf_counter()
-            cheapest = search_static(runner, max_m, max_n, GOAL)
-            base = runner.results[f"static {cheapest.prefill}P+{cheapest.decode}D"]
-            below = a.below if a.below is not None else max(3, cheapest.prefill // 3)
-            sizes = sizes_around(cheapest, below, 1)
-            for seg in (float(x) for x in a.segments.split(",")):
-                choices, scored = segment_choices(runner, sizes, seg, base.end_s)
-                b = lagrangian_bound(choices, scored, GOAL, seg, min(t.prefill for t in sizes))
-                rows.append([scale, f"{cheapest.prefill}P+{cheapest.decode}D: {base.instance_hours:.2f} h",
-                             f"{seg:g}", f"{b.lower_hours:.2f} ({b.lower_hours / base.instance_hours:.2f}x)",
-                             f"{b.schedule_hours:.2f} ({b.schedule_hours / base.instance_hours:.2f}x), "
-                             f"{100 * b.schedule_attainment:.1f} %", b.at_floor,
-                             "yes" if b.lower_hours <= a.target * base.instance_hours else "no",
-                             f"{time.perf_counter() - t0:.0f}"])
-                print(table(HEADERS, rows[-1:]), flush=True)
+            curves.update(bound_scale(trace, scale, segments, a, pool, rows))
     print(f"\n{len(rows)} bounds (sizes: prefill from the cheapest split's less --below to one more, its decode "
           f"count and one fewer):")
     print(table(HEADERS, rows))
+    OUT.mkdir(parents=True, exist_ok=True)
+    curves[f"target {a.target:.0%}"] = [100 * a.target] * len(segments)
+    path = line_plot(OUT / "trace_bound.png", "Elastic pools with perfect foresight, free resizing: the bound",
+                     [int(x) for x in segments], curves, "segment (s): how often the pools may resize",
+                     "% of the cheapest fixed split's instance-hours")
+    print(f"plot: {path}")
 
 
-HEADERS = ["scale", "cheapest fixed split >= 95 %", "segment s", "lower bound, instance-h",
-           "hindsight schedule meeting 95 %", "segments at the range's floor", "bound <= target?", "wall s"]
+def bound_scale(trace: list[TraceRequest], scale: int, segments: list[float], a: argparse.Namespace, pool,
+                rows: list[list[object]]) -> dict[str, list[float]]:
+    """One scale's bounds at every segment length (a table row each, appended to `rows` and printed as it
+    lands); the plot's curves (bound and schedule, % of the cheapest fixed split)."""
+    requests = scale_trace(trace, scale)
+    max_m, max_n = 4 * scale + 2, max(2, scale // 4 + 2)
+    args = {"ttft_s": 5.0, "tpot_s": 0.05, "min_m": 1, "max_m": max_m, "max_n": max_n, "startup_s": 60.0,
+            "cache_blocks": int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS),
+            "decode_kv_tokens": int(DECODE_KV_BYTES / KV_BYTES), "candidates": None if scale == 1 else 4}
+    runner = Runner(requests, args, pool)
+    t0 = time.perf_counter()
+    cheapest = search_static(runner, max_m, max_n, a.goal)
+    if cheapest is None:
+        print(f"scale {scale}: no fixed split within M <= {max_m}, N <= {max_n} reaches {a.goal:.0%}")
+        return {}
+    base = runner.results[f"static {cheapest.prefill}P+{cheapest.decode}D"]
+    below = a.below if a.below is not None else max(3, cheapest.prefill // 3)
+    sizes = sizes_around(cheapest, below, 1)
+    curves: dict[str, list[float]] = {f"{scale}x bound": [], f"{scale}x schedule": []}
+    for seg in segments:
+        choices, scored = segment_choices(runner, sizes, seg, base.end_s)
+        b = lagrangian_bound(choices, scored, a.goal, seg, min(t.prefill for t in sizes))
+        if b is None:
+            print(f"scale {scale}, {seg:g}-s segments: no schedule in the size range reaches {a.goal:.0%}")
+            continue
+        lower, spent = b.lower_hours / base.instance_hours, b.schedule_hours / base.instance_hours
+        curves[f"{scale}x bound"].append(100 * lower)
+        curves[f"{scale}x schedule"].append(100 * spent)
+        rows.append([scale, f"{cheapest.prefill}P+{cheapest.decode}D: {base.instance_hours:.2f} h", f"{seg:g}",
+                     f"{b.lower_hours:.2f} ({lower:.2f}x)", f"{b.schedule_hours:.2f} ({spent:.2f}x), "
+                     f"{100 * b.schedule_attainment:.1f} %", b.at_floor, "yes" if lower <= a.target else "no",
+                     f"{time.perf_counter() - t0:.0f}"])
+        print(table(HEADERS, rows[-1:]), flush=True)
+    return curves
+
+
+HEADERS = ["scale", "cheapest fixed split >= goal", "segment s", "lower bound, instance-h",
+           "hindsight schedule meeting the goal", "segments at the range's floor", "bound <= target?", "wall s"]
 
 if __name__ == "__main__":
     main()

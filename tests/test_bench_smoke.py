@@ -25,6 +25,8 @@ TINY_ARGS = {
     "sla_router": ["--decode", "1", "--requests", "3", "--isl", "8", "--osl", "2", "--loads", "1", "--quick-profile"],
     "trace_replay": ["--trace", str(ROOT / "tests" / "data" / "mooncake_conversation_first_2min.jsonl"), "--minutes",
                      "2", "--max-m", "3", "--max-n", "1", "--jobs", "1", "--goal", "0.9"],
+    "trace_bound": ["--trace", str(ROOT / "tests" / "data" / "mooncake_conversation_first_2min.jsonl"), "--minutes",
+                    "2", "--scales", "1", "--segments", "60", "--jobs", "1", "--goal", "0.9"],
     "indexer": ["--heads", "4", "--contexts", "128", "--queries", "2", "--repeat", "2"],
     "step_profile": ["--batches", "1,2", "--prompt-len", "8", "--steps", "2", "--dtype", "float32"],
     "c8": ["--contexts", "64", "--batch", "1", "--tail", "4", "--new-tokens", "2", "--repeat", "1",

@@ -394,8 +394,12 @@ static inline __m512 row16(const void *row, const int kind, int64_t c) {
 
 /* Lane 4 jj + hh: the lanes of z[k] summed in lanes_in_order's order, times scale, where z[k] holds head hh = k % 4's
    8 lanes for rows jj = 2 (k / 4) (lanes 0-7) and 2 (k / 4) + 1 (lanes 8-15): the two 8 x 8 blocks transposed
-   by shuffles (each column one lane of the 16 sums), then added column by column: the bits of 16 scalar chains
-   of additions in a tenth of the instructions (the scalar sums took ~12 % of a hot-cache call). */
+   by shuffles (each column one lane of the 16 sums), then added column by column from zero: the bits of 16 scalar
+   chains of additions in far fewer instructions (skipping the scalar sums made a hot-cache call 12 % faster; the
+   transpose ~7 %). Written for HB = 4. */
+#if HB != 4
+#error "in_order_sums16 and quad_scores_zmm hold HB = 4 heads"
+#endif
 static inline __m512 in_order_sums16(const __m512 z[8], float scale) {
     __m512 t[8], u[8];
     for (int k = 0; k < 8; k += 2) {
