@@ -105,3 +105,42 @@ def test_expanded_at_real_head_dims():
         fb = ForwardBatch.build([SeqChunk([1] * n, start, list(range(-(-(start + n) // BLOCK))))], BLOCK,
                                 torch.device("cpu"))
         assert attention.prompt_form(fb, dims, sparse=False) is form
+
+
+def test_fused_prompt_tiles_match_the_torch_ops_and_keep_a_request_to_itself(monkeypatch):
+    """On the host, each key tile's scores, causal cut and online softmax run in one kernel call
+    (cpu_kernels.prompt_attention_tile): the torch ops' result to fp32 rounding, over tiled keys too; a
+    request's rows are the same bits alone or beside others (each query's sums are its own, whatever its
+    pass-mates see), and a query told it sees more keys than the tile holds, or fewer than none, is held to
+    the tile."""
+    from shared.model import cpu_kernels
+
+    calls = []
+    fused = cpu_kernels.prompt_attention_tile
+    monkeypatch.setattr(cpu_kernels, "prompt_attention_tile", lambda *a: calls.append(1) or fused(*a))
+    fb, pool, w_uk, w_uv_t, q_nope, q_pe = _setup(4, 32, 32, [(0, 70), (45, 50), (130, 67)], 6)
+    got = attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.11)
+    fb.workspace_bytes = 200 * 4 * (96 + 32 + 64) * 4  # key tiles: the softmax runs online across calls
+    tiled = attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.11)
+    assert calls and not got.isnan().any()
+    monkeypatch.setattr(cpu_kernels, "prompt_attention_tile", lambda *a: False)
+    want = attention.expanded_attention(q_nope, q_pe, fb, pool, w_uk, w_uv_t, 0.11)
+    assert (got - want).abs().max().item() < 1e-6 and (tiled - want).abs().max().item() < 1e-6
+    monkeypatch.setattr(cpu_kernels, "prompt_attention_tile", fused)
+    first = ForwardBatch.build([SeqChunk([1] * 70, 0, fb.block_tables[0, :5].tolist())], BLOCK, torch.device("cpu"))
+    alone = attention.expanded_attention(q_nope[:70], q_pe[:70], first, pool, w_uk, w_uv_t, 0.11)
+    assert torch.equal(alone, got[:70])
+
+    g, s, qk, k, v = 8, 5, 96, 40, 32
+    q, keys_t, values = torch.randn(g, s, qk), torch.randn(g, qk, k), torch.randn(g, k, v)
+    state = (torch.empty(g, s), torch.empty(g, s), torch.empty(g, s, v))
+    visible = torch.tensor([[-5, 0, 3, 40, 10**9]]).repeat(2, 1)
+    assert cpu_kernels.prompt_attention_tile(q, keys_t, values, 33, visible, state, True)
+    scores = torch.einsum("gsd,gdk->gsk", q, keys_t)[..., :33]
+    for col, n in enumerate([0, 0, 3, 33, 33]):
+        if n == 0:
+            assert (state[1][:, col] == 0).all() and (state[2][:, col] == 0).all()
+            continue
+        p = torch.softmax(scores[:, col, :n], -1)
+        want = torch.einsum("gk,gkv->gv", p, values[:, :n])
+        assert torch.allclose(state[2][:, col] / state[1][:, col, None], want, atol=1e-5)

@@ -363,12 +363,32 @@ def _decode_attention(gen: torch.Generator) -> list[torch.Tensor]:
     return out
 
 
+def _prompt_attention(gen: torch.Generator) -> list[torch.Tensor]:
+    """prompt_attention_tile over two key tiles (the second folded online): 2 requests x 3 heads, 7 queries (a
+    short last pass of four), 40 query dims, 45 keys a tile (a ragged last block of 32), 64 output dims, causal
+    counts from none to past the tile: all queries in one call, and each alone (concatenated)."""
+    g, s, qk, k, v = 6, 7, 40, 45, 64
+    q = torch.randn(g, s, qk, generator=gen)
+    tiles = [(torch.randn(g, qk, k, generator=gen), torch.randn(g, k, v, generator=gen)) for _ in range(2)]
+    visible = torch.tensor([[0, 1, 9, 30, 44, 45, 60], [3, 3, 17, 45, 2, 0, 50]])
+    out = []
+    for queries in [slice(0, s)] + [slice(i, i + 1) for i in range(s)]:
+        n = queries.stop - queries.start
+        state = (torch.empty(g, n), torch.empty(g, n), torch.empty(g, n, v))
+        for t, (keys_t, values) in enumerate(tiles):
+            assert cpu_kernels.prompt_attention_tile(q[:, queries].contiguous(), keys_t, values, k - 3 * t,
+                                                     visible[:, queries] - 20 * t, state, t == 0)
+        out.append(torch.cat([state[0][..., None], state[1][..., None], state[2]], -1))
+    return [out[0], torch.cat(out[1:], 1)]
+
+
 def test_fp32_decode_matmuls_and_attention_keep_a_rows_bits_on_every_isa(monkeypatch, arch_builds):
     """The fp32 decode linears, experts and MLA head matmuls, and attention over fp32 or bf16 rows, give a row the
     same bits alone as in any batch, and the same on every ISA the kernels build for: AVX-512 (two rows' lanes a
     register, four weight rows by eight input rows a pass; a head's 32 outputs of 8 rows in registers;
     attention's scores of two rows and p.V of 16 dims a register: where this CPU has it), AVX2 + FMA (two by four)
-    and SSE (no FMA unit: fmaf in software). Each output is the fp32 dot product to a rounding."""
+    and SSE (no FMA unit: fmaf in software); prompt attention's key tiles too. Each output is the fp32 dot product
+    to a rounding."""
     flags = next((line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")), "").split()
     arches = ["native"] + [arch for arch, need in (("haswell", {"avx2", "fma", "bmi2"}),
                                                    ("x86-64-v2", {"sse4_2", "popcnt"})) if need <= set(flags)]
@@ -379,7 +399,7 @@ def test_fp32_decode_matmuls_and_attention_keep_a_rows_bits_on_every_isa(monkeyp
         monkeypatch.setattr(cpu_kernels, "_tried", False)
         monkeypatch.setattr(cpu_kernels, "_library", None)
         gen = torch.Generator().manual_seed(21)
-        results[arch] = _fp32_decode_matmuls(gen) + _decode_attention(gen)
+        results[arch] = _fp32_decode_matmuls(gen) + _decode_attention(gen) + _prompt_attention(gen)
         for batched, alone in zip(results[arch][::2], results[arch][1::2], strict=True):
             assert torch.equal(batched, alone), arch
     for arch in arches[1:]:

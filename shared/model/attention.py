@@ -314,6 +314,8 @@ def _expanded_group(q_nope: torch.Tensor, q_pe: torch.Tensor, scale: float, fb: 
             if tile.last < t0:
                 continue  # every query of the tile comes before this key tile
             n, seen = tile.q.shape[1], min(k, tile.last + 1 - t0)  # no query of the tile sees past `seen`
+            if _fused_update(tile, keys_t, values, seen, pos[:, tile.queries] - (t0 - 1)):
+                continue
             scores = torch.bmm(tile.q, keys_t[..., :seen], out=scratch.take("scores", (heads * r, n, seen), latent))
             if cdt != torch.float32:
                 scores = scratch.take("scores32", scores.shape, latent, torch.float32).copy_(scores)
@@ -326,6 +328,21 @@ def _expanded_group(q_nope: torch.Tensor, q_pe: torch.Tensor, scale: float, fb: 
         o = tile.acc.div_(tile.run_sum[..., None]).to(cdt)
         outs.append((tile.queries, o.view(heads, r, -1, v_dim).permute(1, 2, 0, 3)))
     return outs
+
+
+def _fused_update(tile: _QueryTile, keys_t: torch.Tensor, values: torch.Tensor, seen: int,
+                  visible: torch.Tensor) -> bool:
+    """_online_update of one key tile in one kernel call where it runs (host fp32: cpu_kernels.
+    prompt_attention_tile): scores, the causal cut (visible [r, q] keys per query) and the softmax in one pass
+    over the tile, no masked score or exp of -inf. False: the torch ops run instead."""
+    g, n = tile.q.shape[:2]
+    first = tile.acc is None
+    state = ((tile.q.new_empty(g, n), tile.q.new_empty(g, n), tile.q.new_empty(g, n, values.shape[-1])) if first
+             else (tile.run_max, tile.run_sum, tile.acc))
+    if not cpu_kernels.prompt_attention_tile(tile.q, keys_t, values, seen, visible, state, first):
+        return False
+    tile.run_max, tile.run_sum, tile.acc = state
+    return True
 
 
 def _online_update(tile: _QueryTile, scores: torch.Tensor, values: torch.Tensor, scratch: _Scratch) -> None:

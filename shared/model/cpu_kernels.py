@@ -100,6 +100,9 @@ def _build() -> ctypes.CDLL | None:
     lib.linear_rows_bf16.restype = ctypes.c_int32
     lib.head_matmul.argtypes = [ptr, i32, i64, i64, ptr, i32, ptr, i32, i64, i64, i64, i64, i64, i64, i32]
     lib.head_matmul.restype = None
+    lib.prompt_attention_tile.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i32, ptr, ptr, ptr,
+                                          i32]
+    lib.prompt_attention_tile.restype = None
     return lib
 
 
@@ -399,6 +402,30 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> boo
         return False
     library().head_matmul(x.data_ptr(), x_bf16, x.stride(0), x.stride(1), weight.data_ptr(), w_bf16, out.data_ptr(),
                           out_bf16, out.stride(0), out.stride(1), n, heads, k, m, torch.get_num_threads())
+    return True
+
+
+def prompt_attention_tile(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, seen: int,
+                          visible: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                          first: bool) -> bool:
+    """One key tile of expanded prompt attention folded into its queries' online softmax, in one call: queries
+    q [G, S, qk] (scaled; G = heads x R requests, head-major), the tile's keys transposed keys_t [G, qk, K] and
+    values [G, K, v] (fp32, contiguous), the first `seen` <= K keys, visible [R, S] the keys each query sees
+    (causal). state = (running max [G, S], sum [G, S], unnormalized output [G, S, v]), fp32, started by the call
+    with `first`. False (nothing done) where the kernel does not apply: the caller runs the torch ops."""
+    g, s, qk = q.shape
+    tensors = (q, keys_t, values, *state)
+    if (any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or keys_t.shape[:2] != (g, qk)
+            or values.shape[0] != g or values.shape[1] != keys_t.shape[2] or values.shape[2] % 32
+            or not 0 < seen <= keys_t.shape[2] or visible.dim() != 2 or visible.shape[1] != s or g % visible.shape[0]
+            or state[0].shape != (g, s) or state[1].shape != (g, s) or state[2].shape != (g, s, values.shape[2])
+            or not runnable(*tensors)):
+        return False
+    visible = visible.to(torch.int64).contiguous()
+    library().prompt_attention_tile(q.data_ptr(), g, visible.shape[0], s, qk, keys_t.data_ptr(), keys_t.shape[2],
+                                    values.data_ptr(), values.shape[2], seen, visible.data_ptr(), int(first),
+                                    state[0].data_ptr(), state[1].data_ptr(), state[2].data_ptr(),
+                                    torch.get_num_threads())
     return True
 
 

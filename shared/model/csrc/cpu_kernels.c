@@ -815,6 +815,155 @@ int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
                slot_row, counts, mask, scale, out_dim, out, threads);
 }
 
+/* ---- Prompt rows' attention in its expanded (MHA) form ---- */
+
+#define PQ 4  /* queries a pass: each key vector loaded once for four */
+#define PK 4  /* key (scores) or output-dim (p.V) vectors a pass: PQ x PK = 16 chains in flight */
+
+/* The scores of queries q[0..PQ) (qk dims each, `qs` apart) against keys [j0, j0 + 8 PK) of keys_t ([qk][kstride],
+   keys transposed: dim d of key j at d kstride + j): sc[qq][j - j0], each one fused multiply-add chain over the dims
+   in order (a key's score does not depend on the keys beside it). Keys past `keys` are scored as stored (the
+   caller masks them) up to the row's end, then read as 0: whole vectors where the row holds them (element by
+   element, a pass at a ragged end took most of the time). */
+static inline __attribute__((always_inline)) void
+prompt_scores(const float *q, int64_t qs, int64_t qk, const float *keys_t, int64_t kstride, int64_t j0,
+              float sc[PQ][8 * PK]) {
+    v8 acc[PQ][PK] = {{{0}}};
+    if (j0 + 8 * PK <= kstride) {
+        for (int64_t d = 0; d < qk; d++) {
+            const float *row = keys_t + d * kstride + j0;
+            v8 kv[PK];
+            for (int m = 0; m < PK; m++) kv[m] = LOAD(row + 8 * m);
+            for (int qq = 0; qq < PQ; qq++) {
+                v8 qv = splat(q[qq * qs + d]);
+                for (int m = 0; m < PK; m++) acc[qq][m] = vfma(qv, kv[m], acc[qq][m]);
+            }
+        }
+    } else {  /* the tile's last keys: the same chains, the missing keys 0 */
+        for (int64_t d = 0; d < qk; d++) {
+            const float *row = keys_t + d * kstride + j0;
+            v8 kv[PK];
+            for (int m = 0; m < PK; m++) {
+                kv[m] = splat(0.f);
+                for (int e = 0; e < DW && j0 + 8 * m + e < kstride; e++) kv[m][e] = row[8 * m + e];
+            }
+            for (int qq = 0; qq < PQ; qq++) {
+                v8 qv = splat(q[qq * qs + d]);
+                for (int m = 0; m < PK; m++) acc[qq][m] = vfma(qv, kv[m], acc[qq][m]);
+            }
+        }
+    }
+    for (int qq = 0; qq < PQ; qq++)
+        for (int m = 0; m < PK; m++) STORE(sc[qq] + 8 * m, acc[qq][m]);
+}
+
+/* Folds one query's scores sc[0..seen) of a key tile (its first `count` visible) into its running max *mx and sum
+   *sm: sc becomes the probabilities e^(s - max), 0 past count (seen rounded up to whole vectors); returns the
+   factor its accumulated p.V takes (e^(old max - new max): 0 on its first keys, 1 where the max holds). */
+static inline float prompt_softmax(float *sc, int64_t seen, int64_t count, float *mx, float *sm) {
+    v8 most = splat(-INFINITY);  /* the max in 8 lanes (a scalar loop's chain of compares cost a fifth) */
+    for (int64_t j = 0; j < count; j += DW) {
+        v8i in = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)j < (int32_t)count;
+        v8 v = LOAD(sc + j);
+        most = vsel(in & (v > most), v, most);
+    }
+    float tile_max = -INFINITY;
+    for (int l = 0; l < DW; l++) tile_max = most[l] > tile_max ? most[l] : tile_max;
+    const float new_max = tile_max > *mx ? tile_max : *mx;
+    const float alpha = *mx == -INFINITY ? 0.f : vexp(splat(*mx - new_max))[0];
+    v8 tot = splat(0.f);
+    for (int64_t j = 0; j < seen; j += DW) {
+        v8i lane = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)j;
+        v8 e = (v8)((v8i)(lane < (int32_t)count) & (v8i)vexp(LOAD(sc + j) - splat(new_max)));
+        STORE(sc + j, e);
+        tot += e;
+    }
+    *sm = *sm * alpha + hsum8(tot);
+    *mx = new_max;
+    return alpha;
+}
+
+/* acc[qq][c0 .. c0 + 8 PK) = alpha[qq] acc + sum_j p[qq][j] values[j][c], j < keys in order (a probability of 0,
+   a key past the query's count, leaves a finite sum's bits as they are): PQ x PK chains. */
+static inline __attribute__((always_inline)) void
+prompt_pv(const float *p, int64_t pstride, const float *values, int64_t vs, int64_t keys, int64_t c0,
+          const float alpha[PQ], float *const acc[PQ]) {
+    v8 a[PQ][PK];
+    for (int qq = 0; qq < PQ; qq++)
+        for (int m = 0; m < PK; m++) a[qq][m] = LOAD(acc[qq] + c0 + 8 * m) * splat(alpha[qq]);
+    for (int64_t j = 0; j < keys; j++) {
+        v8 vv[PK];
+        for (int m = 0; m < PK; m++) vv[m] = LOAD(values + j * vs + c0 + 8 * m);
+        for (int qq = 0; qq < PQ; qq++) {
+            v8 pv = splat(p[qq * pstride + j]);
+            for (int m = 0; m < PK; m++) a[qq][m] = vfma(pv, vv[m], a[qq][m]);
+        }
+    }
+    for (int qq = 0; qq < PQ; qq++)
+        for (int m = 0; m < PK; m++) STORE(acc[qq] + c0 + 8 * m, a[qq][m]);
+}
+
+/* One key tile of prompt rows' attention in its expanded form (shared.model.attention.expanded_attention), folded
+   into each query's online softmax. Group g (a head of request g % requests) holds queries q[g] [n][qk] (scaled),
+   the tile's keys transposed keys_t[g] [qk][kstride] and values[g] [kstride][v_dim]; query s of request r sees
+   the tile's first visible[r][s] keys (causal: up to its position; at most `seen`). State per (g, s): running
+   max mx, sum sm and unnormalized output acc [v_dim] (fp32), started by the call with `first`; a query that
+   sees no key of the tile keeps its state. Every score is one fused multiply-add chain over the dims in order
+   and every output one over the tile's keys in order: a query's bits are the same whichever queries share the
+   call (its pass's other queries add exact zeros past its count). v_dim % 32 == 0 (the caller checks). */
+void prompt_attention_tile(const float *q, int64_t groups, int64_t requests, int64_t n, int64_t qk,
+                           const float *keys_t, int64_t kstride, const float *values, int64_t v_dim, int64_t seen,
+                           const int64_t *visible, int32_t first, float *mx, float *sm, float *acc, int32_t threads) {
+    const int64_t passes = (n + PQ - 1) / PQ, padded = (seen + 8 * PK - 1) / (8 * PK) * (8 * PK);
+    #pragma omp parallel num_threads(threads)
+    {
+        float *sc = xmalloc(sizeof(float) * PQ * padded), *qbuf = xmalloc(sizeof(float) * PQ * qk);
+        float *spare = xmalloc(sizeof(float) * v_dim);  /* a short pass's missing queries' output, unread */
+        #pragma omp for schedule(dynamic, 4)
+        for (int64_t item = 0; item < groups * passes; item++) {
+            const int64_t g = item / passes, s0 = item % passes * PQ;
+            int64_t count[PQ], most = 0;
+            float alpha[PQ], *out[PQ];
+            for (int qq = 0; qq < PQ; qq++) {
+                const int64_t s = s0 + qq;
+                count[qq] = 0;
+                out[qq] = spare;
+                if (s >= n) {
+                    memset(qbuf + qq * qk, 0, sizeof(float) * qk);
+                    continue;
+                }
+                const int64_t v = visible[(g % requests) * n + s];
+                count[qq] = v < 0 ? 0 : v > seen ? seen : v;
+                most = count[qq] > most ? count[qq] : most;
+                out[qq] = acc + (g * n + s) * v_dim;
+                memcpy(qbuf + qq * qk, q + (g * n + s) * qk, sizeof(float) * qk);
+                if (first) {
+                    mx[g * n + s] = -INFINITY;
+                    sm[g * n + s] = 0.f;
+                    memset(out[qq], 0, sizeof(float) * v_dim);
+                }
+            }
+            if (!most) continue;
+            for (int64_t j0 = 0; j0 < most; j0 += 8 * PK) {
+                float blk[PQ][8 * PK];
+                prompt_scores(qbuf, qk, qk, keys_t + g * qk * kstride, kstride, j0, blk);
+                for (int qq = 0; qq < PQ; qq++) memcpy(sc + qq * padded + j0, blk[qq], sizeof blk[qq]);
+            }
+            for (int qq = 0; qq < PQ; qq++) {
+                alpha[qq] = 1.f;  /* no key seen: p all 0, the state as it is */
+                if (!count[qq]) memset(sc + qq * padded, 0, sizeof(float) * padded);
+                else alpha[qq] = prompt_softmax(sc + qq * padded, (most + DW - 1) / DW * DW, count[qq],
+                                                mx + g * n + s0 + qq, sm + g * n + s0 + qq);
+            }
+            for (int64_t c0 = 0; c0 < v_dim; c0 += 8 * PK)
+                prompt_pv(sc, padded, values + g * kstride * v_dim, v_dim, most, c0, alpha, out);
+        }
+        free(sc);
+        free(qbuf);
+        free(spare);
+    }
+}
+
 /* C8 MLA rows at `slots` (pool rows `row_stride` bytes apart, num_slots of them) decoded into out [n, latent + rope]
    as Int8LatentRows.decode computes them in torch: to bf16 (out_bf16) -- int8 times its group's scale rounded to
    bf16, the exact product rounded to bf16 once; the bf16 rope key as stored -- or to fp32 (int8 times the fp32
