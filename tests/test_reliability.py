@@ -414,3 +414,30 @@ def test_a_service_started_without_a_secret_refuses_internal_calls(model_dir, tm
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_an_all_greedy_batch_takes_one_pass_and_keeps_its_tokens(monkeypatch):
+    """Greedy rows on the host take their argmax in one kernel pass (ops.greedy_tokens): torch's argmax, ties to
+    the earliest token, at a 129,280-token vocabulary too; a batch with a NaN or an infinity anywhere goes the
+    sanitizing way (the same tokens as before the kernel), and a greedy row with a logits processor never takes
+    the kernel."""
+    from shared.model import ops
+
+    gen = torch.Generator().manual_seed(3)
+    calls = []
+    fused = ops.greedy_tokens
+    monkeypatch.setattr(ops, "greedy_tokens", lambda x: calls.append(x.shape) or fused(x))
+    for rows, vocab in ((1, 7), (256, 1024), (3, 129_280)):
+        logits = (torch.randn(rows, vocab, generator=gen) * 3).round()  # many ties
+        assert sample(logits, [SamplingParams(temperature=0)] * rows, [None] * rows) == logits.argmax(-1).tolist()
+    assert len(calls) == 3
+    logits = torch.randn(4, 64, generator=gen)
+    logits[2, 5], logits[3, 9] = float("inf"), float("nan")
+    assert fused(logits) is None and fused(logits[:2]) == logits[:2].argmax(-1).tolist()
+    assert sample(logits, [SamplingParams(temperature=0)] * 4, [None] * 4) == [*logits[:2].argmax(-1).tolist(), 5,
+                                                                              int(logits[3].nan_to_num(-1e9).argmax())]
+    from tests.test_sampling_params import History
+
+    biased = [SamplingParams(temperature=0, logit_bias={3: 100.0})]
+    assert sample(torch.zeros(1, 64), biased, [None], histories=[History([1, 2])]) == [3]
+    assert len(calls) == 4  # the non-finite batch asked the kernel (it said no); the biased one never did

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from shared.model import ops
 from shared.protocol.sampling import SamplingParams, TokenLogprob
 
 # Top-p rows first look for their nucleus among this many best tokens (exact when it lies inside,
@@ -36,8 +37,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     argmax; sampled rows apply temperature, min-p, top-k then top-p (on the top-k renormalized
     distribution) and draw by inverse CDF with one uniform from their own generator (a seeded request
     replays)."""
+    processed = histories is not None and any(p.processes_logits for p in params)
+    if not processed and all(p.greedy for p in params):
+        tokens = ops.greedy_tokens(logits)  # one pass where the kernels run and every logit is finite
+        if tokens is not None:
+            return tokens
     logits = _sanitize(logits)
-    if histories is not None and any(p.processes_logits for p in params):
+    if processed:
         logits = process_logits(logits, params, histories, eos_token_ids)
     out = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]

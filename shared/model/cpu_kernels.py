@@ -74,6 +74,8 @@ def _build() -> ctypes.CDLL | None:
     lib.wide = bool(lib.wide_tiles())  # asked once: ops.every_row reads it on every linear
     lib.topk_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int32]
     lib.topk_rows.restype = None
+    lib.greedy_rows.argtypes = [ptr, i64, i64, ptr, ctypes.c_int32]
+    lib.greedy_rows.restype = ctypes.c_int32
     f32, i32 = ctypes.c_float, ctypes.c_int32
     lib.moe_routed.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i64, i32,
                                ptr, ptr, ptr, i64, ptr, ptr, i32]

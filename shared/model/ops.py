@@ -96,6 +96,20 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     return fused if fused is not None else int8.w8a8_linear(x, weight, scale)
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int] | None:
+    """Each row's argmax (the earliest of ties, as torch's) of host fp32 logits [M, V], in one kernel pass that
+    also checks they are finite: None where the kernel does not run or a row holds a NaN or an infinity (the
+    sampler's own path sanitizes those first)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or not cpu_kernels.runnable(logits):
+        return None
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if cpu_kernels.library().greedy_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+                                         torch.get_num_threads()):
+        return None
+    return out.tolist()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight · (x / rms(x)), normalized in fp32 and cast back to x's dtype before the weight (as transformers);
     one kernel call instead of 8 ops."""
