@@ -841,9 +841,9 @@ int32_t paged_mqa_c8(const float *q, int64_t n, int64_t heads, int64_t dim,
 
 /* The scores of queries q[0..PQ) (qk dims each, `qs` apart) against keys [j0, j0 + 8 PK) of keys_t ([qk][kstride],
    keys transposed: dim d of key j at d kstride + j): sc[qq][j - j0], each one fused multiply-add chain over the dims
-   in order (a key's score does not depend on the keys beside it). Keys past `keys` are scored as stored (the
-   caller masks them) up to the row's end, then read as 0: whole vectors where the row holds them (element by
-   element, a pass at a ragged end took most of the time). */
+   in order (a key's score does not depend on the keys beside it). Keys past a query's count are scored as stored
+   (its softmax leaves them out) up to the row's end, then read as 0: whole vectors where the row holds them
+   (element by element, a pass at a ragged end took most of the time). */
 static inline __attribute__((always_inline)) void
 prompt_scores(const float *q, int64_t qs, int64_t qk, const float *keys_t, int64_t kstride, int64_t j0,
               float sc[PQ][8 * PK]) {
