@@ -40,21 +40,17 @@ from dataclasses import dataclass
 
 from bench.common import OUT, line_plot, table
 from bench.trace_replay import (
-    BLOCK_TOKENS,
-    DECODE_KV_BYTES,
     GOAL,
-    KV_BYTES,
-    PREFILL_KV_BYTES,
     TRACE,
-    WARM_S,
     Runner,
     _no_pool,
-    deepseek_v3_h800,
     scale_trace,
     search_static,
+    segment_met,
+    sim_args,
 )
 from router.autoscale import Target
-from router.planner import TraceRequest, load_trace, simulate_trace
+from router.planner import TraceRequest, load_trace
 
 
 @dataclass(frozen=True)
@@ -83,14 +79,7 @@ class Bound:
 def _segment(job: tuple) -> tuple[int, int, int, int, int]:
     """One segment at one size: (segment, M, N, requests met, requests scored)."""
     k, segment_s, m, n, requests, args = job
-    t0 = k * segment_s
-    part = [TraceRequest(r.arrival - t0 + WARM_S, r.prompt_tokens, r.output_tokens, r.blocks)
-            for r in requests if t0 - WARM_S <= r.arrival < t0 + segment_s]
-    r = simulate_trace(deepseek_v3_h800(), part, Target(m, n), args["ttft_s"], args["tpot_s"],
-                       startup_s=args["startup_s"], block_tokens=BLOCK_TOKENS, prefix_cache_blocks=args["cache_blocks"],
-                       decode_kv_tokens=args["decode_kv_tokens"], candidates=args["candidates"])
-    scored = [met for req, met in zip(part, r.met, strict=True) if req.arrival >= WARM_S]
-    return k, m, n, sum(scored), len(scored)
+    return k, m, n, *segment_met(requests, k * segment_s, segment_s, Target(m, n), args)
 
 
 def segment_choices(runner: Runner, sizes: list[Target], segment_s: float, end_s: float) -> tuple[list[list[Choice]],
@@ -186,10 +175,7 @@ def bound_scale(trace: list[TraceRequest], scale: int, segments: list[float], a:
     lands); the plot's curves (bound and schedule, % of the cheapest fixed split)."""
     requests = scale_trace(trace, scale)
     max_m, max_n = 4 * scale + 2, max(2, scale // 4 + 2)
-    args = {"ttft_s": 5.0, "tpot_s": 0.05, "min_m": 1, "max_m": max_m, "max_n": max_n, "startup_s": 60.0,
-            "cache_blocks": int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS),
-            "decode_kv_tokens": int(DECODE_KV_BYTES / KV_BYTES), "candidates": None if scale == 1 else 4}
-    runner = Runner(requests, args, pool)
+    runner = Runner(requests, sim_args(scale, max_m, max_n), pool)
     t0 = time.perf_counter()
     cheapest = search_static(runner, max_m, max_n, a.goal)
     if cheapest is None:

@@ -164,19 +164,36 @@ HINDSIGHT_S = 600.0  # the hindsight reference re-chooses the fixed split every 
 WARM_S = 120.0  # ... each segment's simulation starting this much earlier (its prefix caches warm), not scored
 
 
-def _segment(job: tuple) -> tuple[int, int, int, int]:
-    """One hindsight segment at one split: (segment, M, requests met, requests scored)."""
-    k, m, n, requests, args = job
-    t0 = k * HINDSIGHT_S
+def segment_met(requests: list[TraceRequest], t0: float, length: float, target: Target, args: dict) -> tuple[int, int]:
+    """Requests met and requests scored of the window [t0, t0 + length) at a fixed split, simulated from WARM_S
+    before it (the lead-in's requests warm the prefix caches and are not scored): the hindsight reference's and
+    trace_bound's unit of work."""
     part = [TraceRequest(r.arrival - t0 + WARM_S, r.prompt_tokens, r.output_tokens, r.blocks)
-            for r in requests if t0 - WARM_S <= r.arrival < t0 + HINDSIGHT_S]
+            for r in requests if t0 - WARM_S <= r.arrival < t0 + length]
     start = min(WARM_S, t0)  # the first segment has nothing before it
     part = [r for r in part if r.arrival >= WARM_S - start]
-    r = simulate_trace(deepseek_v3_h800(), part, Target(m, n), args["ttft_s"], args["tpot_s"],
+    r = simulate_trace(deepseek_v3_h800(), part, target, args["ttft_s"], args["tpot_s"],
                        startup_s=args["startup_s"], block_tokens=BLOCK_TOKENS, prefix_cache_blocks=args["cache_blocks"],
                        decode_kv_tokens=args["decode_kv_tokens"], candidates=args["candidates"])
     scored = [met for req, met in zip(part, r.met, strict=True) if req.arrival >= WARM_S]
-    return k, m, sum(scored), len(scored)
+    return sum(scored), len(scored)
+
+
+def _segment(job: tuple) -> tuple[int, int, int, int]:
+    """One hindsight segment at one split: (segment, M, requests met, requests scored)."""
+    k, m, n, requests, args = job
+    return k, m, *segment_met(requests, k * HINDSIGHT_S, HINDSIGHT_S, Target(m, n), args)
+
+
+def sim_args(scale: int, max_m: int, max_n: int, ttft_s: float = 5.0, tpot_s: float = 0.05, min_m: int = 1,
+             startup_s: float = 60.0, global_cache: bool = False) -> dict:
+    """The simulation's settings for one scale of the trace (Runner's `args`): SLA targets, the search's bounds,
+    boot time, each prefill instance's prefix-cache blocks (unbounded: one cache shared by all), each decode
+    instance's KV tokens, and the router's candidate pairs (every pair at scale 1, 4 beyond)."""
+    return {"ttft_s": ttft_s, "tpot_s": tpot_s, "min_m": min_m, "max_m": max_m, "max_n": max_n,
+            "startup_s": startup_s,
+            "cache_blocks": (1 << 40) if global_cache else int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS),
+            "decode_kv_tokens": int(DECODE_KV_BYTES / KV_BYTES), "candidates": None if scale == 1 else 4}
 
 
 def hindsight(runner: Runner, cheapest: Target, goal: float, end_s: float) -> tuple[float, float]:
@@ -290,10 +307,7 @@ def replay_scale(trace: list[TraceRequest], scale: int, a: argparse.Namespace, p
     requests = swing(scale_trace(trace, scale), a.swing)
     max_m = a.max_m or 4 * scale + 2
     max_n = a.max_n or max(2, scale // 4 + 2)
-    args = {"ttft_s": a.ttft_s, "tpot_s": a.tpot_ms / 1e3, "min_m": a.min_m, "max_m": max_m, "max_n": max_n,
-            "startup_s": a.startup_s,
-            "cache_blocks": (1 << 40) if a.global_cache else int(PREFILL_KV_BYTES / KV_BYTES / BLOCK_TOKENS),
-            "decode_kv_tokens": int(DECODE_KV_BYTES / KV_BYTES), "candidates": None if scale == 1 else 4}
+    args = sim_args(scale, max_m, max_n, a.ttft_s, a.tpot_ms / 1e3, a.min_m, a.startup_s, a.global_cache)
     t0 = time.perf_counter()
     runner = Runner(requests, args, pool)
     cheapest = search_static(runner, max_m, max_n, a.goal)
