@@ -335,6 +335,8 @@ def _fused_update(tile: _QueryTile, keys_t: torch.Tensor, values: torch.Tensor, 
     """_online_update of one key tile in one kernel call where it runs (host fp32: cpu_kernels.
     prompt_attention_tile): scores, the causal cut (visible [r, q] keys per query) and the softmax in one pass
     over the tile, no masked score or exp of -inf. False: the torch ops run instead."""
+    if tile.q.dtype != torch.float32 or not cpu_kernels.runnable(tile.q):
+        return False  # an accelerator's or a bf16 compute dtype's tile: no state allocated for nothing
     g, n = tile.q.shape[:2]
     first = tile.acc is None
     state = ((tile.q.new_empty(g, n), tile.q.new_empty(g, n), tile.q.new_empty(g, n, values.shape[-1])) if first
