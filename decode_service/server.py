@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from decode_service.engine import DRAINING, FATAL, DecodeEngineClient, Placement, instance_load, start_engine
+from decode_service.token_bus import MAX_BUS_NAME, TokenBuses
 from decode_service.worker import Abort, Admit, DecodeWorker, Release
 from shared import metrics
 from shared.config import DecodeConfig, parse_flags
@@ -63,6 +64,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.cfg, self.coord = cfg, coordinator
         self.credentials = Credentials.of(cfg)
         self.draining = False
+        self.buses = TokenBuses()
         # One thread hashes reservations' prompts off the event loop: a fixed pool, not asyncio's default one
         # that grows with the load (the hashes hold the GIL anyway, so more threads would not go faster).
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="prefix-keys")
@@ -88,6 +90,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         try:
             self.coord.limits.check_request(request.prompt_token_ids, params, request.num_resumed,
                                             request.cache_salt)
+            if len(request.token_bus) > MAX_BUS_NAME:
+                raise ValueError(f"token_bus: at most {MAX_BUS_NAME} characters, got {len(request.token_bus)}")
         except ValueError as exc:
             metrics.request_done("decode", "INVALID_ARGUMENT", "admit")
             if self.coord.lease_rank.pop(request.lease_id, None) is not None:
@@ -182,6 +186,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 if any(r.load.free_blocks >= need for r in self.coord.loads):
                     break
 
+    async def Tokens(self, request, context):
+        """A router's token bus (decode_service.token_bus): every request it names it on streams there."""
+        async for batch in self.buses.serve(request, context):
+            yield batch
+
     async def Release(self, request, context):
         rank = self.coord.lease_rank.pop(request.lease_id, None)
         released = rank is not None and bool(await self._result(
@@ -204,6 +213,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown or expired lease {request.lease_id!r}")
         rid = request.request_id or request.lease_id
         params = await self._valid_request(request, rank, context)
+        bus = self.buses.get(request.token_bus)  # None: the messages travel on this call
         try:
             stream = self.coord.open_stream(rid, LoopQueue())
         except KeyError:
@@ -250,15 +260,21 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 if out.stopped and not ev.finished:  # a stop string: the engine ends this request now, and says why
                     reason, ended = self._stop_string_found(rid, rank), True
                 metrics.TOKENS.labels("decode", "output").inc()
-                yield internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=wire(reason),
+                msg = internal_pb2.DecodeResponse(token_ids=[ev.token_id], text=text, finish_reason=wire(reason),
                                                   logprobs=[logprob_to_proto(ev.logprob)] if ev.logprob else [],
                                                   prompt_logprobs=[logprob_to_proto(lp)
                                                                    for lp in ev.prompt_logprobs or ()])
+                if bus is None:
+                    yield msg
+                elif not bus.put(rid, msg):  # its subscriber left: what follows could not reach it in order
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the token bus of this request closed")
                 if out.stopped:
                     break
             metrics.request_done("decode", "OK", wire(reason or FinishReason.ABORT))
             if reason is None:  # the stream was closed before the request ended
-                yield internal_pb2.DecodeResponse(finish_reason=wire(FinishReason.ABORT))
+                msg = internal_pb2.DecodeResponse(finish_reason=wire(FinishReason.ABORT))
+                if bus is None or not bus.put(rid, msg):
+                    yield msg
         finally:  # finished, stopped, cancelled by the caller, deadline, or an error: the engine lets go
             self.coord.close_stream(rid, stream)
             if not ended:

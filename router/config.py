@@ -45,6 +45,9 @@ class RouterConfig(EndpointConfig):
     tpot_slo_ms: float = flag(0.0, "time-per-output-token target (0: none)")
     no_kv_fetch: bool = flag(False, "never tell a prefill instance to fetch a prompt's cached prefix from another "
                                     "instance (it computes what it lacks)")
+    no_token_bus: bool = flag(False, "stream each request's tokens from decode on its own gRPC stream instead of "
+                                     "on one token bus per decode instance (a step's tokens for this router in one "
+                                     "message)")
     local_prefill_tokens: int = flag(0, "selective disaggregation: a prompt with at most this many tokens the "
                                         "decode instance does not cache (a follow-up turn: its new ones) is "
                                         "prefilled on the decode instance itself (chunked within its token "

@@ -26,6 +26,7 @@ from router.policy import POLICIES, Choice, PrefillView, RankView, Rejected, Req
 from router.pools import Instance, Pool, in_flight
 from router.reply import ReplyParser, api_finish_reason
 from router.request import GenerationRequest, Invalid, RequestParser
+from router.token_bus import TokenBuses
 from shared import metrics
 from shared.config import ModelConfig
 from shared.protocol.finish import FinishReason, wire
@@ -112,6 +113,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metadata = self.credentials.metadata
         self.prefill = Pool("prefill", cfg.prefill, internal_pb2_grpc.PrefillStub, self.credentials)
         self.decode = Pool("decode", cfg.decode, internal_pb2_grpc.DecodeStub, self.credentials)
+        self.buses = TokenBuses(self.metadata, not cfg.no_token_bus)
         self.perf = PerfModel.load(cfg.profile) if cfg.profile else PerfModel()
         self.policy = POLICIES[cfg.policy](self.perf)
         self.fetch = FetchAdvisor(self.perf, not cfg.no_kv_fetch)
@@ -230,7 +232,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if first.HasField("first_token_logprob"):
                         decode_req.first_token_logprob.CopyFrom(first.first_token_logprob)
                 metrics.PREFILL_PATHS.labels("local" if place.best.local else "disaggregated").inc()
-                stream = dec.stub.Decode(decode_req, timeout=timeout, metadata=md)
+                stream = self.buses.decode(dec, decode_req, timeout, md)  # on the instance's token bus if it can
                 claimed = True
                 if not progress.streamed:  # this try's first message is the client's first
                     _first_message(progress, first)

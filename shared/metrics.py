@@ -78,6 +78,10 @@ KV_PUSH_FAILURES = Counter("pdserve_kv_push_failures_total", "KV pushes that fai
 STEP_SECONDS = Histogram("pdserve_decode_step_seconds", "One lock-step decode iteration (all ranks)",
                          buckets=LATENCY)
 EXPIRED_LEASES = Counter("pdserve_decode_expired_leases_total", "Reservations that expired unused")
+TOKEN_BUSES = Gauge("pdserve_decode_token_buses", "Routers' token buses open here (one Tokens stream per router)")
+TOKEN_BUS_BATCHES = Counter("pdserve_decode_token_bus_batches_total", "Batches sent on token buses (a step's "
+                            "messages for one router in each)")
+TOKEN_BUS_MESSAGES = Counter("pdserve_decode_token_bus_messages_total", "Request messages sent on token buses")
 KV_FOLLOW_UP_BLOCKS = Counter("pdserve_decode_follow_up_kv_blocks_total", "Prompt KV blocks of the reservations "
                               "that reused an earlier prompt's blocks whole (follow-up turns whose context this "
                               "instance kept): pushed, or reused", ["source"])

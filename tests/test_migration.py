@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -121,6 +122,29 @@ def test_follow_up_turns_reuse_decode_cache_through_pdserve_up(up):
     assert (blocks("pushed") - pushed) * 3 < blocks("reused") - reused + blocks("pushed") - pushed
     for i, (prompt, text) in enumerate(turns):
         assert complete(prompt, salt=f"fresh-{i}") == text
+
+
+def test_streams_ride_one_token_bus_per_decode_instance_through_pdserve_up(up):
+    """With the command's defaults the router takes each decode instance's messages for all its requests on one
+    token bus: once every instance holds the router's, 8 concurrent SDK streams' tokens all come as bus messages,
+    several streams' in a batch."""
+    client = openai.OpenAI(base_url=up.http_url, api_key="none", max_retries=0)
+    decodes = [name for name in up.metrics if name.startswith("decode")]
+
+    def total(name: str) -> float:
+        return sum(up.metric(d, name) for d in decodes)
+
+    def complete(i: int, n: int = 4) -> int:
+        return client.completions.create(model=up.model, prompt=[11 + i, 12, 13], max_tokens=n, temperature=0,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        assert wait_for(lambda: sum(pool.map(complete, range(8))) and total("pdserve_decode_token_buses ") == 2, 60)
+        sent, batches = (total(f"pdserve_decode_token_bus_{k}_total") for k in ("messages", "batches"))
+        streamed = sum(pool.map(complete, range(8), [40] * 8))
+    sent = total("pdserve_decode_token_bus_messages_total") - sent
+    assert streamed == 8 * 40 and sent == streamed
+    assert total("pdserve_decode_token_bus_batches_total") - batches < sent / 2
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -245,6 +245,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_internal__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_internal__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Tokens = channel.unary_stream(
+                '/pdserve.v1.Decode/Tokens',
+                request_serializer=pdserve_dot_v1_dot_internal__pb2.TokensRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_internal__pb2.TokenBatch.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.Decode/Release',
                 request_serializer=pdserve_dot_v1_dot_internal__pb2.ReleaseRequest.SerializeToString,
@@ -272,6 +277,12 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokens(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -307,6 +318,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_internal__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_internal__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Tokens': grpc.unary_stream_rpc_method_handler(
+                    servicer.Tokens,
+                    request_deserializer=pdserve_dot_v1_dot_internal__pb2.TokensRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_internal__pb2.TokenBatch.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -378,6 +394,33 @@ class Decode:
             '/pdserve.v1.Decode/Decode',
             pdserve_dot_v1_dot_internal__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_internal__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Decode/Tokens',
+            pdserve_dot_v1_dot_internal__pb2.TokensRequest.SerializeToString,
+            pdserve_dot_v1_dot_internal__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,155 @@
+"""The router's end of the decode instances' token buses (decode_service.token_bus): one Tokens stream per
+instance carries every request's messages, a step's in one batch, instead of one gRPC stream message per token
+per request (~40 µs of CPU each on each side). Each request's own Decode call stays open for control: the
+router cancels it when the client leaves, and its error status (a drain, a failed engine, a deadline) ends the
+request's messages as it ended the per-call stream. An instance that does not hold the named bus (an older
+one, a bus just lost) streams on the call itself, which the same reader takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from router.pools import Instance
+from shared.rpc.pdserve.v1 import internal_pb2
+
+log = logging.getLogger("pdserve.router")
+BUS_RETRY_S = 1.0  # a lost bus is reopened on the next request at most this often
+OLD_INSTANCE_RETRY_S = 60.0  # and an instance without Tokens (an older version) is asked again this often
+LATE_MESSAGES_S = 5.0  # after a call that ended well, how long its last messages may take on the bus
+_LOST = object()  # the bus ended under its requests
+_CALL_ENDED = object()  # a request's Decode call ended well (its messages on the bus may still be on the way)
+
+
+class BusLost(grpc.RpcError):
+    """The bus ended under a request: UNAVAILABLE, as a decode instance lost mid-stream (the request migrates)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the token bus to the decode instance closed"
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+class TokenBus:
+    """One decode instance's Tokens stream: each message into the queue of the request it names."""
+
+    def __init__(self, inst: Instance, metadata: tuple):
+        self.name, self.channel = uuid.uuid4().hex, inst.channel
+        self.ready = self.ended = False
+        self.reopen_at = 0.0  # once ended: when a request may open the next one
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._task = asyncio.create_task(self._read(inst, metadata))
+
+    async def _read(self, inst: Instance, metadata: tuple) -> None:
+        retry = BUS_RETRY_S
+        try:
+            async for batch in inst.stub.Tokens(internal_pb2.TokensRequest(token_bus=self.name), metadata=metadata):
+                self.ready = True  # held there from its first (empty) batch on
+                for msg in batch.messages:
+                    queue = self.queues.get(msg.request_id)
+                    if queue is not None:  # else a request that ended here already (cancelled, failed)
+                        queue.put_nowait(msg)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                retry = OLD_INSTANCE_RETRY_S
+            log.info("%s: token bus ended (%s): requests stream on their own calls until it is back",
+                     inst.address, exc.code().name)
+        finally:
+            self.ready, self.ended = False, True
+            self.reopen_at = time.monotonic() + retry
+            for queue in self.queues.values():
+                queue.put_nowait(_LOST)
+
+    def stream(self, request_id: str, call) -> BusStream:
+        """The messages of the request whose Decode call (naming this bus) was just made."""
+        return BusStream(self, request_id, call)
+
+
+class BusStream:
+    """A request's messages from its instance's bus until the one that ends it, its call's error status raised as
+    it comes; `cancel` (always, once the request is done with) lets the call and the bus's queue go."""
+
+    def __init__(self, bus: TokenBus, request_id: str, call):
+        self._bus, self._request_id, self._call = bus, request_id, call
+        self._queue: asyncio.Queue = asyncio.Queue()
+        bus.queues[request_id] = self._queue  # before any of its messages can come
+        self._control = asyncio.ensure_future(_follow_call(call, self._queue))
+        self._call_ended = self._done = False
+
+    def __aiter__(self) -> BusStream:
+        return self
+
+    async def __anext__(self) -> internal_pb2.DecodeResponse:
+        while not self._done:
+            if self._queue.qsize():
+                item = self._queue.get_nowait()
+            elif not self._call_ended:
+                item = await self._queue.get()
+            else:  # the call ended well: its last messages may still be on the bus, not for ever
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), LATE_MESSAGES_S)
+                except TimeoutError:
+                    break  # the stream ends as the call's own would have
+            if item is _CALL_ENDED:
+                self._call_ended = True
+            elif item is _LOST:
+                raise BusLost()
+            elif isinstance(item, grpc.RpcError):
+                raise item
+            else:
+                self._done = bool(item.finish_reason)
+                return item
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        """The call cancelled (a no-op once it ended; else decode lets the request go) and the queue dropped."""
+        self._call.cancel()
+        self._bus.queues.pop(self._request_id, None)
+        self._control.cancel()
+
+
+async def _follow_call(call, queue: asyncio.Queue) -> None:
+    """A request's Decode call: messages it carries (an instance streaming on the call) and how it ended."""
+    try:
+        async for msg in call:
+            queue.put_nowait(msg)
+    except grpc.RpcError as exc:
+        queue.put_nowait(exc)
+    else:
+        queue.put_nowait(_CALL_ENDED)
+
+
+class TokenBuses:
+    """A bus per decode instance, opened on its first request and again (at most every BUS_RETRY_S) after it
+    ends; a request goes on its instance's bus once the bus is held there, on its own call before."""
+
+    def __init__(self, metadata: tuple, enabled: bool = True):
+        self.metadata, self.enabled = metadata, enabled
+        self._buses: dict[str, TokenBus] = {}
+
+    def decode(self, inst: Instance, request: internal_pb2.DecodeRequest, timeout: float, metadata: tuple):
+        """The request's Decode call made, naming the instance's bus where it holds one of this router's: its
+        messages (a BusStream, or the call itself), each with `cancel`."""
+        bus = self.ready(inst)
+        request.token_bus = bus.name if bus else ""
+        call = inst.stub.Decode(request, timeout=timeout, metadata=metadata)
+        return bus.stream(request.request_id or request.lease_id, call) if bus else call
+
+    def ready(self, inst: Instance) -> TokenBus | None:
+        if not self.enabled:
+            return None
+        bus = self._buses.get(inst.address)
+        if bus is not None and bus.ready and bus.channel is inst.channel:
+            return bus
+        if bus is None or bus.channel is not inst.channel or (bus.ended and time.monotonic() >= bus.reopen_at):
+            self._buses[inst.address] = TokenBus(inst, self.metadata)
+        return None
