@@ -74,7 +74,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                    "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms, "drainSeconds": args.drain_seconds,
                    "apiKeyFile": args.api_key_file,
                    "servedModelName": args.served_model_name, "chatMaxTokens": args.chat_max_tokens,
-                   "profile": args.profile, "noKvFetch": args.no_kv_fetch},
+                   "profile": args.profile, "noKvFetch": args.no_kv_fetch, "noTokenBus": args.no_token_bus},
         "tls": {"enabled": args.tls}})
 
 
@@ -333,7 +333,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     add_flags(up, DecodeConfig, only=("speculative_max_draft_tokens", "enforce_eager"))  # decode's own flags
     add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "kserve_port", "epp_port", "api_key_file",
                                       "ttft_slo_ms", "tpot_slo_ms", "profile", "served_model_name", "chat_max_tokens",
-                                      "drain_seconds"))
+                                      "drain_seconds", "no_token_bus"))
     add_flags(up, PrefillConfig, only=("no_prefix_cache", "no_kv_fetch"))
     add_flags(up, AutoscaleConfig)  # passed to the router, which decides
     add_flags(up, SupervisorConfig)  # pdserve up's own: how it restarts a service that exits

@@ -130,6 +130,7 @@ class RouterSpec:
     admission_wait_ms: float = same_as(RouterConfig, "admission_wait_ms")
     local_prefill_tokens: int = same_as(RouterConfig, "local_prefill_tokens")
     no_kv_fetch: bool = same_as(RouterConfig, "no_kv_fetch")
+    no_token_bus: bool = same_as(RouterConfig, "no_token_bus")
     migration_limit: int = same_as(RouterConfig, "migration_limit")
     http_port: int | None = same_as(RouterConfig, "http_port")
     kserve_port: int | None = same_as(RouterConfig, "kserve_port")
@@ -257,7 +258,7 @@ class Deployment:
                 "--local-prefill-tokens", _s(r.local_prefill_tokens), "--migration-limit", _s(r.migration_limit),
                 "--chat-max-tokens", _s(r.chat_max_tokens), "--http-max-body-bytes", _s(r.http_max_body_bytes),
                 "--http-max-prompts", _s(r.http_max_prompts), "--decode-dp", _s(self.decode.dp),
-                *(["--no-kv-fetch"] if r.no_kv_fetch else []),
+                *(["--no-kv-fetch"] if r.no_kv_fetch else []), *(["--no-token-bus"] if r.no_token_bus else []),
                 *(x for flag, value in optional.items() if value is not None for x in (flag, _s(value)))]
 
 

@@ -54,6 +54,9 @@
 {{- if .Values.router.noKvFetch }}
 - --no-kv-fetch
 {{- end }}
+{{- if .Values.router.noTokenBus }}
+- --no-token-bus
+{{- end }}
 {{- if not (kindIs "invalid" .Values.router.servedModelName) }}
 - --served-model-name
 - {{ .Values.router.servedModelName | quote }}
