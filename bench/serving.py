@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quiet-wait", type=float, default=60, help="at most this many seconds per wait")
     p.add_argument("--decode-flag", action="append", default=[],
                    help="extra decode_service flag, e.g. --decode-flag=--engine-in-process")
+    p.add_argument("--router-flag", action="append", default=[],
+                   help="extra router flag, e.g. --router-flag=--no-token-bus")
     args = p.parse_args(argv)
     use_vb = args.vllm_bench if args.vllm_bench is not None else "vllm" in args.peer
     tmp = tempfile.TemporaryDirectory()
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"starting router + 1 prefill + 1 decode ({args.kv_transport}, {args.dtype}) ...", flush=True)
     runs: dict[str, dict[int, list[dict]]] = {}
     try:
-        with Cluster(model, kv_transport=args.kv_transport, dtype=args.dtype, extra_router=["--http-port", "0"],
+        with Cluster(model, kv_transport=args.kv_transport, dtype=args.dtype, extra_router=["--http-port", "0", *args.router_flag],
                      extra_decode=["--max-num-seqs", str(max(levels)), *args.decode_flag]) as cluster:
             host, _, port = cluster.http_address.rpartition(":")
             served = Path(model).resolve().name  # the router's HTTP model id (its default --served-model-name)
