@@ -36,7 +36,8 @@ TINY_ARGS = {
 BY_HAND = {"elastic", "structured", "profile_router", "hostload",
            "kv_reuse",  # AIPerf from its own venv; its pure parts: tests/test_kv_reuse_bench.py
            "elastic_replay",  # AIPerf too; its pure parts and `pdserve profile --router`: tests/test_elastic_replay.py
-           "fleet_faults"}  # run by tests/test_migration.py, through its functions, on every fault
+           "fleet_faults",  # run by tests/test_migration.py, through its functions, on every fault
+           "token_bus"}  # two clusters; the bus and --no-token-bus themselves: tests/test_token_bus.py
 
 
 def test_every_bench_has_a_smoke_run():
