@@ -232,7 +232,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if first.HasField("first_token_logprob"):
                         decode_req.first_token_logprob.CopyFrom(first.first_token_logprob)
                 metrics.PREFILL_PATHS.labels("local" if place.best.local else "disaggregated").inc()
-                stream = self.buses.decode(dec, decode_req, timeout, md)  # on the instance's token bus if it can
+                stream = self.buses.decode(dec, decode_req, timeout)  # on the instance's token bus if it can
                 claimed = True
                 if not progress.streamed:  # this try's first message is the client's first
                     _first_message(progress, first)

@@ -136,15 +136,16 @@ class TokenBuses:
         self.metadata, self.enabled = metadata, enabled
         self._buses: dict[str, TokenBus] = {}
 
-    def decode(self, inst: Instance, request: internal_pb2.DecodeRequest, timeout: float, metadata: tuple):
+    def decode(self, inst: Instance, request: internal_pb2.DecodeRequest, timeout: float):
         """The request's Decode call made, naming the instance's bus where it holds one of this router's: its
         messages (a BusStream, or the call itself), each with `cancel`."""
         bus = self.ready(inst)
         request.token_bus = bus.name if bus else ""
-        call = inst.stub.Decode(request, timeout=timeout, metadata=metadata)
+        call = inst.stub.Decode(request, timeout=timeout, metadata=self.metadata)
         return bus.stream(request.request_id or request.lease_id, call) if bus else call
 
     def ready(self, inst: Instance) -> TokenBus | None:
+        """The instance's bus if it is held there; else None, and a new one opened where it is due."""
         if not self.enabled:
             return None
         bus = self._buses.get(inst.address)
