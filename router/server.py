@@ -118,6 +118,7 @@ async def _serve_until_stopped(cfg: RouterConfig) -> None:
     watchers += [asyncio.create_task(pool.discover(cfg.discovery_interval))
                  for pool in (servicer.prefill, servicer.decode) if pool.names or pool.files]
     watchers.append(asyncio.create_task(_report_readiness(servicer, life, cfg.load_interval)))
+    watchers.append(asyncio.create_task(servicer.buses.keep_open(servicer.decode, cfg.load_interval)))
     if (controller := cfg.autoscaler(servicer.perf)) is not None:
         watchers.append(asyncio.create_task(_autoscale(servicer, controller, cfg.autoscale_period,
                                                        cfg.autoscale_window)))

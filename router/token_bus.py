@@ -15,7 +15,7 @@ import uuid
 
 import grpc
 
-from router.pools import Instance
+from router.pools import Instance, Pool
 from shared.rpc.pdserve.v1 import internal_pb2
 
 log = logging.getLogger("pdserve.router")
@@ -129,8 +129,9 @@ async def _follow_call(call, queue: asyncio.Queue) -> None:
 
 
 class TokenBuses:
-    """A bus per decode instance, opened on its first request and again (at most every BUS_RETRY_S) after it
-    ends; a request goes on its instance's bus once the bus is held there, on its own call before."""
+    """A bus per decode instance, opened once the instance is reachable (keep_open) or on its first request, and
+    again (at most every BUS_RETRY_S) after it ends; a request goes on its instance's bus once the bus is held
+    there, on its own call before."""
 
     def __init__(self, metadata: tuple, enabled: bool = True):
         self.metadata, self.enabled = metadata, enabled
@@ -143,6 +144,15 @@ class TokenBuses:
         request.token_bus = bus.name if bus else ""
         call = inst.stub.Decode(request, timeout=timeout, metadata=self.metadata)
         return bus.stream(request.request_id or request.lease_id, call) if bus else call
+
+    async def keep_open(self, pool: Pool, period: float) -> None:
+        """Open the bus of each decode instance as soon as it is reachable, so that its first requests ride it
+        too (a cold start's first streams cost what warm ones do)."""
+        while True:
+            for inst in list(pool.instances):
+                if inst.view.up:
+                    self.ready(inst)
+            await asyncio.sleep(period)
 
     def ready(self, inst: Instance) -> TokenBus | None:
         """The instance's bus if it is held there; else None, and a new one opened where it is due."""
