@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
+from time import monotonic
 
 import grpc
 
@@ -19,8 +19,8 @@ from router.pools import Instance, Pool
 from shared.rpc.pdserve.v1 import internal_pb2
 
 log = logging.getLogger("pdserve.router")
-BUS_RETRY_S = 1.0  # a lost bus is reopened on the next request at most this often
-OLD_INSTANCE_RETRY_S = 60.0  # and an instance without Tokens (an older version) is asked again this often
+BUS_RETRY_S = 1.0  # a lost bus is reopened at most this often; one that never opened, twice as late each time,
+MAX_RETRY_S = 60.0  # up to this (an older instance without Tokens, a refused subscription)
 LATE_MESSAGES_S = 5.0  # after a call that ended well, how long its last messages may take on the bus
 _LOST = object()  # the bus ended under its requests
 _CALL_ENDED = object()  # a request's Decode call ended well (its messages on the bus may still be on the way)
@@ -42,30 +42,30 @@ class BusLost(grpc.RpcError):
 class TokenBus:
     """One decode instance's Tokens stream: each message into the queue of the request it names."""
 
-    def __init__(self, inst: Instance, metadata: tuple):
+    def __init__(self, inst: Instance, metadata: tuple, unheld: int = 0):
         self.name, self.channel = uuid.uuid4().hex, inst.channel
-        self.ready = self.ended = False
-        self.reopen_at = 0.0  # once ended: when a request may open the next one
+        self.ready = self.ended = self.held = False
+        self.unheld = unheld  # buses to this instance before this one that ended without ever being held
+        self.reopen_at = 0.0  # once ended: when the next one may be opened
         self.queues: dict[str, asyncio.Queue] = {}
         self._task = asyncio.create_task(self._read(inst, metadata))
 
     async def _read(self, inst: Instance, metadata: tuple) -> None:
-        retry = BUS_RETRY_S
         try:
             async for batch in inst.stub.Tokens(internal_pb2.TokensRequest(token_bus=self.name), metadata=metadata):
-                self.ready = True  # held there from its first (empty) batch on
+                self.ready = self.held = True  # held there from its first (empty) batch on
                 for msg in batch.messages:
                     queue = self.queues.get(msg.request_id)
                     if queue is not None:  # else a request that ended here already (cancelled, failed)
                         queue.put_nowait(msg)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                retry = OLD_INSTANCE_RETRY_S
-            log.info("%s: token bus ended (%s): requests stream on their own calls until it is back",
-                     inst.address, exc.code().name)
+            if self.held or not self.unheld:  # a loss, or a first refusal: said once, not at every retry
+                log.info("%s: token bus ended (%s): requests stream on their own calls until it is back",
+                         inst.address, exc.code().name)
         finally:
             self.ready, self.ended = False, True
-            self.reopen_at = time.monotonic() + retry
+            delay = BUS_RETRY_S if self.held else min(MAX_RETRY_S, BUS_RETRY_S * 2 ** self.unheld)
+            self.reopen_at = monotonic() + delay
             for queue in self.queues.values():
                 queue.put_nowait(_LOST)
 
@@ -161,6 +161,8 @@ class TokenBuses:
         bus = self._buses.get(inst.address)
         if bus is not None and bus.ready and bus.channel is inst.channel:
             return bus
-        if bus is None or bus.channel is not inst.channel or (bus.ended and time.monotonic() >= bus.reopen_at):
+        if bus is None or bus.channel is not inst.channel:
             self._buses[inst.address] = TokenBus(inst, self.metadata)
+        elif bus.ended and monotonic() >= bus.reopen_at:
+            self._buses[inst.address] = TokenBus(inst, self.metadata, 0 if bus.held else bus.unheld + 1)
         return None

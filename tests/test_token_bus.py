@@ -133,3 +133,47 @@ def test_router_without_the_bus_streams_the_same(served_model, tmp_path):
             outs = [f.result() for f in [pool.submit(concurrent_greedy, c.address, prompts, 8) for _ in range(2)]]
         assert all(out == want for out in outs)
         assert decode_metric(c, "pdserve_decode_token_bus_messages_total") == 0
+
+
+def test_a_refused_bus_is_asked_for_again_later_and_later(monkeypatch):
+    """An instance that refuses the bus (an older one without Tokens, say) is asked again 1, 2, 4 ... s on, at
+    most every 60 s, not at every request; its requests stream on their own calls meanwhile (ready: None)."""
+    import asyncio
+
+    from router import token_bus
+    from router.policy import DecodeView
+    from router.pools import Instance
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNIMPLEMENTED
+
+    class RefusingStub:
+        asked = 0
+
+        def Tokens(self, request, metadata):
+            RefusingStub.asked += 1
+
+            async def refuse():
+                raise Refused()
+                yield  # an async generator, as a stream call is iterated
+
+            return refuse()
+
+    now = [100.0]
+    monkeypatch.setattr(token_bus, "monotonic", lambda: now[0])
+    inst = Instance("10.0.0.9:7001", RefusingStub(), DecodeView("10.0.0.9:7001"))
+
+    async def asked_at(times: list[float]) -> list[int]:
+        buses, counts = token_bus.TokenBuses(()), []
+        for t in times:
+            now[0] = t
+            assert buses.ready(inst) is None
+            await asyncio.sleep(0)  # the subscription runs and is refused
+            await asyncio.sleep(0)
+            counts.append(RefusingStub.asked)
+        return counts
+
+    # asked at 100; again not before 101, then 103 (2 s on), 107 (4 s), 115, 131, 163, then 60 s on (not 64)
+    assert asyncio.run(asked_at([100, 100.5, 101, 102, 103, 106, 107, 115, 131, 163, 222.9, 223])) == [
+        1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 7, 8]
