@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"starting router + 1 prefill + 1 decode ({args.kv_transport}, {args.dtype}) ...", flush=True)
     runs: dict[str, dict[int, list[dict]]] = {}
     try:
-        with Cluster(model, kv_transport=args.kv_transport, dtype=args.dtype, extra_router=["--http-port", "0", *args.router_flag],
+        with Cluster(model, kv_transport=args.kv_transport, dtype=args.dtype,
+                     extra_router=["--http-port", "0", *args.router_flag],
                      extra_decode=["--max-num-seqs", str(max(levels)), *args.decode_flag]) as cluster:
             host, _, port = cluster.http_address.rpartition(":")
             served = Path(model).resolve().name  # the router's HTTP model id (its default --served-model-name)

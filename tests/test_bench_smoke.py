@@ -29,6 +29,7 @@ TINY_ARGS = {
                     "2", "--scales", "1", "--segments", "60", "--jobs", "1", "--goal", "0.9"],
     "indexer": ["--heads", "4", "--contexts", "128", "--queries", "2", "--repeat", "2"],
     "step_profile": ["--batches", "1,2", "--prompt-len", "8", "--steps", "2", "--dtype", "float32"],
+    "grpc_streams": ["--streams", "2", "--steps", "4", "--step-ms", "1", "--rounds", "1"],
     "c8": ["--contexts", "64", "--batch", "1", "--tail", "4", "--new-tokens", "2", "--repeat", "1",
            "--index-topk", "32"],
 }
