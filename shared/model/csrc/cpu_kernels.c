@@ -483,6 +483,48 @@ pv_block_zmm(const float *p, const void *const *rows, int used, int64_t c0, floa
         _mm512_storeu_ps(acc + hh * out_dim + c0 + 16, a[hh][1]);
     }
 }
+/* pv_block_zmm over bf16 rows with the accumulators in the block order below: one 64-byte load a row's 32 dims,
+   widened exactly by interleaving zero words below them (vpunpck{l,h}wd, one shuffle per 16 values where the
+   natural order takes a widening and a shift for each), which leaves dims {0-3, 8-11, 16-19, 24-27} in the first
+   register and {4-7, 12-15, 20-23, 28-31} in the second. The products and each dim's chain over the rows are
+   pv_block_zmm's, so the sums are its bits; the accumulators stay in that order for the whole query (zero and
+   the softmax's rescaling do not care) and block_order_to_dims puts them back at its end. */
+static inline __attribute__((always_inline)) void
+pv_block_bf16_pairs(const float *p, const void *const *rows, int used, int64_t c0, float *acc, int64_t out_dim) {
+    __m512 a[HB][2];
+    for (int hh = 0; hh < HB; hh++) {
+        a[hh][0] = _mm512_loadu_ps(acc + hh * out_dim + c0);
+        a[hh][1] = _mm512_loadu_ps(acc + hh * out_dim + c0 + 16);
+    }
+    const __m512i zero = _mm512_setzero_si512();
+    for (int j = 0; j < used; j++) {
+        __m512i v = _mm512_loadu_si512((const uint16_t *)rows[j] + c0);
+        __m512 r0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v));
+        __m512 r1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
+        for (int hh = 0; hh < HB; hh++) {
+            __m512 pv = _mm512_set1_ps(p[hh * TILE + j]);
+            a[hh][0] = _mm512_fmadd_ps(pv, r0, a[hh][0]);
+            a[hh][1] = _mm512_fmadd_ps(pv, r1, a[hh][1]);
+        }
+    }
+    for (int hh = 0; hh < HB; hh++) {
+        _mm512_storeu_ps(acc + hh * out_dim + c0, a[hh][0]);
+        _mm512_storeu_ps(acc + hh * out_dim + c0 + 16, a[hh][1]);
+    }
+}
+
+/* acc's 32-dim blocks [0, blocks_end) from pv_block_bf16_pairs' order back to dims in order, for `heads` heads. */
+static inline void block_order_to_dims(float *acc, int64_t heads, int64_t out_dim, int64_t blocks_end) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t c0 = 0; c0 + 32 <= blocks_end; c0 += 32) {
+            float *at = acc + h * out_dim + c0;
+            __m512 lo = _mm512_loadu_ps(at), hi = _mm512_loadu_ps(at + 16);
+            _mm512_storeu_ps(at, _mm512_permutex2var_ps(lo, first, hi));
+            _mm512_storeu_ps(at + 16, _mm512_permutex2var_ps(lo, second, hi));
+        }
+}
 #else
 #define HAVE_ZMM_ATTEND 0
 #endif
@@ -665,7 +707,10 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
 #if HAVE_ZMM_ATTEND
                 if (kind != ROWS_C8 && c0 + 2 * CW <= out_dim) {  /* 32 dims a block, 16 lanes a register */
                     prefetch_share(next, h0 == 0 ? next_used : 0, &ahead, out_dim / (2 * CW), fmt->bytes);
-                    pv_block_zmm(score + h0 * TILE, rows, used, c0, acc + h0 * out_dim, out_dim, kind);
+                    if (kind == ROWS_BF16)
+                        pv_block_bf16_pairs(score + h0 * TILE, rows, used, c0, acc + h0 * out_dim, out_dim);
+                    else
+                        pv_block_zmm(score + h0 * TILE, rows, used, c0, acc + h0 * out_dim, out_dim, kind);
                     c0 += CW;
                     continue;
                 }
@@ -701,6 +746,9 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
         }
         used = t0 + TILE < count ? next_used : 0;
     }
+#if HAVE_ZMM_ATTEND
+    if (kind == ROWS_BF16 && !(HAVE_DPBF16 && qb)) block_order_to_dims(acc, hp, out_dim, out_dim / (2 * CW) * 2 * CW);
+#endif
 }
 
 /* out[i, h, :out_dim] = softmax_t(scale * q[i, h] . row_t) @ row_t[:out_dim] over the context positions
@@ -1677,7 +1725,7 @@ static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1,
 }
 
 #define WIDE_KC 512  /* dims a wide pass takes at a time: a group's 8 input rows (16 KiB) stay in L1 */
-#define WIDE_BLOCK_BYTES (1 << 20)  /* a task's block of weight rows stays in its L2 while every input row passes it */
+#define WIDE_BLOCK_BYTES (1 << 19)  /* a task's block of weight rows stays in its L2 while every input row passes it */
 
 /* Weight rows [r0, r1) (4 a pass) by pairs [p0, p0 + P) of xp (n rows packed), each pass's outputs through
    emit(ctx, weight row r, rows, input row q0, inputs, out): out[q][o] for weight row r + o (o < rows) and input
@@ -1685,11 +1733,36 @@ static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1,
    k = 64); the group's input chunk of WIDE_KC dims passed by every weight row before the next chunk (their
    chains kept in `state`, 256 floats per 4 weight rows). */
 typedef void (*wide_emit)(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[2 * WP][4]);
+
+/* The weight block a thread multiplies next, asked for into L2 a few cache lines a pass while it multiplies this
+   one: its bytes stream in beside the arithmetic instead of stalling the block's first passes. */
+typedef struct {
+    const char *at;
+    int64_t lines, per_pass;
+} BlockAhead;
+
+/* bytes from `next` (NULL: nothing) spread over `passes` wide passes. */
+static BlockAhead block_ahead(const void *next, int64_t bytes, int64_t passes) {
+    int64_t lines = next ? (bytes + 63) / 64 : 0;
+    BlockAhead ba = {next, lines, passes > 0 ? (lines + passes - 1) / passes : lines};
+    return ba;
+}
+
+/* The wide passes a block of weight rows [r0, r1) at k dims takes with `pairs` packed input pairs. */
+static int64_t wide_passes(int64_t rows, int64_t k, int64_t pairs) {
+    return (pairs + WP - 1) / WP * ((k + WIDE_KC - 1) / WIDE_KC) * ((rows + 3) / 4);
+}
+
+static inline void block_ahead_pass(BlockAhead *ba) {
+    for (int64_t i = 0; i < ba->per_pass && ba->lines > 0; i++, ba->lines--, ba->at += 64) __builtin_prefetch(ba->at, 0, 2);
+}
+
 static void wide_block(const void *w, int bf16, int64_t k, int64_t r0, int64_t r1, const float *xp, int64_t n,
-                       int64_t p0, int64_t P, float *state, wide_emit emit, void *ctx) {
+                       int64_t p0, int64_t P, float *state, wide_emit emit, void *ctx, BlockAhead *ahead) {
     for (int64_t d0 = 0; d0 < k; d0 += WIDE_KC) {
         int64_t d1 = d0 + WIDE_KC < k ? d0 + WIDE_KC : k;
         for (int64_t r = r0; r < r1; r += 4) {
+            block_ahead_pass(ahead);
             float out[2 * WP][4];
             wide_pass(w, bf16, k, r, r1, xp, p0, P, d0, d1, state + (r - r0) / 4 * 256, out);
             if (d1 == k)
@@ -1825,11 +1898,18 @@ static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t co
     int64_t rb = WIDE_BLOCK_BYTES / (cols * 4) / 4 * 4;  /* fp32 rows: bf16 ones widened once a block, below */
     rb = rb < 4 ? 4 : rb > rows ? rows : rb;
     int64_t blocks = (rows + rb - 1) / rb;
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t t = 0; t < num_active * blocks; t++) {
+    const int64_t tasks = num_active * blocks, row_bytes = cols * (w_bf16 ? 2 : 4);
+    int64_t taken = 0;  /* tasks handed out: a thread takes its next as it starts one, to ask for its weights */
+    #pragma omp parallel num_threads(threads)
+    for (int64_t t = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED), following; t < tasks; t = following) {
+        following = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
         int64_t a = t / blocks, e = active[a], n = start[e + 1] - start[e], pairs = first[a + 1] - first[a];
         int64_t r0 = (t % blocks) * rb, r1 = r0 + rb < rows ? r0 + rb : rows;
-        const void *block = (const uint8_t *)w + (e * rows + r0) * cols * (w_bf16 ? 2 : 4);
+        const void *block = (const uint8_t *)w + (e * rows + r0) * row_bytes;
+        int64_t next_r0 = (following % blocks) * rb, next_rows = (next_r0 + rb < rows ? next_r0 + rb : rows) - next_r0;
+        BlockAhead ahead = block_ahead(following < tasks ? (const uint8_t *)w + (active[following / blocks] * rows
+                                                                                   + next_r0) * row_bytes : NULL,
+                                       next_rows * row_bytes, wide_passes(r1 - r0, cols, pairs));
         int bf16 = w_bf16;
         float *widened = NULL;
         if (bf16 && pairs > WP && cols % 16 == 0) {  /* several groups pass the block: widen it once, not per pass */
@@ -1842,7 +1922,7 @@ static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t co
         struct picks_out ctx = {out, order + start[e], out_ld, r0};
         for (int64_t p0 = 0; p0 < pairs; p0 += WP)
             wide_block(block, bf16, cols, 0, r1 - r0, xp + 2 * first[a] * cols, n, p0, pairs - p0 < WP ? pairs - p0 : WP,
-                       state, put_picks, &ctx);
+                       state, put_picks, &ctx, &ahead);
         free(state); free(widened);
     }
     free(first); free(xp); free(ptrs);
@@ -2371,8 +2451,11 @@ static void linear_rows_wide(const void *x, int x_bf16, int64_t n, int64_t k, co
         int64_t r0 = b * per, r1 = (b + 1) * per < m ? (b + 1) * per : m;
         float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * 256);
         struct rows_out ctx = {y, y_bf16, m};
+        int64_t next_rows = b + 1 < blocks ? ((b + 2) * per < m ? (b + 2) * per : m) - r1 : 0;
+        BlockAhead ahead = block_ahead(next_rows ? w + r1 * k : NULL, next_rows * k * (int64_t)sizeof(float),
+                                       wide_passes(r1 - r0, k, pairs));
         for (int64_t p0 = 0; p0 < pairs; p0 += WP)
-            wide_block(w, 0, k, r0, r1, xp, n, p0, pairs - p0 < WP ? pairs - p0 : WP, state, put_rows, &ctx);
+            wide_block(w, 0, k, r0, r1, xp, n, p0, pairs - p0 < WP ? pairs - p0 : WP, state, put_rows, &ctx, &ahead);
         free(state);
     }
     free(xp);
