@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.device import zeros_on_huge_pages
 from shared.kvcache.allocator import BlockAllocator
 from shared.kvcache.layout import KVLayout
 from shared.kvcache.ledger import BlockLedger
@@ -24,9 +25,9 @@ class KVCache:
         self.device = device
         L, bs = layout.num_layers, layout.block_size
         self.mla_codec, self.index_codec = layout.mla_codec(), layout.index_codec()
-        self.mla = torch.zeros(L, num_blocks, bs, self.mla_codec.width, dtype=self.mla_codec.dtype, device=device)
+        self.mla = zeros_on_huge_pages((L, num_blocks, bs, self.mla_codec.width), self.mla_codec.dtype, device)
         self.index = (
-            torch.zeros(L, num_blocks, bs, self.index_codec.width, dtype=self.index_codec.dtype, device=device)
+            zeros_on_huge_pages((L, num_blocks, bs, self.index_codec.width), self.index_codec.dtype, device)
             if layout.has_index else None
         )
         self.allocator = BlockAllocator(num_blocks)
