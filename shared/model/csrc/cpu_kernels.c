@@ -1725,7 +1725,11 @@ static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1,
 }
 
 #define WIDE_KC 512  /* dims a wide pass takes at a time: a group's 8 input rows (16 KiB) stay in L1 */
-#define WIDE_BLOCK_BYTES (1 << 19)  /* a task's block of weight rows stays in its L2 while every input row passes it */
+/* A task's block of weight rows stays in its L2 while every input row passes it, with the next block streaming in
+   beside it (BlockAhead): 512 KiB where the inputs fit in L2 too (a decode step's rows: batch 256's linears 3 %
+   faster than 1 MiB blocks, the routed experts ~10 %); 1 MiB where they do not, since each block streams every
+   input row from memory again (a 4,096-row prefill chunk's k = 4,096 / 5,120 linears 11 % slower at 512 KiB). */
+static int64_t wide_block_bytes(int64_t input_bytes) { return input_bytes <= (6 << 20) ? 1 << 19 : 1 << 20; }
 
 /* Weight rows [r0, r1) (4 a pass) by pairs [p0, p0 + P) of xp (n rows packed), each pass's outputs through
    emit(ctx, weight row r, rows, input row q0, inputs, out): out[q][o] for weight row r + o (o < rows) and input
@@ -1894,8 +1898,11 @@ static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t co
         for (int64_t q = 0; q < n; q++) ptrs[2 * first[a] + q] = in + order[start[e] + q] * in_ld;
         pack_pairs(ptrs + 2 * first[a], n, cols, xp + 2 * first[a] * cols);
     }
-    /* blocks of up to WIDE_BLOCK_BYTES of fp32 rows (16 rows before): an expert's inputs are read once a block */
-    int64_t rb = WIDE_BLOCK_BYTES / (cols * 4) / 4 * 4;  /* fp32 rows: bf16 ones widened once a block, below */
+    /* blocks of up to wide_block_bytes of fp32 rows (16 rows before): an expert's inputs are read once a block */
+    int64_t most = 0;  /* the most picks an expert has */
+    for (int64_t a = 0; a < num_active; a++)
+        most = start[active[a] + 1] - start[active[a]] > most ? start[active[a] + 1] - start[active[a]] : most;
+    int64_t rb = wide_block_bytes(most * cols * 4) / (cols * 4) / 4 * 4;  /* fp32 rows: bf16 ones widened once a block */
     rb = rb < 4 ? 4 : rb > rows ? rows : rb;
     int64_t blocks = (rows + rb - 1) / rb;
     const int64_t tasks = num_active * blocks, row_bytes = cols * (w_bf16 ? 2 : 4);
@@ -2409,7 +2416,7 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
 #if HAVE_WIDE
 
 /* linear_rows by wide tiles: the rows packed in pairs once, the weight split into one block of rows per thread
-   (more where a block would outgrow WIDE_BLOCK_BYTES), each block passed by every group of WP pairs. */
+   (more where a block would outgrow wide_block_bytes), each block passed by every group of WP pairs. */
 struct rows_out { void *y; int y_bf16; int64_t m; };  /* a linear's output rows */
 static void put_rows(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[2 * WP][4]) {
     struct rows_out *c = ctx;
@@ -2444,7 +2451,8 @@ static void linear_rows_wide(const void *x, int x_bf16, int64_t n, int64_t k, co
     float *xp = xmalloc(sizeof(float) * 2 * pairs * k);
     pack_rows(x, x_bf16, n, k, xp, threads);
     int64_t per_thread = m * k * (int64_t)sizeof(float) / threads;
-    int64_t parts = (int64_t)threads * ((per_thread + WIDE_BLOCK_BYTES - 1) / WIDE_BLOCK_BYTES);
+    const int64_t block_bytes = wide_block_bytes(n * k * 4);
+    int64_t parts = (int64_t)threads * ((per_thread + block_bytes - 1) / block_bytes);
     int64_t per = ((m + parts - 1) / parts + 3) / 4 * 4, blocks = (m + per - 1) / per;
     #pragma omp parallel for num_threads(threads) schedule(static) if (n * m * k >= PARALLEL_MACS)
     for (int64_t b = 0; b < blocks; b++) {
