@@ -8,7 +8,8 @@ checkpoint, same prompts, alternating the systems batch by batch in one run.
 The model is the embedded tiny DeepSeek (hidden 256, 4 layers, kv_lora 512, rope 64, 8 experts
 top-2), which vLLM's CPU MLA backend accepts; vLLM does not run the V3.2 indexer, so its rows use
 deepseek_v3 (`--model-type deepseek_v32` measures pdserve's sparse path alone); `--hidden H` generates a
-proxy of DeepSeek's layer shapes at hidden H instead (proxy_shapes). Greedy, ignore_eos.
+proxy of DeepSeek's layer shapes at hidden H instead (proxy_shapes). Greedy, ignore_eos, fresh random prompts every
+round (no round reads another's prompts from a prefix cache).
 `--peer vllm` installs vLLM into its own venv on first use (bench/peers). Prints a table of tok/s
 and ratios and saves bench/out/engine_throughput.png. Under the table: this machine's GEMM rate and copy
 bandwidth (bench.common.MachineLimits) and, per batch, the FLOP/s and KV bytes/s pdserve's runs imply
@@ -95,9 +96,11 @@ def main(argv: list[str] | None = None) -> None:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         try:
             for batch in batches:
-                prompts = torch.randint(2, 1024, (batch, args.prompt_len)).tolist()
                 runs: dict[str, list[float]] = {name: [] for name in results}
                 for r in range(args.rounds):
+                    # fresh prompts every round (the systems of a round share them): a round on prompts pdserve
+                    # saw before would read their KV from its prefix cache (vLLM's CPU MLA has none)
+                    prompts = torch.randint(2, 1024, (batch, args.prompt_len)).tolist()
                     print(f"batch {batch} round {r + 1}: pdserve ...", end="", flush=True)
                     runs["pdserve"].append(run_pdserve(llm, prompts, args.new_tokens))
                     print(f" {runs['pdserve'][-1]:,.0f} tok/s", end="", flush=True)

@@ -1,5 +1,5 @@
 """Serving: concurrent streams through the router (1 prefill + 1 decode process) over its gRPC API and
-over its OpenAI-compatible HTTP API, vs the same prompts in-process, vs vLLM's OpenAI server
+over its OpenAI-compatible HTTP API, vs the same work in-process, vs vLLM's OpenAI server
 (`--peer vllm`), plus the TTFT overhead of disaggregation on a 1k-token prompt.
 
     python bench/serving.py [--streams 16,64,256] [--prompt-len 128] [--max-tokens 128] [--peer vllm]
@@ -7,11 +7,13 @@ over its OpenAI-compatible HTTP API, vs the same prompts in-process, vs vLLM's O
                             [--dtype bfloat16] [--kv-transport tcp]
 
 Two load generators drive the HTTP servers: this file's own streaming client (bench/peers
-`stream_completion`, token-id prompts; the gRPC API gets the same prompts through its own client), and
+`stream_completion`, token-id prompts; the gRPC API gets prompts of the same kind through its own client), and
 vLLM's load tool `vllm bench serve` from the peer venv (its random dataset: text prompts of
---prompt-len tokens, the same for every server; on by default with `--peer vllm`), which drives
-pdserve's router and vLLM's server alike. For each concurrency: TTFT p50/p99, TPOT p50/p99 and output
-tok/s of every system and path (all alternate within one run, both warm; `--rounds R` repeats the
+--prompt-len tokens, another seed every run; on by default with `--peer vllm`), which drives
+pdserve's router and vLLM's server alike. Every run draws prompts no run used before (random tokens, the
+same lengths): a repeat would read its KV from pdserve's prefix cache, which vLLM's CPU MLA does not have
+(until session 57 the HTTP run reused the gRPC run's prompts). For each concurrency: TTFT p50/p99, TPOT
+p50/p99 and output tok/s of every system and path (all alternate within one run, both warm; `--rounds R` repeats the
 alternation, ABBA order, and pools the requests), and HTTP TPOT / gRPC TPOT. With `--peer vllm` both
 servers serve the tiny DeepSeek-V3 vLLM's CPU build accepts (bench/peers), with its tokenizer. Saves
 bench/out/serving.png (tok/s) and bench/out/serving_tpot.png (TPOT p50), and each `vllm bench serve`
@@ -138,6 +140,7 @@ def phases(cluster: Cluster, prompt: list[int], repeat: int = 5) -> dict[str, fl
     sp = generation_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     rows: dict[str, list[float]] = {"reserve": [], "prefill rpc": [], "prefill server": [], "decode first": []}
     for i in range(repeat):
+        prompt = [2 + (prompt[0] + 1) % 998, *prompt[1:]]  # another first token: no prefix cached from the last
         t0 = time.perf_counter()
         r = dec.Reserve(internal_pb2.ReserveRequest(request_id=f"p{i}", num_prompt_tokens=len(prompt), max_tokens=2))
         t1 = time.perf_counter()
@@ -210,13 +213,19 @@ def main(argv: list[str] | None = None) -> None:
         model = str(ensure_tiny_model(args.model))
     levels = [int(x) for x in args.streams.split(",")]
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, 1000, (max(levels), args.prompt_len), generator=g).tolist()
     long_prompt = torch.randint(2, 1000, (args.long_prompt,), generator=g).tolist()
+    seeds = iter(range(1, 1 << 30))  # vllm bench serve's: one per run
+
+    def fresh(n: int, prompt_len: int) -> list[list[int]]:
+        """Prompts no run saw before: each run draws its own (same lengths, random tokens), so none reads
+        another's KV from pdserve's prefix cache (vLLM's CPU MLA has none)."""
+        return torch.randint(2, 1000, (n, prompt_len), generator=g).tolist()
+
     vb_out = OUT / "vllm_bench"
 
     print("in-process engine ...", flush=True)
     engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(levels)))
-    run_in_process(engine, prompts[:2], 4)  # warm-up
+    run_in_process(engine, fresh(2, args.prompt_len), 4)  # warm-up
     wire = wire_seconds(engine, args.long_prompt)
     vllm = None
     if "vllm" in args.peer:
@@ -237,21 +246,21 @@ def main(argv: list[str] | None = None) -> None:
             def bench(name: str, url: str, model_id: str, n: int, tag: str, prompt_len: int, max_tokens: int) -> dict:
                 slug = name.split()[0].lower()
                 return from_vllm_bench(vllm_bench_serve(url, model_id, model, prompt_len, max_tokens, n, n,
-                                                        vb_out / f"{slug}-{tag}.json"))
+                                                        vb_out / f"{slug}-{tag}.json", seed=next(seeds)))
 
             systems = {  # name → run(concurrency, tag, prompt_len, max_tokens) → per-stream results
-                GRPC: lambda n, tag, pl, mt: run_router(cluster.address, [q[:pl] for q in prompts[:n]], mt),
-                HTTP: lambda n, tag, pl, mt: run_streams(http, [q[:pl] for q in prompts[:n]], mt),
+                GRPC: lambda n, tag, pl, mt: run_router(cluster.address, fresh(n, pl), mt),
+                HTTP: lambda n, tag, pl, mt: run_streams(http, fresh(n, pl), mt),
             }
             if use_vb:
                 systems[HTTP_VB] = lambda n, tag, pl, mt: bench(HTTP_VB, f"http://{cluster.http_address}", served,
                                                                 n, tag, pl, mt)
             if vllm is not None:
-                systems[VLLM] = lambda n, tag, pl, mt: run_streams(vllm.stream, [q[:pl] for q in prompts[:n]], mt)
+                systems[VLLM] = lambda n, tag, pl, mt: run_streams(vllm.stream, fresh(n, pl), mt)
                 if use_vb:
                     systems[VLLM_VB] = lambda n, tag, pl, mt: bench(VLLM_VB, f"http://127.0.0.1:{vllm.port}",
                                                                     vllm.model, n, tag, pl, mt)
-            systems[LOCAL] = lambda n, tag, pl, mt: run_in_process(engine, [q[:pl] for q in prompts[:n]], mt)
+            systems[LOCAL] = lambda n, tag, pl, mt: run_in_process(engine, fresh(n, pl), mt)
             print("warm-up ...", flush=True)
             for run in systems.values():
                 run(2, "warmup", min(16, args.prompt_len), 4)
@@ -277,9 +286,10 @@ def main(argv: list[str] | None = None) -> None:
                         runs[name][n].append(res)
             stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(cluster.address))
             remote_long, local_long = [], []
-            for _ in range(5):  # alternate, so machine noise hits both paths alike
-                remote_long.append(stream_once(stub, long_prompt, 1)[0])
-                local_long.append(run_in_process(engine, [long_prompt], 1)["ttft"][0])
+            for _ in range(5):  # alternate, so machine noise hits both paths alike; a new prompt each (new to both)
+                prompt = fresh(1, args.long_prompt)[0]
+                remote_long.append(stream_once(stub, prompt, 1)[0])
+                local_long.append(run_in_process(engine, [prompt], 1)["ttft"][0])
             breakdown = phases(cluster, long_prompt)
     finally:
         if vllm is not None:
