@@ -404,13 +404,6 @@ static inline __m512 rows_side_by_side(const void *a, const void *b, const int k
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Sixteen values c..c+15 of a row: fp32 as stored, bf16 widened exactly. */
-static inline __m512 row16(const void *row, const int kind, int64_t c) {
-    if (kind == ROWS_F32) return _mm512_loadu_ps((const float *)row + c);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c))), 16));
-}
-
 /* Lane 4 jj + hh: the lanes of z[k] summed in lanes_in_order's order, times scale, where z[k] holds head hh = k % 4's
    8 lanes for rows jj = 2 (k / 4) (lanes 0-7) and 2 (k / 4) + 1 (lanes 8-15): the two 8 x 8 blocks transposed
    by shuffles (each column one lane of the 16 sums), then added column by column from zero: the bits of 16 scalar
@@ -461,7 +454,12 @@ quad_scores_zmm(const float *qp, int64_t h0, int64_t dim, const void *const r[4]
 }
 
 /* acc[hh, c] += sum_j p[hh, j] row_j[c] for the 32 dims from c0 of HB heads (p: [HB][TILE], acc: [HB][out_dim]):
-   the 8-lane p.V's chains (one per output lane, rows in order), 16 lanes a register. */
+   the 8-lane p.V's chains (one per output lane, rows in order), 16 lanes a register. bf16 rows take one 64-byte
+   load for their 32 dims, widened exactly by interleaving zero words below them (vpunpck{l,h}wd: one shuffle per
+   16 values where widen-and-shift takes two instructions and a 256-bit load), which leaves dims {0-3, 8-11,
+   16-19, 24-27} in the first register and {4-7, 12-15, 20-23, 28-31} in the second: the products and each dim's
+   chain are the same, so are the sums; the accumulators stay in that order for the whole query (zero and the
+   softmax's rescaling do not care) and block_order_to_dims puts them back at its end (32 heads 6 % faster). */
 static inline __attribute__((always_inline)) void
 pv_block_zmm(const float *p, const void *const *rows, int used, int64_t c0, float *acc, int64_t out_dim,
              const int kind) {
@@ -470,37 +468,17 @@ pv_block_zmm(const float *p, const void *const *rows, int used, int64_t c0, floa
         a[hh][0] = _mm512_loadu_ps(acc + hh * out_dim + c0);
         a[hh][1] = _mm512_loadu_ps(acc + hh * out_dim + c0 + 16);
     }
-    for (int j = 0; j < used; j++) {
-        __m512 r0 = row16(rows[j], kind, c0), r1 = row16(rows[j], kind, c0 + 16);
-        for (int hh = 0; hh < HB; hh++) {
-            __m512 pv = _mm512_set1_ps(p[hh * TILE + j]);
-            a[hh][0] = _mm512_fmadd_ps(pv, r0, a[hh][0]);
-            a[hh][1] = _mm512_fmadd_ps(pv, r1, a[hh][1]);
-        }
-    }
-    for (int hh = 0; hh < HB; hh++) {
-        _mm512_storeu_ps(acc + hh * out_dim + c0, a[hh][0]);
-        _mm512_storeu_ps(acc + hh * out_dim + c0 + 16, a[hh][1]);
-    }
-}
-/* pv_block_zmm over bf16 rows with the accumulators in the block order below: one 64-byte load a row's 32 dims,
-   widened exactly by interleaving zero words below them (vpunpck{l,h}wd, one shuffle per 16 values where the
-   natural order takes a widening and a shift for each), which leaves dims {0-3, 8-11, 16-19, 24-27} in the first
-   register and {4-7, 12-15, 20-23, 28-31} in the second. The products and each dim's chain over the rows are
-   pv_block_zmm's, so the sums are its bits; the accumulators stay in that order for the whole query (zero and
-   the softmax's rescaling do not care) and block_order_to_dims puts them back at its end. */
-static inline __attribute__((always_inline)) void
-pv_block_bf16_pairs(const float *p, const void *const *rows, int used, int64_t c0, float *acc, int64_t out_dim) {
-    __m512 a[HB][2];
-    for (int hh = 0; hh < HB; hh++) {
-        a[hh][0] = _mm512_loadu_ps(acc + hh * out_dim + c0);
-        a[hh][1] = _mm512_loadu_ps(acc + hh * out_dim + c0 + 16);
-    }
     const __m512i zero = _mm512_setzero_si512();
     for (int j = 0; j < used; j++) {
-        __m512i v = _mm512_loadu_si512((const uint16_t *)rows[j] + c0);
-        __m512 r0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v));
-        __m512 r1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
+        __m512 r0, r1;
+        if (kind == ROWS_F32) {
+            r0 = _mm512_loadu_ps((const float *)rows[j] + c0);
+            r1 = _mm512_loadu_ps((const float *)rows[j] + c0 + 16);
+        } else {
+            __m512i v = _mm512_loadu_si512((const uint16_t *)rows[j] + c0);
+            r0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v));
+            r1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
+        }
         for (int hh = 0; hh < HB; hh++) {
             __m512 pv = _mm512_set1_ps(p[hh * TILE + j]);
             a[hh][0] = _mm512_fmadd_ps(pv, r0, a[hh][0]);
@@ -513,7 +491,7 @@ pv_block_bf16_pairs(const float *p, const void *const *rows, int used, int64_t c
     }
 }
 
-/* acc's 32-dim blocks [0, blocks_end) from pv_block_bf16_pairs' order back to dims in order, for `heads` heads. */
+/* acc's 32-dim blocks [0, blocks_end) from pv_block_zmm's bf16 order back to dims in order, for `heads` heads. */
 static inline void block_order_to_dims(float *acc, int64_t heads, int64_t out_dim, int64_t blocks_end) {
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -707,10 +685,7 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
 #if HAVE_ZMM_ATTEND
                 if (kind != ROWS_C8 && c0 + 2 * CW <= out_dim) {  /* 32 dims a block, 16 lanes a register */
                     prefetch_share(next, h0 == 0 ? next_used : 0, &ahead, out_dim / (2 * CW), fmt->bytes);
-                    if (kind == ROWS_BF16)
-                        pv_block_bf16_pairs(score + h0 * TILE, rows, used, c0, acc + h0 * out_dim, out_dim);
-                    else
-                        pv_block_zmm(score + h0 * TILE, rows, used, c0, acc + h0 * out_dim, out_dim, kind);
+                    pv_block_zmm(score + h0 * TILE, rows, used, c0, acc + h0 * out_dim, out_dim, kind);
                     c0 += CW;
                     continue;
                 }
