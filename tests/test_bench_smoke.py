@@ -53,3 +53,25 @@ def test_bench_runs_as_documented(name, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "| " in run.stdout  # printed its table
     assert list((tmp_path / "out").glob("*.png")), "saved no plot"
+
+
+def test_engine_throughput_rounds_never_repeat_a_prompt(monkeypatch, tmp_path):
+    """A round on prompts pdserve saw before would read their KV from its prefix cache (vLLM's CPU MLA has
+    none): every round draws its own."""
+    sys.path.insert(0, str(ROOT))
+    import bench.engine_throughput as bench
+
+    seen: list[tuple[tuple[int, ...], ...]] = []
+
+    def record(llm, prompts, new_tokens):
+        seen.append(tuple(map(tuple, prompts)))
+        return 1.0
+
+    monkeypatch.setenv("PDSERVE_BENCH_OUT", str(tmp_path))
+    monkeypatch.setattr(bench, "OUT", tmp_path)
+    monkeypatch.setattr(bench, "run_pdserve", record)
+    bench.main(["--batches", "2,3", "--rounds", "3", "--prompt-len", "8", "--new-tokens", "2", "--dtype", "float32",
+                "--peer", "none"])
+    runs = seen[1:]  # the first call is the warm-up's
+    assert len(runs) == 6 and len(set(runs)) == 6
+    assert {len(r) for r in runs} == {2, 3}
