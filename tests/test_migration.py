@@ -141,10 +141,12 @@ def test_streams_ride_one_token_bus_per_decode_instance_through_pdserve_up(up):
     with ThreadPoolExecutor(8) as pool:
         assert wait_for(lambda: sum(pool.map(complete, range(8))) and total("pdserve_decode_token_buses ") == 2, 60)
         sent, batches = (total(f"pdserve_decode_token_bus_{k}_total") for k in ("messages", "batches"))
-        streamed = sum(pool.map(complete, range(8), [40] * 8))
+        streamed = sum(pool.map(complete, range(8), [64] * 8))
     sent = total("pdserve_decode_token_bus_messages_total") - sent
-    assert streamed == 8 * 40 and sent == streamed
-    assert total("pdserve_decode_token_bus_batches_total") - batches < sent / 2
+    assert streamed == 8 * 64 and sent == streamed
+    # ~4 streams an instance share its steps, less where their starts and ends are staggered (a loaded host
+    # staggers them more: 1.7 messages a batch seen in a full suite run, 3.1 alone)
+    assert total("pdserve_decode_token_bus_batches_total") - batches < sent * 2 / 3
 
 
 @pytest.mark.parametrize("fault", FAULTS)
