@@ -149,11 +149,10 @@ _MADV_HUGEPAGE = 14  # <sys/mman.h>
 @functools.cache
 def _madvise() -> Any | None:
     import ctypes
-    import ctypes.util
 
     if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):  # Linux with THP only
         return None
-    madvise = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), "madvise", None)
+    madvise = getattr(ctypes.CDLL(None), "madvise", None)  # the process's libc (as kernel_build's mallopt)
     if madvise is not None:
         madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return madvise

@@ -58,7 +58,6 @@ def test_bench_runs_as_documented(name, tmp_path):
 def test_engine_throughput_rounds_never_repeat_a_prompt(monkeypatch, tmp_path):
     """A round on prompts pdserve saw before would read their KV from its prefix cache (vLLM's CPU MLA has
     none): every round draws its own."""
-    sys.path.insert(0, str(ROOT))
     import bench.engine_throughput as bench
 
     seen: list[tuple[tuple[int, ...], ...]] = []

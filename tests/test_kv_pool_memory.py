@@ -43,6 +43,24 @@ def test_a_large_pool_is_zero_and_on_huge_pages_where_the_kernel_lends_them():
     assert _huge_kb(kv.mla.data_ptr() + kv.mla.nbytes // 2) > 0
 
 
+def test_the_advice_covers_every_whole_huge_page_of_the_pool(monkeypatch):
+    """Whatever this kernel lends: the pool's memory is advised before it is touched, from its first 2 MiB
+    boundary to its last, and the pool is zero after."""
+    import shared.device as device
+
+    advised: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(device, "_madvise", lambda: lambda addr, length, advice: advised.append((addr, length, advice)))
+    pool = zeros_on_huge_pages((3, 1000, 16, 576), torch.bfloat16, torch.device("cpu"))
+    (addr, length, advice), = advised
+    huge, start, end = 2 << 20, pool.data_ptr(), pool.data_ptr() + pool.nbytes
+    assert advice == 14 and addr % huge == 0 and length % huge == 0 and length > 0  # MADV_HUGEPAGE
+    assert start <= addr < start + huge and end - huge < addr + length <= end
+    assert not pool.any()
+    advised.clear()
+    zeros_on_huge_pages((3, 5), torch.float32, torch.device("cpu"))  # no whole huge page inside: not advised
+    assert advised == []
+
+
 def test_small_or_foreign_tensors_are_plain_zeros():
     small = zeros_on_huge_pages((3, 5), torch.float32, torch.device("cpu"))
     assert small.shape == (3, 5) and not small.any()
