@@ -1602,15 +1602,17 @@ static inline __attribute__((always_inline)) void tile_2x4(const void *w, int w_
 /* ---- Wide tiles: a 512-bit register holds two outputs' eight lanes ---- */
 
 /* Where the CPU has AVX-512, matmuls of fp32 rows (a bf16 model's on a CPU without bf16 arithmetic: its linears'
-   fp32 weight copies, its experts' bf16 weights widened as read) run four weight rows by eight input rows a
+   fp32 weight copies, its experts' bf16 weights widened as read) run four weight rows by twelve input rows a
    pass: each register holds the eight lanes of two outputs (input rows 2p and 2p + 1, packed side by side), each
-   lane the same chain
-   of fused multiply-adds as tile_2x4's and wdot's, summed by sum4: every output keeps wdot()'s bits, so a row's
-   result is the same whichever kernel, ISA or batch computes it. Two thirds fewer loads per product than
-   tile_2x4 (whose loads, not its multiplies, bound it: ~35 GFLOP/s a core against the core's ~130). */
+   lane the same chain of fused multiply-adds as tile_2x4's and wdot's, summed by sum4: every output keeps
+   wdot()'s bits, so a row's result is the same whichever kernel, ISA or batch computes it. Two thirds fewer loads
+   per product than tile_2x4 (whose loads, not its multiplies, bound it: ~35 GFLOP/s a core against the core's
+   ~130). Six pairs a pass (24 accumulators of the 32 registers) rather than four: each weight load feeds six
+   multiply-adds, not four (prompt-sized linears 5-14 % faster on one core, a batch-64 decode step ~4 %). */
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define HAVE_WIDE 1
-#define WP 4  /* input-row pairs per wide pass */
+#define WP 6  /* input-row pairs per wide pass */
+#define WIDE_STATE (64 * WP)  /* floats of chains a pass of four weight rows keeps between its calls */
 
 /* rows[0..n) (fp32, k values each, k % DW == 0) packed for wide_tile: pair p's chunk at d is 16 floats, row 2p's
    d..d+7 then row 2p+1's (an odd n's last pair holds its row twice); pair p starts at xp + 2pk. */
@@ -1654,10 +1656,13 @@ static inline __m512 sum4x2(__m512 a, __m512 b, __m512 c, __m512 d) {
 static inline __attribute__((always_inline)) void wide_tile(const void *w, const int bf16, const int64_t off[4],
                                                              const float *xp, int64_t k, const int P, int64_t d0,
                                                              int64_t d1, float *state, float out[2 * WP][4]) {
-    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
-    __m512 c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
-#define CHAINS(X) X(c00, 0) X(c01, 1) X(c02, 2) X(c03, 3) X(c10, 4) X(c11, 5) X(c12, 6) X(c13, 7) X(c20, 8) \
-    X(c21, 9) X(c22, 10) X(c23, 11) X(c30, 12) X(c31, 13) X(c32, 14) X(c33, 15)
+    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c04 = c00, c05 = c00;
+    __m512 c10 = c00, c11 = c00, c12 = c00, c13 = c00, c14 = c00, c15 = c00;
+    __m512 c20 = c00, c21 = c00, c22 = c00, c23 = c00, c24 = c00, c25 = c00;
+    __m512 c30 = c00, c31 = c00, c32 = c00, c33 = c00, c34 = c00, c35 = c00;
+#define CHAINS(X) X(c00, 0) X(c01, 1) X(c02, 2) X(c03, 3) X(c04, 4) X(c05, 5) X(c10, 6) X(c11, 7) X(c12, 8) \
+    X(c13, 9) X(c14, 10) X(c15, 11) X(c20, 12) X(c21, 13) X(c22, 14) X(c23, 15) X(c24, 16) X(c25, 17) X(c30, 18) \
+    X(c31, 19) X(c32, 20) X(c33, 21) X(c34, 22) X(c35, 23)
 #define LOAD_CHAIN(c, i) c = _mm512_loadu_ps(state + 16 * i);
 #define STORE_CHAIN(c, i) _mm512_storeu_ps(state + 16 * i, c);
     if (d0 > 0) { CHAINS(LOAD_CHAIN) }
@@ -1669,12 +1674,15 @@ static inline __attribute__((always_inline)) void wide_tile(const void *w, const
         if (P > 1) FMA4(x + 2 * k, c01, c11, c21, c31);
         if (P > 2) FMA4(x + 4 * k, c02, c12, c22, c32);
         if (P > 3) FMA4(x + 6 * k, c03, c13, c23, c33);
+        if (P > 4) FMA4(x + 8 * k, c04, c14, c24, c34);
+        if (P > 5) FMA4(x + 10 * k, c05, c15, c25, c35);
     }
     if (d1 < k) { CHAINS(STORE_CHAIN) return; }
 #undef LOAD_CHAIN
 #undef STORE_CHAIN
 #undef CHAINS
-    const __m512 acc[4][WP] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
+    const __m512 acc[4][WP] = {{c00, c01, c02, c03, c04, c05}, {c10, c11, c12, c13, c14, c15},
+                               {c20, c21, c22, c23, c24, c25}, {c30, c31, c32, c33, c34, c35}};
     for (int p = 0; p < P; p++) {
         float s[16];
         _mm512_storeu_ps(s, sum4x2(acc[0][p], acc[1][p], acc[2][p], acc[3][p]));
@@ -1692,6 +1700,8 @@ static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1,
     for (int o = 0; o < 4; o++) off[o] = (r + o < r1 ? r + o : r1 - 1) * k;
     const float *x = xp + 2 * p0 * k;
 #define WIDE_CASES(B) switch (P) { \
+        case 6: wide_tile(w, B, off, x, k, 6, d0, d1, state, out); break; \
+        case 5: wide_tile(w, B, off, x, k, 5, d0, d1, state, out); break; \
         case 4: wide_tile(w, B, off, x, k, 4, d0, d1, state, out); break; \
         case 3: wide_tile(w, B, off, x, k, 3, d0, d1, state, out); break; \
         case 2: wide_tile(w, B, off, x, k, 2, d0, d1, state, out); break; \
@@ -1700,7 +1710,7 @@ static void wide_pass(const void *w, int bf16, int64_t k, int64_t r, int64_t r1,
 #undef WIDE_CASES
 }
 
-#define WIDE_KC 512  /* dims a wide pass takes at a time: a group's 8 input rows (16 KiB) stay in L1 */
+#define WIDE_KC 512  /* dims a wide pass takes at a time: a group's 12 input rows (24 KiB) stay in L1 */
 /* A task's block of weight rows stays in its L2 while every input row passes it, with the next block streaming in
    beside it (BlockAhead): 512 KiB where the inputs fit in L2 too (a decode step's rows: batch 256's linears 3 %
    faster than 1 MiB blocks, the routed experts ~10 %); 1 MiB where they do not, since each block streams every
@@ -1711,7 +1721,7 @@ static int64_t wide_block_bytes(int64_t input_bytes) { return input_bytes <= (6 
    emit(ctx, weight row r, rows, input row q0, inputs, out): out[q][o] for weight row r + o (o < rows) and input
    row q0 + q (q < inputs), one call a pass (a call per output cost more than the pass at small k: 35 GFLOP/s at
    k = 64); the group's input chunk of WIDE_KC dims passed by every weight row before the next chunk (their
-   chains kept in `state`, 256 floats per 4 weight rows). */
+   chains kept in `state`, WIDE_STATE floats per 4 weight rows). */
 typedef void (*wide_emit)(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[2 * WP][4]);
 
 /* The weight block a thread multiplies next, asked for into L2 a few cache lines a pass while it multiplies this
@@ -1744,7 +1754,7 @@ static void wide_block(const void *w, int bf16, int64_t k, int64_t r0, int64_t r
         for (int64_t r = r0; r < r1; r += 4) {
             block_ahead_pass(ahead);
             float out[2 * WP][4];
-            wide_pass(w, bf16, k, r, r1, xp, p0, P, d0, d1, state + (r - r0) / 4 * 256, out);
+            wide_pass(w, bf16, k, r, r1, xp, p0, P, d0, d1, state + (r - r0) / 4 * WIDE_STATE, out);
             if (d1 == k)
                 emit(ctx, r, r1 - r < 4 ? (int)(r1 - r) : 4, 2 * p0, n - 2 * p0 < 2 * P ? (int)(n - 2 * p0) : (int)(2 * P),
                      out);
@@ -1901,7 +1911,7 @@ static void expert_gemm_wide(const void *w, int w_bf16, int64_t rows, int64_t co
             block = widened;
             bf16 = 0;
         }
-        float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * 256);
+        float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * WIDE_STATE);
         struct picks_out ctx = {out, order + start[e], out_ld, r0};
         for (int64_t p0 = 0; p0 < pairs; p0 += WP)
             wide_block(block, bf16, cols, 0, r1 - r0, xp + 2 * first[a] * cols, n, p0, pairs - p0 < WP ? pairs - p0 : WP,
@@ -2433,7 +2443,7 @@ static void linear_rows_wide(const void *x, int x_bf16, int64_t n, int64_t k, co
     #pragma omp parallel for num_threads(threads) schedule(static) if (n * m * k >= PARALLEL_MACS)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t r0 = b * per, r1 = (b + 1) * per < m ? (b + 1) * per : m;
-        float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * 256);
+        float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * WIDE_STATE);
         struct rows_out ctx = {y, y_bf16, m};
         int64_t next_rows = b + 1 < blocks ? ((b + 2) * per < m ? (b + 2) * per : m) - r1 : 0;
         BlockAhead ahead = block_ahead(next_rows ? w + r1 * k : NULL, next_rows * k * (int64_t)sizeof(float),
