@@ -111,7 +111,8 @@ def _paths(metrics_url: str) -> dict[str, float]:
 def run(local_tokens: int, prefill_load: int, args: argparse.Namespace) -> dict[str, float]:
     """One cluster with the router flag at `local_tokens`: the probes' TTFT p50 / p99 (ms), the background
     TPOT p50 (ms) and the share of probes prefilled on decode."""
-    cluster = up_cluster(["--model", args.model, "--port", "0", "--local-prefill-tokens", str(local_tokens)])
+    cluster = up_cluster(["--model", args.model, "--port", "0", "--local-prefill-tokens", str(local_tokens),
+                          "--overflow-prefill-tokens", "0"])  # the flag alone: no burst overflow in either run
     cluster.extra_router += ["--metrics-port", "0"]
     with cluster:
         url = f"http://127.0.0.1:{cluster.metrics_ports[cluster.address]}/metrics"

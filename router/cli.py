@@ -69,7 +69,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
                    "layerSharding": args.layer_sharding, "noPrefixCache": args.no_prefix_cache,
                    "speculativeMaxDraftTokens": args.speculative_max_draft_tokens, "enforceEager": args.enforce_eager,
                    "kvCacheTokens": args.kv_cache_tokens},
-        "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens, "httpPort": args.http_port,
+        "router": {"port": args.port, "localPrefillTokens": args.local_prefill_tokens,
+                   "overflowPrefillTokens": args.overflow_prefill_tokens, "httpPort": args.http_port,
                    "kservePort": args.kserve_port,
                    "ttftSloMs": args.ttft_slo_ms, "tpotSloMs": args.tpot_slo_ms, "drainSeconds": args.drain_seconds,
                    "apiKeyFile": args.api_key_file,
@@ -331,9 +332,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--decode-ep", type=int, default=1, help="expert-parallel ranks per decode instance")
     up.add_argument("--layer-sharding", default="", help="o_proj,q_b_proj: store layer i's weight on rank i %% K")
     add_flags(up, DecodeConfig, only=("speculative_max_draft_tokens", "enforce_eager"))  # decode's own flags
-    add_flags(up, RouterConfig, only=("local_prefill_tokens", "http_port", "kserve_port", "epp_port", "api_key_file",
-                                      "ttft_slo_ms", "tpot_slo_ms", "profile", "served_model_name", "chat_max_tokens",
-                                      "drain_seconds", "no_token_bus"))
+    add_flags(up, RouterConfig, only=("local_prefill_tokens", "overflow_prefill_tokens", "http_port", "kserve_port",
+                                      "epp_port", "api_key_file", "ttft_slo_ms", "tpot_slo_ms", "profile",
+                                      "served_model_name", "chat_max_tokens", "drain_seconds", "no_token_bus"))
     add_flags(up, PrefillConfig, only=("no_prefix_cache", "no_kv_fetch"))
     add_flags(up, AutoscaleConfig)  # passed to the router, which decides
     add_flags(up, SupervisorConfig)  # pdserve up's own: how it restarts a service that exits

@@ -129,6 +129,7 @@ class RouterSpec:
     tpot_slo_ms: float = same_as(RouterConfig, "tpot_slo_ms")
     admission_wait_ms: float = same_as(RouterConfig, "admission_wait_ms")
     local_prefill_tokens: int = same_as(RouterConfig, "local_prefill_tokens")
+    overflow_prefill_tokens: int = same_as(RouterConfig, "overflow_prefill_tokens")
     no_kv_fetch: bool = same_as(RouterConfig, "no_kv_fetch")
     no_token_bus: bool = same_as(RouterConfig, "no_token_bus")
     migration_limit: int = same_as(RouterConfig, "migration_limit")
@@ -255,7 +256,8 @@ class Deployment:
                 "--max-concurrent-requests", _s(r.max_concurrent_requests), "--drain-seconds",
                 _s(r.drain_seconds), "--policy", r.policy, "--ttft-slo-ms", _s(r.ttft_slo_ms),
                 "--tpot-slo-ms", _s(r.tpot_slo_ms), "--admission-wait-ms", _s(r.admission_wait_ms),
-                "--local-prefill-tokens", _s(r.local_prefill_tokens), "--migration-limit", _s(r.migration_limit),
+                "--local-prefill-tokens", _s(r.local_prefill_tokens),
+                "--overflow-prefill-tokens", _s(r.overflow_prefill_tokens), "--migration-limit", _s(r.migration_limit),
                 "--chat-max-tokens", _s(r.chat_max_tokens), "--http-max-body-bytes", _s(r.http_max_body_bytes),
                 "--http-max-prompts", _s(r.http_max_prompts), "--decode-dp", _s(self.decode.dp),
                 *(["--no-kv-fetch"] if r.no_kv_fetch else []), *(["--no-token-bus"] if r.no_token_bus else []),

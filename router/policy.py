@@ -100,19 +100,24 @@ class Request:
     cached_by_decode: list[int] | None = None  # prompt tokens each decode instance holds (not pushed again)
     priority: int = 0  # lower is more urgent (GenerateRequest.priority): see SlaPolicy.margin_for
     # a decode instance may prefill it itself when the prompt tokens it does not cache are at most this
-    # (--local-prefill-tokens; 0: never)
+    # (--local-prefill-tokens; 0: never), or at most overflow_prefill_tokens while every prefill instance has a
+    # queue (--overflow-prefill-tokens)
     local_prefill_tokens: int = 0
+    overflow_prefill_tokens: int = 0
 
     def uncached_on_decode(self, d: int) -> int:
         """Prompt tokens decode instance `d` would compute to prefill it itself."""
         return self.prompt_tokens - (self.cached_by_decode[d] if self.cached_by_decode else 0)
 
-    @property
-    def local_prefill(self) -> bool:
-        """Some decode instance may prefill it itself."""
+    def local_limit(self, prefills_queued: bool) -> int:
+        """The most uncached prompt tokens a decode instance may prefill itself (0: none): the overflow limit too
+        while every prefill instance has prompts queued."""
+        return max(self.local_prefill_tokens, self.overflow_prefill_tokens if prefills_queued else 0)
+
+    def local_prefill(self, limit: int) -> bool:
+        """Some decode instance may prefill it itself within `limit` uncached tokens."""
         n = len(self.cached_by_decode) if self.cached_by_decode else 1
-        return any(self.uncached_on_decode(d) <= self.local_prefill_tokens for d in range(n)) \
-            if self.local_prefill_tokens else False
+        return limit > 0 and any(self.uncached_on_decode(d) <= limit for d in range(n))
 
 
 @dataclass
@@ -181,8 +186,10 @@ class SlaPolicy:
                                   room, others))
         return out
 
-    def predict_local(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView]) -> list[Choice]:
-        """Every decode instance that is up, prefilling the prompt itself: TTFT is its next step, carrying the
+    def predict_local(self, req: Request, prefills: list[PrefillView], decodes: list[DecodeView],
+                      limit: int) -> list[Choice]:
+        """Every decode instance that is up and caches all but at most `limit` of the prompt's tokens, prefilling
+        the prompt itself: TTFT is its next step, carrying the
         prompt (and the prompts already queued there) beside its decodes (no prefill queue, RPC or
         transfer; DecodeView.local_ttft_raw, calibrated per batch band); TPOT as for a pair."""
         context = req.prompt_tokens + req.max_tokens
@@ -191,7 +198,7 @@ class SlaPolicy:
         out = []
         for d, dec in enumerate(decodes):
             uncached = req.uncached_on_decode(d)  # it starts on the blocks it caches
-            if not dec.up or uncached > req.local_prefill_tokens:
+            if not dec.up or uncached > limit:
                 continue
             others = busy_prefills + busy_decodes - dec.busy
             rank = dec.least_loaded()
@@ -208,14 +215,17 @@ class SlaPolicy:
         """Pairs to try, best first (the rest are the fail-over order); raises Rejected when none fits.
         Selective disaggregation: a request the decode instance may prefill itself goes there (decode
         instances to try, best first, all local) when that is predicted to give the first token sooner
-        than the best pair within the targets."""
+        than the best pair within the targets (--local-prefill-tokens; --overflow-prefill-tokens while every prefill
+        instance has prompts queued: a burst's overflow)."""
         pairs = self.predict(req, prefills, decodes)
         if not pairs:
             raise Rejected("no prefill/decode pair to choose from", 1.0)
         fits = [c for c in pairs if self._meets(c, req)]
-        if req.local_prefill:
-            local = sorted((c for c in self.predict_local(req, prefills, decodes) if c.room and self._meets(c, req)),
-                           key=lambda c: c.cost)
+        up = [p for p in prefills if p.up]
+        limit = req.local_limit(bool(up) and all(p.queued_tokens > 0 for p in up))
+        if req.local_prefill(limit):
+            local = sorted((c for c in self.predict_local(req, prefills, decodes, limit)
+                            if c.room and self._meets(c, req)), key=lambda c: c.cost)
             if local and (not fits or local[0].ttft_s < min(c.ttft_s for c in fits)):
                 return local
         if not fits:

@@ -402,7 +402,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             try:
                 return self.policy.choose(Request(len(ids), max_tokens, ttft_left, tpot_s, cached_by_prefill=cached,
                                                   cached_by_decode=reused, priority=priority,
-                                                  local_prefill_tokens=self.cfg.local_prefill_tokens),
+                                                  local_prefill_tokens=self.cfg.local_prefill_tokens,
+                                                  overflow_prefill_tokens=self.cfg.overflow_prefill_tokens),
                                           [x.view for x in prefills], [x.view for x in decodes])
             except Rejected:
                 pause = self.cfg.load_interval

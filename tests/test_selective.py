@@ -11,6 +11,7 @@ import urllib.request
 import grpc
 import pytest
 
+from router.config import RouterConfig
 from router.perf import PerfModel
 from router.policy import DecodeView, PrefillView, RankView, Request, SlaPolicy
 from shared.engine import LLM, SamplingParams
@@ -139,4 +140,28 @@ def test_a_follow_up_whose_context_decode_keeps_is_prefilled_there():
     req = Request(400, 32, 0.0, 0.0, cached_by_decode=[384] + [0] * (len(decodes) - 1), local_prefill_tokens=64)
     choice = policy.choose(req, prefills, decodes)[0]
     assert choice.local and choice.decode == 0
-    assert not Request(400, 32, 0.0, 0.0, cached_by_decode=[0] * len(decodes), local_prefill_tokens=64).local_prefill
+    far = Request(400, 32, 0.0, 0.0, cached_by_decode=[0] * len(decodes), local_prefill_tokens=64)
+    assert not far.local_prefill(far.local_limit(prefills_queued=True))
+
+
+@pytest.mark.parametrize(("queues", "prompt", "local"), [
+    ((0,), 16, False),  # an idle prefill pool takes every prompt: disaggregation as configured
+    ((4096,), 16, True),  # a burst queued at the prefill instance: the short prompt overflows to decode
+    ((4096, 0), 16, False),  # another prefill instance is idle: it takes the prompt
+    ((4096, 4096), 16, True),  # every prefill instance has a queue
+    ((4096,), 600, False),  # longer than --overflow-prefill-tokens: it waits in the prefill queue
+])
+def test_a_burst_overflows_short_prompts_to_decode_only_while_every_prefill_instance_has_a_queue(queues, prompt, local):
+    """--overflow-prefill-tokens (default 512) with --local-prefill-tokens 0: the decode instance prefills a short
+    prompt itself only while each prefill instance has prompts queued (and the SLA model predicts a sooner first
+    token there); otherwise the prompt goes to a prefill instance."""
+    policy = SlaPolicy(PerfModel(), seed=0)
+    prefills = [PrefillView(f"p{i}", queued_tokens=q) for i, q in enumerate(queues)]
+    decodes = [DecodeView("d", ranks=[RankView(32, 32 * 64)])]
+    req = Request(prompt, 32, 0.0, 0.0, overflow_prefill_tokens=RouterConfig.overflow_prefill_tokens)
+    choice = policy.choose(req, prefills, decodes)[0]
+    assert choice.local == local
+    if not local:
+        assert choice.prefill == next(i for i, q in enumerate(queues) if q == min(queues))
+    down = [PrefillView("p0", queued_tokens=4096), PrefillView("p1", queued_tokens=0, up=False)]
+    assert policy.choose(req, down, decodes)[0].local == (prompt <= 512)  # a down instance takes nothing

@@ -41,6 +41,8 @@
 - {{ .Values.router.admissionWaitMs | quote }}
 - --local-prefill-tokens
 - {{ include "pdserve.nonNegative" (list "router.localPrefillTokens" .Values.router.localPrefillTokens) | quote }}
+- --overflow-prefill-tokens
+- {{ include "pdserve.nonNegative" (list "router.overflowPrefillTokens" .Values.router.overflowPrefillTokens) | quote }}
 - --migration-limit
 - {{ include "pdserve.nonNegative" (list "router.migrationLimit" .Values.router.migrationLimit) | quote }}
 - --chat-max-tokens
