@@ -48,6 +48,18 @@ class PrefillView:
     queued_tokens: int = 0  # prompt tokens waiting or not yet computed
     up: bool = True
     block_size: int = 64
+    reports: int = 0  # load reports taken: a prompt counted since the last one is let go when it is done
+
+    def count(self, tokens: int) -> int:
+        """A prompt sent here: queued until the next load report says otherwise (a burst's admissions must see
+        it); returns the reports taken so far, for `done`."""
+        self.queued_tokens += tokens
+        return self.reports
+
+    def done(self, tokens: int, counted_at: int) -> None:
+        """That prompt was computed (or failed): no longer queued, unless a report since has counted it anew."""
+        if self.reports == counted_at:
+            self.queued_tokens = max(0, self.queued_tokens - tokens)
     kv_seq: int = 0  # the last prefix-cache event the router's index took from it (changes when its cache does)
 
 
@@ -100,8 +112,8 @@ class Request:
     cached_by_decode: list[int] | None = None  # prompt tokens each decode instance holds (not pushed again)
     priority: int = 0  # lower is more urgent (GenerateRequest.priority): see SlaPolicy.margin_for
     # a decode instance may prefill it itself when the prompt tokens it does not cache are at most this
-    # (--local-prefill-tokens; 0: never), or at most overflow_prefill_tokens while every prefill instance has a
-    # queue (--overflow-prefill-tokens)
+    # (--local-prefill-tokens; 0: never), or at most overflow_prefill_tokens while every prefill instance has at
+    # least that many prompt tokens queued (--overflow-prefill-tokens; 0 for a request an endpoint picker placed)
     local_prefill_tokens: int = 0
     overflow_prefill_tokens: int = 0
 
@@ -109,10 +121,13 @@ class Request:
         """Prompt tokens decode instance `d` would compute to prefill it itself."""
         return self.prompt_tokens - (self.cached_by_decode[d] if self.cached_by_decode else 0)
 
-    def local_limit(self, prefills_queued: bool) -> int:
+    def local_limit(self, prefills: list[PrefillView]) -> int:
         """The most uncached prompt tokens a decode instance may prefill itself (0: none): the overflow limit too
-        while every prefill instance has prompts queued."""
-        return max(self.local_prefill_tokens, self.overflow_prefill_tokens if prefills_queued else 0)
+        while every prefill instance that is up has at least that many prompt tokens queued (saturated: not one
+        prompt in flight)."""
+        up = [p for p in prefills if p.up]
+        saturated = bool(up) and all(p.queued_tokens >= self.overflow_prefill_tokens for p in up)
+        return max(self.local_prefill_tokens, self.overflow_prefill_tokens if saturated else 0)
 
     def local_prefill(self, limit: int) -> bool:
         """Some decode instance may prefill it itself within `limit` uncached tokens."""
@@ -216,13 +231,12 @@ class SlaPolicy:
         Selective disaggregation: a request the decode instance may prefill itself goes there (decode
         instances to try, best first, all local) when that is predicted to give the first token sooner
         than the best pair within the targets (--local-prefill-tokens; --overflow-prefill-tokens while every prefill
-        instance has prompts queued: a burst's overflow)."""
+        instance is saturated: a burst's overflow)."""
         pairs = self.predict(req, prefills, decodes)
         if not pairs:
             raise Rejected("no prefill/decode pair to choose from", 1.0)
         fits = [c for c in pairs if self._meets(c, req)]
-        up = [p for p in prefills if p.up]
-        limit = req.local_limit(bool(up) and all(p.queued_tokens > 0 for p in up))
+        limit = req.local_limit(prefills)
         if req.local_prefill(limit):
             local = sorted((c for c in self.predict_local(req, prefills, decodes, limit)
                             if c.room and self._meets(c, req)), key=lambda c: c.cost)

@@ -208,6 +208,7 @@ def _apply(view: PrefillView | DecodeView, report: LoadReport) -> None:
     view.block_size = report.block_size or view.block_size
     if isinstance(view, PrefillView):
         view.queued_tokens = report.queued_prompt_tokens
+        view.reports += 1
     else:
         view.ranks = [RankView(r.running + r.active_leases, r.tokens, r.queued_prompt_tokens) for r in report.ranks]
         view.free_blocks = min(r.free_blocks for r in report.ranks)

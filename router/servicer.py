@@ -6,6 +6,7 @@ to another pair when an instance fails under it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -84,6 +85,7 @@ class Placement:
     decodes: list[Instance]
     pairs: list[Choice]
     counted_prefill: PrefillView | None  # None: a local prefill
+    counted_at: int  # counted_prefill's load reports when the prompt was counted on it
     counted_rank: RankView
     context_tokens: int  # the prompt plus max_tokens left, as counted on a decode rank
     local_prompt: int  # prompt tokens the decode rank prefills itself (a local prefill)
@@ -269,19 +271,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         ttft_s = (req.ttft_ms or self.cfg.ttft_slo_ms) / 1e3 if first_try else 0.0  # a started stream goes on
         tpot_s = (req.tpot_ms or self.cfg.tpot_slo_ms) / 1e3
         cached = self._cached_prefix(ids, prefills, decodes, req.cache_salt)
-        pairs = await self._admit(ids, remaining, ttft_s, tpot_s, req, cached, prefills, decodes, t0)
-        if hint is not None:
+        pairs = await self._admit(ids, remaining, ttft_s, tpot_s, req, cached, prefills, decodes, t0, hint is None)
+        if hint is not None:  # (the picker's pair: a burst's overflow is not offered, see _admit)
             pairs = hint.first(pairs, prefills, decodes)
         best = pairs[0]
         counted_prefill = None if best.local else prefills[best.prefill].view
         decode_view = decodes[best.decode].view
         counted_rank = decode_view.ranks[decode_view.least_loaded()]
-        if counted_prefill is not None:
-            counted_prefill.queued_tokens += len(ids)
+        counted_at = counted_prefill.count(len(ids)) if counted_prefill is not None else 0
         local_prompt = len(ids) if best.local else 0  # prompt tokens the decode rank will prefill itself
         counted_rank.count(len(ids) + remaining, local_prompt)
-        return Placement(prefills, decodes, pairs, counted_prefill, counted_rank, len(ids) + remaining, local_prompt,
-                         cached[0])
+        return Placement(prefills, decodes, pairs, counted_prefill, counted_at, counted_rank, len(ids) + remaining,
+                         local_prompt, cached[0])
 
     async def _prefill(self, place: Placement, dec: Instance, prefill_req: internal_pb2.PrefillRequest,
                        timeout: float) -> internal_pb2.PrefillResponse:
@@ -289,11 +290,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         over on UNAVAILABLE; its KV is pushed into `dec`'s lease."""
         preferred = [c.prefill for c in place.pairs if place.decodes[c.decode] is dec]
         order = Pool.ordered(place.prefills, preferred or [c.prefill for c in place.pairs])
-        if order[0].view is not place.counted_prefill:
-            order[0].view.queued_tokens += len(prefill_req.prompt_token_ids)  # until its next report
-        pre, first = await self._first_ok(self.prefill, order, lambda inst: inst.stub.Prefill(
-            self.fetch.request_for(prefill_req, inst, place.prefills, place.cached_by_prefill), timeout=timeout,
-            metadata=self.metadata), retry_on=(grpc.StatusCode.UNAVAILABLE,))
+        counted, at, n = place.counted_prefill, place.counted_at, len(prefill_req.prompt_token_ids)
+        if order[0].view is not counted:
+            counted, at = order[0].view, order[0].view.count(n)
+        try:
+            pre, first = await self._first_ok(self.prefill, order, lambda inst: inst.stub.Prefill(
+                self.fetch.request_for(prefill_req, inst, place.prefills, place.cached_by_prefill), timeout=timeout,
+                metadata=self.metadata), retry_on=(grpc.StatusCode.UNAVAILABLE,))
+        finally:
+            counted.done(n, at)
         metrics.PAIRS.labels(pre.address, dec.address).inc()
         return first
 
@@ -336,11 +341,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 [tokens(self.decode.kv_index, x, len(getattr(x.view, "ranks", ())) or 1) for x in decodes])
 
     async def _release(self, dec: Instance, lease_id: str) -> None:
-        try:
+        with contextlib.suppress(grpc.RpcError):  # the lease expires on its own
             await dec.stub.Release(internal_pb2.ReleaseRequest(lease_id=lease_id), timeout=PEER_TIMEOUT,
                                    metadata=self.metadata)
-        except grpc.RpcError:
-            pass  # the lease expires on its own
 
     async def _relay(self, stream: AsyncIterator[internal_pb2.DecodeResponse], dec: Instance, progress: Progress,
                      predicted: Choice) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -390,21 +393,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _admit(self, ids: list[int], max_tokens: int, ttft_s: float, tpot_s: float, req: GenerationRequest,
                      hits: tuple[list[int], list[int]], prefills: list[Instance], decodes: list[Instance],
-                     t0: float) -> list[Choice]:
+                     t0: float, overflow: bool = True) -> list[Choice]:
         """The policy's pairs for this request. With --admission-wait-ms a request no pair can serve yet is
         held and chosen again after each load poll, its TTFT target shrinking by the time it has waited,
         until a pair fits or waiting longer could not make the target (then Rejected, as at once)."""
-        (cached, reused), priority = hits, req.priority
-        wait_until = t0 + self.cfg.admission_wait_ms / 1e3
+        (cached, reused), priority, cfg = hits, req.priority, self.cfg
+        wait_until = t0 + cfg.admission_wait_ms / 1e3
         while True:
             waited = time.perf_counter() - t0
             ttft_left = max(ttft_s - waited, 1e-6) if ttft_s else 0.0
+            request = Request(len(ids), max_tokens, ttft_left, tpot_s, cached_by_prefill=cached,
+                              cached_by_decode=reused, priority=priority, local_prefill_tokens=cfg.local_prefill_tokens,
+                              overflow_prefill_tokens=cfg.overflow_prefill_tokens if overflow else 0)  # see plan
             try:
-                return self.policy.choose(Request(len(ids), max_tokens, ttft_left, tpot_s, cached_by_prefill=cached,
-                                                  cached_by_decode=reused, priority=priority,
-                                                  local_prefill_tokens=self.cfg.local_prefill_tokens,
-                                                  overflow_prefill_tokens=self.cfg.overflow_prefill_tokens),
-                                          [x.view for x in prefills], [x.view for x in decodes])
+                return self.policy.choose(request, [x.view for x in prefills], [x.view for x in decodes])
             except Rejected:
                 pause = self.cfg.load_interval
                 if time.perf_counter() + pause > wait_until or (ttft_s and waited + pause >= ttft_s):

@@ -44,8 +44,10 @@ SLASH = 20  # the demo tokenizer's "/": biased away, a forced call's block never
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with Cluster(DEMO, dtype="float32", log_dir=tmp_path_factory.mktemp("openai-logs"),
+                 # every prompt through the prefill instance: test_n_samples_share_one_prefill keeps it busy on
+                 # purpose (a burst's overflow to decode, on by default, is tests/test_selective.py's)
                  extra_router=["--http-port", "0", "--metrics-port", "0", "--max-concurrent-requests",
-                               str(MAX_IN_FLIGHT)],
+                               str(MAX_IN_FLIGHT), "--overflow-prefill-tokens", "0"],
                  extra_prefill=["--metrics-port", "0"], extra_decode=["--metrics-port", "0"]) as c:
         yield c
 

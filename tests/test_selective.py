@@ -141,7 +141,7 @@ def test_a_follow_up_whose_context_decode_keeps_is_prefilled_there():
     choice = policy.choose(req, prefills, decodes)[0]
     assert choice.local and choice.decode == 0
     far = Request(400, 32, 0.0, 0.0, cached_by_decode=[0] * len(decodes), local_prefill_tokens=64)
-    assert not far.local_prefill(far.local_limit(prefills_queued=True))
+    assert not far.local_prefill(far.local_limit(prefills))
 
 
 @pytest.mark.parametrize(("queues", "prompt", "local"), [
@@ -165,3 +165,47 @@ def test_a_burst_overflows_short_prompts_to_decode_only_while_every_prefill_inst
         assert choice.prefill == next(i for i, q in enumerate(queues) if q == min(queues))
     down = [PrefillView("p0", queued_tokens=4096), PrefillView("p1", queued_tokens=0, up=False)]
     assert policy.choose(req, down, decodes)[0].local == (prompt <= 512)  # a down instance takes nothing
+
+
+def test_a_burst_through_pdserve_up_overflows_short_prompts_to_decode(tmp_path):
+    """`pdserve up` with its defaults (--overflow-prefill-tokens 512), driven by the official `openai` SDK: a prompt
+    sent alone goes through the prefill instance; 32 prompts of 100 tokens sent at once (more than 512 queued at the
+    prefill instance) partly overflow to the decode instance (the router counts both paths), each completion equal
+    to its prompt's answer sent alone, and every KV block and lease comes back. A negative --overflow-prefill-tokens
+    is refused, naming the field."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from bench.fleet_faults import UpProcess
+
+    bad = subprocess.run([sys.executable, "-m", "router.cli", "up", "--overflow-prefill-tokens", "-1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "overflowPrefillTokens: expected at least 0" in bad.stderr, bad.stderr[-500:]
+    up = UpProcess(["--model", DEMO, "--port", "0", "--http-port", "0"], tmp_path).start()
+    try:
+        client = openai.OpenAI(base_url=up.http_url, api_key="unused", max_retries=0)
+        prompts = [[10 + (i * 37 + j * 11) % 900 for j in range(100)] for i in range(32)]  # 3,200 tokens at once
+
+        def ask(prompt: list[int]) -> str:
+            return client.completions.create(model=up.model, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+        def paths() -> dict[str, float]:
+            return {p: up.metric("router", f'pdserve_router_prefill_path_total{{path="{p}"}}')
+                    for p in ("local", "disaggregated")}
+
+        alone = [ask(p) for p in prompts]  # one at a time: the prefill instance is idle, it takes each
+        assert paths() == {"local": 0, "disaggregated": len(prompts)}
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            burst = list(pool.map(ask, prompts))
+        after = paths()
+        assert burst == alone
+        assert after["local"] > 0 and after["disaggregated"] > len(prompts), after
+        assert after["local"] + after["disaggregated"] == 2 * len(prompts)
+        held = ("pdserve_kv_blocks_used", "pdserve_active_leases", "pdserve_running_requests")
+        decodes = [n for n in up.metrics if n.startswith("decode")]
+        assert wait_for(lambda: all(up.metric(n, m) == 0 for n in decodes for m in held))
+    finally:
+        assert up.stop() == 0, up.output()

@@ -174,7 +174,8 @@ def test_an_urgent_request_overtakes_queued_background_prompts(served_model, tmp
     # 4 tokens a step, 40 steps a prompt: on a loaded machine the eight still arrive while the first prefills
     # (at 8 a step they could trickle in about as fast as they drained, and never queue five deep)
     with Cluster(str(served_model), dtype="float32", log_dir=tmp_path / "logs",
-                 extra_prefill=["--max-prefill-tokens", "4"]) as c:
+                 extra_prefill=["--max-prefill-tokens", "4"],
+                 extra_router=["--overflow-prefill-tokens", "0"]) as c:  # the queue is the test, not its overflow
         def send(i: int, priority: int) -> None:
             with c.channel(c.address) as ch:
                 req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[i], priority=priority,
