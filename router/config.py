@@ -56,9 +56,10 @@ class RouterConfig(EndpointConfig):
                                         "0: every prompt goes to a prefill instance)", bounds=(0, None))
     overflow_prefill_tokens: int = flag(512, "overflow of a burst: a prompt with at most this many tokens the decode "
                                              "instance does not cache is prefilled on the decode instance itself "
-                                             "while every prefill instance already has prompts queued, when the SLA "
-                                             "model predicts its first token sooner there (sla policy; an idle "
-                                             "prefill pool always takes it; 0: never)", bounds=(0, None))
+                                             "while every prefill instance has at least this many prompt tokens "
+                                             "queued, when the SLA model predicts its first token sooner there (sla "
+                                             "policy; a prefill pool with room takes every prompt; never for an "
+                                             "endpoint picker's pair; 0: never)", bounds=(0, None))
     admission_wait_ms: float = flag(0.0, "instead of refusing at once, hold a request no pair can serve yet for up "
                                          "to this long, re-choosing as load reports arrive, while it can still "
                                          "make its TTFT target (0: refuse at once)")

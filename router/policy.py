@@ -49,6 +49,7 @@ class PrefillView:
     up: bool = True
     block_size: int = 64
     reports: int = 0  # load reports taken: a prompt counted since the last one is let go when it is done
+    kv_seq: int = 0  # the last prefix-cache event the router's index took from it (changes when its cache does)
 
     def count(self, tokens: int) -> int:
         """A prompt sent here: queued until the next load report says otherwise (a burst's admissions must see
@@ -60,7 +61,6 @@ class PrefillView:
         """That prompt was computed (or failed): no longer queued, unless a report since has counted it anew."""
         if self.reports == counted_at:
             self.queued_tokens = max(0, self.queued_tokens - tokens)
-    kv_seq: int = 0  # the last prefix-cache event the router's index took from it (changes when its cache does)
 
 
 @dataclass
