@@ -40,7 +40,7 @@ from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
 from shared.protocol.placement import least_loaded_rank
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
-from shared.rpc.service import LoopQueue, die_with_parent
+from shared.rpc.service import LoopQueue, die_with_parent, freeze_startup_heap
 from shared.transfer import Destination
 
 log = logging.getLogger("pdserve.decode")
@@ -402,6 +402,7 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
     except Exception as exc:  # reported to the front, which fails its start
         front.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
+    freeze_startup_heap()  # this process lives as long as its engine
     front.send(Ready(DecodeFacts(core.limits, core.me.receiver.transport, core.loads)))
     try:
         front.serve(core.handle)

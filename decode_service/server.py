@@ -39,6 +39,7 @@ from shared.rpc.service import (
     Lifecycle,
     LoopQueue,
     die_with_launcher,
+    freeze_startup_heap,
     start_server,
     wait_future,
 )
@@ -53,7 +54,9 @@ def follower_main(rank: int, cfg: DecodeConfig) -> None:
     """Entry point of DP ranks 1..N-1."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s decode[{rank}] %(levelname)s %(message)s")
     state = service_state(cfg.parallel(), rank, cfg.cpu_threads)
-    follow(DecodeWorker(cfg, rank, state), state)
+    worker = DecodeWorker(cfg, rank, state)
+    freeze_startup_heap()
+    follow(worker, state)
 
 
 class DecodeServicer(internal_pb2_grpc.DecodeServicer):

@@ -23,7 +23,7 @@ from shared.kvcache.event_log import CacheEventLog, KvEventsNotice, listen_to
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
-from shared.rpc.service import die_with_parent
+from shared.rpc.service import die_with_parent, freeze_startup_heap
 from shared.transfer import Destination, KVSender
 
 log = logging.getLogger("pdserve.prefill")
@@ -176,6 +176,7 @@ def core_main(cfg: PrefillConfig, conn: Connection) -> None:
     except Exception as exc:  # reported to the front, which fails its start
         front.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
+    freeze_startup_heap()  # this process lives as long as its engine
     front.send(Ready(PrefillFacts(core.limits, core.load())))
     try:
         front.serve(core.handle)

@@ -40,6 +40,7 @@ from shared.rpc.service import (
     Credentials,
     Lifecycle,
     die_with_launcher,
+    freeze_startup_heap,
     start_server,
     wait_future,
 )
@@ -54,7 +55,9 @@ def follower_main(rank: int, cfg: PrefillConfig) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s prefill[{rank}] %(levelname)s %(message)s")
     state = service_state(cfg.parallel(), rank, cfg.cpu_threads)
     engine = LLMEngine(cfg.engine_config(), state)
-    follow(PrefillWorker(engine, sender_factory(cfg, engine)), state)
+    worker = PrefillWorker(engine, sender_factory(cfg, engine))
+    freeze_startup_heap()
+    follow(worker, state)
 
 
 class _QueuedPromptTokens(metrics.Collector):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import hashlib
 import hmac
 import logging
@@ -287,6 +288,7 @@ async def start_server(host: str, port: int, register: Iterable[Callable[[grpc.a
     life.extra_ports = bound_ports[1:]
     await life.set(True)
     await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    freeze_startup_heap()  # a service's process: its engine (when in process) and server are up by now
     return server, bound_ports[0], life
 
 
@@ -388,6 +390,16 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def freeze_startup_heap() -> None:
+    """Once a serving process has started (its engine built and warmed, its server up): move every object
+    alive now into the collector's permanent generation (gc.freeze), as vLLM's engine core and SGLang's
+    scheduler do. A full collection otherwise walks them all: ~180k objects once an engine is up, 117 ms of
+    stall (measured) every time enough requests' objects pile up, in the middle of a step or a token stream;
+    with them frozen it took 5 ms. Only for processes that live as long as the objects they freeze (frozen
+    objects are never collected): never in a library caller's process."""
+    gc.freeze()
 
 
 LAUNCHER_ENV = "PDSERVE_LAUNCHER_PID"  # set by a launcher (pdserve up) whose services must not outlive it
