@@ -9,6 +9,7 @@ label, read at scrape time (never a stale copy). The README's "Metrics" table li
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ REQUESTS = Counter("pdserve_requests_total", "Requests by final gRPC status and 
 TOKENS = Counter("pdserve_tokens_total", "Tokens processed (prompt: prefilled, cached_prompt: of those, served "
                  "from the prefix cache, output: generated)",
                  ["service", "kind"])
+
+FROZEN_OBJECTS = Gauge("pdserve_process_frozen_objects", "Objects this process moved into the garbage collector's "
+                       "permanent generation when it began serving (gc.freeze): a full collection skips them")
+FROZEN_OBJECTS.set_function(gc.get_freeze_count)  # read at scrape time
 
 # --- router ------------------------------------------------------------------------------------------
 TTFT = Histogram("pdserve_router_ttft_seconds", "Arrival to first token, seen by the router", buckets=LATENCY)

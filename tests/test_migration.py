@@ -149,6 +149,13 @@ def test_streams_ride_one_token_bus_per_decode_instance_through_pdserve_up(up):
     assert total("pdserve_decode_token_bus_batches_total") - batches < sent * 2 / 3
 
 
+def test_serving_processes_freeze_their_startup_heap(up):
+    """The router and every front froze what they held when they began serving (gc.freeze): a full collection in
+    the middle of a stream walks only what came after (the engine cores freeze before they report ready)."""
+    for name in up.metrics:
+        assert up.metric(name, "pdserve_process_frozen_objects") > 10_000, name
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fault_through_pdserve_up(up, workload, fault):
     specs, reference = workload
