@@ -1858,9 +1858,18 @@ static inline void block_ahead_pass(BlockAhead *ba) {
 
 static void wide_block(const void *w, int bf16, int64_t k, int64_t r0, int64_t r1, const float *xp, int64_t n,
                        int64_t p0, int64_t P, float *state, wide_emit emit, void *ctx, BlockAhead *ahead) {
+    BlockAhead own = {0, 0, 0};  /* the first group's passes: the block's own rows, two passes ahead */
+    if (p0 == 0) {
+        const int64_t lead = 8 < r1 - r0 ? 8 : r1 - r0, elem = bf16 ? 2 : 4, chunks = (k + WIDE_KC - 1) / WIDE_KC;
+        const char *rows = (const char *)w + r0 * k * elem;
+        for (int64_t b = 0; b < lead * k * elem; b += 64) __builtin_prefetch(rows + b, 0, 2);
+        own = block_ahead(r1 - r0 > lead ? rows + lead * k * elem : NULL, (r1 - r0 - lead) * k * elem,
+                          chunks * ((r1 - r0 + 3) / 4));
+    }
     for (int64_t d0 = 0; d0 < k; d0 += WIDE_KC) {
         int64_t d1 = d0 + WIDE_KC < k ? d0 + WIDE_KC : k;
         for (int64_t r = r0; r < r1; r += 4) {
+            block_ahead_pass(&own);
             block_ahead_pass(ahead);
             float out[2 * WP][4];
             wide_pass(w, bf16, k, r, r1, xp, p0, P, d0, d1, state + (r - r0) / 4 * WIDE_STATE, out);
