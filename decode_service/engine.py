@@ -40,7 +40,7 @@ from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
 from shared.protocol.placement import least_loaded_rank
 from shared.protocol.tokenizer import OutputProcessor, Tokenizer
-from shared.rpc.service import LoopQueue, die_with_parent, freeze_startup_heap
+from shared.rpc.service import LoopQueue, freeze_startup_heap, leave_stop_signals_to_front
 from shared.transfer import Destination
 
 log = logging.getLogger("pdserve.decode")
@@ -391,7 +391,7 @@ def build_engine_core(cfg: DecodeConfig, sink: Callable[[list[Event]], None] | N
 def core_main(cfg: DecodeConfig, conn: Connection) -> None:
     """Entry point of the engine-core process: rank 0's engine, its coordinator loop, its KV receiver;
     per loop turn it sends the front one message with the step's events and one with the loads."""
-    die_with_parent()
+    leave_stop_signals_to_front()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-core %(levelname)s %(message)s")
     front = CoreConnection(conn)
     try:

@@ -23,7 +23,7 @@ from shared.kvcache.event_log import CacheEventLog, KvEventsNotice, listen_to
 from shared.parallel.launch import service_state
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import LoadReport, RankLoad
-from shared.rpc.service import die_with_parent, freeze_startup_heap
+from shared.rpc.service import freeze_startup_heap, leave_stop_signals_to_front
 from shared.transfer import Destination, KVSender
 
 log = logging.getLogger("pdserve.prefill")
@@ -167,7 +167,7 @@ def build_engine_core(cfg: PrefillConfig, on_report: ReportHook | None = None,
 # -- the core in its own process ------------------------------------------------------------------------
 def core_main(cfg: PrefillConfig, conn: Connection) -> None:
     """Entry point of the engine-core process: rank 0's engine, its loop and its KV pushes."""
-    die_with_parent()
+    leave_stop_signals_to_front()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill-core %(levelname)s %(message)s")
     front = CoreConnection(conn)
     try:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from shared.config import ServiceConfig
 from shared.device import check_weight_sharing, get_device
 from shared.parallel.state import ParallelConfig, ParallelState, env_rank_world
-from shared.rpc.service import Credentials, serve_follower_health
+from shared.rpc.service import Credentials, leave_stop_signals_to_front, serve_follower_health
 from shared.transfer.rdma import mooncake_device_names
 
 # A collective that waits longer than this fails and the instance exits (the orchestrator restarts it):
@@ -65,6 +65,13 @@ def service_state(config: ParallelConfig, rank: int, cpu_threads: int) -> Parall
     return ParallelState.initialize(config, rank, get_device(None), timeout_s=SERVICE_TIMEOUT_S)
 
 
+def _spawned_follower(follower: Callable[[int, Any], None], rank: int, cfg: Any) -> None:
+    """A follower rank this instance's leader spawned: a stop signal is the leader's to act on (it stops its
+    ranks once it has drained), and the rank dies with it."""
+    leave_stop_signals_to_front()
+    follower(rank, cfg)
+
+
 def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> tuple[int, list]:
     """Returns (this process's rank, spawned follower processes). `follower(rank, cfg)` must be a
     module-level function (spawn pickles it by name)."""
@@ -79,7 +86,7 @@ def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=follower, args=(r, cfg), name=f"rank{r}") for r in range(1, world)]
+    procs = [ctx.Process(target=_spawned_follower, args=(follower, r, cfg), name=f"rank{r}") for r in range(1, world)]
     for p in procs:
         p.start()
     return 0, procs

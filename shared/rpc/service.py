@@ -383,13 +383,25 @@ def serve_follower_health(host: str, port: int, credentials: Credentials | None 
     return down
 
 
-def die_with_parent() -> None:
-    """In a child process: get SIGTERM when the parent dies, even by SIGKILL (Linux), so a killed
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In a child process: get `sig` when the parent dies, even by SIGKILL (Linux), so a killed
     service or `pdserve up` leaves no orphans holding ports."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def leave_stop_signals_to_front() -> None:
+    """In a process a service's front spawned to work for it (its engine core, its local follower ranks): a stop
+    signal sent to the whole process group (Ctrl-C, `kill -TERM -PGID`, a supervisor stopping the group) is the
+    front's to act on. The front drains (its running requests handed back to the router as draining) and then stops
+    its helpers itself; a helper that died of the signal first would fail those requests as a dead engine instead
+    (seen: a group SIGTERM moved a decode instance's streams as `unavailable`, not `drain`, on a loaded host). So
+    the helper ignores SIGTERM and SIGINT, and is killed outright when the front dies (parent-death SIGKILL)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
 
 
 def freeze_startup_heap() -> None:
@@ -461,4 +473,4 @@ def aio_channel(address: str, credentials: Credentials | None = None) -> grpc.ai
 
 
 __all__ = ["Credentials", "Lifecycle", "LoopQueue", "aio_channel", "channel", "die_with_parent", "internal_pb2",
-           "start_server"]
+           "leave_stop_signals_to_front", "start_server"]
