@@ -54,6 +54,34 @@ def test_fused_linear_and_head_matmul_match_torch(portable, weight_dtype):
     assert (o.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_linear_many_is_each_linear_in_one_call(x_dtype):
+    """Layers fed the same rows (q_a and kv_a, gate and up) in one call (the rows packed once, the weights' rows
+    shared out as one range): each output the bits linear() gives it alone, at row counts odd and even and
+    output widths that are not multiples of four (a weight's rows cut between tasks); the model's MLP takes it
+    (layers.same_input) with the bits of its separate calls. Weights of another width or dtype: None, nothing run."""
+    from shared.model.layers import MLP
+
+    if not cpu_kernels.wide_tiles():
+        pytest.skip("several weights a call only with the wide tiles (AVX-512)")
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(m, 256, generator=gen) * 0.05 for m in (64, 578, 7)]
+    for rows in (2, 13, 64, 300):
+        x = torch.randn(rows, 256, generator=gen).to(x_dtype)
+        got = cpu_kernels.linear_many(x, weights)
+        assert got is not None and len(got) == 3
+        for w, y in zip(weights, got, strict=True):
+            assert y.dtype == x_dtype and torch.equal(y, cpu_kernels.linear(x, w))
+    assert cpu_kernels.linear_many(x, [weights[0], torch.randn(8, 128)]) is None  # another k: hostile, refused
+    assert cpu_kernels.linear_many(x, [weights[0], weights[1].bfloat16()]) is None
+    mlp = MLP(256, 96, torch.float32)
+    for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen) * 0.05)
+    x = torch.randn(40, 256, generator=gen).to(x_dtype)
+    separate = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x, 40)) * mlp.up_proj(x, 40), 40)
+    assert torch.equal(mlp(x, 40), separate)
+
+
 def test_head_matmul_rows_are_batch_invariant_at_many_heads():
     """MLA's absorbed matmuls for generated rows take the kernel at any head count (DeepSeek's 128 included):
     a row gets the same bits alone as in any group of rows (row groups of 8 and their remainders), over k and

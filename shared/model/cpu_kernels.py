@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -50,61 +50,46 @@ _library: ctypes.CDLL | None = None  # built_once's state, per kernel module (te
 _tried = False
 
 
+def _declare(lib: ctypes.CDLL, name: str, restype: type | None, *argtypes: type) -> None:
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+
+
 def _build() -> ctypes.CDLL | None:
     """Build (or reuse) this module's kernels and declare their signatures; None where they cannot be built."""
     lib = build_library(_SOURCE_FILE)
     if lib is None:
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_mqa.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr,
-                              ptr, ctypes.c_float, i64, ptr, ctypes.c_int32]
-    lib.paged_mqa.restype = ctypes.c_int32
-    lib.paged_mqa_c8.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, ptr,
-                                 ptr, ptr, ctypes.c_float, i64, ptr, ctypes.c_int32]
-    lib.paged_mqa_c8.restype = ctypes.c_int32
-    lib.c8_rows_decode.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ctypes.c_int32, ctypes.c_int32]
-    lib.c8_rows_decode.restype = ctypes.c_int32
-    lib.index_keys.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, i64, i64, i64, ptr, ptr,
-                               i64, ctypes.c_float, ptr, ctypes.c_int32]
-    lib.index_keys.restype = ctypes.c_int32
-    lib.dots_bf16.argtypes = []
-    lib.dots_bf16.restype = ctypes.c_int32
-    lib.wide_tiles.argtypes = []
-    lib.wide_tiles.restype = ctypes.c_int32
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
+    _declare(lib, "paged_mqa", i32, ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32,
+                  i64, ptr, i32)
+    _declare(lib, "paged_mqa_c8", i32, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64,
+                  ptr, ptr, ptr, f32, i64, ptr, i32)
+    _declare(lib, "c8_rows_decode", i32, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, i32, i32)
+    _declare(lib, "index_keys", i32, ptr, ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64,
+                  f32, ptr, i32)
+    _declare(lib, "dots_bf16", i32)
+    _declare(lib, "wide_tiles", i32)
     lib.wide = bool(lib.wide_tiles())  # asked once: ops.every_row reads it on every linear
-    lib.topk_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int32]
-    lib.topk_rows.restype = None
-    lib.greedy_rows.argtypes = [ptr, i64, i64, ptr, ctypes.c_int32]
-    lib.greedy_rows.restype = ctypes.c_int32
-    f32, i32 = ctypes.c_float, ctypes.c_int32
-    lib.moe_routed.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i64, i32,
-                               ptr, ptr, ptr, i64, ptr, ptr, i32]
-    lib.moe_routed.restype = ctypes.c_int32
-    lib.moe_route.argtypes = [ptr, i64, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i32]
-    lib.moe_route.restype = ctypes.c_int32
-    lib.moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, i32]
-    lib.moe_experts.restype = ctypes.c_int32
-    lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32, i32]
-    lib.rms_norm.restype = None
-    lib.rope.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i32, i32]
-    lib.rope.restype = None
-    lib.index_rows.argtypes = [ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i64, i32, i64, ptr, i32]
-    lib.index_rows.restype = ctypes.c_int32
-    lib.mla_kv_write.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i32, i64, ptr, i32]
-    lib.mla_kv_write.restype = ctypes.c_int32
-    lib.mla_kv_write_c8.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i64, i64, ptr, i64, i64]
-    lib.mla_kv_write_c8.restype = ctypes.c_int32
-    lib.index_key_write_fp8.argtypes = [ptr, i32, i64, i64, ptr, i64, i64, ptr]
-    lib.index_key_write_fp8.restype = ctypes.c_int32
-    lib.linear_rows.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32]
-    lib.linear_rows.restype = None
-    lib.linear_rows_bf16.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i32]
-    lib.linear_rows_bf16.restype = ctypes.c_int32
-    lib.head_matmul.argtypes = [ptr, i32, i64, i64, ptr, i32, ptr, i32, i64, i64, i64, i64, i64, i64, i32]
-    lib.head_matmul.restype = None
-    lib.prompt_attention_tile.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i32, ptr, ptr, ptr,
-                                          i32]
-    lib.prompt_attention_tile.restype = None
+    _declare(lib, "topk_rows", None, ptr, i64, i64, i64, ptr, ptr, i32)
+    _declare(lib, "greedy_rows", i32, ptr, i64, i64, ptr, i32)
+    _declare(lib, "moe_routed", i32, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i64, i32, ptr,
+                  ptr, ptr, i64, ptr, ptr, i32)
+    _declare(lib, "moe_route", i32, ptr, i64, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, f32, ptr, ptr, i32)
+    _declare(lib, "moe_experts", i32, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i32, i32, ptr, i32)
+    _declare(lib, "rms_norm", None, ptr, ptr, ptr, i64, i64, f32, i32, i32)
+    _declare(lib, "rope", None, ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i32, i32)
+    _declare(lib, "index_rows", i32, ptr, i64, i64, i32, i64, i64, i64, ptr, ptr, i64, i32, i64, ptr, i32)
+    _declare(lib, "mla_kv_write", i32, ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i32, i64, ptr, i32)
+    _declare(lib, "mla_kv_write_c8", i32, ptr, i32, i64, i64, i64, ptr, f32, ptr, ptr, i32, ptr, i64, i64, ptr, i64,
+                  i64)
+    _declare(lib, "index_key_write_fp8", i32, ptr, i32, i64, i64, ptr, i64, i64, ptr)
+    _declare(lib, "linear_rows", None, ptr, i32, ptr, ptr, i64, i64, i64, i32)
+    _declare(lib, "linear_rows_many", i32, ptr, i32, ptr, ptr, ptr, i32, i64, i64, i32)
+    _declare(lib, "linear_rows_bf16", i32, ptr, ptr, ptr, i32, i64, i64, i64, i32)
+    _declare(lib, "head_matmul", None, ptr, i32, i64, i64, ptr, i32, ptr, i32, i64, i64, i64, i64, i64, i64, i32)
+    _declare(lib, "prompt_attention_tile", None, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i32, ptr, ptr,
+                  ptr, i32)
     return lib
 
 
@@ -388,6 +373,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None if failed else y
     library().linear_rows(x.data_ptr(), bf16, weight.data_ptr(), y.data_ptr(), n, k, m, torch.get_num_threads())
     return y
+
+
+def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """linear() of rows x by several fp32 weights in one call, x packed once for all (q_a and kv_a, gate and up):
+    each output linear()'s. None where it does not apply (wide tiles only): the caller takes them one at a time."""
+    bf16, k = BF16_FLAG.get(x.dtype), x.shape[-1]
+    if bf16 is None or x.dim() != 2 or not weights or not wide_tiles() or not runnable(x, *weights) or any(
+            w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] != k or not w.is_contiguous() for w in weights):
+        return None
+    x, array = x.contiguous(), ctypes.c_void_p * len(weights)
+    ys = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights]
+    failed = library().linear_rows_many(x.data_ptr(), bf16, array(*(w.data_ptr() for w in weights)),
+                                        (ctypes.c_int64 * len(weights))(*(w.shape[0] for w in weights)),
+                                        array(*(y.data_ptr() for y in ys)), len(weights), x.shape[0], k,
+                                        torch.get_num_threads())
+    return None if failed else ys
 
 
 def head_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:

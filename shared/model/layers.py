@@ -105,4 +105,13 @@ class MLP(nn.Module):
         self.down_proj = linear(inter, hidden, dtype, fmt)
 
     def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, generated)) * self.up_proj(x, generated), generated)
+        gate, up = same_input(x, generated, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up, generated)
+
+
+def same_input(x: torch.Tensor, generated: int, *layers: nn.Module) -> list[torch.Tensor]:
+    """layer(x, generated) of each layer, where they are plain Linears in one call (ops.linear_many: the rows
+    packed once for all, as vLLM's merged gate_up and DeepSeek's fused q_a / kv_a projections read them)."""
+    if all(type(layer) is Linear for layer in layers):
+        return ops.linear_many(x, [layer.weight for layer in layers], generated)
+    return [layer(x, generated) for layer in layers]

@@ -23,7 +23,7 @@ from shared.kvcache.layout import RowCodec
 from shared.model.attention import HeadDims, PromptForm, expanded_attention, prompt_form
 from shared.model.batch import ForwardBatch
 from shared.model.indexer import DEFAULT_NUMERICS, Indexer, Selection
-from shared.model.layers import LinearFormats, RMSNorm, linear
+from shared.model.layers import LinearFormats, RMSNorm, linear, same_input
 from shared.model.rope import RopeAngles, rope_interleaved, rope_neox
 
 
@@ -82,15 +82,16 @@ class MLA(nn.Module):
         mla_codec, index_codec = codecs or (None, None)
         n, g = x.shape[0], fb.generated  # g: the leading rows that are generated tokens (shared.model.ops)
         if self.q_lora_rank:
-            qr = self.q_a_layernorm(self.q_a_proj(x, g))
+            qa, kv = same_input(x, g, self.q_a_proj, self.kv_a_proj_with_mqa)
+            qr = self.q_a_layernorm(qa)
             q = self.q_b_proj(qr, g)
         else:
             qr, q = None, self.q_proj(x, g)
+            kv = self.kv_a_proj_with_mqa(x, g)
         q = q.view(n, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
 
         # the cache row of each new token: [kv_a_layernorm(c_kv) | rope(k_pe)]
-        kv = self.kv_a_proj_with_mqa(x, g)
         cos, sin = rope.cos_sin(self.interleaved)
         ops.write_mla_rows(kv, self.kv_a_layernorm, cos, sin, self.interleaved, mla_pool, fb, mla_codec)
 

@@ -74,6 +74,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, generated: int = 0) -> torch.T
     return generated_first(x, generated, lambda rows: cpu_kernels.linear(rows, weight), portable)
 
 
+def linear_many(x: torch.Tensor, weights: list[torch.Tensor], generated: int = 0) -> list[torch.Tensor]:
+    """linear(x, w, generated) for each of `weights` (layers fed the same rows: MLA's q_a and kv_a, an MLP's gate
+    and up), in one kernel call where every row takes the kernels (every_row): the rows packed once for all."""
+    if x.dim() == 2 and x.shape[0] and all(every_row(w) for w in weights):
+        ys = cpu_kernels.linear_many(x, weights)
+        if ys is not None:
+            return ys
+    return [linear(x, w, generated) for w in weights]
+
+
 def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight), on the host at host_gemm_rows' row counts (the last row repeated): in bf16 oneDNN
     builds no new primitive for a new prompt length, and a single row is never computed alone (oneDNN multiplies

@@ -2524,6 +2524,19 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
 struct rows_out { void *y; int y_bf16; int64_t m; };  /* a linear's output rows */
 static void put_rows(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[2 * WP][4]) {
     struct rows_out *c = ctx;
+    if (rows == 4 && c->y_bf16) {  /* a pass's outputs rounded 16 at a time (put4_from's bits), 8 bytes a row */
+        uint16_t h[2 * WP][4];
+        for (int q = 0; q < inputs; q += 4) {
+            __m512i u = _mm512_loadu_si512(out[q]);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+            __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_UNORD_Q);
+            rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+            _mm256_storeu_si256((__m256i *)h[q], _mm512_cvtepi32_epi16(rounded));
+        }
+        for (int q = 0; q < inputs; q++) memcpy((uint16_t *)c->y + (q0 + q) * c->m + r, h[q], sizeof h[q]);
+        return;
+    }
     for (int q = 0; q < inputs; q++)
         if (rows == 4) {
             put4_from(c->y, c->y_bf16, (q0 + q) * c->m + r, out[q]);
@@ -2549,27 +2562,56 @@ static void pack_rows(const void *x, int x_bf16, int64_t n, int64_t k, float *xp
     }
 }
 
-static void linear_rows_wide(const void *x, int x_bf16, int64_t n, int64_t k, const float *w, void *y, int y_bf16,
-                             int64_t m, int threads) {
-    int64_t pairs = (n + 1) / 2;
+/* A task of linear_rows_wide: weight rows [r0, r1) of one of its weights. */
+typedef struct {
+    const float *w;
+    void *y;
+    int64_t m, r0, r1;
+} RowTask;
+
+/* The rows of `count` weights (ws[i]: [ms[i], k], y[i]: [n, ms[i]]) cut into tasks of at most `per` rows, each
+   within one weight (a cut at a multiple of four of its rows); how many. */
+static int64_t row_tasks(const float *const *ws, const int64_t *ms, void *const *ys, int count, int64_t per,
+                         RowTask *tasks) {
+    int64_t used = 0, at = 0;  /* at: the rows of the weights before this one */
+    for (int i = 0; i < count; at += ms[i], i++)
+        for (int64_t r0 = 0; r0 < ms[i];) {
+            int64_t edge = ((at + r0) / per + 1) * per - at, r1 = (edge + 3) / 4 * 4;
+            r1 = r1 < ms[i] ? r1 : ms[i];
+            tasks[used++] = (RowTask){ws[i], ys[i], ms[i], r0, r1};
+            r0 = r1;
+        }
+    return used;
+}
+
+/* linear_rows for `count` weights on the same rows x, in one call: the rows packed once, the weights' rows split
+   evenly among the threads as one range (q_a and kv_a; gate and up: one packing and one fork instead of two). */
+static void linear_rows_wide(const void *x, int x_bf16, int64_t n, int64_t k, const float *const *ws,
+                             const int64_t *ms, void *const *ys, int count, int y_bf16, int threads) {
+    int64_t pairs = (n + 1) / 2, m = 0;
+    for (int i = 0; i < count; i++) m += ms[i];
     float *xp = xmalloc(sizeof(float) * 2 * pairs * k);
     pack_rows(x, x_bf16, n, k, xp, threads);
     int64_t per_thread = m * k * (int64_t)sizeof(float) / threads;
     const int64_t block_bytes = wide_block_bytes(n * k * 4);
     int64_t parts = (int64_t)threads * ((per_thread + block_bytes - 1) / block_bytes);
-    int64_t per = ((m + parts - 1) / parts + 3) / 4 * 4, blocks = (m + per - 1) / per;
+    int64_t per = ((m + parts - 1) / parts + 3) / 4 * 4;
+    RowTask *tasks = xmalloc(sizeof(RowTask) * (m / per + 2 * count + 1));
+    const int64_t count_tasks = row_tasks(ws, ms, ys, count, per, tasks);
     #pragma omp parallel for num_threads(threads) schedule(static) if (n * m * k >= PARALLEL_MACS)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t r0 = b * per, r1 = (b + 1) * per < m ? (b + 1) * per : m;
-        float *state = xmalloc(sizeof(float) * ((r1 - r0 + 3) / 4) * WIDE_STATE);
-        struct rows_out ctx = {y, y_bf16, m};
-        int64_t next_rows = b + 1 < blocks ? ((b + 2) * per < m ? (b + 2) * per : m) - r1 : 0;
-        BlockAhead ahead = block_ahead(next_rows ? w + r1 * k : NULL, next_rows * k * (int64_t)sizeof(float),
-                                       wide_passes(r1 - r0, k, pairs));
+    for (int64_t b = 0; b < count_tasks; b++) {
+        const RowTask *t = tasks + b, *next = b + 1 < count_tasks ? tasks + b + 1 : NULL;
+        float *state = xmalloc(sizeof(float) * ((t->r1 - t->r0 + 3) / 4) * WIDE_STATE);
+        struct rows_out ctx = {t->y, y_bf16, t->m};
+        BlockAhead ahead = block_ahead(next ? next->w + next->r0 * k : NULL,
+                                       next ? (next->r1 - next->r0) * k * (int64_t)sizeof(float) : 0,
+                                       wide_passes(t->r1 - t->r0, k, pairs));
         for (int64_t p0 = 0; p0 < pairs; p0 += WP)
-            wide_block(w, 0, k, r0, r1, xp, n, p0, pairs - p0 < WP ? pairs - p0 : WP, state, put_rows, &ctx, &ahead);
+            wide_block(t->w, 0, k, t->r0, t->r1, xp, n, p0, pairs - p0 < WP ? pairs - p0 : WP, state, put_rows, &ctx,
+                       &ahead);
         free(state);
     }
+    free(tasks);
     free(xp);
 }
 #endif
@@ -2582,7 +2624,8 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
                  int32_t threads) {
 #if HAVE_WIDE
     if (n >= 2 && k % DW == 0) {
-        linear_rows_wide(x, x_bf16, n, k, w, y, x_bf16, m, threads);
+        void *ys[1] = {y};
+        linear_rows_wide(x, x_bf16, n, k, &w, &m, ys, 1, x_bf16, threads);
         return;
     }
 #endif
@@ -2608,6 +2651,22 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
         }
     }
     free(xf);
+}
+
+/* linear_rows for `count` fp32 weights ws[i] [ms[i], k] on the same rows x [n, k] (bf16 or fp32), ys[i] [n, ms[i]]
+   in x's dtype, in one call: the rows packed once for all of them (MLA's q_a and kv_a, an MLP's gate and up). Each
+   output is linear_rows' (the same sums). Returns 1 (nothing written) where the wide tiles do not run it: n < 2,
+   k % 8, or no AVX-512 (the caller multiplies the weights one at a time). */
+int32_t linear_rows_many(const void *x, int32_t x_bf16, const float *const *ws, const int64_t *ms, void *const *ys,
+                         int32_t count, int64_t n, int64_t k, int32_t threads) {
+#if HAVE_WIDE
+    if (n >= 2 && k % DW == 0 && count > 0) {
+        linear_rows_wide(x, x_bf16, n, k, ws, ms, ys, count, x_bf16, threads);
+        return 0;
+    }
+#endif
+    (void)x; (void)x_bf16; (void)ws; (void)ms; (void)ys; (void)count; (void)n; (void)k; (void)threads;
+    return 1;
 }
 
 #if HAVE_DPBF16
