@@ -2590,6 +2590,7 @@ static void linear_rows_wide(const void *x, int x_bf16, int64_t n, int64_t k, co
                              const int64_t *ms, void *const *ys, int count, int y_bf16, int threads) {
     int64_t pairs = (n + 1) / 2, m = 0;
     for (int i = 0; i < count; i++) m += ms[i];
+    if (m == 0) return;  /* no weight rows: nothing to write (and no task size to divide by) */
     float *xp = xmalloc(sizeof(float) * 2 * pairs * k);
     pack_rows(x, x_bf16, n, k, xp, threads);
     int64_t per_thread = m * k * (int64_t)sizeof(float) / threads;
