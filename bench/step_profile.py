@@ -61,7 +61,7 @@ ALLOCS = {"aten::empty", "aten::empty_strided", "aten::zeros", "aten::full", "at
 SCOPES = {"pdserve.attention": "attention", "pdserve.indexer": "indexer", "pdserve.moe": "MoE",
           "pdserve.sampling": "sampling"}
 KERNEL_PREFIX = "pdserve.kernel."  # a C kernel's scope: its own time is compute of the part it runs in ...
-C_MATMULS = {"linear_rows", "linear_rows_many", "dots_bf16", "head_matmul", "w8a8_matmul"}  # ... or matmul: the C matmuls
+C_MATMULS = {"linear_rows", "linear_rows_many", "dots_bf16", "head_matmul", "w8a8_matmul"}  # ... or matmul
 
 
 def _scoped(stack: ExitStack, owner: object, name: str, label: str) -> None:
