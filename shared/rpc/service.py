@@ -396,9 +396,9 @@ def leave_stop_signals_to_front() -> None:
     """In a process a service's front spawned to work for it (its engine core, its local follower ranks): a stop
     signal sent to the whole process group (Ctrl-C, `kill -TERM -PGID`, a supervisor stopping the group) is the
     front's to act on. The front drains (its running requests handed back to the router as draining) and then stops
-    its helpers itself; a helper that died of the signal first would fail those requests as a dead engine instead
-    (seen: a group SIGTERM moved a decode instance's streams as `unavailable`, not `drain`, on a loaded host). So
-    the helper ignores SIGTERM and SIGINT, and is killed outright when the front dies (parent-death SIGKILL)."""
+    its helpers itself; a core that died of the signal first failed those requests as a dead engine's, so they
+    moved as `unavailable`, not as a drain (a loaded run counted no drain though every stream came whole). So the
+    helper ignores SIGTERM and SIGINT, and is killed outright when the front dies (parent-death SIGKILL)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
