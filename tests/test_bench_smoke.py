@@ -32,6 +32,8 @@ TINY_ARGS = {
     "grpc_streams": ["--streams", "2", "--steps", "4", "--step-ms", "1", "--rounds", "1"],
     "c8": ["--contexts", "64", "--batch", "1", "--tail", "4", "--new-tokens", "2", "--repeat", "1",
            "--index-topk", "32"],
+    "block_size": ["--sizes", "4,8", "--batch", "2", "--context", "16", "--engine-rounds", "2", "--prompt-len", "8",
+                   "--new-tokens", "2"],
 }
 # Benches whose smallest run still starts several clusters or a peer's server (minutes each): run by hand.
 BY_HAND = {"elastic", "structured", "profile_router", "hostload",
