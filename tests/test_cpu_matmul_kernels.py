@@ -88,14 +88,21 @@ def test_linear_many_is_each_linear_in_one_call(x_dtype):
 def test_head_matmul_rows_are_batch_invariant_at_many_heads():
     """MLA's absorbed matmuls for generated rows take the kernel at any head count (DeepSeek's 128 included):
     a row gets the same bits alone as in any group of rows (row groups of 8 and their remainders), over k and
-    m that are not multiples of the kernel's steps."""
+    m that are not multiples of the kernel's steps. fp32 rows (the attention's latent outputs) and fp32 outputs (the
+    absorbed queries) as strided views, which the wide tiles read and write where they lie: the gaps untouched."""
     gen = torch.Generator().manual_seed(13)
-    for heads, k, m, dtype in ((40, 30, 37, torch.float32), (128, 64, 48, torch.float32), (128, 64, 48, torch.bfloat16),
-                               (6, 512, 32, torch.bfloat16)):
-        x = torch.randn(11, heads, k, generator=gen).bfloat16()
+    for heads, k, m, dtype, x_dtype in ((40, 30, 37, torch.float32, torch.bfloat16),
+                                        (128, 64, 48, torch.float32, torch.bfloat16),
+                                        (128, 64, 48, torch.bfloat16, torch.bfloat16),
+                                        (6, 512, 32, torch.bfloat16, torch.bfloat16),
+                                        (4, 512, 64, torch.float32, torch.float32),
+                                        (4, 32, 512, torch.float32, torch.float32)):
+        x = torch.randn(11, heads, k + 3, generator=gen).to(x_dtype)[..., 2 : 2 + k]
         w = torch.randn(heads, k, m, generator=gen).to(dtype)
-        batched = torch.empty(11, heads, m)
+        padded = torch.zeros(11, heads, m + 64)
+        batched = padded[..., :m]
         assert cpu_kernels.head_matmul(x, w, batched)
+        assert not padded[..., m:].any()
         for i in (0, 7, 8, 10):
             alone = torch.empty(1, heads, m)
             assert cpu_kernels.head_matmul(x[i : i + 1], w, alone)

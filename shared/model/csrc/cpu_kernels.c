@@ -2871,7 +2871,8 @@ void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head,
                 float *acc = y_bf16 ? scratch_y : (float *)y + i0 * ys_row + h * ys_head;
                 const int64_t ys = y_bf16 ? m : ys_row;
                 for (int q = 0; x_bf16 && q < rows; q++)
-                    for (int64_t j = 0; j < k; j++) scratch_x[q * k + j] = widen(x, 1, (i0 + q) * xs_row + h * xs_head + j);
+                    for (int64_t j = 0; j < k; j++)
+                        scratch_x[q * k + j] = widen(x, 1, (i0 + q) * xs_row + h * xs_head + j);
                 switch (rows) {
                     case 1: head_rows_wide(xr, xs, wh, acc, ys, k, m, 1); break;
                     case 2: head_rows_wide(xr, xs, wh, acc, ys, k, m, 2); break;
