@@ -45,7 +45,7 @@ from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
 UP_ENGINE_FLAGS = ("kv_transport", "mooncake_protocol", "mooncake_devices", "dtype", "indexer_numerics",
                    "quantization", "kv_cache_dtype", "offload_layers", "offload_buffers", "share_weights_dir",
                    "speculative", "num_speculative_tokens", "kv_cache_tokens", "kv_tier_tokens", "kv_tier_dir",
-                   "kv_store_master")
+                   "kv_store_master", "block_size")
 
 
 
@@ -55,6 +55,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         return Deployment.from_yaml(args.config)
     return Deployment.from_dict({
         "engine": {"dtype": args.dtype, "indexerNumerics": args.indexer_numerics, "kvTransport": args.kv_transport,
+                   "blockSize": args.block_size,
                    "mooncake": {"protocol": args.mooncake_protocol, "devices": args.mooncake_devices},
                    "quantization": args.quantization, "kvCacheDtype": args.kv_cache_dtype,
                    "offloadLayers": args.offload_layers, "offloadBuffers": args.offload_buffers,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,20 @@ def test_every_front_takes_the_engine_default(name):
     if name in {f.name for f in dataclasses.fields(EngineSpec)}:
         assert knob_default(EngineSpec, name) == engine == VALUES["engine"][_camel(name)]
     assert getattr(parse_flags(ServiceConfig, argparse.ArgumentParser(), ["--model", "m"]), name) == engine
+
+
+def test_up_block_size_reaches_both_services_and_refuses_zero():
+    """`pdserve up --block-size N` renders `--block-size N` for prefill and decode alike (they must agree: the
+    pushed blocks are the decode pool's); 0 is refused before anything starts, naming the field."""
+    from router.cli import deployment_from_args
+
+    deployment = deployment_from_args(pdserve_parser().parse_args(["up", "--model", "m", "--block-size", "16"]))
+    for role in ("prefill", "decode"):
+        flags = deployment.flags(role)
+        assert flags[flags.index("--block-size") + 1] == "16"
+    run = subprocess.run([str(Path(sys.executable).with_name("pdserve")), "up", "--model", "m", "--port", "0",
+                          "--block-size", "0"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "engine.blockSize" in run.stderr, run.stderr[-500:]
 
 
 # Deployment keys that share a service flag's name but are deliberately another default, with why.
