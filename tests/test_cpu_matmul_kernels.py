@@ -91,12 +91,9 @@ def test_head_matmul_rows_are_batch_invariant_at_many_heads():
     m that are not multiples of the kernel's steps. fp32 rows (the attention's latent outputs) and fp32 outputs (the
     absorbed queries) as strided views, which the wide tiles read and write where they lie: the gaps untouched."""
     gen = torch.Generator().manual_seed(13)
-    for heads, k, m, dtype, x_dtype in ((40, 30, 37, torch.float32, torch.bfloat16),
-                                        (128, 64, 48, torch.float32, torch.bfloat16),
-                                        (128, 64, 48, torch.bfloat16, torch.bfloat16),
-                                        (6, 512, 32, torch.bfloat16, torch.bfloat16),
-                                        (4, 512, 64, torch.float32, torch.float32),
-                                        (4, 32, 512, torch.float32, torch.float32)):
+    f32, bf16 = torch.float32, torch.bfloat16
+    for heads, k, m, dtype, x_dtype in ((40, 30, 37, f32, bf16), (128, 64, 48, f32, bf16), (128, 64, 48, bf16, bf16),
+                                        (6, 512, 32, bf16, bf16), (4, 512, 64, f32, f32), (4, 32, 512, f32, f32)):
         x = torch.randn(11, heads, k + 3, generator=gen).to(x_dtype)[..., 2 : 2 + k]
         w = torch.randn(heads, k, m, generator=gen).to(dtype)
         padded = torch.zeros(11, heads, m + 64)
