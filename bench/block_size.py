@@ -25,7 +25,6 @@ _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))  # run as `python
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,26 +66,19 @@ def attention_ms(batch: int, context: int, block: int, scattered: bool, reps: in
 def engine_rounds(sizes: list[int], batch: int, rounds: int, prompt_len: int, new_tokens: int
                   ) -> dict[int, list[float]]:
     """tok/s of whole runs (fresh prompts each round, the same for every size) per block size."""
+    from bench.engine_throughput import run_pdserve
     from bench.peers import VLLM_CONFIG
-    from shared.engine import LLM, SamplingParams
+    from shared.engine import LLM
     from shared.loader.tiny import write_checkpoint
 
     results: dict[int, list[float]] = {size: [] for size in sizes}
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "model", "deepseek_v3", tokenizer=False, **VLLM_CONFIG)
-        engines = {size: LLM(str(path), dtype="bfloat16", max_num_seqs=batch, block_size=size).engine
-                   for size in sizes}
+        llms = {size: LLM(str(path), dtype="bfloat16", max_num_seqs=batch, block_size=size) for size in sizes}
         for r in range(rounds):
             prompts = [torch.randint(2, 1000, (prompt_len,)).tolist() for _ in range(batch)]
             for size in sizes if r % 2 == 0 else sizes[::-1]:
-                engine = engines[size]
-                start = time.perf_counter()
-                for prompt in prompts:
-                    engine.add_request(prompt, params)
-                while engine.has_work:
-                    engine.step()
-                results[size].append(batch * new_tokens / (time.perf_counter() - start))
+                results[size].append(run_pdserve(llms[size], prompts, new_tokens))
                 print(f"round {r + 1}: block size {size}: {results[size][-1]:,.0f} tok/s", flush=True)
     return results
 
@@ -106,7 +98,7 @@ def main() -> None:
     from shared.model import cpu_kernels
 
     if cpu_kernels.library() is None:
-        sys.exit("the CPU kernels are not built here (no C compiler?): nothing to measure")
+        _sys.exit("the CPU kernels are not built here (no C compiler?): nothing to measure")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     rows = args.batch * args.context * LAYERS
