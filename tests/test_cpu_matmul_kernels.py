@@ -60,7 +60,8 @@ def test_linear_many_is_each_linear_in_one_call(x_dtype):
     shared out as one range): each output the bits linear() gives it alone, at row counts odd and even and
     output widths that are not multiples of four (a weight's rows cut between tasks); the model's MLP takes it
     (layers.same_input) with the bits of its separate calls. Weights of another width or dtype: None, nothing run.
-    Without the wide tiles (no AVX-512) it declines every call (None) and the MLP takes its separate calls."""
+    Without the wide tiles (neither AVX-512 nor AVX2 + FMA) it declines every call (None) and the MLP takes its
+    separate calls."""
     from shared.model.layers import MLP
 
     wide = cpu_kernels.wide_tiles()
@@ -135,8 +136,8 @@ def test_fused_moe_matches_router_and_grouped_experts(portable, dtype, groups, m
     """The fused router + routed + shared experts picks moe.Gate's experts and gives moe.MoE's portable
     output (bf16: within a rounding step; fp32: to rounding) for the generated rows of a step, any
     number of them (chunked past chunk_rows: its scratch budget set to 64 rows here), while the step's prompt
-    rows keep the portable path (where ops.every_row holds, an AVX-512 build's fp32 weights, every row is
-    fused); outside a step (no generated rows) nothing is fused."""
+    rows keep the portable path (where ops.every_row holds, an AVX-512 or AVX2 + FMA build's fp32 weights,
+    every row is fused); outside a step (no generated rows) nothing is fused."""
     from shared.config import ModelConfig
     from shared.loader.tiny import make_config
     from shared.model.moe import MoE
@@ -421,9 +422,9 @@ def test_fp32_decode_matmuls_and_attention_keep_a_rows_bits_on_every_isa(monkeyp
     """The fp32 decode linears, experts and MLA head matmuls, and attention over fp32 or bf16 rows, give a row the
     same bits alone as in any batch, and the same on every ISA the kernels build for: AVX-512 (two rows' lanes a
     register, four weight rows by eight input rows a pass; a head's 32 outputs of 8 rows in registers;
-    attention's scores of two rows and p.V of 16 dims a register: where this CPU has it), AVX2 + FMA (two by four)
-    and SSE (no FMA unit: fmaf in software); prompt attention's key tiles too. Each output is the fp32 dot product
-    to a rounding."""
+    attention's scores of two rows and p.V of 16 dims a register: where this CPU has it), AVX2 + FMA (four weight
+    rows by an input pair a register block, in the same passes) and SSE (no FMA unit: fmaf in software); prompt
+    attention's key tiles too. Each output is the fp32 dot product to a rounding."""
     flags = next((line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")), "").split()
     arches = ["native"] + [arch for arch, need in (("haswell", {"avx2", "fma", "bmi2"}),
                                                    ("x86-64-v2", {"sse4_2", "popcnt"})) if need <= set(flags)]

@@ -50,10 +50,11 @@ def generated_first(x: torch.Tensor, generated: int, kernel: Callable[[torch.Ten
 
 
 def every_row(weight: torch.Tensor) -> bool:
-    """fp32 weights where the kernels have wide tiles (cpu_kernels.wide_tiles: AVX-512): every row of a step,
-    prompt rows too, takes the kernels, whose rows round alike whatever rows share the step (torch's fp32 GEMMs
-    round a row by its batch's size), at 0.5-0.8x torch's rate on prompt rows. A CPU without bf16 arithmetic
-    computes a bf16 model so (its weights' fp32 copies), as an fp32 model is computed anywhere."""
+    """fp32 weights where the kernels have wide tiles (cpu_kernels.wide_tiles: AVX-512, or AVX2 + FMA): every row
+    of a step, prompt rows too, takes the kernels, whose rows round alike whatever rows share the step (torch's
+    fp32 GEMMs round a row by its batch's size: a prompt's cached rows then depended on the prompts prefilled
+    beside it), at 0.5-1x torch's rate on prompt rows. A CPU without bf16 arithmetic computes a bf16 model so
+    (its weights' fp32 copies), as an fp32 model is computed anywhere."""
     return weight.dtype == torch.float32 and on_host(weight) and cpu_kernels.wide_tiles()
 
 

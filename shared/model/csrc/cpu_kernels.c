@@ -1720,6 +1720,15 @@ static inline __attribute__((always_inline)) void tile_2x4(const void *w, int w_
    multiply-adds, not four (prompt-sized linears 5-14 % faster on one core, a batch-64 decode step ~4 %). */
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define HAVE_WIDE 1
+#define WIDE_ZMM 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_WIDE 1  /* the same passes, blocks and packing; wide_tile below holds a pair's chains in two ymm each */
+#define WIDE_ZMM 0
+#else
+#define HAVE_WIDE 0
+#define WIDE_ZMM 0
+#endif
+#if HAVE_WIDE
 #define WP 6  /* input-row pairs per wide pass */
 #define WIDE_STATE (64 * WP)  /* floats of chains a pass of four weight rows keeps between its calls */
 
@@ -1735,6 +1744,7 @@ static void pack_pairs(const float *const *rows, int64_t n, int64_t k, float *xp
     }
 }
 
+#if WIDE_ZMM
 /* Eight weights from w at i (fp32, or bf16 widened exactly: the bits move up) in both halves of a register. */
 static inline __attribute__((always_inline)) __m512 wide_weights(const void *w, const int bf16, int64_t i) {
     if (!bf16) return _mm512_broadcast_f32x8(_mm256_loadu_ps((const float *)w + i));
@@ -1800,6 +1810,39 @@ static inline __attribute__((always_inline)) void wide_tile(const void *w, const
     }
 }
 #undef FMA4
+#else
+/* wide_tile on AVX2 (16 ymm registers): one input pair at a time, its two rows by the four weight rows in eight
+   registers (plus four weight and two input chunks: 14), each the same chain as wdot()'s, summed by sum4. The
+   weight chunks are reloaded per pair from L1; what the wide passes buy here over tile_2x4 is their blocking (a
+   group's input chunk held in L1 while a block of weight rows streams from L2) and their place in every_row. */
+static inline __attribute__((always_inline)) void wide_tile(const void *w, const int bf16, const int64_t off[4],
+                                                             const float *xp, int64_t k, const int P, int64_t d0,
+                                                             int64_t d1, float *state, float out[2 * WP][4]) {
+    for (int p = 0; p < P; p++) {
+        const float *x = xp + 2 * p * k;
+        float *st = state + 64 * p;  /* the pair's eight chains between calls */
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        if (d0 > 0) {
+            a0 = LOAD(st); a1 = LOAD(st + 8); a2 = LOAD(st + 16); a3 = LOAD(st + 24);
+            b0 = LOAD(st + 32); b1 = LOAD(st + 40); b2 = LOAD(st + 48); b3 = LOAD(st + 56);
+        }
+        for (int64_t d = d0; d < d1; d += DW) {
+            v8 w0 = wload(w, bf16, off[0] + d), w1 = wload(w, bf16, off[1] + d);
+            v8 w2 = wload(w, bf16, off[2] + d), w3 = wload(w, bf16, off[3] + d);
+            v8 xa = LOAD(x + 2 * d), xb = LOAD(x + 2 * d + DW);
+            a0 = vfma(w0, xa, a0); a1 = vfma(w1, xa, a1); a2 = vfma(w2, xa, a2); a3 = vfma(w3, xa, a3);
+            b0 = vfma(w0, xb, b0); b1 = vfma(w1, xb, b1); b2 = vfma(w2, xb, b2); b3 = vfma(w3, xb, b3);
+        }
+        if (d1 < k) {
+            STORE(st, a0); STORE(st + 8, a1); STORE(st + 16, a2); STORE(st + 24, a3);
+            STORE(st + 32, b0); STORE(st + 40, b1); STORE(st + 48, b2); STORE(st + 56, b3);
+            continue;
+        }
+        v4 sa = sum4(a0, a1, a2, a3), sb = sum4(b0, b1, b2, b3);
+        for (int o = 0; o < 4; o++) { out[2 * p][o] = sa[o]; out[2 * p + 1][o] = sb[o]; }
+    }
+}
+#endif
 
 /* wide_tile for weight rows [r, min(r + 4, r1)) (an end short of four repeats row r1 - 1, not written) and
    pairs [p0, p0 + P) of xp, P <= WP, over dims [d0, d1); state and out as wide_tile's. */
@@ -1879,8 +1922,6 @@ static void wide_block(const void *w, int bf16, int64_t k, int64_t r0, int64_t r
         }
     }
 }
-#else
-#define HAVE_WIDE 0
 #endif
 
 int32_t wide_tiles(void) { return HAVE_WIDE; }
@@ -1979,10 +2020,14 @@ static void put_picks(void *ctx, int64_t r, int rows, int64_t q0, int inputs, fl
 
 /* n bf16 values widened to fp32 (exact: the bits move up), 16 an instruction; n % 16 == 0. */
 static void widen_bf16(const uint16_t *src, int64_t n, float *dst) {
+#if WIDE_ZMM
     for (int64_t i = 0; i < n; i += 16) {
         __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
         _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
     }
+#else
+    for (int64_t i = 0; i < n; i += DW) STORE(dst + i, wload(src, 1, i));
+#endif
 }
 
 /* expert_gemm's fp32 path by wide tiles: each active expert's picks packed in pairs once (in parallel), then
@@ -2524,7 +2569,8 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
 struct rows_out { void *y; int y_bf16; int64_t m; };  /* a linear's output rows */
 static void put_rows(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[2 * WP][4]) {
     struct rows_out *c = ctx;
-    if (rows == 4 && c->y_bf16) {  /* a pass's outputs rounded 16 at a time (put4_from's bits), 8 bytes a row */
+    if (WIDE_ZMM && rows == 4 && c->y_bf16) {  /* a pass's outputs rounded 16 at a time (put4_from's bits) */
+#if WIDE_ZMM
         uint16_t h[2 * WP][4];
         for (int q = 0; q < inputs; q += 4) {
             __m512i u = _mm512_loadu_si512(out[q]);
@@ -2536,6 +2582,7 @@ static void put_rows(void *ctx, int64_t r, int rows, int64_t q0, int inputs, flo
         }
         for (int q = 0; q < inputs; q++) memcpy((uint16_t *)c->y + (q0 + q) * c->m + r, h[q], sizeof h[q]);
         return;
+#endif
     }
     for (int q = 0; q < inputs; q++)
         if (rows == 4) {
@@ -2768,7 +2815,7 @@ head_rows(const float *xr, const void *wh, int w_bf16, float *acc, int64_t k, in
             for (int64_t c = 0; c < m; c++) acc[q * m + c] = fmaf(xr[q * k + j], widen(wh, w_bf16, j * m + c), acc[q * m + c]);
 }
 
-#if HAVE_WIDE
+#if WIDE_ZMM
 #define HW_FMA(q) if (ROWS > q) { __m512 xb = _mm512_set1_ps(xr[q * xs + j]); \
     a##q##0 = _mm512_fmadd_ps(xb, w0, a##q##0); a##q##1 = _mm512_fmadd_ps(xb, w1, a##q##1); }
 #define HW_PUT(q) if (ROWS > q) { _mm512_storeu_ps(acc + q * ys + c0, a##q##0); \
@@ -2864,7 +2911,7 @@ void head_matmul(const void *x, int32_t x_bf16, int64_t xs_row, int64_t xs_head,
         for (int64_t t = 0; t < groups * heads; t++) {
             int64_t h = t / groups, i0 = t % groups * HR, rows = n - i0 < HR ? n - i0 : HR;
             const void *wh = (const uint8_t *)w + h * k * m * (w_bf16 ? 2 : 4);
-#if HAVE_WIDE
+#if WIDE_ZMM
             if (!w_bf16 && m % 32 == 0) {  /* fp32 x and y in place (strided rows), bf16 ones through scratch */
                 const float *xr = x_bf16 ? scratch_x : (const float *)x + i0 * xs_row + h * xs_head;
                 const int64_t xs = x_bf16 ? k : xs_row;
