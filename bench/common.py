@@ -204,6 +204,9 @@ def line_plot(path: Path, title: str, xs: list[int], series: dict[str, list[floa
     return _save(plt, fig, ax, path, title, ylabel)
 
 
+EMULATED_BF16_GFLOPS = 20.0  # below this a bf16 product is emulated (no AVX512-BF16 / AMX): read from a small one
+
+
 @dataclass(frozen=True)
 class MachineLimits:
     """What this machine can do at the bench's thread count: dense GEMM rates and memory copy bandwidth.
@@ -217,7 +220,9 @@ class MachineLimits:
 
     @classmethod
     def measure(cls, gemm: int = 1024, copy_mib: int = 256, rounds: int = 5) -> MachineLimits:
-        """Best of `rounds` timings: a gemm³ matmul in fp32 and bf16, a copy of `copy_mib` MiB (past caches)."""
+        """Best of `rounds` timings: a gemm³ matmul in fp32 and bf16, a copy of `copy_mib` MiB (past caches). Where
+        a (gemm / 4)³ bf16 product runs below EMULATED_BF16_GFLOPS, its rate is the bf16 reading (the full-size
+        timings took 12 s at 1 GFLOP/s on a Zen 3, in every bench that prints the limits)."""
         import torch
 
         flops = 2.0 * gemm**3
@@ -225,8 +230,12 @@ class MachineLimits:
         a16, b16 = a32.bfloat16(), b32.bfloat16()
         src = torch.ones(copy_mib << 20, dtype=torch.uint8)  # written: pages never touched all read the zero page
         dst = torch.ones_like(src)
+        probe = gemm // 4  # a CPU without bf16 arithmetic emulates it (~1 GFLOP/s): seconds a full-size product
+        bf16 = 2.0 * probe**3 / best_seconds(lambda: a16[:probe, :probe] @ b16[:probe, :probe], 1) / 1e9
+        if bf16 >= EMULATED_BF16_GFLOPS:
+            bf16 = flops / best_seconds(lambda: a16 @ b16, rounds) / 1e9
         return cls(threads=torch.get_num_threads(), fp32_gflops=flops / best_seconds(lambda: a32 @ b32, rounds) / 1e9,
-                   bf16_gflops=flops / best_seconds(lambda: a16 @ b16, rounds) / 1e9,
+                   bf16_gflops=bf16,
                    copy_gbps=2 * src.numel() / best_seconds(lambda: dst.copy_(src), rounds) / 1e9)
 
     def describe(self) -> str:

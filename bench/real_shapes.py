@@ -4,7 +4,7 @@ decode step time vs context, and the sampler at the real vocabulary.
     python bench/real_shapes.py [--contexts 2048,8192,32768] [--chunk 2048] [--dtype float32]
                                 [--decode-batch 1,16] [--workspace-mb 256] [--threads 1]
                                 [--model-type deepseek_v32|deepseek_v3] [--absorbed-baseline]
-                                [--quantization w8a8] [--kv-cache-dtype int8]
+                                [--quantization w8a8] [--kv-cache-dtype int8] [--sampler-rows 256]
 
 Prefill runs the longest prompt once in `--chunk`-token chunks; the time and peak RSS to prefill a
 C-token prompt are those of its first C / chunk chunks (the peak is reset before every chunk through
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="the decode steps' KV cache: the model's dtype, or C8 (int8 latents, FP8 index keys)")
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--sampler-rows", type=int, default=256, help="rows of the sampler's table (real vocabulary)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     forms = [True, False] if args.absorbed_baseline else [True]
     pre = [] if args.skip_prefill else prefill(model, cfg, contexts, args.chunk, workspace, forms)
     dec = [] if args.skip_decode else decode(model, cfg, contexts, batches, workspace, args.kv_cache_dtype)
-    smp = sampler()
+    smp = sampler(args.sampler_rows)
 
     index = "indexer 64x128, index_topk 2048" if cfg.has_indexer else "no indexer: dense at every context"
     head = (f"one layer at the 671B per-layer dims ({args.model_type}: hidden 7168, 128 heads, kv_lora 512, {index}, "

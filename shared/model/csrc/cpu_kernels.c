@@ -1811,36 +1811,55 @@ static inline __attribute__((always_inline)) void wide_tile(const void *w, const
 }
 #undef FMA4
 #else
-/* wide_tile on AVX2 (16 ymm registers): one input pair at a time, its two rows by the four weight rows in eight
-   registers (plus four weight and two input chunks: 14), each the same chain as wdot()'s, summed by sum4. The
-   weight chunks are reloaded per pair from L1; what the wide passes buy here over tile_2x4 is their blocking (a
-   group's input chunk held in L1 while a block of weight rows streams from L2) and their place in every_row. */
+/* On AVX2 (16 ymm registers) a wide pass runs as register blocks of two weight rows by up to six input rows: 12
+   chains (the FMA's latency times its two ports wants at least 8), two weight and one input chunk in registers.
+   Each chain is wdot()'s, summed by sum4. Input rows are read from the packed pairs (row 2p's chunk at d, then
+   row 2p + 1's). */
+#define AX(q) (xp + 2 * ((q) / 2) * k + ((q) % 2) * DW)  /* input row q's packed values, chunk d at AX(q) + 2d */
+#define AX_FMA(q) if (R > q) { v8 xv = LOAD(AX(q) + 2 * d); __asm__("" : "+x"(xv)); \
+    a0##q = vfma(w0, xv, a0##q); a1##q = vfma(w1, xv, a1##q); }
+#define AX_CHAINS(X) X(a00, 0) X(a01, 1) X(a02, 2) X(a03, 3) X(a04, 4) X(a05, 5) \
+    X(a10, 6) X(a11, 7) X(a12, 8) X(a13, 9) X(a14, 10) X(a15, 11)
+static inline __attribute__((always_inline)) void
+rows2_tile(const void *w, const int bf16, int64_t off0, int64_t off1, const float *xp, int64_t k, const int R,
+           int64_t d0, int64_t d1, float *st, float out[2 * WP][4], int o, int q0) {
+    v8 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a04 = {0}, a05 = {0};
+    v8 a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0}, a14 = {0}, a15 = {0};
+#define LOAD_CHAIN(c, i) if (i % 6 < R) c = LOAD(st + 8 * i);
+#define STORE_CHAIN(c, i) if (i % 6 < R) STORE(st + 8 * i, c);
+    if (d0 > 0) { AX_CHAINS(LOAD_CHAIN) }
+    for (int64_t d = d0; d < d1; d += DW) {
+        v8 w0 = wload(w, bf16, off0 + d), w1 = wload(w, bf16, off1 + d);
+        AX_FMA(0) AX_FMA(1) AX_FMA(2) AX_FMA(3) AX_FMA(4) AX_FMA(5)
+    }
+    if (d1 < k) { AX_CHAINS(STORE_CHAIN) return; }
+#undef LOAD_CHAIN
+#undef STORE_CHAIN
+    const v8 c0[6] = {a00, a01, a02, a03, a04, a05}, c1[6] = {a10, a11, a12, a13, a14, a15};
+    for (int q = 0; q < R; q += 2) {
+        v4 sums = sum4(c0[q], c1[q], c0[q + 1 < R ? q + 1 : q], c1[q + 1 < R ? q + 1 : q]);
+        out[q0 + q][o] = sums[0]; out[q0 + q][o + 1] = sums[1];
+        if (q + 1 < R) { out[q0 + q + 1][o] = sums[2]; out[q0 + q + 1][o + 1] = sums[3]; }
+    }
+}
+#undef AX_FMA
+#undef AX_CHAINS
+#undef AX
+
+/* wide_tile's contract on AVX2: weight rows (0, 1) then (2, 3), each by the P pairs' rows six at a time. */
 static inline __attribute__((always_inline)) void wide_tile(const void *w, const int bf16, const int64_t off[4],
                                                              const float *xp, int64_t k, const int P, int64_t d0,
                                                              int64_t d1, float *state, float out[2 * WP][4]) {
-    for (int p = 0; p < P; p++) {
-        const float *x = xp + 2 * p * k;
-        float *st = state + 64 * p;  /* the pair's eight chains between calls */
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-        if (d0 > 0) {
-            a0 = LOAD(st); a1 = LOAD(st + 8); a2 = LOAD(st + 16); a3 = LOAD(st + 24);
-            b0 = LOAD(st + 32); b1 = LOAD(st + 40); b2 = LOAD(st + 48); b3 = LOAD(st + 56);
+    for (int o = 0; o < 4; o += 2)
+        for (int q0 = 0; q0 < 2 * P; q0 += 6) {
+            float *st = state + (o / 2 * 2 * WP + q0) * 2 * DW;  /* 12 chains per block of six rows */
+            const float *x = xp + q0 * k;  /* row q0 starts pair q0 / 2 */
+            switch (2 * P - q0 < 6 ? 2 * P - q0 : 6) {
+                case 6: rows2_tile(w, bf16, off[o], off[o + 1], x, k, 6, d0, d1, st, out, o, q0); break;
+                case 4: rows2_tile(w, bf16, off[o], off[o + 1], x, k, 4, d0, d1, st, out, o, q0); break;
+                default: rows2_tile(w, bf16, off[o], off[o + 1], x, k, 2, d0, d1, st, out, o, q0); break;
+            }
         }
-        for (int64_t d = d0; d < d1; d += DW) {
-            v8 w0 = wload(w, bf16, off[0] + d), w1 = wload(w, bf16, off[1] + d);
-            v8 w2 = wload(w, bf16, off[2] + d), w3 = wload(w, bf16, off[3] + d);
-            v8 xa = LOAD(x + 2 * d), xb = LOAD(x + 2 * d + DW);
-            a0 = vfma(w0, xa, a0); a1 = vfma(w1, xa, a1); a2 = vfma(w2, xa, a2); a3 = vfma(w3, xa, a3);
-            b0 = vfma(w0, xb, b0); b1 = vfma(w1, xb, b1); b2 = vfma(w2, xb, b2); b3 = vfma(w3, xb, b3);
-        }
-        if (d1 < k) {
-            STORE(st, a0); STORE(st + 8, a1); STORE(st + 16, a2); STORE(st + 24, a3);
-            STORE(st + 32, b0); STORE(st + 40, b1); STORE(st + 48, b2); STORE(st + 56, b3);
-            continue;
-        }
-        v4 sa = sum4(a0, a1, a2, a3), sb = sum4(b0, b1, b2, b3);
-        for (int o = 0; o < 4; o++) { out[2 * p][o] = sa[o]; out[2 * p + 1][o] = sb[o]; }
-    }
 }
 #endif
 
