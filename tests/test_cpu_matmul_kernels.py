@@ -422,8 +422,8 @@ def test_fp32_decode_matmuls_and_attention_keep_a_rows_bits_on_every_isa(monkeyp
     """The fp32 decode linears, experts and MLA head matmuls, and attention over fp32 or bf16 rows, give a row the
     same bits alone as in any batch, and the same on every ISA the kernels build for: AVX-512 (two rows' lanes a
     register, four weight rows by eight input rows a pass; a head's 32 outputs of 8 rows in registers;
-    attention's scores of two rows and p.V of 16 dims a register: where this CPU has it), AVX2 + FMA (four weight
-    rows by an input pair a register block, in the same passes) and SSE (no FMA unit: fmaf in software); prompt
+    attention's scores of two rows and p.V of 16 dims a register: where this CPU has it), AVX2 + FMA (two weight
+    rows by six input rows a register block, in the same passes) and SSE (no FMA unit: fmaf in software); prompt
     attention's key tiles too. Each output is the fp32 dot product to a rounding."""
     flags = next((line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")), "").split()
     arches = ["native"] + [arch for arch, need in (("haswell", {"avx2", "fma", "bmi2"}),

@@ -264,8 +264,8 @@ def bf16_dots() -> bool:
 
 def wide_tiles() -> bool:
     """Whether the built kernels multiply fp32 weights by wide tiles (linear_rows, moe_experts: AVX-512's two
-    outputs' lanes a register, ~0.5-0.8x torch's fp32 GEMM at prompt sizes; AVX2 + FMA's four weight rows by an
-    input pair, blocked alike: about torch's rate on Zen 3), so every row of an fp32 linear takes them
+    outputs' lanes a register, ~0.5-0.8x torch's fp32 GEMM at prompt sizes; AVX2 + FMA's two weight rows by six
+    input rows a register block, blocked alike: 0.7-0.9x on a Zen 3), so every row of an fp32 linear takes them
     (ops.linear): each row the bits it has alone."""
     lib = library()
     return lib is not None and lib.wide

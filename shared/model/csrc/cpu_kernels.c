@@ -1722,7 +1722,7 @@ static inline __attribute__((always_inline)) void tile_2x4(const void *w, int w_
 #define HAVE_WIDE 1
 #define WIDE_ZMM 1
 #elif defined(__AVX2__) && defined(__FMA__)
-#define HAVE_WIDE 1  /* the same passes, blocks and packing; wide_tile below holds a pair's chains in two ymm each */
+#define HAVE_WIDE 1  /* the same passes, blocks and packing; AVX2 register blocks in wide_tile (rows2_tile) */
 #define WIDE_ZMM 0
 #else
 #define HAVE_WIDE 0
@@ -2588,8 +2588,8 @@ int32_t mla_kv_write_c8(const void *kv, int32_t bf16, int64_t n, int64_t c, int6
 struct rows_out { void *y; int y_bf16; int64_t m; };  /* a linear's output rows */
 static void put_rows(void *ctx, int64_t r, int rows, int64_t q0, int inputs, float out[2 * WP][4]) {
     struct rows_out *c = ctx;
-    if (WIDE_ZMM && rows == 4 && c->y_bf16) {  /* a pass's outputs rounded 16 at a time (put4_from's bits) */
 #if WIDE_ZMM
+    if (rows == 4 && c->y_bf16) {  /* a pass's outputs rounded 16 at a time (put4_from's bits), 8 bytes a row */
         uint16_t h[2 * WP][4];
         for (int q = 0; q < inputs; q += 4) {
             __m512i u = _mm512_loadu_si512(out[q]);
@@ -2601,8 +2601,8 @@ static void put_rows(void *ctx, int64_t r, int rows, int64_t q0, int inputs, flo
         }
         for (int q = 0; q < inputs; q++) memcpy((uint16_t *)c->y + (q0 + q) * c->m + r, h[q], sizeof h[q]);
         return;
-#endif
     }
+#endif
     for (int q = 0; q < inputs; q++)
         if (rows == 4) {
             put4_from(c->y, c->y_bf16, (q0 + q) * c->m + r, out[q]);
