@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -368,3 +369,32 @@ def test_a_stalled_kv_write_gives_its_blocks_to_the_next_request(cluster):
     assert out == alone, out
     print(f"\nstalled KV write: the next request was served {times['reclaimed']:.2f} s after the freeze")
     _baseline(cluster)
+
+
+def test_a_tp2_requests_tokens_and_logprobs_do_not_depend_on_its_neighbours(tmp_path):
+    """`pdserve up --prefill-tp 2 --decode-tp 2`, through the openai SDK: three prompts sent alone and then inside a
+    12-prompt concurrent burst get the same text and logprobs. The sharded linears (o_proj, lm_head) had kept
+    torch's fp32 GEMM, which rounds a row by its batch's size: every one of the three came back with logprobs an
+    ulp apart."""
+    import openai
+
+    from bench.fleet_faults import UpProcess
+
+    up = UpProcess(["--model", "models/tiny-v32", "--port", "0", "--http-port", "0", "--prefill-tp", "2",
+                    "--decode-tp", "2"], tmp_path / "logs").start()
+    try:
+        client = openai.OpenAI(base_url=up.http_url, api_key="unused")
+        prompts = [f"Tell me about the number {i} and why it matters in the story of the {i}th king" for i in range(12)]
+
+        def complete(prompt: str) -> tuple[str, list[float]]:
+            choice = client.completions.create(model=up.model, prompt=prompt, max_tokens=12, temperature=0,
+                                               logprobs=1).choices[0]
+            return choice.text, choice.logprobs.token_logprobs
+
+        alone = [complete(p) for p in prompts[:3]]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            burst = list(pool.map(complete, prompts))
+    finally:
+        up.stop()
+    assert all(logprobs for _, logprobs in alone)
+    assert burst[:3] == alone

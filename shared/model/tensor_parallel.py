@@ -6,7 +6,10 @@
   all-to-sharded followed by sharded-to-all needs no gather in between (the shard is the input).
 * VocabParallelEmbedding: each rank holds a vocab slice; lookups outside it are zero; all-reduce.
 `shard_linear()` converts a loaded nn.Linear in place of the module. The sharded linears are called like
-the model's others, `layer(x, generated)` (shared.model.layers); they have no CPU kernel and run all rows alike.
+the model's others, `layer(x, generated)` (shared.model.layers), and multiply their shards as they do (ops.linear:
+the CPU kernels for the step's generated rows, every row where ops.every_row holds), so a row's bits do not
+depend on its batch here either (torch's fp32 GEMM rounded a TP rank's rows by the batch's size: a request's
+logprobs moved by an ulp beside others).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.device import int8_matmul
-from shared.model.ops import matmul_input, matmul_rows
+from shared.model.ops import linear
 from shared.parallel.comm import all_reduce_sum
 from shared.quant.int8 import Int8Linear, quantize_activation
 
@@ -37,7 +40,7 @@ class AllToShardedLinear(nn.Module):
         self.tp, self.group, self.gather_output = tp, group, gather_output
 
     def forward(self, x: torch.Tensor, generated: int = 0) -> torch.Tensor:
-        y = matmul_rows(matmul_input(x, self.weight), self.weight).to(x.dtype)
+        y = linear(x, self.weight, generated)
         if not self.gather_output:
             return y
         parts = [torch.empty_like(y) for _ in range(self.tp)]
@@ -63,7 +66,7 @@ class ShardedToAllLinear(nn.Module):
             return all_reduce_sum(self._w8a8(x), self.group)
         if x.shape[-1] == self.in_features:  # replicated input: take our slice, no communication
             x = x[..., self.lo : self.hi]
-        return all_reduce_sum(matmul_rows(matmul_input(x, self.weight), self.weight).to(x.dtype), self.group)
+        return all_reduce_sum(linear(x, self.weight, generated), self.group)
 
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
