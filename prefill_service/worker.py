@@ -366,8 +366,8 @@ class PrefillWorker:
         sched, kv = self.engine.scheduler, self.engine.kv
         queued = sum(s.num_uncached for s in [*sched.waiting, *sched.running] if s.is_prefilling)
         tier = tier_totals(kv.tier)  # exported by the front (shared.metrics.LoadCollector)
-        return RankLoad(self.rank, len(sched.running), len(sched.waiting), kv.allocator.num_free, kv.num_blocks,
-                        queued_prompt_tokens=queued, tier_written_bytes=tier.written_bytes,
+        return RankLoad(self.rank, len(sched.running), len(sched.waiting), kv.allocator.num_free,
+                        self.engine.usable_blocks, queued_prompt_tokens=queued, tier_written_bytes=tier.written_bytes,
                         tier_read_bytes=tier.read_bytes, tier_dropped_corrupt=tier.dropped_corrupt,
                         tier_dropped_full=tier.dropped_full)
 

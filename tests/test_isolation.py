@@ -375,7 +375,8 @@ def test_a_tp2_requests_tokens_and_logprobs_do_not_depend_on_its_neighbours(tmp_
     """`pdserve up --prefill-tp 2 --decode-tp 2`, through the openai SDK: three prompts sent alone and then inside a
     12-prompt concurrent burst get the same text and logprobs. The sharded linears (o_proj, lm_head) had kept
     torch's fp32 GEMM, which rounds a row by its batch's size: every one of the three came back with logprobs an
-    ulp apart."""
+    ulp apart. Afterwards no rank of either instance reports a KV block in use (the prefill instance counted its
+    TP rank's scratch block as used)."""
     import openai
 
     from bench.fleet_faults import UpProcess
@@ -394,6 +395,13 @@ def test_a_tp2_requests_tokens_and_logprobs_do_not_depend_on_its_neighbours(tmp_
         alone = [complete(p) for p in prompts[:3]]
         with ThreadPoolExecutor(len(prompts)) as pool:
             burst = list(pool.map(complete, prompts))
+
+        def blocks_used() -> list[float]:  # every rank of both instances (a TP rank's scratch block is not counted)
+            return [float(v) for url in up.metrics.values()
+                    for v in re.findall(r"^pdserve_kv_blocks_used\{.*\} (\S+)$", urllib.request.urlopen(url).read()
+                                        .decode(), re.M)]
+
+        assert wait_for(lambda: blocks_used() and not any(blocks_used()), timeout=15), blocks_used()
     finally:
         up.stop()
     assert all(logprobs for _, logprobs in alone)
