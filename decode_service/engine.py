@@ -392,7 +392,7 @@ def core_main(cfg: DecodeConfig, conn: Connection) -> None:
     """Entry point of the engine-core process: rank 0's engine, its coordinator loop, its KV receiver;
     per loop turn it sends the front one message with the step's events and one with the loads."""
     leave_stop_signals_to_front()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-core %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-core %(levelname)s %(message)s", force=True)
     front = CoreConnection(conn)
     try:
         core = build_engine_core(

@@ -52,7 +52,7 @@ RESERVE_DEADLINE_MARGIN_S = 0.5  # it stops waiting this long before its caller'
 
 def follower_main(rank: int, cfg: DecodeConfig) -> None:
     """Entry point of DP ranks 1..N-1."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s decode[{rank}] %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s decode[{rank}] %(levelname)s %(message)s", force=True)
     state = service_state(cfg.parallel(), rank, cfg.cpu_threads)
     worker = DecodeWorker(cfg, rank, state)
     freeze_startup_heap()

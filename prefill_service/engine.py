@@ -168,7 +168,7 @@ def build_engine_core(cfg: PrefillConfig, on_report: ReportHook | None = None,
 def core_main(cfg: PrefillConfig, conn: Connection) -> None:
     """Entry point of the engine-core process: rank 0's engine, its loop and its KV pushes."""
     leave_stop_signals_to_front()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill-core %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill-core %(levelname)s %(message)s", force=True)
     front = CoreConnection(conn)
     try:
         core = build_engine_core(cfg, on_report=lambda load, batch_tokens: front.send(LoadNotice(load, batch_tokens)),

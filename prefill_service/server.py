@@ -52,7 +52,7 @@ SERVICE = "pdserve.v1.Prefill"
 
 def follower_main(rank: int, cfg: PrefillConfig) -> None:
     """Entry point of ranks 1..N-1 of a CP or TP prefill group: the same engine loop as rank 0's."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s prefill[{rank}] %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s prefill[{rank}] %(levelname)s %(message)s", force=True)
     state = service_state(cfg.parallel(), rank, cfg.cpu_threads)
     engine = LLMEngine(cfg.engine_config(), state)
     worker = PrefillWorker(engine, sender_factory(cfg, engine))

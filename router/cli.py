@@ -263,14 +263,29 @@ def cmd_convert(args: argparse.Namespace) -> None:
         sys.exit(2)
 
 
+def proto_int(bits: int) -> Callable[[str], int]:
+    """An argparse type for a signed protobuf integer field: a value the field cannot hold is a usage error
+    naming the flag, not the client's traceback from the message constructor."""
+    bound = 1 << (bits - 1)
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not -bound <= value < bound:
+            raise argparse.ArgumentTypeError(f"{value} does not fit a {bits}-bit integer")
+        return value
+
+    parse.__name__ = f"int{bits}"  # argparse names the type in "invalid int32 value: 'x'"
+    return parse
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--tls-ca", default=None, help="the router serves TLS: verify it with this CA certificate")
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--max-tokens", type=proto_int(32), default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=proto_int(32), default=0)
+    p.add_argument("--seed", type=proto_int(64), default=None)
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--keep-special-tokens", action="store_true", help="keep special tokens (e.g. <think>) in the text")
@@ -349,11 +364,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="stream one request from the router")
     gen.add_argument("prompt", nargs="?", default=None)
-    gen.add_argument("--prompt-token-ids", type=int, nargs="+", default=None)
+    gen.add_argument("--prompt-token-ids", type=proto_int(32), nargs="+", default=None)
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat encoding)")
     _add_sampling_flags(gen, 32)
     gen.add_argument("--show-ids", action="store_true")
-    gen.add_argument("--priority", type=int, default=0,
+    gen.add_argument("--priority", type=proto_int(32), default=0,
                      help="lower is more urgent: < 0 may use its whole SLA targets, > 0 is refused first under load; "
                           "the prefill queue serves lower first")
     gen.add_argument("--ttft-ms", type=float, default=0.0, help="this request's TTFT target (0: the router's)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 from contextlib import AbstractContextManager
 from typing import Any
@@ -131,6 +132,32 @@ def accelerator() -> torch.device | None:
     if torch.cuda.is_available():
         return torch.device(_CUDA)
     return None
+
+
+def _os_threads() -> int | None:
+    """This process's threads, native ones included (Linux); None where /proc cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+_THREADS_AT_IMPORT = _os_threads()  # torch's own helpers, before this process ran a parallel region
+
+
+def process_start_method(child_threads: int | None = None) -> str:
+    """How a service starts its engine core and its follower ranks (and run_ranks its ranks): "fork" where no
+    accelerator is reachable and this process runs one Python thread and no OpenMP pool, so the child starts
+    from the parent's imports (torch's import, ~2 s of CPU on a 2-core host, is not paid again by every core and
+    rank); else "spawn": a CUDA or NPU runtime, or a lock another thread holds, does not survive a fork, and a
+    forked child that runs a parallel region of its own waits forever on the OpenMP pool threads it did not
+    inherit (libgomp is not fork-safe). A child that runs one thread (`child_threads` 1) never enters that pool."""
+    if threading.active_count() > 1 or accelerator() is not None:
+        return "spawn"
+    now = _os_threads()
+    if now is None or _THREADS_AT_IMPORT is None or (now > _THREADS_AT_IMPORT and child_threads != 1):
+        return "spawn"
+    return "fork"
 
 
 def _runtime(device: torch.device) -> Any:  # torch.cuda or torch.npu, same API

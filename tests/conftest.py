@@ -5,12 +5,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("PDSERVE_DEVICE", "cpu")
 os.environ.setdefault("PDSERVE_KV_LEDGER_CHECK", "1")  # every step checks each KV block has one owner
+# no tqdm monitor thread (its progress bars, transformers' among them, still draw): a test process with one
+# thread starts its gloo ranks by fork (shared.device.process_start_method), not by a spawn that imports torch again
+tqdm.monitor_interval = 0
 
 from tests.helpers import make_hf_checkpoint  # noqa: E402
 

@@ -64,6 +64,21 @@ def prefill_paths(metrics_url: str) -> dict[str, float]:
     return {p: float(v) for p, v in re.findall(r'pdserve_router_prefill_path_total\{path="(\w+)"\} (\S+)', text)}
 
 
+def child_processes(pid: int) -> list[int]:
+    """The processes `pid` started to work for it (a service front's engine core and follower ranks, forked or
+    spawned), not multiprocessing's resource tracker."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            helper = b"resource_tracker" in (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and not helper:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def wait_for(predicate, timeout: float = 15.0) -> bool:
     """Poll `predicate` until it holds or `timeout` passes (a bounded wait that fails on a hang)."""
     import time

@@ -60,3 +60,8 @@ def test_pdserve_generate_chat_and_interactive_chat(cluster):
                           input="first question\nsecond question\n/exit\n", capture_output=True, text=True, timeout=120)
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.count("assistant> ") == 2 and "error" not in chat.stderr.lower()
+    # a value the request's field cannot hold is a usage error naming the flag (was the client's traceback)
+    huge = subprocess.run([sys.executable, "-m", "router.cli", "generate", "Hello", "--max-tokens", "99999999999",
+                           "--address", cluster.address], capture_output=True, text=True, timeout=120)
+    assert huge.returncode == 2 and "Traceback" not in huge.stderr
+    assert "--max-tokens: 99999999999 does not fit a 32-bit integer" in huge.stderr

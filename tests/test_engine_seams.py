@@ -1,16 +1,23 @@
 """The seams of issue 45's engine part, without a model: a request is checked once per service by
 `RequestLimits.check_request` (its front's), a finish reason travels as the enum inside a service and as
-its wire word on the proto, a decode rank's report carries the one RankLoad type, and a front reaches an
-in-process core as it reaches a core process."""
+its wire word on the proto, a decode rank's report carries the one RankLoad type, a front reaches an
+in-process core as it reaches a core process, and a core process (forked or spawned) sees its front leave."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
+import shared.engine.process
 from decode_service.worker import FINISH_CODES, DecodeRankReport
-from shared.engine.process import InProcessLink
+from shared.device import process_start_method
+from shared.engine.process import CoreProcess, InProcessLink, Ready
 from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import RankLoad
@@ -113,3 +120,50 @@ def test_a_steps_events_cross_the_process_link_whole():
               Event("e", 0, True, FinishReason.STOP)]
     for notice in (EventsNotice(events), EventsNotice([])):
         assert pickle.loads(pickle.dumps(notice, protocol=pickle.HIGHEST_PROTOCOL)) == notice
+
+
+FRESH_PROCESS = """
+import torch
+from shared.device import accelerator, process_start_method as method
+before = method()
+torch.set_num_threads(2)
+torch.randn(256, 256) @ torch.randn(256, 256)
+print(before, method(), method(child_threads=1), accelerator() is None)
+"""
+
+
+def _core_until_eof(cfg: str, conn) -> None:
+    """A core that reports ready, then reads its pipe until the front's end closes; writes `cfg` (a path) then."""
+    conn.send(Ready(facts=os.getpid()))
+    try:
+        while True:
+            conn.recv()
+    except EOFError:
+        Path(cfg).write_text("front gone")
+
+
+def test_a_core_process_starts_from_the_fronts_imports_and_sees_the_front_leave(tmp_path, monkeypatch):
+    """On a host without an accelerator a front running one thread forks its core (no second torch import);
+    with another thread or an OpenMP pool running it spawns it (a lock that thread holds, or the pool, would not
+    survive a fork). A forked core
+    closes its copy of the front's end of the pipe, so it reads EOF when the front's end closes (otherwise a front
+    that left would leave its core waiting)."""
+    fresh = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=60,
+                           check=True, cwd=Path(__file__).parents[1])
+    # an OpenMP pool once started: spawn, unless the child runs one thread
+    assert fresh.stdout.split() in (["fork", "spawn", "fork", "True"], ["spawn", "spawn", "spawn", "False"])
+    monkeypatch.setattr(shared.engine.process, "process_start_method", lambda: "fork")
+    marker = tmp_path / "eof"
+    core = CoreProcess(_core_until_eof, str(marker), "test core", start_timeout=60)
+    assert core.facts == core.proc.pid
+    core._conn.close()  # the front's end, as when the front process exits
+    core.proc.join(30)
+    assert core.proc.exitcode == 0 and marker.read_text() == "front gone"
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert process_start_method() == "spawn"
+    finally:
+        stop.set()
+        other.join()

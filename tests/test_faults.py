@@ -20,7 +20,7 @@ import pytest
 from router.cluster import Cluster
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc, internal_pb2, internal_pb2_grpc
 from shared.transfer.tcp import split_endpoint
-from tests.helpers import wait_for
+from tests.helpers import child_processes, wait_for
 from tests.kv_proxy import KVProxy
 
 TIME_TO_ERROR: dict[str, float] = {}
@@ -171,20 +171,10 @@ def _proxy_cases(cluster: Cluster) -> None:
 
 
 def _engine_core_pid(front_pid: int) -> int:
-    """The engine-core child of a service's front process (not multiprocessing's resource tracker)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if ppid == front_pid and b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
-            return int(entry)
-    raise AssertionError(f"no engine-core child of {front_pid}")
+    """The engine-core child of a service's front process (one rank: its only child)."""
+    children = child_processes(front_pid)
+    assert len(children) == 1, f"{front_pid} has children {children}, not one engine core"
+    return children[0]
 
 
 @pytest.mark.parametrize("service", ["prefill_service", "decode_service"])

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.fleet_faults import FAULTS, STREAMS, TOKENS, UpProcess, run_fault, unfaulted
 from shared.config import EngineConfig, knob_default
 from shared.rpc.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from tests.helpers import wait_for
+from tests.helpers import child_processes, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = "models/demo-v32"
@@ -159,20 +159,6 @@ def test_serving_processes_freeze_their_startup_heap(up):
         assert up.metric(name, "pdserve_process_frozen_objects") > 10_000, name
 
 
-def _spawned_children(pid: int) -> list[int]:
-    """The processes `pid` spawned with multiprocessing (its engine core, its follower ranks)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            spawned = b"spawn_main" in (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and spawned:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _ignores(pid: int, sig: signal.Signals) -> bool:
     """Whether process `pid` ignores `sig` (its SigIgn mask in /proc)."""
     status = Path(f"/proc/{pid}/status").read_text()
@@ -184,10 +170,10 @@ def test_engine_cores_leave_stop_signals_to_their_front(up):
     """A stop signal to an instance's whole process group (what the decode-term fault sends, and Ctrl-C) is its
     front's to act on: the front drains, then stops its engine core. A core that died of the signal first failed
     the running requests as a dead engine, so they moved as `unavailable`, not `drain` (seen on a loaded host);
-    every prefill and decode front's spawned core ignores SIGTERM and SIGINT, and the front itself does not."""
+    every prefill and decode front's core ignores SIGTERM and SIGINT, and the front itself does not."""
     for name in (n for n in up.metrics if n.startswith(("prefill", "decode"))):
         front = up.service_pid(name)
-        cores = _spawned_children(front)
+        cores = child_processes(front)
         assert cores, f"{name} runs no engine core process"
         assert not _ignores(front, signal.SIGTERM), name
         for pid in cores:

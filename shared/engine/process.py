@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from shared.device import process_start_method
 from shared.engine.core import CommandError
 
 log = logging.getLogger("pdserve.engine")
@@ -182,14 +183,25 @@ class InProcessLink:
             self._on_fatal(reason)
 
 
+def _core_entry(entry: Callable[[Any, Any], None], cfg: Any, conn: Any, front_end: Any) -> None:
+    """A core process's start: a forked one first closes its copy of the front's end of the pipe."""
+    if front_end is not None:
+        front_end.close()
+    entry(cfg, conn)
+
+
 class CoreProcess:
-    """A CoreLink to a core process: spawns `entry(cfg, conn)`, waits for its Ready (its `facts`), and
-    reads once the front `listen`s (notices sent meanwhile wait in the pipe)."""
+    """A CoreLink to a core process: starts `entry(cfg, conn)` (forked or spawned, as
+    shared.device.process_start_method says), waits for its Ready (its `facts`), and reads once the front
+    `listen`s (notices sent meanwhile wait in the pipe)."""
 
     def __init__(self, entry: Callable[[Any, Any], None], cfg: Any, name: str, start_timeout: float = 900.0):
-        ctx = mp.get_context("spawn")
+        method = process_start_method()
+        ctx = mp.get_context(method)
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=entry, args=(cfg, child), name=name)
+        # a forked core holds a copy of the front's end too: it closes it, so the front's exit reads as EOF there
+        front_end = self._conn if method == "fork" else None
+        self.proc = ctx.Process(target=_core_entry, args=(entry, cfg, child, front_end), name=name)
         self.proc.start()
         child.close()
         self.name = name

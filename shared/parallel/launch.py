@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from shared.config import ServiceConfig
-from shared.device import check_weight_sharing, get_device
+from shared.device import check_weight_sharing, get_device, process_start_method
 from shared.parallel.state import ParallelConfig, ParallelState, env_rank_world
 from shared.rpc.service import Credentials, leave_stop_signals_to_front, serve_follower_health
 from shared.transfer.rdma import mooncake_device_names
@@ -85,7 +85,7 @@ def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> 
         return 0, []
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(process_start_method())
     procs = [ctx.Process(target=_spawned_follower, args=(follower, r, cfg), name=f"rank{r}") for r in range(1, world)]
     for p in procs:
         p.start()
@@ -140,9 +140,9 @@ def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue) -> N
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1) -> list:
-    """Run fn(rank, world, *args) on `world` local gloo ranks (spawned processes, MASTER_* set) and
+    """Run fn(rank, world, *args) on `world` local gloo ranks (forked or spawned processes, MASTER_* set) and
     return their results in rank order; a rank that fails or hangs past `timeout` raises (tests, benches)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(process_start_method(child_threads=threads))
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, threads, fn, args, queue), daemon=True)

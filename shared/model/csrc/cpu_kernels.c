@@ -1710,14 +1710,16 @@ static inline __attribute__((always_inline)) void tile_2x4(const void *w, int w_
 
 /* ---- Wide tiles: a 512-bit register holds two outputs' eight lanes ---- */
 
-/* Where the CPU has AVX-512, matmuls of fp32 rows (a bf16 model's on a CPU without bf16 arithmetic: its linears'
-   fp32 weight copies, its experts' bf16 weights widened as read) run four weight rows by twelve input rows a
-   pass: each register holds the eight lanes of two outputs (input rows 2p and 2p + 1, packed side by side), each
-   lane the same chain of fused multiply-adds as tile_2x4's and wdot's, summed by sum4: every output keeps
-   wdot()'s bits, so a row's result is the same whichever kernel, ISA or batch computes it. Two thirds fewer loads
-   per product than tile_2x4 (whose loads, not its multiplies, bound it: ~35 GFLOP/s a core against the core's
-   ~130). Six pairs a pass (24 accumulators of the 32 registers) rather than four: each weight load feeds six
-   multiply-adds, not four (prompt-sized linears 5-14 % faster on one core, a batch-64 decode step ~4 %). */
+/* Where the CPU has AVX-512 (or AVX2 + FMA, below), matmuls of fp32 rows (a bf16 model's on a CPU without bf16
+   arithmetic: its linears' fp32 weight copies, its experts' bf16 weights widened as read) run four weight rows by
+   twelve input rows a pass: each register holds the eight lanes of two outputs (input rows 2p and 2p + 1, packed
+   side by side), each lane the same chain of fused multiply-adds as tile_2x4's and wdot's, summed by sum4: every
+   output keeps wdot()'s bits, so a row's result is the same whichever kernel, ISA or batch computes it. Two thirds
+   fewer loads per product than tile_2x4 (whose loads, not its multiplies, bound it: ~35 GFLOP/s a core against the
+   core's ~130). Six pairs a pass (24 accumulators of the 32 registers) rather than four: each weight load feeds six
+   multiply-adds, not four (prompt-sized linears 5-14 % faster on one core, a batch-64 decode step ~4 %). With AVX2
+   + FMA only (16 ymm registers) the passes, blocks and packing are the same and wide_tile's register blocks are
+   rows2_tile's: two weight rows by up to six input rows, twelve chains, each the same sum. */
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define HAVE_WIDE 1
 #define WIDE_ZMM 1
@@ -2723,7 +2725,7 @@ void linear_rows(const void *x, int32_t x_bf16, const float *w, void *y, int64_t
 /* linear_rows for `count` fp32 weights ws[i] [ms[i], k] on the same rows x [n, k] (bf16 or fp32), ys[i] [n, ms[i]]
    in x's dtype, in one call: the rows packed once for all of them (MLA's q_a and kv_a, an MLP's gate and up). Each
    output is linear_rows' (the same sums). Returns 1 (nothing written) where the wide tiles do not run it: n < 2,
-   k % 8, or no AVX-512 (the caller multiplies the weights one at a time). */
+   k % 8, or neither AVX-512 nor AVX2 + FMA (the caller multiplies the weights one at a time). */
 int32_t linear_rows_many(const void *x, int32_t x_bf16, const float *const *ws, const int64_t *ms, void *const *ys,
                          int32_t count, int64_t n, int64_t k, int32_t threads) {
 #if HAVE_WIDE
