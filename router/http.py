@@ -24,10 +24,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
+import fastapi.routing
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.hint import PairHint
@@ -258,6 +261,26 @@ async def _ruled(gen: AsyncGenerator[generation_pb2.GenerateResponse, None], rul
         await gen.aclose()  # closed early (a client that left, a failed sibling): the request is cancelled
 
 
+LAZY_ANYIO = ("connect_tcp", "create_memory_object_stream")  # a streamed reply's first use loads these modules
+
+
+async def load_first_request_costs(app: ASGIApp) -> None:
+    """What the first request would otherwise pay, paid before the server accepts one (the first completion
+    through `pdserve up` took 58-75 ms against 20-30 ms warm): anyio (4.x) imports its modules and its asyncio
+    backend on first use (~12 + ~12 ms), and FastAPI reads each endpoint's source on the endpoint's first call
+    to name it in error messages (inspect.getsourcelines: ~14 ms, tokenizing this file), cached by endpoint."""
+    for name in LAZY_ANYIO:
+        getattr(anyio, name)
+    await anyio.sleep(0)  # loads the running loop's backend
+    extract = getattr(fastapi.routing, "_extract_endpoint_context", None)  # FastAPI's cache, where it has one
+    while not isinstance(app, FastAPI) and hasattr(app, "app"):  # under our gates (router.drain.DrainGate)
+        app = app.app
+    if extract is not None and isinstance(app, FastAPI):
+        for route in app.routes:
+            if isinstance(route, APIRoute):
+                extract(route.dependant.call)
+
+
 def read_api_keys(path: str | None) -> list[str]:
     """One key per line of --api-key-file (empty: no keys, no authentication)."""
     if not path:
@@ -269,6 +292,7 @@ async def start_http(app: FastAPI, host: str, port: int, tls_cert: str | None = 
                      tls_key: str | None = None) -> tuple[uvicorn.Server, asyncio.Task, int]:
     """Serve `app` with uvicorn on the running event loop (the gRPC server's); port 0 picks a free one.
     Returns the server, its task and the bound port once it accepts connections."""
+    await load_first_request_costs(app)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

@@ -33,6 +33,8 @@ TINY_ARGS = {
     "grpc_streams": ["--streams", "2", "--steps", "4", "--step-ms", "1", "--rounds", "1"],
     "c8": ["--contexts", "64", "--batch", "1", "--tail", "4", "--new-tokens", "2", "--repeat", "1",
            "--index-topk", "32"],
+    "cold_start": ["--starts", "1", "--rounds", "2", "--streams", "1", "--prompt-len", "4", "--max-tokens", "2",
+                   "--model", str(ROOT / "models" / "tiny-v32")],
     "block_size": ["--sizes", "4,8", "--batch", "2", "--context", "16", "--engine-rounds", "2", "--prompt-len", "8",
                    "--new-tokens", "2"],
 }
