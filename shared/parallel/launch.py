@@ -1,4 +1,4 @@
-"""Start an instance's ranks: spawned on this host (rank 0 = this process), or torchrun-style from
+"""Start an instance's ranks: forked or spawned on this host (rank 0 = this process), or torchrun-style from
 the environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) so one instance can span nodes."""
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ def _spawned_follower(follower: Callable[[int, Any], None], rank: int, cfg: Any)
 
 
 def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> tuple[int, list]:
-    """Returns (this process's rank, spawned follower processes). `follower(rank, cfg)` must be a
-    module-level function (spawn pickles it by name)."""
+    """Returns (this process's rank, the follower processes it started: forked where
+    shared.device.process_start_method allows, else spawned). `follower(rank, cfg)` must be a module-level
+    function (spawn pickles it by name)."""
     from_env = env_rank_world()
     if from_env is not None:
         rank, env_world = from_env

@@ -393,7 +393,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 def leave_stop_signals_to_front() -> None:
-    """In a process a service's front spawned to work for it (its engine core, its local follower ranks): a stop
+    """In a process a service's front started to work for it (its engine core, its local follower ranks): a stop
     signal sent to the whole process group (Ctrl-C, `kill -TERM -PGID`, a supervisor stopping the group) is the
     front's to act on. The front drains (its running requests handed back to the router as draining) and then stops
     its helpers itself; a core that died of the signal first failed those requests as a dead engine's, so they
