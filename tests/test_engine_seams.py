@@ -16,8 +16,9 @@ import pytest
 
 import shared.engine.process
 from decode_service.worker import FINISH_CODES, DecodeRankReport
-from shared.device import process_start_method
+from shared.device import accelerator, process_start_method, rank_start_method
 from shared.engine.process import CoreProcess, InProcessLink, Ready
+from shared.parallel.launch import run_ranks
 from shared.protocol.finish import FinishReason, wire
 from shared.protocol.limits import RequestLimits
 from shared.protocol.load import RankLoad
@@ -167,3 +168,26 @@ def test_a_core_process_starts_from_the_fronts_imports_and_sees_the_front_leave(
     finally:
         stop.set()
         other.join()
+
+
+def _parent(rank: int, world: int) -> tuple[int, int]:
+    return rank, os.getppid()
+
+
+@pytest.mark.skipif(accelerator() is not None, reason="ranks are spawned where an accelerator is reachable")
+def test_ranks_of_a_process_with_other_threads_fork_from_a_clean_server():
+    """A test process that ran a server or a gRPC poller has other threads, so its gloo ranks cannot fork from it;
+    they fork from multiprocessing's fork server instead (it imported torch and the engine once), never spawned
+    (each importing torch again): the ranks' parent is that server, not this process."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert process_start_method(child_threads=1) == "spawn" and rank_start_method(1) == "forkserver"
+        ranks = run_ranks(_parent, 2, timeout=120)
+    finally:
+        stop.set()
+        other.join()
+    assert [rank for rank, _ in ranks] == [0, 1]
+    parents = {parent for _, parent in ranks}
+    assert len(parents) == 1 and os.getpid() not in parents  # both forked by the one server, not spawned here

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from shared.config import ServiceConfig
-from shared.device import check_weight_sharing, get_device, process_start_method
+from shared.device import check_weight_sharing, get_device, process_start_method, rank_start_method
 from shared.parallel.state import ParallelConfig, ParallelState, env_rank_world
 from shared.rpc.service import Credentials, leave_stop_signals_to_front, serve_follower_health
 from shared.transfer.rdma import mooncake_device_names
@@ -24,6 +24,8 @@ from shared.transfer.rdma import mooncake_device_names
 # A collective that waits longer than this fails and the instance exits (the orchestrator restarts it):
 # ranks that diverged on an error never hang. Idle leaders send heartbeats well inside it.
 SERVICE_TIMEOUT_S = 300
+# What run_ranks' fork server imports before it forks a rank: torch and the engine, which every rank function uses.
+FORK_SERVER_PRELOAD = ["shared.parallel.launch", "shared.engine"]
 
 
 def _free_port() -> int:
@@ -141,9 +143,13 @@ def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue) -> N
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1) -> list:
-    """Run fn(rank, world, *args) on `world` local gloo ranks (forked or spawned processes, MASTER_* set) and
-    return their results in rank order; a rank that fails or hangs past `timeout` raises (tests, benches)."""
-    ctx = mp.get_context(process_start_method(child_threads=threads))
+    """Run fn(rank, world, *args) on `world` local gloo ranks (forked here or by a fork server, or spawned;
+    MASTER_* set) and return their results in rank order; a rank that fails or hangs past `timeout` raises
+    (tests, benches)."""
+    method = rank_start_method(threads)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)  # read when the server starts: once a process
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, threads, fn, args, queue), daemon=True)
