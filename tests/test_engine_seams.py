@@ -170,24 +170,29 @@ def test_a_core_process_starts_from_the_fronts_imports_and_sees_the_front_leave(
         other.join()
 
 
-def _parent(rank: int, world: int) -> tuple[int, int]:
-    return rank, os.getppid()
+def _parent(rank: int, world: int) -> tuple[int, int, str | None]:
+    return rank, os.getppid(), os.environ.get("PDSERVE_TEST_RANK_MARK")
 
 
 @pytest.mark.skipif(accelerator() is not None, reason="ranks are spawned where an accelerator is reachable")
-def test_ranks_of_a_process_with_other_threads_fork_from_a_clean_server():
+def test_ranks_of_a_process_with_other_threads_fork_from_a_clean_server(monkeypatch):
     """A test process that ran a server or a gRPC poller has other threads, so its gloo ranks cannot fork from it;
     they fork from multiprocessing's fork server instead (it imported torch and the engine once), never spawned
-    (each importing torch again): the ranks' parent is that server, not this process."""
+    (each importing torch again): the ranks' parent is that server, not this process. They run in this process's
+    environment as it is at the call, not as it was when the server started."""
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
     try:
         assert process_start_method(child_threads=1) == "spawn" and rank_start_method(1) == "forkserver"
-        ranks = run_ranks(_parent, 2, timeout=120)
+        monkeypatch.setenv("PDSERVE_TEST_RANK_MARK", "first")
+        first = run_ranks(_parent, 2, timeout=120)
+        monkeypatch.setenv("PDSERVE_TEST_RANK_MARK", "second")
+        second = run_ranks(_parent, 2, timeout=120)
     finally:
         stop.set()
         other.join()
-    assert [rank for rank, _ in ranks] == [0, 1]
-    parents = {parent for _, parent in ranks}
-    assert len(parents) == 1 and os.getpid() not in parents  # both forked by the one server, not spawned here
+    assert [rank for rank, _, _ in first + second] == [0, 1, 0, 1]
+    parents = {parent for _, parent, _ in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents  # all forked by the one server, not spawned here
+    assert [mark for _, _, mark in first + second] == ["first", "first", "second", "second"]

@@ -125,7 +125,10 @@ def join_ranks(procs: list, timeout: float = 10.0) -> None:
             proc.kill()
 
 
-def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue) -> None:
+def _entry(rank: int, world: int, port: int, threads: int, fn, args, queue, environ: dict[str, str]) -> None:
+    if environ != os.environ:  # a fork server's rank: the caller's environment now, not the server's at its start
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                       PDSERVE_DEVICE="cpu", OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
@@ -152,7 +155,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 180.0, threads: int = 1) -
         ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)  # read when the server starts: once a process
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, threads, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, threads, fn, args, queue, dict(os.environ)), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
