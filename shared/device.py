@@ -146,7 +146,7 @@ _THREADS_AT_IMPORT = _os_threads()  # torch's own helpers, before this process r
 
 
 def process_start_method(child_threads: int | None = None) -> str:
-    """How a service starts its engine core and its follower ranks (and run_ranks its ranks): "fork" where no
+    """How a service starts its engine core and its follower ranks (run_ranks: rank_start_method): "fork" where no
     accelerator is reachable and this process runs one Python thread and no OpenMP pool, so the child starts
     from the parent's imports (torch's import, ~2 s of CPU on a 2-core host, is not paid again by every core and
     rank); else "spawn": a CUDA or NPU runtime, or a lock another thread holds, does not survive a fork, and a

@@ -67,9 +67,9 @@ def service_state(config: ParallelConfig, rank: int, cpu_threads: int) -> Parall
     return ParallelState.initialize(config, rank, get_device(None), timeout_s=SERVICE_TIMEOUT_S)
 
 
-def _spawned_follower(follower: Callable[[int, Any], None], rank: int, cfg: Any) -> None:
-    """A follower rank this instance's leader spawned: a stop signal is the leader's to act on (it stops its
-    ranks once it has drained), and the rank dies with it."""
+def _local_follower(follower: Callable[[int, Any], None], rank: int, cfg: Any) -> None:
+    """A follower rank this instance's leader started (forked or spawned): a stop signal is the leader's to act on
+    (it stops its ranks once it has drained), and the rank dies with it."""
     leave_stop_signals_to_front()
     follower(rank, cfg)
 
@@ -89,7 +89,7 @@ def launch_ranks(world: int, follower: Callable[[int, Any], None], cfg: Any) -> 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
     ctx = mp.get_context(process_start_method())
-    procs = [ctx.Process(target=_spawned_follower, args=(follower, r, cfg), name=f"rank{r}") for r in range(1, world)]
+    procs = [ctx.Process(target=_local_follower, args=(follower, r, cfg), name=f"rank{r}") for r in range(1, world)]
     for p in procs:
         p.start()
     return 0, procs
