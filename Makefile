@@ -10,6 +10,9 @@ CORPUS_DIR := .cache/corpus
 CORPUS := $(CORPUS_DIR)/bible-kjv-text/usr/lib/bible.data
 DEMO_MODEL := models/demo-v32
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
+# The sources' bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as on CI) every process the tests start
+# would compile pdserve's modules again (~1 s of CPU each, hundreds of processes a run).
+COMPILE = $(PY) -m compileall -q -j 0 shared router prefill_service decode_service bench tests
 
 .PHONY: demo test install lint bench bench-kv-reuse proto clean system-deps corpus demo-model
 
@@ -62,9 +65,11 @@ demo-model: $(STAMP) corpus
 # The corpus is a test input (tests/test_train_demo.py): fetching it is part of the install, and under
 # `make test` its tests run or fail, never skip (PDSERVE_REQUIRE_CORPUS).
 test: $(STAMP) corpus
+	$(COMPILE)
 	PDSERVE_REQUIRE_CORPUS=1 $(PY) -m pytest -q --durations=20
 
 demo: $(STAMP)
+	$(COMPILE)
 	$(PY) -m router.demo --model $(DEMO_MODEL) --max-tokens 64
 
 bench: $(STAMP)

@@ -112,18 +112,24 @@ class UpProcess:
         return "\n".join(line.text for line in self.lines[-40:])
 
     def service_pid(self, name: str) -> int:
-        """The pid of service `name` (router, prefill0, decode1, ...), as `ps` shows it: the child of pdserve up
-        whose port file (where it reports its port, restarted or not) is named after it."""
+        """The pid of service `name` (router, prefill0, decode1, ...), as `ps` shows it: the child of pdserve up (or
+        of its fork server) whose port file (where it reports its port, restarted or not) is named after it. One
+        pass over /proc: a fault strikes at its moment."""
         assert self.proc is not None
+        seen: list[tuple[int, int, list[bytes]]] = []  # pid, parent, argv (a forked service's title: one string)
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+                argv = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").split()
             except (OSError, ValueError, IndexError):
                 continue
-            if ppid == self.proc.pid and b"--port-file" in argv and \
+            seen.append((int(stat.parent.name), ppid, argv))
+        parents = {self.proc.pid} | {pid for pid, ppid, argv in seen
+                                     if ppid == self.proc.pid and b"shared.parallel.fork_services" in argv}
+        for pid, ppid, argv in seen:
+            if ppid in parents and b"--port-file" in argv and \
                     argv[argv.index(b"--port-file") + 1].endswith(f"/{name}".encode()):
-                return int(stat.parent.name)
+                return pid
         raise LookupError(f"no process of pdserve up serves {name}")
 
     def metric(self, service: str, prefix: str) -> float:

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.deploy import Deployment, EngineSpec
 from shared.config import ServiceConfig, same_as
 from shared.rpc.certs import CertFiles, make_cluster_certs
+from shared.rpc.forkserver import ForkServer
 from shared.rpc.service import LAUNCHER_ENV, TOKEN_ENV, Credentials, channel
 
 DEFAULT_MODEL = "models/demo-v32"  # the trained demo model (KJV English), committed
@@ -38,6 +39,21 @@ def default_model() -> str:
     if not (Path(TINY_MODEL) / "config.json").exists():
         subprocess.run([sys.executable, "-m", "shared.loader.tiny", TINY_MODEL], check=True)
     return TINY_MODEL
+
+
+FORKED_SERVICES = ("decode_service", "prefill_service")  # started by the fork server (shared.rpc.forkserver)
+_fork_server: ForkServer | None = None
+_fork_server_lock = threading.Lock()
+
+
+def fork_server() -> ForkServer:
+    """This launcher's fork server: one per process, started on first use, for every cluster it runs."""
+    global _fork_server
+    with _fork_server_lock:
+        if _fork_server is None:
+            _fork_server = ForkServer([f"{m}.server" for m in FORKED_SERVICES],
+                                      {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_ENV: str(os.getpid())})
+        return _fork_server
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -105,6 +121,7 @@ class Cluster:
     http_address: str = ""  # the router's OpenAI-compatible HTTP API (host:port), when --http-port is given
     kserve_address: str = ""  # the router's KServe v2 gRPC API (host:port), when --kserve-port is given
     epp_address: str = ""  # the router's endpoint picker (Envoy ext_proc), when --epp-port is given
+    fork_services: bool = True  # prefill and decode fronts forked from a fork server that imported them once
     _commands: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # address → (name, argv)
     _by_address: dict[str, subprocess.Popen] = field(default_factory=dict)
     _draining: list[subprocess.Popen] = field(default_factory=list)  # removed instances on their way out
@@ -174,14 +191,19 @@ class Cluster:
         return self._by_address[address]
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        out = subprocess.DEVNULL
+        log = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{name}.log", "a")  # lives as long as the process
+            log = self.log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token,  # by environment: not in `ps`
                LAUNCHER_ENV: str(os.getpid())}  # the service dies with the thread that starts it here
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = None
+        if self.fork_services and args[0] in FORKED_SERVICES:  # else, or where it cannot fork: a new interpreter
+            proc = fork_server().spawn(args[0], args[1:], env, str(log) if log else None)
+        if proc is None:
+            out = open(log, "a") if log else subprocess.DEVNULL  # lives as long as the process
+            proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
         proc.pdserve_command = (name, args)  # type: ignore[attr-defined] - what restart() runs again
         self.procs.append(proc)
         return proc
