@@ -30,11 +30,11 @@ import grpc
 
 from router.autoscale import AutoscaleConfig, Bounds
 from router.cluster import DEFAULT_MODEL, Cluster, cluster_from_deployment, default_model
+from router.config import RouterConfig
 from router.deploy import Deployment
 from router.kv_store import AUTO, StoreMaster
 from router.perf import PerfModel, profile_engine, profile_served
 from router.planner import Dist, Workload, run_plan
-from router.server import RouterConfig
 from router.supervise import SupervisorConfig, supervise_cluster
 from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, add_flags, check_bounds, flag_name, from_flags
 from shared.protocol.chat import EOS, split_reasoning
@@ -91,6 +91,7 @@ def cluster_from_args(args: argparse.Namespace, log_dir: Path | None = None) -> 
                             ("--served-model-name", args.served_model_name)):
             if value is not None:
                 cluster.extra_router += [flag, value]
+    cluster.fork_services = args.fork_server
     if args.epp_port is not None:  # the chart runs the endpoint picker as its own Deployment (gateway.enabled)
         cluster.extra_router += ["--epp-port", str(args.epp_port)]
     if args.autoscale:  # the router decides the pools' sizes, the cluster follows (LocalAutoscaler)
@@ -339,6 +340,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--num-decode", type=int, default=1)
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--log-dir", default=None, help="write each service's log here")
+    up.add_argument("--no-fork-server", dest="fork_server", action="store_false", default=Cluster.fork_services,
+                    help="start every prefill and decode front as a new interpreter (default: fork them from one "
+                         "process that imported torch and the services once, where that is safe)")
     add_flags(up, ServiceConfig, only=UP_ENGINE_FLAGS)  # the services' own defaults, choices and help
     up.add_argument("--prefill-cp", type=int, default=1, help="context-parallel ranks per prefill instance")
     up.add_argument("--prefill-tp", type=int, default=1, help="local-TP ranks per prefill instance (with cp 1)")

@@ -216,6 +216,8 @@ class Cluster:
                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                             offload_layers=self.offload_layers, offload_buffers=self.offload_buffers,
                             share_weights_dir=self.share_weights_dir).flags()  # rendered as the chart renders it
+        if self.fork_services:
+            fork_server().start()  # its imports overlap the certificates' making
         ports = Path(tempfile.mkdtemp(prefix="pdserve-ports-"))
         if self.tls and self.certs is None:
             self._cert_dir = tempfile.mkdtemp(prefix="pdserve-tls-")

@@ -15,10 +15,12 @@ from router.autoscale import (
     FleetLoad,
     prometheus_query,
 )
-from router.openai_limits import MAX_BODY_BYTES, MAX_PROMPTS
 from router.perf import PerfModel
 from router.policy import POLICIES
 from shared.config import REQUIRED, EndpointConfig, check_bounds, flag, flag_name, same_as
+
+MAX_BODY_BYTES = 32 << 20  # the largest HTTP request body accepted (413 beyond)
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request (400 naming `prompt` beyond)
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from router.server import RouterConfig
+from router.config import RouterConfig
 from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, check_bounds, same_as
 
 KUBERNETES_ONLY = {"image", "auth", "lws", "autoscaling", "masterPort", "monitoring", "podDisruptionBudget",

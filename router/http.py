@@ -33,13 +33,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.config import MAX_BODY_BYTES, MAX_PROMPTS
 from router.hint import PairHint
 from router.openai_chat import ChatFormat
 from router.openai_choices import CallRules, Choice, OpenStream, TokenText, merged, spent, usage
 from router.openai_completions import CompletionFormat, completion_requests
 from router.openai_errors import HTTP_STATUS, HttpAbort, HttpCall, install_error_handlers
 from router.openai_fanout import PrefixWatch, check_n, fan_out, samples
-from router.openai_limits import MAX_BODY_BYTES, MAX_PROMPTS, BodyLimit, check_prompts
+from router.openai_limits import BodyLimit, check_prompts
 from router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,

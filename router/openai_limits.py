@@ -9,10 +9,9 @@ from __future__ import annotations
 import grpc
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.config import MAX_BODY_BYTES
 from router.openai_errors import HttpAbort
 
-MAX_BODY_BYTES = 32 << 20  # the largest request body accepted (413 beyond)
-MAX_PROMPTS = 1024  # prompts in one /v1/completions request (400 naming `prompt` beyond)
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's and vLLM's default
 DRAIN_LIMIT = 4  # an oversized body of up to this many times the limit is read (and dropped) before the 413
 

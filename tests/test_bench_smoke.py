@@ -6,15 +6,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from bench.hostload import wait_quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ARGS = {
     "engine_throughput": ["--batches", "1,2", "--prompt-len", "8", "--new-tokens", "2", "--dtype", "float32"],
     "serving": ["--streams", "1,2", "--prompt-len", "8", "--max-tokens", "2", "--long-prompt", "32",
-                "--dtype", "float32"],
+                "--dtype", "float32", "--quiet-below", "0"],  # no 2 s idle probe per measurement
     "parallel": ["--prompt-len", "64", "--decode-requests", "2", "--decode-tokens", "2", "--repeat", "1"],
     "transfer": ["--tokens", "64", "--repeat", "1"],
     "real_shapes": ["--contexts", "64", "--chunk", "64", "--decode-batch", "1", "--kv-cache-dtype", "int8",
@@ -79,3 +82,13 @@ def test_engine_throughput_rounds_never_repeat_a_prompt(monkeypatch, tmp_path):
     runs = seen[1:]  # the first call is the warm-up's
     assert len(runs) == 6 and len(set(runs)) == 6
     assert {len(r) for r in runs} == {2, 3}
+
+
+def test_wait_quiet_returns_the_foreign_load_once_under_the_threshold_or_at_its_deadline():
+    """The serving bench's idle probe (its smoke run above skips it: --quiet-below 0)."""
+    t0 = time.monotonic()
+    assert 0.0 <= wait_quiet(threshold=1e6, timeout=10, window=0.05) < 1e6  # under at once: one window
+    assert time.monotonic() - t0 < 5
+    t0 = time.monotonic()
+    assert wait_quiet(threshold=0.0, timeout=0.3, window=0.05) >= 0.0  # never under 0 cores: waits out its timeout
+    assert time.monotonic() - t0 >= 0.3

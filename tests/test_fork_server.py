@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from bench.fleet_faults import UpProcess
+from router.cli import up_cluster
 from shared.rpc.forkserver import ForkedProcess, ForkServer
 from shared.rpc.service import LAUNCHER_ENV
 from tests.helpers import wait_for
@@ -126,3 +127,7 @@ def _until_served(call, timeout: float = 60.0):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def test_no_fork_server_starts_every_front_anew():
+    assert up_cluster([]).fork_services and not up_cluster(["--no-fork-server"]).fork_services

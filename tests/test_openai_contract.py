@@ -22,9 +22,10 @@ import openai
 import pytest
 
 from router.cluster import Cluster
+from router.config import MAX_BODY_BYTES, MAX_PROMPTS
 from router.http import OpenAIFrontDoor
 from router.openai_fanout import PREFIX_VIEW_WAIT_S, PrefixWatch, all_or_none
-from router.openai_limits import COMPLETION_MAX_TOKENS, MAX_BODY_BYTES, MAX_PROMPTS
+from router.openai_limits import COMPLETION_MAX_TOKENS
 from shared.rpc.pdserve.v1 import internal_pb2, internal_pb2_grpc
 from tests.helpers import wait_for
 

@@ -124,6 +124,8 @@ class ForkServer:
     _answer: ForkedProcess | bool | None = None  # its answer: the child, or False where the fork failed
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _spawn_lock: threading.Lock = field(default_factory=threading.Lock)
+    _ready: threading.Event = field(default_factory=threading.Event)  # it imported its modules, or refused
+    _keeper: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -163,21 +165,26 @@ class ForkServer:
                 answer, self._ident = self._answer, self._ident + 1  # a late answer to this request is nobody's
                 return answer or None
 
+    def start(self) -> ForkServer:
+        """Start the server without waiting for it (its imports overlap the launcher's own start)."""
+        with self._cond:
+            if self._keeper is None:
+                self._keeper = threading.Thread(target=self._run, name="pdserve-fork-server", daemon=True)
+                self._keeper.start()
+        return self
+
     def _started(self) -> bool:
-        if self._proc is None and not self._refused:
-            ready = threading.Event()
-            threading.Thread(target=self._run, args=(ready,), name="pdserve-fork-server", daemon=True).start()
-            ready.wait()
+        self.start()._ready.wait()
         return self._proc is not None and not self._refused
 
-    def _run(self, ready: threading.Event) -> None:
+    def _run(self) -> None:
         """The server's keeper: starts it (so it dies with this thread) and reads its replies until it ends."""
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, *self.preload], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True, env=self.env, cwd=self.cwd,
                                           start_new_session=True)
             for line in self._proc.stdout:  # type: ignore[union-attr]
-                self._take(Reply(**json.loads(line)), ready)
+                self._take(Reply(**json.loads(line)))
         except (OSError, ValueError, TypeError) as exc:
             self._refused = self._refused or f"fork server: {exc}"
         with self._cond:  # its children got their parent-death signal (SIGTERM): they are on their way out
@@ -186,15 +193,15 @@ class ForkServer:
                 proc._exited(-signal.SIGTERM)
             self._live.clear()
             self._cond.notify_all()
-        ready.set()
+        self._ready.set()
 
-    def _take(self, reply: Reply, ready: threading.Event) -> None:
+    def _take(self, reply: Reply) -> None:
         with self._cond:
             if reply.kind is ReplyKind.READY:
-                ready.set()
+                self._ready.set()
             elif reply.kind is ReplyKind.REFUSED:
                 self._refused = reply.reason or "refused"
-                ready.set()
+                self._ready.set()
             elif reply.kind is ReplyKind.SPAWNED and reply.ident != self._ident:  # its launcher gave up on it
                 os.kill(reply.pid, signal.SIGKILL)
             elif reply.kind is ReplyKind.SPAWNED:  # registered before any later line (its exit) is read
