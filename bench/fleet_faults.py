@@ -294,6 +294,7 @@ class Fault:
     up: UpProcess
     victim: str = ""
     notes: list[str] = field(default_factory=list)
+    struck_at: float = 0.0  # monotonic: when the signal that kills or drains the victim went out
 
     def __post_init__(self) -> None:
         self.victim = {"decode": "decode0", "prefill": "prefill0", "router": "router"}[self.name.split("-")[0]]
@@ -315,6 +316,7 @@ class Fault:
             os.kill(pid, signal.SIGKILL)
         else:
             os.kill(pid, signal.SIGTERM if fault == "router-term" else signal.SIGKILL)
+        self.struck_at = time.monotonic()
         if fault == "router-term":
             time.sleep(0.3)
             self.notes.extend(probe_draining(up))
@@ -368,9 +370,8 @@ def run_fault(up: UpProcess, fault: str, specs: list[StreamSpec], reference: lis
               tokens: int) -> RoundResult:
     """One round with `fault` striking mid-stream, then the cluster whole again."""
     hit = Fault(fault, up)
-    t0 = time.monotonic()
     result = judge(fault, run_round(up, specs, tokens, hit.strike, hit.each_tokens), reference)
-    result.served_after, result.recovery_s = recover(up, hit.victim, t0)
+    result.served_after, result.recovery_s = recover(up, hit.victim, hit.struck_at)
     if not nothing_held(up, hit.victim):
         result.notes.append("survivors still hold KV blocks, leases or requests")
     result.notes = hit.notes + [f"victim {hit.victim}"] + result.notes

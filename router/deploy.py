@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from router.config import RouterConfig
-from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, check_bounds, same_as
+from shared.config import DecodeConfig, PrefillConfig, ServiceConfig, check_bounds, flag, same_as
 
 KUBERNETES_ONLY = {"image", "auth", "lws", "autoscaling", "masterPort", "monitoring", "podDisruptionBudget",
                    "resources", "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "replicas",
@@ -150,7 +150,7 @@ class RouterSpec:
 class PrefillSpec:
     """prefill: M instances of one shape (service defaults: PrefillConfig's)."""
 
-    instances: int = 1
+    instances: int = flag(1, "prefill instances (pdserve up --num-prefill)", bounds=(1, None))
     cp: int = same_as(PrefillConfig, "cp")
     tp: int = same_as(PrefillConfig, "tp")
     ep: int = same_as(PrefillConfig, "ep")
@@ -162,12 +162,15 @@ class PrefillSpec:
     no_prefix_cache: bool = same_as(PrefillConfig, "no_prefix_cache")
     no_kv_fetch: bool = same_as(PrefillConfig, "no_kv_fetch")
 
+    def __post_init__(self) -> None:
+        check_bounds(self, lambda name: f"prefill.{_camel(name)}")
+
 
 @dataclass
 class DecodeSpec:
     """decode: N instances of one shape (service defaults: DecodeConfig's)."""
 
-    instances: int = 1
+    instances: int = flag(1, "decode instances (pdserve up --num-decode)", bounds=(1, None))
     dp: int = same_as(DecodeConfig, "dp")
     tp: int = same_as(DecodeConfig, "tp")
     ep: int = same_as(DecodeConfig, "ep")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,17 @@ def test_up_runs_a_deployment_file(served_model, tmp_path):
         with c.channel(c.decode_addrs[0]) as ch:
             load = internal_pb2_grpc.DecodeStub(ch).GetLoad(internal_pb2.LoadRequest(), timeout=10)
         assert load.total_blocks == 256 // 4  # the description's pool (kvCacheTokens / blockSize)
+
+
+@pytest.mark.parametrize(("flags", "why"), [
+    (["--num-prefill", "0"], "prefill.instances: expected at least 1, got 0"),
+    (["--num-decode", "-1"], "decode.instances: expected at least 1, got -1"),
+    (["--prefill-cp", "0"], "prefill.cp: expected at least 1, got 0"),
+    (["--decode-dp", "0"], "decode.dp: expected at least 1, got 0"),
+    (["--decode-ep", "0"], "decode.ep: expected at least 1, got 0")])
+def test_pdserve_up_refuses_an_empty_pool_or_rank_count_before_starting_anything(flags, why):
+    """(Before: the services started, then one exited and `pdserve up` ended in a traceback.)"""
+    done = subprocess.run([sys.executable, "-m", "router.cli", "up", *flags, "--port", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and f"error: {why}" in done.stderr, done.stderr
+    assert "starting" not in done.stdout and "Traceback" not in done.stderr

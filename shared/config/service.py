@@ -61,8 +61,8 @@ class ServiceConfig(EndpointConfig):
     kv_store_master: str | None = same_as(EngineConfig, "kv_store_master")
     no_prefix_cache: bool = flag(False, "no prefix cache: prefill recomputes every prompt, decode gets every block "
                                         "pushed")
-    ep: int = flag(1, "expert-parallel ranks (divides the instance's ranks)")
-    tp: int = flag(1, "local TP ranks for o_proj / lm_head / embedding")
+    ep: int = flag(1, "expert-parallel ranks (divides the instance's ranks)", bounds=(1, None))
+    tp: int = flag(1, "local TP ranks for o_proj / lm_head / embedding", bounds=(1, None))
     cp: int = 1  # prefill instances (their own flag)
     dp: int = 1  # decode instances (their own flag)
     layer_sharding: tuple[str, ...] = flag((), "o_proj,q_b_proj: layer i's weight lives on rank i %% K")
@@ -108,7 +108,7 @@ class ServiceConfig(EndpointConfig):
 class PrefillConfig(ServiceConfig):
     """The prefill service's flags."""
 
-    cp: int = flag(1, "context-parallel ranks")
+    cp: int = flag(1, "context-parallel ranks", bounds=(1, None))
     max_prefill_tokens: int = flag(knob_default(EngineConfig, "max_num_batched_tokens"),
                                    "prompt tokens computed per engine step (chunked prefill; several prompts batch "
                                    "up to it)", bounds=(1, None))
@@ -126,7 +126,7 @@ class PrefillConfig(ServiceConfig):
 class DecodeConfig(ServiceConfig):
     """The decode service's flags."""
 
-    dp: int = flag(1, "attention data-parallel ranks")
+    dp: int = flag(1, "attention data-parallel ranks", bounds=(1, None))
     speculative_max_draft_tokens: int = same_as(EngineConfig, "speculative_max_draft_tokens")
     enforce_eager: bool = same_as(EngineConfig, "enforce_eager")
     kv_port: int = flag(0, "TCP KV receiver port of rank 0, rank r uses +r (0 = free)")
