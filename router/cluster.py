@@ -196,7 +196,7 @@ class Cluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = self.log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token,  # by environment: not in `ps`
-               LAUNCHER_ENV: str(os.getpid())}  # the service dies with the thread that starts it here
+               LAUNCHER_ENV: str(os.getpid())}  # it dies with its parent: this thread or the fork server
         proc = None
         if self.fork_services and args[0] in FORKED_SERVICES:  # else, or where it cannot fork: a new interpreter
             proc = fork_server().spawn(args[0], args[1:], env, str(log) if log else None)
