@@ -5,10 +5,11 @@ through /proc/self/clear_refs), the weights' and the KV pool's bytes, and a tile
     python tests/real_dims_child.py PROMPT_TOKENS CHUNK WORKSPACE_MB [DTYPE] [all|ends]
     python tests/real_dims_child.py decode-alone-vs-batched [native|fp32-copies] [bf16|w8a8-c8]
 
-`ends` computes only the first two chunks and the last, and fills the cache rows in between with random
-values (what attention and the indexer read there does not change how much memory they take), so the
-chunk at the full context is measured in a fraction of the time. (The first chunk of a V3.2 prompt is
-dense, in expanded form; the chunks past index_topk are sparse: the second and the last compare alike.)
+`ends` computes only the first chunk, the first sparse one (its context past index_topk) and the last,
+and fills the cache rows in between with random values (what attention and the indexer read there does
+not change how much memory they take), so the chunk at the full context is measured in a fraction of the
+time. (The first chunk of a V3.2 prompt is dense, in expanded form; the chunks past index_topk are
+sparse: the first sparse one and the last compare alike.)
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ def main() -> None:
     baseline_model = rss_now_bytes()  # runtime + weights + KV pool
     which = sys.argv[5] if len(sys.argv) > 5 else "all"
     starts = list(range(0, prompt_tokens, chunk))
+    first_sparse = next((s for s in starts if s + chunk > cfg.index_topk), starts[-1])
     chunks = []
     for start in starts:
-        if which == "ends" and start not in (starts[0], starts[min(1, len(starts) - 1)], starts[-1]):
+        if which == "ends" and start not in (starts[0], first_sparse, starts[-1]):
             slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(start, start + chunk)])
             for pool in (kv.mla, kv.index):  # [layers, blocks, block_size, dim]: rows as a computed chunk leaves
                 if pool is not None:
