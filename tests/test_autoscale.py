@@ -81,13 +81,16 @@ def test_prefill_is_sized_on_the_tokens_it_computes():
 # The router's controller under its default targets (TTFT 2 s, TPOT 200 ms) with a model of a slow machine:
 # 0.5 req/s of 64 → 32 tokens fits one instance of each kind, 2 req/s needs more (3 decode, 2 prefill).
 SLOW_ROUTER = PerfModel(decode_base_s=0.1, decode_per_seq_s=0.01, prefill_per_token_s=6e-3)
+# The load step (seconds from the first request): 2 req/s inside, 0.5 outside. With a 4 s window and a 4 s hold
+# before each shrink the pools are back to (1, 1) some 15 s after it (with an 8 s hold: 25-30 s).
+STEP_S = (6.0, 20.0)
 
 
 def test_load_step_grows_and_shrinks_the_pools_without_losing_a_request(tmp_path):
     """pdserve up --autoscale 1:3: the router decides, the cluster starts and drains instances."""
     SLOW_ROUTER.save(tmp_path / "profile.json")
     cluster = up_cluster(["--model", "models/demo-v32", "--port", "0", "--autoscale", "1:3", "--autoscale-period",
-                          "2", "--autoscale-window", "4", "--autoscale-down-after", "8", "--profile",
+                          "2", "--autoscale-window", "4", "--autoscale-down-after", "4", "--profile",
                           str(tmp_path / "profile.json")], log_dir=tmp_path / "logs")
     assert cluster.elastic
     prompts = random_prompts(400, [64], 4000, seed=9)
@@ -111,7 +114,7 @@ def test_load_step_grows_and_shrinks_the_pools_without_losing_a_request(tmp_path
                     results.append((arrival - t0, None, f"{exc.code().name}: {exc.details()}"))
 
             def rate(t: float) -> float:
-                return 2.0 if 6 <= t < 26 else 0.5
+                return 2.0 if STEP_S[0] <= t < STEP_S[1] else 0.5
 
             i = 0
             while (now := time.monotonic() - t0) < 70 and i < len(prompts):
@@ -119,7 +122,7 @@ def test_load_step_grows_and_shrinks_the_pools_without_losing_a_request(tmp_path
                 threads[-1].start()
                 i += 1
                 time.sleep(rng.expovariate(rate(now)))
-                if now > 40 and scaler.sizes() == Target(1, 1):
+                if now > STEP_S[1] + 8 and scaler.sizes() == Target(1, 1):
                     break
             for t in threads:
                 t.join(120)
@@ -130,7 +133,7 @@ def test_load_step_grows_and_shrinks_the_pools_without_losing_a_request(tmp_path
     assert not errors and len(results) == i
     peak = max((s.prefill + s.decode for _, s in scaler.history), default=2)
     assert peak >= 3, scaler.history  # the pools grew during the step
-    in_step = [ttft for arrival, ttft, _ in results if 6 <= arrival < 26]
+    in_step = [ttft for arrival, ttft, _ in results if STEP_S[0] <= arrival < STEP_S[1]]
     print(f"\n{len(results)} requests, none failed; sizes {[(round(t - t0), s) for t, s in scaler.history]}; "
           f"TTFT ≤ 2 s for {sum(t <= 2.0 for t in in_step) / max(len(in_step), 1):.0%} of those sent during the step")
 
