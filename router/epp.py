@@ -19,7 +19,6 @@ complete and the body is sent back as it came; buffered, the header mutation rid
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -42,7 +41,6 @@ from router.openai_completions import completion_requests
 from router.openai_errors import HTTP_TYPES, HttpAbort
 from router.openai_models import ChatCompletionRequest, CompletionRequest, chat_request
 from router.policy import Rejected
-from router.pools import resolve_addresses
 from router.request import Invalid
 from shared import metrics
 from shared.rpc.pdserve.v1 import generation_pb2
@@ -245,30 +243,6 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             return completion_requests(parsed, self.tokens, len(_as_list(parsed.prompt)), 1 << 30)[0][0]
         except (ValueError, ValidationError, HttpAbort):  # json's errors are ValueErrors
             return None
-
-
-class EndpointList:
-    """The routers to pick from: addresses, and dns:NAME:PORT names resolved every `discover` interval."""
-
-    def __init__(self, addresses: list[str]):
-        self.static = [a for a in addresses if not a.startswith("dns:")]
-        self.names = [a[4:] for a in addresses if a.startswith("dns:")]
-        self.resolved: list[str] = []
-
-    def __call__(self) -> list[str]:
-        return [*self.static, *self.resolved]
-
-    async def discover(self, interval: float) -> None:
-        while self.names:
-            found = []
-            for name in self.names:
-                host, _, port = name.rpartition(":")
-                try:
-                    found += await resolve_addresses(host, port)
-                except OSError as exc:
-                    log.warning("endpoint picker: %s does not resolve (%s)", name, exc)
-            self.resolved = found
-            await asyncio.sleep(interval)
 
 
 def _as_list(prompt: object) -> list:

@@ -221,4 +221,28 @@ async def resolve_addresses(host: str, port: str) -> list[str]:
     return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
 
 
-__all__ = ["Instance", "Pool", "in_flight", "resolve_addresses"]
+class EndpointList:
+    """The routers to pick from: addresses, and dns:NAME:PORT names resolved every `discover` interval."""
+
+    def __init__(self, addresses: list[str]):
+        self.static = [a for a in addresses if not a.startswith("dns:")]
+        self.names = [a[4:] for a in addresses if a.startswith("dns:")]
+        self.resolved: list[str] = []
+
+    def __call__(self) -> list[str]:
+        return [*self.static, *self.resolved]
+
+    async def discover(self, interval: float) -> None:
+        while self.names:
+            found = []
+            for name in self.names:
+                host, _, port = name.rpartition(":")
+                try:
+                    found += await resolve_addresses(host, port)
+                except OSError as exc:
+                    log.warning("endpoint picker: %s does not resolve (%s)", name, exc)
+            self.resolved = found
+            await asyncio.sleep(interval)
+
+
+__all__ = ["EndpointList", "Instance", "Pool", "in_flight", "resolve_addresses"]
