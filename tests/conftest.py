@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import platform
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,11 +61,23 @@ def served_model(ckpt, tmp_path_factory):
     return path
 
 
+KERNEL_ARCHES = ("native", "haswell", "x86-64-v2", "x86-64")  # every -march a test builds the CPU kernels for
+
+
 @pytest.fixture(scope="session")
 def arch_builds(tmp_path_factory) -> Path:
     """One kernel cache for every test that builds for another -march: builds are keyed by source, flags and
-    ISA, so each is compiled once a session (a fresh cache per test compiled the same three builds 5 times)."""
-    return tmp_path_factory.mktemp("kernel-builds")
+    ISA, so each is compiled once a session (a fresh cache per test compiled the same three builds 5 times).
+    The builds are made at once, in parallel (a compiler run is one thread: 7-10 s each here)."""
+    from shared.model import cpu_kernels, kernel_build
+
+    path = tmp_path_factory.mktemp("kernel-builds")
+    arches = KERNEL_ARCHES if platform.machine() == "x86_64" else KERNEL_ARCHES[:1]
+    with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(len(arches)) as pool:
+        mp.setenv("PDSERVE_KERNEL_CACHE", str(path))
+        built = list(pool.map(lambda arch: kernel_build.build_library(cpu_kernels._SOURCE_FILE, arch), arches))
+    assert all(lib is not None for lib in built), "the kernels must build here (a C compiler is part of the install)"
+    return path
 
 
 @pytest.fixture

@@ -405,7 +405,7 @@ def _cpu_runs(arch: str) -> bool:
 # the GCC-contracted build once rounded a row differently in a four-row pass); x86-64-v2: SSE only, no FMA
 # unit (fmaf in software): the spelled-out FMAs make a row's bits the same on each.
 @pytest.mark.parametrize("arch", ["native", "haswell", "x86-64-v2"])
-def test_decode_rows_are_batch_invariant(tmp_path, arch, monkeypatch):
+def test_decode_rows_are_batch_invariant(tmp_path, arch, monkeypatch, arch_builds):
     """A generated token's logits are the same bits whether it is decoded alone or beside 69 other
     requests (linears past a GEMM library's small sizes, MoE past one kernel chunk): every kernel on
     generated rows computes each row on its own, with the same operations whatever rows sit beside it,
@@ -413,6 +413,7 @@ def test_decode_rows_are_batch_invariant(tmp_path, arch, monkeypatch):
     matmuls may round differently with the step's composition, as before.)"""
     if not _cpu_runs(arch):
         pytest.skip(f"this CPU cannot run -march={arch} code")
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(arch_builds))
     monkeypatch.setenv("PDSERVE_KERNEL_ARCH", arch)
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "_library", None)

@@ -34,10 +34,10 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
 
 
-def _march() -> str:
-    """The ISA the kernels are built for: this CPU's (native), or `PDSERVE_KERNEL_ARCH` (e.g. haswell,
-    x86-64-v3: one build for a mixed fleet; the tests build for several to check invariance on each)."""
-    return f"-march={os.environ.get('PDSERVE_KERNEL_ARCH', 'native')}"
+def _march(arch: str | None = None) -> str:
+    """The ISA the kernels are built for: `arch`, else `PDSERVE_KERNEL_ARCH` (e.g. haswell, x86-64-v3: one build
+    for a mixed fleet; the tests build for several to check invariance on each), else this CPU's (native)."""
+    return f"-march={arch or os.environ.get('PDSERVE_KERNEL_ARCH', 'native')}"
 
 
 def _cpu_signature() -> str:
@@ -60,10 +60,10 @@ def _source(source_file: str) -> str | None:
         return None
 
 
-def build_library(source_file: str) -> ctypes.CDLL | None:
-    """Compile (or reuse) the C file `source_file` (relative to shared.model) for this CPU; None, with a
-    warning, where that is not possible. Each file is its own shared object, cached by its source, flags,
-    compiler and CPU; the caller declares its functions' signatures."""
+def build_library(source_file: str, arch: str | None = None) -> ctypes.CDLL | None:
+    """Compile (or reuse) the C file `source_file` (relative to shared.model) for this CPU (or for `arch`, as
+    _march); None, with a warning, where that is not possible. Each file is its own shared object, cached by its
+    source, flags, compiler and CPU; the caller declares its functions' signatures."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         warnings.warn("no C compiler: the CPU kernels are off; the portable (slower) path runs", RuntimeWarning,
@@ -72,7 +72,8 @@ def build_library(source_file: str) -> ctypes.CDLL | None:
     source = _source(source_file)
     if source is None:
         return None
-    key = hashlib.sha256("\0".join([source, _march(), *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
+    march = _march(arch)
+    key = hashlib.sha256("\0".join([source, march, *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
     stem = Path(source_file).stem
     target = _cache_dir() / f"{stem}-{key}.so"
     try:
@@ -82,7 +83,7 @@ def build_library(source_file: str) -> ctypes.CDLL | None:
                 src = Path(tmp) / f"{stem}.c"
                 src.write_text(source)
                 built = Path(tmp) / f"{stem}.so"
-                result = subprocess.run([compiler, _march(), *_FLAGS, str(src), "-o", str(built), "-lm"],
+                result = subprocess.run([compiler, march, *_FLAGS, str(src), "-o", str(built), "-lm"],
                                         capture_output=True, text=True, timeout=120)
                 if result.returncode != 0:
                     raise OSError(result.stderr.strip() or f"{compiler} exited {result.returncode}")
