@@ -87,6 +87,7 @@ def wait_serving(address: str, timeout: float = 180.0, proc: subprocess.Popen | 
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
+                time.sleep(0.02)  # not yet: asking in a tight loop takes the cores the service is starting on
             except grpc.RpcError:
                 time.sleep(0.2)
     raise TimeoutError(f"{address} did not become SERVING within {timeout}s")
@@ -224,7 +225,17 @@ class Cluster:
             self.certs = make_cluster_certs(self._cert_dir, [self.host])
         if self.certs is not None:
             common += self.certs.flags()
+        # The router starts beside the instances, on pool files that list nothing until they listen (it reads them
+        # again within 50 ms while they are empty): its imports overlap the instances' start.
+        self._pool_dir = Path(tempfile.mkdtemp(prefix="pdserve-pools-"))
+        self._write_pools()
+        if self.elastic:  # the router re-reads the pool files; add_instance / remove_instance rewrite them
+            self.extra_router += ["--discovery-interval", "1", "--metrics-port", "0"]
         try:
+            router_file = ports / "router"
+            router = self._spawn("router", ["router", *common, "--port", str(self.port), "--port-file",
+                                            str(router_file), "--prefill", f"file:{self._pool_dir / 'prefill'}",
+                                            "--decode", f"file:{self._pool_dir / 'decode'}", *self.extra_router])
             started = []
             for kind, n, extra in (("decode", self.num_decode, self.extra_decode),
                                    ("prefill", self.num_prefill, self.extra_prefill)):
@@ -233,23 +244,18 @@ class Cluster:
                     proc = self._spawn(f"{kind}{i}", [f"{kind}_service", *common, "--port", "0", "--port-file",
                                                       str(file), *engine, *extra])
                     started.append((kind, file, proc))
+            self.procs.remove(router)  # procs in the order callers index them: decodes, prefills, the router
+            self.procs.append(router)
             for kind, file, proc in started:  # the models load in parallel; collect the ports
                 addr = f"{self.host}:{wait_port_file(file, timeout, proc)}"
                 (self.decode_addrs if kind == "decode" else self.prefill_addrs).append(addr)
                 self._read_metrics_port(addr, file)
                 self._by_address[addr] = proc
                 self._commands[addr] = proc.pdserve_command
-            file = ports / "router"
-            pools = [",".join(self.prefill_addrs), ",".join(self.decode_addrs)]
-            if self.elastic:  # the router re-reads the pool files; add_instance / remove_instance rewrite them
-                self._pool_dir = Path(tempfile.mkdtemp(prefix="pdserve-pools-"))
-                self._write_pools()
-                pools = [f"file:{self._pool_dir / 'prefill'}", f"file:{self._pool_dir / 'decode'}"]
-                self.extra_router += ["--discovery-interval", "1", "--metrics-port", "0"]
-            proc = self._spawn("router", ["router", *common, "--port", str(self.port), "--port-file", str(file),
-                                          "--prefill", pools[0], "--decode", pools[1], *self.extra_router])
-            self.address = f"{self.host}:{wait_port_file(file, timeout, proc)}"
-            self._by_address[self.address] = proc
+            self._write_pools()
+            file = router_file
+            self.address = f"{self.host}:{wait_port_file(file, timeout, router)}"
+            self._by_address[self.address] = router
             self._read_metrics_port(self.address, file)
             http_file = Path(f"{file}.http")
             if http_file.exists():  # written before the router's port file
@@ -258,7 +264,7 @@ class Cluster:
                 self.kserve_address = f"{self.host}:{int(kserve_file.read_text())}"
             if (epp_file := Path(f"{file}.epp")).exists():
                 self.epp_address = f"{self.host}:{int(epp_file.read_text())}"
-            self._commands[self.address] = proc.pdserve_command
+            self._commands[self.address] = router.pdserve_command
             for addr in [*self.decode_addrs, *self.prefill_addrs, self.address]:
                 wait_serving(addr, timeout, credentials=self.credentials)
         except BaseException:
@@ -334,7 +340,7 @@ class Cluster:
         self.procs.clear()
         if getattr(self, "_cert_dir", None):
             shutil.rmtree(self._cert_dir, ignore_errors=True)
-        if self.elastic:
+        if self._pool_dir != Path():
             shutil.rmtree(self._pool_dir, ignore_errors=True)
 
     @property

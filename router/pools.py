@@ -29,6 +29,7 @@ log = logging.getLogger("pdserve.router")
 # back (a restart, a rolling upgrade) takes requests within about this many seconds.
 MAX_POLL_BACKOFF = 2.0
 KV_RETRY_S = 30.0  # an instance without KvEvents (an older build) is asked again after this long
+EMPTY_FILES_POLL_S = 0.05  # how soon a pool of file: lists that name nothing yet reads them again (Pool.discover)
 Resolver = Callable[[str, str], Awaitable[list[str]]]
 
 
@@ -74,6 +75,7 @@ class Pool:
         self._retired: list[tuple[float, grpc.aio.Channel]] = []
         self.kv_index = KvIndex(kind)
         self._kv_tasks: dict[str, asyncio.Task] = {}
+        self._added = asyncio.Event()  # discovery added instances: poll them now, not at the next interval
 
     def _make(self, address: str) -> Instance:
         channel = aio_channel(address, self.credentials)
@@ -83,11 +85,13 @@ class Pool:
         return inst
 
     async def discover(self, period: float = 5.0, resolve: Resolver | None = None) -> None:
-        """Keep the instances of the dns: names current (static addresses always stay)."""
+        """Keep the instances of the dns: names and file: lists current (static addresses always stay). A pool of
+        file: lists that name nothing yet is read again within EMPTY_FILES_POLL_S: a launcher that starts the
+        router beside its instances writes them once they listen."""
         resolve = resolve or resolve_addresses
         while True:
             await self.refresh(resolve)
-            await asyncio.sleep(period)
+            await asyncio.sleep(EMPTY_FILES_POLL_S if self.files and not self.instances else period)
 
     async def refresh(self, resolve: Resolver) -> None:
         wanted = list(self.static)
@@ -110,6 +114,8 @@ class Pool:
         if added or gone:
             log.info("%s instances: +%s -%s", self.kind, added, [x.address for x in gone])
             self.instances = [current.get(a) or self._make(a) for a in wanted]
+            if added:
+                self._added.set()
             now = time.monotonic()
             self._retired += [(now, x.channel) for x in gone if x.channel is not None]
         while self._retired and time.monotonic() - self._retired[0][0] > 600:  # in-flight streams drain first
@@ -136,7 +142,11 @@ class Pool:
             now = time.monotonic()
             await asyncio.gather(*(self._poll(inst, interval, metadata) for inst in list(self.instances)
                                    if now >= inst.due))
-            await asyncio.sleep(interval)
+            try:  # the next round after `interval`, or at once when discovery adds instances
+                await asyncio.wait_for(self._added.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+            self._added.clear()
 
     async def _poll(self, inst: Instance, interval: float, metadata: tuple) -> None:
         try:

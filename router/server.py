@@ -28,6 +28,7 @@ from shared.rpc.service import Lifecycle, die_with_launcher, start_server, write
 
 log = logging.getLogger("pdserve.router")
 SERVICE = "pdserve.v1.Generation"
+NOT_SERVING_CHECK_S = 0.02  # how often a router that reaches no pair yet looks again (cheap: flags of its views)
 EXTRA_PORTS = {"kserve": "KServe v2 gRPC (Open Inference Protocol)",
                "epp": "Gateway API Inference Extension endpoint picker (Envoy ext_proc)"}
 
@@ -85,7 +86,7 @@ async def _report_readiness(servicer: GenerationServicer, life: Lifecycle, perio
         if reachable != serving:
             await life.set(reachable)
             serving = reachable
-        await asyncio.sleep(period / 2)
+        await asyncio.sleep(period / 2 if serving else min(period / 2, NOT_SERVING_CHECK_S))
 
 
 async def _autoscale(servicer: GenerationServicer, controller: Autoscaler, period: float, window: float) -> None:
