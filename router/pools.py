@@ -86,12 +86,13 @@ class Pool:
 
     async def discover(self, period: float = 5.0, resolve: Resolver | None = None) -> None:
         """Keep the instances of the dns: names and file: lists current (static addresses always stay). A pool of
-        file: lists that name nothing yet is read again within EMPTY_FILES_POLL_S: a launcher that starts the
-        router beside its instances writes them once they listen."""
+        file: lists that exist but name nothing yet is read again within EMPTY_FILES_POLL_S: a launcher that starts
+        the router beside its instances writes them once they listen (a missing file waits `period`, warned of)."""
         resolve = resolve or resolve_addresses
         while True:
             await self.refresh(resolve)
-            await asyncio.sleep(EMPTY_FILES_POLL_S if self.files and not self.instances else period)
+            waiting = self.files and not self.instances and all(Path(f).is_file() for f in self.files)
+            await asyncio.sleep(EMPTY_FILES_POLL_S if waiting else period)
 
     async def refresh(self, resolve: Resolver) -> None:
         wanted = list(self.static)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import urllib.request
 
 import grpc
@@ -139,6 +140,41 @@ def test_dns_names_stand_for_every_address_they_resolve_to():
                                   ["127.0.0.1:1", "10.0.0.1:7000", "10.0.0.2:7000"],
                                   ["127.0.0.1:1", "10.0.0.1:7000", "10.0.0.2:7000"], ["127.0.0.1:1", "10.0.0.2:7000"]]
     assert "127.0.0.1:7000" in asyncio.run(resolve_addresses("localhost", "7000"))
+
+
+def test_an_empty_pool_file_is_read_again_at_once_and_a_missing_one_is_not(tmp_path, caplog):
+    """A launcher starts the router beside its instances on an empty pool file and writes the addresses once they
+    listen: the router lists them within EMPTY_FILES_POLL_S, not at its discovery period (5 s), and its load
+    poller asks them at once. A pool file that does not exist is warned of once a period, not every 50 ms."""
+    import asyncio
+
+    from router.pools import EMPTY_FILES_POLL_S, Pool
+
+    empty, missing = tmp_path / "decode", tmp_path / "absent"
+    empty.write_text("")
+
+    async def run() -> tuple[float, int, int]:
+        pool = Pool("decode", [f"file:{empty}"], internal_pb2_grpc.DecodeStub)
+        lost = Pool("decode", [f"file:{missing}"], internal_pb2_grpc.DecodeStub)
+        tasks = [asyncio.create_task(p.discover(5.0)) for p in (pool, lost)]
+        tasks.append(asyncio.create_task(pool.poll_loads(5.0, ())))
+        await asyncio.sleep(0.3)
+        assert pool.instances == [] and lost.instances == []
+        empty.write_text("127.0.0.1:1\n")
+        t0 = time.monotonic()
+        while not pool.instances:
+            await asyncio.sleep(0.005)
+        listed = time.monotonic() - t0
+        while pool.instances[0].failures == 0:  # its first GetLoad (nothing listens there): asked at once
+            await asyncio.sleep(0.005)
+        for task in tasks:
+            task.cancel()
+        return listed, time.monotonic() - t0, sum("cannot read" in r.getMessage() for r in caplog.records)
+
+    listed, polled, warnings = asyncio.run(run())
+    assert listed <= 1.0 and polled <= 2.5, (listed, polled)  # within 50 ms and one call, on a loaded machine
+    assert warnings == 1  # the missing file: read once in 0.3 s, at its 5 s period
+    assert EMPTY_FILES_POLL_S <= 0.05
 
 
 def test_priority_classes_share_the_targets_differently():
