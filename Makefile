@@ -36,8 +36,8 @@ system-deps:
 # pip's setting $(1) (find-links, index-url, extra-index-url, constraint) as pip resolves it: its environment
 # variable over its configuration files; empty where unset.
 pip_setting = $$($(PIP) config list 2>/dev/null | sed -n "s/^\(global\|:env:\)\.$(1)='\(.*\)'$$/\2/p" | tail -1)
-# uv installs the same wheels pip would (the same resolution here: `pip freeze` equal) in two-thirds of the time,
-# bytecode compiled as pip does. It does not read pip's configuration, so pip's package sources and constraints
+# uv installs the same wheels pip would (the same resolution here: `pip freeze` equal), faster (a clean clone:
+# 81 s; pip 99 s with the corpus), bytecode compiled as pip does. It does not read pip's configuration, so pip's package sources and constraints
 # are handed to it; wherever uv is missing or fails, pip installs instead.
 UV_PIP = fl="$(call pip_setting,find-links)"; ix="$(call pip_setting,index-url)"; \
 	ei="$(call pip_setting,extra-index-url)"; cs="$(call pip_setting,constraint)"; \
