@@ -33,14 +33,13 @@ system-deps:
 	  else echo "warning: not root; install$$missing"; fi; \
 	fi
 
-# pip's setting $(1) (find-links, index-url, extra-index-url, constraint) as pip resolves it: its environment
-# variable over its configuration files; empty where unset.
-pip_setting = $$($(PIP) config list 2>/dev/null | sed -n "s/^\(global\|:env:\)\.$(1)='\(.*\)'$$/\2/p" | tail -1)
 # uv installs the same wheels pip would (the same resolution here: `pip freeze` equal), faster (a clean clone:
-# 81 s; pip 99 s with the corpus), bytecode compiled as pip does. It does not read pip's configuration, so pip's package sources and constraints
-# are handed to it; wherever uv is missing or fails, pip installs instead.
-UV_PIP = fl="$(call pip_setting,find-links)"; ix="$(call pip_setting,index-url)"; \
-	ei="$(call pip_setting,extra-index-url)"; cs="$(call pip_setting,constraint)"; \
+# 81 s; pip 99 s with the corpus), bytecode compiled as pip does. It does not read pip's configuration, so pip's
+# package sources and constraints (as pip resolves them: its environment variables over its files, read once a
+# line) are handed to it; wherever uv is missing or fails, pip installs instead.
+UV_PIP = conf="$$($(PIP) config list 2>/dev/null)"; \
+	setting() { printf '%s\n' "$$conf" | sed -n "s/^\(global\|:env:\)\.$$1='\(.*\)'$$/\2/p" | tail -1; }; \
+	fl=$$(setting find-links); ix=$$(setting index-url); ei=$$(setting extra-index-url); cs=$$(setting constraint); \
 	$(VENV)/bin/uv pip install -q --python $(PY) --index-strategy unsafe-best-match --compile-bytecode \
 	  $$(for f in $$fl; do echo --find-links $$f; done) $${ix:+--index-url $$ix} \
 	  $$(for u in $$ei; do echo --extra-index-url $$u; done) $$(for c in $$cs; do echo --constraints $$c; done)
