@@ -253,16 +253,15 @@ class Cluster:
                 self._by_address[addr] = proc
                 self._commands[addr] = proc.pdserve_command
             self._write_pools()
-            file = router_file
-            self.address = f"{self.host}:{wait_port_file(file, timeout, router)}"
+            self.address = f"{self.host}:{wait_port_file(router_file, timeout, router)}"
             self._by_address[self.address] = router
-            self._read_metrics_port(self.address, file)
-            http_file = Path(f"{file}.http")
+            self._read_metrics_port(self.address, router_file)
+            http_file = Path(f"{router_file}.http")
             if http_file.exists():  # written before the router's port file
                 self.http_address = f"{self.host}:{int(http_file.read_text())}"
-            if (kserve_file := Path(f"{file}.kserve")).exists():
+            if (kserve_file := Path(f"{router_file}.kserve")).exists():
                 self.kserve_address = f"{self.host}:{int(kserve_file.read_text())}"
-            if (epp_file := Path(f"{file}.epp")).exists():
+            if (epp_file := Path(f"{router_file}.epp")).exists():
                 self.epp_address = f"{self.host}:{int(epp_file.read_text())}"
             self._commands[self.address] = router.pdserve_command
             for addr in [*self.decode_addrs, *self.prefill_addrs, self.address]:
