@@ -69,6 +69,7 @@ def _build() -> ctypes.CDLL | None:
     _declare(lib, "index_keys", i32, ptr, ptr, i64, i64, i64, ptr, i32, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64,
                   f32, ptr, i32)
     _declare(lib, "dots_bf16", i32)
+    _declare(lib, "tile_products", i32)
     _declare(lib, "wide_tiles", i32)
     lib.wide = bool(lib.wide_tiles())  # asked once: ops.every_row reads it on every linear
     _declare(lib, "topk_rows", None, ptr, i64, i64, i64, ptr, ptr, i32)
@@ -260,6 +261,13 @@ def bf16_dots() -> bool:
     query's attention scores over bf16 rows and a bf16 model's experts' gate / up products (their sums in pairs:
     to fp32 rounding of the fused multiply-adds')."""
     return library() is not None and bool(library().dots_bf16())
+
+
+def tile_products() -> bool:
+    """Whether a bf16 model's decode attention multiplies by AMX tile products (a CPU with AMX-BF16, the build for
+    it, and Linux granting this process the tile registers): scores and p.V of 16 rows a product, where vdpbf16ps
+    makes 16 products of one (the same bounds as bf16_dots' sums, another order)."""
+    return library() is not None and bool(library().tile_products())
 
 
 def wide_tiles() -> bool:

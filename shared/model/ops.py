@@ -220,22 +220,24 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor, generated: bool,
 
 def _fused_heads(query: torch.Tensor) -> bool:
     """Whether the attention kernel takes these heads: up to cpu_kernels.MAX_HEADS, and any whole multiple of it
-    where the step computes in fp32 (a CPU without bf16 arithmetic, an fp32 model), MAX_HEADS heads a call
-    (_paged_mqa): torch's fp32 batched matmul, the path beyond, rounds a row by its batch's sizes (a token
-    decoded alone and beside others differed by 0.016 in the logits at DeepSeek's 128 heads), while bf16's
-    rounds each row alike."""
+    where the step computes in fp32 (a CPU without bf16 arithmetic, an fp32 model) or multiplies by AMX tile
+    products (cpu_kernels.tile_products), MAX_HEADS heads a call elsewhere (_paged_mqa): the batched matmuls of
+    the path beyond round a row by its batch's sizes (a token decoded alone and beside others differed by 0.016
+    in the logits at DeepSeek's 128 heads in fp32; in bf16 on an AMX CPU, whose oneDNN products pick their
+    blocking by the batch, by 0.031), where AVX512-BF16's bf16 ones round each row alike."""
     heads = query.shape[-2]
-    return heads <= cpu_kernels.MAX_HEADS or (
-        heads % cpu_kernels.MAX_HEADS == 0 and compute_dtype(query.dtype, query.device) == torch.float32)
+    return heads <= cpu_kernels.MAX_HEADS or (heads % cpu_kernels.MAX_HEADS == 0 and (
+        compute_dtype(query.dtype, query.device) == torch.float32 or cpu_kernels.tile_products()))
 
 
-def _paged_mqa(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """cpu_kernels.paged_mqa over query [N, H, D] in slices of MAX_HEADS heads (each head attends on its own:
-    the bits of one call)."""
-    step = cpu_kernels.MAX_HEADS
+def _paged_mqa(query: torch.Tensor, pool: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """cpu_kernels.paged_mqa over query [N, H, D] in slices of MAX_HEADS heads, all heads in one call over bf16 rows
+    where tile products take 16 heads a product (each head attends on its own: the bits of one call)."""
+    tiles = pool.dtype == torch.bfloat16 and kwargs.get("codec") is None and cpu_kernels.tile_products()
+    step = query.shape[1] if tiles else cpu_kernels.MAX_HEADS
     if query.shape[1] <= step:
-        return cpu_kernels.paged_mqa(query, *args, **kwargs)
-    return torch.cat([cpu_kernels.paged_mqa(query[:, h: h + step].contiguous(), *args, **kwargs)
+        return cpu_kernels.paged_mqa(query, pool, *args, **kwargs)
+    return torch.cat([cpu_kernels.paged_mqa(query[:, h: h + step].contiguous(), pool, *args, **kwargs)
                       for h in range(0, query.shape[1], step)], dim=1)
 
 

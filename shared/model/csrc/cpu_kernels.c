@@ -598,13 +598,166 @@ static inline float lanes_in_order(v8 v, float scale) {
     return sc * scale;
 }
 
+/* Intel AMX (TMUL, Sapphire Rapids on): a bf16 tile product, 16 rows by up to 16 columns by 32 pair products
+   (TDPBF16PS), in the time vdpbf16ps makes 16 products of one row: a 4-head decode's scores over bf16 rows ran
+   at 77-94 GFLOP/s through the ymm pairs. Each output is one fp32 chain over its pairs in order, whatever the
+   other rows and columns of the tile are: a row's score is the same however the query is batched. Linux hands
+   a process the tile state only when asked (arch_prctl); where it does not, nothing takes this path. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && HAVE_DPBF16 && defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+extern long syscall(long number, ...);  /* unistd.h declares it only outside strict C11 */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) AmxConfig;
+
+/* 1 once this process may use the tile registers (asked for on first call), else 0. */
+static int amx_usable(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* This thread's eight tiles, each 16 rows of 64 bytes (16 fp32 sums, or 32 bf16 values: 16 pairs): amx_scores
+   and amx_pv take 0-3 for sums (four chains in flight: a product waits on the last into its tile) and 4-7 for
+   their operands. A head group is 16 wide whatever the heads (zeros past them): a product's time goes by its rows. */
+static void amx_configure(void) {
+    AmxConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* A query's bf16 heads qb [hp][dim] as the tile product's second operand: for each group of 16 heads (zeros
+   past hp) and 32-dim chunk, 16 rows of dim pairs, each row the group's heads' pairs side by side. */
+static void amx_query(const uint16_t *qb, int64_t hp, int64_t dim, uint32_t *qv) {
+    const int64_t chunks = dim / 32, groups = (hp + 15) / 16;
+    const int cols = 16;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t kc = 0; kc < chunks; kc++)
+            for (int k = 0; k < 16; k++)
+                for (int c = 0; c < cols; c++) {
+                    const int64_t h = g * cols + c;
+                    uint32_t pair = 0;
+                    if (h < hp) memcpy(&pair, qb + h * dim + kc * 32 + 2 * k, sizeof pair);
+                    qv[((g * chunks + kc) * 16 + k) * cols + c] = pair;
+                }
+}
+
+#define AMX_ROWS(r, a) if (sets > r) { _tile_loadd(a, base[r] + kc * 64, stride[r]); _tile_dpbf16ps(r, a, 6); }
+#define AMX_OUT(r) if (sets > r) _tile_stored(r, out + r * 16 * cols, 4 * cols);
+
+/* score[h * TILE + j] = scale * (q_h . row_j) for every head h < hp and tile row j < used (at most TILE), in
+   16-row sets: each read in place where its rows are evenly spaced (a block's slots), else copied to `copy`
+   [TILE][dim] first. */
+static void amx_scores(const uint32_t *qv, int64_t hp, int64_t dim, const void *const *rows, int used,
+                       int64_t row_stride, float scale, float *score, uint16_t *copy) {
+    const int64_t chunks = dim / 32, groups = (hp + 15) / 16;
+    const int cols = 16;
+    const int sets = (used + 15) / 16;
+    const uint8_t *base[TILE / 16];
+    int64_t stride[TILE / 16];
+    float out[TILE * 16];
+    for (int r = 0; r < sets; r++) {
+        const int j = 16 * r, n = used - j < 16 ? used - j : 16;
+        int even = n == 16;
+        base[r] = rows[j];
+        stride[r] = row_stride;
+        for (int i = 1; even && i < 16; i++) even = (const uint8_t *)rows[j + i] == base[r] + i * row_stride;
+        if (!even) {
+            uint16_t *to = copy + j * dim;
+            for (int i = 0; i < 16; i++) memcpy(to + i * dim, rows[j + (i < n ? i : 0)], sizeof(uint16_t) * dim);
+            base[r] = (const uint8_t *)to;
+            stride[r] = sizeof(uint16_t) * dim;
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kc = 0; kc < chunks; kc++) {
+            _tile_loadd(6, qv + (g * chunks + kc) * 16 * cols, 4 * cols);
+            AMX_ROWS(0, 4) AMX_ROWS(1, 5) AMX_ROWS(2, 4) AMX_ROWS(3, 5)
+        }
+        AMX_OUT(0) AMX_OUT(1) AMX_OUT(2) AMX_OUT(3)
+        for (int c = 0; c < cols && g * cols + c < hp; c++)
+            for (int j = 0; j < used; j++) score[(g * cols + c) * TILE + j] = out[j * cols + c] * scale;
+    }
+}
+#undef AMX_ROWS
+#undef AMX_OUT
+
+#define AMX_PV(r, a, b) if (blocks > r) { \
+    _tile_loadd(b, vv + kc * 16 * 2 * out_dim + 32 * (c + r), 4 * out_dim); _tile_dpbf16ps(r, a, b); }
+#define AMX_ACC(r, op) if (blocks > r) op(r, acc + h16 * out_dim + 16 * (c + r), 4 * out_dim);
+
+/* acc[h, c] += sum_j p[h, j] row_j[c] for every head h < hp (p: score [hp][TILE] fp32; acc [16-padded hp][out_dim],
+   out_dim a multiple of 32) over the tile's `used` rows, as pv_bf16 computes them: p rounded to bf16 (pb:
+   [16-padded hp][TILE], zeros past hp and used), the rows' bf16 values in pairs of rows, each product exact and
+   summed in fp32. The rows are interleaved in pairs once (vv: [TILE / 2][2 out_dim], a zero row past used; the
+   next tile's rows asked for into cache meanwhile), then 16 heads by 64 dims by 32 rows a set of tile products. */
+static void amx_pv(const float *score, int64_t hp, const void *const *rows, int used, const void *const *next,
+                   int next_used, int64_t row_bytes, int64_t out_dim, float *acc, uint16_t *pb, uint16_t *vv) {
+    const int64_t groups = (hp + 15) / 16;
+    const int chunks = (used + 31) / 32;
+    for (int64_t h = 0; h < 16 * groups; h++)
+        for (int j = 0; j < 32 * chunks; j += 16) {
+            __m512 p = h < hp ? _mm512_loadu_ps(score + h * TILE + j) : _mm512_setzero_ps();
+            p = _mm512_maskz_mov_ps((__mmask16)(j + 16 <= used ? 0xffff : j < used ? (1u << (used - j)) - 1 : 0), p);
+            _mm256_storeu_si256((__m256i *)(pb + h * TILE + j), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int k = 0; k < 16 * chunks; k++) {
+        for (int f = 2 * k; f < 2 * k + 2; f++)
+            if (f < next_used) prefetch_row(next[f], row_bytes);
+        const uint16_t *a = 2 * k < used ? rows[2 * k] : NULL, *b = 2 * k + 1 < used ? rows[2 * k + 1] : NULL;
+        uint16_t *to = vv + (int64_t)k * 2 * out_dim;
+        for (int64_t c = 0; c < out_dim; c += 32) {
+            __m512i va = a ? _mm512_loadu_si512(a + c) : _mm512_setzero_si512();
+            __m512i vb = b ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(to + 2 * c, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_storeu_si512(to + 2 * c + 32, _mm512_permutex2var_epi16(va, hi, vb));
+        }
+    }
+    const int64_t nb = out_dim / 16;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t h16 = 16 * g;
+        _tile_loadd(4, pb + h16 * TILE, 2 * TILE);
+        if (chunks > 1) _tile_loadd(5, pb + h16 * TILE + 32, 2 * TILE);
+        for (int64_t c = 0; c < nb; c += 4) {
+            const int64_t blocks = nb - c < 4 ? nb - c : 4;
+            AMX_ACC(0, _tile_loadd) AMX_ACC(1, _tile_loadd) AMX_ACC(2, _tile_loadd) AMX_ACC(3, _tile_loadd)
+            int kc = 0;
+            AMX_PV(0, 4, 6) AMX_PV(1, 4, 7) AMX_PV(2, 4, 6) AMX_PV(3, 4, 7)
+            if (chunks > 1) {
+                kc = 1;
+                AMX_PV(0, 5, 6) AMX_PV(1, 5, 7) AMX_PV(2, 5, 6) AMX_PV(3, 5, 7)
+            }
+            AMX_ACC(0, _tile_stored) AMX_ACC(1, _tile_stored) AMX_ACC(2, _tile_stored) AMX_ACC(3, _tile_stored)
+        }
+    }
+}
+#undef AMX_PV
+#undef AMX_ACC
+#else
+#define HAVE_AMX 0
+#endif
+
 static inline __attribute__((always_inline)) void
 attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const void *pool, const RowFormat *fmt,
              int64_t row_stride, int64_t num_slots, const int64_t *trow, int64_t bs, const uint8_t *mrow,
              int64_t count, float scale, int64_t out_dim, float *acc, float *mx, float *sum, float *score,
              float *scaled, uint16_t *wide, const void **tiles, int32_t *bad, const int64_t *after_trow,
-             const uint8_t *after_mrow, int64_t after_count, const int kind) {
-    (void)qb; (void)wide;  /* read where the build has vdpbf16ps */
+             const uint8_t *after_mrow, int64_t after_count, const uint32_t *qv, uint16_t *copy, uint16_t *vv,
+             uint16_t *pb, const int kind) {
+    (void)qb; (void)wide; (void)qv; (void)copy; (void)vv; (void)pb;  /* read where the build has vdpbf16ps / AMX */
     /* C8 with a bf16 query: the tile's int8 latents widened to bf16 once (exact), 16 values an instruction, so
        every head block scores them by vdpbf16ps (measured against widening to fp32 as they are read: 32 heads
        1.17-1.33x faster, 128 heads 1.22x, 4 heads 1.18-1.22x) */
@@ -653,11 +806,15 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
             const int paced = kind != ROWS_C8 && !(HAVE_DPBF16 && kind == ROWS_BF16 && qb);  /* scored in d steps */
             const int per_pass = zmm_rows ? 4 : 2;
             pace(&later, paced ? lines_left(&later) / 2 : 0, (used + per_pass - 1) / per_pass * SPANS(dim));
+#if HAVE_AMX
+            if (kind == ROWS_BF16 && qv && h0 == 0)  /* every head's scores, by tile products */
+                amx_scores(qv, hp, dim, rows, used, row_stride * fmt->elem, scale, score, copy);
+#endif
 #if HAVE_DPBF16
             /* bf16: four rows at a time, their lanes summed in a tree (lane_sums). Only generated rows of a bf16
                model come here (prompt rows of bf16 models keep the portable path); fp32 rows keep the in-order
                sums below, which fp32 prompt tokens taking this kernel share with the decodes' */
-            for (int j = 0; kind == ROWS_BF16 && qb && j < used; j += 4) {
+            for (int j = 0; kind == ROWS_BF16 && qb && !qv && j < used; j += 4) {
                 const uint16_t *r[4];
                 for (int jj = 0; jj < 4; jj++) r[jj] = rows[j + jj < used ? j + jj : j];
                 for (int f = j + AHEAD; h0 == 0 && f < j + AHEAD + 4; f++)  /* this tile's, then the next's */
@@ -777,6 +934,13 @@ attend_tiles(const float *qp, const uint16_t *qb, int64_t hp, int64_t dim, const
                     for (int j = 0; j < used; j++)
                         scaled[(hh * fmt->groups + g) * TILE + j] =
                             score[(h0 + hh) * TILE + j] * c8_scale(rows[j], fmt, g << fmt->gshift);
+#if HAVE_AMX
+            if (kind == ROWS_BF16 && qv) {  /* every head's p.V after the last head block's softmax */
+                if (h0 + HB >= hp)
+                    amx_pv(score, hp, rows, used, next, next_used, fmt->bytes, out_dim, acc, pb, vv);
+                continue;
+            }
+#endif
 #if HAVE_DPBF16
             if (kind == ROWS_BF16 && qb) {  /* a bf16 query over bf16 rows: p.V in bf16 pairs, as DeepSeek's */
                 pv_bf16(score + h0 * TILE, rows, used, out_dim, acc + h0 * out_dim, (uint16_t *)scaled, &later);
@@ -856,11 +1020,18 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
     const int64_t hp = (heads + HB - 1) / HB * HB;  /* heads padded to whole blocks (zero queries) */
     int32_t bad = 0;
     int64_t taken = 0;  /* queries handed out: each thread takes the next one as it starts one */
+    /* AMX: bf16 queries over bf16 rows take tile products (amx_scores, amx_pv), all heads in groups of 16 */
+#if HAVE_AMX
+    const int tiles = fmt->kind == ROWS_BF16 && dim % 32 == 0 && out_dim % 32 == 0 && amx_usable();
+#else
+    const int tiles = 0;
+#endif
+    const int64_t h16 = (hp + 15) / 16 * 16, acc_rows = tiles ? h16 : hp;
     #pragma omp parallel num_threads(threads)
     {
         float *qp = xcalloc(hp * dim, sizeof(float));
         uint16_t *qb = xcalloc(hp * dim, sizeof(uint16_t));  /* qp as bf16, where every value is one */
-        float *acc = xmalloc(sizeof(float) * hp * out_dim);
+        float *acc = xcalloc(acc_rows * out_dim, sizeof(float));  /* rows past hp stay 0 */
         float *mx = xmalloc(sizeof(float) * hp);
         float *sum = xmalloc(sizeof(float) * hp);
         float *score = xmalloc(sizeof(float) * hp * TILE);
@@ -868,6 +1039,13 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
         uint16_t *wide = xmalloc(sizeof(uint16_t) * (HAVE_DPBF16 && fmt->kind == ROWS_C8 ? TILE * fmt->latent
                                                                                                 : 1));
         const void *rows[3 * TILE];  /* two tiles' rows, in place, and the rows asked for ahead (attend_tiles) */
+        uint32_t *qv = tiles ? xmalloc(sizeof(uint32_t) * h16 * dim / 2) : NULL;
+        uint16_t *copy = tiles ? xmalloc(sizeof(uint16_t) * TILE * dim) : NULL;
+        uint16_t *vv = tiles ? xmalloc(sizeof(uint16_t) * TILE * out_dim) : NULL;
+        uint16_t *pb = tiles ? xmalloc(sizeof(uint16_t) * h16 * TILE) : NULL;
+#if HAVE_AMX
+        if (tiles) amx_configure();
+#endif
         int32_t local_bad = 0;
         const int64_t limit = table_width * bs < (mask ? mask_width : INT64_MAX) ? table_width * bs : mask_width;
         int64_t i = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
@@ -896,22 +1074,25 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
                 for (int l = 0; l < DW; l++) q_bf16 &= low[l] == 0;
             }
             const uint16_t *qbf = q_bf16 ? qb : NULL;
+#if HAVE_AMX
+            if (qbf && qv) amx_query(qb, hp, dim, qv);
+#endif
             const int64_t *trow = tables + slot_row[i] * table_width;
             const uint8_t *mrow = mask ? mask + slot_row[i] * mask_width : NULL;
             for (int64_t h = 0; h < hp; h++) { mx[h] = -INFINITY; sum[h] = 0.f; }
-            memset(acc, 0, sizeof(float) * hp * out_dim);
+            memset(acc, 0, sizeof(float) * acc_rows * out_dim);
             if (fmt->kind == ROWS_BF16)
                 attend_tiles(qp, qbf, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale,
                              out_dim, acc, mx, sum, score, scaled, wide, rows, &local_bad, after_trow, after_mrow,
-                             after_count, ROWS_BF16);
+                             after_count, qbf ? qv : NULL, copy, vv, pb, ROWS_BF16);
             else if (fmt->kind == ROWS_C8)
                 attend_tiles(qp, qbf, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale,
                              out_dim, acc, mx, sum, score, scaled, wide, rows, &local_bad, after_trow, after_mrow,
-                             after_count, ROWS_C8);
+                             after_count, NULL, copy, vv, pb, ROWS_C8);
             else
                 attend_tiles(qp, qbf, hp, dim, pool, fmt, row_stride, num_slots, trow, bs, mrow, counts[i], scale,
                              out_dim, acc, mx, sum, score, scaled, wide, rows, &local_bad, after_trow, after_mrow,
-                             after_count, ROWS_F32);
+                             after_count, NULL, copy, vv, pb, ROWS_F32);
             float *oi = out + i * heads * out_dim;
             for (int64_t h = 0; h < heads; h++) {
                 float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
@@ -922,7 +1103,10 @@ static int32_t mqa(const float *q, int64_t n, int64_t heads, int64_t dim, const 
             #pragma omp atomic write
             bad = 1;
         }
-        free(qp); free(qb); free(acc); free(mx); free(sum); free(score); free(scaled); free(wide);
+        free(qp); free(qb); free(acc); free(mx); free(sum); free(score); free(scaled); free(wide); free(qv); free(copy); free(vv); free(pb);
+#if HAVE_AMX
+        if (tiles) _tile_release();
+#endif
     }
     return bad;
 }
@@ -1389,6 +1573,15 @@ static inline v8 weigh_heads(const v8 *acc, int heads, v8 kscale, const float *w
 /* Whether this build has vdpbf16ps: the indexer's exact dots, a bf16 query's attention scores over bf16 rows and
    a bf16 model's experts' gate / up products take it (else fused multiply-adds alone). */
 int32_t dots_bf16(void) { return HAVE_DPBF16; }
+
+/* 1 where a bf16 model's decode attention takes AMX tile products (the build has them, Linux granted them). */
+int32_t tile_products(void) {
+#if HAVE_AMX
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
 
 /* out[i, t] = sum_h w[i, h] * relu(dot(q[i, h], key_t) * key_scale_t * scale) for the positions t < counts[i]
    of table row slot_row[i] (key_t: row tables[row, t / bs] * bs + t % bs of the pool, rows `row_stride` bytes
@@ -2768,6 +2961,85 @@ linear_block_bf16(const uint16_t *x, const uint16_t *const wr[4], void *y, int y
 }
 #endif
 
+#if HAVE_AMX
+/* Rows x [n, k] (bf16, k a multiple of 32) as the second operand of y^T = w x^T: per 16-row block and 32-dim chunk
+   256 dwords, 16 rows of dim pairs with the block's 16 x rows' pairs side by side (rows past n: zeros). */
+static void amx_pack_rows(const uint16_t *x, int64_t n, int64_t k, int64_t b, uint32_t *xp) {
+    const int64_t chunks = k / 32;
+    for (int64_t kc = 0; kc < chunks; kc++) {
+        uint32_t *to = xp + (b * chunks + kc) * 256;
+        for (int i = 0; i < 16; i++) {
+            const int64_t row = 16 * b + i;
+            uint32_t from[16] = {0};
+            if (row < n) memcpy(from, x + row * k + 32 * kc, sizeof from);
+            for (int p = 0; p < 16; p++) to[16 * p + i] = from[p];
+        }
+    }
+}
+
+#define AMX_W(t, r) _tile_loadd(t, wb[r] + 64 * kc, ws[r]);
+#define AMX_LIN_PUT(t, r, c) if (r < mr && c < nr) { \
+        _tile_stored(t, out, 64); \
+        for (int j = 0; j < 16 && m0 + 16 * r + j < m; j++) \
+            for (int i = 0; i < 16 && n0 + 16 * c + i < n; i++) \
+                put(y, y_bf16, (n0 + 16 * c + i) * m + m0 + 16 * r + j, out[16 * j + i]); }
+
+/* linear_rows_bf16 by AMX tile products: y^T = w x^T, 32 weight rows (read in place, a partial last block through
+   a zero-padded copy) by 32 x rows (packed once: amx_pack_rows) a task, four sums in tiles over k in 32-dim steps.
+   Each output is one fp32 chain over its k pairs in order, whatever the rows beside it: the same bits at any n. */
+static void linear_rows_amx(const uint16_t *x, const uint16_t *w, void *y, int y_bf16, int64_t n, int64_t k,
+                            int64_t m, int32_t threads) {
+    const int64_t chunks = k / 32, nblocks = (n + 15) / 16, mblocks = (m + 15) / 16;
+    const int64_t mpairs = (mblocks + 1) / 2, npairs = (nblocks + 1) / 2;
+    uint32_t *xp = xmalloc(sizeof(uint32_t) * nblocks * chunks * 256);
+    #pragma omp parallel num_threads(threads) if (m * k * (n < 4 ? 4 : n) >= 131072)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) amx_pack_rows(x, n, k, b, xp);
+        amx_configure();
+        uint16_t *pad = NULL;  /* the last weight block's rows past m as zeros */
+        float out[256];
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < mpairs * npairs; task++) {
+            const int64_t mp = task / npairs, np = task % npairs, m0 = 32 * mp, n0 = 32 * np;
+            const int mr = m - m0 > 16 ? 2 : 1, nr = nblocks - 2 * np > 1 ? 2 : 1;
+            const uint8_t *wb[2];
+            int64_t ws[2] = {2 * k, 2 * k};
+            for (int r = 0; r < mr; r++) {
+                const int64_t first = m0 + 16 * r, rows = m - first < 16 ? m - first : 16;
+                wb[r] = (const uint8_t *)(w + first * k);
+                if (rows < 16) {
+                    if (!pad) pad = xcalloc(16 * k, sizeof(uint16_t));
+                    memcpy(pad, w + first * k, sizeof(uint16_t) * rows * k);
+                    memset(pad + rows * k, 0, sizeof(uint16_t) * (16 - rows) * k);
+                    wb[r] = (const uint8_t *)pad;
+                }
+            }
+            if (mr < 2) wb[1] = wb[0];
+            const uint32_t *xb0 = xp + 2 * np * chunks * 256, *xb1 = xb0 + (nr > 1 ? chunks * 256 : 0);
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t kc = 0; kc < chunks; kc++) {
+                AMX_W(4, 0)
+                _tile_loadd(6, xb0 + kc * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (mr > 1) { AMX_W(5, 1) _tile_dpbf16ps(1, 5, 6); }
+                if (nr > 1) {
+                    _tile_loadd(7, xb1 + kc * 256, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    if (mr > 1) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            AMX_LIN_PUT(0, 0, 0) AMX_LIN_PUT(1, 1, 0) AMX_LIN_PUT(2, 0, 1) AMX_LIN_PUT(3, 1, 1)
+        }
+        free(pad);
+        _tile_release();
+    }
+    free(xp);
+}
+#undef AMX_W
+#undef AMX_LIN_PUT
+#endif
+
 /* y[i, r] = x[i, :] . w[r, :] for bf16 rows x [n, k] and a bf16 weight [m, k] (a bf16 model's linears on decode
    rows), y bf16 (rounded once) or fp32; k a multiple of 16. 16 exact products a vdpbf16ps summed in fp32 in pairs,
    up to six x rows by four weight rows a register block (24 chains); each output's sums run in the same order
@@ -2775,6 +3047,12 @@ linear_block_bf16(const uint16_t *x, const uint16_t *const wr[4], void *y, int y
    not a multiple of 16 (nothing written), else 0. */
 int32_t linear_rows_bf16(const uint16_t *x, const uint16_t *w, void *y, int32_t y_bf16, int64_t n, int64_t k,
                          int64_t m, int32_t threads) {
+#if HAVE_AMX
+    if (k % 32 == 0 && amx_usable()) {  /* by k and the machine alone: a row's path never depends on n */
+        linear_rows_amx(x, w, y, y_bf16, n, k, m, threads);
+        return 0;
+    }
+#endif
 #if HAVE_DPBF16
     if (k % (2 * DW)) return 1;
     int64_t blocks = (m + 3) / 4;
